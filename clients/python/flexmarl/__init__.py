@@ -1,0 +1,3 @@
+"""FlexMARL: shared package (protos, runtime, registry, SDK and CLI)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,222 @@
+"""Daemon lifecycle shared by orchestratord, rolloutd, traind and stored.
+
+``main()`` parses the config, connects to etcd, serves gRPC (with health, reflection
+and error mapping) and metrics, registers the daemon, and on SIGTERM/SIGINT shuts
+down in order: health NOT_SERVING -> deregister -> stop accepting and drain ->
+app.stop() (flush) -> exit 0. Start-up problems (bad config, port in use, etcd
+unreachable) end the process with one clear line and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc.aio
+from prometheus_client import CollectorRegistry, Gauge
+
+from flexmarl import __version__
+from flexmarl.config import ConfigError, DaemonConfig, load_config
+from flexmarl.errors import Unavailable
+from flexmarl.metrics import MetricsServer, RpcMetrics
+from flexmarl.registry import Registry, ServiceRecord
+from flexmarl.server import GrpcServer
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=DaemonConfig)
+
+#: Exit codes of every daemon (documented in docs/architecture.md).
+EXIT_OK = 0
+EXIT_STARTUP = 1
+EXIT_CONFIG = 2
+
+
+class StartupError(Exception):
+    """A daemon could not start; the message is the one line shown to the user."""
+
+
+class DaemonApp(abc.ABC):
+    """What a daemon plugs into the shared lifecycle."""
+
+    #: Full gRPC service names, for health and reflection (e.g. "flexmarl.v1.Store").
+    service_names: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Adds the daemon's servicers to the server."""
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Called before the server accepts requests (open stores, start background tasks)."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Called after the server drained (flush and close)."""
+
+    def registration_info(self) -> dict[str, Any]:
+        """Extra fields published in the daemon's etcd record."""
+        return {}
+
+
+@dataclasses.dataclass
+class DaemonContext:
+    """What a daemon's app gets from the runtime."""
+
+    kind: str
+    service_id: str
+    config: DaemonConfig
+    metrics: CollectorRegistry
+    registry: Registry
+    advertise_address: str = ""
+
+
+def setup_logging(kind: str, level: str) -> None:
+    """One log format for every daemon, on stderr."""
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {kind}[%(process)d] %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("aetcd").setLevel(logging.WARNING)
+
+
+def default_service_id(kind: str) -> str:
+    """kind-host-pid: unique per process on a cluster."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}"
+
+
+def main(
+    kind: str,
+    config_cls: type[C],
+    build: Callable[[C, DaemonContext], DaemonApp],
+    argv: Sequence[str] | None = None,
+    description: str = "",
+) -> int:
+    """Runs a daemon until SIGTERM/SIGINT; returns the process exit code."""
+    try:
+        config = load_config(config_cls, argv, prog=kind, description=description)
+    except ConfigError as exc:
+        print(f"{kind}: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(kind, config.log_level)
+    log.info("%s %s starting with %s", kind, __version__, json.dumps(config.masked(), sort_keys=True))
+    runner = DaemonRunner(kind, config, build)
+    try:
+        return asyncio.run(runner.run())
+    except StartupError as exc:
+        print(f"{kind}: error: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
+
+
+class DaemonRunner:
+    """Starts, serves and stops one daemon inside an event loop."""
+
+    def __init__(self, kind: str, config: C, build: Callable[[C, DaemonContext], DaemonApp]) -> None:
+        self.kind = kind
+        self.config = config
+        self._build: Callable[[Any, DaemonContext], DaemonApp] = build
+        self.service_id = config.service_id or default_service_id(kind)
+        self._stop_requested = asyncio.Event()
+        self._stopped = False
+        self.grpc_port = 0
+        self.metrics_port = -1
+
+    def request_stop(self) -> None:
+        """Asks the serving loop to shut down (signal-safe)."""
+        self._stop_requested.set()
+
+    async def run(self) -> int:
+        """Serves until asked to stop; raises StartupError when it cannot start."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        cfg = self.config
+        metrics_registry = CollectorRegistry()
+        rpc_metrics = RpcMetrics(self.kind, metrics_registry)
+        up = Gauge(f"flexmarl_{self.kind}_up", "1 while the daemon serves.", registry=metrics_registry)
+        registry = Registry(cfg.etcd_endpoints, cfg.etcd_prefix, connect_timeout_s=cfg.etcd_connect_timeout_s)
+        try:
+            await registry.connect()
+        except Unavailable as exc:
+            raise StartupError(f"{exc} at {cfg.etcd_endpoints}") from None
+        advertise = f"{cfg.advertise_host or cfg.host}"
+        ctx = DaemonContext(self.kind, self.service_id, cfg, metrics_registry, registry)
+        app = self._build(cfg, ctx)
+        server = GrpcServer(app.service_names, cfg.max_message_bytes, rpc_metrics)
+        app.add_to_server(server.server)
+        metrics_server: MetricsServer | None = None
+        try:
+            try:
+                self.grpc_port = server.bind(cfg.host, cfg.port)
+            except OSError as exc:
+                raise StartupError(f"gRPC: {exc}") from None
+            ctx.advertise_address = f"{advertise}:{self.grpc_port}"
+            if cfg.metrics_port >= 0:
+                metrics_server = MetricsServer(metrics_registry, cfg.metrics_host, cfg.metrics_port)
+                try:
+                    self.metrics_port = metrics_server.start()
+                except OSError as exc:
+                    metrics_server = None
+                    raise StartupError(
+                        f"metrics: cannot bind {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror or exc}"
+                    ) from None
+            await app.start()
+            await server.server.start()
+            await server.set_serving(True)
+            up.set(1)
+            record = ServiceRecord(
+                kind=self.kind,
+                service_id=self.service_id,
+                address=ctx.advertise_address,
+                metrics_port=self.metrics_port,
+                pid=os.getpid(),
+                started_unix_ms=int(time.time() * 1000),
+                info=app.registration_info(),
+            )
+            try:
+                await registry.register(record, cfg.registry_ttl_s)
+            except Exception as exc:  # etcd vanished between connect and register
+                raise StartupError(f"etcd: cannot register: {type(exc).__name__} {exc}") from None
+            self._write_ready_file()
+            log.info("%s %s serving gRPC on %s, metrics on %s", self.kind, self.service_id,
+                     ctx.advertise_address, self.metrics_port)
+            await self._stop_requested.wait()
+            log.info("%s shutting down", self.kind)
+            up.set(0)
+            await server.set_serving(False)
+            await registry.deregister(self.kind, self.service_id)
+            await server.server.stop(cfg.grace_s)
+            await app.stop()
+            return EXIT_OK
+        finally:
+            await server.server.stop(0)
+            if metrics_server is not None:
+                metrics_server.stop()
+            await registry.close()
+            log.info("%s stopped", self.kind)
+
+    def _write_ready_file(self) -> None:
+        if not self.config.ready_file:
+            return
+        path = Path(self.config.ready_file)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({
+            "grpc_port": self.grpc_port,
+            "metrics_port": self.metrics_port,
+            "pid": os.getpid(),
+            "service_id": self.service_id,
+        }))
+        tmp.replace(path)

@@ -1,0 +1,127 @@
+"""The experience record shared by rolloutd, stored, traind and the SDK.
+
+Token ids and logprobs are numpy arrays in memory and packed little-endian
+bytes on the wire (int32 ids, float32 logprobs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+
+import numpy as np
+import numpy.typing as npt
+
+from flexmarl.errors import InvalidArgument
+from flexmarl.v1 import common_pb2
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+
+
+class ExperienceState(enum.IntEnum):
+    """Lifecycle of an experience in stored (values equal the proto enum)."""
+
+    READY = common_pb2.EXPERIENCE_STATE_READY
+    LEASED = common_pb2.EXPERIENCE_STATE_LEASED
+    CONSUMED = common_pb2.EXPERIENCE_STATE_CONSUMED
+
+
+def experience_id(task_id: str, sample_index: int, agent: str, turn: int) -> str:
+    """The deterministic id of one (episode, agent turn)."""
+    return f"{task_id}/{sample_index}/{agent}/{turn}"
+
+
+def group_id(task_id: str, agent: str) -> str:
+    """The GRPO group of an agent's experiences within one task."""
+    return f"{task_id}/{agent}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceRecord:
+    """One (episode, agent turn) with its tokens, logprobs and reward."""
+
+    experience_id: str
+    job_id: str
+    agent: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    episode_id: str
+    turn: int
+    behavior_version: int
+    reward: float
+    prompt_token_ids: npt.NDArray[np.int32]
+    response_token_ids: npt.NDArray[np.int32]
+    response_logprobs: npt.NDArray[np.float32]
+    group_size: int
+    state: ExperienceState = ExperienceState.READY
+    step_id: str = ""
+    created_unix_ms: int = 0
+
+    @property
+    def response_tokens(self) -> int:
+        """Number of generated tokens."""
+        return int(self.response_token_ids.shape[0])
+
+    def to_proto(self) -> common_pb2.Experience:
+        """Encodes the record, packing the arrays."""
+        return common_pb2.Experience(
+            experience_id=self.experience_id,
+            job_id=self.job_id,
+            agent=self.agent,
+            task_id=self.task_id,
+            group_id=self.group_id,
+            sample_index=self.sample_index,
+            episode_id=self.episode_id,
+            turn=self.turn,
+            behavior_version=self.behavior_version,
+            reward=self.reward,
+            prompt_token_ids=np.ascontiguousarray(self.prompt_token_ids, dtype=TOKEN_DTYPE).tobytes(),
+            response_token_ids=np.ascontiguousarray(self.response_token_ids, dtype=TOKEN_DTYPE).tobytes(),
+            response_logprobs=np.ascontiguousarray(self.response_logprobs, dtype=LOGPROB_DTYPE).tobytes(),
+            state=typing.cast(common_pb2.ExperienceState.ValueType, int(self.state)),
+            step_id=self.step_id,
+            created_unix_ms=self.created_unix_ms,
+            group_size=self.group_size,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Experience) -> ExperienceRecord:
+        """Decodes and validates a wire record; raises InvalidArgument on bad arrays."""
+        prompt = unpack(msg.prompt_token_ids, TOKEN_DTYPE, "prompt_token_ids")
+        response = unpack(msg.response_token_ids, TOKEN_DTYPE, "response_token_ids")
+        logprobs = unpack(msg.response_logprobs, LOGPROB_DTYPE, "response_logprobs")
+        if logprobs.shape[0] != response.shape[0]:
+            raise InvalidArgument(
+                f"experience {msg.experience_id!r}: {logprobs.shape[0]} logprobs for "
+                f"{response.shape[0]} response tokens"
+            )
+        state = ExperienceState(msg.state) if msg.state else ExperienceState.READY
+        return cls(
+            experience_id=msg.experience_id,
+            job_id=msg.job_id,
+            agent=msg.agent,
+            task_id=msg.task_id,
+            group_id=msg.group_id,
+            sample_index=msg.sample_index,
+            episode_id=msg.episode_id,
+            turn=msg.turn,
+            behavior_version=msg.behavior_version,
+            reward=msg.reward,
+            prompt_token_ids=prompt,  # type: ignore[arg-type]
+            response_token_ids=response,  # type: ignore[arg-type]
+            response_logprobs=logprobs,  # type: ignore[arg-type]
+            group_size=msg.group_size,
+            state=state,
+            step_id=msg.step_id,
+            created_unix_ms=msg.created_unix_ms,
+        )
+
+
+def unpack(data: bytes, dtype: np.dtype[np.generic], what: str) -> npt.NDArray[np.generic]:
+    """Decodes a packed little-endian array; raises InvalidArgument on a ragged length."""
+    if len(data) % dtype.itemsize:
+        raise InvalidArgument(f"{what}: {len(data)} bytes is not a multiple of {dtype.itemsize}")
+    return np.frombuffer(data, dtype=dtype)

@@ -1,0 +1,1 @@
+"""rolloutd daemon."""
