@@ -89,7 +89,7 @@ async def test_message_limit_enforced(served) -> None:
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_bind_conflict_is_oserror() -> None:
+async def test_bind_conflict_is_oserror() -> None:
     import socket
 
     with socket.socket() as sock:

@@ -1,0 +1,216 @@
+"""Throughput of stored: experience append/read and blob put/get vs raw loopback gRPC.
+
+Usage: python benchmarks/stored.py [--records 4096] [--batch 64] [--response-tokens 1024]
+
+Starts etcd and a real stored subprocess (fsync on every commit, synchronous=FULL),
+plus a bare gRPC server subprocess that streams/accepts raw 1 MiB messages with no
+work: the ceiling any gRPC service can reach on this machine. Prints a table and
+writes benchmarks/results/stored.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from flexmarl.cluster import DaemonProcess, EtcdServer, free_port, wait_until
+from flexmarl.experience import ExperienceRecord, experience_id, group_id
+from flexmarl.store_client import StoreClient
+
+RESULTS = Path(__file__).resolve().parent / "results" / "stored.json"
+RAW_MESSAGE_BYTES = 1 << 20
+
+RAW_SERVER = r"""
+import asyncio, sys
+import grpc, grpc.aio
+PAYLOAD = b"x" * (1 << 20)
+async def down(request, context):
+    for _ in range(int(request)):
+        yield PAYLOAD
+async def up(request_iterator, context):
+    n = 0
+    async for chunk in request_iterator:
+        n += len(chunk)
+    return str(n).encode()
+async def main():
+    ident = lambda b: b
+    handler = grpc.method_handlers_generic_handler("raw.Raw", {
+        "Down": grpc.unary_stream_rpc_method_handler(down, request_deserializer=ident, response_serializer=ident),
+        "Up": grpc.stream_unary_rpc_method_handler(up, request_deserializer=ident, response_serializer=ident),
+    })
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    server = grpc.aio.server(options=opts)
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+    await server.start()
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def make_records(n: int, response_tokens: int, prompt_tokens: int, group_size: int = 8) -> list[ExperienceRecord]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        task, sample = f"bench-{i // group_size}", i % group_size
+        out.append(ExperienceRecord(
+            experience_id=experience_id(task, sample, "policy", 0), job_id="bench", agent="policy", task_id=task,
+            group_id=group_id(task, "policy"), sample_index=sample, episode_id=f"{task}-{sample}", turn=0,
+            behavior_version=0, reward=float(rng.random()),
+            prompt_token_ids=rng.integers(0, 150_000, prompt_tokens, dtype=np.int32),
+            response_token_ids=rng.integers(0, 150_000, response_tokens, dtype=np.int32),
+            response_logprobs=-rng.random(response_tokens, dtype=np.float32),
+            group_size=group_size,
+        ))
+    return out
+
+
+def payload_bytes(r: ExperienceRecord) -> int:
+    return int(r.prompt_token_ids.nbytes + r.response_token_ids.nbytes + r.response_logprobs.nbytes)
+
+
+async def bench_raw(address: str, total_mb: int) -> dict[str, float]:
+    opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=opts) as channel:
+        await channel.channel_ready()
+        down = channel.unary_stream("/raw.Raw/Down", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        up = channel.stream_unary("/raw.Raw/Up", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        start = time.perf_counter()
+        received = 0
+        async for chunk in down(str(total_mb).encode()):
+            received += len(chunk)
+        down_s = time.perf_counter() - start
+        payload = b"y" * RAW_MESSAGE_BYTES
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(total_mb):
+                yield payload
+
+        start = time.perf_counter()
+        sent = int(await up(chunks()))
+        up_s = time.perf_counter() - start
+    return {"down_mb_per_s": received / 2**20 / down_s, "up_mb_per_s": sent / 2**20 / up_s}
+
+
+async def bench_stored(address: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    records = make_records(args.records, args.response_tokens, args.prompt_tokens)
+    total_mb = sum(payload_bytes(r) for r in records) / 2**20
+    async with StoreClient(address) as client:
+        start = time.perf_counter()
+        latencies = []
+        for i in range(0, len(records), args.batch):
+            t0 = time.perf_counter()
+            await client.append(records[i : i + args.batch])
+            latencies.append(time.perf_counter() - t0)
+        append_s = time.perf_counter() - start
+        ids = [r.experience_id for r in records]
+        start = time.perf_counter()
+        got = 0
+        for i in range(0, len(ids), args.read_batch):
+            got += len(await client.read("bench", ids[i : i + args.read_batch]))
+        read_s = time.perf_counter() - start
+        assert got == len(records)
+        blob = tmp / "blob.bin"
+        blob.write_bytes(os.urandom(args.blob_mb << 20))
+        start = time.perf_counter()
+        await client.put_blob_file("bench/blob", blob)
+        put_s = time.perf_counter() - start
+        start = time.perf_counter()
+        await client.get_blob_file("bench/blob", tmp / "blob.out")
+        get_s = time.perf_counter() - start
+    return {
+        "records": len(records),
+        "payload_mb": total_mb,
+        "append_batch": args.batch,
+        "append_experiences_per_s": len(records) / append_s,
+        "append_mb_per_s": total_mb / append_s,
+        "append_p50_ms": 1000 * float(np.percentile(latencies, 50)),
+        "append_p99_ms": 1000 * float(np.percentile(latencies, 99)),
+        "read_batch": args.read_batch,
+        "read_experiences_per_s": len(records) / read_s,
+        "read_mb_per_s": total_mb / read_s,
+        "blob_mb": args.blob_mb,
+        "blob_put_mb_per_s": args.blob_mb / put_s,
+        "blob_get_mb_per_s": args.blob_mb / get_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=64, help="experiences per append call")
+    parser.add_argument("--read-batch", type=int, default=512, help="ids per read call")
+    parser.add_argument("--response-tokens", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--blob-mb", type=int, default=128)
+    parser.add_argument("--synchronous", default="FULL")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="stored-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        etcd = EtcdServer(tmp / "etcd")
+        etcd.start()
+        stored = DaemonProcess(
+            "stored", ["--data-dir", str(tmp / "data"), "--gc-interval-s", "0", "--log-level", "WARNING",
+                       "--sqlite-synchronous", args.synchronous],
+            etcd_endpoint=etcd.endpoint, run_dir=tmp / "run",
+        )
+        raw_port = free_port()
+        raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(raw_port)])
+        try:
+            stored.start()
+            wait_until(lambda: raw.poll() is None, 5, "raw server")
+            raw_result = asyncio.run(bench_raw(f"127.0.0.1:{raw_port}", args.blob_mb))
+            result = asyncio.run(bench_stored(stored.address, args, tmp))
+        finally:
+            raw.terminate()
+            raw.wait(10)
+            stored.terminate()
+            etcd.stop()
+
+    report = {
+        "command": "python benchmarks/stored.py " + " ".join(sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "sqlite_synchronous": args.synchronous,
+        "response_tokens": args.response_tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "stored": result,
+        "raw_grpc": raw_result,
+    }
+    rows = [
+        (f"append (batches of {args.batch})", result["append_experiences_per_s"], result["append_mb_per_s"]),
+        (f"read (batches of {args.read_batch})", result["read_experiences_per_s"], result["read_mb_per_s"]),
+        (f"blob put {args.blob_mb} MiB", float("nan"), result["blob_put_mb_per_s"]),
+        (f"blob get {args.blob_mb} MiB", float("nan"), result["blob_get_mb_per_s"]),
+        ("raw gRPC client-stream 1 MiB msgs", float("nan"), raw_result["up_mb_per_s"]),
+        ("raw gRPC server-stream 1 MiB msgs", float("nan"), raw_result["down_mb_per_s"]),
+    ]
+    print(f"stored benchmark: {args.records} experiences, {args.response_tokens}-token responses + logprobs, "
+          f"{args.prompt_tokens}-token prompts, synchronous={args.synchronous}")
+    print(f"{'operation':<36}{'experiences/s':>15}{'MiB/s':>10}")
+    for name, eps, mbs in rows:
+        eps_text = "-" if eps != eps else f"{eps:,.0f}"
+        print(f"{name:<36}{eps_text:>15}{mbs:>10.1f}")
+    print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
