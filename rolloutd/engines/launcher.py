@@ -1,0 +1,239 @@
+"""Launch engine replicas as subprocesses (embedded engine or SGLang) or attach to URLs.
+
+SGLang's flags come from ``python/sglang/srt/server_args.py`` (``ServerArgs.add_cli_args``):
+``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--dp-size``,
+``--mem-fraction-static``, ``--dtype``, ``--random-seed``, ``--weight-version``,
+``--log-level``. SGLang cannot bind port 0 and report it, so a free port is chosen here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines.sglang_client import SGLangClient
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["embedded", "sglang"]
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """How to start one replica."""
+
+    backend: Backend
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: the OS picks (embedded) / a free port is chosen (sglang)
+    num_threads: int = 1  # embedded only
+    tp_size: int = 1  # sglang only
+    mem_fraction_static: float | None = None  # sglang only
+    dtype: str = "auto"  # sglang only
+    seed: int | None = None
+    weight_version: str = "default"
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for servers that cannot bind port 0 and report it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def embedded_command(spec: ReplicaSpec, ready_file: Path) -> list[str]:
+    """Command line of ``python -m rolloutd.engines.embedded``."""
+    command = [
+        sys.executable,
+        "-m",
+        "rolloutd.engines.embedded",
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--ready-file",
+        str(ready_file),
+        "--num-threads",
+        str(spec.num_threads),
+        "--weight-version",
+        spec.weight_version,
+    ]
+    if spec.seed is not None:
+        command += ["--seed", str(spec.seed)]
+    return command + list(spec.extra_args)
+
+
+def sglang_command(spec: ReplicaSpec, port: int) -> list[str]:
+    """Command line of ``python -m sglang.launch_server`` (flags from sglang server_args.py)."""
+    command = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        spec.model_path,
+        "--host",
+        spec.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(spec.tp_size),
+        "--dtype",
+        spec.dtype,
+        "--weight-version",
+        spec.weight_version,
+    ]
+    if spec.mem_fraction_static is not None:
+        command += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.seed is not None:
+        command += ["--random-seed", str(spec.seed)]
+    return command + list(spec.extra_args)
+
+
+class EngineReplica:
+    """A running (or attached) replica: its URL, and its process when this launcher owns it."""
+
+    def __init__(self, url: str, process: subprocess.Popen[bytes] | None = None, log_path: Path | None = None):
+        self.url = url
+        self.process = process
+        self.log_path = log_path
+
+    @property
+    def pid(self) -> int | None:
+        """The child's pid, or None for an attached replica."""
+        return None if self.process is None else self.process.pid
+
+    def client(self, **kwargs: float | int) -> SGLangClient:
+        """A new client for this replica (the caller closes it)."""
+        return SGLangClient(self.url, **kwargs)  # type: ignore[arg-type]
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        """The end of the child's combined stdout/stderr."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        data = self.log_path.read_bytes()
+        return data[-max_bytes:].decode(errors="replace")
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Poll ``/health`` until 200; fail fast (with the log tail) when the child dies."""
+        deadline = time.monotonic() + timeout_s
+        async with SGLangClient(self.url, retries=0, control_timeout_s=2.0) as client:
+            while True:
+                if self.process is not None and self.process.poll() is not None:
+                    raise Unavailable(f"engine at {self.url} exited with {self.process.returncode}:\n{self.log_tail()}")
+                with contextlib.suppress(Unavailable):
+                    if await client.health():
+                        return
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"engine at {self.url} not healthy after {timeout_s}s:\n{self.log_tail()}")
+                await asyncio.sleep(0.1)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code (None if attached)."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=grace_s)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the child (fault tests)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def attach(url: str) -> EngineReplica:
+    """A replica someone else runs (an SGLang server on a GPU host)."""
+    if not url.startswith(("http://", "https://")):
+        raise InvalidArgument(f"engine URL must be http(s)://host:port, got {url!r}")
+    return EngineReplica(url.rstrip("/"))
+
+
+async def _wait_ready_file(path: Path, process: subprocess.Popen[bytes], deadline: float, log_path: Path) -> int:
+    while True:
+        if path.exists():
+            return int(json.loads(path.read_text())["port"])
+        if process.poll() is not None:
+            tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+            raise Unavailable(f"embedded engine exited with {process.returncode} before listening:\n{tail}")
+        if time.monotonic() > deadline:
+            raise Unavailable(f"embedded engine wrote no ready file within the deadline: {path}")
+        await asyncio.sleep(0.05)
+
+
+async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, name: str = "engine") -> EngineReplica:
+    """Start a replica as a subprocess and wait until ``/health`` answers 200.
+
+    Args:
+        spec: What to run.
+        run_dir: Directory for the ready file and the child's log (created).
+        timeout_s: Deadline for the replica to become healthy.
+        name: File name stem for the ready file and the log.
+
+    Raises:
+        Unavailable: The child died or did not become healthy in time (message has its log tail).
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / f"{name}.log"
+    ready_file = run_dir / f"{name}.ready.json"
+    ready_file.unlink(missing_ok=True)
+    if spec.backend == "embedded":
+        command = embedded_command(spec, ready_file)
+        port = spec.port
+    elif spec.backend == "sglang":
+        port = spec.port or free_port(spec.host)
+        command = sglang_command(spec, port)
+    else:
+        raise InvalidArgument(f"unknown engine backend {spec.backend!r}")
+    env = {**os.environ, **spec.env}
+    deadline = time.monotonic() + timeout_s
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    logger.info("started %s engine pid %d: %s", spec.backend, process.pid, " ".join(command))
+    replica = EngineReplica("", process, log_path)
+    try:
+        if spec.backend == "embedded":
+            port = await _wait_ready_file(ready_file, process, deadline, log_path)
+        replica.url = f"http://{spec.host}:{port}"
+        await replica.wait_healthy(max(deadline - time.monotonic(), 0.1))
+    except (FlexmarlError, asyncio.CancelledError):
+        replica.kill()
+        raise
+    return replica
+
+
+async def launch_many(specs: Sequence[ReplicaSpec], run_dir: Path, *, timeout_s: float = 120.0) -> list[EngineReplica]:
+    """Start several replicas concurrently; if one fails, stop the others and raise."""
+    results = await asyncio.gather(
+        *(launch(spec, run_dir, timeout_s=timeout_s, name=f"engine-{index}") for index, spec in enumerate(specs)),
+        return_exceptions=True,
+    )
+    replicas = [result for result in results if isinstance(result, EngineReplica)]
+    errors = [result for result in results if isinstance(result, BaseException)]
+    if errors:
+        for replica in replicas:
+            replica.stop()
+        raise errors[0]
+    return replicas
