@@ -1,0 +1,561 @@
+"""Hierarchical load balancer for engine replicas: pure logic, no I/O, no clock.
+
+Two levels (DESIGN.md §4):
+
+* **Inter-agent**: replicas are assigned to *model groups* (the agents that share one
+  ``model_key`` can be served by the same replica without a weight load) so that the
+  estimated time to drain each group's outstanding token demand is balanced, i.e. replicas
+  follow demand in proportion. A move costs a weight load (``reassignment_cost_s``) plus the
+  time to drain the donor replica; it is made only when it shortens the bottleneck group's
+  estimated drain time by more than the hysteresis margin, and only every
+  ``rebalance_interval_s``. A group with demand never loses its last replica, and a group
+  that has demand but no replica gets one at the next rebalance regardless of hysteresis.
+* **Intra-agent**: a request goes to the group replica with the least outstanding estimated
+  tokens, except that turns of one episode prefer the replica that served earlier turns
+  (KV prefix reuse) while the group is balanced. "Imbalanced" follows sglang-router's
+  cache-aware policy: ``(max - min) > balance_abs_threshold and max > balance_rel_threshold *
+  min`` (sgl-project/sglang ``sgl-router/src/policies/cache_aware.rs``; the router's CLI
+  defaults are ``balance_abs_threshold = 64`` and ``balance_rel_threshold = 1.5`` in
+  ``sgl-router/py_src/sglang_router/router_args.py``). sglang-router measures load in
+  in-flight requests; we measure it in outstanding estimated tokens, so the absolute
+  threshold is in tokens here.
+
+The caller (the async rollout router, or the simulator in ``balancer_sim``) owns time and
+I/O: it calls :meth:`HierarchicalBalancer.submit` per request, :meth:`~HierarchicalBalancer.finish`
+when a request ends, :meth:`~HierarchicalBalancer.maybe_rebalance` periodically, performs
+the weight loads the balancer asks for and reports them with
+:meth:`~HierarchicalBalancer.complete_load`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
+
+AFFINITY_SEPARATOR = "#"
+
+
+def group_affinity_key(task_id: str) -> str:
+    """Affinity key of a rollout task's group (used by its coalesced first-turn request)."""
+    return task_id
+
+
+def episode_affinity_key(task_id: str, sample_index: int) -> str:
+    """Affinity key of one episode; falls back to its group's key when not seen yet."""
+    return f"{task_id}{AFFINITY_SEPARATOR}{sample_index}"
+
+
+def affinity_parent(key: str) -> str:
+    """The key an affinity lookup falls back to ("" when there is none)."""
+    head, sep, _ = key.rpartition(AFFINITY_SEPARATOR)
+    return head if sep else ""
+
+
+class RoutingPolicy(enum.Enum):
+    """Intra-agent routing policy."""
+
+    LEAST_TOKENS = "least-tokens"  # least outstanding estimated tokens + episode affinity
+    ROUND_ROBIN = "round-robin"  # load-oblivious baseline
+
+
+class ReplicaPhase(enum.Enum):
+    """Where a replica is in its serve → drain → load cycle."""
+
+    SERVING = "serving"
+    DRAINING = "draining"  # reassigned; finishing in-flight requests of its old group
+    AWAITING_LOAD = "awaiting-load"  # drained; the caller must load the new group's weights
+    LOADING = "loading"  # the caller is loading weights
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancerConfig:
+    """Tunables of both balancing levels.
+
+    Attributes:
+        balance_abs_threshold_tokens: intra-agent imbalance needs max - min load above this.
+        balance_rel_threshold: intra-agent imbalance also needs max > this × min load.
+        routing: intra-agent policy.
+        rebalance_enabled: False keeps the initial replica assignment forever (static).
+        rebalance_interval_s: minimum time between inter-agent re-evaluations.
+        reassignment_cost_s: estimated time of one weight load on a replica.
+        hysteresis: a move must cut the bottleneck group's estimated drain time by at
+            least this fraction (after counting the move's cost).
+        min_residency_s: a replica that was moved stays put at least this long.
+        max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
+    """
+
+    balance_abs_threshold_tokens: int = 64
+    balance_rel_threshold: float = 1.5
+    routing: RoutingPolicy = RoutingPolicy.LEAST_TOKENS
+    rebalance_enabled: bool = True
+    rebalance_interval_s: float = 5.0
+    reassignment_cost_s: float = 10.0
+    hysteresis: float = 0.1
+    min_residency_s: float = 0.0
+    max_affinity_keys: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.balance_abs_threshold_tokens < 0:
+            raise InvalidArgument("balance_abs_threshold_tokens must be >= 0")
+        if self.balance_rel_threshold < 1.0:
+            raise InvalidArgument("balance_rel_threshold must be >= 1")
+        if self.rebalance_interval_s < 0 or self.reassignment_cost_s < 0 or self.min_residency_s < 0:
+            raise InvalidArgument("intervals and costs must be >= 0")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise InvalidArgument("hysteresis must be in [0, 1)")
+        if self.max_affinity_keys < 1:
+            raise InvalidArgument("max_affinity_keys must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """An engine replica and the model group it serves at start."""
+
+    replica_id: str
+    model_key: str
+    tokens_per_s: float = 1000.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSpec:
+    """An agent (rolloutd uses "job/agent") and its model group."""
+
+    agent: str
+    model_key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """One generation request; ``replica_id`` is None while it waits for a replica."""
+
+    request_id: int
+    agent: str
+    estimated_tokens: int
+    affinity_key: str
+    replica_id: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaMove:
+    """A reassignment decided by the inter-agent level."""
+
+    replica_id: str
+    from_model_key: str
+    to_model_key: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaView:
+    """Read-only state of one replica (status RPC, metrics, tests)."""
+
+    replica_id: str
+    model_key: str
+    phase: ReplicaPhase
+    target_model_key: str
+    outstanding_tokens: int
+    in_flight_requests: int
+
+
+@dataclasses.dataclass
+class _Replica:
+    spec: ReplicaSpec
+    model_key: str
+    target_model_key: str
+    phase: ReplicaPhase = ReplicaPhase.SERVING
+    outstanding_tokens: int = 0
+    in_flight_requests: int = 0
+    last_move_s: float = -math.inf
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(
+            replica_id=self.spec.replica_id,
+            model_key=self.model_key,
+            phase=self.phase,
+            target_model_key=self.target_model_key,
+            outstanding_tokens=self.outstanding_tokens,
+            in_flight_requests=self.in_flight_requests,
+        )
+
+
+class TokenEstimator:
+    """Estimates a request's token cost from the agent's observed response lengths.
+
+    Estimate = prefill_token_weight × prompt tokens + n × expected response tokens, where the
+    expected response is an exponential moving average of observed lengths (capped by
+    max_new_tokens) that starts at the first request's max_new_tokens. Starting pessimistic
+    matters: the first responses to finish are the short ones, and an average seeded by them
+    would make long-tailed agents look cheap and pile requests onto one replica.
+    """
+
+    def __init__(self, prefill_token_weight: float = 0.1, ema_alpha: float = 0.05) -> None:
+        if prefill_token_weight < 0 or not 0.0 < ema_alpha <= 1.0:
+            raise InvalidArgument("prefill_token_weight must be >= 0 and ema_alpha in (0, 1]")
+        self._prefill_token_weight = prefill_token_weight
+        self._ema_alpha = ema_alpha
+        self._mean_response_tokens: dict[str, float] = {}
+
+    def expected_response_tokens(self, agent: str, max_new_tokens: int) -> float:
+        """Expected generated tokens of one sample."""
+        mean = self._mean_response_tokens.setdefault(agent, float(max_new_tokens))
+        return min(mean, float(max_new_tokens))
+
+    def estimate(self, agent: str, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
+        """Estimated tokens of one request producing n samples from one prompt."""
+        response = self.expected_response_tokens(agent, max_new_tokens)
+        return max(1, math.ceil(self._prefill_token_weight * prompt_tokens + n * response))
+
+    def observe(self, agent: str, response_tokens: int) -> None:
+        """Records the actual length of one generated sample."""
+        mean = self._mean_response_tokens.get(agent, float(response_tokens))
+        self._mean_response_tokens[agent] = (1 - self._ema_alpha) * mean + self._ema_alpha * response_tokens
+
+
+class HierarchicalBalancer:
+    """Inter-agent replica assignment plus intra-agent request routing (see module doc)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaSpec],
+        agents: Sequence[AgentSpec],
+        config: BalancerConfig | None = None,
+    ) -> None:
+        self._config = config or BalancerConfig()
+        self._agent_model: dict[str, str] = {}
+        for agent in agents:
+            if agent.agent in self._agent_model:
+                raise InvalidArgument(f"agent {agent.agent!r} listed twice")
+            self._agent_model[agent.agent] = agent.model_key
+        self._model_keys: tuple[str, ...] = tuple(sorted(set(self._agent_model.values())))
+        self._replicas: dict[str, _Replica] = {}
+        for spec in replicas:
+            if spec.replica_id in self._replicas:
+                raise InvalidArgument(f"replica {spec.replica_id!r} listed twice")
+            if spec.tokens_per_s <= 0:
+                raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
+            self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
+        self._replica_order: tuple[str, ...] = tuple(sorted(self._replicas))
+        self._tickets: dict[int, Ticket] = {}
+        self._queued: dict[str, collections.deque[int]] = {key: collections.deque() for key in self._model_keys}
+        self._demand_hint_tokens: dict[str, int] = {}
+        self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._round_robin_next: dict[str, int] = collections.defaultdict(int)
+        self._next_request_id = 0
+        self._last_rebalance_s = -math.inf
+        self._rebalance_urgent = False
+        self.reassignments = 0
+
+    # ----------------------------------------------------------------- views
+    @property
+    def config(self) -> BalancerConfig:
+        """The balancer's configuration."""
+        return self._config
+
+    def replicas(self) -> list[ReplicaView]:
+        """State of every replica, ordered by id."""
+        return [self._replicas[r].view() for r in self._replica_order]
+
+    def replica_counts(self) -> dict[str, int]:
+        """Replicas serving or moving to each model group."""
+        counts = dict.fromkeys(self._model_keys, 0)
+        for replica in self._replicas.values():
+            if replica.target_model_key in counts:
+                counts[replica.target_model_key] += 1
+        return counts
+
+    def demand_tokens(self, agent: str) -> int:
+        """Outstanding demand of an agent: hint + queued + in-flight estimated tokens."""
+        self._model_of(agent)
+        queued_and_in_flight = sum(t.estimated_tokens for t in self._tickets.values() if t.agent == agent)
+        return self._demand_hint_tokens.get(agent, 0) + queued_and_in_flight
+
+    def model_demand_tokens(self) -> dict[str, int]:
+        """Outstanding demand per model group."""
+        demand = dict.fromkeys(self._model_keys, 0)
+        for agent, hint in self._demand_hint_tokens.items():
+            demand[self._agent_model[agent]] += hint
+        for ticket in self._tickets.values():
+            demand[self._agent_model[ticket.agent]] += ticket.estimated_tokens
+        return demand
+
+    def queued(self, agent: str | None = None) -> list[Ticket]:
+        """Tickets waiting for a replica (of one agent, or all), in FIFO order."""
+        waiting = [self._tickets[i] for key in self._model_keys for i in self._queued[key]]
+        return [t for t in waiting if agent is None or t.agent == agent]
+
+    # --------------------------------------------------------------- demand
+    def set_demand_hint(self, agent: str, tokens: int) -> None:
+        """Sets the not-yet-submitted demand of an agent (e.g. from SetAgentDemand)."""
+        self._model_of(agent)
+        if tokens < 0:
+            raise InvalidArgument(f"demand hint for {agent!r} must be >= 0, got {tokens}")
+        self._demand_hint_tokens[agent] = tokens
+        if tokens and not self._has_replica(self._agent_model[agent]):
+            self._rebalance_urgent = True
+
+    # ------------------------------------------------------------- routing
+    def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "") -> Ticket:
+        """Routes a request now, or queues it when its group has no serving replica."""
+        model_key = self._model_of(agent)
+        if estimated_tokens < 0:
+            raise InvalidArgument(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None)
+        placed = self._try_place(ticket)
+        if placed is None:
+            self._tickets[request_id] = ticket
+            self._queued[model_key].append(request_id)
+            if not self._has_replica(model_key):
+                self._rebalance_urgent = True
+            return ticket
+        return placed
+
+    def place_queued(self) -> list[Ticket]:
+        """Places waiting tickets on replicas that can now serve them (FIFO per group)."""
+        placed: list[Ticket] = []
+        for model_key in self._model_keys:
+            queue = self._queued[model_key]
+            while queue:
+                ticket = self._try_place(self._tickets[queue[0]])
+                if ticket is None:
+                    break
+                queue.popleft()
+                placed.append(ticket)
+        return placed
+
+    def finish(self, request_id: int) -> Ticket:
+        """Ends an in-flight request (success or failure); returns its ticket."""
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None:
+            raise NotFound(f"request {request_id} is not in flight")
+        if ticket.replica_id is None:
+            self._queued[self._agent_model[ticket.agent]].remove(request_id)
+            return ticket
+        replica = self._replicas[ticket.replica_id]
+        replica.outstanding_tokens -= ticket.estimated_tokens
+        replica.in_flight_requests -= 1
+        if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
+            replica.phase = ReplicaPhase.AWAITING_LOAD
+        return ticket
+
+    def _try_place(self, ticket: Ticket) -> Ticket | None:
+        model_key = self._agent_model[ticket.agent]
+        candidates = [
+            self._replicas[r]
+            for r in self._replica_order
+            if self._replicas[r].phase is ReplicaPhase.SERVING and self._replicas[r].model_key == model_key
+        ]
+        if not candidates:
+            return None
+        if self._config.routing is RoutingPolicy.ROUND_ROBIN:
+            index = self._round_robin_next[model_key] % len(candidates)
+            self._round_robin_next[model_key] = index + 1
+            chosen = candidates[index]
+        else:
+            chosen = self._least_tokens_with_affinity(candidates, ticket.affinity_key)
+        placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
+        chosen.outstanding_tokens += ticket.estimated_tokens
+        chosen.in_flight_requests += 1
+        self._tickets[ticket.request_id] = placed
+        if ticket.affinity_key:
+            self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
+        return placed
+
+    def _least_tokens_with_affinity(self, candidates: list[_Replica], affinity_key: str) -> _Replica:
+        least = min(candidates, key=lambda r: r.outstanding_tokens)  # first in id order on ties
+        loads = [r.outstanding_tokens for r in candidates]
+        if self.is_imbalanced(loads):
+            return least
+        preferred = self._lookup_affinity(affinity_key)
+        for replica in candidates:
+            if replica.spec.replica_id == preferred:
+                return replica
+        return least
+
+    def is_imbalanced(self, loads: Sequence[int]) -> bool:
+        """sglang-router's rule: (max - min) > abs threshold and max > rel threshold × min."""
+        if not loads:
+            return False
+        high, low = max(loads), min(loads)
+        return (
+            high - low > self._config.balance_abs_threshold_tokens and high > self._config.balance_rel_threshold * low
+        )
+
+    def _lookup_affinity(self, key: str) -> str:
+        while key:
+            replica_id = self._affinity.get(key)
+            if replica_id is not None:
+                return replica_id
+            key = affinity_parent(key)
+        return ""
+
+    def _remember_affinity(self, key: str, replica_id: str) -> None:
+        self._affinity[key] = replica_id
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self._config.max_affinity_keys:
+            self._affinity.popitem(last=False)
+
+    def forget_affinity(self, key: str) -> None:
+        """Drops a key and its descendants (call when a task is done)."""
+        prefix = key + AFFINITY_SEPARATOR
+        for stale in [k for k in self._affinity if k == key or k.startswith(prefix)]:
+            del self._affinity[stale]
+
+    # ------------------------------------------------------- inter-agent
+    def maybe_rebalance(self, now_s: float) -> list[ReplicaMove]:
+        """Re-evaluates the assignment if the interval passed (or a group is starved)."""
+        if not self._config.rebalance_enabled:
+            return []
+        if not self._rebalance_urgent and now_s - self._last_rebalance_s < self._config.rebalance_interval_s:
+            return []
+        return self.rebalance(now_s)
+
+    def rebalance(self, now_s: float) -> list[ReplicaMove]:
+        """Decides replica moves now; moved replicas start draining (see ReplicaPhase)."""
+        self._last_rebalance_s = now_s
+        self._rebalance_urgent = False
+        if not self._config.rebalance_enabled:
+            return []
+        demand = self.model_demand_tokens()
+        moves: list[ReplicaMove] = []
+        for model_key in self._model_keys:
+            if demand[model_key] > 0 and not self._has_replica(model_key):
+                donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
+                if donor is not None:
+                    moves.append(self._move(donor, model_key, now_s))
+        for _ in range(len(self._replicas)):
+            move = self._best_improving_move(demand, now_s)
+            if move is None:
+                break
+            moves.append(move)
+        return moves
+
+    def _best_improving_move(self, demand: Mapping[str, int], now_s: float) -> ReplicaMove | None:
+        rates = self._group_rates()
+        drain_s = {key: self._drain_time_s(demand[key], rates[key]) for key in self._model_keys}
+        bottleneck = max(
+            (key for key in self._model_keys if demand[key] > 0),
+            key=lambda key: (drain_s[key], key),
+            default=None,
+        )
+        if bottleneck is None or math.isinf(drain_s[bottleneck]):
+            return None  # nothing to do, or a starved group the first pass could not serve
+        donor = self._pick_donor(demand, exclude=bottleneck, now_s=now_s, require_spare=True)
+        if donor is None:
+            return None
+        donor_rate = donor.spec.tokens_per_s
+        donor_key = donor.target_model_key
+        cost_s = self._config.reassignment_cost_s + donor.outstanding_tokens / donor_rate
+        before_s = drain_s[bottleneck]
+        bottleneck_rate = rates[bottleneck]
+        remaining_after_cost = max(0.0, demand[bottleneck] - bottleneck_rate * cost_s)
+        bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + donor_rate)
+        donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
+        target_s = before_s * (1.0 - self._config.hysteresis)
+        if bottleneck_after_s < target_s and donor_after_s < target_s:
+            return self._move(donor, bottleneck, now_s)
+        return None
+
+    def _pick_donor(
+        self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool
+    ) -> _Replica | None:
+        """The movable replica whose group suffers least from losing it."""
+        counts = self.replica_counts()
+        rates = self._group_rates()
+        best: tuple[float, float, int, str] | None = None
+        best_replica: _Replica | None = None
+        for replica_id in self._replica_order:
+            replica = self._replicas[replica_id]
+            key = replica.model_key
+            if key == exclude or replica.phase is not ReplicaPhase.SERVING:
+                continue
+            if key not in counts:  # serving a model no agent uses: always free to take
+                score: tuple[float, float, int, str] = (-1.0, 0.0, replica.outstanding_tokens, replica_id)
+            else:
+                if now_s - replica.last_move_s < self._config.min_residency_s:
+                    continue
+                if require_spare and demand[key] > 0 and counts[key] <= 1:
+                    continue  # a group with demand keeps its last replica
+                after_s = self._drain_time_s(demand[key], rates[key] - replica.spec.tokens_per_s)
+                score = (after_s, -self._drain_time_s(demand[key], rates[key]), replica.outstanding_tokens, replica_id)
+            if best is None or score < best:
+                best, best_replica = score, replica
+        return best_replica
+
+    def _move(self, replica: _Replica, to_model_key: str, now_s: float) -> ReplicaMove:
+        move = ReplicaMove(replica.spec.replica_id, replica.model_key, to_model_key)
+        replica.target_model_key = to_model_key
+        replica.last_move_s = now_s
+        replica.phase = ReplicaPhase.DRAINING if replica.in_flight_requests else ReplicaPhase.AWAITING_LOAD
+        self.reassignments += 1
+        return move
+
+    def replicas_awaiting_load(self) -> list[ReplicaMove]:
+        """Drained replicas whose new weights the caller must now load."""
+        return [
+            ReplicaMove(r.spec.replica_id, r.model_key, r.target_model_key)
+            for r in (self._replicas[i] for i in self._replica_order)
+            if r.phase is ReplicaPhase.AWAITING_LOAD
+        ]
+
+    def begin_load(self, replica_id: str) -> None:
+        """Marks that the caller started loading the replica's new weights."""
+        replica = self._replica(replica_id)
+        if replica.phase is not ReplicaPhase.AWAITING_LOAD:
+            raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not awaiting a load")
+        replica.phase = ReplicaPhase.LOADING
+
+    def complete_load(self, replica_id: str) -> None:
+        """The replica now serves its new group; call place_queued() next."""
+        replica = self._replica(replica_id)
+        if replica.phase not in (ReplicaPhase.LOADING, ReplicaPhase.AWAITING_LOAD):
+            raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not loading")
+        replica.model_key = replica.target_model_key
+        replica.phase = ReplicaPhase.SERVING
+        stale = [k for k, r in self._affinity.items() if r == replica_id]
+        for key in stale:  # its KV cache is gone with the old weights
+            del self._affinity[key]
+
+    # ------------------------------------------------------------ helpers
+    def _group_rates(self) -> dict[str, float]:
+        rates = dict.fromkeys(self._model_keys, 0.0)
+        for replica in self._replicas.values():
+            if replica.target_model_key in rates:
+                rates[replica.target_model_key] += replica.spec.tokens_per_s
+        return rates
+
+    @staticmethod
+    def _drain_time_s(demand_tokens: float, rate_tokens_per_s: float) -> float:
+        if demand_tokens <= 0:
+            return 0.0
+        return math.inf if rate_tokens_per_s <= 0 else demand_tokens / rate_tokens_per_s
+
+    def _has_replica(self, model_key: str) -> bool:
+        return any(r.target_model_key == model_key for r in self._replicas.values())
+
+    def _model_of(self, agent: str) -> str:
+        model_key = self._agent_model.get(agent)
+        if model_key is None:
+            raise NotFound(f"unknown agent {agent!r}")
+        return model_key
+
+    def _replica(self, replica_id: str) -> _Replica:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            raise NotFound(f"unknown replica {replica_id!r}")
+        return replica
+
+
+def equal_split(
+    replica_ids: Sequence[str], model_keys: Iterable[str], tokens_per_s: float = 1000.0
+) -> list[ReplicaSpec]:
+    """Initial (and static baseline) assignment: replicas dealt to model groups in turn."""
+    keys = sorted(set(model_keys))
+    if not keys:
+        raise InvalidArgument("no model groups to assign replicas to")
+    return [ReplicaSpec(r, keys[i % len(keys)], tokens_per_s) for i, r in enumerate(replica_ids)]

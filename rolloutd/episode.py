@@ -1,0 +1,332 @@
+"""The episode API that users write environments against.
+
+An environment lists its agents, produces deterministic tasks from a seeded stream and plays
+one episode at a time::
+
+    class Game(Environment):
+        agents = ("sender", "receiver")
+
+        def task(self, index: int, seed: int) -> Task:
+            rng = task_rng(index, seed)
+            return Task(index=index, seed=seed, data={"target": rng.randrange(4)})
+
+        async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+            msg = await ctx.generate("sender", f"T={task.data['target']} M=")
+            guess = await ctx.generate("receiver", [{"role": "user", "content": msg.text}])
+            ctx.reward("sender", 1.0 if guess.text == str(task.data["target"]) else 0.0)
+
+``ctx.generate`` takes chat messages (rendered with the agent's tokenizer's chat template and
+a generation prompt), a plain string (tokenized without a template) or token ids. Every call
+is one *turn* of that agent and becomes one training experience. Rewards given with
+``ctx.reward`` are summed per agent over the episode; that sum (the agent's episode return)
+is the reward of **every** turn of that agent in the episode (GRPO normalises it within the
+task's group). An exception raised by user code fails the episode (recorded, never raised
+out of the runner); the runner then fails the whole group.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import math
+import random
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeAlias
+
+from flexmarl.errors import DataLoss, InvalidArgument
+
+ChatMessage: TypeAlias = Mapping[str, str]
+"""A chat message: {"role": "system" | "user" | "assistant", "content": str}."""
+
+PromptInput: TypeAlias = Sequence[ChatMessage] | Sequence[int] | str
+
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+    }
+)
+"""Sampling parameters an episode may override (SGLang's names; ``n`` belongs to the runner)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One environment task; ``data`` is the environment's own JSON-like payload."""
+
+    index: int
+    seed: int
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def task_rng(index: int, seed: int) -> random.Random:
+    """The seeded random stream of task ``index`` of a job with ``seed`` (process independent)."""
+    return random.Random(f"flexmarl-task/{seed}/{index}")
+
+
+def episode_rng(seed: int, task_index: int, sample_index: int) -> random.Random:
+    """The seeded random stream of one episode (``ctx.rng``)."""
+    return random.Random(f"flexmarl-episode/{seed}/{task_index}/{sample_index}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What ``ctx.generate`` returns: one sampled response."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: str
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRecord:
+    """One agent turn of an episode: the raw material of one experience."""
+
+    agent: str
+    turn: int
+    prompt_token_ids: tuple[int, ...]
+    response_token_ids: tuple[int, ...]
+    response_logprobs: tuple[float, ...]
+    behavior_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    """A fully resolved generation request (ids + merged sampling parameters)."""
+
+    agent: str
+    input_ids: tuple[int, ...]
+    sampling: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+    """One sampled response as a generation backend returns it.
+
+    ``logprobs[i]`` is the behaviour policy's log-probability of ``token_ids[i]``; ``version``
+    is the policy version of the agent that produced every token.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    version: int
+
+
+class AgentTokenizer(Protocol):
+    """What an episode needs from an agent's tokenizer."""
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens."""
+        ...
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of messages under the chat template, with the generation prompt."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        ...
+
+
+class HFTokenizer:
+    """An :class:`AgentTokenizer` over a local Hugging Face tokenizer (loaded offline)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
+
+        self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.path = path
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Token ids of messages under the chat template, with the generation prompt."""
+        text = self._tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        if not isinstance(text, str):
+            raise InvalidArgument(f"tokenizer at {self.path!r}: chat template did not render text")
+        return self.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def load_tokenizers(model_paths: Mapping[str, str]) -> dict[str, AgentTokenizer]:
+    """One tokenizer per agent, loaded once per distinct model path."""
+    by_path: dict[str, AgentTokenizer] = {}
+    result: dict[str, AgentTokenizer] = {}
+    for agent, path in model_paths.items():
+        if path not in by_path:
+            by_path[path] = HFTokenizer(path)
+        result[agent] = by_path[path]
+    return result
+
+
+Sampler = Callable[[int, TurnRequest], Awaitable[GenerationOutput]]
+"""The runner's hook: (sample_index, request) -> response."""
+
+
+class EpisodeContext:
+    """The handle an episode uses to generate and to reward; one per episode."""
+
+    def __init__(
+        self,
+        *,
+        agents: Mapping[str, AgentTokenizer],
+        sampling_defaults: Mapping[str, Mapping[str, Any]],
+        sample_index: int,
+        rng: random.Random,
+        sampler: Sampler,
+    ) -> None:
+        self._tokenizers = agents
+        self._sampling_defaults = sampling_defaults
+        self._sampler = sampler
+        self.sample_index = sample_index
+        self.rng = rng
+        self._turns: list[TurnRecord] = []
+        self._next_turn: dict[str, int] = dict.fromkeys(agents, 0)
+        self._returns: dict[str, float] = dict.fromkeys(agents, 0.0)
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """The agents of this episode."""
+        return tuple(self._tokenizers)
+
+    def tokenize(self, agent: str, prompt: PromptInput) -> list[int]:
+        """Token ids of a prompt as ``generate`` would send it."""
+        tokenizer = self._tokenizer(agent)
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        items: list[object] = list(prompt)
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            return [int(item) for item in items if isinstance(item, int)]
+        messages = [item for item in items if isinstance(item, Mapping)]
+        if len(messages) == len(items):
+            for message in messages:
+                if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                    raise InvalidArgument("a chat message needs string 'role' and 'content'")
+            return tokenizer.render_chat(messages)
+        raise InvalidArgument("prompt must be a string, chat messages or token ids")
+
+    async def generate(self, agent: str, prompt: PromptInput, **sampling_overrides: Any) -> Generation:
+        """Samples one response of ``agent``; records the turn.
+
+        Args:
+            agent: one of the environment's agents.
+            prompt: chat messages (chat template applied), a string (no template) or token ids.
+            **sampling_overrides: SGLang sampling parameters overriding the job's defaults.
+
+        Returns:
+            The response text, token ids, logprobs and the policy version that produced it.
+        """
+        unknown = set(sampling_overrides) - SAMPLING_KEYS
+        if unknown:
+            raise InvalidArgument(f"unknown sampling parameters {sorted(unknown)}")
+        input_ids = self.tokenize(agent, prompt)
+        if not input_ids:
+            raise InvalidArgument(f"empty prompt for agent {agent!r}")
+        sampling = {**self._sampling_defaults.get(agent, {}), **sampling_overrides}
+        turn = self._next_turn[agent]
+        self._next_turn[agent] = turn + 1
+        request = TurnRequest(agent, tuple(input_ids), sampling)
+        response = await self._sampler(self.sample_index, request)
+        if len(response.logprobs) != len(response.token_ids):
+            raise DataLoss(f"{agent}: {len(response.logprobs)} logprobs for {len(response.token_ids)} response tokens")
+        self._turns.append(
+            TurnRecord(agent, turn, request.input_ids, response.token_ids, response.logprobs, response.version)
+        )
+        return Generation(
+            text=self._tokenizer(agent).decode(response.token_ids),
+            token_ids=response.token_ids,
+            logprobs=response.logprobs,
+            prompt_token_ids=request.input_ids,
+            finish_reason=response.finish_reason,
+            version=response.version,
+        )
+
+    def reward(self, agent: str, value: float) -> None:
+        """Adds ``value`` to ``agent``'s episode return (call per turn or once per episode)."""
+        self._tokenizer(agent)
+        reward = float(value)
+        if not math.isfinite(reward):
+            raise InvalidArgument(f"reward for {agent!r} must be finite, got {value!r}")
+        self._returns[agent] += reward
+
+    def returns(self) -> dict[str, float]:
+        """Each agent's episode return so far."""
+        return dict(self._returns)
+
+    def turns(self) -> list[TurnRecord]:
+        """The turns recorded so far, in completion order."""
+        return list(self._turns)
+
+    def _tokenizer(self, agent: str) -> AgentTokenizer:
+        tokenizer = self._tokenizers.get(agent)
+        if tokenizer is None:
+            raise InvalidArgument(f"unknown agent {agent!r}; the environment has {sorted(self._tokenizers)}")
+        return tokenizer
+
+
+class Environment(abc.ABC):
+    """Base class of user environments.
+
+    Subclasses set ``agents`` and implement :meth:`task` and :meth:`episode`. The constructor
+    receives the job spec's ``environment.config`` as keyword arguments.
+    """
+
+    agents: tuple[str, ...] = ()
+
+    def __init__(self, **config: Any) -> None:
+        self.config: dict[str, Any] = dict(config)
+
+    @abc.abstractmethod
+    def task(self, index: int, seed: int) -> Task:
+        """The deterministic task ``index`` of the stream seeded by ``seed`` (see task_rng)."""
+
+    @abc.abstractmethod
+    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+        """Plays one episode: ``await ctx.generate(...)`` and ``ctx.reward(...)``."""
+
+
+def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -> Environment:
+    """Imports ``module:attr`` and builds the environment with ``config`` as kwargs.
+
+    Raises:
+        InvalidArgument: bad entrypoint, import failure, not an Environment, or no agents.
+    """
+    module_name, sep, attr = entrypoint.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidArgument(f"environment entrypoint {entrypoint!r} is not 'module:attr'")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidArgument(f"cannot load environment {entrypoint!r}: {exc}") from exc
+    if not (isinstance(target, type) and issubclass(target, Environment)):
+        raise InvalidArgument(f"{entrypoint!r} is not an Environment subclass")
+    try:
+        env = target(**dict(config or {}))
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"bad config for environment {entrypoint!r}: {exc}") from exc
+    if not env.agents or len(set(env.agents)) != len(env.agents):
+        raise InvalidArgument(f"environment {entrypoint!r} must list distinct agents, got {env.agents!r}")
+    return env

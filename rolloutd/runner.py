@@ -1,0 +1,361 @@
+"""Runs one rollout task: ``group_size`` episodes of one environment task, concurrently.
+
+The first generation request of every episode goes through a :class:`FirstTurnCoalescer`:
+it waits until each of the n episodes has either made its first request or ended without
+one, then sends each set of identical requests (same agent, prompt ids and sampling
+parameters) once with SGLang's ``n`` so the shared prefix is computed once. The grouping
+and the order in which samples are handed back (sample index order) are deterministic. Only
+an episode's *first* request waits, so the barrier cannot deadlock: nothing else is pending
+in an episode before its first request. Later turns go straight to the backend.
+
+Every request carries an affinity key (:func:`rolloutd.balancer.episode_affinity_key`, or
+the group key for a coalesced request) so the balancer keeps an episode's turns on the
+replica that holds its KV prefix.
+
+A group is all-or-nothing: if any episode fails (an exception in user code or in the
+backend), the result carries the errors and no experiences; the orchestrator retries the
+task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from flexmarl.errors import DataLoss, InvalidArgument
+from flexmarl.experience import ExperienceRecord, experience_id, group_id
+from rolloutd.balancer import episode_affinity_key, group_affinity_key
+from rolloutd.episode import (
+    AgentTokenizer,
+    Environment,
+    EpisodeContext,
+    GenerationOutput,
+    TurnRecord,
+    TurnRequest,
+    episode_rng,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AgentRuntime",
+    "EpisodeError",
+    "FirstTurnCoalescer",
+    "GenerationBackend",
+    "GenerationOutput",
+    "RolloutResult",
+    "RolloutRunner",
+    "RolloutTaskInput",
+]
+
+
+class GenerationBackend(Protocol):
+    """Agent-level generation: routes to a replica of ``agent`` and samples ``n`` responses.
+
+    ``sampling`` uses SGLang's ``sampling_params`` names without ``n``. Implementations
+    return exactly ``n`` outputs in order and raise a ``FlexmarlError`` on failure.
+    """
+
+    async def generate(
+        self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
+    ) -> list[GenerationOutput]:
+        """Samples n responses to ``input_ids`` with ``agent``'s current policy."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentRuntime:
+    """What the runner needs per agent: its tokenizer and default sampling parameters."""
+
+    tokenizer: AgentTokenizer
+    sampling: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutTaskInput:
+    """One leased rollout task, already decoded from the proto."""
+
+    job_id: str
+    task_id: str
+    task_index: int
+    seed: int
+    group_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeError:
+    """Why one episode failed."""
+
+    sample_index: int
+    error_type: str
+    message: str
+    traceback: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """Outcome of one task: experiences when every episode succeeded, else the errors.
+
+    ``returns[i][agent]`` is the episode return of ``agent`` in sample i (successful
+    episodes only); ``coalesced_requests`` counts backend calls made with n > 1.
+    """
+
+    task_id: str
+    experiences: tuple[ExperienceRecord, ...]
+    errors: tuple[EpisodeError, ...]
+    returns: Mapping[int, Mapping[str, float]]
+    backend_calls: int
+    coalesced_requests: int
+
+    @property
+    def ok(self) -> bool:
+        """True when the whole group succeeded."""
+        return not self.errors
+
+
+def _sampling_key(sampling: Mapping[str, Any]) -> str:
+    return json.dumps(sampling, sort_keys=True, default=str)
+
+
+class _CountingBackend:
+    def __init__(self, backend: GenerationBackend) -> None:
+        self._backend = backend
+        self.calls = 0
+        self.coalesced = 0
+
+    async def generate(self, request: TurnRequest, n: int, affinity_key: str) -> list[GenerationOutput]:
+        self.calls += 1
+        if n > 1:
+            self.coalesced += 1
+        outputs = await self._backend.generate(
+            request.agent, list(request.input_ids), dict(request.sampling), n, affinity_key
+        )
+        if len(outputs) != n:
+            raise DataLoss(f"backend returned {len(outputs)} samples for n={n}")
+        return list(outputs)
+
+
+class FirstTurnCoalescer:
+    """Batches identical first requests of a group's episodes into one n-request."""
+
+    def __init__(
+        self,
+        group_size: int,
+        task_id: str,
+        send: Callable[[TurnRequest, int, str], Any],
+    ) -> None:
+        self._group_size = group_size
+        self._task_id = task_id
+        self._send = send
+        self._pending: dict[int, tuple[TurnRequest, asyncio.Future[GenerationOutput]]] = {}
+        self._withdrawn: set[int] = set()
+        self._flushed = False
+        self._dispatches: list[asyncio.Task[None]] = []
+
+    async def submit(self, sample_index: int, request: TurnRequest) -> GenerationOutput:
+        """The first request of episode ``sample_index``; resolves once the group flushes."""
+        if self._flushed or sample_index in self._pending or sample_index in self._withdrawn:
+            raise InvalidArgument(f"episode {sample_index} already passed the first-turn barrier")
+        future: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
+        self._pending[sample_index] = (request, future)
+        self._maybe_flush()
+        return await future
+
+    def withdraw(self, sample_index: int) -> None:
+        """Episode ``sample_index`` ended (or failed) without a first request."""
+        if self._flushed or sample_index in self._pending:
+            return
+        self._withdrawn.add(sample_index)
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if self._flushed or len(self._pending) + len(self._withdrawn) < self._group_size:
+            return
+        self._flushed = True
+        groups: dict[tuple[str, tuple[int, ...], str], list[int]] = {}
+        for sample_index in sorted(self._pending):
+            request = self._pending[sample_index][0]
+            key = (request.agent, request.input_ids, _sampling_key(request.sampling))
+            groups.setdefault(key, []).append(sample_index)
+        for members in groups.values():
+            self._dispatches.append(asyncio.create_task(self._dispatch(members)))
+
+    async def _dispatch(self, members: list[int]) -> None:
+        request = self._pending[members[0]][0]
+        affinity = (
+            group_affinity_key(self._task_id) if len(members) > 1 else episode_affinity_key(self._task_id, members[0])
+        )
+        futures = [self._pending[i][1] for i in members]
+        try:
+            outputs = await self._send(request, len(members), affinity)
+        except Exception as exc:  # delivered to every waiting episode
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for future, output in zip(futures, outputs, strict=True):
+            if not future.done():
+                future.set_result(output)
+
+    async def aclose(self) -> None:
+        """Cancels dispatches still running (the task was cancelled or failed)."""
+        for task in self._dispatches:
+            task.cancel()
+        await asyncio.gather(*self._dispatches, return_exceptions=True)
+
+
+@dataclasses.dataclass
+class _EpisodeOutcome:
+    turns: list[TurnRecord]
+    returns: dict[str, float]
+    error: EpisodeError | None
+
+
+class RolloutRunner:
+    """Runs rollout tasks of one environment against a generation backend."""
+
+    def __init__(
+        self,
+        env: Environment,
+        agents: Mapping[str, AgentRuntime],
+        backend: GenerationBackend,
+        *,
+        coalesce_first_turn: bool = True,
+        fail_fast: bool = True,
+        clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:
+        """Builds a runner.
+
+        Args:
+            env: the user environment.
+            agents: runtime of every agent the environment lists.
+            backend: generation backend (balancer + engines in rolloutd, a fake in tests).
+            coalesce_first_turn: send identical first requests of a group once with n.
+            fail_fast: cancel the other episodes as soon as one fails.
+            clock_ms: wall clock for ``created_unix_ms`` (injectable for tests).
+        """
+        missing = [agent for agent in env.agents if agent not in agents]
+        if missing:
+            raise InvalidArgument(f"no runtime for agents {missing}")
+        self._env = env
+        self._agents = {agent: agents[agent] for agent in env.agents}
+        self._backend = backend
+        self._coalesce = coalesce_first_turn
+        self._fail_fast = fail_fast
+        self._clock_ms = clock_ms
+
+    async def run(self, task_input: RolloutTaskInput) -> RolloutResult:
+        """Plays ``group_size`` episodes of one task; never raises for a failed episode."""
+        if task_input.group_size < 1:
+            raise InvalidArgument(f"group_size must be >= 1, got {task_input.group_size}")
+        try:
+            task = self._env.task(task_input.task_index, task_input.seed)
+        except Exception as exc:
+            error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
+            return RolloutResult(task_input.task_id, (), (error,), {}, 0, 0)
+        backend = _CountingBackend(self._backend)
+        coalescer = FirstTurnCoalescer(task_input.group_size, task_input.task_id, backend.generate)
+        episodes = [
+            asyncio.create_task(self._play(task_input, task, i, backend, coalescer))
+            for i in range(task_input.group_size)
+        ]
+        try:
+            pending: set[asyncio.Task[_EpisodeOutcome]] = set(episodes)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if self._fail_fast and any(t.result().error is not None for t in done):
+                    break
+        finally:
+            for episode in episodes:
+                episode.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
+            await coalescer.aclose()
+        outcomes = {i: t.result() for i, t in enumerate(episodes) if t.done() and not t.cancelled()}
+        errors = tuple(o.error for _, o in sorted(outcomes.items()) if o.error is not None)
+        returns = {i: o.returns for i, o in outcomes.items() if o.error is None}
+        if errors:
+            logger.warning("task %s failed: %s", task_input.task_id, errors[0].message)
+            return RolloutResult(task_input.task_id, (), errors, returns, backend.calls, backend.coalesced)
+        experiences = self._experiences(task_input, outcomes)
+        return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced)
+
+    async def _play(
+        self,
+        task_input: RolloutTaskInput,
+        task: Any,
+        sample_index: int,
+        backend: _CountingBackend,
+        coalescer: FirstTurnCoalescer,
+    ) -> _EpisodeOutcome:
+        first_request_made = False
+
+        async def sampler(index: int, request: TurnRequest) -> GenerationOutput:
+            nonlocal first_request_made
+            if self._coalesce and not first_request_made:
+                first_request_made = True
+                return await coalescer.submit(index, request)
+            first_request_made = True
+            outputs = await backend.generate(request, 1, episode_affinity_key(task_input.task_id, index))
+            return outputs[0]
+
+        ctx = EpisodeContext(
+            agents={name: runtime.tokenizer for name, runtime in self._agents.items()},
+            sampling_defaults={name: runtime.sampling for name, runtime in self._agents.items()},
+            sample_index=sample_index,
+            rng=episode_rng(task_input.seed, task_input.task_index, sample_index),
+            sampler=sampler,
+        )
+        try:
+            await self._env.episode(ctx, task)
+        except Exception as exc:  # user code must never take the daemon down
+            error = EpisodeError(sample_index, type(exc).__name__, str(exc), traceback.format_exc())
+            return _EpisodeOutcome(ctx.turns(), ctx.returns(), error)
+        finally:
+            if self._coalesce and not first_request_made:
+                coalescer.withdraw(sample_index)
+        return _EpisodeOutcome(ctx.turns(), ctx.returns(), None)
+
+    def _experiences(
+        self, task_input: RolloutTaskInput, outcomes: Mapping[int, _EpisodeOutcome]
+    ) -> tuple[ExperienceRecord, ...]:
+        created_ms = self._clock_ms()
+        records: list[ExperienceRecord] = []
+        for sample_index in sorted(outcomes):
+            outcome = outcomes[sample_index]
+            for turn in sorted(outcome.turns, key=lambda t: (self._env.agents.index(t.agent), t.turn)):
+                records.append(
+                    ExperienceRecord(
+                        experience_id=experience_id(task_input.task_id, sample_index, turn.agent, turn.turn),
+                        job_id=task_input.job_id,
+                        agent=turn.agent,
+                        task_id=task_input.task_id,
+                        group_id=group_id(task_input.task_id, turn.agent),
+                        sample_index=sample_index,
+                        episode_id=f"{task_input.task_id}/{sample_index}",
+                        turn=turn.turn,
+                        behavior_version=turn.behavior_version,
+                        reward=outcome.returns.get(turn.agent, 0.0),
+                        prompt_token_ids=np.asarray(turn.prompt_token_ids, dtype=np.int32),
+                        response_token_ids=np.asarray(turn.response_token_ids, dtype=np.int32),
+                        response_logprobs=np.asarray(turn.response_logprobs, dtype=np.float32),
+                        group_size=task_input.group_size,
+                        created_unix_ms=created_ms,
+                    )
+                )
+        return tuple(records)
+
+
+def group_experiences_by_agent(records: Sequence[ExperienceRecord]) -> dict[str, list[ExperienceRecord]]:
+    """Experiences of one task per agent (its GRPO group), in record order."""
+    by_agent: dict[str, list[ExperienceRecord]] = {}
+    for record in records:
+        by_agent.setdefault(record.agent, []).append(record)
+    return by_agent

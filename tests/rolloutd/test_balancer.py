@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import pytest
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
+from rolloutd.balancer import (
+    AgentSpec,
+    BalancerConfig,
+    HierarchicalBalancer,
+    ReplicaPhase,
+    ReplicaSpec,
+    RoutingPolicy,
+    TokenEstimator,
+    affinity_parent,
+    episode_affinity_key,
+    equal_split,
+    group_affinity_key,
+)
+from rolloutd.balancer_sim import compare, format_table, simulate, skewed_workload
+
+
+def make(replicas: dict[str, str], agents: dict[str, str], **config: object) -> HierarchicalBalancer:
+    return HierarchicalBalancer(
+        [ReplicaSpec(r, m, 100.0) for r, m in replicas.items()],
+        [AgentSpec(a, m) for a, m in agents.items()],
+        BalancerConfig(**config),  # type: ignore[arg-type]
+    )
+
+
+def test_least_tokens_routing_spreads_load() -> None:
+    b = make({"r0": "m", "r1": "m"}, {"a": "m"})
+    first = b.submit("a", 100)
+    second = b.submit("a", 10)
+    third = b.submit("a", 10)
+    assert first.replica_id == "r0"
+    assert second.replica_id == "r1"
+    assert third.replica_id == "r1"  # r1 has 10 outstanding, r0 has 100
+    assert [r.outstanding_tokens for r in b.replicas()] == [100, 20]
+
+
+def test_affinity_wins_while_balanced_and_loses_when_imbalanced() -> None:
+    b = make({"r0": "m", "r1": "m"}, {"a": "m"})
+    key = episode_affinity_key("t1", 0)
+    t0 = b.submit("a", 10, key)
+    assert t0.replica_id == "r0"
+    b.submit("a", 10, "other")  # -> r1, loads 10/10
+    b.finish(t0.request_id)  # loads 0/10: diff 10 <= 64, balanced
+    assert b.submit("a", 10, key).replica_id == "r0"
+    # Now make r0 heavily loaded: 10 + 200 vs 10 -> diff > 64 and > 1.5x: imbalanced.
+    b.submit("a", 200, key)
+    assert b.submit("a", 10, key).replica_id == "r1"
+
+
+def test_sglang_imbalance_rule_needs_both_thresholds() -> None:
+    b = make({"r0": "m"}, {"a": "m"})
+    assert b.config.balance_abs_threshold_tokens == 64 and b.config.balance_rel_threshold == 1.5
+    assert not b.is_imbalanced([100, 60])  # diff 40 <= 64
+    assert not b.is_imbalanced([1000, 900])  # 1000 <= 1.5 * 900
+    assert b.is_imbalanced([200, 100])  # diff 100 > 64 and 200 > 150
+
+
+def test_group_affinity_key_is_fallback_for_episode_keys() -> None:
+    assert affinity_parent(episode_affinity_key("job/3/7", 2)) == group_affinity_key("job/3/7")
+    b = make({"r0": "m", "r1": "m"}, {"a": "m"})
+    b.submit("a", 5, "x")  # r0
+    grouped = b.submit("a", 5, group_affinity_key("task"))  # r1 (least loaded)
+    assert grouped.replica_id == "r1"
+    assert b.submit("a", 5, episode_affinity_key("task", 3)).replica_id == "r1"
+
+
+def test_round_robin_ignores_load() -> None:
+    b = make({"r0": "m", "r1": "m"}, {"a": "m"}, routing=RoutingPolicy.ROUND_ROBIN)
+    ids = [b.submit("a", tokens).replica_id for tokens in (1000, 1, 1, 1)]
+    assert ids == ["r0", "r1", "r0", "r1"]
+
+
+def test_demand_is_hint_plus_queued_plus_in_flight() -> None:
+    b = make({"r0": "m"}, {"a": "m", "b": "n"})
+    b.set_demand_hint("a", 50)
+    t = b.submit("a", 30)
+    queued = b.submit("b", 7)  # no replica serves model n
+    assert queued.replica_id is None
+    assert b.demand_tokens("a") == 80
+    assert b.demand_tokens("b") == 7
+    b.finish(t.request_id)
+    assert b.demand_tokens("a") == 50
+    with pytest.raises(NotFound):
+        b.submit("nobody", 1)
+    with pytest.raises(InvalidArgument):
+        b.set_demand_hint("a", -1)
+
+
+def test_rebalance_moves_replicas_toward_demand_proportionally() -> None:
+    replicas = {f"r{i}": ("heavy" if i < 2 else "light") for i in range(4)}
+    b = make(replicas, {"heavy": "heavy", "light": "light"}, reassignment_cost_s=1.0, hysteresis=0.1)
+    b.set_demand_hint("heavy", 100_000)
+    b.set_demand_hint("light", 10_000)
+    moves = b.rebalance(now_s=0.0)
+    assert [(m.from_model_key, m.to_model_key) for m in moves] == [("light", "heavy")]
+    assert b.replica_counts() == {"heavy": 3, "light": 1}  # light keeps its last replica
+    assert b.reassignments == 1
+
+
+def test_hysteresis_and_cost_prevent_small_moves() -> None:
+    b = make({"r0": "a", "r1": "b"}, {"a": "a", "b": "b"}, reassignment_cost_s=100.0)
+    b.set_demand_hint("a", 1000)  # 10 s of work: not worth a 100 s weight load
+    assert b.rebalance(now_s=0.0) == []
+    b2 = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b"}, hysteresis=0.1, reassignment_cost_s=0.0)
+    b2.set_demand_hint("a", 1050)
+    b2.set_demand_hint("b", 1000)  # a: 5.25 s on 2 replicas, b: 10 s on 1
+    assert b2.rebalance(now_s=0.0) == []  # moving one a->b would make a the 10.5 s bottleneck
+
+
+def test_rebalance_interval_is_respected() -> None:
+    b = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b"}, rebalance_interval_s=5.0, reassignment_cost_s=0.0)
+    b.set_demand_hint("a", 100)
+    b.set_demand_hint("b", 10_000)
+    assert len(b.maybe_rebalance(0.0)) == 1  # a keeps its last replica: it has demand
+    b.set_demand_hint("a", 0)
+    assert b.maybe_rebalance(1.0) == []  # within the interval
+    assert len(b.maybe_rebalance(5.0)) == 1  # a has no demand now: its last replica moves
+    assert b.replica_counts() == {"a": 0, "b": 3}
+
+
+def test_move_drains_then_loads_then_serves_queued() -> None:
+    b = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b"}, reassignment_cost_s=0.0)
+    running = b.submit("a", 10)
+    assert running.replica_id == "r0"
+    b.set_demand_hint("b", 100_000)
+    (move,) = b.rebalance(now_s=0.0)
+    assert move.replica_id in {"r0", "r1"}
+    views = {v.replica_id: v for v in b.replicas()}
+    moved = views[move.replica_id]
+    if move.replica_id == "r0":
+        assert moved.phase is ReplicaPhase.DRAINING
+        b.finish(running.request_id)
+    assert [m.replica_id for m in b.replicas_awaiting_load()] == [move.replica_id]
+    b.begin_load(move.replica_id)
+    with pytest.raises(FailedPrecondition):
+        b.begin_load(move.replica_id)
+    b.complete_load(move.replica_id)
+    assert {v.replica_id: v.model_key for v in b.replicas()}[move.replica_id] == "b"
+
+
+def test_starved_group_gets_a_replica_regardless_of_hysteresis() -> None:
+    b = make({"r0": "a", "r1": "a"}, {"a": "a", "b": "b"}, hysteresis=0.9, reassignment_cost_s=1e9)
+    b.set_demand_hint("a", 1_000_000)
+    waiting = b.submit("b", 5)
+    assert waiting.replica_id is None
+    moves = b.maybe_rebalance(now_s=0.0)
+    assert [(m.to_model_key) for m in moves] == ["b"]
+    (pending,) = b.replicas_awaiting_load()
+    b.complete_load(pending.replica_id)
+    placed = b.place_queued()
+    assert [t.request_id for t in placed] == [waiting.request_id]
+    assert placed[0].replica_id == pending.replica_id
+
+
+def test_shared_base_model_agents_share_replicas() -> None:
+    b = make({"r0": "base", "r1": "other"}, {"a": "base", "b": "base", "c": "other"})
+    assert b.submit("a", 5).replica_id == "r0"
+    assert b.submit("b", 5).replica_id == "r0"
+    assert b.replica_counts() == {"base": 1, "other": 1}
+
+
+def test_token_estimator_starts_pessimistic_and_learns() -> None:
+    est = TokenEstimator(prefill_token_weight=0.0, ema_alpha=0.5)
+    assert est.estimate("a", 100, max_new_tokens=64) == 64
+    est.observe("a", 16)
+    assert est.estimate("a", 100, max_new_tokens=64) == 40
+    assert est.estimate("a", 100, max_new_tokens=64, n=4) == 160
+
+
+def test_equal_split_deals_replicas() -> None:
+    specs = equal_split(["r0", "r1", "r2"], ["y", "x"])
+    assert [(s.replica_id, s.model_key) for s in specs] == [("r0", "x"), ("r1", "y"), ("r2", "x")]
+
+
+def test_simulation_is_deterministic() -> None:
+    workload = skewed_workload(seed=3, tasks=8)
+    assert simulate(workload, "hierarchical") == simulate(workload, "hierarchical")
+
+
+def test_hierarchical_beats_round_robin_and_static_on_skewed_workload() -> None:
+    workload = skewed_workload(seed=0)
+    tokens = workload.tokens_per_agent()
+    assert tokens["solver"] >= 10 * tokens["planner"]  # clearly skewed
+    results = compare(workload)
+    print("\n" + format_table(list(results.values())))
+    hierarchical = results["hierarchical"]
+    assert hierarchical.makespan_s < 0.9 * results["round-robin"].makespan_s
+    assert hierarchical.makespan_s < 0.9 * results["static"].makespan_s
+    assert hierarchical.utilisation > results["static"].utilisation
+    assert hierarchical.reassignments > 0

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flexmarl.errors import DataLoss, InvalidArgument
+from flexmarl.jobspec import load_job_spec
+from flexmarl.tiny import build_tiny_tokenizer
+from rolloutd.episode import (
+    EpisodeContext,
+    GenerationOutput,
+    HFTokenizer,
+    TurnRequest,
+    episode_rng,
+    load_environment,
+    load_tokenizers,
+    task_rng,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))  # examples/ is not an installed package
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    build_tiny_tokenizer(path)
+    return path
+
+
+class ByteTokenizer:
+    """Token id == byte; chat = 'role:content|' joined + 'assistant:'."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def render_chat(self, messages: Sequence[Any]) -> list[int]:
+        return self.encode("".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+
+def scripted_ctx(
+    replies: dict[str, list[str]], agents: Sequence[str] = ("a", "b")
+) -> tuple[EpisodeContext, list[TurnRequest]]:
+    seen: list[TurnRequest] = []
+
+    async def sampler(index: int, request: TurnRequest) -> GenerationOutput:
+        seen.append(request)
+        ids = tuple(replies[request.agent].pop(0).encode())
+        return GenerationOutput(ids, tuple(-0.5 for _ in ids), "stop", 3)
+
+    tok = ByteTokenizer()
+    ctx = EpisodeContext(
+        agents={a: tok for a in agents},
+        sampling_defaults={a: {"temperature": 1.0, "max_new_tokens": 4} for a in agents},
+        sample_index=2,
+        rng=random.Random(0),
+        sampler=sampler,
+    )
+    return ctx, seen
+
+
+async def test_generate_records_turns_and_merges_sampling() -> None:
+    ctx, seen = scripted_ctx({"a": ["hi", "yo"], "b": ["ok"]})
+    first = await ctx.generate("a", "x=")
+    second = await ctx.generate("a", [{"role": "user", "content": "q"}], max_new_tokens=1)
+    third = await ctx.generate("b", [5, 6, 7], temperature=0.0)
+    assert (first.text, second.text, third.text) == ("hi", "yo", "ok")
+    assert first.prompt_token_ids == tuple(b"x=")
+    assert second.prompt_token_ids == tuple(b"user:q|assistant:")
+    assert seen[1].sampling == {"temperature": 1.0, "max_new_tokens": 1}
+    assert seen[2].sampling == {"temperature": 0.0, "max_new_tokens": 4}
+    assert [(t.agent, t.turn) for t in ctx.turns()] == [("a", 0), ("a", 1), ("b", 0)]
+    assert ctx.turns()[0].response_logprobs == (-0.5, -0.5)
+    assert ctx.turns()[0].behavior_version == 3
+
+
+async def test_rewards_sum_into_the_episode_return() -> None:
+    ctx, _ = scripted_ctx({})
+    ctx.reward("a", 1)
+    ctx.reward("a", 0.5)
+    ctx.reward("b", -1.0)
+    assert ctx.returns() == {"a": 1.5, "b": -1.0}
+    with pytest.raises(InvalidArgument):
+        ctx.reward("a", float("nan"))
+    with pytest.raises(InvalidArgument):
+        ctx.reward("zed", 1.0)
+
+
+async def test_generate_rejects_bad_input() -> None:
+    ctx, _ = scripted_ctx({"a": ["x"]})
+    with pytest.raises(InvalidArgument):
+        await ctx.generate("zed", "x")
+    with pytest.raises(InvalidArgument):
+        await ctx.generate("a", "x", n=4)
+    with pytest.raises(InvalidArgument):
+        await ctx.generate("a", "")
+    with pytest.raises(InvalidArgument):
+        await ctx.generate("a", [{"role": "user"}])
+
+
+async def test_mismatched_logprobs_are_rejected() -> None:
+    async def sampler(index: int, request: TurnRequest) -> GenerationOutput:
+        return GenerationOutput((1, 2), (-0.1,), "stop", 0)
+
+    ctx = EpisodeContext(
+        agents={"a": ByteTokenizer()}, sampling_defaults={}, sample_index=0, rng=random.Random(0), sampler=sampler
+    )
+    with pytest.raises(DataLoss):
+        await ctx.generate("a", "x")
+
+
+def test_seeded_streams_are_deterministic() -> None:
+    assert task_rng(3, 7).random() == task_rng(3, 7).random()
+    assert task_rng(3, 7).random() != task_rng(4, 7).random()
+    assert episode_rng(7, 3, 0).random() != episode_rng(7, 3, 1).random()
+
+
+def test_hf_tokenizer_renders_chat_template(tokenizer_dir: Path) -> None:
+    tok = HFTokenizer(str(tokenizer_dir))
+    assert tok.encode("ab") == [97, 98]
+    ids = tok.render_chat([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "user\nhi\nassistant\n"
+    assert ids[0] >= 256  # <|im_start|>
+    tokenizers = load_tokenizers({"a": str(tokenizer_dir), "b": str(tokenizer_dir)})
+    assert tokenizers["a"] is tokenizers["b"]
+
+
+def test_load_environment_errors(repo_on_path: None) -> None:
+    with pytest.raises(InvalidArgument):
+        load_environment("no-colon")
+    with pytest.raises(InvalidArgument):
+        load_environment("examples.signaling.env:Nope")
+    with pytest.raises(InvalidArgument):
+        load_environment("examples.signaling.env:OBJECTS")
+    with pytest.raises(InvalidArgument):
+        load_environment("examples.signaling.env:SignalingGame", {"bogus": 1, "num_objects": "x"})
+
+
+def test_example_tasks_are_deterministic(repo_on_path: None) -> None:
+    game = load_environment("examples.signaling.env:SignalingGame", {"num_objects": 4})
+    assert game.agents == ("sender", "receiver")
+    assert game.task(5, 0) == game.task(5, 0)
+    targets = {game.task(i, 0).data["target"] for i in range(40)}
+    assert targets == {0, 1, 2, 3}
+    flow = load_environment("examples.workflow.env:ArithmeticWorkflow")
+    task = flow.task(1, 0)
+    a, b = (int(x) for x in task.data["problem"].split("+"))
+    assert task.data["answer"] == a + b
+
+
+async def test_signaling_episode_rewards_a_correct_answer(repo_on_path: None) -> None:
+    game = load_environment("examples.signaling.env:SignalingGame")
+    task = game.task(0, 0)
+    target = task.data["target"]
+    ctx, seen = scripted_ctx({"sender": ["Z"], "receiver": [str(target)]}, agents=game.agents)
+    await game.episode(ctx, task)
+    assert ctx.returns() == {"sender": 1.0, "receiver": 1.0}
+    assert bytes(seen[1].input_ids).endswith(b"msg:Z>")
+    assert seen[0].sampling["max_new_tokens"] == 1 and seen[1].sampling["max_new_tokens"] == 1
+    ctx, _ = scripted_ctx({"sender": ["Z"], "receiver": [str((target + 1) % 4)]}, agents=game.agents)
+    await game.episode(ctx, task)
+    assert ctx.returns() == {"sender": 0.0, "receiver": 0.0}
+
+
+async def test_workflow_episode_rewards(repo_on_path: None) -> None:
+    from examples.workflow.env import closeness, last_integer
+
+    assert last_integer("so 3 then 12") == 12 and last_integer("none") is None
+    assert closeness(12, 12) == 1.0 and closeness(7, 12) == 0.5 and closeness(None, 1) == 0.0
+    flow = load_environment("examples.workflow.env:ArithmeticWorkflow")
+    task = flow.task(0, 0)
+    answer = task.data["answer"]
+    ctx, seen = scripted_ctx(
+        {"planner": ["add"], "solver": [f"sum is {answer}"], "verifier": ["Y"]}, agents=flow.agents
+    )
+    await flow.episode(ctx, task)
+    assert ctx.returns() == {"planner": 1.0, "solver": 1.0, "verifier": 1.0}
+    assert [r.sampling["max_new_tokens"] for r in seen] == [4, 40, 1]
+
+
+def test_example_job_specs_validate() -> None:
+    for name in ("signaling/job.yaml", "workflow/job.yaml", "gpu/signaling.yaml", "gpu/workflow.yaml"):
+        spec = load_job_spec(REPO_ROOT / "examples" / name)
+        assert spec.environment.entrypoint.startswith("examples.")
