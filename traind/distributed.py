@@ -1,0 +1,63 @@
+"""Process-group setup for traind: one call before building engines.
+
+DeepSpeed chooses the backend from the accelerator (gloo or ccl on CPU, NCCL
+on CUDA); nothing here names a backend. A single process with no launcher
+environment gets a world of one on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import deepspeed
+import deepspeed.comm as dist
+
+logger = logging.getLogger(__name__)
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_distributed(rank: int | None = None, world_size: int | None = None) -> None:
+    """Initialises DeepSpeed's process group once per process.
+
+    With ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` in the environment
+    (torchrun, or a parent that set them) those are used; otherwise this process
+    becomes a world of one on a free loopback port.
+
+    Args:
+        rank: overrides ``RANK`` when given.
+        world_size: overrides ``WORLD_SIZE`` when given.
+    """
+    if dist.is_initialized():
+        return
+    if rank is not None:
+        os.environ["RANK"] = str(rank)
+    if world_size is not None:
+        os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_loopback_port())
+    logger.info(
+        "initialising process group rank=%s world=%s at %s:%s",
+        os.environ["RANK"],
+        os.environ["WORLD_SIZE"],
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
+    deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False)
+
+
+def shutdown_distributed() -> None:
+    """Destroys the process group so that the process can initialise a new one (DESIGN §5)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

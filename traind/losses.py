@@ -1,0 +1,215 @@
+"""Policy-gradient losses for traind: GRPO advantages, PPO-clip, k3 KL, aggregation.
+
+Every loss here is returned as a *sum* (over tokens for ``token-mean``, over
+sequences for ``seq-mean``). The step normaliser (total response tokens or
+total sequences of the step) is applied once, to the accumulated gradient,
+right before the optimizer step. That is what makes the gradient of a step
+independent of how its groups were cut into micro-batches (DESIGN §3):
+``g = (1/N) * sum_m grad(L_m)`` where every ``L_m`` is a plain sum and ``N`` is
+fixed for the whole step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from flexmarl.errors import InvalidArgument
+
+# Overflow guard only: exp(20) ~ 4.9e8 is far beyond any ratio the clip lets through.
+LOG_RATIO_LIMIT = 20.0
+
+
+class LossAggregation(enum.StrEnum):
+    """How per-token losses become the step loss."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN = "seq-mean"
+
+
+class AdvantageNorm(enum.StrEnum):
+    """How GRPO normalises returns within a group."""
+
+    STD = "std"
+    MEAN = "mean"
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """Hyper-parameters of the clipped policy loss.
+
+    Attributes:
+        clip_eps_low: lower PPO clip, the ratio is clipped to ``1 - clip_eps_low``.
+        clip_eps_high: upper PPO clip, ``1 + clip_eps_high``.
+        dual_clip: hard cap ``c`` for negative advantages (dual-clip PPO): the loss of a
+            token with ``A < 0`` is at most ``-c * A``, so a very stale sample whose ratio
+            exploded cannot dominate the step. ``0`` disables it; must be ``> 1`` otherwise.
+        kl_coef: weight of the k3 KL estimate to the frozen reference policy.
+        loss_agg: token-level or sequence-level aggregation.
+    """
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: float = 3.0
+    kl_coef: float = 0.0
+    loss_agg: LossAggregation = LossAggregation.TOKEN_MEAN
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.clip_eps_low < 1.0) or self.clip_eps_high < 0.0:
+            raise InvalidArgument(f"clip eps must be in [0, 1): {self.clip_eps_low}, {self.clip_eps_high}")
+        if self.dual_clip != 0.0 and self.dual_clip <= 1.0:
+            raise InvalidArgument(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+        if self.kl_coef < 0.0:
+            raise InvalidArgument(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+def group_advantages(
+    returns: Sequence[float], norm: AdvantageNorm = AdvantageNorm.STD, eps: float = 1e-6
+) -> list[float]:
+    """GRPO advantages of one group of episode returns.
+
+    ``std``: ``(R_i - mean) / (std + eps)`` with the unbiased (n - 1) standard
+    deviation, as in DeepSeekMath's GRPO; ``mean``: ``R_i - mean``. A group of one
+    has zero advantage (nothing to compare against).
+
+    Args:
+        returns: the episode returns of one group (one task, one agent).
+        norm: ``std`` or ``mean``.
+        eps: added to the standard deviation; a group with equal returns gets zeros.
+
+    Returns:
+        One advantage per return, in the same order.
+    """
+    count = len(returns)
+    if count == 0:
+        return []
+    mean = math.fsum(returns) / count
+    centred = [r - mean for r in returns]
+    if norm is AdvantageNorm.MEAN or count == 1:
+        return centred if count > 1 else [0.0]
+    std = math.sqrt(math.fsum(c * c for c in centred) / (count - 1))
+    return [c / (std + eps) for c in centred]
+
+
+def grouped_advantages(
+    returns_by_group: Mapping[str, Mapping[int, float]],
+    norm: AdvantageNorm = AdvantageNorm.STD,
+    eps: float = 1e-6,
+) -> dict[tuple[str, int], float]:
+    """Advantages for several complete groups at once.
+
+    Args:
+        returns_by_group: group id -> (sample index -> episode return).
+        norm: ``std`` or ``mean``.
+        eps: see :func:`group_advantages`.
+
+    Returns:
+        (group id, sample index) -> advantage.
+    """
+    out: dict[tuple[str, int], float] = {}
+    for gid, by_sample in returns_by_group.items():
+        samples = sorted(by_sample)
+        advs = group_advantages([by_sample[s] for s in samples], norm, eps)
+        out.update({(gid, s): a for s, a in zip(samples, advs, strict=True)})
+    return out
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref): ``exp(d) - d - 1`` with ``d = ref - logp``.
+
+    Unbiased for samples from pi_theta, always >= 0 (Schulman, "Approximating KL divergence").
+    """
+    delta = (ref_logprobs - logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return torch.exp(delta) - delta - 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossTerms:
+    """Per-token terms of the policy loss (``[batch, tokens]``, zero where masked)."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    kl: torch.Tensor
+
+
+def policy_loss_per_token(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: PolicyLossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+) -> PolicyLossTerms:
+    """Decoupled PPO-clip per-token loss with the behaviour policy as proximal policy.
+
+    ``r = exp(clamp(logp - logp_behaviour, ±20))``;
+    ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
+    for ``A < 0`` additionally ``l = min(l, -c A)`` (dual clip); plus ``kl_coef * k3``.
+
+    Args:
+        logprobs: ``[B, T]`` logprobs of the response tokens under the current policy.
+        behavior_logprobs: ``[B, T]`` logprobs recorded by the policy that sampled them.
+        advantages: ``[B]`` (per sequence) or ``[B, T]``.
+        mask: ``[B, T]``, 1 for real response tokens.
+        config: clip and KL settings.
+        ref_logprobs: ``[B, T]`` logprobs under the frozen reference, needed when ``kl_coef > 0``.
+
+    Returns:
+        The per-token loss, ratio, clipped indicator and KL, each masked.
+    """
+    if config.kl_coef > 0.0 and ref_logprobs is None:
+        raise InvalidArgument("kl_coef > 0 needs reference logprobs")
+    mask_f = mask.to(logprobs.dtype)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
+    adv = adv.to(logprobs.dtype)
+    log_ratio = (logprobs - behavior_logprobs.to(logprobs.dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    unclipped_loss = -adv * ratio
+    clipped_loss = -adv * clipped_ratio
+    loss = torch.maximum(unclipped_loss, clipped_loss)
+    clipped = (clipped_loss > unclipped_loss).to(logprobs.dtype)
+    if config.dual_clip > 0.0:
+        cap = -adv * config.dual_clip
+        capped = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+        clipped = torch.where(capped, torch.ones_like(clipped), clipped)
+    if ref_logprobs is not None and config.kl_coef > 0.0:
+        kl = k3_kl(logprobs, ref_logprobs.to(logprobs.dtype))
+        loss = loss + config.kl_coef * kl
+    else:
+        kl = torch.zeros_like(loss)
+    return PolicyLossTerms(
+        loss=loss * mask_f,
+        ratio=ratio.detach() * mask_f,
+        clipped=clipped.detach() * mask_f,
+        kl=kl.detach() * mask_f,
+    )
+
+
+def aggregate_sum(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: LossAggregation) -> torch.Tensor:
+    """Sums a masked per-token loss for a micro-batch, before the step normaliser.
+
+    ``token-mean``: the sum over all response tokens (step normaliser: step tokens).
+    ``seq-mean``: the sum over sequences of each sequence's token mean (step
+    normaliser: step sequences). A sequence with no tokens contributes 0.
+    """
+    mask_f = mask.to(per_token.dtype)
+    masked = per_token * mask_f
+    if loss_agg is LossAggregation.TOKEN_MEAN:
+        return masked.sum()
+    lengths = mask_f.sum(dim=-1).clamp(min=1.0)
+    return (masked.sum(dim=-1) / lengths).sum()
+
+
+def step_normaliser(loss_agg: LossAggregation, step_response_tokens: int, step_sequences: int) -> int:
+    """The fixed denominator of a whole step for an aggregation mode."""
+    value = step_response_tokens if loss_agg is LossAggregation.TOKEN_MEAN else step_sequences
+    if value <= 0:
+        raise InvalidArgument(f"step normaliser for {loss_agg.value} must be > 0, got {value}")
+    return value
