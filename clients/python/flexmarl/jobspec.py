@@ -1,0 +1,315 @@
+"""The job spec shared by the SDK/CLI and orchestratord.
+
+A job spec is YAML or JSON; :func:`load_job_spec` parses and validates it and
+raises :class:`flexmarl.errors.InvalidArgument` with one line per problem,
+each naming the field path and the reason, e.g.
+``batch.micro_batch_size: must be a multiple of batch.group_size (4), got 6``.
+Unknown keys are rejected everywhere so that a typo never silently falls back
+to a default.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from flexmarl.errors import InvalidArgument
+
+AGENT_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
+JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+# "package.module:attr.sub" — the environment class or factory to load.
+_DOTTED_NAME = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+ENTRYPOINT_PATTERN = rf"^{_DOTTED_NAME}:{_DOTTED_NAME}$"
+MAX_AGENTS = 64
+MAX_TOTAL_STEPS = 10_000_000
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeFloat = Annotated[float, Field(ge=0.0)]
+
+
+class _SpecModel(BaseModel):
+    """Base: unknown keys rejected, no silent coercion of strings to numbers, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class EnvironmentSpec(_SpecModel):
+    """The environment class and its constructor kwargs."""
+
+    entrypoint: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, value: str) -> str:
+        if not re.match(ENTRYPOINT_PATTERN, value):
+            raise ValueError(f"must have the form 'package.module:attr', got {value!r}")
+        return value
+
+
+class SamplingSpec(_SpecModel):
+    """Sampling parameters of an agent's generations."""
+
+    temperature: NonNegativeFloat = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: int = -1
+    max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"must be -1 (off) or >= 1, got {value}")
+        return value
+
+
+class OptimizerSpec(_SpecModel):
+    """Optimizer of an agent."""
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: Annotated[float, Field(gt=0.0)] = 1.0e-5
+    betas: Annotated[list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)] = Field(
+        default_factory=lambda: [0.9, 0.999]
+    )
+    eps: Annotated[float, Field(gt=0.0)] = 1.0e-8
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: NonNegativeFloat = 1.0
+
+
+class AgentSpec(_SpecModel):
+    """One agent: its own policy, sampling and optimizer."""
+
+    name: Annotated[str, Field(pattern=AGENT_NAME_PATTERN)]
+    model: Annotated[str, Field(min_length=1)]
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    zero_stage: Annotated[int, Field(ge=0, le=3)] = 0
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    max_slots: Annotated[int, Field(ge=1, le=1024)] = 1
+
+
+class AlgorithmSpec(_SpecModel):
+    """The RL algorithm and its loss options."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    clip_eps: Annotated[float, Field(gt=0.0)] = 0.2
+    kl_coef: NonNegativeFloat = 0.0
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    advantage_norm: Literal["std", "mean"] = "std"
+
+
+class BatchSpec(_SpecModel):
+    """Sizes of one step: tasks (prompts), episodes per task, episodes per micro-batch."""
+
+    prompts_per_step: PositiveInt
+    group_size: PositiveInt
+    micro_batch_size: PositiveInt
+
+    @property
+    def episodes_per_step(self) -> int:
+        """Episodes (samples) per rollout batch: B in the admission rule."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def groups_per_micro_batch(self) -> int:
+        """Complete groups (tasks) per micro-batch."""
+        return self.micro_batch_size // self.group_size
+
+
+class PipelineSpec(_SpecModel):
+    """Pipeline mode and staleness bound."""
+
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+
+
+class LeaseSpec(_SpecModel):
+    """Lease timeouts of rollout tasks and trainer work."""
+
+    rollout_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 60.0
+    train_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 120.0
+
+
+class JobSpec(_SpecModel):
+    """A whole FlexMARL job."""
+
+    name: Annotated[str, Field(pattern=JOB_NAME_PATTERN)]
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    environment: EnvironmentSpec
+    agents: Annotated[list[AgentSpec], Field(min_length=1, max_length=MAX_AGENTS)]
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    batch: BatchSpec
+    total_steps: Annotated[int, Field(ge=1, le=MAX_TOTAL_STEPS)]
+    pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    leases: LeaseSpec = Field(default_factory=LeaseSpec)
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> JobSpec:
+        problems = _cross_field_problems(self)
+        if problems:
+            # One error whose lines already carry their own field paths.
+            raise PydanticCustomError("job_spec", "\n".join(problems))
+        return self
+
+    @property
+    def agent_names(self) -> tuple[str, ...]:
+        """Agent names in spec order."""
+        return tuple(agent.name for agent in self.agents)
+
+    def agent(self, name: str) -> AgentSpec:
+        """The spec of one agent; raises InvalidArgument for an unknown name."""
+        for agent in self.agents:
+            if agent.name == name:
+                return agent
+        raise InvalidArgument(f"agents: no agent named {name!r}")
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, defaults filled in): what the SDK sends and orchestratord stores."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def _cross_field_problems(spec: JobSpec) -> list[str]:
+    problems: list[str] = []
+    batch = spec.batch
+    if spec.algorithm.name == "grpo" and batch.group_size < 2:
+        problems.append(f"batch.group_size: must be >= 2 for algorithm grpo (a group needs a baseline), "
+                        f"got {batch.group_size}")
+    if batch.micro_batch_size % batch.group_size:
+        problems.append(f"batch.micro_batch_size: must be a multiple of batch.group_size ({batch.group_size}), "
+                        f"got {batch.micro_batch_size}")
+    if batch.micro_batch_size > batch.episodes_per_step:
+        problems.append(f"batch.micro_batch_size: must be <= batch.prompts_per_step * batch.group_size "
+                        f"({batch.episodes_per_step}), got {batch.micro_batch_size}")
+    seen: dict[str, int] = {}
+    for index, agent in enumerate(spec.agents):
+        if agent.name in seen:
+            problems.append(f"agents[{index}].name: duplicate agent name {agent.name!r} "
+                            f"(also agents[{seen[agent.name]}])")
+        else:
+            seen[agent.name] = index
+    return problems
+
+
+def _format_location(loc: tuple[int | str, ...]) -> str:
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else part
+    return text
+
+
+_BOUND_WORDS = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+
+
+def _describe(detail: Any) -> str:
+    """One readable reason for one pydantic error."""
+    kind = str(detail["type"])
+    ctx = detail.get("ctx") or {}
+    got = detail.get("input")
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field missing"
+    if kind == "value_error":
+        return str(ctx.get("error", detail["msg"]))
+    if kind == "string_pattern_mismatch":
+        return f"must match {ctx['pattern']}, got {got!r}"
+    if kind == "string_too_short":
+        return "must not be empty"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}, got {got!r}"
+    if kind in _BOUND_WORDS:
+        key, word = _BOUND_WORDS[kind]
+        return f"must be {word} {ctx[key]}, got {got!r}"
+    if kind == "too_short":
+        return f"must have at least {ctx['min_length']} items, got {ctx['actual_length']}"
+    if kind == "too_long":
+        return f"must have at most {ctx['max_length']} items, got {ctx['actual_length']}"
+    if kind in _TYPE_WORDS:
+        return f"must be {_TYPE_WORDS[kind]}, got {got!r}"
+    return f"{detail['msg']}, got {got!r}"
+
+
+def _format_errors(error: ValidationError) -> list[str]:
+    lines: list[str] = []
+    for detail in error.errors(include_url=False):
+        if detail["type"] == "job_spec":
+            lines.extend(str(detail["msg"]).splitlines())
+            continue
+        path = _format_location(tuple(detail["loc"]))
+        reason = _describe(detail)
+        lines.append(f"{path}: {reason}" if path else reason)
+    return lines
+
+
+def parse_job_spec(data: Any) -> JobSpec:
+    """Validates a decoded spec (a mapping); raises InvalidArgument with one line per problem."""
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(f"job spec: must be a mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(dict(data))
+    except ValidationError as error:
+        raise InvalidArgument("\n".join(_format_errors(error))) from None
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-3`` as a float (YAML 1.2) rather than a string (YAML 1.1)."""
+
+
+_SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_job_spec(text_or_path: str | Path) -> JobSpec:
+    """Loads a job spec from YAML/JSON text or from a file path.
+
+    A :class:`~pathlib.Path`, or a string without a newline that names an
+    existing file, is read as a file; anything else is parsed as text. JSON is
+    a subset of YAML, so one parser handles both.
+
+    Raises:
+        InvalidArgument: the text does not parse or the spec is invalid.
+    """
+    text: str
+    if isinstance(text_or_path, Path) or ("\n" not in text_or_path and Path(text_or_path).is_file()):
+        path = Path(text_or_path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as error:
+            raise InvalidArgument(f"job spec: cannot read {str(path)!r}: {error.strerror}") from None
+    else:
+        text = text_or_path
+    try:
+        data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        raise InvalidArgument(f"job spec: not valid YAML/JSON: {error}".replace("\n", " ")) from None
+    return parse_job_spec(data)

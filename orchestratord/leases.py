@@ -1,0 +1,137 @@
+"""Leases: time-bounded grants of a piece of work (a rollout task, a micro-batch) to one worker.
+
+A lease is active until it is released (its work was reported), expired (its
+deadline passed) or revoked (its holder died). Only an active lease held by the
+caller may be renewed, reported or acked; a lease that ended is remembered so
+that a late report gets FAILED_PRECONDITION ("expired") rather than NOT_FOUND
+("never existed"), until the planner forgets it (:meth:`LeaseTable.forget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+from collections.abc import Callable, Iterable
+
+from flexmarl.errors import FailedPrecondition, NotFound
+
+
+class LeaseKind(enum.Enum):
+    """What a lease grants."""
+
+    ROLLOUT_TASK = "task"
+    MICRO_BATCH = "mb"
+
+
+class LeaseStatus(enum.Enum):
+    """Lifecycle of one lease."""
+
+    ACTIVE = "active"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+
+
+@dataclasses.dataclass
+class Lease:
+    """One grant. ``subject`` names the work (task id, or step id + micro-batch index)."""
+
+    lease_id: str
+    kind: LeaseKind
+    holder: str
+    subject: str
+    timeout_s: float
+    deadline_s: float
+    status: LeaseStatus = LeaseStatus.ACTIVE
+    end_reason: str = ""
+
+
+class LeaseTable:
+    """Every lease of one job, with expiry by deadline."""
+
+    def __init__(self, now_s: Callable[[], float], id_prefix: str) -> None:
+        self._now_s = now_s
+        self._id_prefix = id_prefix
+        self._next_number = 0
+        self._leases: dict[str, Lease] = {}
+        self._deadlines: list[tuple[float, str]] = []  # min-heap, lazily cleaned
+
+    def issue(self, kind: LeaseKind, holder: str, subject: str, timeout_s: float) -> Lease:
+        """Grants a new lease that ends ``timeout_s`` from now."""
+        self._next_number += 1
+        lease_id = f"{self._id_prefix}{kind.value}-{self._next_number}"
+        lease = Lease(lease_id, kind, holder, subject, timeout_s, self._now_s() + timeout_s)
+        self._leases[lease_id] = lease
+        heapq.heappush(self._deadlines, (lease.deadline_s, lease_id))
+        return lease
+
+    def get(self, lease_id: str) -> Lease | None:
+        """The lease with this id, in any status, or None."""
+        return self._leases.get(lease_id)
+
+    def require_active(self, lease_id: str, holder: str, kind: LeaseKind) -> Lease:
+        """The active lease ``lease_id`` held by ``holder``.
+
+        Raises:
+            NotFound: no such lease (never issued, forgotten, or issued before a restart).
+            FailedPrecondition: the lease ended, is held by another worker, or its deadline passed.
+        """
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind is not kind:
+            raise NotFound(f"lease {lease_id!r} not found")
+        if lease.status is not LeaseStatus.ACTIVE:
+            raise FailedPrecondition(f"lease {lease_id!r} is no longer held ({lease.status.value}: "
+                                     f"{lease.end_reason})")
+        if lease.holder != holder:
+            raise FailedPrecondition(f"lease {lease_id!r} is held by {lease.holder!r}, not {holder!r}")
+        if self._now_s() > lease.deadline_s:
+            raise FailedPrecondition(f"lease {lease_id!r} expired")
+        return lease
+
+    def renew(self, lease: Lease) -> float:
+        """Extends an active lease by its timeout from now; returns the new deadline."""
+        lease.deadline_s = self._now_s() + lease.timeout_s
+        heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
+        return lease.deadline_s
+
+    def end(self, lease: Lease, status: LeaseStatus, reason: str) -> None:
+        """Ends a lease (no-op when it already ended)."""
+        if lease.status is LeaseStatus.ACTIVE:
+            lease.status = status
+            lease.end_reason = reason
+
+    def due(self) -> list[Lease]:
+        """Active leases whose deadline has passed (not ended here: the caller decides what follows)."""
+        now_s = self._now_s()
+        found: list[Lease] = []
+        while self._deadlines and self._deadlines[0][0] < now_s:
+            deadline_s, lease_id = heapq.heappop(self._deadlines)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.status is not LeaseStatus.ACTIVE:
+                continue
+            if lease.deadline_s != deadline_s:
+                continue  # renewed: a later heap entry holds its deadline
+            found.append(lease)
+        return found
+
+    def active(self, kind: LeaseKind | None = None) -> list[Lease]:
+        """Active leases, optionally of one kind."""
+        return [lease for lease in self._leases.values()
+                if lease.status is LeaseStatus.ACTIVE and (kind is None or lease.kind is kind)]
+
+    def all(self) -> list[Lease]:
+        """Every remembered lease, in any status."""
+        return list(self._leases.values())
+
+    def held_by(self, holder: str) -> list[Lease]:
+        """Active leases of one worker."""
+        return [lease for lease in self._leases.values()
+                if lease.status is LeaseStatus.ACTIVE and lease.holder == holder]
+
+    def forget(self, lease_ids: Iterable[str]) -> None:
+        """Drops ended leases from memory (their late reports then get NOT_FOUND)."""
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.status is not LeaseStatus.ACTIVE:
+                del self._leases[lease_id]

@@ -1,0 +1,384 @@
+"""Durable job state of orchestratord: what survives an orchestrator restart.
+
+The planner (``orchestratord.planner``) is pure and synchronous: it never does
+I/O. Every change that must survive a restart is appended to its outbox as a
+:data:`StateChange`; the daemon wiring takes them (``JobPlanner.take_changes``)
+and applies them to a :class:`StateStore` with :func:`apply_changes` *before*
+answering the RPC that caused them (under the same lock as the planner call),
+so nothing another caller can observe is ever ahead of the durable state.
+
+Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
+
+    jobs/<job>/spec                               canonical spec JSON            (create-only)
+    jobs/<job>/state                              {"state", "error", "created_s", "updated_s"}
+    jobs/<job>/agents/<agent>/version             {"version", "weights_uri", "state_uri", "updated_s"}
+                                                  (compare-and-swap on "version"; a swap-out
+                                                  rewrites "state_uri" of the same version)
+    jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
+    jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
+
+Soft state is not persisted: leases in flight (re-issued after a restart),
+agent-to-slot bindings (re-derived from the slots' next polls), micro-batch
+composition (re-formed from the manifest). Reported experiences live in
+stored; the wiring lists them on restart and hands them to
+``JobPlanner.recover``.
+
+An etcd implementation (the lead's) maps each method onto the keys above with
+one transaction each; :class:`InMemoryStateStore` is the reference semantics
+and ``tests/orchestratord/test_state.py`` the contract both must pass.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from flexmarl.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+
+
+class JobState(enum.IntEnum):
+    """Lifecycle of a job (values equal the proto enum ``JobState``)."""
+
+    PENDING = 1
+    RUNNING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+    CANCELLED = 5
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the job has ended."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepManifest:
+    """The exact membership of step ``step`` of one agent, fixed before its commit.
+
+    ``experience_ids`` is sorted: the manifest depends only on which tasks form
+    rollout batch ``step``, never on the order their reports arrived.
+    """
+
+    job_id: str
+    agent: str
+    step: int
+    experience_ids: tuple[str, ...]
+    step_episodes: int
+    step_response_tokens: int
+
+    def to_json(self) -> str:
+        """Stable JSON encoding."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> StepManifest:
+        """Decodes :meth:`to_json`."""
+        data = json.loads(text)
+        data["experience_ids"] = tuple(data["experience_ids"])
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCommit:
+    """An optimizer step of one agent that committed: version ``step`` became ``step + 1``."""
+
+    job_id: str
+    agent: str
+    step: int
+    weights_uri: str
+    state_uri: str
+    slot_id: str
+    committed_s: float
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    step_seconds: float = 0.0
+
+    @property
+    def new_version(self) -> int:
+        """The version this commit produced."""
+        return self.step + 1
+
+    def to_json(self) -> str:
+        """Stable JSON encoding."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> StepCommit:
+        """Decodes :meth:`to_json`."""
+        return cls(**json.loads(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentVersionRecord:
+    """The committed version of one agent and where its weights and full state are."""
+
+    version: int = 0
+    weights_uri: str = ""
+    state_uri: str = ""
+    updated_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistedJob:
+    """Everything durable about one job: the input of ``JobPlanner.restore``."""
+
+    job_id: str
+    spec_json: str
+    state: JobState
+    error: str
+    created_s: float
+    updated_s: float
+    agents: dict[str, AgentVersionRecord]
+    manifests: dict[tuple[str, int], StepManifest]
+    commits: dict[tuple[str, int], StepCommit]
+
+
+# ---- changes emitted by the planner --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class JobCreated:
+    """A job was accepted."""
+
+    job_id: str
+    spec_json: str
+    agents: tuple[str, ...]
+    created_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStateChanged:
+    """A job moved to another state."""
+
+    job_id: str
+    state: JobState
+    error: str
+    updated_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ManifestFixed:
+    """A step's membership became final."""
+
+    manifest: StepManifest
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCommitted:
+    """An agent's optimizer step committed (its version advanced by one)."""
+
+    commit: StepCommit
+
+
+@dataclasses.dataclass(frozen=True)
+class StateMoved:
+    """An agent's training state at its committed ``version`` was saved elsewhere (swap-out)."""
+
+    job_id: str
+    agent: str
+    version: int
+    state_uri: str
+    updated_s: float
+
+
+StateChange = JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved
+
+
+# ---- key layout ------------------------------------------------------------------------------------
+
+
+def job_key(prefix: str, job_id: str, *parts: str) -> str:
+    """``<prefix>/jobs/<job>/<parts...>``: the etcd key of a piece of job state."""
+    return "/".join([prefix.rstrip("/"), "jobs", job_id, *parts])
+
+
+def agent_version_key(prefix: str, job_id: str, agent: str) -> str:
+    """Key of an agent's committed version record."""
+    return job_key(prefix, job_id, "agents", agent, "version")
+
+
+def manifest_key(prefix: str, job_id: str, agent: str, step: int) -> str:
+    """Key of a step manifest."""
+    return job_key(prefix, job_id, "agents", agent, "steps", str(step), "manifest")
+
+
+def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
+    """Key of a step's commit record."""
+    return job_key(prefix, job_id, "agents", agent, "steps", str(step), "commit")
+
+
+# ---- the store -----------------------------------------------------------------------------------------
+
+
+class StateStore(abc.ABC):
+    """Durable job state. Every method is atomic (one etcd transaction in the etcd implementation)."""
+
+    @abc.abstractmethod
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
+        """Creates a job in state RUNNING with every agent at version 0.
+
+        Returns:
+            True when created, False when the same job with the same spec exists (idempotent resubmit).
+
+        Raises:
+            AlreadyExists: the job id exists with a different spec.
+        """
+
+    @abc.abstractmethod
+    async def set_job_state(self, job_id: str, state: JobState, error: str, updated_s: float) -> None:
+        """Records a job's state; raises NotFound for an unknown job."""
+
+    @abc.abstractmethod
+    async def put_manifest(self, manifest: StepManifest) -> None:
+        """Stores a manifest once; storing the identical manifest again is a no-op.
+
+        Raises:
+            AlreadyExists: a different manifest exists for the step (membership is immutable).
+        """
+
+    @abc.abstractmethod
+    async def commit_step(self, commit: StepCommit) -> None:
+        """Advances the agent's version from ``commit.step`` to ``commit.step + 1`` (compare-and-swap).
+
+        Re-applying the identical commit is a no-op.
+
+        Raises:
+            Aborted: the agent's stored version is not ``commit.step`` (a racing writer won).
+            NotFound: unknown job or agent.
+        """
+
+    @abc.abstractmethod
+    async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
+        """Records where the state of the agent's committed ``version`` now is (compare-and-swap on version).
+
+        Raises:
+            Aborted: the agent's stored version is not ``version``.
+            NotFound: unknown job or agent.
+        """
+
+    @abc.abstractmethod
+    async def load_job(self, job_id: str) -> PersistedJob | None:
+        """Everything durable about a job, or None."""
+
+    @abc.abstractmethod
+    async def list_job_ids(self) -> list[str]:
+        """Ids of every stored job, sorted."""
+
+
+class InMemoryStateStore(StateStore):
+    """Reference implementation held in a dict (tests, single-process runs)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, dict[str, Any]] = {}
+
+    def _job(self, job_id: str) -> dict[str, Any]:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id!r} not found")
+        return job
+
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
+        """See :meth:`StateStore.create_job`."""
+        existing = self._jobs.get(job_id)
+        if existing is not None:
+            if existing["spec_json"] != spec_json:
+                raise AlreadyExists(f"job {job_id!r} exists with a different spec")
+            return False
+        self._jobs[job_id] = {
+            "spec_json": spec_json,
+            "state": JobState.RUNNING,
+            "error": "",
+            "created_s": created_s,
+            "updated_s": created_s,
+            "agents": {agent: AgentVersionRecord(updated_s=created_s) for agent in agents},
+            "manifests": {},
+            "commits": {},
+        }
+        return True
+
+    async def set_job_state(self, job_id: str, state: JobState, error: str, updated_s: float) -> None:
+        """See :meth:`StateStore.set_job_state`."""
+        job = self._job(job_id)
+        job["state"], job["error"], job["updated_s"] = state, error, updated_s
+
+    async def put_manifest(self, manifest: StepManifest) -> None:
+        """See :meth:`StateStore.put_manifest`."""
+        job = self._job(manifest.job_id)
+        key = (manifest.agent, manifest.step)
+        existing = job["manifests"].get(key)
+        if existing is not None and existing != manifest:
+            raise AlreadyExists(f"step {manifest.step} of agent {manifest.agent!r} already has a different manifest")
+        job["manifests"][key] = manifest
+
+    async def commit_step(self, commit: StepCommit) -> None:
+        """See :meth:`StateStore.commit_step`."""
+        job = self._job(commit.job_id)
+        record = job["agents"].get(commit.agent)
+        if record is None:
+            raise NotFound(f"agent {commit.agent!r} not found in job {commit.job_id!r}")
+        key = (commit.agent, commit.step)
+        if job["commits"].get(key) == commit:
+            return
+        if record.version != commit.step:
+            raise Aborted(f"agent {commit.agent!r} is at version {record.version}, cannot commit step {commit.step}")
+        job["agents"][commit.agent] = AgentVersionRecord(
+            version=commit.new_version,
+            weights_uri=commit.weights_uri,
+            state_uri=commit.state_uri,
+            updated_s=commit.committed_s,
+        )
+        job["commits"][key] = commit
+        job["updated_s"] = max(job["updated_s"], commit.committed_s)
+
+    async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
+        """See :meth:`StateStore.set_state_uri`."""
+        job = self._job(job_id)
+        record = job["agents"].get(agent)
+        if record is None:
+            raise NotFound(f"agent {agent!r} not found in job {job_id!r}")
+        if record.version != version:
+            raise Aborted(f"agent {agent!r} is at version {record.version}, not {version}")
+        job["agents"][agent] = dataclasses.replace(record, state_uri=state_uri, updated_s=updated_s)
+
+    async def load_job(self, job_id: str) -> PersistedJob | None:
+        """See :meth:`StateStore.load_job`."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        return PersistedJob(
+            job_id=job_id,
+            spec_json=job["spec_json"],
+            state=job["state"],
+            error=job["error"],
+            created_s=job["created_s"],
+            updated_s=job["updated_s"],
+            agents=dict(job["agents"]),
+            manifests=dict(job["manifests"]),
+            commits=dict(job["commits"]),
+        )
+
+    async def list_job_ids(self) -> list[str]:
+        """See :meth:`StateStore.list_job_ids`."""
+        return sorted(self._jobs)
+
+
+async def apply_changes(store: StateStore, changes: Iterable[StateChange]) -> None:
+    """Applies a planner's changes in order (call before answering the RPC that produced them)."""
+    for change in changes:
+        if isinstance(change, JobCreated):
+            await store.create_job(change.job_id, change.spec_json, change.agents, change.created_s)
+        elif isinstance(change, JobStateChanged):
+            await store.set_job_state(change.job_id, change.state, change.error, change.updated_s)
+        elif isinstance(change, ManifestFixed):
+            await store.put_manifest(change.manifest)
+        elif isinstance(change, StepCommitted):
+            await store.commit_step(change.commit)
+        elif isinstance(change, StateMoved):
+            await store.set_state_uri(change.job_id, change.agent, change.version, change.state_uri,
+                                      change.updated_s)
+        else:  # pragma: no cover - exhaustive over StateChange
+            raise InvalidArgument(f"unknown state change {change!r}")
