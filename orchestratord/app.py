@@ -1,4 +1,4 @@
-"""Wires orchestratord's servicer into the shared daemon lifecycle."""
+"""Wires orchestratord's service and servicer into the shared daemon lifecycle."""
 
 from __future__ import annotations
 
@@ -7,20 +7,36 @@ import grpc.aio
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import orchestrator_pb2_grpc
 from orchestratord.config import OrchestratorConfig
+from orchestratord.metrics import OrchestratorMetrics
+from orchestratord.planner import PlannerOptions
+from orchestratord.service import OrchestratorService
+from orchestratord.servicer import OrchestratorServicer
 
 
 class OrchestratorApp(DaemonApp):
-    """orchestratord: RPCs not built yet answer UNIMPLEMENTED."""
+    """orchestratord: the planner behind the Orchestrator service."""
 
     service_names = ("flexmarl.v1.Orchestrator",)
 
     def __init__(self, config: OrchestratorConfig, ctx: DaemonContext) -> None:
         self.config = config
-        self.ctx = ctx
+        self.service = OrchestratorService(
+            ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
+            lease_poll_max_ms=config.lease_poll_max_ms,
+            options=PlannerOptions(swap_location=config.swap_location),
+        )
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Orchestrator service."""
-        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(orchestrator_pb2_grpc.OrchestratorServicer(), server)  # type: ignore[abstract]
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.service), server)
+
+    async def start(self) -> None:
+        """Restores jobs from etcd and starts the planner loops."""
+        await self.service.start()
+
+    async def stop(self) -> None:
+        """Stops the loops."""
+        await self.service.stop()
 
 
 def build_app(config: OrchestratorConfig, ctx: DaemonContext) -> DaemonApp:

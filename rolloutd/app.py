@@ -1,26 +1,51 @@
-"""Wires rolloutd's servicer into the shared daemon lifecycle."""
+"""Wires rolloutd's worker and servicer into the shared daemon lifecycle."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import grpc.aio
 
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import rollout_pb2_grpc
 from rolloutd.config import RolloutConfig
+from rolloutd.metrics import RolloutMetrics
+from rolloutd.servicer import RolloutServicer
+from rolloutd.worker import RolloutWorker, WorkerSettings
 
 
 class RolloutApp(DaemonApp):
-    """rolloutd: RPCs not built yet answer UNIMPLEMENTED."""
+    """rolloutd: the rollout worker behind the Rollout service."""
 
     service_names = ("flexmarl.v1.Rollout",)
 
     def __init__(self, config: RolloutConfig, ctx: DaemonContext) -> None:
         self.config = config
-        self.ctx = ctx
+        settings = WorkerSettings(
+            worker_id=ctx.service_id, work_dir=Path(config.work_dir).resolve(), max_tasks=config.max_tasks,
+            engine_backend=config.engine_backend, engine_replicas=config.engine_replicas,
+            engine_urls=tuple(u.strip() for u in config.engine_urls.split(",") if u.strip()),
+            engine_threads=config.engine_threads, orchestrator_address=config.orchestrator_address,
+            store_address=config.store_address, max_message_bytes=config.max_message_bytes,
+        )
+        self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Rollout service."""
-        rollout_pb2_grpc.add_RolloutServicer_to_server(rollout_pb2_grpc.RolloutServicer(), server)  # type: ignore[abstract]
+        rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.worker), server)
+
+    async def start(self) -> None:
+        """Starts pulling tasks."""
+        await self.worker.start()
+
+    async def stop(self) -> None:
+        """Stops the worker and its engines."""
+        await self.worker.stop()
+
+    def registration_info(self) -> dict[str, Any]:
+        """Advertises the engine pool."""
+        return {"engine_backend": self.config.engine_backend, "engine_replicas": self.config.engine_replicas}
 
 
 def build_app(config: RolloutConfig, ctx: DaemonContext) -> DaemonApp:

@@ -336,7 +336,9 @@ class HierarchicalBalancer:
         if ticket.replica_id is None:
             self._queued[self._agent_model[ticket.agent]].remove(request_id)
             return ticket
-        replica = self._replicas[ticket.replica_id]
+        replica = self._replicas.get(ticket.replica_id)
+        if replica is None:  # the replica was removed while the request ran
+            return ticket
         replica.outstanding_tokens -= ticket.estimated_tokens
         replica.in_flight_requests -= 1
         if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
@@ -405,6 +407,16 @@ class HierarchicalBalancer:
         prefix = key + AFFINITY_SEPARATOR
         for stale in [k for k in self._affinity if k == key or k.startswith(prefix)]:
             del self._affinity[stale]
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forgets a dead replica: nothing is routed to it again; its group is re-served by a rebalance."""
+        replica = self._replica(replica_id)
+        del self._replicas[replica_id]
+        self._replica_order = tuple(sorted(self._replicas))
+        for key in [k for k, r in self._affinity.items() if r == replica_id]:
+            del self._affinity[key]
+        if not self._has_replica(replica.target_model_key):
+            self._rebalance_urgent = True
 
     # ------------------------------------------------------- inter-agent
     def maybe_rebalance(self, now_s: float) -> list[ReplicaMove]:

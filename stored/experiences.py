@@ -95,6 +95,7 @@ class ExperienceQuery:
     complete_groups_only: bool = False
     step_id: str = ""
     limit: int = 0
+    group_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -511,6 +512,11 @@ class ExperienceStore:
         if q.step_id:
             where.append("step_id = ?")
             params.append(q.step_id)
+        if q.group_id:
+            if len(q.group_id) > 1024:
+                raise InvalidArgument("group_id: longer than 1024 characters")
+            where.append("group_id = ?")
+            params.append(q.group_id)
         sql = f"SELECT {_REF_COLUMNS} FROM experiences WHERE {' AND '.join(where)} ORDER BY seq"
         with self._db.read() as conn:
             if not q.complete_groups_only:

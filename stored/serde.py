@@ -53,6 +53,7 @@ def query_from_proto(msg: store_pb2.QueryExperiencesRequest) -> ExperienceQuery:
         complete_groups_only=msg.complete_groups_only,
         step_id=msg.step_id,
         limit=msg.limit,
+        group_id=msg.group_id,
     )
 
 

@@ -13,6 +13,8 @@ from flexmarl.cluster import DaemonProcess, EtcdServer
 # DeepSpeed must pick its CPU accelerator on machines without a GPU; harmless with one
 # for the tests, which train on CPU.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# One JIT cache for DeepSpeed's CPU ops, shared with dev.sh and `flexmarl up` (built once per machine).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/flexmarl/torch_extensions"))
 
 
 @pytest.fixture

@@ -1,26 +1,50 @@
-"""Wires traind's servicer into the shared daemon lifecycle."""
+"""Wires traind's worker and servicer into the shared daemon lifecycle."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import grpc.aio
 
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import train_pb2_grpc
 from traind.config import TrainerConfig
+from traind.metrics import TrainerMetrics
+from traind.servicer import TrainerServicer
+from traind.worker import TrainerSettings, TrainerWorker
 
 
 class TrainerApp(DaemonApp):
-    """traind: RPCs not built yet answer UNIMPLEMENTED."""
+    """traind: training slots behind the Trainer service."""
 
     service_names = ("flexmarl.v1.Trainer",)
 
     def __init__(self, config: TrainerConfig, ctx: DaemonContext) -> None:
         self.config = config
-        self.ctx = ctx
+        settings = TrainerSettings(
+            worker_id=ctx.service_id, slots=config.slots, work_dir=Path(config.work_dir).resolve(),
+            state_location=config.state_location, publish_location=config.publish_location,
+            orchestrator_address=config.orchestrator_address, store_address=config.store_address,
+            max_message_bytes=config.max_message_bytes,
+        )
+        self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Trainer service."""
-        train_pb2_grpc.add_TrainerServicer_to_server(train_pb2_grpc.TrainerServicer(), server)  # type: ignore[abstract]
+        train_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(self.worker), server)
+
+    async def start(self) -> None:
+        """Starts the slot loops."""
+        await self.worker.start()
+
+    async def stop(self) -> None:
+        """Stops the slots."""
+        await self.worker.stop()
+
+    def registration_info(self) -> dict[str, Any]:
+        """Advertises the slots."""
+        return {"slots": [s.slot_id for s in self.worker.slots], "device": "cpu"}
 
 
 def build_app(config: TrainerConfig, ctx: DaemonContext) -> DaemonApp:

@@ -171,9 +171,16 @@ class Registry:
 
     async def compare_and_swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
         """Writes value only if the key holds expected (None = absent); True on success."""
+        return await self.transact({key: expected}, {key: value})
+
+    async def transact(self, expect: dict[str, bytes | None], puts: dict[str, bytes]) -> bool:
+        """Writes every key in puts only if each key in expect holds its value (None = absent)."""
         tx = self.client.transactions
-        compare = [tx.version(key.encode()) == 0] if expected is None else [tx.value(key.encode()) == expected]
-        ok, _ = await self.client.transaction(compare=compare, success=[tx.put(key.encode(), value)], failure=[])
+        compare = [
+            tx.version(k.encode()) == 0 if v is None else tx.value(k.encode()) == v for k, v in expect.items()
+        ]
+        ops = [tx.put(k.encode(), v) for k, v in puts.items()]
+        ok, _ = await self.client.transaction(compare=compare, success=ops, failure=[])
         return bool(ok)
 
     async def put_many(self, items: dict[str, bytes], deletes: tuple[str, ...] = ()) -> None:

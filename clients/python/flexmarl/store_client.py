@@ -213,6 +213,7 @@ class StoreClient:
         complete_groups_only: bool = False,
         step_id: str = "",
         limit: int = 0,
+        group_id: str = "",
     ) -> list[ExperienceRef]:
         """Lists refs of one (job, agent) in arrival order; see QueryExperiences."""
         request = store_pb2.QueryExperiencesRequest(
@@ -224,6 +225,7 @@ class StoreClient:
             complete_groups_only=complete_groups_only,
             step_id=step_id,
             limit=limit,
+            group_id=group_id,
         )
         reply = await _call(self._stub.QueryExperiences(request))
         return [ref_from_proto(msg) for msg in reply.experiences]

@@ -306,6 +306,86 @@ class JobStatus(_message.Message):
 Global___JobStatus: _TypeAlias = JobStatus  # noqa: Y015
 
 @_typing.final
+class StepRecord(_message.Message):
+    """One committed optimizer step of one agent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    REWARD_MEAN_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    GRAD_NORM_FIELD_NUMBER: _builtins.int
+    STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    STALENESS_MEAN_FIELD_NUMBER: _builtins.int
+    EPISODES_FIELD_NUMBER: _builtins.int
+    RESPONSE_TOKENS_FIELD_NUMBER: _builtins.int
+    COMMITTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    WEIGHTS_URI_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    step: _builtins.int
+    version: _builtins.int
+    reward_mean: _builtins.float
+    loss: _builtins.float
+    grad_norm: _builtins.float
+    step_seconds: _builtins.float
+    tokens_per_s: _builtins.float
+    staleness_mean: _builtins.float
+    episodes: _builtins.int
+    response_tokens: _builtins.int
+    committed_unix_ms: _builtins.int
+    weights_uri: _builtins.str
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        step: _builtins.int = ...,
+        version: _builtins.int = ...,
+        reward_mean: _builtins.float = ...,
+        loss: _builtins.float = ...,
+        grad_norm: _builtins.float = ...,
+        step_seconds: _builtins.float = ...,
+        tokens_per_s: _builtins.float = ...,
+        staleness_mean: _builtins.float = ...,
+        episodes: _builtins.int = ...,
+        response_tokens: _builtins.int = ...,
+        committed_unix_ms: _builtins.int = ...,
+        weights_uri: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
+
+@_typing.final
+class JobHistory(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRecord]: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        steps: _abc.Iterable[Global___StepRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobHistory: _TypeAlias = JobHistory  # noqa: Y015
+
+@_typing.final
 class RolloutTask(_message.Message):
     """One environment prompt x group size, with the versions it must use."""
 

@@ -60,6 +60,11 @@ class OrchestratorStub:
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobStatus.FromString,
                 _registered_method=True)
+        self.GetJobHistory = channel.unary_unary(
+                '/flexmarl.v1.Orchestrator/GetJobHistory',
+                request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
+                _registered_method=True)
         self.WatchAgentVersions = channel.unary_stream(
                 '/flexmarl.v1.Orchestrator/WatchAgentVersions',
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.WatchAgentVersionsRequest.SerializeToString,
@@ -132,6 +137,13 @@ class OrchestratorServicer:
 
     def WatchJob(self, request, context):
         """Streams a status snapshot on every change until the job ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobHistory(self, request, context):
+        """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,6 +234,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.WatchJobRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobStatus.SerializeToString,
+            ),
+            'GetJobHistory': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobHistory,
+                    request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.FromString,
+                    response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.SerializeToString,
             ),
             'WatchAgentVersions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAgentVersions,
@@ -399,6 +416,33 @@ class Orchestrator:
             '/flexmarl.v1.Orchestrator/WatchJob',
             flexmarl_dot_v1_dot_orchestrator__pb2.WatchJobRequest.SerializeToString,
             flexmarl_dot_v1_dot_orchestrator__pb2.JobStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobHistory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flexmarl.v1.Orchestrator/GetJobHistory',
+            flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
+            flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
             options,
             channel_credentials,
             insecure,

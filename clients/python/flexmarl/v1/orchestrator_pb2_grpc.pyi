@@ -41,6 +41,8 @@ class OrchestratorStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelJobRequest, _orchestrator_pb2.JobStatus]
     WatchJob: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.WatchJobRequest, _orchestrator_pb2.JobStatus]
     """Streams a status snapshot on every change until the job ends."""
+    GetJobHistory: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]
+    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
     WatchAgentVersions: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.WatchAgentVersionsRequest, _common_pb2.AgentVersion]
     """Current and future versions of a job's agents (rolloutd, SDK)."""
     LeaseRolloutTasks: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.LeaseRolloutTasksRequest, _orchestrator_pb2.LeaseRolloutTasksResponse]
@@ -72,6 +74,8 @@ class OrchestratorAsyncStub(OrchestratorStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelJobRequest, _orchestrator_pb2.JobStatus]  # type: ignore[assignment]
     WatchJob: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.WatchJobRequest, _orchestrator_pb2.JobStatus]  # type: ignore[assignment]
     """Streams a status snapshot on every change until the job ends."""
+    GetJobHistory: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]  # type: ignore[assignment]
+    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
     WatchAgentVersions: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.WatchAgentVersionsRequest, _common_pb2.AgentVersion]  # type: ignore[assignment]
     """Current and future versions of a job's agents (rolloutd, SDK)."""
     LeaseRolloutTasks: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.LeaseRolloutTasksRequest, _orchestrator_pb2.LeaseRolloutTasksResponse]  # type: ignore[assignment]
@@ -130,6 +134,14 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_orchestrator_pb2.JobStatus], _abc.AsyncIterator[_orchestrator_pb2.JobStatus]]:
         """Streams a status snapshot on every change until the job ends."""
+
+    @_abc_1.abstractmethod
+    def GetJobHistory(
+        self,
+        request: _orchestrator_pb2.GetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.JobHistory, _abc.Awaitable[_orchestrator_pb2.JobHistory]]:
+        """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
 
     @_abc_1.abstractmethod
     def WatchAgentVersions(

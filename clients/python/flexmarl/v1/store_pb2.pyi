@@ -117,6 +117,7 @@ class QueryExperiencesRequest(_message.Message):
     COMPLETE_GROUPS_ONLY_FIELD_NUMBER: _builtins.int
     LIMIT_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     agent: _builtins.str
     state: _common_pb2.ExperienceState.ValueType
@@ -127,6 +128,8 @@ class QueryExperiencesRequest(_message.Message):
     """Only groups whose every member (group_size of them) is present."""
     limit: _builtins.int
     step_id: _builtins.str
+    group_id: _builtins.str
+    """Only this group ("<task_id>/<agent>"); "" = every group."""
     def __init__(
         self,
         *,
@@ -138,10 +141,11 @@ class QueryExperiencesRequest(_message.Message):
         complete_groups_only: _builtins.bool = ...,
         limit: _builtins.int = ...,
         step_id: _builtins.str = ...,
+        group_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "complete_groups_only", b"complete_groups_only", "job_id", b"job_id", "limit", b"limit", "max_behavior_version", b"max_behavior_version", "min_behavior_version", b"min_behavior_version", "state", b"state", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "complete_groups_only", b"complete_groups_only", "group_id", b"group_id", "job_id", b"job_id", "limit", b"limit", "max_behavior_version", b"max_behavior_version", "min_behavior_version", b"min_behavior_version", "state", b"state", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,444 @@
+"""The ``flexmarl`` command line.
+
+Exit codes: 0 success; 1 the operation failed (RPC error, job failed or cancelled);
+2 usage error or invalid job spec; 3 cannot reach the cluster; 130 interrupted.
+Errors are one line on stderr (a job spec prints one line per problem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from flexmarl.cluster import LaunchError
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+DEFAULT_RUN_DIR = Path("runs") / "local"
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class CliError(Exception):
+    """A failure to report as one line with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def materialize_models(spec: dict[str, Any], models_dir: Path) -> dict[str, Any]:
+    """Replaces ``tiny://<arch>?seed=N&...`` model URIs with tiny checkpoints built on disk."""
+    from flexmarl.tiny import build_tiny_checkpoint
+
+    out: dict[str, Any] = json.loads(json.dumps(spec))
+    for agent in out.get("agents", []):
+        model = str(agent.get("model", ""))
+        if not model.startswith("tiny://"):
+            continue
+        parsed = urllib.parse.urlparse(model)
+        params = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+        arch = parsed.netloc or "qwen2"
+        kwargs: dict[str, Any] = {"arch": arch}
+        for key, value in params.items():
+            if key not in ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                           "intermediate_size"):
+                raise InvalidArgument(f"agents[{agent.get('name')}].model: unknown tiny:// parameter {key!r}")
+            kwargs[key] = int(value)
+        target = models_dir / (f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(params.items())))
+        if not (target / "config.json").exists():
+            build_tiny_checkpoint(target, **kwargs)
+        agent["model"] = str(target.resolve())
+    return out
+
+
+def _load_spec_file(path: str, models_dir: Path) -> dict[str, Any]:
+    """Reads and validates a job file; tiny:// models are built under models_dir."""
+    import yaml
+
+    from flexmarl.jobspec import parse_job_spec
+
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read: {exc.strerror}", EXIT_USAGE) from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path}: not valid YAML/JSON: {str(exc).splitlines()[0]}", EXIT_USAGE) from None
+    if not isinstance(raw, dict):
+        raise CliError(f"{path}: a job spec must be a mapping", EXIT_USAGE)
+    try:
+        parse_job_spec(raw)  # report spec problems before building any model
+        return parse_job_spec(materialize_models(raw, models_dir)).model_dump(mode="json")
+    except InvalidArgument as exc:
+        lines = str(exc).splitlines()
+        raise CliError("\n".join(f"{path}: {line}" for line in lines), EXIT_USAGE) from None
+
+
+def _connection(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(address, etcd endpoints, prefix) from flags, env, or the local cluster file."""
+    from flexmarl.localcluster import read_cluster_file
+
+    address = args.address or os.environ.get("FLEXMARL_ORCHESTRATOR", "")
+    etcd = args.etcd or os.environ.get("FLEXMARL_ETCD_ENDPOINTS", "")
+    prefix = args.etcd_prefix
+    if not address and not etcd:
+        try:
+            data = read_cluster_file(Path(args.run_dir))
+        except LaunchError:
+            raise CliError(
+                f"no cluster: pass --address or --etcd, or start one with `flexmarl up` (looked in {args.run_dir})",
+                EXIT_UNREACHABLE,
+            ) from None
+        etcd, prefix = str(data["etcd_endpoint"]), str(data.get("etcd_prefix", prefix))
+    return address, etcd, prefix
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from flexmarl.client import Client
+
+    address, etcd, prefix = _connection(args)
+    return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix)
+
+
+def _fmt_state(state: Any) -> str:
+    return str(state.name).lower()
+
+
+def _print_status(info: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"job [bold]{info.job_id}[/] ({info.name}): {_fmt_state(info.state)}"
+                  f"  tasks {info.tasks_done}/{info.tasks_total}")
+    if info.error:
+        console.print(f"error: {info.error}")
+    table = Table("agent", "step", "version", "reward", "tokens/s", "staleness", "step s", "slot")
+    for a in info.agents:
+        table.add_row(a.agent, f"{a.step}/{a.total_steps}", str(a.version), f"{a.reward_mean:.3f}",
+                      f"{a.tokens_per_s:.0f}", f"{a.staleness_mean:.2f}", f"{a.step_seconds:.2f}", a.slot_id or "-")
+    console.print(table)
+
+
+def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
+    """Shows rich progress bars per agent until the job ends; returns the final snapshot."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    final = None
+    columns = (TextColumn("[bold]{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[detail]}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet, transient=False) as progress:
+        bars: dict[str, Any] = {}
+        for info in client.watch(job_id):
+            final = info
+            for a in info.agents:
+                if a.agent not in bars:
+                    bars[a.agent] = progress.add_task(a.agent, total=a.total_steps, detail="")
+                detail = (f"reward {a.reward_mean:.3f}  {a.tokens_per_s:.0f} tok/s  "
+                          f"staleness {a.staleness_mean:.2f}  v{a.version}")
+                progress.update(bars[a.agent], completed=a.step, detail=detail)
+    return final
+
+
+def plot_history(history: Sequence[Any], out: Path, title: str) -> Path:
+    """Reward and throughput curves per agent, written as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    agents = sorted({r.agent for r in history})
+    for agent in agents:
+        rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
+        steps = [r.step for r in rows]
+        ax_reward.plot(steps, [r.reward_mean for r in rows], marker="o", label=agent)
+        ax_tps.plot(steps, [r.tokens_per_s for r in rows], marker=".", label=agent)
+    ax_reward.set_xlabel("step")
+    ax_reward.set_ylabel("mean reward (episodes of the step)")
+    ax_reward.set_ylim(-0.05, 1.05)
+    ax_reward.grid(alpha=0.3)
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("rollout tokens/s")
+    ax_tps.grid(alpha=0.3)
+    for ax in (ax_reward, ax_tps):
+        if agents:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Starts a local cluster; stays in the foreground until Ctrl-C unless --detach."""
+    from flexmarl.localcluster import LocalCluster, LocalClusterConfig
+
+    cluster = LocalCluster(LocalClusterConfig(
+        run_dir=Path(args.run_dir), rollout_workers=args.rollout_workers, engine_replicas=args.engine_replicas,
+        trainer_workers=args.trainer_workers, trainer_slots=args.trainer_slots,
+    ))
+    try:
+        cluster.start()
+    except LaunchError as exc:
+        raise CliError(f"cluster did not start: {exc}".splitlines()[0] + f" (logs in {args.run_dir})") from None
+    print(f"local cluster up: etcd {cluster.etcd_endpoint}, run dir {cluster.run_dir}")
+    for name, proc in cluster.daemons.items():
+        print(f"  {name:<14} {proc.address:<22} metrics :{proc.metrics_port}  log {proc.log_path}")
+    if args.detach:
+        print("detached; stop it with `flexmarl down`")
+        return EXIT_OK
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(0.5):
+            dead = [n for n, p in cluster.daemons.items() if not p.alive()]
+            if dead:
+                raise CliError(f"{dead[0]} exited; see {cluster.daemons[dead[0]].log_path}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping local cluster")
+        cluster.stop()
+    return EXIT_OK
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stops a detached local cluster."""
+    from flexmarl.localcluster import stop_from_file
+
+    try:
+        count = stop_from_file(Path(args.run_dir))
+    except LaunchError as exc:
+        raise CliError(str(exc), EXIT_UNREACHABLE) from None
+    print(f"stopped {count} processes")
+    return EXIT_OK
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Validates and submits a job file."""
+    spec = _load_spec_file(args.job_file, Path(args.run_dir) / "models")
+    with _client(args) as client:
+        job_id = client.submit(spec, job_id=args.job_id)
+        print(job_id)
+        if args.watch:
+            final = watch_job(client, job_id)
+            return EXIT_OK if final is not None and final.state.name == "SUCCEEDED" else EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Shows progress until the job ends."""
+    with _client(args) as client:
+        final = watch_job(client, args.job_id)
+        if final is not None:
+            _print_status(final)
+        return EXIT_OK if final is not None and final.state.name == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Prints one job's status."""
+    with _client(args) as client:
+        info = client.status(args.job_id)
+    if args.json:
+        print(json.dumps({"job_id": info.job_id, "state": info.state.name, "error": info.error,
+                          "agents": [a.__dict__ for a in info.agents]}, indent=2))
+    else:
+        _print_status(info)
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancels a job."""
+    with _client(args) as client:
+        info = client.cancel(args.job_id)
+    print(f"{info.job_id}: {_fmt_state(info.state)}")
+    return EXIT_OK
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """Lists jobs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    with _client(args) as client:
+        jobs = client.list_jobs()
+    table = Table("job", "name", "state", "steps", "tasks")
+    for job in jobs:
+        steps = ", ".join(f"{a.agent} {a.step}/{a.total_steps}" for a in job.agents)
+        table.add_row(job.job_id, job.name, _fmt_state(job.state), steps, f"{job.tasks_done}/{job.tasks_total}")
+    Console().print(table)
+    return EXIT_OK
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Writes reward and throughput curves of a job to a PNG."""
+    with _client(args) as client:
+        history = client.history(args.job_id)
+        info = client.status(args.job_id)
+    if not history:
+        raise CliError(f"job {args.job_id} has no committed step yet")
+    out = plot_history(history, Path(args.out or f"{args.job_id}.png"), f"{info.name} ({args.job_id})")
+    print(out)
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Local cluster + the signaling-game example + progress + plot + summary."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from flexmarl.client import Client
+    from flexmarl.localcluster import LocalCluster, LocalClusterConfig
+
+    console = Console()
+    run_dir = Path(args.run_dir if args.run_dir != str(DEFAULT_RUN_DIR) else Path("runs") / "demo").resolve()
+    job_file = Path(args.job_file) if args.job_file else REPO_ROOT / "examples" / "signaling" / "job.yaml"
+    spec = _load_spec_file(str(job_file), run_dir / "models")
+    if args.steps:
+        spec["total_steps"] = args.steps
+    console.print(f"[bold]FlexMARL demo[/]: {spec['name']} with agents "
+                  f"{', '.join(a['name'] for a in spec['agents'])}; run dir {run_dir}")
+    cluster = LocalCluster(LocalClusterConfig(run_dir=run_dir, engine_replicas=args.engine_replicas,
+                                              trainer_slots=args.trainer_slots))
+    try:
+        cluster.start()
+    except LaunchError as exc:
+        raise CliError(f"cluster did not start: {str(exc).splitlines()[0]} (logs in {run_dir})") from None
+    started = time.monotonic()
+    try:
+        with Client(etcd_endpoints=cluster.etcd_endpoint) as client:
+            job_id = client.submit(spec)
+            console.print(f"submitted job {job_id}")
+            final = watch_job(client, job_id)
+            history = client.history(job_id)
+    finally:
+        cluster.stop()
+    if final is None:
+        raise CliError("the job's status stream ended early")
+    png = plot_history(history, run_dir / f"{job_id}-reward.png", f"{spec['name']} ({job_id})")
+    table = Table("agent", "steps", "first reward", "last reward", "best reward", "tokens/s", "step s")
+    for agent in sorted({r.agent for r in history}):
+        rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
+        table.add_row(agent, str(len(rows)), f"{rows[0].reward_mean:.3f}", f"{rows[-1].reward_mean:.3f}",
+                      f"{max(r.reward_mean for r in rows):.3f}",
+                      f"{sum(r.tokens_per_s for r in rows) / len(rows):.0f}",
+                      f"{sum(r.step_seconds for r in rows) / len(rows):.2f}")
+    console.print(table)
+    console.print(f"job {_fmt_state(final.state)} in {time.monotonic() - started:.0f}s; reward curve: {png}")
+    if final.state.name != "SUCCEEDED":
+        raise CliError(f"job ended {_fmt_state(final.state)}: {final.error}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = _Parser(prog="flexmarl", description="FlexMARL: multi-agent RL for LLM agents.")
+    common = _Parser(add_help=False)
+    common.add_argument("--run-dir", default=str(DEFAULT_RUN_DIR), help="local cluster directory")
+    common.add_argument("--address", default="", help="orchestratord host:port (skips discovery)")
+    common.add_argument("--etcd", default="", help="etcd host:port list for discovery")
+    common.add_argument("--etcd-prefix", default="/flexmarl", help="etcd key prefix")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    up = sub.add_parser("up", parents=[common], help="start a local cluster")
+    up.add_argument("--rollout-workers", type=int, default=1)
+    up.add_argument("--engine-replicas", type=int, default=2)
+    up.add_argument("--trainer-workers", type=int, default=1)
+    up.add_argument("--trainer-slots", type=int, default=1)
+    up.add_argument("--detach", action="store_true", help="leave it running in the background")
+    up.set_defaults(func=cmd_up)
+
+    sub.add_parser("down", parents=[common], help="stop a detached local cluster").set_defaults(func=cmd_down)
+
+    submit = sub.add_parser("submit", parents=[common], help="submit a job file (YAML/JSON)")
+    submit.add_argument("job_file")
+    submit.add_argument("--job-id", default="")
+    submit.add_argument("--watch", action="store_true", help="watch it until it ends")
+    submit.set_defaults(func=cmd_submit)
+
+    for name, func, text in (("watch", cmd_watch, "progress bars until the job ends"),
+                             ("cancel", cmd_cancel, "cancel a job")):
+        p = sub.add_parser(name, parents=[common], help=text)
+        p.add_argument("job_id")
+        p.set_defaults(func=func)
+    status = sub.add_parser("status", parents=[common], help="one job's status")
+    status.add_argument("job_id")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+    sub.add_parser("jobs", parents=[common], help="list jobs").set_defaults(func=cmd_jobs)
+
+    plot = sub.add_parser("plot", parents=[common], help="reward/throughput curves to PNG")
+    plot.add_argument("job_id")
+    plot.add_argument("--out", default="")
+    plot.set_defaults(func=cmd_plot)
+
+    demo = sub.add_parser("demo", parents=[common], help="local cluster + signaling game + plot")
+    demo.add_argument("--job-file", default="")
+    demo.add_argument("--steps", type=int, default=0, help="override total_steps")
+    demo.add_argument("--engine-replicas", type=int, default=2)
+    demo.add_argument("--trainer-slots", type=int, default=1)
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one subcommand; returns the exit code (see the module docstring)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CliError as exc:
+        print(f"flexmarl {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Unavailable as exc:
+        print(f"flexmarl {args.command}: cannot reach the cluster: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except InvalidArgument as exc:
+        print(f"flexmarl {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except FlexmarlError as exc:
+        print(f"flexmarl {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"flexmarl {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def entry_point() -> None:
+    """Console-script entry."""
+    with contextlib.suppress(BrokenPipeError):
+        raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

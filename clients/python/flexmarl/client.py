@@ -1,0 +1,354 @@
+"""The FlexMARL SDK: submit, watch and manage jobs on a cluster.
+
+``AsyncClient`` is the asyncio API; ``Client`` is the same API for plain scripts.
+Both find orchestratord through etcd (``etcd_endpoints``) or take its address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable
+from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
+from flexmarl.registry import Registry
+from flexmarl.server import channel_options
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class JobState(enum.Enum):
+    """Lifecycle of a job."""
+
+    PENDING = orchestrator_pb2.JOB_STATE_PENDING
+    RUNNING = orchestrator_pb2.JOB_STATE_RUNNING
+    SUCCEEDED = orchestrator_pb2.JOB_STATE_SUCCEEDED
+    FAILED = orchestrator_pb2.JOB_STATE_FAILED
+    CANCELLED = orchestrator_pb2.JOB_STATE_CANCELLED
+
+    @property
+    def finished(self) -> bool:
+        """True for the terminal states."""
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentProgress:
+    """Training progress of one agent."""
+
+    agent: str
+    step: int
+    version: int
+    total_steps: int
+    reward_mean: float
+    tokens_per_s: float
+    staleness_mean: float
+    weights_uri: str
+    slot_id: str
+    step_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """A snapshot of a job."""
+
+    job_id: str
+    name: str
+    state: JobState
+    agents: tuple[AgentProgress, ...]
+    error: str
+    created_unix_ms: int
+    updated_unix_ms: int
+    tasks_done: int
+    tasks_total: int
+    spec_json: str
+
+    @classmethod
+    def from_proto(cls, msg: orchestrator_pb2.JobStatus) -> JobInfo:
+        """Decodes a JobStatus message."""
+        return cls(
+            job_id=msg.job_id,
+            name=msg.name,
+            state=JobState(msg.state) if msg.state else JobState.PENDING,
+            agents=tuple(
+                AgentProgress(
+                    agent=a.agent, step=a.step, version=a.version, total_steps=a.total_steps,
+                    reward_mean=a.reward_mean, tokens_per_s=a.tokens_per_s, staleness_mean=a.staleness_mean,
+                    weights_uri=a.weights_uri, slot_id=a.slot_id, step_seconds=a.step_seconds,
+                )
+                for a in msg.agents
+            ),
+            error=msg.error,
+            created_unix_ms=msg.created_unix_ms,
+            updated_unix_ms=msg.updated_unix_ms,
+            tasks_done=msg.tasks_done,
+            tasks_total=msg.tasks_total,
+            spec_json=msg.spec_json,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One committed optimizer step of one agent."""
+
+    agent: str
+    step: int
+    version: int
+    reward_mean: float
+    loss: float
+    grad_norm: float
+    step_seconds: float
+    tokens_per_s: float
+    staleness_mean: float
+    episodes: int
+    response_tokens: int
+    committed_unix_ms: int
+    weights_uri: str
+
+    @classmethod
+    def from_proto(cls, msg: orchestrator_pb2.StepRecord) -> StepRecord:
+        """Decodes a StepRecord message."""
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
+def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:
+    """Accepts a JobSpec, a mapping, YAML/JSON text or a file path; raises InvalidArgument."""
+    if isinstance(spec, JobSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return parse_job_spec(spec)
+    return load_job_spec(spec)
+
+
+def _error_from_rpc(exc: grpc.RpcError) -> FlexmarlError:
+    """Maps a failed RPC back onto the domain error of its status code."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    for cls in FlexmarlError.__subclasses__():
+        if cls.code == code:
+            return cls(details or code.name)
+    error = FlexmarlError(f"{code.name}: {details}")
+    error.code = code
+    return error
+
+
+async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
+    """The address of a registered orchestratord; raises Unavailable when there is none."""
+    registry = Registry(etcd_endpoints, prefix, connect_timeout_s=timeout_s)
+    await registry.connect()
+    try:
+        services = await registry.list_services("orchestratord")
+    finally:
+        await registry.close()
+    if not services:
+        raise Unavailable(f"no orchestratord registered in etcd at {etcd_endpoints} (prefix {prefix})")
+    return services[0].address
+
+
+class AsyncClient:
+    """asyncio client of orchestratord's public job API."""
+
+    def __init__(
+        self,
+        address: str = "",
+        *,
+        etcd_endpoints: str = "",
+        etcd_prefix: str = "/flexmarl",
+        timeout_s: float = 30.0,
+    ) -> None:
+        if not address and not etcd_endpoints:
+            raise InvalidArgument("client: give an orchestratord address or etcd endpoints")
+        self._address = address
+        self._etcd_endpoints = etcd_endpoints
+        self._etcd_prefix = etcd_prefix
+        self._timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
+
+    async def _connect(self) -> orchestrator_pb2_grpc.OrchestratorStub:
+        if self._stub is None:
+            if not self._address:
+                self._address = await discover_orchestrator(self._etcd_endpoints, self._etcd_prefix)
+            self._channel = grpc.aio.insecure_channel(self._address, options=channel_options(_MAX_MESSAGE_BYTES))
+            self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        return self._stub
+
+    @property
+    def address(self) -> str:
+        """The address of orchestratord (known after the first call when discovered)."""
+        return self._address
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "") -> str:
+        """Validates and submits a job; returns its id."""
+        valid = to_spec(spec)
+        stub = await self._connect()
+        try:
+            reply = await stub.SubmitJob(
+                orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id), timeout=self._timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return str(reply.job_id)
+
+    async def status(self, job_id: str) -> JobInfo:
+        """The current snapshot of a job."""
+        stub = await self._connect()
+        try:
+            reply = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return JobInfo.from_proto(reply)
+
+    async def list_jobs(self, states: tuple[JobState, ...] = ()) -> list[JobInfo]:
+        """Every job, optionally filtered by state."""
+        stub = await self._connect()
+        request = orchestrator_pb2.ListJobsRequest(states=[s.value for s in states])
+        try:
+            reply = await stub.ListJobs(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return [JobInfo.from_proto(j) for j in reply.jobs]
+
+    async def cancel(self, job_id: str) -> JobInfo:
+        """Cancels a job (idempotent on a finished job)."""
+        stub = await self._connect()
+        try:
+            reply = await stub.CancelJob(orchestrator_pb2.CancelJobRequest(job_id=job_id), timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return JobInfo.from_proto(reply)
+
+    async def agents(self, job_id: str) -> tuple[AgentProgress, ...]:
+        """The agents of a job with their progress."""
+        return (await self.status(job_id)).agents
+
+    async def history(self, job_id: str) -> list[StepRecord]:
+        """Every committed step of every agent, in commit order."""
+        stub = await self._connect()
+        try:
+            reply = await stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        return [StepRecord.from_proto(r) for r in reply.steps]
+
+    async def watch(self, job_id: str) -> AsyncGenerator[JobInfo, None]:
+        """Yields a snapshot on every change until the job finishes."""
+        stub = await self._connect()
+        call = stub.WatchJob(orchestrator_pb2.WatchJobRequest(job_id=job_id))
+        try:
+            async for msg in call:
+                info = JobInfo.from_proto(msg)
+                yield info
+                if info.state.finished:
+                    return
+        except grpc.RpcError as exc:
+            raise _error_from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    async def wait(self, job_id: str, timeout_s: float | None = None) -> JobInfo:
+        """Waits until the job finishes; returns its final snapshot."""
+
+        async def last() -> JobInfo:
+            info: JobInfo | None = None
+            async for snapshot in self.watch(job_id):
+                info = snapshot
+            if info is None:
+                raise NotFound(f"job {job_id}: watch ended without a status")
+            return info
+
+        return await asyncio.wait_for(last(), timeout_s)
+
+
+class Client:
+    """The synchronous SDK: the same calls as :class:`AsyncClient` on a private event loop."""
+
+    def __init__(
+        self,
+        address: str = "",
+        *,
+        etcd_endpoints: str = "",
+        etcd_prefix: str = "/flexmarl",
+        timeout_s: float = 30.0,
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._async = AsyncClient(address, etcd_endpoints=etcd_endpoints, etcd_prefix=etcd_prefix,
+                                  timeout_s=timeout_s)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channel and the loop."""
+        if not self._loop.is_closed():
+            self._loop.run_until_complete(self._async.close())
+            self._loop.close()
+
+    @property
+    def address(self) -> str:
+        """The address of orchestratord."""
+        return self._async.address
+
+    def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "") -> str:
+        """Validates and submits a job; returns its id."""
+        return self._loop.run_until_complete(self._async.submit(spec, job_id))
+
+    def status(self, job_id: str) -> JobInfo:
+        """The current snapshot of a job."""
+        return self._loop.run_until_complete(self._async.status(job_id))
+
+    def list_jobs(self, states: tuple[JobState, ...] = ()) -> list[JobInfo]:
+        """Every job, optionally filtered by state."""
+        return self._loop.run_until_complete(self._async.list_jobs(states))
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancels a job."""
+        return self._loop.run_until_complete(self._async.cancel(job_id))
+
+    def agents(self, job_id: str) -> tuple[AgentProgress, ...]:
+        """The agents of a job with their progress."""
+        return self._loop.run_until_complete(self._async.agents(job_id))
+
+    def history(self, job_id: str) -> list[StepRecord]:
+        """Every committed step of every agent, in commit order."""
+        return self._loop.run_until_complete(self._async.history(job_id))
+
+    def watch(self, job_id: str) -> Iterator[JobInfo]:
+        """Yields a snapshot on every change until the job finishes."""
+        stream = self._async.watch(job_id)
+        try:
+            while True:
+                try:
+                    yield self._loop.run_until_complete(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._loop.run_until_complete(stream.aclose())
+
+    def wait(self, job_id: str, timeout_s: float | None = None) -> JobInfo:
+        """Waits until the job finishes; returns its final snapshot."""
+        return self._loop.run_until_complete(self._async.wait(job_id, timeout_s))

@@ -1,0 +1,185 @@
+"""A whole FlexMARL cluster on one machine: etcd + the four daemons as child processes.
+
+Used by ``flexmarl up`` / ``flexmarl demo`` and by end-to-end tests. Every process
+listens on loopback on a port the OS chose; logs go to ``<run_dir>/<name>.log`` and the
+cluster's addresses to ``<run_dir>/cluster.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flexmarl.cluster import DaemonProcess, EtcdServer, LaunchError
+
+log = logging.getLogger(__name__)
+
+CLUSTER_FILE = "cluster.json"
+DEFAULT_TORCH_EXTENSIONS_DIR = Path.home() / ".cache" / "flexmarl" / "torch_extensions"
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalClusterConfig:
+    """Shape of a local cluster."""
+
+    run_dir: Path
+    rollout_workers: int = 1
+    engine_replicas: int = 2
+    trainer_workers: int = 1
+    trainer_slots: int = 1
+    etcd_prefix: str = "/flexmarl"
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    rolloutd_args: Sequence[str] = ()
+    traind_args: Sequence[str] = ()
+    orchestratord_args: Sequence[str] = ()
+    stored_args: Sequence[str] = ()
+
+
+class LocalCluster:
+    """Starts and stops a local cluster; usable as a context manager."""
+
+    def __init__(self, config: LocalClusterConfig) -> None:
+        self.config = config
+        self.run_dir = config.run_dir.resolve()
+        self.etcd = EtcdServer(self.run_dir / "etcd")
+        self.daemons: dict[str, DaemonProcess] = {}
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def etcd_endpoint(self) -> str:
+        """host:port of etcd."""
+        return self.etcd.endpoint
+
+    def daemon(self, name: str) -> DaemonProcess:
+        """A started daemon by name (e.g. "stored", "rolloutd-0")."""
+        return self.daemons[name]
+
+    def _add(self, kind: str, name: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> DaemonProcess:
+        full_env = {
+            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+            # DeepSpeed JIT-builds its CPU ops once per machine; share one cache with dev.sh and the tests.
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_TORCH_EXTENSIONS_DIR)),
+            **self.config.env, **(env or {}),
+        }
+        proc = DaemonProcess(kind, args, etcd_endpoint=self.etcd.endpoint, run_dir=self.run_dir, env=full_env,
+                             name=name, etcd_prefix=self.config.etcd_prefix)
+        self.daemons[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Starts etcd, stored, orchestratord, traind workers, rolloutd workers (in that order)."""
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.etcd.start()
+            self._add("stored", "stored", ["--data-dir", str(self.run_dir / "stored-data"), *cfg.stored_args])
+            self._add("orchestratord", "orchestratord", list(cfg.orchestratord_args))
+            for i in range(cfg.trainer_workers):
+                self._add("traind", f"traind-{i}", [
+                    "--slots", str(cfg.trainer_slots), "--work-dir", str(self.run_dir / f"traind-{i}"),
+                    "--service-id", f"traind-{i}", *cfg.traind_args,
+                ])
+            for i in range(cfg.rollout_workers):
+                self._add("rolloutd", f"rolloutd-{i}", [
+                    "--engine-replicas", str(cfg.engine_replicas), "--work-dir", str(self.run_dir / f"rolloutd-{i}"),
+                    "--service-id", f"rolloutd-{i}", *cfg.rolloutd_args,
+                ])
+            for proc in self.daemons.values():
+                proc.start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.write_cluster_file()
+
+    def write_cluster_file(self) -> None:
+        """Records addresses and pids so `flexmarl down` and clients can find the cluster."""
+        data: dict[str, Any] = {
+            "etcd_endpoint": self.etcd.endpoint,
+            "etcd_prefix": self.config.etcd_prefix,
+            "etcd_pid": self.etcd.pid,
+            "etcd_data_dir": str(self.etcd.data_dir),
+            "started_unix_s": time.time(),
+            "daemons": {
+                name: {"kind": p.kind, "pid": p.pid, "address": p.address, "metrics_port": p.metrics_port,
+                       "log": str(p.log_path)}
+                for name, p in self.daemons.items()
+            },
+        }
+        (self.run_dir / CLUSTER_FILE).write_text(json.dumps(data, indent=2))
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to every daemon (workers first), then etcd; removes etcd's data."""
+        order = sorted(self.daemons.values(), key=lambda p: ("stored", "orchestratord").index(p.kind)
+                       if p.kind in ("stored", "orchestratord") else -1)
+        for proc in order:
+            with contextlib.suppress(Exception):
+                proc.terminate(timeout_s)
+        with contextlib.suppress(Exception):
+            self.etcd.stop()
+        with contextlib.suppress(FileNotFoundError):
+            (self.run_dir / CLUSTER_FILE).unlink()
+
+
+def read_cluster_file(run_dir: Path) -> dict[str, Any]:
+    """The cluster.json of a running local cluster; raises LaunchError when there is none."""
+    path = run_dir / CLUSTER_FILE
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise LaunchError(f"no local cluster running in {run_dir} (no readable {CLUSTER_FILE})") from None
+    return data
+
+
+def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
+    """Stops a detached local cluster recorded in run_dir; returns how many processes were signalled."""
+    data = read_cluster_file(run_dir)
+    pids = [int(d["pid"]) for d in data.get("daemons", {}).values()]
+    signalled = 0
+    for pid in [*pids, int(data.get("etcd_pid", -1))]:
+        if pid <= 0:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            signalled += 1
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    data_dir = data.get("etcd_data_dir")
+    if data_dir:
+        import shutil
+
+        shutil.rmtree(data_dir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        (run_dir / CLUSTER_FILE).unlink()
+    return signalled
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours counts as gone.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True

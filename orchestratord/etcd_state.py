@@ -1,0 +1,186 @@
+"""Durable job state in etcd: the StateStore that survives an orchestratord restart.
+
+Key layout under the registry prefix (DESIGN §7)::
+
+    jobs/<job>/spec                                 the canonical spec JSON
+    jobs/<job>/meta                                 {state, error, created_s, updated_s}
+    jobs/<job>/agents/<agent>/version               {version, weights_uri, state_uri, updated_s}
+    jobs/<job>/agents/<agent>/steps/<n>/manifest    the step's fixed membership
+    jobs/<job>/agents/<agent>/steps/<n>/commit      the step's commit record
+    jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory)
+
+Every write that can race is a transaction that compares the value it read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from flexmarl.errors import Aborted, AlreadyExists, NotFound
+from flexmarl.registry import Registry
+from orchestratord.state import (
+    AgentVersionRecord,
+    JobState,
+    PersistedJob,
+    StateStore,
+    StepCommit,
+    StepManifest,
+    agent_version_key,
+    commit_key,
+    job_key,
+    manifest_key,
+)
+
+_CAS_RETRIES = 5
+
+
+def _dump(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
+class EtcdStateStore(StateStore):
+    """StateStore on etcd through the shared registry connection."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+        self._prefix = registry.prefix
+
+    def _key(self, job_id: str, *parts: str) -> str:
+        return job_key(self._prefix, job_id, *parts)
+
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
+        """See :meth:`StateStore.create_job`."""
+        spec_key = self._key(job_id, "spec")
+        puts = {
+            spec_key: spec_json.encode(),
+            self._key(job_id, "meta"): _dump(
+                {"state": int(JobState.RUNNING), "error": "", "created_s": created_s, "updated_s": created_s}
+            ),
+        }
+        for agent in agents:
+            puts[agent_version_key(self._prefix, job_id, agent)] = _dump(
+                dataclasses.asdict(AgentVersionRecord(updated_s=created_s))
+            )
+        if await self._registry.transact({spec_key: None}, puts):
+            return True
+        existing = await self._registry.get(spec_key)
+        if existing is not None and existing.decode() == spec_json:
+            return False
+        raise AlreadyExists(f"job {job_id!r} exists with a different spec")
+
+    async def set_job_state(self, job_id: str, state: JobState, error: str, updated_s: float) -> None:
+        """See :meth:`StateStore.set_job_state`."""
+        key = self._key(job_id, "meta")
+        for _ in range(_CAS_RETRIES):
+            raw = await self._registry.get(key)
+            if raw is None:
+                raise NotFound(f"job {job_id!r} not found")
+            meta = json.loads(raw)
+            meta.update(state=int(state), error=error, updated_s=max(float(meta["updated_s"]), updated_s))
+            if await self._registry.transact({key: raw}, {key: _dump(meta)}):
+                return
+        raise Aborted(f"job {job_id!r}: concurrent state updates")
+
+    async def put_manifest(self, manifest: StepManifest) -> None:
+        """See :meth:`StateStore.put_manifest`."""
+        key = manifest_key(self._prefix, manifest.job_id, manifest.agent, manifest.step)
+        value = manifest.to_json().encode()
+        if await self._registry.transact({key: None}, {key: value}):
+            return
+        existing = await self._registry.get(key)
+        if existing is not None and StepManifest.from_json(existing.decode()) == manifest:
+            return
+        raise AlreadyExists(f"step {manifest.step} of agent {manifest.agent!r} already has a different manifest")
+
+    async def _agent_record(self, job_id: str, agent: str) -> tuple[str, bytes, AgentVersionRecord]:
+        key = agent_version_key(self._prefix, job_id, agent)
+        raw = await self._registry.get(key)
+        if raw is None:
+            raise NotFound(f"agent {agent!r} of job {job_id!r} not found")
+        return key, raw, AgentVersionRecord(**json.loads(raw))
+
+    async def commit_step(self, commit: StepCommit) -> None:
+        """See :meth:`StateStore.commit_step`."""
+        ckey = commit_key(self._prefix, commit.job_id, commit.agent, commit.step)
+        for _ in range(_CAS_RETRIES):
+            existing = await self._registry.get(ckey)
+            if existing is not None and StepCommit.from_json(existing.decode()) == commit:
+                return
+            vkey, raw, record = await self._agent_record(commit.job_id, commit.agent)
+            if record.version != commit.step:
+                raise Aborted(
+                    f"agent {commit.agent!r} is at version {record.version}, cannot commit step {commit.step}"
+                )
+            new_record = AgentVersionRecord(commit.new_version, commit.weights_uri, commit.state_uri,
+                                            commit.committed_s)
+            if await self._registry.transact(
+                {vkey: raw, ckey: None},
+                {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode()},
+            ):
+                return
+        raise Aborted(f"agent {commit.agent!r}: concurrent commits of step {commit.step}")
+
+    async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
+        """See :meth:`StateStore.set_state_uri`."""
+        for _ in range(_CAS_RETRIES):
+            key, raw, record = await self._agent_record(job_id, agent)
+            if record.version != version:
+                raise Aborted(f"agent {agent!r} is at version {record.version}, not {version}")
+            new_record = dataclasses.replace(record, state_uri=state_uri, updated_s=updated_s)
+            if await self._registry.transact({key: raw}, {key: _dump(dataclasses.asdict(new_record))}):
+                return
+        raise Aborted(f"agent {agent!r}: concurrent state moves")
+
+    async def put_history(self, job_id: str, agent: str, step: int, record: dict[str, Any]) -> None:
+        """Stores the per-step figures shown by `flexmarl plot` (write-once per step)."""
+        key = self._key(job_id, "history", agent, f"{step:08d}")
+        await self._registry.transact({key: None}, {key: _dump(record)})
+
+    async def load_history(self, job_id: str) -> list[dict[str, Any]]:
+        """Every stored per-step record of a job, ordered by commit time."""
+        values, _ = await self._registry.get_prefix(self._key(job_id, "history") + "/")
+        rows = [json.loads(v) for v in values.values()]
+        return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
+
+    async def load_job(self, job_id: str) -> PersistedJob | None:
+        """See :meth:`StateStore.load_job`."""
+        values, _ = await self._registry.get_prefix(self._key(job_id) + "/")
+        spec = values.get(self._key(job_id, "spec"))
+        meta_raw = values.get(self._key(job_id, "meta"))
+        if spec is None or meta_raw is None:
+            return None
+        meta = json.loads(meta_raw)
+        agents: dict[str, AgentVersionRecord] = {}
+        manifests: dict[tuple[str, int], StepManifest] = {}
+        commits: dict[tuple[str, int], StepCommit] = {}
+        agents_prefix = self._key(job_id, "agents") + "/"
+        for key, value in values.items():
+            if not key.startswith(agents_prefix):
+                continue
+            parts = key[len(agents_prefix):].split("/")
+            if len(parts) == 2 and parts[1] == "version":
+                agents[parts[0]] = AgentVersionRecord(**json.loads(value))
+            elif len(parts) == 4 and parts[1] == "steps" and parts[3] == "manifest":
+                manifests[(parts[0], int(parts[2]))] = StepManifest.from_json(value.decode())
+            elif len(parts) == 4 and parts[1] == "steps" and parts[3] == "commit":
+                commits[(parts[0], int(parts[2]))] = StepCommit.from_json(value.decode())
+        return PersistedJob(
+            job_id=job_id,
+            spec_json=spec.decode(),
+            state=JobState(int(meta["state"])),
+            error=str(meta["error"]),
+            created_s=float(meta["created_s"]),
+            updated_s=float(meta["updated_s"]),
+            agents=agents,
+            manifests=manifests,
+            commits=commits,
+        )
+
+    async def list_job_ids(self) -> list[str]:
+        """See :meth:`StateStore.list_job_ids`."""
+        values, _ = await self._registry.get_prefix(job_key(self._prefix, "").rstrip("/") + "/")
+        ids = {key.split("/jobs/", 1)[1].split("/", 1)[0] for key in values if key.endswith("/spec")}
+        return sorted(ids)

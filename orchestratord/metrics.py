@@ -1,0 +1,27 @@
+"""Prometheus metrics of orchestratord (registered into the daemon's own registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from flexmarl.metrics import LATENCY_BUCKETS_S
+
+
+class OrchestratorMetrics:
+    """Jobs, leases, steps."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.jobs_submitted = Counter("flexmarl_orchestratord_jobs_submitted_total", "Jobs accepted.",
+                                      registry=registry)
+        self.tasks_leased = Counter("flexmarl_orchestratord_rollout_tasks_leased_total",
+                                    "Rollout task leases issued (re-issues included).", registry=registry)
+        self.tasks_reported = Counter("flexmarl_orchestratord_rollout_tasks_reported_total",
+                                      "Rollout task reports, by outcome.", ["outcome"], registry=registry)
+        self.micro_batches_acked = Counter("flexmarl_orchestratord_micro_batches_acked_total",
+                                           "Micro-batches whose gradients were accumulated.", registry=registry)
+        self.steps_committed = Counter("flexmarl_orchestratord_steps_committed_total",
+                                       "Optimizer steps committed, by job and agent.", ["job", "agent"],
+                                       registry=registry)
+        self.step_seconds = Histogram("flexmarl_orchestratord_step_seconds",
+                                      "Wall time between consecutive commits of an agent.", ["agent"],
+                                      buckets=(*LATENCY_BUCKETS_S, 30.0, 60.0, 120.0, 300.0), registry=registry)

@@ -1,0 +1,102 @@
+"""Proto <-> domain conversions for orchestratord."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexmarl.v1 import common_pb2, orchestrator_pb2
+from orchestratord.planner import (
+    AgentVersion,
+    ExperienceSummary,
+    JobSnapshot,
+    MicroBatchWork,
+    OptimizerStepWork,
+    ResidentAgent,
+    RolloutTaskLease,
+    SwapOutWork,
+    TrainerWork,
+)
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
+def job_status(snap: JobSnapshot) -> orchestrator_pb2.JobStatus:
+    """A planner snapshot as a JobStatus message."""
+    return orchestrator_pb2.JobStatus(
+        job_id=snap.job_id,
+        state=int(snap.state),  # type: ignore[arg-type]
+        name=snap.name,
+        agents=[
+            orchestrator_pb2.AgentProgress(
+                agent=a.agent, step=a.version, version=a.version, total_steps=a.total_steps,
+                reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, weights_uri=a.weights_uri,
+                slot_id=a.slot_id, step_seconds=a.step_seconds,
+            )
+            for a in snap.agents
+        ],
+        error=snap.error,
+        created_unix_ms=_ms(snap.created_s),
+        updated_unix_ms=_ms(snap.updated_s),
+        spec_json=snap.spec_json,
+        tasks_done=snap.tasks_done,
+        tasks_total=snap.tasks_total,
+    )
+
+
+def agent_version(v: AgentVersion) -> common_pb2.AgentVersion:
+    """An agent version message."""
+    return common_pb2.AgentVersion(job_id=v.job_id, agent=v.agent, version=v.version, weights_uri=v.weights_uri)
+
+
+def rollout_task(task: RolloutTaskLease, spec_json: str) -> orchestrator_pb2.RolloutTask:
+    """A leased task as a RolloutTask message."""
+    return orchestrator_pb2.RolloutTask(
+        lease_id=task.lease_id, job_id=task.job_id, task_id=task.task_id, task_index=task.task_index,
+        batch_index=task.batch_index, group_size=task.group_size,
+        agent_versions=[agent_version(v) for v in task.agent_versions],
+        deadline_unix_ms=_ms(task.deadline_s), attempt=task.attempt, spec_json=spec_json,
+    )
+
+
+def experience_summaries(msgs: Any) -> list[ExperienceSummary]:
+    """Reported experiences."""
+    return [
+        ExperienceSummary(m.experience_id, m.agent, m.group_id, m.sample_index, m.behavior_version,
+                          m.response_tokens, m.reward)
+        for m in msgs
+    ]
+
+
+def resident_agents(msgs: Any) -> list[ResidentAgent]:
+    """Agents a slot reports as resident."""
+    return [ResidentAgent(m.job_id, m.agent, m.version) for m in msgs]
+
+
+def trainer_work(work: TrainerWork | None, spec_json: str) -> orchestrator_pb2.PollTrainerWorkResponse:
+    """Trainer work as the oneof of PollTrainerWorkResponse (empty when None)."""
+    if isinstance(work, MicroBatchWork):
+        return orchestrator_pb2.PollTrainerWorkResponse(micro_batch=orchestrator_pb2.MicroBatchWork(
+            lease_id=work.lease_id, job_id=work.job_id, agent=work.agent, step=work.step, step_id=work.step_id,
+            micro_batch_index=work.micro_batch_index, experience_ids=list(work.experience_ids),
+            base_version=work.base_version, state_uri=work.state_uri, step_episodes=work.step_episodes,
+            deadline_unix_ms=_ms(work.deadline_s), spec_json=spec_json,
+        ))
+    if isinstance(work, OptimizerStepWork):
+        return orchestrator_pb2.PollTrainerWorkResponse(optimizer_step=orchestrator_pb2.OptimizerStepWork(
+            job_id=work.job_id, agent=work.agent, step=work.step, step_id=work.step_id,
+            new_version=work.new_version, step_response_tokens=work.step_response_tokens,
+            step_episodes=work.step_episodes, num_micro_batches=work.num_micro_batches,
+        ))
+    if isinstance(work, SwapOutWork):
+        return orchestrator_pb2.PollTrainerWorkResponse(swap_out=orchestrator_pb2.SwapOutWork(
+            job_id=work.job_id, agent=work.agent, location=work.location,
+        ))
+    return orchestrator_pb2.PollTrainerWorkResponse()
+
+
+def step_record(row: dict[str, Any]) -> orchestrator_pb2.StepRecord:
+    """A stored history row as a StepRecord."""
+    fields = orchestrator_pb2.StepRecord.DESCRIPTOR.fields_by_name
+    return orchestrator_pb2.StepRecord(**{k: v for k, v in row.items() if k in fields})

@@ -1,0 +1,342 @@
+"""The asyncio coordinator around the planner: persistence, long-polls, liveness, recovery.
+
+Every mutation of the planner runs under one lock, and the durable changes it emits
+are written to etcd before the RPC that caused them is answered (a committed step is
+durable before traind hears "ok"). Long-polls and watch streams wait on one condition
+that is notified after each mutation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from flexmarl.errors import InvalidArgument, Unavailable
+from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.registry import Registry, ServiceRecord
+from flexmarl.store_client import StoreClient
+from orchestratord.etcd_state import EtcdStateStore
+from orchestratord.metrics import OrchestratorMetrics
+from orchestratord.planner import (
+    AgentVersion,
+    ExperienceSummary,
+    JobSnapshot,
+    Planner,
+    PlannerOptions,
+    RenewResult,
+    ResidentAgent,
+    RolloutTaskLease,
+    SlotEventKind,
+    TrainerWork,
+)
+from orchestratord.state import JobState, StateChange, StepCommitted, apply_changes
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_ID_LENGTH = 256
+TICK_INTERVAL_S = 0.2
+
+
+def require_id(name: str, value: str) -> str:
+    """Validates a caller-supplied id (non-empty, bounded, printable, no whitespace)."""
+    if not value:
+        raise InvalidArgument(f"{name}: must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidArgument(f"{name}: longer than {MAX_ID_LENGTH} characters")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise InvalidArgument(f"{name}: must be printable without whitespace, got {value!r}")
+    return value
+
+
+class OrchestratorService:
+    """Planner + etcd state + waiting, for the servicer."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: OrchestratorMetrics,
+        *,
+        store_address: str = "",
+        lease_poll_max_ms: int = 5000,
+        options: PlannerOptions | None = None,
+        now_s: Callable[[], float] = time.time,
+    ) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._now_s = now_s
+        self.planner = Planner(now_s, options)
+        self.state = EtcdStateStore(registry)
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._generation = 0
+        self._store_address = store_address
+        self._store: StoreClient | None = None
+        self.lease_poll_max_ms = lease_poll_max_ms
+        self._tasks: list[asyncio.Task[None]] = []
+        self._directories: list[Any] = []
+        self._known_workers: dict[str, set[str]] = {"rolloutd": set(), "traind": set()}
+        self._last_commit_s: dict[tuple[str, str], float] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Restores every unfinished job from etcd and starts the tick and liveness loops."""
+        for job_id in await self.state.list_job_ids():
+            persisted = await self.state.load_job(job_id)
+            if persisted is None:
+                continue
+            reported: list[ExperienceSummary] = []
+            if not persisted.state.terminal:
+                reported = await self._reported_experiences(job_id, list(persisted.agents))
+            job = self.planner.restore_job(persisted, reported)
+            for agent in job.spec.agent_names:
+                self._last_commit_s[(job_id, agent)] = self._now_s()
+            log.info("restored job %s (%s) with %d reported experiences", job_id, persisted.state.name, len(reported))
+        await self._persist(self.planner.take_changes())
+        for kind in ("rolloutd", "traind"):
+            directory = self._registry.directory(kind)
+            directory.on_change(functools.partial(self._on_workers, kind))
+            directory.start()
+            self._directories.append(directory)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._tick_loop(), name="planner tick"))
+
+    async def stop(self) -> None:
+        """Stops the loops and closes the stored client."""
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for directory in self._directories:
+            await directory.stop()
+        for task in list(self._background):
+            task.cancel()
+        if self._store is not None:
+            await self._store.close()
+
+    async def _store_client(self) -> StoreClient:
+        if self._store is None:
+            address = self._store_address
+            if not address:
+                services = await self._registry.list_services("stored")
+                if not services:
+                    raise Unavailable("no stored registered in etcd")
+                address = services[0].address
+            self._store = StoreClient(address)
+        return self._store
+
+    async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
+        """What rollouts already wrote to stored for a job (so a restart does not redo them)."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                store = await self._store_client()
+                out: list[ExperienceSummary] = []
+                for agent in agents:
+                    for ref in await store.query(job_id, agent):
+                        out.append(ExperienceSummary(ref.experience_id, agent, ref.group_id, ref.sample_index,
+                                                     ref.behavior_version, ref.response_tokens, ref.reward))
+                return out
+            except Exception as exc:  # stored may still be starting after a whole-cluster restart
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"cannot read job {job_id} from stored: {exc}") from None
+                log.warning("waiting for stored to recover job %s: %s", job_id, exc)
+                if self._store is not None:
+                    await self._store.close()
+                    self._store = None
+                await asyncio.sleep(0.5)
+
+    def _on_workers(self, kind: str, services: dict[str, ServiceRecord]) -> None:
+        alive = set(services)
+        gone = self._known_workers[kind] - alive
+        self._known_workers[kind] = alive
+        for worker_id in gone:
+            log.warning("%s %s is gone; re-issuing its work", kind, worker_id)
+            self._spawn(self.mutate(functools.partial(self.planner.worker_gone, worker_id)))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_INTERVAL_S)
+            try:
+                await self.mutate(self.planner.tick)
+            except Exception:
+                log.exception("planner tick failed")
+
+    # ---- mutation, persistence, waiting -----------------------------------------------------------------
+
+    async def mutate(self, fn: Callable[[], T]) -> T:
+        """Runs fn on the planner, persists its changes, wakes waiters; returns fn's result."""
+        async with self._lock:
+            try:
+                result = fn()
+            finally:
+                await self._persist(self.planner.take_changes())
+        async with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+        return result
+
+    async def _persist(self, changes: list[StateChange]) -> None:
+        if not changes:
+            return
+        await apply_changes(self.state, changes)
+        for change in changes:
+            if isinstance(change, StepCommitted):
+                await self._record_history(change)
+
+    async def _record_history(self, change: StepCommitted) -> None:
+        commit = change.commit
+        job = self.planner.job(commit.job_id)
+        progress = next((a for a in job.snapshot().agents if a.agent == commit.agent), None)
+        manifest = job.manifest(commit.agent, commit.step)
+        key = (commit.job_id, commit.agent)
+        now_s = self._now_s()
+        since_s = max(1e-6, now_s - self._last_commit_s.get(key, now_s))
+        self._last_commit_s[key] = now_s
+        tokens = manifest.step_response_tokens if manifest is not None else 0
+        record: dict[str, Any] = {
+            "agent": commit.agent, "step": commit.step, "version": commit.new_version,
+            "reward_mean": progress.reward_mean if progress else 0.0, "loss": commit.loss,
+            "grad_norm": commit.grad_norm, "step_seconds": commit.step_seconds or since_s,
+            "tokens_per_s": tokens / since_s, "staleness_mean": progress.staleness_mean if progress else 0.0,
+            "episodes": manifest.step_episodes if manifest is not None else 0, "response_tokens": tokens,
+            "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
+        }
+        await self.state.put_history(commit.job_id, commit.agent, commit.step, record)
+        self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
+        self._metrics.step_seconds.labels(commit.agent).observe(record["step_seconds"])
+        if manifest is not None:
+            self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
+
+    async def _mark_consumed(self, job_id: str, agent: str, step: int, ids: Sequence[str]) -> None:
+        """Marks a committed step's experiences consumed in stored (for GC); best effort."""
+        from flexmarl.experience import ExperienceState
+
+        try:
+            store = await self._store_client()
+            await store.mark(job_id, agent, f"{job_id}/{agent}/step{step}", ids, ExperienceState.CONSUMED)
+        except Exception as exc:
+            log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+
+    async def wait_for(self, fn: Callable[[], T | None], wait_ms: int) -> T | None:
+        """Calls fn (as a mutation) until it returns a truthy value or wait_ms passes."""
+        wait_s = min(max(wait_ms, 0), self.lease_poll_max_ms) / 1000.0
+        deadline = time.monotonic() + wait_s
+        while True:
+            result = await self.mutate(fn)
+            generation = self._generation
+            if result or time.monotonic() >= deadline:
+                return result
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait_for(functools.partial(self._moved_on, generation)),
+                                           timeout=max(0.0, deadline - time.monotonic()))
+
+    def _moved_on(self, generation: int) -> bool:
+        return self._generation != generation
+
+    async def changes(self) -> AsyncIterator[None]:
+        """Yields after every mutation (for watch streams); also every few seconds."""
+        while True:
+            async with self._changed:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=5.0)
+            yield None
+
+    # ---- jobs --------------------------------------------------------------------------------------------
+
+    async def submit_job(self, spec_json: str, job_id: str) -> str:
+        """Validates and creates a job (idempotent for the same id and spec)."""
+        spec: JobSpec = load_job_spec(spec_json) if spec_json.strip() else _empty_spec()
+        if not job_id:
+            job_id = f"{spec.name}-{int(self._now_s() * 1000):x}"
+        job = await self.mutate(lambda: self.planner.submit_job(job_id, spec))
+        for agent in job.spec.agent_names:
+            self._last_commit_s.setdefault((job_id, agent), self._now_s())
+        self._metrics.jobs_submitted.inc()
+        log.info("job %s submitted (%s, %d agents, mode %s, max_staleness %d)", job_id, spec.name,
+                 len(spec.agents), spec.pipeline.mode, spec.pipeline.max_staleness)
+        return job_id
+
+    def snapshot(self, job_id: str) -> JobSnapshot:
+        """A job's status."""
+        return self.planner.snapshot(job_id)
+
+    def snapshots(self, states: Sequence[JobState]) -> list[JobSnapshot]:
+        """Every job's status, filtered by state."""
+        out = [self.planner.snapshot(job.job_id) for job in self.planner.jobs()]
+        return [s for s in out if not states or s.state in states]
+
+    async def cancel_job(self, job_id: str) -> JobSnapshot:
+        """Cancels a job."""
+        return await self.mutate(lambda: self.planner.cancel_job(job_id))
+
+    def versions(self, job_id: str) -> list[AgentVersion]:
+        """Committed versions of a job's agents ([] for all jobs when job_id is empty)."""
+        jobs = [self.planner.job(job_id)] if job_id else self.planner.jobs()
+        return [v for job in jobs for v in job.versions()]
+
+    async def history(self, job_id: str) -> list[dict[str, Any]]:
+        """Per-step records of a job."""
+        self.planner.job(job_id)
+        return await self.state.load_history(job_id)
+
+    # ---- workers -------------------------------------------------------------------------------------
+
+    async def lease_rollout_tasks(self, worker_id: str, max_tasks: int, wait_ms: int) -> list[RolloutTaskLease]:
+        """Long-poll for rollout tasks."""
+        tasks = await self.wait_for(lambda: self.planner.lease_rollout_tasks(worker_id, max_tasks), wait_ms)
+        self._metrics.tasks_leased.inc(len(tasks or []))
+        for task in tasks or []:
+            log.debug("leased %s (attempt %d) to %s with versions %s", task.task_id, task.attempt, worker_id,
+                      {v.agent: v.version for v in task.agent_versions})
+        return tasks or []
+
+    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+        """Renews leases."""
+        return await self.mutate(lambda: self.planner.renew_leases(worker_id, lease_ids))
+
+    async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
+                          experiences: Sequence[ExperienceSummary]) -> None:
+        """A task finished or failed."""
+        await self.mutate(lambda: self.planner.report_rollout_task(lease_id, worker_id, task_id, succeeded, error,
+                                                                   experiences))
+        self._metrics.tasks_reported.labels("ok" if succeeded else "failed").inc()
+
+    async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],
+                                wait_ms: int) -> TrainerWork | None:
+        """Long-poll for trainer work."""
+        return await self.wait_for(lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident), wait_ms)
+
+    async def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
+        """A micro-batch was accumulated."""
+        await self.mutate(lambda: self.planner.ack_micro_batch(lease_id, worker_id, slot_id, episodes))
+        self._metrics.micro_batches_acked.inc()
+
+    async def commit_step(self, worker_id: str, slot_id: str, job_id: str, agent: str, step: int, new_version: int,
+                          weights_uri: str, state_uri: str, loss: float, grad_norm: float, step_seconds: float) -> None:
+        """An optimizer step ran and its weights are published: durable before returning."""
+        await self.mutate(lambda: self.planner.commit_step(worker_id, slot_id, job_id, agent, step, new_version,
+                                                           weights_uri, state_uri, loss, grad_norm, step_seconds))
+
+    async def slot_event(self, worker_id: str, slot_id: str, job_id: str, agent: str, kind: SlotEventKind,
+                         state_uri: str, error: str) -> None:
+        """A slot swapped an agent out or failed."""
+        await self.mutate(lambda: self.planner.report_slot_event(worker_id, slot_id, job_id, agent, kind,
+                                                                 state_uri, error))
+
+
+def _empty_spec() -> JobSpec:
+    raise InvalidArgument("spec_json: must not be empty")

@@ -1,0 +1,353 @@
+"""The generation backend of rolloutd: balancer + engine replicas + versioned weights.
+
+Agents are keyed ``"<job>/<agent>"``. Each replica serves one agent's weights at a
+time; the hierarchical balancer decides which agent each replica serves (inter-agent)
+and which replica of an agent takes a request (intra-agent). Before a request runs on
+a replica, the replica holds at least the version the agent requires; a weight load
+takes the replica's write lock, so it waits for the requests in flight there to end
+and no request is ever served by a half-loaded model. A replica that fails a request
+with Unavailable is removed and the request is retried on another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from flexmarl.errors import FlexmarlError, Unavailable
+from rolloutd.balancer import (
+    AgentSpec,
+    BalancerConfig,
+    HierarchicalBalancer,
+    ReplicaSpec,
+    Ticket,
+    TokenEstimator,
+    equal_split,
+)
+from rolloutd.engines.protocol import EngineClient, GenerationRequest, SamplingParams
+from rolloutd.episode import GenerationOutput
+
+log = logging.getLogger(__name__)
+
+#: Resolves a weights URI (or a base model path) to a local checkpoint dir.
+WeightsResolver = Callable[[str], Awaitable[str]]
+
+MAX_ATTEMPTS = 3
+
+
+def agent_key(job_id: str, agent: str) -> str:
+    """The router's name of an agent of a job."""
+    return f"{job_id}/{agent}"
+
+
+class _ReadWriteLock:
+    """Many generations or one weight load on a replica."""
+
+    def __init__(self) -> None:
+        self._readers = 0
+        self._writing = False
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def read(self) -> Any:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def write(self) -> Any:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+@dataclasses.dataclass
+class Replica:
+    """One engine replica as the router sees it."""
+
+    replica_id: str
+    client: EngineClient
+    loaded_agent: str = ""
+    loaded_version: int = -1
+    healthy: bool = True
+    lock: _ReadWriteLock = dataclasses.field(default_factory=_ReadWriteLock)
+    reloads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WantedWeights:
+    """The version an agent's requests need now, and where its weights are."""
+
+    version: int
+    uri: str
+
+
+class RolloutRouter:
+    """Routes agent generations to replicas; loads the right weights first."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        resolve_weights: WeightsResolver,
+        config: BalancerConfig | None = None,
+        on_reload: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self._replicas = {r.replica_id: r for r in replicas}
+        self._resolve = resolve_weights
+        self._config = config or BalancerConfig()
+        self._estimator = TokenEstimator()
+        self._wanted: dict[str, WantedWeights] = {}
+        self._balancer: HierarchicalBalancer | None = None
+        self._agents: tuple[str, ...] = ()
+        self._placed: dict[int, asyncio.Future[Ticket]] = {}
+        self._in_flight = 0
+        self._quiet = asyncio.Condition()
+        self._rebuilding = False
+        self._on_reload = on_reload
+        self._loads: set[asyncio.Task[None]] = set()
+
+    # ---- agents and versions -------------------------------------------------------------------
+
+    @property
+    def reassignments(self) -> int:
+        """Inter-agent replica moves so far."""
+        return self._balancer.reassignments if self._balancer is not None else 0
+
+    def replicas(self) -> list[Replica]:
+        """Every known replica (healthy or not)."""
+        return list(self._replicas.values())
+
+    def balancer(self) -> HierarchicalBalancer | None:
+        """The current balancer (None before the first job)."""
+        return self._balancer
+
+    def require(self, key: str, version: int, uri: str) -> None:
+        """Requests of agent key need at least this version (weights at uri)."""
+        current = self._wanted.get(key)
+        if current is None or version > current.version:
+            self._wanted[key] = WantedWeights(version, uri)
+
+    async def set_agents(self, keys: Sequence[str]) -> None:
+        """Serves exactly these agents; rebuilds the balancer after in-flight requests drain."""
+        wanted = tuple(sorted(set(keys)))
+        if wanted == self._agents:
+            return
+        async with self._quiet:
+            self._rebuilding = True
+            try:
+                await self._quiet.wait_for(lambda: self._in_flight == 0)
+                healthy = [r for r in self._replicas.values() if r.healthy]
+                if not healthy:
+                    raise Unavailable("no healthy engine replica")
+                self._agents = wanted
+                if not wanted:
+                    self._balancer = None
+                    return
+                specs = self._initial_assignment(healthy, wanted)
+                self._balancer = HierarchicalBalancer(specs, [AgentSpec(k, k) for k in wanted], self._config)
+                log.info("serving agents %s on %d replicas: %s", list(wanted), len(specs),
+                         {s.replica_id: s.model_key for s in specs})
+            finally:
+                self._rebuilding = False
+                self._quiet.notify_all()
+
+    def _initial_assignment(self, healthy: Sequence[Replica], agents: Sequence[str]) -> list[ReplicaSpec]:
+        """Keeps replicas on the agent they already hold where possible (no reload), else deals them out."""
+        split = equal_split([r.replica_id for r in healthy], agents)
+        keep = {r.replica_id: r.loaded_agent for r in healthy if r.loaded_agent in agents}
+        counts = {a: sum(1 for s in split if s.model_key == a) for a in agents}
+        assigned: dict[str, str] = {}
+        for replica_id, agent in keep.items():
+            if counts.get(agent, 0) > 0:
+                assigned[replica_id] = agent
+                counts[agent] -= 1
+        free = [a for a in agents for _ in range(counts[a])]
+        for r in healthy:
+            if r.replica_id not in assigned:
+                assigned[r.replica_id] = free.pop(0) if free else agents[0]
+        return [ReplicaSpec(rid, assigned[rid]) for rid in sorted(assigned)]
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def backend(self, job_id: str) -> JobBackend:
+        """The GenerationBackend of one job's runner."""
+        return JobBackend(self, job_id)
+
+    async def generate(
+        self, key: str, input_ids: list[int], sampling: Mapping[str, Any], n: int, affinity_key: str
+    ) -> list[GenerationOutput]:
+        """Samples n responses with agent key's required version; retries on another replica."""
+        params = SamplingParams.from_wire({**sampling, "n": n})
+        last_error: FlexmarlError | None = None
+        for _ in range(MAX_ATTEMPTS):
+            ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, n, affinity_key)
+            replica = self._replicas[str(ticket.replica_id)]
+            try:
+                await self._ensure_weights(replica, key)
+                async with replica.lock.read():
+                    if replica.loaded_agent != key:  # a concurrent load won; route again
+                        raise _Reroute
+                    version = replica.loaded_version
+                    results = await replica.client.generate(
+                        GenerationRequest(input_ids=tuple(input_ids), sampling=params, return_logprob=True)
+                    )
+                for result in results:
+                    self._estimator.observe(key, result.completion_tokens)
+                return [
+                    GenerationOutput(tuple(r.output_ids), tuple(r.output_token_logprobs), str(r.finish_reason),
+                                     version)
+                    for r in results
+                ]
+            except _Reroute:
+                continue
+            except Unavailable as exc:
+                last_error = exc
+                self._drop_replica(replica, str(exc))
+            finally:
+                self._release(ticket)
+        raise last_error or Unavailable(f"{key}: no replica could serve the request")
+
+    async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:
+        async with self._quiet:
+            await self._quiet.wait_for(lambda: not self._rebuilding)
+            if self._balancer is None or key not in self._agents:
+                raise Unavailable(f"agent {key} is not served by this rolloutd")
+            estimate = self._estimator.estimate(key, prompt_tokens, max_new_tokens, n)
+            ticket = self._balancer.submit(key, estimate, affinity_key)
+            self._in_flight += 1
+        if ticket.replica_id is not None:
+            return ticket
+        future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._placed[ticket.request_id] = future
+        self._rebalance()
+        try:
+            return await future
+        except BaseException:
+            self._placed.pop(ticket.request_id, None)
+            self._release(ticket)
+            raise
+
+    def _release(self, ticket: Ticket) -> None:
+        if self._balancer is not None:
+            with contextlib.suppress(FlexmarlError):
+                self._balancer.finish(ticket.request_id)
+        self._in_flight -= 1
+        self._rebalance()
+        if self._in_flight == 0:
+            self._spawn(self._notify_quiet())
+
+    async def _notify_quiet(self) -> None:
+        async with self._quiet:
+            self._quiet.notify_all()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    def _rebalance(self) -> None:
+        """Applies balancer moves: drained replicas load their new agent's weights."""
+        balancer = self._balancer
+        if balancer is None:
+            return
+        balancer.maybe_rebalance(time.monotonic())
+        for move in balancer.replicas_awaiting_load():
+            balancer.begin_load(move.replica_id)
+            self._spawn(self._move(move.replica_id, move.to_model_key))
+        self._wake_placed(balancer.place_queued())
+
+    def _wake_placed(self, tickets: Sequence[Ticket]) -> None:
+        for ticket in tickets:
+            future = self._placed.pop(ticket.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(ticket)
+
+    async def _move(self, replica_id: str, key: str) -> None:
+        replica = self._replicas[replica_id]
+        try:
+            await self._ensure_weights(replica, key)
+        except Unavailable as exc:
+            self._drop_replica(replica, str(exc))
+            return
+        except FlexmarlError as exc:
+            log.error("loading %s onto %s failed: %s", key, replica_id, exc)
+        balancer = self._balancer
+        if balancer is not None and replica_id in {v.replica_id for v in balancer.replicas()}:
+            balancer.complete_load(replica_id)
+            self._wake_placed(balancer.place_queued())
+
+    async def _ensure_weights(self, replica: Replica, key: str) -> None:
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            raise Unavailable(f"no weights known for {key}")
+        if replica.loaded_agent == key and replica.loaded_version >= wanted.version:
+            return
+        async with replica.lock.write():
+            wanted = self._wanted[key]
+            if replica.loaded_agent == key and replica.loaded_version >= wanted.version:
+                return
+            start = time.perf_counter()
+            path = await self._resolve(wanted.uri)
+            await replica.client.update_weights_from_disk(path, weight_version=str(wanted.version))
+            replica.loaded_agent, replica.loaded_version = key, wanted.version
+            replica.reloads += 1
+            seconds = time.perf_counter() - start
+            log.info("replica %s now serves %s v%d (%.2fs)", replica.replica_id, key, wanted.version, seconds)
+            if self._on_reload is not None:
+                self._on_reload(key, seconds)
+
+    def _drop_replica(self, replica: Replica, reason: str) -> None:
+        if not replica.healthy:
+            return
+        replica.healthy = False
+        log.warning("replica %s removed: %s", replica.replica_id, reason)
+        if self._balancer is not None:
+            with contextlib.suppress(FlexmarlError):
+                self._balancer.remove_replica(replica.replica_id)
+            self._rebalance()
+
+    def set_demand_hint(self, key: str, tokens: int) -> None:
+        """Not-yet-submitted demand of an agent (from the orchestrator)."""
+        if self._balancer is not None and key in self._agents:
+            self._balancer.set_demand_hint(key, tokens)
+            self._rebalance()
+
+    async def close(self) -> None:
+        """Cancels pending loads."""
+        for task in list(self._loads):
+            task.cancel()
+
+
+class _Reroute(Exception):
+    """The replica changed agents between placement and the request; place again."""
+
+
+class JobBackend:
+    """GenerationBackend of one job (agent names without the job prefix)."""
+
+    def __init__(self, router: RolloutRouter, job_id: str) -> None:
+        self._router = router
+        self._job_id = job_id
+
+    async def generate(
+        self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
+    ) -> list[GenerationOutput]:
+        """See rolloutd.runner.GenerationBackend."""
+        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)

@@ -1,0 +1,363 @@
+"""rolloutd's worker loop: lease rollout tasks, run their episodes, store experiences, report.
+
+A task's experiences are durable in stored before the task is reported done; a task
+whose lease is lost (renewal says so, or the orchestrator rejects the report) is
+abandoned, and the experiences it may already have written are kept by stored and
+deduplicated by id when the re-issued task writes them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from flexmarl.artifacts import resolve_dir
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.experience import group_id
+from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.registry import Registry
+from flexmarl.server import channel_options
+from flexmarl.store_client import StoreClient
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
+from rolloutd.episode import Environment, HFTokenizer, load_environment
+from rolloutd.metrics import RolloutMetrics
+from rolloutd.router import Replica, RolloutRouter, agent_key
+from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
+
+log = logging.getLogger(__name__)
+
+RENEW_INTERVAL_S = 2.0
+LEASE_WAIT_MS = 2000
+
+
+@dataclasses.dataclass
+class _Job:
+    job_id: str
+    spec: JobSpec
+    env: Environment
+    runner: RolloutRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSettings:
+    """What the worker needs from rolloutd's config."""
+
+    worker_id: str
+    work_dir: Path
+    max_tasks: int
+    engine_backend: str
+    engine_replicas: int
+    engine_urls: tuple[str, ...]
+    engine_threads: int
+    orchestrator_address: str
+    store_address: str
+    max_message_bytes: int
+
+
+class RolloutWorker:
+    """Pulls tasks from orchestratord and turns them into experiences in stored."""
+
+    def __init__(self, settings: WorkerSettings, registry: Registry, metrics: RolloutMetrics) -> None:
+        self.settings = settings
+        self._registry = registry
+        self._metrics = metrics
+        self._engines: list[EngineReplica] = []
+        self.router: RolloutRouter | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._loops: list[asyncio.Task[None]] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
+        self._store: StoreClient | None = None
+        self._engine_lock = asyncio.Lock()
+        self._job_lock = asyncio.Lock()
+        self.episodes_done = 0
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts the lease and renewal loops (engines start with the first job)."""
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._lease_loop(), name="lease loop"),
+                       loop.create_task(self._renew_loop(), name="renew loop")]
+
+    async def stop(self) -> None:
+        """Stops leasing, cancels running tasks (their leases expire and are re-issued), stops engines."""
+        self._stopping = True
+        for task in [*self._loops, *self._in_flight.values()]:
+            task.cancel()
+        for task in [*self._loops, *self._in_flight.values()]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.router is not None:
+            await self.router.close()
+            for replica in self.router.replicas():
+                with contextlib.suppress(Exception):
+                    await replica.client.close()
+        for engine in self._engines:
+            await asyncio.to_thread(engine.stop, 10.0)
+        if self._store is not None:
+            await self._store.close()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _address(self, kind: str, configured: str) -> str:
+        if configured:
+            return configured
+        services = await self._registry.list_services(kind)
+        if not services:
+            raise Unavailable(f"no {kind} registered in etcd")
+        return services[0].address
+
+    async def _orchestrator(self) -> orchestrator_pb2_grpc.OrchestratorStub:
+        if self._stub is None:
+            address = await self._address("orchestratord", self.settings.orchestrator_address)
+            self._channel = grpc.aio.insecure_channel(address, options=channel_options(self.settings.max_message_bytes))
+            self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        return self._stub
+
+    async def _reset_orchestrator(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel, self._stub = None, None
+
+    async def _store_client(self) -> StoreClient:
+        if self._store is None:
+            self._store = StoreClient(await self._address("stored", self.settings.store_address),
+                                      max_message_bytes=self.settings.max_message_bytes)
+        return self._store
+
+    # ---- leasing -----------------------------------------------------------------------------------
+
+    async def _lease_loop(self) -> None:
+        backoff_s = 0.2
+        while not self._stopping:
+            free = self.settings.max_tasks - len(self._in_flight)
+            if free <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                stub = await self._orchestrator()
+                reply = await stub.LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
+                    worker_id=self.settings.worker_id, max_tasks=free, wait_ms=LEASE_WAIT_MS), timeout=30)
+                backoff_s = 0.2
+            except (grpc.RpcError, FlexmarlError) as exc:
+                log.warning("leasing tasks failed (%s); retrying", _describe(exc))
+                await self._reset_orchestrator()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(5.0, backoff_s * 2)
+                continue
+            for task in reply.tasks:
+                self._in_flight[task.lease_id] = asyncio.get_running_loop().create_task(
+                    self._run(task), name=f"task {task.task_id}")
+
+    async def _renew_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(RENEW_INTERVAL_S)
+            if not self._in_flight:
+                continue
+            try:
+                stub = await self._orchestrator()
+                reply = await stub.RenewLeases(orchestrator_pb2.RenewLeasesRequest(
+                    worker_id=self.settings.worker_id, lease_ids=list(self._in_flight)), timeout=10)
+            except (grpc.RpcError, FlexmarlError) as exc:
+                log.warning("renewing leases failed (%s)", _describe(exc))
+                continue
+            for lease_id in reply.lost_lease_ids:
+                task = self._in_flight.get(lease_id)
+                if task is not None:
+                    log.warning("lease %s lost; abandoning its task", lease_id)
+                    task.cancel()
+
+    # ---- one task ----------------------------------------------------------------------------------
+
+    async def _run(self, task: orchestrator_pb2.RolloutTask) -> None:
+        started = time.perf_counter()
+        try:
+            job = await self._job(task)
+            assert self.router is not None
+            for version in task.agent_versions:
+                base = job.spec.agent(version.agent).model
+                self.router.require(agent_key(task.job_id, version.agent), version.version,
+                                    version.weights_uri or base)
+            stored = await self._durable_experiences(job, task) if task.attempt > 1 else None
+            if stored is not None:
+                # An earlier attempt's experiences are durable: they are the task's result (exactly once).
+                log.info("task %s: reusing %d stored experiences of an earlier attempt", task.task_id, len(stored))
+                await self._report_summaries(task, stored, "")
+                return
+            result = await job.runner.run(RolloutTaskInput(task.job_id, task.task_id, task.task_index,
+                                                           job.spec.seed, task.group_size))
+            if result.ok:
+                await self._store_experiences(result)
+                await self._report(task, result, "")
+                self.episodes_done += task.group_size
+                self._metrics.observe_task(result, time.perf_counter() - started)
+            else:
+                first = result.errors[0]
+                message = f"episode {first.sample_index}: {first.error_type}: {first.message}"
+                log.warning("task %s failed: %s", task.task_id, message)
+                await self._report(task, result, message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # anything else fails the task, never the daemon
+            log.exception("task %s failed", task.task_id)
+            with contextlib.suppress(Exception):
+                await self._report(task, None, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._in_flight.pop(task.lease_id, None)
+
+    async def _store_experiences(self, result: RolloutResult) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                store = await self._store_client()
+                await store.append(result.experiences)
+                return
+            except Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                if self._store is not None:
+                    await self._store.close()
+                    self._store = None
+                await asyncio.sleep(0.5)
+
+    async def _durable_experiences(
+        self, job: _Job, task: orchestrator_pb2.RolloutTask
+    ) -> list[orchestrator_pb2.ExperienceSummary] | None:
+        """The experiences an earlier attempt of the task stored (all or nothing), or None.
+
+        rolloutd appends a task's experiences in one request, which stored applies
+        atomically, so a task is either wholly stored or not at all.
+        """
+        store = await self._store_client()
+        found: list[orchestrator_pb2.ExperienceSummary] = []
+        for agent in job.spec.agent_names:
+            refs = await store.query(task.job_id, agent, group_id=group_id(task.task_id, agent))
+            found.extend(
+                orchestrator_pb2.ExperienceSummary(
+                    experience_id=r.experience_id, agent=agent, group_id=r.group_id, sample_index=r.sample_index,
+                    behavior_version=r.behavior_version, response_tokens=r.response_tokens, reward=r.reward)
+                for r in refs
+            )
+        if not found:
+            return None
+        for agent in job.spec.agent_names:
+            samples = {e.sample_index for e in found if e.agent == agent}
+            if samples != set(range(task.group_size)):
+                raise Unavailable(f"task {task.task_id}: stored holds a partial group of {agent} "
+                                  f"(samples {sorted(samples)})")
+        return found
+
+    async def _report(self, task: orchestrator_pb2.RolloutTask, result: RolloutResult | None, error: str) -> None:
+        experiences = [] if result is None or error else [
+            orchestrator_pb2.ExperienceSummary(
+                experience_id=e.experience_id, agent=e.agent, group_id=e.group_id, sample_index=e.sample_index,
+                behavior_version=e.behavior_version, response_tokens=e.response_tokens, reward=e.reward,
+            )
+            for e in result.experiences
+        ]
+        await self._report_summaries(task, experiences, error)
+
+    async def _report_summaries(
+        self, task: orchestrator_pb2.RolloutTask, experiences: list[orchestrator_pb2.ExperienceSummary], error: str
+    ) -> None:
+        request = orchestrator_pb2.ReportRolloutTaskRequest(
+            lease_id=task.lease_id, worker_id=self.settings.worker_id, task_id=task.task_id,
+            succeeded=not error, error=error[:4096], experiences=experiences)
+        for attempt in range(5):
+            try:
+                stub = await self._orchestrator()
+                await stub.ReportRolloutTask(request, timeout=30)
+                return
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+                    log.warning("report of task %s rejected: %s", task.task_id, _describe(exc))
+                    return
+                await self._reset_orchestrator()
+                await asyncio.sleep(0.2 * (attempt + 1))
+        log.error("could not report task %s; its lease will expire", task.task_id)
+
+    # ---- jobs and engines --------------------------------------------------------------------------
+
+    async def _job(self, task: orchestrator_pb2.RolloutTask) -> _Job:
+        job = self._jobs.get(task.job_id)
+        if job is not None:
+            return job
+        async with self._job_lock:  # one set-up per job, however many of its tasks arrive at once
+            job = self._jobs.get(task.job_id)
+            if job is not None:
+                return job
+            return await self._new_job(task)
+
+    async def _new_job(self, task: orchestrator_pb2.RolloutTask) -> _Job:
+        spec = load_job_spec(task.spec_json)
+        await self._ensure_engines(spec)
+        assert self.router is not None
+        env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
+        missing = [a for a in env.agents if a not in spec.agent_names]
+        if missing:
+            raise InvalidArgument(f"environment needs agents {missing} that the job spec lacks")
+        runtimes = {}
+        for agent in spec.agents:
+            tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
+            runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()))
+        runner = RolloutRunner(env, runtimes, self.router.backend(task.job_id))
+        job = _Job(task.job_id, spec, env, runner)
+        self._jobs[task.job_id] = job
+        await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
+                                      for a in j.spec.agent_names])
+        log.info("serving job %s (%s)", task.job_id, spec.name)
+        return job
+
+    async def _ensure_engines(self, spec: JobSpec) -> None:
+        async with self._engine_lock:
+            if self.router is not None:
+                return
+            s = self.settings
+            if s.engine_urls:
+                engines = [attach(url) for url in s.engine_urls]
+            else:
+                first_model = spec.agents[0].model
+                specs = [ReplicaSpec(backend=s.engine_backend, model_path=first_model,  # type: ignore[arg-type]
+                                     num_threads=s.engine_threads) for _ in range(s.engine_replicas)]
+                engines = []
+                for index, replica_spec in enumerate(specs):
+                    engines.append(await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}"))
+                self._engines = engines
+            replicas = [Replica(f"replica-{i}", e.client()) for i, e in enumerate(engines)]
+            cache = s.work_dir / "weights"
+            cache.mkdir(parents=True, exist_ok=True)
+
+            async def resolve(uri: str) -> str:
+                store = await self._store_client() if uri.startswith("stored://") else None
+                return str(await resolve_dir(uri, cache, store))
+
+            self.router = RolloutRouter(replicas, resolve, on_reload=self._metrics.observe_reload)
+
+    def status(self) -> dict[str, Any]:
+        """What GetRolloutStatus reports."""
+        return {"tasks_in_flight": len(self._in_flight), "episodes_done": self.episodes_done}
+
+
+def _sampling_of(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Spec sampling settings in SGLang's sampling_params names."""
+    return {k: v for k, v in json.loads(json.dumps(sampling)).items() if v is not None}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

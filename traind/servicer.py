@@ -1,0 +1,31 @@
+"""gRPC adapter of traind's own API (status and explicit swaps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.v1 import train_pb2, train_pb2_grpc
+from traind.worker import TrainerWorker
+
+
+class TrainerServicer(train_pb2_grpc.TrainerServicer):
+    """flexmarl.v1.Trainer."""
+
+    def __init__(self, worker: TrainerWorker) -> None:
+        self._worker = worker
+
+    async def GetTrainerStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Slots and the agents resident in them."""
+        return train_pb2.TrainerStatus(
+            worker_id=self._worker.settings.worker_id,
+            slots=[train_pb2.SlotStatus(slot_id=s["slot_id"], device="cpu", resident=s["resident"],
+                                        resident_version=s["version"], busy=s["busy"],
+                                        busy_fraction=s["busy_fraction"]) for s in self._worker.status()],
+        )
+
+    async def OffloadAgent(self, request: Any, context: Any) -> Any:  # noqa: N802
+        """Explicit swap-outs go through the orchestrator (it owns bindings)."""
+        if not request.job_id or not request.agent:
+            raise InvalidArgument("job_id and agent must not be empty")
+        raise FailedPrecondition("bindings are owned by orchestratord: it sends SwapOutWork when a slot must move")

@@ -1,0 +1,369 @@
+"""traind's worker loop: each slot pulls work from orchestratord and trains the agent bound to it.
+
+A slot holds at most one agent's DeepSpeed engine. Work comes as micro-batches
+(accumulate gradients), an optimizer step (scale by the step's fixed normaliser, step,
+publish the weights, save the full state, then CommitStep) or a swap-out. After every
+commit the agent's full training state is saved to the configured location
+(``file://`` under the work dir by default, ``stored://`` for clusters without shared
+storage, ``mem://`` to keep it in this process), so a step of a dead slot replays from
+the last committed state on any slot that can read that location.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.registry import Registry
+from flexmarl.server import channel_options
+from flexmarl.store_client import StoreClient
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from traind import losses
+from traind.metrics import TrainerMetrics
+from traind.model import AgentTrainer, AgentTrainerConfig
+from traind.swap import MemoryStateStore, StateLocation, open_location, swap_in, swap_out
+
+log = logging.getLogger(__name__)
+
+POLL_WAIT_MS = 2000
+KEEP_VERSIONS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSettings:
+    """What the worker needs from traind's config."""
+
+    worker_id: str
+    slots: int
+    work_dir: Path
+    state_location: str  # mem | file | stored
+    publish_location: str  # file | stored
+    orchestrator_address: str
+    store_address: str
+    max_message_bytes: int
+
+
+@dataclasses.dataclass
+class Slot:
+    """One training slot and the agent resident in it."""
+
+    slot_id: str
+    trainer: AgentTrainer | None = None
+    job_id: str = ""
+    agent: str = ""
+    step_id: str = ""
+    busy: bool = False
+    busy_s: float = 0.0
+    started_s: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def resident(self) -> tuple[str, str] | None:
+        """(job, agent) whose engine the slot holds."""
+        return (self.job_id, self.agent) if self.trainer is not None else None
+
+
+def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
+    """The engine settings of one agent of a job."""
+    a = spec.agent(agent)
+    algo = spec.algorithm
+    return AgentTrainerConfig(
+        agent=agent, model_path=a.model, zero_stage=a.zero_stage, dtype=a.dtype, lr=a.optimizer.lr,
+        betas=(a.optimizer.betas[0], a.optimizer.betas[1]), eps=a.optimizer.eps,
+        weight_decay=a.optimizer.weight_decay, grad_clip=a.optimizer.grad_clip,
+        loss=losses.PolicyLossConfig(clip_eps_low=algo.clip_eps, clip_eps_high=algo.clip_eps, kl_coef=algo.kl_coef,
+                                     loss_agg=losses.LossAggregation(algo.loss_agg)),
+        advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
+    )
+
+
+class TrainerWorker:
+    """The slots of one traind process."""
+
+    def __init__(self, settings: TrainerSettings, registry: Registry, metrics: TrainerMetrics) -> None:
+        self.settings = settings
+        self._registry = registry
+        self._metrics = metrics
+        self.slots = [Slot(f"{settings.worker_id}/slot{i}") for i in range(settings.slots)]
+        self._memory = MemoryStateStore()
+        self._specs: dict[str, JobSpec] = {}
+        self._loops: list[asyncio.Task[None]] = []
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
+        self._store: StoreClient | None = None
+        self._stopping = False
+        # One engine at a time per process: DeepSpeed engines share the process group.
+        self._compute = asyncio.Lock()
+
+    async def start(self) -> None:
+        """Starts one poll loop per slot."""
+        loop = asyncio.get_running_loop()
+        self._loops = [loop.create_task(self._slot_loop(slot), name=slot.slot_id) for slot in self.slots]
+
+    async def stop(self) -> None:
+        """Stops polling; uncommitted work is abandoned (its leases expire and replay elsewhere)."""
+        self._stopping = True
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for slot in self.slots:
+            if slot.trainer is not None:
+                slot.trainer.release()
+                slot.trainer = None
+        if self._store is not None:
+            await self._store.close()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # ---- connections -------------------------------------------------------------------------
+
+    async def _address(self, kind: str, configured: str) -> str:
+        if configured:
+            return configured
+        services = await self._registry.list_services(kind)
+        if not services:
+            raise Unavailable(f"no {kind} registered in etcd")
+        return services[0].address
+
+    async def _orchestrator(self) -> orchestrator_pb2_grpc.OrchestratorStub:
+        if self._stub is None:
+            address = await self._address("orchestratord", self.settings.orchestrator_address)
+            self._channel = grpc.aio.insecure_channel(address, options=channel_options(self.settings.max_message_bytes))
+            self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
+        return self._stub
+
+    async def _reset_orchestrator(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel, self._stub = None, None
+
+    async def _store_client(self) -> StoreClient:
+        if self._store is None:
+            self._store = StoreClient(await self._address("stored", self.settings.store_address),
+                                      max_message_bytes=self.settings.max_message_bytes)
+        return self._store
+
+    def _spec(self, job_id: str, spec_json: str) -> JobSpec:
+        spec = self._specs.get(job_id)
+        if spec is None:
+            if not spec_json:
+                raise InvalidArgument(f"no spec known for job {job_id}")
+            spec = self._specs[job_id] = load_job_spec(spec_json)
+        return spec
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    async def _slot_loop(self, slot: Slot) -> None:
+        backoff_s = 0.2
+        while not self._stopping:
+            resident = []
+            if slot.trainer is not None:
+                resident = [orchestrator_pb2.ResidentAgent(job_id=slot.job_id, agent=slot.agent,
+                                                           version=slot.trainer.version)]
+            try:
+                stub = await self._orchestrator()
+                reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
+                    worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
+                    wait_ms=POLL_WAIT_MS), timeout=30)
+                backoff_s = 0.2
+            except (grpc.RpcError, FlexmarlError) as exc:
+                log.warning("polling work for %s failed (%s); retrying", slot.slot_id, _describe(exc))
+                await self._reset_orchestrator()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(5.0, backoff_s * 2)
+                continue
+            kind = reply.WhichOneof("work")
+            if kind is None:
+                continue
+            started = time.monotonic()
+            slot.busy = True
+            try:
+                if kind == "micro_batch":
+                    await self._micro_batch(slot, reply.micro_batch)
+                elif kind == "optimizer_step":
+                    await self._optimizer_step(slot, reply.optimizer_step)
+                else:
+                    await self._swap_out(slot, reply.swap_out)
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as exc:
+                log.warning("%s: orchestrator call failed: %s", slot.slot_id, _describe(exc))
+                await self._reset_orchestrator()
+            except Exception as exc:
+                log.exception("%s: %s work failed", slot.slot_id, kind)
+                await self._fail(slot, f"{type(exc).__name__}: {exc}")
+            finally:
+                slot.busy = False
+                slot.busy_s += time.monotonic() - started
+                self._metrics.observe_busy(slot)
+
+    async def _fail(self, slot: Slot, error: str) -> None:
+        """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""
+        job_id, agent = slot.job_id, slot.agent
+        self._release(slot)
+        if not job_id:
+            return
+        with contextlib.suppress(grpc.RpcError, FlexmarlError):
+            stub = await self._orchestrator()
+            await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
+                worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=job_id, agent=agent,
+                kind=orchestrator_pb2.ReportSlotEventRequest.KIND_FAILED, error=error[:4096]), timeout=10)
+
+    def _release(self, slot: Slot) -> None:
+        if slot.trainer is not None:
+            slot.trainer.release()
+        slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""
+
+    # ---- work ----------------------------------------------------------------------------------
+
+    def _location(self, uri: str, job_id: str) -> StateLocation:
+        return open_location(uri, memory=self._memory, store=self._store, job_id=job_id,
+                             loop=asyncio.get_running_loop())
+
+    async def _bind(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> AgentTrainer:
+        """Makes (job, agent) at base_version resident in the slot (swapping as needed)."""
+        spec = self._spec(work.job_id, work.spec_json)
+        key = (work.job_id, work.agent)
+        if slot.trainer is not None and (slot.resident != key or slot.trainer.version != work.base_version):
+            log.info("%s: releasing %s/%s v%d", slot.slot_id, slot.job_id, slot.agent, slot.trainer.version)
+            self._release(slot)
+        if slot.trainer is None:
+            config = trainer_config(spec, work.agent)
+            started = time.perf_counter()
+            if work.state_uri:
+                if work.state_uri.startswith("stored://"):
+                    await self._store_client()
+                location = self._location(work.state_uri, work.job_id)
+                trainer, stats = await asyncio.to_thread(swap_in, config, location)
+                self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
+            elif work.base_version == 0:
+                trainer = await asyncio.to_thread(AgentTrainer, config)
+            else:
+                raise InvalidArgument(f"{work.agent} v{work.base_version}: no state_uri to load from")
+            if trainer.version != work.base_version:
+                trainer.release()
+                raise InvalidArgument(f"state of {work.agent} is v{trainer.version}, work needs v{work.base_version}")
+            log.info("%s: %s/%s v%d resident (%.2fs)", slot.slot_id, work.job_id, work.agent, trainer.version,
+                     time.perf_counter() - started)
+            slot.trainer, slot.job_id, slot.agent, slot.step_id = trainer, work.job_id, work.agent, ""
+        return slot.trainer
+
+    async def _micro_batch(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> None:
+        async with self._compute:
+            trainer = await self._bind(slot, work)
+            if slot.step_id != work.step_id:
+                trainer.discard_gradients()  # a new step, or a replay of one: start from zero
+                slot.step_id = work.step_id
+            store = await self._store_client()
+            records = await store.read(work.job_id, list(work.experience_ids))
+            stats = await asyncio.to_thread(trainer.accumulate, records)
+        self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
+        stub = await self._orchestrator()
+        await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
+            lease_id=work.lease_id, worker_id=self.settings.worker_id, slot_id=slot.slot_id,
+            loss_sum=stats.loss_sum, tokens=stats.response_tokens, episodes=stats.sequences), timeout=30)
+
+    async def _optimizer_step(self, slot: Slot, work: orchestrator_pb2.OptimizerStepWork) -> None:
+        if slot.resident != (work.job_id, work.agent) or slot.step_id != work.step_id or slot.trainer is None:
+            raise InvalidArgument(f"optimizer step {work.step_id} is not the step accumulated in {slot.slot_id}")
+        trainer = slot.trainer
+        started = time.perf_counter()
+        async with self._compute:
+            stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens, work.step_episodes)
+            if trainer.version != work.new_version:
+                raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
+            weights_uri = await self._publish(trainer, work.job_id, work.agent, work.new_version)
+            state_uri = await self._save_state(trainer, work.job_id, work.agent, work.new_version)
+        seconds = time.perf_counter() - started
+        self._metrics.observe_step(work.agent, stats, seconds)
+        stub = await self._orchestrator()
+        await stub.CommitStep(orchestrator_pb2.CommitStepRequest(
+            worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
+            step=work.step, new_version=work.new_version, weights_uri=weights_uri, state_uri=state_uri,
+            loss=stats.loss, grad_norm=stats.grad_norm, step_seconds=seconds), timeout=60)
+        slot.step_id = ""
+        log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
+                 work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
+        self._prune(work.job_id, work.agent, work.new_version)
+
+    async def _publish(self, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
+        out = self.settings.work_dir / "weights" / job_id / agent / f"v{version}"
+        await asyncio.to_thread(trainer.publish, out)
+        if self.settings.publish_location == "stored":
+            return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._store_client(),
+                                     job_id)
+        return file_uri(out)
+
+    async def _save_state(self, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
+        kind = self.settings.state_location
+        uri = self._state_uri(kind, job_id, agent, version)
+        if kind == "stored":
+            await self._store_client()
+        location = self._location(uri, job_id)
+        started = time.perf_counter()
+        moved = await asyncio.to_thread(trainer.save_state, location)
+        self._metrics.observe_swap("save", moved, time.perf_counter() - started)
+        return uri
+
+    def _state_uri(self, kind: str, job_id: str, agent: str, version: int) -> str:
+        if kind == "mem":
+            return f"mem://{self.settings.worker_id}/{job_id}/{agent}/v{version}"
+        if kind == "stored":
+            return f"stored://states/{job_id}/{agent}/v{version}"
+        return file_uri(self.settings.work_dir / "states" / job_id / agent / f"v{version}")
+
+    def _prune(self, job_id: str, agent: str, version: int) -> None:
+        """Deletes local weights and states older than the last few versions."""
+        for kind in ("weights", "states"):
+            root = self.settings.work_dir / kind / job_id / agent
+            keep = KEEP_VERSIONS if kind == "weights" else 1
+            for old in range(max(0, version - keep - 10), version - keep + 1):
+                shutil.rmtree(root / f"v{old}", ignore_errors=True)
+        for old in range(max(0, version - 10), version):
+            with contextlib.suppress(FlexmarlError, KeyError):
+                self._memory.pop(f"{self.settings.worker_id}/{job_id}/{agent}/v{old}")
+
+    async def _swap_out(self, slot: Slot, work: orchestrator_pb2.SwapOutWork) -> None:
+        if slot.resident != (work.job_id, work.agent) or slot.trainer is None:
+            raise InvalidArgument(f"{slot.slot_id} does not hold {work.job_id}/{work.agent}")
+        kind = work.location if work.location in ("mem", "file", "stored") else self.settings.state_location
+        uri = self._state_uri(kind, work.job_id, work.agent, slot.trainer.version)
+        if kind == "stored":
+            await self._store_client()
+        async with self._compute:
+            stats = await asyncio.to_thread(swap_out, slot.trainer, self._location(uri, work.job_id))
+        self._metrics.observe_swap("out", stats.bytes_moved, stats.seconds)
+        slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""
+        stub = await self._orchestrator()
+        await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
+            worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
+            kind=orchestrator_pb2.ReportSlotEventRequest.KIND_SWAPPED_OUT, state_uri=uri), timeout=30)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Per-slot status for GetTrainerStatus."""
+        now = time.monotonic()
+        return [
+            {"slot_id": s.slot_id, "resident": f"{s.job_id}/{s.agent}" if s.trainer is not None else "",
+             "version": s.trainer.version if s.trainer is not None else 0, "busy": s.busy,
+             "busy_fraction": s.busy_s / max(1e-9, now - s.started_s)}
+            for s in self.slots
+        ]
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
