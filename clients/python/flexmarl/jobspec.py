@@ -248,9 +248,9 @@ def _describe(detail: Any) -> str:
         key, word = _BOUND_WORDS[kind]
         return f"must be {word} {ctx[key]}, got {got!r}"
     if kind == "too_short":
-        return f"must have at least {ctx['min_length']} items, got {ctx['actual_length']}"
+        return f"must have at least {ctx['min_length']} item(s), got {ctx['actual_length']}"
     if kind == "too_long":
-        return f"must have at most {ctx['max_length']} items, got {ctx['actual_length']}"
+        return f"must have at most {ctx['max_length']} item(s), got {ctx['actual_length']}"
     if kind in _TYPE_WORDS:
         return f"must be {_TYPE_WORDS[kind]}, got {got!r}"
     return f"{detail['msg']}, got {got!r}"

@@ -1,0 +1,246 @@
+"""Property tests: the planner's invariants under random interleavings of completions, expiries and deaths."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from flexmarl.errors import FailedPrecondition
+from orchestratord.planner import (
+    MicroBatchWork,
+    OptimizerStepWork,
+    Planner,
+    PlannerOptions,
+    ResidentAgent,
+    RolloutTaskLease,
+    SlotEventKind,
+    SwapOutWork,
+)
+from orchestratord.state import JobState
+
+from .helpers import FakeClock, experiences_for, make_spec
+
+AGENTS = ("sender", "receiver")
+SLOTS = ("s0", "s1")
+ROLLOUT_WORKERS = ("r0", "r1")
+JOB = "job1"
+
+
+class PlannerMachine(RuleBasedStateMachine):
+    """A fake cluster (rollout workers and trainer slots that accumulate gradients) driving one job."""
+
+    @initialize(
+        mode=st.sampled_from(["async", "sync"]),
+        eta=st.integers(0, 2),
+        prompts=st.integers(2, 3),
+        groups_per_mb=st.integers(1, 2),
+        turns=st.integers(1, 2),
+    )
+    def setup(self, mode: str, eta: int, prompts: int, groups_per_mb: int, turns: int) -> None:
+        self.clock = FakeClock()
+        self.eta = eta
+        self.turns = turns
+        self.planner = Planner(self.clock, PlannerOptions(lease_epoch="e", max_task_attempts=10_000,
+                                                          max_step_attempts=10_000))
+        self.spec = make_spec(pipeline={"mode": mode, "max_staleness": eta},
+                              batch={"prompts_per_step": prompts, "group_size": 2,
+                                     "micro_batch_size": 2 * groups_per_mb},
+                              total_steps=3)
+        self.planner.submit_job(JOB, self.spec)
+        self.job = self.planner.job(JOB)
+        self.held: dict[str, tuple[str, RolloutTaskLease]] = {}  # lease id -> (worker, lease)
+        self.accepted: dict[str, dict[str, int]] = {}  # task id -> experience id -> behaviour version
+        self.inbox: dict[str, object] = {}
+        self.generation = {slot: 0 for slot in SLOTS}
+        self.accum: dict[str, tuple[str, list[str]]] = {}  # slot -> (step id, acked experience ids)
+        self.resident: dict[str, dict[str, int]] = {slot: {} for slot in SLOTS}
+        self.consumed: dict[tuple[str, int], tuple[str, ...]] = {}
+        self.manifests_seen: dict[tuple[str, int], tuple[str, ...]] = {}
+
+    def worker_of(self, slot: str) -> str:
+        return f"w-{slot}-{self.generation[slot]}"
+
+    # ---- rollout workers ----------------------------------------------------------------------------
+
+    @rule(worker=st.sampled_from(ROLLOUT_WORKERS), count=st.integers(1, 3))
+    def lease_tasks(self, worker: str, count: int) -> None:
+        for lease in self.planner.lease_rollout_tasks(worker, count):
+            assert lease.task_id not in self.accepted, "a finished task was leased again"
+            for version in lease.agent_versions:
+                assert lease.batch_index - version.version <= self.eta or self.spec.pipeline.mode == "sync"
+            self.held[lease.lease_id] = (worker, lease)
+
+    @precondition(lambda self: bool(self.held))
+    @rule(data=st.data(), succeed=st.booleans())
+    def report_task(self, data: st.DataObject, succeed: bool) -> None:
+        lease_id = data.draw(st.sampled_from(sorted(self.held)))
+        worker, lease = self.held.pop(lease_id)
+        # A worker generates with the versions it was told or newer ones it has since loaded.
+        versions = {v.agent: max(v.version, self.job.version(v.agent) if data.draw(st.booleans()) else v.version)
+                    for v in lease.agent_versions}
+        experiences = experiences_for(lease, AGENTS, turns=self.turns, versions=versions)
+        try:
+            self.planner.report_rollout_task(lease_id, worker, lease.task_id, succeed, "", experiences)
+        except FailedPrecondition:
+            return
+        if succeed:
+            assert lease.task_id not in self.accepted, "a task was accepted twice"
+            self.accepted[lease.task_id] = {e.experience_id: e.behavior_version for e in experiences}
+
+    @rule(seconds=st.sampled_from([0.5, 3.0, 11.0, 25.0]))
+    def advance_clock(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.planner.tick()
+
+    @rule(worker=st.sampled_from(ROLLOUT_WORKERS))
+    def kill_rollout_worker(self, worker: str) -> None:
+        self.planner.worker_gone(worker)
+        for lease_id in [lid for lid, (w, _) in self.held.items() if w == worker]:
+            del self.held[lease_id]
+
+    # ---- trainer slots --------------------------------------------------------------------------------
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def poll(self, slot: str) -> None:
+        resident = [ResidentAgent(JOB, agent, version) for agent, version in self.resident[slot].items()]
+        work = self.planner.poll_trainer_work(self.worker_of(slot), slot, resident)
+        if work is None:
+            return
+        self.inbox[slot] = work
+        if isinstance(work, MicroBatchWork):
+            self.check_micro_batch(work)
+            if self.accum.get(slot, ("", []))[0] != work.step_id:
+                self.accum[slot] = (work.step_id, [])  # a new attempt: drop accumulated gradients
+            self.resident[slot][work.agent] = work.base_version
+
+    def check_micro_batch(self, work: MicroBatchWork) -> None:
+        assert work.base_version == work.step == self.job.version(work.agent)
+        if self.spec.pipeline.mode == "sync":
+            done = [tid for tid in self.accepted if f"/b{work.step}/" in tid]
+            assert len(done) == self.spec.batch.prompts_per_step, "sync mode leased before the barrier"
+        for eid in work.experience_ids:
+            task_id = eid.rsplit("/", 3)[0]
+            assert f"/b{work.step}/" in task_id, "an experience of another batch"
+            assert eid.split("/")[-2] == work.agent
+            behaviour = self.accepted[task_id][eid]
+            assert work.base_version - behaviour <= self.eta, "staleness bound exceeded"
+        assert len(set(work.experience_ids)) == len(work.experience_ids)
+
+    @precondition(lambda self: bool(self.inbox))
+    @rule(data=st.data())
+    def finish_work(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.inbox)))
+        work = self.inbox.pop(slot)
+        worker = self.worker_of(slot)
+        if isinstance(work, MicroBatchWork):
+            try:
+                self.planner.ack_micro_batch(work.lease_id, worker, slot)
+            except FailedPrecondition:
+                return
+            step_id, ids = self.accum[slot]
+            assert step_id == work.step_id
+            ids.extend(work.experience_ids)
+        elif isinstance(work, OptimizerStepWork):
+            try:
+                self.planner.commit_step(worker, slot, JOB, work.agent, work.step, work.new_version,
+                                         f"file:///w/{work.agent}/{work.new_version}",
+                                         f"file:///s/{work.agent}/{work.new_version}")
+            except FailedPrecondition:
+                return
+            step_id, ids = self.accum.pop(slot)
+            assert step_id == work.step_id, "committed gradients of another attempt"
+            manifest = self.manifests_seen[(work.agent, work.step)]
+            assert len(ids) == len(set(ids)), "an experience was accumulated twice in one step"
+            assert tuple(sorted(ids)) == manifest, "the committed step did not consume exactly its manifest"
+            assert work.step_episodes == self.spec.batch.episodes_per_step
+            assert (work.agent, work.step) not in self.consumed
+            self.consumed[(work.agent, work.step)] = manifest
+            self.resident[slot][work.agent] = work.new_version
+        elif isinstance(work, SwapOutWork):
+            self.planner.report_slot_event(worker, slot, JOB, work.agent, SlotEventKind.SWAPPED_OUT,
+                                           f"stored://state/{work.agent}")
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def kill_trainer(self, slot: str) -> None:
+        self.planner.worker_gone(self.worker_of(slot))
+        self.generation[slot] += 1
+        self.inbox.pop(slot, None)
+        self.accum.pop(slot, None)
+        self.resident[slot] = {}
+
+    # ---- invariants -------------------------------------------------------------------------------------
+
+    @invariant()
+    def admission_bound(self) -> None:
+        if hasattr(self, "job"):
+            assert self.job.admitted_tasks <= self.job.admission_limit()
+
+    @invariant()
+    def manifests_are_fixed_and_exact(self) -> None:
+        if not hasattr(self, "job"):
+            return
+        for agent in AGENTS:
+            for step in range(self.spec.total_steps):
+                manifest = self.job.manifest(agent, step)
+                if manifest is None:
+                    continue
+                key = (agent, step)
+                if key in self.manifests_seen:
+                    assert manifest.experience_ids == self.manifests_seen[key], "a manifest changed"
+                    continue
+                expected = sorted(eid for tid, exps in self.accepted.items() if f"/b{step}/" in tid
+                                  for eid in exps if eid.split("/")[-2] == agent)
+                assert list(manifest.experience_ids) == expected
+                self.manifests_seen[key] = manifest.experience_ids
+
+    @invariant()
+    def versions_count_commits(self) -> None:
+        if hasattr(self, "job"):
+            for agent in AGENTS:
+                assert self.job.version(agent) == sum(1 for a, _ in self.consumed if a == agent)
+            assert self.job.state in (JobState.RUNNING, JobState.SUCCEEDED)
+
+    def teardown(self) -> None:
+        """Liveness: with every worker healthy from here on, the job finishes and consumes everything once."""
+        if not hasattr(self, "job"):
+            return
+        for _ in range(2_000):
+            if self.job.state is not JobState.RUNNING:
+                break
+            self.lease_tasks("r0", 3)
+            while self.held:
+                lease_id = sorted(self.held)[0]
+                worker, lease = self.held.pop(lease_id)
+                experiences = experiences_for(lease, AGENTS, turns=self.turns)
+                try:
+                    self.planner.report_rollout_task(lease_id, worker, lease.task_id, True, "", experiences)
+                except FailedPrecondition:
+                    continue
+                self.accepted[lease.task_id] = {e.experience_id: e.behavior_version for e in experiences}
+            self.manifests_are_fixed_and_exact()
+            for slot in SLOTS:
+                self.inbox.pop(slot, None)
+                self.poll(slot)
+                if slot in self.inbox:
+                    self.manifests_are_fixed_and_exact()
+                    self.finish_work_on(slot)
+            self.clock.advance(1.0)
+        assert self.job.state is JobState.SUCCEEDED, self.job.snapshot()
+        all_experiences = sorted(eid for exps in self.accepted.values() for eid in exps)
+        consumed = sorted(eid for ids in self.consumed.values() for eid in ids)
+        assert consumed == all_experiences, "exactly-once: every accepted experience consumed exactly once"
+
+    def finish_work_on(self, slot: str) -> None:
+        class _Fixed:
+            def draw(self, _strategy: object) -> str:
+                return slot
+
+        self.finish_work(_Fixed())  # type: ignore[arg-type]
+
+
+PlannerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestPlannerInvariants = PlannerMachine.TestCase

@@ -1,0 +1,150 @@
+"""Contract of StateStore (run against every implementation) and planner recovery after a restart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition
+from orchestratord.planner import ExperienceSummary, MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions
+from orchestratord.state import (
+    InMemoryStateStore,
+    JobState,
+    StateStore,
+    StepCommit,
+    StepManifest,
+    apply_changes,
+    manifest_key,
+)
+
+from .helpers import FakeClock, experiences_for, make_spec, run_job
+
+STORES: list[Callable[[], StateStore]] = [InMemoryStateStore]
+
+
+@pytest.fixture(params=STORES, ids=lambda factory: factory.__name__)
+def store(request: pytest.FixtureRequest) -> StateStore:
+    return request.param()  # type: ignore[no-any-return]
+
+
+async def test_create_is_idempotent_and_conflicts_on_other_spec(store: StateStore) -> None:
+    assert await store.create_job("j", "{}", ["a"], 1.0)
+    assert not await store.create_job("j", "{}", ["a"], 2.0)
+    with pytest.raises(AlreadyExists):
+        await store.create_job("j", '{"x":1}', ["a"], 3.0)
+    job = await store.load_job("j")
+    assert job is not None and job.state is JobState.RUNNING and job.agents["a"].version == 0
+    assert await store.list_job_ids() == ["j"] and await store.load_job("nope") is None
+
+
+async def test_commit_is_compare_and_swap(store: StateStore) -> None:
+    await store.create_job("j", "{}", ["a"], 1.0)
+    commit = StepCommit("j", "a", 0, "file:///w1", "file:///s1", "slot", 2.0)
+    await store.commit_step(commit)
+    await store.commit_step(commit)  # same commit again: no-op
+    with pytest.raises(Aborted):
+        await store.commit_step(StepCommit("j", "a", 0, "file:///other", "", "slot", 3.0))
+    with pytest.raises(Aborted):
+        await store.commit_step(StepCommit("j", "a", 5, "file:///w", "", "slot", 3.0))
+    await store.set_state_uri("j", "a", 1, "stored://s", 4.0)
+    with pytest.raises(Aborted):
+        await store.set_state_uri("j", "a", 0, "stored://old", 4.0)
+    job = await store.load_job("j")
+    assert job is not None
+    assert job.agents["a"].version == 1 and job.agents["a"].state_uri == "stored://s"
+    assert job.commits[("a", 0)] == commit
+
+
+async def test_manifests_are_immutable(store: StateStore) -> None:
+    await store.create_job("j", "{}", ["a"], 1.0)
+    manifest = StepManifest("j", "a", 0, ("x", "y"), 4, 10)
+    await store.put_manifest(manifest)
+    await store.put_manifest(manifest)
+    with pytest.raises(AlreadyExists):
+        await store.put_manifest(StepManifest("j", "a", 0, ("x",), 4, 10))
+    assert StepManifest.from_json(manifest.to_json()) == manifest
+    assert manifest_key("/flexmarl", "j", "a", 0) == "/flexmarl/jobs/j/agents/a/steps/0/manifest"
+
+
+async def test_planner_restarts_from_persisted_state_and_finishes() -> None:
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = Planner(clock, PlannerOptions(lease_epoch="first"))
+    planner.submit_job("job1", make_spec(pipeline={"max_staleness": 1}))
+    reported: list[ExperienceSummary] = []
+    # Step 0 of both agents commits; some tasks of batches 1 and 2 are reported, others in flight.
+    for lease in planner.lease_rollout_tasks("roll", 100):
+        exps = experiences_for(lease, ("sender", "receiver"))
+        if lease.batch_index == 1 and lease.task_id.endswith("t3"):
+            continue  # in flight when the orchestrator dies
+        planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", exps)
+        reported.extend(exps)
+    job0 = planner.job("job1")
+    for _ in range(100):
+        if min(job0.version(a) for a in ("sender", "receiver")) >= 1:
+            break
+        for slot in ("slot-0", "slot-1"):  # one slot per agent: a mid-step agent waits for batch 1 on its own
+            work = planner.poll_trainer_work("t", slot)
+            if isinstance(work, MicroBatchWork):
+                planner.ack_micro_batch(work.lease_id, "t", slot)
+            elif isinstance(work, OptimizerStepWork):
+                planner.commit_step("t", slot, "job1", work.agent, work.step, work.new_version,
+                                    f"file:///w/{work.agent}", f"file:///s/{work.agent}")
+    assert min(job0.version(a) for a in ("sender", "receiver")) == 1
+    more = planner.lease_rollout_tasks("roll", 100)  # batch 2 admitted now (v=1, eta=1)
+    assert {lease.batch_index for lease in more} == {2}  # b1/t3 is still leased to the first incarnation
+    for lease in more:
+        if lease.batch_index == 2 and lease.task_id.endswith("t0"):
+            exps = experiences_for(lease, ("sender", "receiver"))
+            planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", exps)
+            reported.extend(exps)
+    await apply_changes(store, planner.take_changes())
+    # A partial task in stored (a worker died mid-write) must be re-run, not recovered.
+    assert more[-1].task_id == "job1/b2/t3"
+    partial = [e for e in experiences_for(more[-1], ("sender", "receiver")) if e.sample_index == 0]
+
+    # ---- restart ----
+    persisted = await store.load_job("job1")
+    assert persisted is not None and persisted.agents["sender"].version == 1
+    restarted = Planner(clock, PlannerOptions(lease_epoch="second"))
+    job = restarted.restore_job(persisted, reported + partial)
+    assert job.version("sender") == 1 and job.admitted_tasks >= 4
+    with pytest.raises(Exception) as old:  # leases of the first incarnation are unknown
+        restarted.report_rollout_task(more[0].lease_id, "roll", more[0].task_id, True, "", [])
+    assert type(old.value).__name__ in ("NotFound", "FailedPrecondition")
+    reissued = restarted.lease_rollout_tasks("roll", 100)
+    reissued_ids = {lease.task_id for lease in reissued}
+    assert {"job1/b1/t3", "job1/b2/t3"} <= reissued_ids and "job1/b2/t0" not in reissued_ids
+    for lease in reissued:
+        restarted.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "",
+                                      experiences_for(lease, ("sender", "receiver")))
+    run_job(restarted, clock, "job1")
+    assert job.state is JobState.SUCCEEDED and [v.version for v in job.versions()] == [3, 3]
+    await apply_changes(store, restarted.take_changes())
+    final = await store.load_job("job1")
+    assert final is not None and final.state is JobState.SUCCEEDED and final.agents["receiver"].version == 3
+    assert len(final.manifests) == 6
+
+
+async def test_restored_manifest_must_match_recovered_experiences() -> None:
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = Planner(clock, PlannerOptions(lease_epoch="a"))
+    planner.submit_job("job1", make_spec())
+    reported: list[ExperienceSummary] = []
+    for lease in planner.lease_rollout_tasks("roll", 100):
+        exps = experiences_for(lease, ("sender", "receiver"))
+        planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", exps)
+        reported.extend(exps)
+    await apply_changes(store, planner.take_changes())
+    persisted = await store.load_job("job1")
+    assert persisted is not None and len(persisted.manifests) == 2
+    # stored lost one experience's sibling turn: the task is incomplete, the manifest cannot be rebuilt
+    restarted = Planner(clock, PlannerOptions(lease_epoch="b"))
+    job = restarted.restore_job(persisted, reported[1:])
+    assert job.state is JobState.RUNNING  # the incomplete task is simply re-run
+    lease = restarted.lease_rollout_tasks("roll", 10)
+    assert [item.task_id for item in lease] == ["job1/b0/t0"]
+    with pytest.raises(FailedPrecondition):
+        restarted.commit_step("t", "slot", "job1", "sender", 0, 1, "file:///w", "")
