@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flexmarl.metrics import LATENCY_BUCKETS_S
 
@@ -25,3 +25,13 @@ class OrchestratorMetrics:
         self.step_seconds = Histogram("flexmarl_orchestratord_step_seconds",
                                       "Wall time between consecutive commits of an agent.", ["agent"],
                                       buckets=(*LATENCY_BUCKETS_S, 30.0, 60.0, 120.0, 300.0), registry=registry)
+        self.staleness = Histogram("flexmarl_orchestratord_step_staleness_versions",
+                                   "Mean (step - behaviour version) of the experiences of a committed step.",
+                                   buckets=(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0), registry=registry)
+        self.bound_slots = Gauge("flexmarl_orchestratord_bound_slots", "Trainer slots bound to an agent.",
+                                 registry=registry)
+        self.known_slots = Gauge("flexmarl_orchestratord_known_slots", "Trainer slots seen polling.",
+                                 registry=registry)
+        self.rollout_demand_tokens = Gauge("flexmarl_orchestratord_rollout_demand_tokens",
+                                           "Estimated outstanding generation tokens, by agent.", ["job", "agent"],
+                                           registry=registry)

@@ -16,10 +16,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
+import grpc.aio
+
 from flexmarl.errors import InvalidArgument, Unavailable
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.store_client import StoreClient
+from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
 from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import (
@@ -42,6 +46,7 @@ T = TypeVar("T")
 
 MAX_ID_LENGTH = 256
 TICK_INTERVAL_S = 0.2
+DEMAND_INTERVAL_S = 1.0
 
 
 def require_id(name: str, value: str) -> str:
@@ -84,6 +89,7 @@ class OrchestratorService:
         self._known_workers: dict[str, set[str]] = {"rolloutd": set(), "traind": set()}
         self._last_commit_s: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._rollout_channels: dict[str, grpc.aio.Channel] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -118,6 +124,8 @@ class OrchestratorService:
             await directory.stop()
         for task in list(self._background):
             task.cancel()
+        for channel in self._rollout_channels.values():
+            await channel.close()
         if self._store is not None:
             await self._store.close()
 
@@ -167,25 +175,57 @@ class OrchestratorService:
         task.add_done_callback(self._background.discard)
 
     async def _tick_loop(self) -> None:
+        last_demand_s = 0.0
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
             try:
                 await self.mutate(self.planner.tick)
+                slots = self.planner.binder.slots()
+                self._metrics.known_slots.set(len(slots))
+                self._metrics.bound_slots.set(sum(1 for s in slots if s.agent is not None))
+                if time.monotonic() - last_demand_s >= DEMAND_INTERVAL_S:
+                    last_demand_s = time.monotonic()
+                    await self._push_demand()
             except Exception:
                 log.exception("planner tick failed")
 
+    async def _push_demand(self) -> None:
+        """Tells every rolloutd each agent's outstanding generation demand (its balancer's hint)."""
+        demand = self.planner.rollout_demand()
+        for (job_id, agent), tokens in demand.items():
+            self._metrics.rollout_demand_tokens.labels(job_id, agent).set(tokens)
+        if not demand or not self._directories:
+            return
+        request = rollout_pb2.SetAgentDemandRequest(demand=[
+            rollout_pb2.AgentDemand(job_id=job_id, agent=agent, tokens=max(0, tokens))
+            for (job_id, agent), tokens in sorted(demand.items())
+        ])
+        for record in list(self._directories[0].services.values()):
+            channel = self._rollout_channels.get(record.address)
+            if channel is None:
+                channel = self._rollout_channels[record.address] = grpc.aio.insecure_channel(record.address)
+            try:
+                await rollout_pb2_grpc.RolloutStub(channel).SetAgentDemand(request, timeout=2)
+            except grpc.RpcError as exc:
+                log.debug("demand hint to %s failed: %s", record.service_id, exc)
+
     # ---- mutation, persistence, waiting -----------------------------------------------------------------
 
-    async def mutate(self, fn: Callable[[], T]) -> T:
-        """Runs fn on the planner, persists its changes, wakes waiters; returns fn's result."""
+    async def mutate(self, fn: Callable[[], T], notify: bool = True) -> T:
+        """Runs fn on the planner, persists its changes and wakes waiters; returns fn's result.
+
+        A long-poll's empty attempt passes notify=False: waking the other waiters for it would
+        make idle long-polls wake each other in a loop.
+        """
         async with self._lock:
             try:
                 result = fn()
             finally:
                 await self._persist(self.planner.take_changes())
-        async with self._changed:
-            self._generation += 1
-            self._changed.notify_all()
+        if notify:
+            async with self._changed:
+                self._generation += 1
+                self._changed.notify_all()
         return result
 
     async def _persist(self, changes: list[StateChange]) -> None:
@@ -217,6 +257,7 @@ class OrchestratorService:
         await self.state.put_history(commit.job_id, commit.agent, commit.step, record)
         self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
         self._metrics.step_seconds.labels(commit.agent).observe(record["step_seconds"])
+        self._metrics.staleness.observe(record["staleness_mean"])
         if manifest is not None:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
 
@@ -235,8 +276,12 @@ class OrchestratorService:
         wait_s = min(max(wait_ms, 0), self.lease_poll_max_ms) / 1000.0
         deadline = time.monotonic() + wait_s
         while True:
-            result = await self.mutate(fn)
             generation = self._generation
+            result = await self.mutate(fn, notify=False)
+            if result:
+                async with self._changed:
+                    self._generation += 1
+                    self._changed.notify_all()
             if result or time.monotonic() >= deadline:
                 return result
             async with self._changed:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -43,6 +44,13 @@ MAX_ATTEMPTS = 3
 def agent_key(job_id: str, agent: str) -> str:
     """The router's name of an agent of a job."""
     return f"{job_id}/{agent}"
+
+
+def request_seed(job_seed: int, key: str, affinity_key: str, input_ids: Sequence[int]) -> int:
+    """A sampling seed fixed by the job seed, the agent, the episode and the prompt."""
+    digest = hashlib.sha256(f"{job_seed}|{key}|{affinity_key}|".encode())
+    digest.update(",".join(map(str, input_ids)).encode())
+    return int.from_bytes(digest.digest()[:8], "little") >> 2
 
 
 class _ReadWriteLock:
@@ -186,15 +194,24 @@ class RolloutRouter:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def backend(self, job_id: str) -> JobBackend:
-        """The GenerationBackend of one job's runner."""
-        return JobBackend(self, job_id)
+    def backend(self, job_id: str, seed: int | None = None) -> JobBackend:
+        """The GenerationBackend of one job's runner (seeded sampling when seed is given)."""
+        return JobBackend(self, job_id, seed)
 
     async def generate(
-        self, key: str, input_ids: list[int], sampling: Mapping[str, Any], n: int, affinity_key: str
+        self, key: str, input_ids: list[int], sampling: Mapping[str, Any], n: int, affinity_key: str,
+        seed: int | None = None,
     ) -> list[GenerationOutput]:
-        """Samples n responses with agent key's required version; retries on another replica."""
-        params = SamplingParams.from_wire({**sampling, "n": n})
+        """Samples n responses with agent key's required version; retries on another replica.
+
+        ``seed`` (when given and the sampling has none) makes the samples a function of the
+        request and the weights alone, whatever replica or batch serves it: the same job and
+        seed then roll out the same experiences in sync and async mode.
+        """
+        wire = {**sampling, "n": n}
+        if seed is not None and wire.get("sampling_seed") is None:
+            wire["sampling_seed"] = request_seed(seed, key, affinity_key, input_ids)
+        params = SamplingParams.from_wire(wire)
         last_error: FlexmarlError | None = None
         for _ in range(MAX_ATTEMPTS):
             ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, n, affinity_key)
@@ -342,12 +359,14 @@ class _Reroute(Exception):
 class JobBackend:
     """GenerationBackend of one job (agent names without the job prefix)."""
 
-    def __init__(self, router: RolloutRouter, job_id: str) -> None:
+    def __init__(self, router: RolloutRouter, job_id: str, seed: int | None) -> None:
         self._router = router
         self._job_id = job_id
+        self._seed = seed
 
     async def generate(
         self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
     ) -> list[GenerationOutput]:
         """See rolloutd.runner.GenerationBackend."""
-        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)
+        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key,
+                                           self._seed)

@@ -314,7 +314,7 @@ class RolloutWorker:
         for agent in spec.agents:
             tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
             runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()))
-        runner = RolloutRunner(env, runtimes, self.router.backend(task.job_id))
+        runner = RolloutRunner(env, runtimes, self.router.backend(task.job_id, spec.seed))
         job = _Job(task.job_id, spec, env, runner)
         self._jobs[task.job_id] = job
         await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()

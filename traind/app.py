@@ -44,7 +44,8 @@ class TrainerApp(DaemonApp):
 
     def registration_info(self) -> dict[str, Any]:
         """Advertises the slots."""
-        return {"slots": [s.slot_id for s in self.worker.slots], "device": "cpu"}
+        return {"slots": [s.slot_id for s in self.worker.slots], "device": self.worker.device,
+                "memory_bytes_per_slot": self.worker.memory_bytes_per_slot}
 
 
 def build_app(config: TrainerConfig, ctx: DaemonContext) -> DaemonApp:

@@ -77,6 +77,8 @@ class AgentTrainerConfig:
         loss: clip/KL/aggregation settings.
         advantage_norm: GRPO ``std`` or ``mean``.
         advantage_eps: added to the group std.
+        temperature: the agent's sampling temperature; logprobs are computed from logits / T
+            to match the behaviour logprobs the engine reported (T <= 0, greedy, uses raw logits).
     """
 
     agent: str
@@ -92,6 +94,7 @@ class AgentTrainerConfig:
     loss: losses.PolicyLossConfig = dataclasses.field(default_factory=losses.PolicyLossConfig)
     advantage_norm: losses.AdvantageNorm = losses.AdvantageNorm.STD
     advantage_eps: float = 1e-6
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -233,10 +236,16 @@ def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[f
     )
 
 
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Log-probability of each next token, ``[B, L-1]``, computed in fp32."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        # The engines report logprobs of the temperature-scaled distribution the tokens were
+        # sampled from (SGLang's default); the policy ratio must compare like with like.
+        logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)
     picked = torch.gather(logits, -1, targets).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
@@ -395,8 +404,9 @@ class AgentTrainer:
         ref_logprobs = None
         if cfg.loss.kl_coef > 0.0:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self._reference_model(), input_ids, attention)
-        logprobs = token_logprobs(self.engine, input_ids, attention)
+                ref_logprobs = token_logprobs(self._reference_model(), input_ids, attention,
+                                              self.config.temperature)
+        logprobs = token_logprobs(self.engine, input_ids, attention, self.config.temperature)
         terms = losses.policy_loss_per_token(
             logprobs,
             packed.behavior_logprobs.to(device),

@@ -19,7 +19,8 @@ class TrainerServicer(train_pb2_grpc.TrainerServicer):
         """Slots and the agents resident in them."""
         return train_pb2.TrainerStatus(
             worker_id=self._worker.settings.worker_id,
-            slots=[train_pb2.SlotStatus(slot_id=s["slot_id"], device="cpu", resident=s["resident"],
+            slots=[train_pb2.SlotStatus(slot_id=s["slot_id"], device=self._worker.device,
+                                        memory_bytes=self._worker.memory_bytes_per_slot, resident=s["resident"],
                                         resident_version=s["version"], busy=s["busy"],
                                         busy_fraction=s["busy_fraction"]) for s in self._worker.status()],
         )

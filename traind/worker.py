@@ -85,6 +85,7 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
         loss=losses.PolicyLossConfig(clip_eps_low=algo.clip_eps, clip_eps_high=algo.clip_eps, kl_coef=algo.kl_coef,
                                      loss_agg=losses.LossAggregation(algo.loss_agg)),
         advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
+        temperature=a.sampling.temperature,
     )
 
 
@@ -351,6 +352,23 @@ class TrainerWorker:
         await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
             worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
             kind=orchestrator_pb2.ReportSlotEventRequest.KIND_SWAPPED_OUT, state_uri=uri), timeout=30)
+
+    @property
+    def device(self) -> str:
+        """"cuda" when this host trains on GPUs, else "cpu"."""
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def memory_bytes_per_slot(self) -> int:
+        """Capacity of one slot: a GPU's memory, or an equal share of host memory on CPU."""
+        import psutil
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+        return int(psutil.virtual_memory().total // max(1, len(self.slots)))
 
     def status(self) -> list[dict[str, Any]]:
         """Per-slot status for GetTrainerStatus."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import shutil
+import tempfile
 from collections.abc import AsyncGenerator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,12 @@ def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:
     if isinstance(spec, Mapping):
         return parse_job_spec(spec)
     return load_job_spec(spec)
+
+
+def _retryable(exc: grpc.RpcError) -> bool:
+    """Whether a failed call may succeed on another try (the server went away)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def _error_from_rpc(exc: grpc.RpcError) -> FlexmarlError:
@@ -252,20 +260,95 @@ class AsyncClient:
             raise _error_from_rpc(exc) from None
         return [StepRecord.from_proto(r) for r in reply.steps]
 
-    async def watch(self, job_id: str) -> AsyncGenerator[JobInfo, None]:
-        """Yields a snapshot on every change until the job finishes."""
-        stub = await self._connect()
-        call = stub.WatchJob(orchestrator_pb2.WatchJobRequest(job_id=job_id))
+    async def weights_uri(self, job_id: str, agent: str, version: int) -> str:
+        """Where the weights of one agent version are (version 0 = the spec's initial model)."""
+        if version < 0:
+            raise InvalidArgument(f"version: must be >= 0, got {version}")
+        info = await self.status(job_id)
+        if agent not in {a.agent for a in info.agents}:
+            raise NotFound(f"job {job_id} has no agent {agent!r}")
+        if version == 0:
+            spec = load_job_spec(info.spec_json)
+            return spec.agent(agent).model
+        for record in await self.history(job_id):
+            if record.agent == agent and record.version == version:
+                return record.weights_uri
+        raise NotFound(f"job {job_id}: agent {agent!r} has no committed version {version}")
+
+    async def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
+        """Copies the HF checkpoint dir of one agent version into dest (created; must not exist)."""
+        from flexmarl.artifacts import resolve_dir
+        from flexmarl.store_client import StoreClient
+
+        target = Path(dest)
+        if target.exists():
+            raise InvalidArgument(f"{target}: already exists")
+        uri = await self.weights_uri(job_id, agent, version)
+        store: StoreClient | None = None
+        if uri.startswith("stored://"):
+            if not self._etcd_endpoints:
+                raise InvalidArgument("downloading from stored needs etcd endpoints to discover it")
+            registry = Registry(self._etcd_endpoints, self._etcd_prefix)
+            await registry.connect()
+            try:
+                services = await registry.list_services("stored")
+            finally:
+                await registry.close()
+            if not services:
+                raise Unavailable("no stored registered")
+            store = StoreClient(services[0].address)
         try:
-            async for msg in call:
-                info = JobInfo.from_proto(msg)
-                yield info
-                if info.state.finished:
-                    return
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+            with tempfile.TemporaryDirectory(prefix="flexmarl-download-") as tmp:
+                source = await resolve_dir(uri, Path(tmp), store)
+                await asyncio.to_thread(shutil.copytree, source, target)
         finally:
-            call.cancel()
+            if store is not None:
+                await store.close()
+        return target
+
+    async def watch(self, job_id: str, reconnect_s: float = 60.0) -> AsyncGenerator[JobInfo, None]:
+        """Yields a snapshot on every change until the job finishes.
+
+        When orchestratord goes away (restart, failover), the stream is re-opened, through
+        discovery again when the client found it in etcd, for up to ``reconnect_s``.
+        """
+        lost_since: float | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                stub = await self._connect()
+            except Unavailable:
+                lost_since = loop.time() if lost_since is None else lost_since
+                if loop.time() - lost_since > reconnect_s:
+                    raise
+                await asyncio.sleep(0.5)
+                continue
+            call = stub.WatchJob(orchestrator_pb2.WatchJobRequest(job_id=job_id))
+            try:
+                async for msg in call:
+                    lost_since = None
+                    info = JobInfo.from_proto(msg)
+                    yield info
+                    if info.state.finished:
+                        return
+                return
+            except grpc.RpcError as exc:
+                if not _retryable(exc):
+                    raise _error_from_rpc(exc) from None
+                now = loop.time()
+                lost_since = now if lost_since is None else lost_since
+                if now - lost_since > reconnect_s:
+                    raise _error_from_rpc(exc) from None
+                await self._reconnect()
+                await asyncio.sleep(0.5)
+            finally:
+                call.cancel()
+
+    async def _reconnect(self) -> None:
+        """Drops the channel; the next call connects again (re-discovering when configured to)."""
+        await self.close()
+        if self._etcd_endpoints:
+            self._address = ""
 
     async def wait(self, job_id: str, timeout_s: float | None = None) -> JobInfo:
         """Waits until the job finishes; returns its final snapshot."""
@@ -336,6 +419,10 @@ class Client:
     def history(self, job_id: str) -> list[StepRecord]:
         """Every committed step of every agent, in commit order."""
         return self._loop.run_until_complete(self._async.history(job_id))
+
+    def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
+        """Copies the HF checkpoint dir of one agent version into dest."""
+        return self._loop.run_until_complete(self._async.download_weights(job_id, agent, version, dest))
 
     def watch(self, job_id: str) -> Iterator[JobInfo]:
         """Yields a snapshot on every change until the job finishes."""
