@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from flexmarl.metrics import LATENCY_BUCKETS_S
 from rolloutd.runner import RolloutResult
@@ -25,6 +30,12 @@ class RolloutMetrics:
                                         "Time to load new weights onto a replica.", ["agent"],
                                         buckets=_TASK_BUCKETS_S, registry=registry)
 
+        self._registry = registry
+
+    def watch_router(self, router: Callable[[], Any]) -> None:
+        """Exports replica load and balancer state, read from the router at scrape time."""
+        self._registry.register(_RouterCollector(router))
+
     def observe_task(self, result: RolloutResult, seconds: float) -> None:
         """Records one successful task."""
         self.tasks.labels("ok").inc()
@@ -36,3 +47,36 @@ class RolloutMetrics:
     def observe_reload(self, agent: str, seconds: float) -> None:
         """Records one weight load."""
         self.reload_seconds.labels(agent.rsplit("/", 1)[-1]).observe(seconds)
+
+
+class _RouterCollector(Collector):
+    """Per-replica queue depth and in-flight requests, replica counts per agent, reassignments."""
+
+    def __init__(self, router: Callable[[], Any]) -> None:
+        self._router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        outstanding = GaugeMetricFamily("flexmarl_rolloutd_replica_outstanding_tokens",
+                                        "Estimated tokens queued or running on a replica.", labels=["replica"])
+        in_flight = GaugeMetricFamily("flexmarl_rolloutd_replica_in_flight_requests",
+                                      "Requests running on a replica.", labels=["replica"])
+        queued = GaugeMetricFamily("flexmarl_rolloutd_queued_requests",
+                                   "Requests waiting for a replica of their agent.", labels=["agent"])
+        replicas = GaugeMetricFamily("flexmarl_rolloutd_agent_replicas", "Replicas serving (or moving to) an agent.",
+                                     labels=["agent"])
+        moves = GaugeMetricFamily("flexmarl_rolloutd_balancer_reassignments",
+                                  "Inter-agent replica reassignments so far.")
+        router = self._router()
+        balancer = router.balancer() if router is not None else None
+        if balancer is not None:
+            for view in balancer.replicas():
+                outstanding.add_metric([view.replica_id], view.outstanding_tokens)
+                in_flight.add_metric([view.replica_id], view.in_flight_requests)
+            waiting: dict[str, int] = {}
+            for ticket in balancer.queued():
+                waiting[ticket.agent] = waiting.get(ticket.agent, 0) + 1
+            for agent, count in balancer.replica_counts().items():
+                replicas.add_metric([agent], count)
+                queued.add_metric([agent], waiting.get(agent, 0))
+            moves.add_metric([], balancer.reassignments)
+        yield from (outstanding, in_flight, queued, replicas, moves)

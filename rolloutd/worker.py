@@ -83,6 +83,7 @@ class RolloutWorker:
         self._job_lock = asyncio.Lock()
         self.episodes_done = 0
         self._stopping = False
+        metrics.watch_router(lambda: self.router)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
