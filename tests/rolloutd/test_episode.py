@@ -166,11 +166,17 @@ async def test_signaling_episode_rewards_a_correct_answer(repo_on_path: None) ->
     ctx, seen = scripted_ctx({"sender": ["Z"], "receiver": [str(target)]}, agents=game.agents)
     await game.episode(ctx, task)
     assert ctx.returns() == {"sender": 1.0, "receiver": 1.0}
-    assert bytes(seen[1].input_ids).endswith(b"msg:Z>")
+    # the sender sees only the target; the receiver sees only the message (ids verbatim)
+    assert bytes(seen[0].input_ids) == task.data["candidates"][target].encode()
+    assert bytes(seen[1].input_ids) == b">Z"
     assert seen[0].sampling["max_new_tokens"] == 1 and seen[1].sampling["max_new_tokens"] == 1
     ctx, _ = scripted_ctx({"sender": ["Z"], "receiver": [str((target + 1) % 4)]}, agents=game.agents)
     await game.episode(ctx, task)
     assert ctx.returns() == {"sender": 0.0, "receiver": 0.0}
+    # an answer token names position (token id mod K): "4" (byte 52) names position 0 for K=4
+    ctx, _ = scripted_ctx({"sender": ["Z"], "receiver": [chr(ord("0") + target + 4)]}, agents=game.agents)
+    await game.episode(ctx, task)
+    assert ctx.returns() == {"sender": 1.0, "receiver": 1.0}
 
 
 async def test_workflow_episode_rewards(repo_on_path: None) -> None:
