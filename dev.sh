@@ -10,10 +10,14 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 
 setup() {
-  if ! command -v etcd >/dev/null 2>&1; then
+  # etcd for the registry; systemd only for `systemd-analyze verify` of deploy/systemd in the tests.
+  local missing=()
+  command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+  command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+  if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e '.[train,dev]'

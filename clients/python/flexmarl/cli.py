@@ -51,25 +51,36 @@ class _Parser(argparse.ArgumentParser):
 
 def materialize_models(spec: dict[str, Any], models_dir: Path) -> dict[str, Any]:
     """Replaces ``tiny://<arch>?seed=N&...`` model URIs with tiny checkpoints built on disk."""
-    from flexmarl.tiny import build_tiny_checkpoint
+    from flexmarl.tiny import SUPPORTED_ARCHS, build_tiny_checkpoint
 
     out: dict[str, Any] = json.loads(json.dumps(spec))
     for agent in out.get("agents", []):
         model = str(agent.get("model", ""))
         if not model.startswith("tiny://"):
             continue
+        where = f"agents[{agent.get('name')}].model"
         parsed = urllib.parse.urlparse(model)
-        params = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query).items()}
+        params = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query, keep_blank_values=True).items()}
         arch = parsed.netloc or "qwen2"
+        if arch not in SUPPORTED_ARCHS:
+            raise InvalidArgument(
+                f"{where}: unknown tiny:// architecture {arch!r} (one of {', '.join(SUPPORTED_ARCHS)})"
+            )
         kwargs: dict[str, Any] = {"arch": arch}
         for key, value in params.items():
             if key not in ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                            "intermediate_size"):
-                raise InvalidArgument(f"agents[{agent.get('name')}].model: unknown tiny:// parameter {key!r}")
-            kwargs[key] = int(value)
+                raise InvalidArgument(f"{where}: unknown tiny:// parameter {key!r}")
+            try:
+                kwargs[key] = int(value)
+            except ValueError:
+                raise InvalidArgument(f"{where}: tiny:// parameter {key} must be an integer, got {value!r}") from None
         target = models_dir / (f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(params.items())))
         if not (target / "config.json").exists():
-            build_tiny_checkpoint(target, **kwargs)
+            try:
+                build_tiny_checkpoint(target, **kwargs)
+            except ValueError as exc:  # sizes the builder rejects (non-positive, heads not divisible)
+                raise InvalidArgument(f"{where}: {exc}") from None
         agent["model"] = str(target.resolve())
     return out
 

@@ -424,9 +424,9 @@ class Client:
         """Copies the HF checkpoint dir of one agent version into dest."""
         return self._loop.run_until_complete(self._async.download_weights(job_id, agent, version, dest))
 
-    def watch(self, job_id: str) -> Iterator[JobInfo]:
-        """Yields a snapshot on every change until the job finishes."""
-        stream = self._async.watch(job_id)
+    def watch(self, job_id: str, reconnect_s: float = 60.0) -> Iterator[JobInfo]:
+        """Yields a snapshot on every change until the job finishes (see AsyncClient.watch)."""
+        stream = self._async.watch(job_id, reconnect_s)
         try:
             while True:
                 try:

@@ -147,7 +147,10 @@ def read_cluster_file(run_dir: Path) -> dict[str, Any]:
 def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
     """Stops a detached local cluster recorded in run_dir; returns how many processes were signalled."""
     data = read_cluster_file(run_dir)
-    pids = [int(d["pid"]) for d in data.get("daemons", {}).values()]
+    # Workers first, then orchestratord, then stored (what they flush into), then etcd.
+    order = {"rolloutd": 0, "traind": 0, "orchestratord": 1, "stored": 2}
+    daemons = sorted(data.get("daemons", {}).values(), key=lambda d: order.get(str(d.get("kind")), 0))
+    pids = [int(d["pid"]) for d in daemons]
     signalled = 0
     for pid in [*pids, int(data.get("etcd_pid", -1))]:
         if pid <= 0:

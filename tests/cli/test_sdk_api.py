@@ -1,0 +1,157 @@
+"""The SDK covers the public job API of the Orchestrator service, read from its descriptor.
+
+Each public RPC maps to a Client and an AsyncClient method; calling that method against a
+real gRPC server (a recording servicer on a loopback port) issues exactly that RPC.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any, cast
+
+import grpc
+import pytest
+from cli_support import small_job
+
+from flexmarl.client import AsyncClient, Client, JobInfo
+from flexmarl.jobspec import parse_job_spec
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"]
+
+#: RPC of the public job API -> SDK method (same name on Client and AsyncClient).
+PUBLIC_RPCS = {
+    "SubmitJob": "submit",
+    "GetJob": "status",
+    "ListJobs": "list_jobs",
+    "CancelJob": "cancel",
+    "WatchJob": "watch",
+    "GetJobHistory": "history",
+}
+#: RPCs that only rolloutd and traind call; deliberately not part of the SDK.
+WORKER_RPCS = {
+    "WatchAgentVersions", "LeaseRolloutTasks", "RenewLeases", "ReportRolloutTask",
+    "PollTrainerWork", "AckMicroBatch", "CommitStep", "ReportSlotEvent",
+}
+
+
+def _status(job_id: str = "job-1", state: orchestrator_pb2.JobState.ValueType = orchestrator_pb2.JOB_STATE_SUCCEEDED,
+            ) -> orchestrator_pb2.JobStatus:
+    return orchestrator_pb2.JobStatus(job_id=job_id, name="signaling", state=state)
+
+
+class RecordingOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Answers the public RPCs with fixed replies and records which RPC each call reached."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def SubmitJob(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("SubmitJob")
+        return orchestrator_pb2.SubmitJobResponse(job_id=request.job_id or "job-1")
+
+    def GetJob(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("GetJob")
+        return _status(request.job_id)
+
+    def ListJobs(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("ListJobs")
+        return orchestrator_pb2.ListJobsResponse(jobs=[_status()])
+
+    def CancelJob(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("CancelJob")
+        return _status(request.job_id, orchestrator_pb2.JOB_STATE_CANCELLED)
+
+    def WatchJob(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        self.calls.append("WatchJob")
+        yield _status(request.job_id, orchestrator_pb2.JOB_STATE_RUNNING)
+        yield _status(request.job_id)
+
+    def GetJobHistory(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("GetJobHistory")
+        return orchestrator_pb2.JobHistory(steps=[orchestrator_pb2.StepRecord(agent="sender", step=0, version=1)])
+
+
+@pytest.fixture
+def orchestrator() -> Iterator[tuple[str, RecordingOrchestrator]]:
+    servicer = RecordingOrchestrator()  # type: ignore[abstract]  # worker RPCs stay UNIMPLEMENTED
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(0)
+
+
+def _spec() -> dict[str, Any]:
+    spec = small_job()
+    for agent in spec["agents"]:
+        agent["model"] = "/models/tiny"  # the SDK validates the spec; it does not open the model
+    parsed: dict[str, Any] = json.loads(parse_job_spec(spec).to_json())
+    return parsed
+
+
+def _args(rpc: str) -> tuple[Any, ...]:
+    return {"SubmitJob": (_spec(),), "ListJobs": ()}.get(rpc, ("job-1",))
+
+
+def test_descriptor_rpcs_are_all_classified() -> None:
+    rpcs = {method.name for method in SERVICE.methods}
+    assert not set(PUBLIC_RPCS) & WORKER_RPCS
+    assert rpcs == set(PUBLIC_RPCS) | WORKER_RPCS, "a new Orchestrator RPC: add it to the SDK or to WORKER_RPCS"
+    streaming = {method.name for method in SERVICE.methods if method.server_streaming}
+    assert streaming & set(PUBLIC_RPCS) == {"WatchJob"}
+
+
+@pytest.mark.parametrize("rpc", sorted(PUBLIC_RPCS))
+def test_every_public_rpc_has_a_client_and_async_client_method(rpc: str) -> None:
+    name = PUBLIC_RPCS[rpc]
+    sync_method, async_method = getattr(Client, name, None), getattr(AsyncClient, name, None)
+    assert callable(sync_method) and callable(async_method), f"{rpc}: Client.{name} / AsyncClient.{name} missing"
+    streaming = SERVICE.methods_by_name[rpc].server_streaming
+    if streaming:
+        assert inspect.isasyncgenfunction(async_method) and inspect.isgeneratorfunction(sync_method)
+    else:
+        assert inspect.iscoroutinefunction(async_method) and not inspect.iscoroutinefunction(sync_method)
+    required = [
+        [p.name for p in inspect.signature(m).parameters.values() if p.default is inspect.Parameter.empty]
+        for m in (sync_method, async_method)
+    ]
+    assert required[0] == required[1], f"{name}: Client and AsyncClient take different required arguments"
+    assert sync_method.__doc__ and async_method.__doc__
+
+
+@pytest.mark.parametrize("rpc", sorted(PUBLIC_RPCS))
+def test_client_method_issues_its_rpc(rpc: str, orchestrator: tuple[str, RecordingOrchestrator]) -> None:
+    address, servicer = orchestrator
+    with Client(address, timeout_s=10) as client:
+        result: Any = getattr(client, PUBLIC_RPCS[rpc])(*_args(rpc))
+        if inspect.isgenerator(result):
+            states = [cast(JobInfo, info).state.name for info in result]
+            assert states == ["RUNNING", "SUCCEEDED"]
+    assert servicer.calls == [rpc]
+
+
+@pytest.mark.parametrize("rpc", sorted(PUBLIC_RPCS))
+async def test_async_client_method_issues_its_rpc(rpc: str, orchestrator: tuple[str, RecordingOrchestrator]) -> None:
+    address, servicer = orchestrator
+    async with AsyncClient(address, timeout_s=10) as client:
+        method = getattr(client, PUBLIC_RPCS[rpc])
+        if inspect.isasyncgenfunction(method):
+            states = [info.state.name async for info in method(*_args(rpc))]
+            assert states == ["RUNNING", "SUCCEEDED"]
+        else:
+            await method(*_args(rpc))
+    assert servicer.calls == [rpc]
+
+
+def test_worker_rpcs_are_not_sdk_methods() -> None:
+    public_names = set(dir(Client)) | set(dir(AsyncClient))
+    for rpc in WORKER_RPCS:
+        snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in rpc).lstrip("_")
+        assert rpc not in public_names and snake not in public_names, rpc
