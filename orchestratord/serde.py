@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from flexmarl.v1 import common_pb2, orchestrator_pb2
@@ -22,8 +23,8 @@ def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
 
-def job_status(snap: JobSnapshot) -> orchestrator_pb2.JobStatus:
-    """A planner snapshot as a JobStatus message."""
+def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = None) -> orchestrator_pb2.JobStatus:
+    """A planner snapshot as a JobStatus message (tokens_per_s: last step's rate per agent)."""
     return orchestrator_pb2.JobStatus(
         job_id=snap.job_id,
         state=int(snap.state),  # type: ignore[arg-type]
@@ -33,6 +34,7 @@ def job_status(snap: JobSnapshot) -> orchestrator_pb2.JobStatus:
                 agent=a.agent, step=a.version, version=a.version, total_steps=a.total_steps,
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, weights_uri=a.weights_uri,
                 slot_id=a.slot_id, step_seconds=a.step_seconds,
+                tokens_per_s=(tokens_per_s or {}).get(a.agent, 0.0),
             )
             for a in snap.agents
         ],

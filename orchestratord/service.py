@@ -90,6 +90,8 @@ class OrchestratorService:
         self._last_commit_s: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._rollout_channels: dict[str, grpc.aio.Channel] = {}
+        #: Generated tokens per second of each agent's last step (JobStatus, progress bars).
+        self.tokens_per_s: dict[tuple[str, str], float] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -255,6 +257,7 @@ class OrchestratorService:
             "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
         }
         await self.state.put_history(commit.job_id, commit.agent, commit.step, record)
+        self.tokens_per_s[key] = record["tokens_per_s"]
         self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
         self._metrics.step_seconds.labels(commit.agent).observe(record["step_seconds"])
         self._metrics.staleness.observe(record["staleness_mean"])
@@ -318,6 +321,10 @@ class OrchestratorService:
     def snapshot(self, job_id: str) -> JobSnapshot:
         """A job's status."""
         return self.planner.snapshot(job_id)
+
+    def rates(self, job_id: str) -> dict[str, float]:
+        """Last step's generated tokens/s of each agent of a job."""
+        return {agent: rate for (job, agent), rate in self.tokens_per_s.items() if job == job_id}
 
     def snapshots(self, states: Sequence[JobState]) -> list[JobSnapshot]:
         """Every job's status, filtered by state."""

@@ -36,7 +36,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def GetJob(self, request: orchestrator_pb2.GetJobRequest, context: Any) -> Any:  # noqa: N802
         """A job's status."""
-        return serde.job_status(self._service.snapshot(require_id("job_id", request.job_id)))
+        return serde.job_status(self._service.snapshot(require_id("job_id", request.job_id)),
+                                self._service.rates(request.job_id))
 
     async def ListJobs(self, request: orchestrator_pb2.ListJobsRequest, context: Any) -> Any:  # noqa: N802
         """Every job, filtered by state."""
@@ -46,11 +47,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 states.append(JobState(value))
             except ValueError:
                 raise InvalidArgument(f"states: unknown job state {value}") from None
-        return orchestrator_pb2.ListJobsResponse(jobs=[serde.job_status(s) for s in self._service.snapshots(states)])
+        snaps = self._service.snapshots(states)
+        jobs = [serde.job_status(s, self._service.rates(s.job_id)) for s in snaps]
+        return orchestrator_pb2.ListJobsResponse(jobs=jobs)
 
     async def CancelJob(self, request: orchestrator_pb2.CancelJobRequest, context: Any) -> Any:  # noqa: N802
         """Cancels a job."""
-        return serde.job_status(await self._service.cancel_job(require_id("job_id", request.job_id)))
+        snap = await self._service.cancel_job(require_id("job_id", request.job_id))
+        return serde.job_status(snap, self._service.rates(snap.job_id))
 
     async def WatchJob(  # noqa: N802
         self, request: orchestrator_pb2.WatchJobRequest, context: Any
@@ -63,7 +67,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             snap = self._service.snapshot(job_id)
             if snap != last:
                 last = snap
-                yield serde.job_status(snap)
+                yield serde.job_status(snap, self._service.rates(job_id))
             if snap.state.terminal:
                 return
 

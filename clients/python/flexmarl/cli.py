@@ -133,15 +133,21 @@ def _client(args: argparse.Namespace) -> Any:
     return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix)
 
 
+def _console() -> Any:
+    """A rich console; wide enough for the tables when output is not a terminal (logs, CI)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
 def _fmt_state(state: Any) -> str:
     return str(state.name).lower()
 
 
 def _print_status(info: Any) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _console()
     console.print(f"job [bold]{info.job_id}[/] ({info.name}): {_fmt_state(info.state)}"
                   f"  tasks {info.tasks_done}/{info.tasks_total}")
     if info.error:
@@ -296,7 +302,6 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_jobs(args: argparse.Namespace) -> int:
     """Lists jobs."""
-    from rich.console import Console
     from rich.table import Table
 
     with _client(args) as client:
@@ -305,7 +310,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     for job in jobs:
         steps = ", ".join(f"{a.agent} {a.step}/{a.total_steps}" for a in job.agents)
         table.add_row(job.job_id, job.name, _fmt_state(job.state), steps, f"{job.tasks_done}/{job.tasks_total}")
-    Console().print(table)
+    _console().print(table)
     return EXIT_OK
 
 
@@ -323,13 +328,12 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Local cluster + the signaling-game example + progress + plot + summary."""
-    from rich.console import Console
     from rich.table import Table
 
     from flexmarl.client import Client
     from flexmarl.localcluster import LocalCluster, LocalClusterConfig
 
-    console = Console()
+    console = _console()
     run_dir = Path(args.run_dir if args.run_dir != str(DEFAULT_RUN_DIR) else Path("runs") / "demo").resolve()
     job_file = Path(args.job_file) if args.job_file else REPO_ROOT / "examples" / "signaling" / "job.yaml"
     spec = _load_spec_file(str(job_file), run_dir / "models")
