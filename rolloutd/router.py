@@ -126,6 +126,7 @@ class RolloutRouter:
         self._agents: tuple[str, ...] = ()
         self._placed: dict[int, asyncio.Future[Ticket]] = {}
         self._in_flight = 0
+        self._demand_hints: dict[str, int] = {}  # last hint per agent key (the balancer may drop one)
         self._quiet = asyncio.Condition()
         self._rebuilding = False
         self._on_reload = on_reload
@@ -284,7 +285,21 @@ class RolloutRouter:
         balancer = self._balancer
         if balancer is None:
             return
-        balancer.maybe_rebalance(time.monotonic())
+        counts = balancer.replica_counts()
+        starved = {ticket.agent for ticket in balancer.queued() if counts.get(ticket.agent, 0) == 0}
+        if starved:
+            # A queued agent has no replica: decide now. The balancer's own urgency flag is
+            # cleared by a rebalance that found no donor yet (the donor's last requests were
+            # still running), and nothing else would call back before the next interval.
+            # Waiting requests are real demand, a hint only demand to come: an agent holding
+            # the last replica with nothing but a hint must give way, or two agents that take
+            # turns in an episode deadlock (the idle one's hint keeps its replica forever).
+            for key, hint in self._demand_hints.items():
+                if hint and key not in starved and key in self._agents and balancer.demand_tokens(key) == hint:
+                    balancer.set_demand_hint(key, 0)
+            balancer.rebalance(time.monotonic())
+        else:
+            balancer.maybe_rebalance(time.monotonic())
         for move in balancer.replicas_awaiting_load():
             balancer.begin_load(move.replica_id)
             self._spawn(self._move(move.replica_id, move.to_model_key))
@@ -343,6 +358,7 @@ class RolloutRouter:
     def set_demand_hint(self, key: str, tokens: int) -> None:
         """Not-yet-submitted demand of an agent (from the orchestrator)."""
         if self._balancer is not None and key in self._agents:
+            self._demand_hints[key] = tokens
             self._balancer.set_demand_hint(key, tokens)
             self._rebalance()
 
@@ -368,5 +384,9 @@ class JobBackend:
         self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
     ) -> list[GenerationOutput]:
         """See rolloutd.runner.GenerationBackend."""
-        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key,
-                                           self._seed)
+        if self._seed is not None and sampling.get("sampling_seed") is None:
+            # The seed must not depend on the job id (the agent key and the task ids carry it):
+            # the same spec and seed then sample the same tokens in any job (sync vs async runs).
+            episode = affinity_key.removeprefix(f"{self._job_id}/")
+            sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
+        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)
