@@ -18,6 +18,13 @@ Rules (DESIGN section 5):
   it has waited ``max_wait_s`` it is *starving*: it outranks every non-starving
   agent and makes a bound agent give its slot up at its next step boundary even
   if that agent has more work.
+* **Static binding (baselines, ablation).** Agents of a job whose
+  ``pipeline.binding`` is ``static`` may only bind to their fixed slot set:
+  with S known slots (sorted by id, index j) and K agents (spec order, index
+  i), agent i may use slot j iff ``j % K == i`` when S >= K, else iff
+  ``i % S == j``. The other rules still apply within that set. The set follows
+  the known slots: when a slot appears or dies the sets are recomputed and a
+  binding outside its set ends at the agent's next step boundary.
 * **One slot per agent (v1).** ``agents[].max_slots`` is accepted by the spec
   but a step is trained on one slot: data-parallel steps across slots need a
   process group per binding, which traind does not build yet.
@@ -100,6 +107,29 @@ class SlotBinder:
         self._slots: dict[str, TrainerSlot] = {}
         self._slot_of_agent: dict[AgentKey, str] = {}
         self._waiting_since_s: dict[AgentKey, float] = {}
+        # Agents under static binding: key -> (index in its job's spec order, agents of the job).
+        self._static: dict[AgentKey, tuple[int, int]] = {}
+
+    # ---- static binding -----------------------------------------------------------------------------
+
+    def set_static(self, job_id: str, agents: Iterable[str]) -> None:
+        """Puts a job's agents under static binding (see the module docstring)."""
+        names = list(agents)
+        for index, name in enumerate(names):
+            self._static[(job_id, name)] = (index, len(names))
+
+    def eligible(self, agent: AgentKey, slot_id: str) -> bool:
+        """Whether ``agent`` may bind to ``slot_id`` (always, unless it is under static binding)."""
+        fixed = self._static.get(agent)
+        if fixed is None:
+            return True
+        ordered = sorted(self._slots)
+        if slot_id not in self._slots:
+            return False
+        index, count = fixed
+        slots = len(ordered)
+        position = ordered.index(slot_id)
+        return position % count == index if slots >= count else index % slots == position
 
     # ---- slots -------------------------------------------------------------------------------------
 
@@ -172,6 +202,8 @@ class SlotBinder:
                 slot.swapping_out = None
         for key in [key for key in self._waiting_since_s if key[0] == job_id]:
             del self._waiting_since_s[key]
+        for key in [key for key in self._static if key[0] == job_id]:
+            del self._static[key]
 
     # ---- decisions -------------------------------------------------------------------------------------
 
@@ -204,7 +236,8 @@ class SlotBinder:
                       exclude: AgentKey | None) -> AgentKey | None:
         best: tuple[tuple[bool, float], AgentKey] | None = None
         for key, demand in demands.items():
-            if key == exclude or not demand.has_work or key in self._slot_of_agent:
+            if key == exclude or not demand.has_work or key in self._slot_of_agent \
+                    or not self.eligible(key, slot_id):
                 continue
             ranked = (self.score(key, slot_id, demand), key)
             # Highest score wins; ties go to the smallest key (deterministic).
@@ -223,6 +256,9 @@ class SlotBinder:
             if demand.mid_step:
                 return BindingDecision(DecisionKind.KEEP, agent)
             successor = self._best_waiting(slot_id, demands, exclude=agent)
+            if not self.eligible(agent, slot_id):
+                # The slot set changed (a slot appeared or died): leave at this step boundary.
+                return BindingDecision(DecisionKind.RELEASE, agent, successor)
             if successor is None:
                 return BindingDecision(DecisionKind.KEEP, agent)
             if not demand.has_work or self.waited_s(successor) >= self._max_wait_s:

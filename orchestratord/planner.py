@@ -11,19 +11,43 @@ experiences form *step* t of every agent; step t of an agent trains version t
 into version t + 1. A step's *manifest* is the exact set of its experience ids.
 A step *attempt* is one try at training it on one slot; a slot death starts a
 new attempt from the last committed version with the same manifest.
+
+Pipeline modes (``pipeline.mode``):
+
+* ``async``: a micro-batch is formed and leased as soon as enough complete
+  groups of an agent arrived; admission follows AReaL's rule with eta =
+  ``max_staleness``.
+* ``sync``: the barrier baseline. Admission uses eta = 0 (batch t + 1 is
+  admitted only once every agent committed step t) and micro-batches are formed
+  only when the whole batch arrived, in task order.
+* ``sequential`` (MAS-RL-like): ``sync``, and in addition the agents train one
+  after another in spec order. Precisely: with agents a_0 .. a_{K-1}, no
+  micro-batch or optimizer step of step t of a_k (k >= 1) is leased before a_{k-1}
+  committed step t (its version is > t). An episode involves every agent, so
+  the rollouts of step t are one joint batch generated before a_0 trains; batch
+  t + 1 is admitted only after a_{K-1} committed step t. Hence, per step:
+  rollout(t) -> train a_0 -> commit -> train a_1 -> ... -> commit a_{K-1}.
+* ``static`` (MARTI-like): ``sync`` with static binding (each agent only on its
+  fixed slot set, see ``orchestratord.binding``); rolloutd keeps each agent's
+  fixed replica share (``JobSpec.balancing``).
+
+``pipeline.binding: static`` alone (any mode) is the "no agent-centric
+binding" ablation. None of the modes changes what a step trains on: the
+manifest of step t of an agent is the same set of experience ids in every mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.jobspec import JobSpec, parse_job_spec
 from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, RolloutDemandEstimator, SlotBinder
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus, LeaseTable
 from orchestratord.state import (
@@ -426,7 +450,7 @@ class JobPlanner:
         are issued again); call :meth:`recover` with the experiences stored
         already reported so that finished rollouts are not redone.
         """
-        spec = load_job_spec(persisted.spec_json)
+        spec = parse_job_spec(json.loads(persisted.spec_json))  # JSON text, never read as a path
         planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
                       created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
                       commits=persisted.commits, state=persisted.state, error=persisted.error)
@@ -548,7 +572,7 @@ class JobPlanner:
         every task holds ``group_size`` episodes, so counting tasks against
         ``prompts_per_step`` is the same bound. Sync mode is the barrier: eta = 0.
         """
-        eta = 0 if self.spec.pipeline.mode == "sync" else self.spec.pipeline.max_staleness
+        eta = 0 if self.spec.pipeline.barrier else self.spec.pipeline.max_staleness
         prompts = self.spec.batch.prompts_per_step
         return min((eta + self._min_version() + 1) * prompts, self.spec.total_steps * prompts)
 
@@ -758,11 +782,11 @@ class JobPlanner:
         """Complete groups -> micro-batches of ``micro_batch_size`` episodes.
 
         Async: as soon as enough groups arrived (arrival order); the remainder
-        when the batch completes. Sync: only when the batch is complete, in
-        task order (the barrier baseline).
+        when the batch completes. Barrier modes (sync, sequential, static):
+        only when the batch is complete, in task order.
         """
         per_micro_batch = self.spec.batch.groups_per_micro_batch
-        if self.spec.pipeline.mode == "sync":
+        if self.spec.pipeline.barrier:
             if not batch_complete:
                 return
             plan.unformed.sort(key=lambda group: group.position)
@@ -816,11 +840,23 @@ class JobPlanner:
         version = self._agent(agent).version
         return self._plans.get((agent, version))
 
+    def agent_may_train(self, agent: str, step: int) -> bool:
+        """Whether step ``step`` of ``agent`` may be trained now.
+
+        Always, except in ``sequential`` mode, where agent k's step t waits for
+        agent k-1's commit of step t (see the module docstring).
+        """
+        if self.spec.pipeline.mode != "sequential":
+            return True
+        names = self.spec.agent_names
+        index = names.index(agent)
+        return index == 0 or self._agents[names[index - 1]].version > step
+
     def demand(self, agent: str) -> AgentDemand:
         """What the agent needs from the trainer pool now."""
         key = (self.job_id, agent)
         plan = self.current_plan(agent)
-        if self._state.terminal or plan is None:
+        if self._state.terminal or plan is None or not self.agent_may_train(agent, plan.step):
             return AgentDemand(key)
         ready = [mb for mb in plan.micro_batches if mb.status is _MicroBatchStatus.READY]
         return AgentDemand(
@@ -843,7 +879,7 @@ class JobPlanner:
         if self._state.terminal:
             return None
         plan = self.current_plan(agent)
-        if plan is None or (plan.slot_id and plan.slot_id != slot_id):
+        if plan is None or (plan.slot_id and plan.slot_id != slot_id) or not self.agent_may_train(agent, plan.step):
             return None
         for mb in plan.micro_batches:
             if mb.status is _MicroBatchStatus.LEASED:
@@ -1076,13 +1112,19 @@ class Planner:
             return existing
         job = JobPlanner.create(job_id, spec, self._now_s, self._options)
         self._jobs[job_id] = job
+        self._register_binding(job)
         return job
+
+    def _register_binding(self, job: JobPlanner) -> None:
+        if job.spec.pipeline.effective_binding == "static" and not job.state.terminal:
+            self.binder.set_static(job.job_id, job.spec.agent_names)
 
     def restore_job(self, persisted: PersistedJob, reported: Iterable[ExperienceSummary]) -> JobPlanner:
         """Rebuilds a job after a restart from its durable state and the experiences stored holds."""
         job = JobPlanner.restore(persisted, self._now_s, self._options)
         job.recover(reported)
         self._jobs[persisted.job_id] = job
+        self._register_binding(job)
         return job
 
     def job(self, job_id: str) -> JobPlanner:

@@ -27,7 +27,7 @@ import random
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceRecord
 from traind import losses
@@ -290,6 +291,11 @@ class AgentTrainer:
         self._acc = _StepAccumulator()
         self._pending_grad_scale: float | None = None
         self._last_grad_norm = 0.0
+        # Modelled device time (benchmarks): micro-batches and optimizer steps take the time the
+        # profile's accelerator would take (real math still runs); None = real time only.
+        self.device_profile = devicemodel.profile_from_env()
+        self._trace = (devicemodel.TraceWriter(self.device_profile, f"traind-{os.getpid()}-{config.agent}")
+                       if self.device_profile is not None else None)
         self._build_engine()
 
     # ------------------------------------------------------------------ build
@@ -418,6 +424,8 @@ class AgentTrainer:
         loss_sum = losses.aggregate_sum(terms.loss, mask, cfg.loss.loss_agg)
         self.engine.backward(loss_sum, scale_wrt_gas=False)
         tokens = int(mask.sum().item())
+        self._pace("train", started, lambda profile: devicemodel.train_tokens_s(
+            profile, float(attention.sum().item()) * profile.token_scale))
         acc = self._acc
         acc.loss_sum += float(loss_sum.detach().item())
         acc.tokens += tokens
@@ -432,6 +440,20 @@ class AgentTrainer:
             loss_sum=float(loss_sum.detach().item()),
             seconds=time.perf_counter() - started,
         )
+
+    def _pace(self, kind: str, started_perf_s: float,
+              modelled: Callable[[devicemodel.DeviceProfile], float]) -> None:
+        """Waits until ``modelled(profile)`` scaled seconds passed since ``started_perf_s`` (modelled time only)."""
+        profile = self.device_profile
+        if profile is None:
+            return
+        wall_started_s = time.time() - (time.perf_counter() - started_perf_s)
+        pacer = devicemodel.Pacer(profile, clock=time.perf_counter)
+        pacer.start_s = started_perf_s
+        pacer.add(float(modelled(profile)))
+        pacer.wait()
+        if self._trace is not None:
+            self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
 
     def _normalise_and_clip_hook(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         scale = self._pending_grad_scale
@@ -494,6 +516,7 @@ class AgentTrainer:
             self._pending_grad_scale = None
         self.engine.zero_grad()
         self._acc = _StepAccumulator()
+        self._pace("optimizer", started, devicemodel.optimizer_step_s)
         token_count = max(tokens, 1.0)
         return StepStats(
             version=self.version,

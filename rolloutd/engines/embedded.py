@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument
 from rolloutd.engines.protocol import SamplingParams, parse_input_ids
 
@@ -66,6 +67,9 @@ class EmbeddedEngineConfig:
     weight_version: str = "default"
     seed: int | None = None
     ready_file: str = ""
+    # Device profile file (flexmarl.devicemodel): generation takes the modelled time of that
+    # accelerator; "" = the FLEXMARL_MODELLED_DEVICE environment variable, unset = real time only.
+    modelled_device: str = ""
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,9 @@ class EmbeddedEngine:
         self.max_batch_sequences = 0
         self.generated_tokens = 0
         self._started_s = time.monotonic()
+        self.device = (devicemodel.load_profile(config.modelled_device) if config.modelled_device
+                       else devicemodel.profile_from_env())
+        self._trace = devicemodel.TraceWriter(self.device, f"engine-{os.getpid()}") if self.device else None
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -323,6 +330,12 @@ class EmbeddedEngine:
         return jobs
 
     def _apply_swap(self, swap: _WeightSwap) -> None:
+        if self.device is not None:  # the replica serves nothing while the modelled reload runs
+            started_s, pacer = time.time(), devicemodel.Pacer(self.device)
+            pacer.add(devicemodel.weight_transfer_s(self.device))
+            pacer.wait()
+            if self._trace is not None:
+                self._trace.record("reload", started_s, time.time(), pacer.modelled_s)
         self._loaded = swap.loaded
         logger.info("serving %s (weight_version %s)", swap.loaded.model_path, swap.loaded.weight_version)
         swap.loop.call_soon_threadsafe(_set_result, swap.future, None)
@@ -343,6 +356,9 @@ class EmbeddedEngine:
             return
         self.batches_run += 1
         self.max_batch_sequences = max(self.max_batch_sequences, sum(job.params.n for job in live))
+        device, batch_started_s = self.device, time.time()
+        pacer = devicemodel.Pacer(device) if device is not None else None
+        tokens_before = self.generated_tokens
 
         # Prefill each distinct prompt once, left-padded, then repeat its cache rows n times.
         width = max(len(job.input_ids) for job in live)
@@ -364,6 +380,9 @@ class EmbeddedEngine:
             **{loaded.cache_kwarg: cache},
         )
         logits = out.logits[:, -1, :].float()
+        if pacer is not None and device is not None:  # modelled prefill of each distinct prompt
+            pacer.add(devicemodel.prefill_s(device, sum(len(job.input_ids) for job in live) * device.token_scale))
+            pacer.wait()
         expand = torch.tensor([row for row, job in enumerate(live) for _ in range(job.params.n)])
         cache.batch_select_indices(expand)
         logits, mask, last_position = logits[expand], mask[expand], positions[expand, -1]
@@ -409,6 +428,13 @@ class EmbeddedEngine:
                 **{loaded.cache_kwarg: cache},
             )
             logits = out.logits[:, -1, :].float()
+            if pacer is not None and device is not None:  # token_scale modelled iterations of this batch
+                pacer.add(devicemodel.real_decode_iteration_s(device, len(keep), float(mask.sum())))
+                pacer.wait()
+        if pacer is not None and self._trace is not None:
+            self._trace.record("generate", batch_started_s, time.time(), pacer.modelled_s,
+                               tokens=(self.generated_tokens - tokens_before) * (device.token_scale if device else 1.0),
+                               overrun_s=pacer.overrun_s)
 
     def _generator(self, job: _Job, sample_index: int) -> torch.Generator:
         seed = job.params.seed if job.params.seed is not None else self.new_seed()
@@ -765,6 +791,9 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         action="store_true",
         help="logprobs of the raw distribution instead of the temperature-scaled one",
     )
+    parser.add_argument("--modelled-device", default="",
+                        help="device profile (JSON/YAML, flexmarl.devicemodel): take that accelerator's time; "
+                             "default: $FLEXMARL_MODELLED_DEVICE")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -781,6 +810,7 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         weight_version=args.weight_version,
         seed=args.seed,
         ready_file=args.ready_file,
+        modelled_device=args.modelled_device,
     )
 
 

@@ -74,7 +74,7 @@ BAD_FIELDS = [
     ("batch.group_size", "4", "batch.group_size: must be an integer, got '4'"),
     ("batch.prompts_per_step", 0, "batch.prompts_per_step: must be >= 1, got 0"),
     ("pipeline.max_staleness", -1, "pipeline.max_staleness: must be >= 0, got -1"),
-    ("pipeline.mode", "eager", "pipeline.mode: must be one of 'async' or 'sync', got 'eager'"),
+    ("pipeline.mode", "eager", "pipeline.mode: must be one of 'async', 'sync', 'sequential' or 'static', got 'eager'"),
     ("agents.0.optimizer", {"lr": 0}, "agents[0].optimizer.lr: must be > 0.0, got 0"),
     ("agents.0.zero_stage", 4, "agents[0].zero_stage: must be <= 3, got 4"),
     ("agents.0.dtype", "fp16", "agents[0].dtype: must be one of 'fp32' or 'bf16', got 'fp16'"),

@@ -31,19 +31,20 @@ class PlannerMachine(RuleBasedStateMachine):
     """A fake cluster (rollout workers and trainer slots that accumulate gradients) driving one job."""
 
     @initialize(
-        mode=st.sampled_from(["async", "sync"]),
+        mode=st.sampled_from(["async", "sync", "sequential", "static"]),
+        binding=st.sampled_from([None, "static"]),
         eta=st.integers(0, 2),
         prompts=st.integers(2, 3),
         groups_per_mb=st.integers(1, 2),
         turns=st.integers(1, 2),
     )
-    def setup(self, mode: str, eta: int, prompts: int, groups_per_mb: int, turns: int) -> None:
+    def setup(self, mode: str, binding: str | None, eta: int, prompts: int, groups_per_mb: int, turns: int) -> None:
         self.clock = FakeClock()
         self.eta = eta
         self.turns = turns
         self.planner = Planner(self.clock, PlannerOptions(lease_epoch="e", max_task_attempts=10_000,
                                                           max_step_attempts=10_000))
-        self.spec = make_spec(pipeline={"mode": mode, "max_staleness": eta},
+        self.spec = make_spec(pipeline={"mode": mode, "max_staleness": eta, "binding": binding},
                               batch={"prompts_per_step": prompts, "group_size": 2,
                                      "micro_batch_size": 2 * groups_per_mb},
                               total_steps=3)
@@ -68,7 +69,7 @@ class PlannerMachine(RuleBasedStateMachine):
         for lease in self.planner.lease_rollout_tasks(worker, count):
             assert lease.task_id not in self.accepted, "a finished task was leased again"
             for version in lease.agent_versions:
-                assert lease.batch_index - version.version <= self.eta or self.spec.pipeline.mode == "sync"
+                assert lease.batch_index - version.version <= self.eta or self.spec.pipeline.barrier
             self.held[lease.lease_id] = (worker, lease)
 
     @precondition(lambda self: bool(self.held))
@@ -116,9 +117,12 @@ class PlannerMachine(RuleBasedStateMachine):
 
     def check_micro_batch(self, work: MicroBatchWork) -> None:
         assert work.base_version == work.step == self.job.version(work.agent)
-        if self.spec.pipeline.mode == "sync":
+        if self.spec.pipeline.barrier:
             done = [tid for tid in self.accepted if f"/b{work.step}/" in tid]
-            assert len(done) == self.spec.batch.prompts_per_step, "sync mode leased before the barrier"
+            assert len(done) == self.spec.batch.prompts_per_step, "a barrier mode leased before the barrier"
+        if self.spec.pipeline.mode == "sequential":
+            index = AGENTS.index(work.agent)
+            assert index == 0 or self.job.version(AGENTS[index - 1]) > work.step, "sequential order broken"
         for eid in work.experience_ids:
             task_id = eid.rsplit("/", 3)[0]
             assert f"/b{work.step}/" in task_id, "an experience of another batch"

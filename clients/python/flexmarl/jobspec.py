@@ -124,11 +124,57 @@ class BatchSpec(_SpecModel):
         return self.micro_batch_size // self.group_size
 
 
-class PipelineSpec(_SpecModel):
-    """Pipeline mode and staleness bound."""
+PipelineMode = Literal["async", "sync", "sequential", "static"]
+BindingPolicy = Literal["dynamic", "static"]
+BalancingPolicy = Literal["hierarchical", "static", "round-robin"]
+BARRIER_MODES = ("sync", "sequential", "static")
 
-    mode: Literal["async", "sync"] = "async"
+
+class PipelineSpec(_SpecModel):
+    """Pipeline mode, staleness bound and trainer-slot binding.
+
+    Modes (``docs/pipeline.md`` has the details):
+
+    * ``async``: micro-batches train as soon as their groups are complete (FlexMARL).
+    * ``sync``: the barrier baseline: a batch is generated whole, then trained.
+    * ``sequential``: ``sync`` plus agents train one after another (MAS-RL-like).
+    * ``static``: ``sync`` with every agent on a fixed slot set and a fixed replica
+      share (MARTI-like); implies ``binding: static`` and ``rollout.balancing: static``.
+
+    ``binding`` (``dynamic``: agent-centric on-demand binding; ``static``: each
+    agent only on its fixed slot set) defaults to ``static`` in mode ``static``
+    and ``dynamic`` otherwise. Barrier modes admit batch t + 1 only after every
+    agent committed step t, so they train on-policy whatever ``max_staleness`` says.
+    """
+
+    mode: PipelineMode = "async"
     max_staleness: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    binding: BindingPolicy | None = None
+
+    @property
+    def barrier(self) -> bool:
+        """Whether a rollout batch is generated whole before any of it trains."""
+        return self.mode in BARRIER_MODES
+
+    @property
+    def effective_binding(self) -> BindingPolicy:
+        """The binding policy after the mode's default is applied."""
+        if self.binding is not None:
+            return self.binding
+        return "static" if self.mode == "static" else "dynamic"
+
+
+class RolloutSpec(_SpecModel):
+    """How rolloutd balances generation requests over engine replicas.
+
+    ``hierarchical``: replicas follow each agent's demand and requests go to the
+    least-loaded replica of their agent (FlexMARL); ``static``: each agent keeps
+    its initial equal share of replicas, least-loaded routing within it;
+    ``round-robin``: equal shares and load-oblivious round-robin routing.
+    Defaults to ``static`` in ``pipeline.mode: static``, else ``hierarchical``.
+    """
+
+    balancing: BalancingPolicy | None = None
 
 
 class LeaseSpec(_SpecModel):
@@ -149,6 +195,7 @@ class JobSpec(_SpecModel):
     batch: BatchSpec
     total_steps: Annotated[int, Field(ge=1, le=MAX_TOTAL_STEPS)]
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     leases: LeaseSpec = Field(default_factory=LeaseSpec)
 
     @model_validator(mode="after")
@@ -163,6 +210,13 @@ class JobSpec(_SpecModel):
     def agent_names(self) -> tuple[str, ...]:
         """Agent names in spec order."""
         return tuple(agent.name for agent in self.agents)
+
+    @property
+    def balancing(self) -> BalancingPolicy:
+        """The balancing policy of rolloutd, after the mode's default is applied."""
+        if self.rollout.balancing is not None:
+            return self.rollout.balancing
+        return "static" if self.pipeline.mode == "static" else "hierarchical"
 
     def agent(self, name: str) -> AgentSpec:
         """The spec of one agent; raises InvalidArgument for an unknown name."""
@@ -188,6 +242,11 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
     if batch.micro_batch_size > batch.episodes_per_step:
         problems.append(f"batch.micro_batch_size: must be <= batch.prompts_per_step * batch.group_size "
                         f"({batch.episodes_per_step}), got {batch.micro_batch_size}")
+    pipeline = spec.pipeline
+    if pipeline.mode == "static" and pipeline.binding == "dynamic":
+        problems.append("pipeline.binding: mode 'static' fixes each agent's slots; 'dynamic' contradicts it")
+    if pipeline.mode == "static" and spec.rollout.balancing == "hierarchical":
+        problems.append("rollout.balancing: mode 'static' fixes each agent's replicas; 'hierarchical' contradicts it")
     seen: dict[str, int] = {}
     for index, agent in enumerate(spec.agents):
         if agent.name in seen:

@@ -1,0 +1,124 @@
+"""Synthetic multi-agent workloads with the paper's shape: skewed, long-tailed response lengths.
+
+Each episode is a chain of turns, one per agent in order (a planner, a coder, a reviewer, ...);
+every agent's response length is drawn from that agent's distribution. With modelled device
+time only lengths matter (the device model turns them into seconds), so the responses are
+whatever the tiny model samples, with ``ignore_eos`` and ``max_new_tokens`` set to the drawn
+length. Lengths are in *modelled* tokens; the environment asks the tiny model for
+``ceil(length / token_scale)`` real tokens (the same ``token_scale`` as the device profile).
+
+Reward (so that learning still happens): the fraction of response tokens with an even id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Any
+
+from rolloutd.episode import Environment, EpisodeContext, Task, task_rng
+
+PROMPT_ALPHABET = range(97, 123)  # byte ids of "a".."z" in the tiny byte-level tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """Response lengths in modelled tokens: ``lognormal`` (median, sigma) or ``uniform`` [low, high], clipped."""
+
+    kind: str = "lognormal"
+    median: float = 512.0
+    sigma: float = 1.0
+    low: int = 1
+    high: int = 8192
+
+    def sample(self, rng: random.Random) -> int:
+        """One length."""
+        if self.kind == "uniform":
+            value = rng.uniform(self.low, self.high)
+        elif self.kind == "lognormal":
+            value = self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0))
+        else:
+            raise ValueError(f"unknown length distribution {self.kind!r}")
+        return int(min(max(round(value), self.low), self.high))
+
+    def mean(self, samples: int = 20_000, seed: int = 0) -> float:
+        """Monte-Carlo mean (for tables)."""
+        rng = random.Random(seed)
+        return sum(self.sample(rng) for _ in range(samples)) / samples
+
+
+# Long tail: one agent writes long answers (median 1024, up to 8192), one medium, one short.
+LONG_TAIL_SHAPES = (
+    LengthDistribution("lognormal", median=1024, sigma=1.0, high=8192),
+    LengthDistribution("lognormal", median=384, sigma=0.8, high=4096),
+    LengthDistribution("lognormal", median=96, sigma=0.5, high=1024),
+)
+# Uniform: the same mean work for every agent, no tail.
+UNIFORM_SHAPES = (LengthDistribution("uniform", low=256, high=1280),)
+ROLES = ("planner", "coder", "reviewer", "tester", "critic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named agent mix."""
+
+    name: str
+    agents: tuple[tuple[str, LengthDistribution], ...]
+    prompt_tokens: int = 512
+
+    def environment_config(self, token_scale: float) -> dict[str, Any]:
+        """The ``environment.config`` of a job running this workload."""
+        return {
+            "token_scale": token_scale,
+            "prompt_tokens": self.prompt_tokens,
+            "agents": [{"name": name, **dataclasses.asdict(dist)} for name, dist in self.agents],
+        }
+
+    def max_real_tokens(self, token_scale: float) -> int:
+        """The largest real response (the agents' ``max_new_tokens``)."""
+        return max(math.ceil(dist.high / token_scale) for _, dist in self.agents)
+
+
+def make_workload(agent_count: int, variant: str) -> Workload:
+    """``agent_count`` agents cycling through the long-tail shapes (``variant`` "long-tail") or all uniform."""
+    shapes = LONG_TAIL_SHAPES if variant == "long-tail" else UNIFORM_SHAPES
+    agents = []
+    for index in range(agent_count):
+        role = ROLES[index % len(ROLES)]
+        name = role if agent_count <= len(ROLES) else f"{role}{index // len(ROLES)}"
+        agents.append((name, shapes[index % len(shapes)]))
+    return Workload(f"{agent_count}-agent {variant}", tuple(agents))
+
+
+class SkewedAgentsEnv(Environment):
+    """The environment of a :class:`Workload` (config from :meth:`Workload.environment_config`)."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        self.token_scale = float(config.get("token_scale", 1.0))
+        self.prompt_tokens = int(config.get("prompt_tokens", 512))
+        self.lengths: dict[str, LengthDistribution] = {}
+        for entry in config["agents"]:
+            fields = {k: v for k, v in entry.items() if k != "name"}
+            self.lengths[str(entry["name"])] = LengthDistribution(**fields)
+        self.agents = tuple(self.lengths)
+
+    def real_tokens(self, modelled_tokens: int) -> int:
+        """Real tokens the tiny model generates for a modelled length."""
+        return max(1, math.ceil(modelled_tokens / self.token_scale))
+
+    def task(self, index: int, seed: int) -> Task:
+        """A random lowercase prompt of ``prompt_tokens`` modelled tokens."""
+        rng = task_rng(index, seed)
+        length = self.real_tokens(self.prompt_tokens)
+        return Task(index=index, seed=seed, data={"prompt": [rng.choice(PROMPT_ALPHABET) for _ in range(length)]})
+
+    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+        """Every agent answers once, in order, with a length drawn from its distribution."""
+        prompt: list[int] = list(task.data["prompt"])
+        for agent in self.agents:
+            length = self.real_tokens(self.lengths[agent].sample(ctx.rng))
+            out = await ctx.generate(agent, prompt, max_new_tokens=length, ignore_eos=True)
+            even = sum(1 for token in out.token_ids if token % 2 == 0)
+            ctx.reward(agent, even / max(1, len(out.token_ids)))
