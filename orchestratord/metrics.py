@@ -32,6 +32,9 @@ class OrchestratorMetrics:
                                  registry=registry)
         self.known_slots = Gauge("flexmarl_orchestratord_known_slots", "Trainer slots seen polling.",
                                  registry=registry)
+        self.bubble_seconds = Counter("flexmarl_orchestratord_pipeline_bubble_seconds_total",
+                                      "Slot-seconds without trainer work while a job was running (pipeline "
+                                      "bubbles; includes slots waiting on rollouts).", registry=registry)
         self.rollout_demand_tokens = Gauge("flexmarl_orchestratord_rollout_demand_tokens",
                                            "Estimated outstanding generation tokens, by agent.", ["job", "agent"],
                                            registry=registry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -20,7 +21,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.errors import InvalidArgument, Unavailable
-from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MAX_ID_LENGTH = 256
+MAX_PROMPTS_PER_STEP = 1 << 20
+MAX_GROUP_SIZE = 1 << 16
 TICK_INTERVAL_S = 0.2
 DEMAND_INTERVAL_S = 1.0
 
@@ -178,18 +181,30 @@ class OrchestratorService:
 
     async def _tick_loop(self) -> None:
         last_demand_s = 0.0
+        last_tick_s = time.monotonic()
         while True:
             await asyncio.sleep(TICK_INTERVAL_S)
             try:
                 await self.mutate(self.planner.tick)
-                slots = self.planner.binder.slots()
-                self._metrics.known_slots.set(len(slots))
-                self._metrics.bound_slots.set(sum(1 for s in slots if s.agent is not None))
+                now = time.monotonic()
+                self._observe_slots(now - last_tick_s)
+                last_tick_s = now
                 if time.monotonic() - last_demand_s >= DEMAND_INTERVAL_S:
                     last_demand_s = time.monotonic()
                     await self._push_demand()
             except Exception:
                 log.exception("planner tick failed")
+
+    def _observe_slots(self, elapsed_s: float) -> None:
+        """Slot gauges, and pipeline bubbles: time slots sat without work while a job was running."""
+        slots = self.planner.binder.slots()
+        self._metrics.known_slots.set(len(slots))
+        self._metrics.bound_slots.set(sum(1 for s in slots if s.agent is not None))
+        running = [job for job in self.planner.jobs() if not job.state.terminal]
+        if not running:
+            return
+        idle = sum(1 for s in slots if not any(job.slot_busy(s.slot_id) for job in running))
+        self._metrics.bubble_seconds.inc(idle * elapsed_s)
 
     async def _push_demand(self) -> None:
         """Tells every rolloutd each agent's outstanding generation demand (its balancer's hint)."""
@@ -307,7 +322,7 @@ class OrchestratorService:
 
     async def submit_job(self, spec_json: str, job_id: str) -> str:
         """Validates and creates a job (idempotent for the same id and spec)."""
-        spec: JobSpec = load_job_spec(spec_json) if spec_json.strip() else _empty_spec()
+        spec: JobSpec = _spec_from_json(spec_json) if spec_json.strip() else _empty_spec()
         if not job_id:
             job_id = f"{spec.name}-{int(self._now_s() * 1000):x}"
         job = await self.mutate(lambda: self.planner.submit_job(job_id, spec))
@@ -392,3 +407,18 @@ class OrchestratorService:
 
 def _empty_spec() -> JobSpec:
     raise InvalidArgument("spec_json: must not be empty")
+
+
+def _spec_from_json(spec_json: str) -> JobSpec:
+    """Parses SubmitJob's spec_json as JSON text only (never a file path on this host, never YAML aliases)."""
+    try:
+        data = json.loads(spec_json)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidArgument(f"job spec: spec_json is not valid JSON: {str(exc)[:200]}") from None
+    spec = parse_job_spec(data)
+    # Sizes that travel in uint32/uint64 fields of tasks and job statuses.
+    for name, value, limit in (("batch.prompts_per_step", spec.batch.prompts_per_step, MAX_PROMPTS_PER_STEP),
+                               ("batch.group_size", spec.batch.group_size, MAX_GROUP_SIZE)):
+        if value > limit:
+            raise InvalidArgument(f"{name}: must be <= {limit}, got {value}")
+    return spec

@@ -44,6 +44,8 @@ STEP_ID_RE = TASK_ID_RE
 EPISODE_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{0,256}")
 # SQLite's default limit on host parameters is 32766; stay far below it.
 _IN_BATCH = 500
+# Retentions are capped here (about 31,700 years): older than anything, and the cutoff fits SQLite int64.
+_MAX_RETENTION_S = 1e12
 _INT64_MAX = (1 << 63) - 1
 
 
@@ -627,7 +629,8 @@ class ExperienceStore:
         """
         if not math.isfinite(retention_s) or retention_s < 0:
             raise InvalidArgument(f"retention_s must be finite and >= 0, got {retention_s}")
-        cutoff_ms = self._clock_ms() - int(retention_s * 1000)
+        # A retention longer than the clock's age keeps everything (and must not overflow SQLite's int64).
+        cutoff_ms = self._clock_ms() - int(min(retention_s, _MAX_RETENTION_S) * 1000)
         consumed = int(ExperienceState.CONSUMED)
         with self._db.write() as conn:
             if job_id:

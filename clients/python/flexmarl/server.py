@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from flexmarl.errors import FlexmarlError
+from flexmarl.errors import FlexmarlError, InvalidArgument
 from flexmarl.metrics import RpcMetrics
 
 log = logging.getLogger(__name__)
@@ -52,27 +52,28 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return handler
         method = handler_call_details.method.rsplit("/", 1)[-1]
+        decode = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.unary_unary),
-                handler.request_deserializer,
+                self._wrap_unary(method, _checked_request(method, handler.unary_unary)),
+                decode,
                 handler.response_serializer,
             )
         if handler.stream_unary is not None:
             return grpc.stream_unary_rpc_method_handler(
-                self._wrap_unary(method, handler.stream_unary),
-                handler.request_deserializer,
+                self._wrap_unary(method, _checked_stream(method, handler.stream_unary)),
+                decode,
                 handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(method, handler.unary_stream),
-                handler.request_deserializer,
+                self._wrap_stream(method, _checked_request(method, handler.unary_stream)),
+                decode,
                 handler.response_serializer,
             )
         return grpc.stream_stream_rpc_method_handler(
-            self._wrap_stream(method, handler.stream_stream),
-            handler.request_deserializer,
+            self._wrap_stream(method, _checked_stream(method, handler.stream_stream)),
+            decode,
             handler.response_serializer,
         )
 
@@ -128,6 +129,57 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             self._record(method, context.code() or grpc.StatusCode.OK, start)
 
         return wrapper
+
+
+class _Undecodable:
+    """Stands for request bytes that are not the method's message (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that turns undecodable bytes into _Undecodable instead of failing the call.
+
+    grpc.aio answers a decode failure with UNKNOWN before any handler runs; passing a marker
+    through lets the handler answer a clear INVALID_ARGUMENT.
+    """
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad input
+            return _Undecodable(f"{type(exc).__name__}: {exc}")
+
+    return decode
+
+
+def _invalid(method: str, item: _Undecodable) -> InvalidArgument:
+    return InvalidArgument(f"request is not a valid {method} message ({item.error})")
+
+
+def _checked_request(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            raise _invalid(method, request)
+        return behavior(request, context)
+
+    return call
+
+
+def _checked_stream(method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def call(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def requests() -> AsyncIterator[Any]:
+            async for item in request_iterator:
+                if isinstance(item, _Undecodable):
+                    raise _invalid(method, item)
+                yield item
+
+        return behavior(requests(), context)
+
+    return call
 
 
 def _code_of(exc: BaseException) -> grpc.StatusCode:
