@@ -21,13 +21,13 @@ import grpc
 import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
+from flexmarl.connections import PeerConnections, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
-from flexmarl.server import channel_options
-from flexmarl.store_client import StoreClient
-from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from flexmarl.v1 import orchestrator_pb2
+from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.episode import Environment, HFTokenizer, load_environment
 from rolloutd.metrics import RolloutMetrics
@@ -37,6 +37,9 @@ from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutT
 log = logging.getLogger(__name__)
 
 RENEW_INTERVAL_S = 2.0
+JOB_SWEEP_INTERVAL_S = 10.0
+_FINISHED_JOB_STATES = (orchestrator_pb2.JOB_STATE_SUCCEEDED, orchestrator_pb2.JOB_STATE_FAILED,
+                        orchestrator_pb2.JOB_STATE_CANCELLED)
 LEASE_WAIT_MS = 2000
 
 
@@ -76,9 +79,9 @@ class RolloutWorker:
         self._jobs: dict[str, _Job] = {}
         self._in_flight: dict[str, asyncio.Task[None]] = {}
         self._loops: list[asyncio.Task[None]] = []
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
-        self._store: StoreClient | None = None
+        self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
+                                      store_address=settings.store_address,
+                                      max_message_bytes=settings.max_message_bytes)
         self._engine_lock = asyncio.Lock()
         self._job_lock = asyncio.Lock()
         self.episodes_done = 0
@@ -108,36 +111,7 @@ class RolloutWorker:
                     await replica.client.close()
         for engine in self._engines:
             await asyncio.to_thread(engine.stop, 10.0)
-        if self._store is not None:
-            await self._store.close()
-        if self._channel is not None:
-            await self._channel.close()
-
-    async def _address(self, kind: str, configured: str) -> str:
-        if configured:
-            return configured
-        services = await self._registry.list_services(kind)
-        if not services:
-            raise Unavailable(f"no {kind} registered in etcd")
-        return services[0].address
-
-    async def _orchestrator(self) -> orchestrator_pb2_grpc.OrchestratorStub:
-        if self._stub is None:
-            address = await self._address("orchestratord", self.settings.orchestrator_address)
-            self._channel = grpc.aio.insecure_channel(address, options=channel_options(self.settings.max_message_bytes))
-            self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
-        return self._stub
-
-    async def _reset_orchestrator(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel, self._stub = None, None
-
-    async def _store_client(self) -> StoreClient:
-        if self._store is None:
-            self._store = StoreClient(await self._address("stored", self.settings.store_address),
-                                      max_message_bytes=self.settings.max_message_bytes)
-        return self._store
+        await self._peers.close()
 
     # ---- leasing -----------------------------------------------------------------------------------
 
@@ -149,13 +123,13 @@ class RolloutWorker:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                stub = await self._orchestrator()
+                stub = await self._peers.orchestrator()
                 reply = await stub.LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
                     worker_id=self.settings.worker_id, max_tasks=free, wait_ms=LEASE_WAIT_MS), timeout=30)
                 backoff_s = 0.2
             except (grpc.RpcError, FlexmarlError) as exc:
-                log.warning("leasing tasks failed (%s); retrying", _describe(exc))
-                await self._reset_orchestrator()
+                log.warning("leasing tasks failed (%s); retrying", describe_error(exc))
+                await self._peers.reset_orchestrator()
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(5.0, backoff_s * 2)
                 continue
@@ -164,22 +138,51 @@ class RolloutWorker:
                     self._run(task), name=f"task {task.task_id}")
 
     async def _renew_loop(self) -> None:
+        last_sweep_s = time.monotonic()
         while not self._stopping:
             await asyncio.sleep(RENEW_INTERVAL_S)
+            if time.monotonic() - last_sweep_s > JOB_SWEEP_INTERVAL_S:
+                last_sweep_s = time.monotonic()
+                await self._forget_finished_jobs()
             if not self._in_flight:
                 continue
             try:
-                stub = await self._orchestrator()
+                stub = await self._peers.orchestrator()
                 reply = await stub.RenewLeases(orchestrator_pb2.RenewLeasesRequest(
                     worker_id=self.settings.worker_id, lease_ids=list(self._in_flight)), timeout=10)
             except (grpc.RpcError, FlexmarlError) as exc:
-                log.warning("renewing leases failed (%s)", _describe(exc))
+                log.warning("renewing leases failed (%s)", describe_error(exc))
                 continue
             for lease_id in reply.lost_lease_ids:
                 task = self._in_flight.get(lease_id)
                 if task is not None:
                     log.warning("lease %s lost; abandoning its task", lease_id)
                     task.cancel()
+
+    async def _forget_finished_jobs(self) -> None:
+        """Stops serving the agents of jobs that ended (their replicas go to the live jobs)."""
+        busy = {task.get_name() for task in self._in_flight.values()}
+        ended = []
+        for job_id in list(self._jobs):
+            if any(name.startswith(f"task {job_id}/") for name in busy):
+                continue
+            try:
+                stub = await self._peers.orchestrator()
+                status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=10)
+            except grpc.RpcError as exc:
+                if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.NOT_FOUND:
+                    ended.append(job_id)
+                continue
+            if status.state in _FINISHED_JOB_STATES:
+                ended.append(job_id)
+        if not ended or self.router is None:
+            return
+        async with self._job_lock:
+            for job_id in ended:
+                self._jobs.pop(job_id, None)
+            await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
+                                          for a in j.spec.agent_names])
+        log.info("stopped serving finished jobs %s", ended)
 
     # ---- one task ----------------------------------------------------------------------------------
 
@@ -223,15 +226,13 @@ class RolloutWorker:
         deadline = time.monotonic() + 60
         while True:
             try:
-                store = await self._store_client()
+                store = await self._peers.store()
                 await store.append(result.experiences)
                 return
             except Unavailable:
                 if time.monotonic() > deadline:
                     raise
-                if self._store is not None:
-                    await self._store.close()
-                    self._store = None
+                await self._peers.reset_store()
                 await asyncio.sleep(0.5)
 
     async def _durable_experiences(
@@ -242,7 +243,7 @@ class RolloutWorker:
         rolloutd appends a task's experiences in one request, which stored applies
         atomically, so a task is either wholly stored or not at all.
         """
-        store = await self._store_client()
+        store = await self._peers.store()
         found: list[orchestrator_pb2.ExperienceSummary] = []
         for agent in job.spec.agent_names:
             refs = await store.query(task.job_id, agent, group_id=group_id(task.task_id, agent))
@@ -279,15 +280,15 @@ class RolloutWorker:
             succeeded=not error, error=error[:4096], experiences=experiences)
         for attempt in range(5):
             try:
-                stub = await self._orchestrator()
+                stub = await self._peers.orchestrator()
                 await stub.ReportRolloutTask(request, timeout=30)
                 return
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                    log.warning("report of task %s rejected: %s", task.task_id, _describe(exc))
+                    log.warning("report of task %s rejected: %s", task.task_id, describe_error(exc))
                     return
-                await self._reset_orchestrator()
+                await self._peers.reset_orchestrator()
                 await asyncio.sleep(0.2 * (attempt + 1))
         log.error("could not report task %s; its lease will expire", task.task_id)
 
@@ -343,10 +344,14 @@ class RolloutWorker:
             cache.mkdir(parents=True, exist_ok=True)
 
             async def resolve(uri: str) -> str:
-                store = await self._store_client() if uri.startswith("stored://") else None
+                store = await self._peers.store() if uri.startswith("stored://") else None
                 return str(await resolve_dir(uri, cache, store))
 
-            self.router = RolloutRouter(replicas, resolve, on_reload=self._metrics.observe_reload)
+            # The first job's rollout.balancing sets the policy of this worker's router (benchmarks, ablations).
+            balancing = spec.balancing
+            config = BalancerConfig(rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.ROUND_ROBIN
+                                    if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS)
+            self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload)
 
     def status(self) -> dict[str, Any]:
         """What GetRolloutStatus reports."""
@@ -356,9 +361,3 @@ class RolloutWorker:
 def _sampling_of(sampling: dict[str, Any]) -> dict[str, Any]:
     """Spec sampling settings in SGLang's sampling_params names."""
     return {k: v for k, v in json.loads(json.dumps(sampling)).items() if v is not None}
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

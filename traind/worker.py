@@ -24,12 +24,11 @@ import grpc
 import grpc.aio
 
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
-from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.connections import PeerConnections, describe_error
+from flexmarl.errors import FlexmarlError, InvalidArgument
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
-from flexmarl.server import channel_options
-from flexmarl.store_client import StoreClient
-from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from flexmarl.v1 import orchestrator_pb2
 from traind import losses
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
@@ -100,9 +99,9 @@ class TrainerWorker:
         self._memory = MemoryStateStore()
         self._specs: dict[str, JobSpec] = {}
         self._loops: list[asyncio.Task[None]] = []
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
-        self._store: StoreClient | None = None
+        self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
+                                      store_address=settings.store_address,
+                                      max_message_bytes=settings.max_message_bytes)
         self._stopping = False
         # One engine at a time per process: DeepSpeed engines share the process group.
         self._compute = asyncio.Lock()
@@ -124,38 +123,7 @@ class TrainerWorker:
             if slot.trainer is not None:
                 slot.trainer.release()
                 slot.trainer = None
-        if self._store is not None:
-            await self._store.close()
-        if self._channel is not None:
-            await self._channel.close()
-
-    # ---- connections -------------------------------------------------------------------------
-
-    async def _address(self, kind: str, configured: str) -> str:
-        if configured:
-            return configured
-        services = await self._registry.list_services(kind)
-        if not services:
-            raise Unavailable(f"no {kind} registered in etcd")
-        return services[0].address
-
-    async def _orchestrator(self) -> orchestrator_pb2_grpc.OrchestratorStub:
-        if self._stub is None:
-            address = await self._address("orchestratord", self.settings.orchestrator_address)
-            self._channel = grpc.aio.insecure_channel(address, options=channel_options(self.settings.max_message_bytes))
-            self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
-        return self._stub
-
-    async def _reset_orchestrator(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel, self._stub = None, None
-
-    async def _store_client(self) -> StoreClient:
-        if self._store is None:
-            self._store = StoreClient(await self._address("stored", self.settings.store_address),
-                                      max_message_bytes=self.settings.max_message_bytes)
-        return self._store
+        await self._peers.close()
 
     def _spec(self, job_id: str, spec_json: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -175,14 +143,14 @@ class TrainerWorker:
                 resident = [orchestrator_pb2.ResidentAgent(job_id=slot.job_id, agent=slot.agent,
                                                            version=slot.trainer.version)]
             try:
-                stub = await self._orchestrator()
+                stub = await self._peers.orchestrator()
                 reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
                     worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
                     wait_ms=POLL_WAIT_MS), timeout=30)
                 backoff_s = 0.2
             except (grpc.RpcError, FlexmarlError) as exc:
-                log.warning("polling work for %s failed (%s); retrying", slot.slot_id, _describe(exc))
-                await self._reset_orchestrator()
+                log.warning("polling work for %s failed (%s); retrying", slot.slot_id, describe_error(exc))
+                await self._peers.reset_orchestrator()
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(5.0, backoff_s * 2)
                 continue
@@ -201,8 +169,8 @@ class TrainerWorker:
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as exc:
-                log.warning("%s: orchestrator call failed: %s", slot.slot_id, _describe(exc))
-                await self._reset_orchestrator()
+                log.warning("%s: orchestrator call failed: %s", slot.slot_id, describe_error(exc))
+                await self._peers.reset_orchestrator()
             except Exception as exc:
                 log.exception("%s: %s work failed", slot.slot_id, kind)
                 await self._fail(slot, f"{type(exc).__name__}: {exc}")
@@ -218,7 +186,7 @@ class TrainerWorker:
         if not job_id:
             return
         with contextlib.suppress(grpc.RpcError, FlexmarlError):
-            stub = await self._orchestrator()
+            stub = await self._peers.orchestrator()
             await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
                 worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=job_id, agent=agent,
                 kind=orchestrator_pb2.ReportSlotEventRequest.KIND_FAILED, error=error[:4096]), timeout=10)
@@ -231,7 +199,7 @@ class TrainerWorker:
     # ---- work ----------------------------------------------------------------------------------
 
     def _location(self, uri: str, job_id: str) -> StateLocation:
-        return open_location(uri, memory=self._memory, store=self._store, job_id=job_id,
+        return open_location(uri, memory=self._memory, store=self._peers.store_if_open(), job_id=job_id,
                              loop=asyncio.get_running_loop())
 
     async def _bind(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> AgentTrainer:
@@ -246,7 +214,7 @@ class TrainerWorker:
             started = time.perf_counter()
             if work.state_uri:
                 if work.state_uri.startswith("stored://"):
-                    await self._store_client()
+                    await self._peers.store()
                 location = self._location(work.state_uri, work.job_id)
                 trainer, stats = await asyncio.to_thread(swap_in, config, location)
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
@@ -268,11 +236,11 @@ class TrainerWorker:
             if slot.step_id != work.step_id:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
-            store = await self._store_client()
+            store = await self._peers.store()
             records = await store.read(work.job_id, list(work.experience_ids))
             stats = await asyncio.to_thread(trainer.accumulate, records)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
-        stub = await self._orchestrator()
+        stub = await self._peers.orchestrator()
         await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
             lease_id=work.lease_id, worker_id=self.settings.worker_id, slot_id=slot.slot_id,
             loss_sum=stats.loss_sum, tokens=stats.response_tokens, episodes=stats.sequences), timeout=30)
@@ -290,7 +258,7 @@ class TrainerWorker:
             state_uri = await self._save_state(trainer, work.job_id, work.agent, work.new_version)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
-        stub = await self._orchestrator()
+        stub = await self._peers.orchestrator()
         await stub.CommitStep(orchestrator_pb2.CommitStepRequest(
             worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
             step=work.step, new_version=work.new_version, weights_uri=weights_uri, state_uri=state_uri,
@@ -304,7 +272,7 @@ class TrainerWorker:
         out = self.settings.work_dir / "weights" / job_id / agent / f"v{version}"
         await asyncio.to_thread(trainer.publish, out)
         if self.settings.publish_location == "stored":
-            return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._store_client(),
+            return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._peers.store(),
                                      job_id)
         return file_uri(out)
 
@@ -312,7 +280,7 @@ class TrainerWorker:
         kind = self.settings.state_location
         uri = self._state_uri(kind, job_id, agent, version)
         if kind == "stored":
-            await self._store_client()
+            await self._peers.store()
         location = self._location(uri, job_id)
         started = time.perf_counter()
         moved = await asyncio.to_thread(trainer.save_state, location)
@@ -343,12 +311,12 @@ class TrainerWorker:
         kind = work.location if work.location in ("mem", "file", "stored") else self.settings.state_location
         uri = self._state_uri(kind, work.job_id, work.agent, slot.trainer.version)
         if kind == "stored":
-            await self._store_client()
+            await self._peers.store()
         async with self._compute:
             stats = await asyncio.to_thread(swap_out, slot.trainer, self._location(uri, work.job_id))
         self._metrics.observe_swap("out", stats.bytes_moved, stats.seconds)
         slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""
-        stub = await self._orchestrator()
+        stub = await self._peers.orchestrator()
         await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
             worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
             kind=orchestrator_pb2.ReportSlotEventRequest.KIND_SWAPPED_OUT, state_uri=uri), timeout=30)
@@ -379,9 +347,3 @@ class TrainerWorker:
              "busy_fraction": s.busy_s / max(1e-9, now - s.started_s)}
             for s in self.slots
         ]
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

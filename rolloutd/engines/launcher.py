@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +48,17 @@ class ReplicaSpec:
     weight_version: str = "default"
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+
+
+def _die_with_parent(command: list[str]) -> list[str]:
+    """Prefixes util-linux's ``setpriv --pdeathsig TERM``: the engine gets SIGTERM when rolloutd dies.
+
+    Engines run in their own session (so a terminal's Ctrl-C reaches rolloutd, which stops
+    them in order), which also means nothing would stop an orphan after a SIGKILL of rolloutd.
+    Without setpriv (not Linux), rolloutd's own shutdown is the only stop.
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *command] if setpriv else command
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -210,7 +222,8 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
     env = {**os.environ, **spec.env}
     deadline = time.monotonic() + timeout_s
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(_die_with_parent(command), stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
     logger.info("started %s engine pid %d: %s", spec.backend, process.pid, " ".join(command))
     replica = EngineReplica("", process, log_path)
     try:
