@@ -340,7 +340,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.steps:
         spec["total_steps"] = args.steps
     console.print(f"[bold]FlexMARL demo[/]: {spec['name']} with agents "
-                  f"{', '.join(a['name'] for a in spec['agents'])}; run dir {run_dir}")
+                  f"{', '.join(a['name'] for a in spec['agents'])}; run dir {run_dir}", soft_wrap=True)
     cluster = LocalCluster(LocalClusterConfig(run_dir=run_dir, engine_replicas=args.engine_replicas,
                                               trainer_slots=args.trainer_slots))
     try:
@@ -367,7 +367,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"{sum(r.tokens_per_s for r in rows) / len(rows):.0f}",
                       f"{sum(r.step_seconds for r in rows) / len(rows):.2f}")
     console.print(table)
-    console.print(f"job {_fmt_state(final.state)} in {time.monotonic() - started:.0f}s; reward curve: {png}")
+    console.print(f"job {_fmt_state(final.state)} in {time.monotonic() - started:.0f}s; reward curve: {png}",
+                  soft_wrap=True)
     if final.state.name != "SUCCEEDED":
         raise CliError(f"job ended {_fmt_state(final.state)}: {final.error}")
     return EXIT_OK
