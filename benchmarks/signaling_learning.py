@@ -213,15 +213,16 @@ class BatchedBackend:
 
 def train_step(state: AgentState, records: Sequence[ExperienceRecord], config: losses.PolicyLossConfig) -> float:
     """One optimizer step over all of the step's experiences of one agent; returns the grad norm."""
-    from traind.model import micro_batch_advantages, pack_micro_batch, token_logprobs
+    from traind.model import micro_batch_advantages, pack_micro_batch, token_logprobs_and_entropy
 
     model = state.model
     model.train()
     advantages = micro_batch_advantages(records, losses.AdvantageNorm.STD, 1e-6)
     packed = pack_micro_batch(records, advantages)
-    logprobs = token_logprobs(model, packed.input_ids, packed.attention_mask)
+    logprobs, entropy = token_logprobs_and_entropy(model, packed.input_ids, packed.attention_mask,
+                                                   entropy=config.entropy_coef > 0.0)
     terms = losses.policy_loss_per_token(
-        logprobs, packed.behavior_logprobs, packed.advantages, packed.response_mask, config
+        logprobs, packed.behavior_logprobs, packed.advantages, packed.response_mask, config, None, entropy
     )
     loss_sum = losses.aggregate_sum(terms.loss, packed.response_mask, config.loss_agg)
     tokens = int(packed.response_mask.sum().item())
@@ -338,6 +339,7 @@ def run_seed(
         clip_eps_high=float(algo.get("clip_eps", 0.2)),
         kl_coef=float(algo.get("kl_coef", 0.0)),
         loss_agg=losses.LossAggregation(algo.get("loss_agg", "token-mean")),
+        entropy_coef=float(algo.get("entropy_coef", 0.0)),
     )
     if loss_config.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not simulated")

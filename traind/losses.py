@@ -50,6 +50,7 @@ class PolicyLossConfig:
             exploded cannot dominate the step. ``0`` disables it; must be ``> 1`` otherwise.
         kl_coef: weight of the k3 KL estimate to the frozen reference policy.
         loss_agg: token-level or sequence-level aggregation.
+        entropy_coef: weight of the entropy bonus (subtracted from the loss).
     """
 
     clip_eps_low: float = 0.2
@@ -57,6 +58,7 @@ class PolicyLossConfig:
     dual_clip: float = 3.0
     kl_coef: float = 0.0
     loss_agg: LossAggregation = LossAggregation.TOKEN_MEAN
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_eps_low < 1.0) or self.clip_eps_high < 0.0:
@@ -65,6 +67,8 @@ class PolicyLossConfig:
             raise InvalidArgument(f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
         if self.kl_coef < 0.0:
             raise InvalidArgument(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.entropy_coef < 0.0:
+            raise InvalidArgument(f"entropy_coef must be >= 0, got {self.entropy_coef}")
 
 
 def group_advantages(
@@ -135,6 +139,7 @@ class PolicyLossTerms:
     ratio: torch.Tensor
     clipped: torch.Tensor
     kl: torch.Tensor
+    entropy: torch.Tensor
 
 
 def policy_loss_per_token(
@@ -144,6 +149,7 @@ def policy_loss_per_token(
     mask: torch.Tensor,
     config: PolicyLossConfig,
     ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
     """Decoupled PPO-clip per-token loss with the behaviour policy as proximal policy.
 
@@ -158,12 +164,17 @@ def policy_loss_per_token(
         mask: ``[B, T]``, 1 for real response tokens.
         config: clip and KL settings.
         ref_logprobs: ``[B, T]`` logprobs under the frozen reference, needed when ``kl_coef > 0``.
+        entropy: ``[B, T]`` entropy of the current policy's next-token distribution at each
+            response position, needed when ``entropy_coef > 0`` (the loss gets
+            ``- entropy_coef * entropy``: a bonus that keeps the policy from collapsing early).
 
     Returns:
         The per-token loss, ratio, clipped indicator and KL, each masked.
     """
     if config.kl_coef > 0.0 and ref_logprobs is None:
         raise InvalidArgument("kl_coef > 0 needs reference logprobs")
+    if config.entropy_coef > 0.0 and entropy is None:
+        raise InvalidArgument("entropy_coef > 0 needs the policy's entropy")
     mask_f = mask.to(logprobs.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     adv = adv.to(logprobs.dtype)
@@ -184,11 +195,15 @@ def policy_loss_per_token(
         loss = loss + config.kl_coef * kl
     else:
         kl = torch.zeros_like(loss)
+    if entropy is not None and config.entropy_coef > 0.0:
+        loss = loss - config.entropy_coef * entropy.to(loss.dtype)
+    entropy_terms = entropy.detach().to(loss.dtype) if entropy is not None else torch.zeros_like(loss)
     return PolicyLossTerms(
         loss=loss * mask_f,
         ratio=ratio.detach() * mask_f,
         clipped=clipped.detach() * mask_f,
         kl=kl.detach() * mask_f,
+        entropy=entropy_terms * mask_f,
     )
 
 

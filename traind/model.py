@@ -241,6 +241,14 @@ def token_logprobs(
     model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Log-probability of each next token, ``[B, L-1]``, computed in fp32."""
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token logprobs ``[B, L-1]`` and (when asked) the entropy of each next-token distribution."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     logits = logits[:, :-1].float()
     if temperature > 0 and temperature != 1.0:
@@ -248,8 +256,12 @@ def token_logprobs(
         # sampled from (SGLang's default); the policy ratio must compare like with like.
         logits = logits / temperature
     targets = input_ids[:, 1:].unsqueeze(-1)
-    picked = torch.gather(logits, -1, targets).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, targets).squeeze(-1) - log_norm
+    if not entropy:
+        return picked, None
+    log_probs = logits - log_norm.unsqueeze(-1)
+    return picked, -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
 def _capture_rng_state() -> dict[str, Any]:
@@ -412,7 +424,8 @@ class AgentTrainer:
             with torch.no_grad():
                 ref_logprobs = token_logprobs(self._reference_model(), input_ids, attention,
                                               self.config.temperature)
-        logprobs = token_logprobs(self.engine, input_ids, attention, self.config.temperature)
+        logprobs, entropy = token_logprobs_and_entropy(self.engine, input_ids, attention, self.config.temperature,
+                                                       entropy=cfg.loss.entropy_coef > 0.0)
         terms = losses.policy_loss_per_token(
             logprobs,
             packed.behavior_logprobs.to(device),
@@ -420,6 +433,7 @@ class AgentTrainer:
             mask,
             cfg.loss,
             ref_logprobs,
+            entropy,
         )
         loss_sum = losses.aggregate_sum(terms.loss, mask, cfg.loss.loss_agg)
         self.engine.backward(loss_sum, scale_wrt_gas=False)

@@ -28,6 +28,7 @@ from flexmarl.connections import PeerConnections, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
+from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
 from traind import losses
 from traind.metrics import TrainerMetrics
@@ -52,6 +53,7 @@ class TrainerSettings:
     orchestrator_address: str
     store_address: str
     max_message_bytes: int
+    security: TransportSecurity = INSECURE
 
 
 @dataclasses.dataclass
@@ -82,7 +84,8 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
         betas=(a.optimizer.betas[0], a.optimizer.betas[1]), eps=a.optimizer.eps,
         weight_decay=a.optimizer.weight_decay, grad_clip=a.optimizer.grad_clip,
         loss=losses.PolicyLossConfig(clip_eps_low=algo.clip_eps, clip_eps_high=algo.clip_eps, kl_coef=algo.kl_coef,
-                                     loss_agg=losses.LossAggregation(algo.loss_agg)),
+                                     loss_agg=losses.LossAggregation(algo.loss_agg),
+                                     entropy_coef=algo.entropy_coef),
         advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
         temperature=a.sampling.temperature,
     )
@@ -101,7 +104,7 @@ class TrainerWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
                                       store_address=settings.store_address,
-                                      max_message_bytes=settings.max_message_bytes)
+                                      max_message_bytes=settings.max_message_bytes, security=settings.security)
         self._stopping = False
         # One engine at a time per process: DeepSpeed engines share the process group.
         self._compute = asyncio.Lock()

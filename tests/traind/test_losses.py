@@ -116,3 +116,37 @@ def test_micro_batch_sums_add_up_to_the_full_batch_loss() -> None:
         full = losses.aggregate_sum(per_token, mask, agg)
         parts = sum(losses.aggregate_sum(per_token[i : i + 2], mask[i : i + 2], agg) for i in (0, 2, 4))
         assert float(parts) == pytest.approx(float(full), rel=1e-12)
+
+
+def test_entropy_bonus_is_subtracted_with_its_coefficient() -> None:
+    logp = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    mask = torch.tensor([[1.0, 0.0]])
+    entropy = torch.tensor([[0.7, 0.9]])
+    base = losses.policy_loss_per_token(logp, logp, torch.tensor([1.0]), mask, PolicyLossConfig())
+    bonus = losses.policy_loss_per_token(logp, logp, torch.tensor([1.0]), mask,
+                                         PolicyLossConfig(entropy_coef=0.1), None, entropy)
+    # ratio 1, A = 1: loss -1 per token; with the bonus -1 - 0.1 * 0.7 on the one real token.
+    assert base.loss.tolist() == [[-1.0, 0.0]]
+    assert bonus.loss[0, 0].item() == pytest.approx(-1.07)
+    assert bonus.loss[0, 1].item() == 0.0
+    assert bonus.entropy[0].tolist() == pytest.approx([0.7, 0.0])
+    with pytest.raises(InvalidArgument, match="entropy"):
+        losses.policy_loss_per_token(logp, logp, torch.tensor([1.0]), mask, PolicyLossConfig(entropy_coef=0.1))
+    with pytest.raises(InvalidArgument, match="entropy_coef"):
+        PolicyLossConfig(entropy_coef=-1.0)
+
+
+def test_token_entropy_matches_the_distribution() -> None:
+    from traind.model import token_logprobs_and_entropy
+
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])  # p = (1/4, 3/4), then (1/2, 1/2)
+
+    class _Model:
+        def __call__(self, **_: object) -> object:
+            return type("Out", (), {"logits": logits})()
+
+    ids = torch.tensor([[0, 1]])
+    logp, entropy = token_logprobs_and_entropy(_Model(), ids, torch.ones_like(ids))
+    assert logp[0].tolist() == pytest.approx([math.log(0.75)])
+    expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert entropy is not None and entropy[0].tolist() == pytest.approx([expected])

@@ -104,6 +104,8 @@ class AlgorithmSpec(_SpecModel):
     kl_coef: NonNegativeFloat = 0.0
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     advantage_norm: Literal["std", "mean"] = "std"
+    # Entropy bonus: loss - entropy_coef * entropy of the policy at each response token.
+    entropy_coef: NonNegativeFloat = 0.0
 
 
 class BatchSpec(_SpecModel):
