@@ -23,7 +23,7 @@ class OrchestratorApp(DaemonApp):
         self.service = OrchestratorService(
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
-            options=PlannerOptions(swap_location=config.swap_location),
+            options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,
         )
 
     def add_to_server(self, server: grpc.aio.Server) -> None:

@@ -23,6 +23,7 @@ import grpc.aio
 from flexmarl.errors import InvalidArgument, Unavailable
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceRecord
+from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
 from orchestratord.etcd_state import EtcdStateStore
@@ -75,8 +76,10 @@ class OrchestratorService:
         lease_poll_max_ms: int = 5000,
         options: PlannerOptions | None = None,
         now_s: Callable[[], float] = time.time,
+        security: TransportSecurity | None = None,
     ) -> None:
         self._registry = registry
+        self._security = security
         self._metrics = metrics
         self._now_s = now_s
         self.planner = Planner(now_s, options)
@@ -142,7 +145,7 @@ class OrchestratorService:
                 if not services:
                     raise Unavailable("no stored registered in etcd")
                 address = services[0].address
-            self._store = StoreClient(address)
+            self._store = StoreClient(address, security=self._security)
         return self._store
 
     async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
@@ -220,7 +223,7 @@ class OrchestratorService:
         for record in list(self._directories[0].services.values()):
             channel = self._rollout_channels.get(record.address)
             if channel is None:
-                channel = self._rollout_channels[record.address] = grpc.aio.insecure_channel(record.address)
+                channel = self._rollout_channels[record.address] = open_channel(record.address, self._security)
             try:
                 await rollout_pb2_grpc.RolloutStub(channel).SetAgentDemand(request, timeout=2)
             except grpc.RpcError as exc:

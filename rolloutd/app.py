@@ -28,6 +28,7 @@ class RolloutApp(DaemonApp):
             engine_urls=tuple(u.strip() for u in config.engine_urls.split(",") if u.strip()),
             engine_threads=config.engine_threads, orchestrator_address=config.orchestrator_address,
             store_address=config.store_address, max_message_bytes=config.max_message_bytes,
+            security=ctx.security,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 

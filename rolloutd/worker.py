@@ -26,6 +26,7 @@ from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
+from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
@@ -65,6 +66,7 @@ class WorkerSettings:
     orchestrator_address: str
     store_address: str
     max_message_bytes: int
+    security: TransportSecurity = INSECURE
 
 
 class RolloutWorker:
@@ -81,7 +83,7 @@ class RolloutWorker:
         self._loops: list[asyncio.Task[None]] = []
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
                                       store_address=settings.store_address,
-                                      max_message_bytes=settings.max_message_bytes)
+                                      max_message_bytes=settings.max_message_bytes, security=settings.security)
         self._engine_lock = asyncio.Lock()
         self._job_lock = asyncio.Lock()
         self.episodes_done = 0

@@ -26,7 +26,7 @@ class TrainerApp(DaemonApp):
             worker_id=ctx.service_id, slots=config.slots, work_dir=Path(config.work_dir).resolve(),
             state_location=config.state_location, publish_location=config.publish_location,
             orchestrator_address=config.orchestrator_address, store_address=config.store_address,
-            max_message_bytes=config.max_message_bytes,
+            max_message_bytes=config.max_message_bytes, security=ctx.security,
         )
         self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
 

@@ -130,7 +130,12 @@ def _client(args: argparse.Namespace) -> Any:
     from flexmarl.client import Client
 
     address, etcd, prefix = _connection(args)
-    return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix)
+
+    def option(name: str) -> str:
+        return str(getattr(args, name, "") or os.environ.get(f"FLEXMARL_{name.upper()}", ""))
+
+    return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix, tls_ca=option("tls_ca"),
+                  tls_cert=option("tls_cert"), tls_key=option("tls_key"), token_file=option("token_file"))
 
 
 def _console() -> Any:
@@ -385,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--address", default="", help="orchestratord host:port (skips discovery)")
     common.add_argument("--etcd", default="", help="etcd host:port list for discovery")
     common.add_argument("--etcd-prefix", default="/flexmarl", help="etcd key prefix")
+    common.add_argument("--tls-ca", default="", help="CA bundle: talk TLS, verify orchestratord [env FLEXMARL_TLS_CA]")
+    common.add_argument("--tls-cert", default="", help="client certificate for mutual TLS [env FLEXMARL_TLS_CERT]")
+    common.add_argument("--tls-key", default="", help="private key of --tls-cert [env FLEXMARL_TLS_KEY]")
+    common.add_argument("--token-file", default="", help="file holding the bearer token [env FLEXMARL_TOKEN_FILE]")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", parents=[common], help="start a local cluster")

@@ -18,9 +18,11 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from flexmarl.config import ConfigError
 from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import Registry
+from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -161,8 +163,26 @@ async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", 
     return services[0].address
 
 
+def client_security(
+    *, tls_ca: str = "", tls_cert: str = "", tls_key: str = "", token: str = "", token_file: str = ""
+) -> TransportSecurity:
+    """The SDK's TLS/token settings from paths; raises InvalidArgument when a file is unusable."""
+    if (tls_cert or tls_key) and not tls_ca:
+        raise InvalidArgument("client: tls_cert/tls_key need tls_ca (the CA that signed the server)")
+    try:
+        return TransportSecurity.from_files(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token,
+                                            token_file=token_file)
+    except ConfigError as exc:
+        raise InvalidArgument(f"client: {exc}") from None
+
+
 class AsyncClient:
-    """asyncio client of orchestratord's public job API."""
+    """asyncio client of orchestratord's public job API.
+
+    ``tls_ca`` turns on TLS (the server must present a certificate it signed); ``tls_cert`` and
+    ``tls_key`` add a client certificate (mutual TLS); ``token`` or ``token_file`` sends
+    ``authorization: Bearer <token>`` on every call.
+    """
 
     def __init__(
         self,
@@ -171,9 +191,16 @@ class AsyncClient:
         etcd_endpoints: str = "",
         etcd_prefix: str = "/flexmarl",
         timeout_s: float = 30.0,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        token: str = "",
+        token_file: str = "",
     ) -> None:
         if not address and not etcd_endpoints:
             raise InvalidArgument("client: give an orchestratord address or etcd endpoints")
+        self._security = client_security(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token,
+                                         token_file=token_file)
         self._address = address
         self._etcd_endpoints = etcd_endpoints
         self._etcd_prefix = etcd_prefix
@@ -185,7 +212,7 @@ class AsyncClient:
         if self._stub is None:
             if not self._address:
                 self._address = await discover_orchestrator(self._etcd_endpoints, self._etcd_prefix)
-            self._channel = grpc.aio.insecure_channel(self._address, options=channel_options(_MAX_MESSAGE_BYTES))
+            self._channel = open_channel(self._address, self._security, channel_options(_MAX_MESSAGE_BYTES))
             self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         return self._stub
 
@@ -296,7 +323,7 @@ class AsyncClient:
                 await registry.close()
             if not services:
                 raise Unavailable("no stored registered")
-            store = StoreClient(services[0].address)
+            store = StoreClient(services[0].address, security=self._security)
         try:
             with tempfile.TemporaryDirectory(prefix="flexmarl-download-") as tmp:
                 source = await resolve_dir(uri, Path(tmp), store)
@@ -374,10 +401,16 @@ class Client:
         etcd_endpoints: str = "",
         etcd_prefix: str = "/flexmarl",
         timeout_s: float = 30.0,
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+        token: str = "",
+        token_file: str = "",
     ) -> None:
-        self._loop = asyncio.new_event_loop()
         self._async = AsyncClient(address, etcd_endpoints=etcd_endpoints, etcd_prefix=etcd_prefix,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                  token=token, token_file=token_file)
+        self._loop = asyncio.new_event_loop()
 
     def __enter__(self) -> Client:
         return self

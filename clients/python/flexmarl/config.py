@@ -22,6 +22,8 @@ import yaml
 
 ENV_PREFIX = "FLEXMARL_"
 _SECRET_MARKERS = ("token", "password", "secret", "key_file")
+#: Fields that name a file holding a secret: the path is shown, the file's contents never enter the config.
+_SECRET_PATH_FIELDS = frozenset({"auth_token_file"})
 
 
 class ConfigError(Exception):
@@ -63,6 +65,19 @@ class DaemonConfig:
         default="", metadata=_help("write {grpc_port, metrics_port, pid, service_id} JSON here once serving")
     )
     config_file: str = dataclasses.field(default="", metadata=_help("YAML or JSON file of settings"))
+    tls_cert: str = dataclasses.field(
+        default="", metadata=_help("PEM server certificate: serve gRPC over TLS (with --tls-key)")
+    )
+    tls_key: str = dataclasses.field(default="", metadata=_help("PEM private key of --tls-cert"))
+    tls_ca: str = dataclasses.field(
+        default="", metadata=_help("PEM CA bundle: connect to peers over TLS and verify them with it")
+    )
+    tls_require_client_cert: bool = dataclasses.field(
+        default=False, metadata=_help("mutual TLS: refuse clients without a certificate signed by --tls-ca")
+    )
+    auth_token_file: str = dataclasses.field(
+        default="", metadata=_help("file holding the bearer token required on calls and sent to peers")
+    )
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value; subclasses extend it."""
@@ -81,13 +96,26 @@ class DaemonConfig:
         if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
             raise ConfigError(f"etcd_prefix: must start with '/' and not end with it, got {self.etcd_prefix!r}")
         etcd_endpoints(self.etcd_endpoints)
+        self._validate_security()
+
+    def _validate_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert/tls_key: give both or neither")
+        if self.tls_require_client_cert and not (self.tls_ca and self.tls_cert):
+            raise ConfigError("tls_require_client_cert: needs tls_ca, tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{name}: cannot read {path}")
+            if path and not Path(path).is_file():
+                raise ConfigError(f"{name}: {path} is not a file")
 
     def masked(self) -> dict[str, Any]:
         """The settings as a dict with secrets replaced, for the start-up log line."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value and any(m in f.name for m in _SECRET_MARKERS):
+            if value and f.name not in _SECRET_PATH_FIELDS and any(m in f.name for m in _SECRET_MARKERS):
                 value = "***"
             out[f.name] = value
         return out

@@ -11,6 +11,7 @@ import grpc.aio
 
 from flexmarl.errors import Unavailable
 from flexmarl.registry import Registry
+from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2_grpc
@@ -20,9 +21,16 @@ class PeerConnections:
     """Lazily opened channels to orchestratord and stored."""
 
     def __init__(
-        self, registry: Registry, *, orchestrator_address: str, store_address: str, max_message_bytes: int
+        self,
+        registry: Registry,
+        *,
+        orchestrator_address: str,
+        store_address: str,
+        max_message_bytes: int,
+        security: TransportSecurity | None = None,
     ) -> None:
         self._registry = registry
+        self._security = security
         self._orchestrator_address = orchestrator_address
         self._store_address = store_address
         self._max_message_bytes = max_message_bytes
@@ -43,7 +51,7 @@ class PeerConnections:
         """The Orchestrator stub (connecting on first use)."""
         if self._stub is None:
             address = await self.address("orchestratord", self._orchestrator_address)
-            self._channel = grpc.aio.insecure_channel(address, options=channel_options(self._max_message_bytes))
+            self._channel = open_channel(address, self._security, channel_options(self._max_message_bytes))
             self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         return self._stub
 
@@ -57,7 +65,7 @@ class PeerConnections:
         """The stored client (connecting on first use)."""
         if self._store is None:
             self._store = StoreClient(await self.address("stored", self._store_address),
-                                      max_message_bytes=self._max_message_bytes)
+                                      max_message_bytes=self._max_message_bytes, security=self._security)
         return self._store
 
     def store_if_open(self) -> StoreClient | None:

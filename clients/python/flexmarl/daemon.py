@@ -32,6 +32,7 @@ from flexmarl.config import ConfigError, DaemonConfig, load_config
 from flexmarl.errors import Unavailable
 from flexmarl.metrics import MetricsServer, RpcMetrics
 from flexmarl.registry import Registry, ServiceRecord
+from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.server import GrpcServer
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class DaemonContext:
     metrics: CollectorRegistry
     registry: Registry
     advertise_address: str = ""
+    #: TLS material and token for the daemon's server and every channel it opens.
+    security: TransportSecurity = INSECURE
 
 
 def setup_logging(kind: str, level: str) -> None:
@@ -144,6 +147,10 @@ class DaemonRunner:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         cfg = self.config
+        try:
+            security = TransportSecurity.from_config(cfg)
+        except ConfigError as exc:
+            raise StartupError(str(exc)) from None
         metrics_registry = CollectorRegistry()
         rpc_metrics = RpcMetrics(self.kind, metrics_registry)
         up = Gauge(f"flexmarl_{self.kind}_up", "1 while the daemon serves.", registry=metrics_registry)
@@ -153,9 +160,9 @@ class DaemonRunner:
         except Unavailable as exc:
             raise StartupError(f"{exc} at {cfg.etcd_endpoints}") from None
         advertise = f"{cfg.advertise_host or cfg.host}"
-        ctx = DaemonContext(self.kind, self.service_id, cfg, metrics_registry, registry)
+        ctx = DaemonContext(self.kind, self.service_id, cfg, metrics_registry, registry, security=security)
         app = self._build(cfg, ctx)
-        server = GrpcServer(app.service_names, cfg.max_message_bytes, rpc_metrics)
+        server = GrpcServer(app.service_names, cfg.max_message_bytes, rpc_metrics, security)
         app.add_to_server(server.server)
         metrics_server: MetricsServer | None = None
         try:

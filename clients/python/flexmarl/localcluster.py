@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flexmarl.cluster import DaemonProcess, EtcdServer, LaunchError
+from flexmarl.devcerts import DevCerts
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class LocalClusterConfig:
     traind_args: Sequence[str] = ()
     orchestratord_args: Sequence[str] = ()
     stored_args: Sequence[str] = ()
+    #: Generate dev TLS material and a token into ``<run_dir>/tls`` and start every daemon with them.
+    secure: bool = False
 
 
 class LocalCluster:
@@ -51,6 +54,8 @@ class LocalCluster:
         self.run_dir = config.run_dir.resolve()
         self.etcd = EtcdServer(self.run_dir / "etcd")
         self.daemons: dict[str, DaemonProcess] = {}
+        #: The generated TLS material and token when the cluster is secure (None otherwise).
+        self.certs: DevCerts | None = None
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -75,6 +80,8 @@ class LocalCluster:
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(DEFAULT_TORCH_EXTENSIONS_DIR)),
             **self.config.env, **(env or {}),
         }
+        if self.certs is not None:
+            args = [*self.certs.daemon_args(), *args]
         proc = DaemonProcess(kind, args, etcd_endpoint=self.etcd.endpoint, run_dir=self.run_dir, env=full_env,
                              name=name, etcd_prefix=self.config.etcd_prefix)
         self.daemons[name] = proc
@@ -84,6 +91,10 @@ class LocalCluster:
         """Starts etcd, stored, orchestratord, traind workers, rolloutd workers (in that order)."""
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.secure and self.certs is None:
+            from flexmarl.devcerts import generate
+
+            self.certs = generate(self.run_dir / "tls")
         try:
             self.etcd.start()
             self._add("stored", "stored", ["--data-dir", str(self.run_dir / "stored-data"), *cfg.stored_args])
@@ -113,6 +124,8 @@ class LocalCluster:
             "etcd_pid": self.etcd.pid,
             "etcd_data_dir": str(self.etcd.data_dir),
             "started_unix_s": time.time(),
+            "tls": {f.name: str(getattr(self.certs, f.name)) for f in dataclasses.fields(self.certs)}
+            if self.certs is not None else {},
             "daemons": {
                 name: {"kind": p.kind, "pid": p.pid, "address": p.address, "metrics_port": p.metrics_port,
                        "log": str(p.log_path)}

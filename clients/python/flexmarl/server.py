@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from flexmarl.errors import FlexmarlError, InvalidArgument
 from flexmarl.metrics import RpcMetrics
+from flexmarl.security import INSECURE, TokenAuthInterceptor, TransportSecurity
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +199,14 @@ class GrpcServer:
         service_names: Sequence[str],
         max_message_bytes: int,
         metrics: RpcMetrics | None = None,
+        security: TransportSecurity = INSECURE,
     ) -> None:
-        self.server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(metrics)],
-            options=channel_options(max_message_bytes),
-        )
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if security.token:
+            interceptors.append(TokenAuthInterceptor(security.token))
+        interceptors.append(ErrorMappingInterceptor(metrics))
+        self.server = grpc.aio.server(interceptors=interceptors, options=channel_options(max_message_bytes))
+        self._credentials = security.server_credentials()
         self._service_names = tuple(service_names)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -213,10 +217,13 @@ class GrpcServer:
         )
 
     def bind(self, host: str, port: int) -> int:
-        """Binds host:port (0 = OS-chosen) and returns the port; raises OSError when it cannot."""
+        """Binds host:port (0 = OS-chosen), with TLS when configured; returns the port or raises OSError."""
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self.server.add_insecure_port(address)
+            if self._credentials is not None:
+                bound = self.server.add_secure_port(address, self._credentials)
+            else:
+                bound = self.server.add_insecure_port(address)
         except RuntimeError as exc:
             raise OSError(f"cannot bind {address}: {exc}") from None
         if bound == 0:

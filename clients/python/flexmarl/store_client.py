@@ -21,6 +21,7 @@ import grpc.aio
 
 from flexmarl import errors
 from flexmarl.experience import ExperienceRecord, ExperienceState
+from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.v1 import common_pb2, store_pb2, store_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -136,11 +137,14 @@ def _file_sha256(path: Path) -> str:
 class StoreClient:
     """Asyncio client of one stored daemon."""
 
-    def __init__(self, address: str, *, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self, address: str, *, max_message_bytes: int = 64 << 20, security: TransportSecurity | None = None
+    ) -> None:
         self.address = address
         self._max_message_bytes = max_message_bytes
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = open_channel(
             address,
+            security,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
