@@ -11,20 +11,22 @@ import dataclasses
 import enum
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
 from flexmarl.config import ConfigError
-from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable
+from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_status
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import Registry
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+T = TypeVar("T")
 
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -142,25 +144,35 @@ def _error_from_rpc(exc: grpc.RpcError) -> FlexmarlError:
     """Maps a failed RPC back onto the domain error of its status code."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    for cls in FlexmarlError.__subclasses__():
-        if cls.code == code:
-            return cls(details or code.name)
+    mapped = error_for_status(code, details)
+    if mapped is not None:
+        return mapped
     error = FlexmarlError(f"{code.name}: {details}")
     error.code = code
     return error
 
 
-async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
-    """The address of a registered orchestratord; raises Unavailable when there is none."""
+async def _call(awaitable: Awaitable[T]) -> T:
+    """Awaits one unary RPC, raising the domain error of a failed status."""
+    try:
+        return await awaitable
+    except grpc.RpcError as exc:
+        raise _error_from_rpc(exc) from None
+
+
+async def discover(kind: str, etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
+    """The address of a registered daemon of kind; raises Unavailable when there is none."""
     registry = Registry(etcd_endpoints, prefix, connect_timeout_s=timeout_s)
     await registry.connect()
     try:
-        services = await registry.list_services("orchestratord")
+        return await registry.first_address(kind)
     finally:
         await registry.close()
-    if not services:
-        raise Unavailable(f"no orchestratord registered in etcd at {etcd_endpoints} (prefix {prefix})")
-    return services[0].address
+
+
+async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
+    """The address of a registered orchestratord; raises Unavailable when there is none."""
+    return await discover("orchestratord", etcd_endpoints, prefix, timeout_s)
 
 
 def client_security(
@@ -238,40 +250,28 @@ class AsyncClient:
         """Validates and submits a job; returns its id."""
         valid = to_spec(spec)
         stub = await self._connect()
-        try:
-            reply = await stub.SubmitJob(
+        reply = await _call(stub.SubmitJob(
                 orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id), timeout=self._timeout_s
-            )
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+            ))
         return str(reply.job_id)
 
     async def status(self, job_id: str) -> JobInfo:
         """The current snapshot of a job."""
         stub = await self._connect()
-        try:
-            reply = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+        reply = await _call(stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return JobInfo.from_proto(reply)
 
     async def list_jobs(self, states: tuple[JobState, ...] = ()) -> list[JobInfo]:
         """Every job, optionally filtered by state."""
         stub = await self._connect()
         request = orchestrator_pb2.ListJobsRequest(states=[s.value for s in states])
-        try:
-            reply = await stub.ListJobs(request, timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+        reply = await _call(stub.ListJobs(request, timeout=self._timeout_s))
         return [JobInfo.from_proto(j) for j in reply.jobs]
 
     async def cancel(self, job_id: str) -> JobInfo:
         """Cancels a job (idempotent on a finished job)."""
         stub = await self._connect()
-        try:
-            reply = await stub.CancelJob(orchestrator_pb2.CancelJobRequest(job_id=job_id), timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+        reply = await _call(stub.CancelJob(orchestrator_pb2.CancelJobRequest(job_id=job_id), timeout=self._timeout_s))
         return JobInfo.from_proto(reply)
 
     async def agents(self, job_id: str) -> tuple[AgentProgress, ...]:
@@ -281,10 +281,7 @@ class AsyncClient:
     async def history(self, job_id: str) -> list[StepRecord]:
         """Every committed step of every agent, in commit order."""
         stub = await self._connect()
-        try:
-            reply = await stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise _error_from_rpc(exc) from None
+        reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return [StepRecord.from_proto(r) for r in reply.steps]
 
     async def weights_uri(self, job_id: str, agent: str, version: int) -> str:
@@ -315,15 +312,8 @@ class AsyncClient:
         if uri.startswith("stored://"):
             if not self._etcd_endpoints:
                 raise InvalidArgument("downloading from stored needs etcd endpoints to discover it")
-            registry = Registry(self._etcd_endpoints, self._etcd_prefix)
-            await registry.connect()
-            try:
-                services = await registry.list_services("stored")
-            finally:
-                await registry.close()
-            if not services:
-                raise Unavailable("no stored registered")
-            store = StoreClient(services[0].address, security=self._security)
+            address = await discover("stored", self._etcd_endpoints, self._etcd_prefix)
+            store = StoreClient(address, security=self._security)
         try:
             with tempfile.TemporaryDirectory(prefix="flexmarl-download-") as tmp:
                 source = await resolve_dir(uri, Path(tmp), store)

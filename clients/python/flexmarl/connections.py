@@ -9,7 +9,6 @@ from __future__ import annotations
 import grpc
 import grpc.aio
 
-from flexmarl.errors import Unavailable
 from flexmarl.registry import Registry
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
@@ -40,12 +39,7 @@ class PeerConnections:
 
     async def address(self, kind: str, configured: str = "") -> str:
         """A configured address, else the first registered daemon of kind."""
-        if configured:
-            return configured
-        services = await self._registry.list_services(kind)
-        if not services:
-            raise Unavailable(f"no {kind} registered in etcd")
-        return services[0].address
+        return configured or await self._registry.first_address(kind)
 
     async def orchestrator(self) -> orchestrator_pb2_grpc.OrchestratorStub:
         """The Orchestrator stub (connecting on first use)."""

@@ -68,3 +68,11 @@ class Unauthenticated(FlexmarlError):
     """Missing or wrong credentials."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+def error_for_status(code: grpc.StatusCode, details: str) -> FlexmarlError | None:
+    """The domain error a failed RPC's status code stands for (None for codes without one)."""
+    for cls in FlexmarlError.__subclasses__():
+        if cls.code == code:
+            return cls(details or code.name)
+    return None

@@ -230,6 +230,13 @@ class Registry:
         values, _ = await self.get_prefix(prefix)
         return [ServiceRecord.from_json(v) for _, v in sorted(values.items())]
 
+    async def first_address(self, kind: str) -> str:
+        """The address of the first registered daemon of kind; raises Unavailable when there is none."""
+        services = await self.list_services(kind)
+        if not services:
+            raise Unavailable(f"no {kind} registered in etcd at {self.prefix}")
+        return services[0].address
+
     def directory(self, kind: str = "") -> ServiceDirectory:
         """A live, self-healing view of registered daemons (list + watch)."""
         return ServiceDirectory(self, kind)

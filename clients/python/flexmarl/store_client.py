@@ -38,15 +38,6 @@ _RESUMABLE_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 
-_ERRORS_BY_CODE: dict[grpc.StatusCode, type[errors.FlexmarlError]] = {
-    cls.code: cls
-    for cls in (
-        errors.InvalidArgument, errors.NotFound, errors.AlreadyExists, errors.FailedPrecondition,
-        errors.ResourceExhausted, errors.DataLoss, errors.Aborted, errors.Unavailable, errors.Unauthenticated,
-    )
-}
-
-
 @dataclass(frozen=True)
 class ExperienceRef:
     """An experience's ids and group metadata, without its arrays (a query result)."""
@@ -94,8 +85,7 @@ class StoreStats:
 
 
 def _mapped(exc: grpc.aio.AioRpcError) -> BaseException:
-    cls = _ERRORS_BY_CODE.get(exc.code())
-    return cls(exc.details() or exc.code().name) if cls is not None else exc
+    return errors.error_for_status(exc.code(), exc.details() or "") or exc
 
 
 async def _call(awaitable: Awaitable[_T]) -> _T:
