@@ -24,6 +24,7 @@ class OrchestratorApp(DaemonApp):
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
             options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,
+            max_message_bytes=config.max_message_bytes,
         )
 
     def add_to_server(self, server: grpc.aio.Server) -> None:

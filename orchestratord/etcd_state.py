@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
@@ -102,7 +102,7 @@ class EtcdStateStore(StateStore):
             raise NotFound(f"agent {agent!r} of job {job_id!r} not found")
         return key, raw, AgentVersionRecord(**json.loads(raw))
 
-    async def commit_step(self, commit: StepCommit) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
         """See :meth:`StateStore.commit_step`."""
         ckey = commit_key(self._prefix, commit.job_id, commit.agent, commit.step)
         for _ in range(_CAS_RETRIES):
@@ -116,10 +116,10 @@ class EtcdStateStore(StateStore):
                 )
             new_record = AgentVersionRecord(commit.new_version, commit.weights_uri, commit.state_uri,
                                             commit.committed_s)
-            if await self._registry.transact(
-                {vkey: raw, ckey: None},
-                {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode()},
-            ):
+            puts = {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode()}
+            if history is not None:
+                puts[self._history_key(commit.job_id, commit.agent, commit.step)] = _dump(dict(history))
+            if await self._registry.transact({vkey: raw, ckey: None}, puts):
                 return
         raise Aborted(f"agent {commit.agent!r}: concurrent commits of step {commit.step}")
 
@@ -134,10 +134,8 @@ class EtcdStateStore(StateStore):
                 return
         raise Aborted(f"agent {agent!r}: concurrent state moves")
 
-    async def put_history(self, job_id: str, agent: str, step: int, record: dict[str, Any]) -> None:
-        """Stores the per-step figures shown by `flexmarl plot` (write-once per step)."""
-        key = self._key(job_id, "history", agent, f"{step:08d}")
-        await self._registry.transact({key: None}, {key: _dump(record)})
+    def _history_key(self, job_id: str, agent: str, step: int) -> str:
+        return self._key(job_id, "history", agent, f"{step:08d}")
 
     async def load_history(self, job_id: str) -> list[dict[str, Any]]:
         """Every stored per-step record of a job, ordered by commit time."""

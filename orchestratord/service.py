@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from flexmarl.connections import PeerConnections
 from flexmarl.errors import InvalidArgument, Unavailable
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.security import TransportSecurity, open_channel
-from flexmarl.store_client import StoreClient
 from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
 from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.metrics import OrchestratorMetrics
@@ -40,7 +40,7 @@ from orchestratord.planner import (
     SlotEventKind,
     TrainerWork,
 )
-from orchestratord.state import JobState, StateChange, StepCommitted, apply_changes
+from orchestratord.state import JobState, StateChange, StepCommit, StepCommitted, apply_changes
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class OrchestratorService:
         options: PlannerOptions | None = None,
         now_s: Callable[[], float] = time.time,
         security: TransportSecurity | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self._registry = registry
         self._security = security
@@ -87,8 +88,9 @@ class OrchestratorService:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._generation = 0
-        self._store_address = store_address
-        self._store: StoreClient | None = None
+        # Only the stored side is used: orchestratord is the orchestrator.
+        self._peers = PeerConnections(registry, orchestrator_address="", store_address=store_address,
+                                      max_message_bytes=max_message_bytes, security=security)
         self.lease_poll_max_ms = lease_poll_max_ms
         self._tasks: list[asyncio.Task[None]] = []
         self._directories: list[Any] = []
@@ -134,26 +136,14 @@ class OrchestratorService:
             task.cancel()
         for channel in self._rollout_channels.values():
             await channel.close()
-        if self._store is not None:
-            await self._store.close()
-
-    async def _store_client(self) -> StoreClient:
-        if self._store is None:
-            address = self._store_address
-            if not address:
-                services = await self._registry.list_services("stored")
-                if not services:
-                    raise Unavailable("no stored registered in etcd")
-                address = services[0].address
-            self._store = StoreClient(address, security=self._security)
-        return self._store
+        await self._peers.reset_store()
 
     async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
         """What rollouts already wrote to stored for a job (so a restart does not redo them)."""
         deadline = time.monotonic() + 30
         while True:
             try:
-                store = await self._store_client()
+                store = await self._peers.store()
                 out: list[ExperienceSummary] = []
                 for agent in agents:
                     for ref in await store.query(job_id, agent):
@@ -164,9 +154,7 @@ class OrchestratorService:
                 if time.monotonic() > deadline:
                     raise Unavailable(f"cannot read job {job_id} from stored: {exc}") from None
                 log.warning("waiting for stored to recover job %s: %s", job_id, exc)
-                if self._store is not None:
-                    await self._store.close()
-                    self._store = None
+                await self._peers.reset_store()
                 await asyncio.sleep(0.5)
 
     def _on_workers(self, kind: str, services: dict[str, ServiceRecord]) -> None:
@@ -243,21 +231,25 @@ class OrchestratorService:
             finally:
                 await self._persist(self.planner.take_changes())
         if notify:
-            async with self._changed:
-                self._generation += 1
-                self._changed.notify_all()
+            await self._notify()
         return result
+
+    async def _notify(self) -> None:
+        """Wakes long-polls and watch streams: the planner may have changed."""
+        async with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
 
     async def _persist(self, changes: list[StateChange]) -> None:
         if not changes:
             return
-        await apply_changes(self.state, changes)
+        await apply_changes(self.state, changes, self._history_record)
         for change in changes:
             if isinstance(change, StepCommitted):
-                await self._record_history(change)
+                self._observe_commit(change.commit)
 
-    async def _record_history(self, change: StepCommitted) -> None:
-        commit = change.commit
+    def _history_record(self, commit: StepCommit) -> dict[str, Any]:
+        """The step's figures for `flexmarl plot`, stored atomically with its commit."""
         job = self.planner.job(commit.job_id)
         progress = next((a for a in job.snapshot().agents if a.agent == commit.agent), None)
         manifest = job.manifest(commit.agent, commit.step)
@@ -274,11 +266,15 @@ class OrchestratorService:
             "episodes": manifest.step_episodes if manifest is not None else 0, "response_tokens": tokens,
             "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
         }
-        await self.state.put_history(commit.job_id, commit.agent, commit.step, record)
         self.tokens_per_s[key] = record["tokens_per_s"]
-        self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
         self._metrics.step_seconds.labels(commit.agent).observe(record["step_seconds"])
         self._metrics.staleness.observe(record["staleness_mean"])
+        return record
+
+    def _observe_commit(self, commit: StepCommit) -> None:
+        """After a commit is durable: count it and mark its experiences consumed in stored."""
+        self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
+        manifest = self.planner.job(commit.job_id).manifest(commit.agent, commit.step)
         if manifest is not None:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
 
@@ -287,7 +283,7 @@ class OrchestratorService:
         from flexmarl.experience import ExperienceState
 
         try:
-            store = await self._store_client()
+            store = await self._peers.store()
             await store.mark(job_id, agent, f"{job_id}/{agent}/step{step}", ids, ExperienceState.CONSUMED)
         except Exception as exc:
             log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
@@ -300,9 +296,7 @@ class OrchestratorService:
             generation = self._generation
             result = await self.mutate(fn, notify=False)
             if result:
-                async with self._changed:
-                    self._generation += 1
-                    self._changed.notify_all()
+                await self._notify()
             if result or time.monotonic() >= deadline:
                 return result
             async with self._changed:

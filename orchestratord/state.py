@@ -34,7 +34,7 @@ import abc
 import dataclasses
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from flexmarl.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
@@ -241,10 +241,12 @@ class StateStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def commit_step(self, commit: StepCommit) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
         """Advances the agent's version from ``commit.step`` to ``commit.step + 1`` (compare-and-swap).
 
-        Re-applying the identical commit is a no-op.
+        ``history`` (the step's figures for plots) is written in the same atomic write, so a
+        crash can never leave a committed step without its record. Re-applying the identical
+        commit is a no-op.
 
         Raises:
             Aborted: the agent's stored version is not ``commit.step`` (a racing writer won).
@@ -314,7 +316,7 @@ class InMemoryStateStore(StateStore):
             raise AlreadyExists(f"step {manifest.step} of agent {manifest.agent!r} already has a different manifest")
         job["manifests"][key] = manifest
 
-    async def commit_step(self, commit: StepCommit) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
         """See :meth:`StateStore.commit_step`."""
         job = self._job(commit.job_id)
         record = job["agents"].get(commit.agent)
@@ -332,6 +334,8 @@ class InMemoryStateStore(StateStore):
             updated_s=commit.committed_s,
         )
         job["commits"][key] = commit
+        if history is not None:
+            job.setdefault("history", {})[key] = dict(history)
         job["updated_s"] = max(job["updated_s"], commit.committed_s)
 
     async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
@@ -366,8 +370,15 @@ class InMemoryStateStore(StateStore):
         return sorted(self._jobs)
 
 
-async def apply_changes(store: StateStore, changes: Iterable[StateChange]) -> None:
-    """Applies a planner's changes in order (call before answering the RPC that produced them)."""
+async def apply_changes(
+    store: StateStore,
+    changes: Iterable[StateChange],
+    history_of: Callable[[StepCommit], Mapping[str, Any]] | None = None,
+) -> None:
+    """Applies a planner's changes in order (call before answering the RPC that produced them).
+
+    ``history_of(commit)`` gives the figures stored atomically with each commit.
+    """
     for change in changes:
         if isinstance(change, JobCreated):
             await store.create_job(change.job_id, change.spec_json, change.agents, change.created_s)
@@ -376,7 +387,7 @@ async def apply_changes(store: StateStore, changes: Iterable[StateChange]) -> No
         elif isinstance(change, ManifestFixed):
             await store.put_manifest(change.manifest)
         elif isinstance(change, StepCommitted):
-            await store.commit_step(change.commit)
+            await store.commit_step(change.commit, history_of(change.commit) if history_of is not None else None)
         elif isinstance(change, StateMoved):
             await store.set_state_uri(change.job_id, change.agent, change.version, change.state_uri,
                                       change.updated_s)
