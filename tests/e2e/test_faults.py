@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from e2e_support import (
     E2ECluster,
@@ -26,6 +27,7 @@ from e2e_support import (
 
 from flexmarl.client import JobState
 from flexmarl.cluster import wait_until
+from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
 
 STEPS = 3
 REGISTRY_TTL_S = "3"
@@ -137,6 +139,9 @@ def test_rolloutd_sigkill_reissues_its_task_leases(cluster: E2ECluster) -> None:
 
     rolloutd = cluster.cluster.daemon("rolloutd-0")
     engines = cluster.engine_pids()
+    # Kill it while it holds task leases: between batches (eta = 0) it may hold none, and then
+    # nothing would need re-issuing.
+    wait_until(lambda: _tasks_in_flight(rolloutd.address) > 0, 60, "rolloutd to hold task leases", 0.01)
     rolloutd.kill()
     # Its engines live in their own session and outlive it: stop them (2 cores are scarce).
     cluster.orphaned_engines.extend(engines)
@@ -152,3 +157,10 @@ def test_rolloutd_sigkill_reissues_its_task_leases(cluster: E2ECluster) -> None:
     assert_exactly_once(cluster, job_id, spec)
     orchestratord_log = (cluster.run_dir / "orchestratord.log").read_text()
     assert f"re-issuing task {job_id}/" in orchestratord_log, "no task of the job was re-issued"
+
+
+def _tasks_in_flight(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        status = rollout_pb2_grpc.RolloutStub(channel).GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest(),
+                                                                         timeout=5)
+    return int(status.tasks_in_flight)
