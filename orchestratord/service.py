@@ -115,6 +115,11 @@ class OrchestratorService:
             job = self.planner.restore_job(persisted, reported)
             for agent in job.spec.agent_names:
                 self._last_commit_s[(job_id, agent)] = self._now_s()
+            # Marking a committed step's experiences consumed runs after the commit; a restart may
+            # have cut it short. Marking is idempotent, so every committed step is marked again.
+            for (agent, step), manifest in persisted.manifests.items():
+                if (agent, step) in persisted.commits:
+                    self._spawn(self._mark_consumed(job_id, agent, step, manifest.experience_ids))
             log.info("restored job %s (%s) with %d reported experiences", job_id, persisted.state.name, len(reported))
         await self._persist(self.planner.take_changes())
         for kind in ("rolloutd", "traind"):
