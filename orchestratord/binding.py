@@ -25,15 +25,29 @@ Rules (DESIGN section 5):
   ``i % S == j``. The other rules still apply within that set. The set follows
   the known slots: when a slot appears or dies the sets are recomputed and a
   binding outside its set ends at the agent's next step boundary.
-* **One slot per agent (v1).** ``agents[].max_slots`` is accepted by the spec
-  but a step is trained on one slot: data-parallel steps across slots need a
-  process group per binding, which traind does not build yet.
+* **Data parallelism (``agents[].max_slots`` > 1).** An agent is bound to an
+  ordered *group* of slots (member 0 = the primary, which commits). A group
+  grows only at a step boundary (no micro-batch of the current step leased or
+  acked), only with free slots that advertise a data-parallel rendezvous
+  address (``dp_address``: a traind process with exactly one slot), for which
+  no other agent is waiting, that polled within ``recruit_fresh_s``, that the
+  agent may use (static sets), and only while the agent's committed state is
+  portable (a new member must load it) and its engine is ZeRO 0
+  (``AgentDemand.data_parallel``). Its size is at most ``max_slots`` and at
+  most ``1 + upcoming // dp_min_micro_batches_per_member`` (``upcoming`` =
+  micro-batches of the current step not yet leased or acked): a member is only
+  worth its process-group set-up with a few micro-batches of its own. A
+  non-primary member leaves at a step boundary when another agent waits for a
+  slot (no starvation) or when the group is larger than the upcoming work
+  warrants (e.g. the job's last step is committed: the group dissolves). Every
+  membership change starts a new group *epoch*: a new process group in traind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 
 AgentKey = tuple[str, str]
@@ -50,6 +64,13 @@ class AgentDemand:
     optimizer_pending: bool = False
     # Gradients of the current step live in the bound slot: it cannot move.
     mid_step: bool = False
+    # Data parallelism: the spec's max_slots; whether the agent's engine may span slots
+    # (max_slots > 1 and ZeRO 0); micro-batches of the current step not yet leased or acked
+    # (counting those still to be formed); whether a new member could load the committed state.
+    max_slots: int = 1
+    data_parallel: bool = False
+    upcoming_micro_batches: int = 0
+    portable: bool = True
 
     @property
     def has_work(self) -> bool:
@@ -69,6 +90,33 @@ class TrainerSlot:
     bound_since_s: float = 0.0
     # Agent whose state the slot was asked to save (SwapOutWork) and has not confirmed yet.
     swapping_out: AgentKey | None = None
+    # host:port of the slot process's data-parallel rendezvous; "" = cannot join a group.
+    dp_address: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelGroup:
+    """The slots an agent is bound to, in rank order, at one membership epoch."""
+
+    agent: AgentKey
+    group_id: str
+    members: tuple[str, ...]
+    master_address: str
+    timeout_s: int
+
+    @property
+    def world_size(self) -> int:
+        """Number of member slots (data-parallel ranks)."""
+        return len(self.members)
+
+    @property
+    def primary(self) -> str:
+        """Member 0: it publishes, saves and commits."""
+        return self.members[0]
+
+    def rank_of(self, slot_id: str) -> int:
+        """A member's rank; raises ValueError for a non-member."""
+        return self.members.index(slot_id)
 
 
 class DecisionKind(enum.Enum):
@@ -76,6 +124,7 @@ class DecisionKind(enum.Enum):
 
     KEEP = "keep"        # stay bound to `agent` and serve its work
     BIND = "bind"        # bind the free slot to `agent`
+    JOIN = "join"        # the free slot joins `agent`'s data-parallel group
     RELEASE = "release"  # give up `agent` (save its state first when needed), then `successor` may bind
     IDLE = "idle"        # nothing to do
 
@@ -99,13 +148,25 @@ class SlotBinder:
         aging_per_s: float = 0.05,
         affinity_bonus: float = 1.0,
         max_wait_s: float = 60.0,
+        dp_min_micro_batches_per_member: int = 2,
+        recruit_fresh_s: float = 10.0,
+        dp_timeout_s: int = 60,
+        incarnation: str = "",
     ) -> None:
         self._now_s = now_s
         self._aging_per_s = aging_per_s
         self._affinity_bonus = affinity_bonus
         self._max_wait_s = max_wait_s
+        self._dp_per_member = max(1, dp_min_micro_batches_per_member)
+        self._recruit_fresh_s = recruit_fresh_s
+        self._dp_timeout_s = dp_timeout_s
+        # Group ids must not repeat across orchestrator restarts (traind reuses a process group
+        # whose id it already joined).
+        self._incarnation = incarnation or secrets.token_hex(3)
         self._slots: dict[str, TrainerSlot] = {}
-        self._slot_of_agent: dict[AgentKey, str] = {}
+        # Bound agents: their member slots in rank order (index 0 = primary), and membership epoch.
+        self._members: dict[AgentKey, list[str]] = {}
+        self._epoch: dict[AgentKey, int] = {}
         self._waiting_since_s: dict[AgentKey, float] = {}
         # Agents under static binding: key -> (index in its job's spec order, agents of the job).
         self._static: dict[AgentKey, tuple[int, int]] = {}
@@ -133,8 +194,9 @@ class SlotBinder:
 
     # ---- slots -------------------------------------------------------------------------------------
 
-    def observe_poll(self, slot_id: str, worker_id: str, resident: Mapping[AgentKey, int]) -> TrainerSlot:
-        """Registers or refreshes a slot from its poll (what it holds now)."""
+    def observe_poll(self, slot_id: str, worker_id: str, resident: Mapping[AgentKey, int],
+                     dp_address: str = "") -> TrainerSlot:
+        """Registers or refreshes a slot from its poll (what it holds now, its rendezvous address)."""
         slot = self._slots.get(slot_id)
         if slot is None or slot.worker_id != worker_id:
             if slot is not None:
@@ -143,6 +205,7 @@ class SlotBinder:
             self._slots[slot_id] = slot
         slot.last_seen_s = self._now_s()
         slot.resident = dict(resident)
+        slot.dp_address = dp_address
         return slot
 
     def slot(self, slot_id: str) -> TrainerSlot | None:
@@ -159,45 +222,98 @@ class SlotBinder:
 
     def remove_slot(self, slot_id: str) -> TrainerSlot | None:
         """Forgets a slot (dead or failed); its binding ends. Returns it, or None when unknown."""
-        slot = self._slots.pop(slot_id, None)
+        slot = self._slots.get(slot_id)
         if slot is not None and slot.agent is not None:
-            self._slot_of_agent.pop(slot.agent, None)
-        return slot
+            self._leave(slot)
+        return self._slots.pop(slot_id, None)
 
     # ---- bindings ------------------------------------------------------------------------------------
 
     def slot_of(self, agent: AgentKey) -> str | None:
-        """The slot bound to an agent, or None."""
-        return self._slot_of_agent.get(agent)
+        """The (primary) slot bound to an agent, or None."""
+        members = self._members.get(agent)
+        return members[0] if members else None
+
+    def members(self, agent: AgentKey) -> tuple[str, ...]:
+        """Every slot bound to an agent, in rank order (empty when unbound)."""
+        return tuple(self._members.get(agent, ()))
+
+    def group(self, agent: AgentKey) -> DataParallelGroup | None:
+        """The agent's current group (world size 1 when it trains on one slot), or None when unbound."""
+        members = self._members.get(agent)
+        if not members:
+            return None
+        job_id, name = agent
+        return DataParallelGroup(
+            agent=agent, group_id=f"{job_id}/{name}/{self._incarnation}-g{self._epoch.get(agent, 0)}",
+            members=tuple(members), master_address=self._slots[members[0]].dp_address,
+            timeout_s=self._dp_timeout_s)
 
     def bind(self, slot_id: str, agent: AgentKey) -> None:
-        """Binds a free slot to an unbound agent."""
+        """Binds a free slot to an unbound agent (a group of one)."""
         slot = self._slots[slot_id]
         if slot.agent is not None and slot.agent != agent:
             self.release(slot_id)
-        previous = self._slot_of_agent.get(agent)
-        if previous is not None and previous != slot_id:
-            self.release(previous)
+        for previous in self.members(agent):
+            if previous != slot_id:
+                self.release(previous)
         slot.agent = agent
         slot.bound_since_s = self._now_s()
-        self._slot_of_agent[agent] = slot_id
+        self._members[agent] = [slot_id]
+        self._epoch[agent] = self._epoch.get(agent, 0) + 1
         self._waiting_since_s.pop(agent, None)
 
+    def join(self, slot_id: str, agent: AgentKey) -> None:
+        """Adds a free slot to a bound agent's group as its last rank (a new epoch)."""
+        slot = self._slots[slot_id]
+        members = self._members.get(agent)
+        if members is None or slot.agent is not None:
+            raise ValueError(f"slot {slot_id} cannot join {agent}: slot bound or agent unbound")
+        slot.agent = agent
+        slot.bound_since_s = self._now_s()
+        members.append(slot_id)
+        self._epoch[agent] = self._epoch.get(agent, 0) + 1
+
+    def _leave(self, slot: TrainerSlot) -> None:
+        """Takes one slot out of its agent's group (a new epoch; the group ends with its last member)."""
+        agent = slot.agent
+        slot.agent = None
+        if agent is None:
+            return
+        members = self._members.get(agent, [])
+        if slot.slot_id in members:
+            members.remove(slot.slot_id)
+        if members:
+            self._epoch[agent] = self._epoch.get(agent, 0) + 1
+        else:
+            self._members.pop(agent, None)
+
     def release(self, slot_id: str) -> AgentKey | None:
-        """Ends a slot's binding; returns the agent it was bound to."""
+        """Ends a slot's binding; returns the agent it was bound to.
+
+        Releasing the primary ends the whole group (every member is free again);
+        releasing another member only takes it out of the group.
+        """
         slot = self._slots.get(slot_id)
         if slot is None or slot.agent is None:
             return None
         agent = slot.agent
-        slot.agent = None
-        self._slot_of_agent.pop(agent, None)
+        members = self._members.get(agent, [])
+        if members and members[0] == slot_id:
+            for member in members:
+                if member in self._slots:
+                    self._slots[member].agent = None
+            self._members.pop(agent, None)
+            self._epoch[agent] = self._epoch.get(agent, 0) + 1
+        else:
+            self._leave(slot)
         return agent
 
     def forget_agents(self, job_id: str) -> None:
         """Ends every binding and wait of a job (it ended)."""
         for slot in self._slots.values():
             if slot.agent is not None and slot.agent[0] == job_id:
-                self.release(slot.slot_id)
+                self.release(self.slot_of(slot.agent) or slot.slot_id)
             if slot.swapping_out is not None and slot.swapping_out[0] == job_id:
                 slot.swapping_out = None
         for key in [key for key in self._waiting_since_s if key[0] == job_id]:
@@ -212,7 +328,7 @@ class SlotBinder:
         now_s = self._now_s()
         waiting: set[AgentKey] = set()
         for demand in demands:
-            if demand.has_work and demand.key not in self._slot_of_agent:
+            if demand.has_work and demand.key not in self._members:
                 waiting.add(demand.key)
                 self._waiting_since_s.setdefault(demand.key, now_s)
         for key in list(self._waiting_since_s):
@@ -236,7 +352,7 @@ class SlotBinder:
                       exclude: AgentKey | None) -> AgentKey | None:
         best: tuple[tuple[bool, float], AgentKey] | None = None
         for key, demand in demands.items():
-            if key == exclude or not demand.has_work or key in self._slot_of_agent \
+            if key == exclude or not demand.has_work or key in self._members \
                     or not self.eligible(key, slot_id):
                 continue
             ranked = (self.score(key, slot_id, demand), key)
@@ -256,6 +372,13 @@ class SlotBinder:
             if demand.mid_step:
                 return BindingDecision(DecisionKind.KEEP, agent)
             successor = self._best_waiting(slot_id, demands, exclude=agent)
+            if self.slot_of(agent) != slot_id:
+                # A non-primary member: it leaves at this step boundary when another agent waits,
+                # when the slot set changed, or when the group is larger than the work warrants.
+                if successor is not None or not self.eligible(agent, slot_id) \
+                        or len(self.members(agent)) > self.wanted_members(demand):
+                    return BindingDecision(DecisionKind.RELEASE, agent, successor)
+                return BindingDecision(DecisionKind.KEEP, agent)
             if not self.eligible(agent, slot_id):
                 # The slot set changed (a slot appeared or died): leave at this step boundary.
                 return BindingDecision(DecisionKind.RELEASE, agent, successor)
@@ -265,9 +388,49 @@ class SlotBinder:
                 return BindingDecision(DecisionKind.RELEASE, agent, successor)
             return BindingDecision(DecisionKind.KEEP, agent)
         chosen = self._best_waiting(slot_id, demands, exclude=None)
-        if chosen is None:
-            return BindingDecision(DecisionKind.IDLE)
-        return BindingDecision(DecisionKind.BIND, chosen)
+        if chosen is not None:
+            return BindingDecision(DecisionKind.BIND, chosen)
+        for agent in sorted(self._members):
+            if self._may_recruit(agent, slot_id, demands):
+                return BindingDecision(DecisionKind.JOIN, agent)
+        return BindingDecision(DecisionKind.IDLE)
+
+    # ---- data parallelism ------------------------------------------------------------------------------
+
+    def wanted_members(self, demand: AgentDemand) -> int:
+        """How many slots the agent's upcoming work is worth (1 without data parallelism)."""
+        if not demand.data_parallel or demand.max_slots <= 1:
+            return 1
+        return max(1, min(demand.max_slots, 1 + demand.upcoming_micro_batches // self._dp_per_member))
+
+    def _may_recruit(self, agent: AgentKey, slot_id: str, demands: Mapping[AgentKey, AgentDemand]) -> bool:
+        """Whether the free slot ``slot_id`` may join ``agent``'s group now."""
+        slot = self._slots.get(slot_id)
+        members = self._members.get(agent)
+        demand = demands.get(agent)
+        if slot is None or not members or demand is None or slot.agent is not None or slot.swapping_out is not None:
+            return False
+        if demand.mid_step or not demand.portable or len(members) >= self.wanted_members(demand):
+            return False
+        if not slot.dp_address or not all(self._slots[m].dp_address for m in members):
+            return False
+        if self._now_s() - slot.last_seen_s > self._recruit_fresh_s or not self.eligible(agent, slot_id):
+            return False
+        # Never take a slot another agent is waiting for.
+        return self._best_waiting(slot_id, demands, exclude=None) is None
+
+    def grow(self, agent: AgentKey, demands: Mapping[AgentKey, AgentDemand]) -> list[str]:
+        """Recruits free, recently seen, capable slots into a bound agent's group at a step boundary.
+
+        Called when a member of the group polls, so that the group is formed before
+        the step's first micro-batch is leased. Returns the slots that joined.
+        """
+        joined: list[str] = []
+        for slot_id in sorted(self._slots):
+            if self._may_recruit(agent, slot_id, demands):
+                self.join(slot_id, agent)
+                joined.append(slot_id)
+        return joined
 
 
 class RolloutDemandEstimator:

@@ -48,7 +48,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from flexmarl.jobspec import JobSpec, parse_job_spec
-from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, RolloutDemandEstimator, SlotBinder
+from orchestratord.binding import (
+    AgentDemand,
+    AgentKey,
+    DataParallelGroup,
+    DecisionKind,
+    RolloutDemandEstimator,
+    SlotBinder,
+)
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus, LeaseTable
 from orchestratord.state import (
     AgentVersionRecord,
@@ -156,6 +163,9 @@ class MicroBatchWork:
     # Normaliser fixed before backward: episodes of the whole step.
     step_episodes: int
     deadline_s: float
+    # The attempt's data-parallel group and this slot's rank in it (None = one slot).
+    group: DataParallelGroup | None = None
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +180,12 @@ class OptimizerStepWork:
     step_response_tokens: int
     step_episodes: int
     num_micro_batches: int
+    # Data parallelism: every member gets the step; only rank 0 publishes and commits. A member
+    # that accumulated nothing builds the engine from base_version / state_uri first.
+    group: DataParallelGroup | None = None
+    rank: int = 0
+    base_version: int = 0
+    state_uri: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +220,8 @@ class AgentProgress:
     reward_mean: float
     staleness_mean: float
     step_seconds: float
+    # Every bound slot in data-parallel rank order (slot_ids[0] == slot_id).
+    slot_ids: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +258,11 @@ class PlannerOptions:
     aging_per_s: float = 0.05
     affinity_bonus: float = 1.0
     max_wait_s: float = 60.0
+    # Data parallelism (see orchestratord.binding): micro-batches a member must be worth,
+    # how recently a free slot must have polled to be recruited, and the collective timeout.
+    dp_min_micro_batches_per_member: int = 2
+    dp_recruit_fresh_s: float = 10.0
+    dp_timeout_s: int = 60
 
 
 # ---- ids -----------------------------------------------------------------------------------------------
@@ -330,6 +353,7 @@ class _MicroBatch:
     groups: tuple[_Group, ...]
     status: _MicroBatchStatus = _MicroBatchStatus.READY
     lease_id: str = ""
+    slot_id: str = ""
 
     @property
     def experience_ids(self) -> tuple[str, ...]:
@@ -353,8 +377,19 @@ class _StepPlan:
     micro_batches: list[_MicroBatch] = dataclasses.field(default_factory=list)
     manifest: StepManifest | None = None
     attempt: int = 0
+    # Primary slot of the attempt (the one that commits); "" before the attempt started.
     slot_id: str = ""
     optimizer_deadline_s: float | None = None
+    # The attempt's group, fixed when its first work is issued (None = not started).
+    group: DataParallelGroup | None = None
+    # Members that were given the optimizer step of this attempt.
+    optimizer_issued: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        if self.group is not None:
+            return self.group.members
+        return (self.slot_id,) if self.slot_id else ()
 
     @property
     def mid_step(self) -> bool:
@@ -489,14 +524,16 @@ class JobPlanner:
             return plan.manifest
         return self._persisted_manifests.get((agent, step))
 
-    def snapshot(self, slot_of: Callable[[str], str] | None = None) -> JobSnapshot:
-        """The job's status now; ``slot_of(agent)`` names the bound slot."""
+    def snapshot(self, slot_of: Callable[[str], str] | None = None,
+                 members_of: Callable[[str], tuple[str, ...]] | None = None) -> JobSnapshot:
+        """The job's status now; ``slot_of(agent)`` names the bound slot, ``members_of`` all of them."""
         agents = tuple(
             AgentProgress(
                 agent=a.name, version=a.version, total_steps=self.spec.total_steps,
                 weights_uri=a.weights_uri, state_uri=a.state_uri,
                 slot_id=slot_of(a.name) if slot_of is not None else "",
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, step_seconds=a.step_seconds,
+                slot_ids=members_of(a.name) if members_of is not None else (),
             )
             for a in self._agents.values()
         )
@@ -554,8 +591,10 @@ class JobPlanner:
             else:
                 plan = self._plan_of_lease(lease)
                 if plan is not None:
-                    dead_slots.append(plan.slot_id)
-                    self._replay(plan, f"micro-batch lease {lease.lease_id} expired on slot {plan.slot_id}")
+                    mb = plan.micro_batches[int(lease.subject.rsplit("/", 1)[1])]
+                    dead = mb.slot_id or plan.slot_id
+                    dead_slots.append(dead)
+                    self._replay(plan, f"micro-batch lease {lease.lease_id} expired on slot {dead}")
         now_s = self._now_s()
         for plan in list(self._plans.values()):
             if plan.optimizer_deadline_s is not None and now_s > plan.optimizer_deadline_s:
@@ -859,48 +898,109 @@ class JobPlanner:
         if self._state.terminal or plan is None or not self.agent_may_train(agent, plan.step):
             return AgentDemand(key)
         ready = [mb for mb in plan.micro_batches if mb.status is _MicroBatchStatus.READY]
-        return AgentDemand(
+        taken = sum(1 for mb in plan.micro_batches if mb.status is not _MicroBatchStatus.READY)
+        return self._with_parallelism(AgentDemand(
             key=key, ready_micro_batches=len(ready), ready_tokens=sum(mb.response_tokens for mb in ready),
             optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
-        )
+        ), max(0, self._expected_micro_batches(plan) - taken))
+
+    def data_parallel_demand(self, agent: str) -> AgentDemand:
+        """:meth:`demand`, also for an agent between steps (no plan yet): what the binder sizes groups with."""
+        demand = self.demand(agent)
+        if demand.has_work or demand.mid_step or self._state.terminal:
+            return demand
+        plan = self.current_plan(agent)
+        version = self._agent(agent).version
+        upcoming = 0
+        if version < self.spec.total_steps and self.agent_may_train(agent, version):
+            upcoming = self._expected_micro_batches(plan)
+        return self._with_parallelism(demand, upcoming)
+
+    def _expected_micro_batches(self, plan: _StepPlan | None) -> int:
+        """Micro-batches a step will have: its formed ones plus those its missing groups will form."""
+        per = self.spec.batch.groups_per_micro_batch
+        formed = len(plan.micro_batches) if plan is not None else 0
+        pending_groups = self.spec.batch.prompts_per_step - (
+            sum(len(mb.groups) for mb in plan.micro_batches) if plan is not None else 0)
+        return formed + -(-max(0, pending_groups) // per)
+
+    def _with_parallelism(self, demand: AgentDemand, upcoming: int) -> AgentDemand:
+        spec = self.spec.agent(demand.key[1])
+        return dataclasses.replace(
+            demand, max_slots=spec.max_slots, data_parallel=spec.max_slots > 1 and spec.zero_stage == 0,
+            upcoming_micro_batches=upcoming, portable=self.state_is_portable(demand.key[1]))
 
     def slot_busy(self, slot_id: str) -> bool:
         """Whether some step has work in flight on the slot (a leased micro-batch or an optimizer step)."""
-        return any(plan.slot_id == slot_id and (plan.optimizer_deadline_s is not None or any(
-            mb.status is _MicroBatchStatus.LEASED for mb in plan.micro_batches)) for plan in self._plans.values())
+        return any((plan.optimizer_deadline_s is not None and slot_id in plan.members) or any(
+            mb.status is _MicroBatchStatus.LEASED and mb.slot_id == slot_id for mb in plan.micro_batches)
+            for plan in self._plans.values())
 
     def state_is_portable(self, agent: str) -> bool:
         """Whether another slot could load the agent's committed state without a swap-out first."""
         state = self._agent(agent)
         return is_durable_state(state.state_uri) or (state.version == 0 and not state.state_uri)
 
-    def next_trainer_work(self, agent: str, slot_id: str, worker_id: str) -> MicroBatchWork | OptimizerStepWork | None:
-        """Work for the slot bound to ``agent``: the micro-batch in flight again, a new one, or the optimizer step."""
+    def next_trainer_work(self, agent: str, slot_id: str, worker_id: str,
+                          group: DataParallelGroup | None = None) -> MicroBatchWork | OptimizerStepWork | None:
+        """Work for a slot bound to ``agent``: its micro-batch in flight again, a new one, or the optimizer step.
+
+        ``group`` = the agent's slots now (None or one member = this slot alone). An
+        attempt's group is fixed when its first work is issued; each member holds at
+        most one micro-batch at a time, and every member gets the optimizer step.
+        """
         if self._state.terminal:
             return None
         plan = self.current_plan(agent)
-        if plan is None or (plan.slot_id and plan.slot_id != slot_id) or not self.agent_may_train(agent, plan.step):
+        if plan is None or not self.agent_may_train(agent, plan.step):
+            return None
+        members = plan.members
+        if members and slot_id not in members:
+            return None
+        if not members and group is not None and slot_id not in group.members:
             return None
         for mb in plan.micro_batches:
-            if mb.status is _MicroBatchStatus.LEASED:
+            if mb.status is _MicroBatchStatus.LEASED and mb.slot_id == slot_id:
                 lease = self._leases.get(mb.lease_id)
                 if lease is not None and lease.holder == worker_id:
                     return self._micro_batch_work(plan, mb, lease)  # lost response: deliver again
                 return None
+        if plan.group is None and (group is None or group.world_size == 1) and any(
+                mb.status is _MicroBatchStatus.LEASED for mb in plan.micro_batches):
+            return None  # one slot: one micro-batch at a time
         for mb in plan.micro_batches:
             if mb.status is _MicroBatchStatus.READY:
+                self._start_attempt(plan, slot_id, group)
                 return self._lease_micro_batch(plan, mb, slot_id, worker_id)
         if plan.ready_for_optimizer and plan.manifest is not None:
+            self._start_attempt(plan, slot_id, group)
+            rank = plan.group.rank_of(slot_id) if plan.group is not None else 0
+            if rank > 0 and slot_id in plan.optimizer_issued:
+                return None  # a member waits for rank 0's commit
+            plan.optimizer_issued.add(slot_id)
             if plan.optimizer_deadline_s is None:
-                plan.slot_id = slot_id
                 plan.optimizer_deadline_s = self._now_s() + self.spec.leases.train_timeout_s
+            state = self._agents[agent]
             return OptimizerStepWork(
                 job_id=self.job_id, agent=agent, step=plan.step,
                 step_id=step_id_of(self.job_id, agent, plan.step, plan.attempt), new_version=plan.step + 1,
                 step_response_tokens=plan.manifest.step_response_tokens,
                 step_episodes=plan.manifest.step_episodes, num_micro_batches=len(plan.micro_batches),
+                group=plan.group, rank=rank, base_version=state.version, state_uri=state.state_uri,
             )
         return None
+
+    @staticmethod
+    def _start_attempt(plan: _StepPlan, slot_id: str, group: DataParallelGroup | None) -> None:
+        """Fixes the attempt's slots on its first work: the agent's group, or this slot alone."""
+        if plan.slot_id:
+            return
+        if group is not None and group.world_size > 1 and slot_id in group.members:
+            plan.group = group
+            plan.slot_id = group.primary
+        else:
+            plan.group = None
+            plan.slot_id = slot_id
 
     def _lease_micro_batch(self, plan: _StepPlan, mb: _MicroBatch, slot_id: str,
                            worker_id: str) -> MicroBatchWork | None:
@@ -915,7 +1015,7 @@ class JobPlanner:
         lease = self._leases.issue(LeaseKind.MICRO_BATCH, worker_id, subject, self.spec.leases.train_timeout_s)
         mb.status = _MicroBatchStatus.LEASED
         mb.lease_id = lease.lease_id
-        plan.slot_id = slot_id
+        mb.slot_id = slot_id
         return self._micro_batch_work(plan, mb, lease)
 
     def _micro_batch_work(self, plan: _StepPlan, mb: _MicroBatch, lease: Lease) -> MicroBatchWork:
@@ -925,6 +1025,7 @@ class JobPlanner:
             step_id=step_id_of(self.job_id, plan.agent, plan.step, plan.attempt), micro_batch_index=mb.index,
             experience_ids=mb.experience_ids, base_version=agent.version, state_uri=agent.state_uri,
             step_episodes=self.spec.batch.episodes_per_step, deadline_s=lease.deadline_s,
+            group=plan.group, rank=plan.group.rank_of(mb.slot_id) if plan.group is not None else 0,
         )
 
     def _plan_of_lease(self, lease: Lease) -> _StepPlan | None:
@@ -948,13 +1049,13 @@ class JobPlanner:
         if existing is not None and existing.kind is LeaseKind.MICRO_BATCH \
                 and existing.status is LeaseStatus.RELEASED and existing.holder == worker_id:
             plan = self._plan_of_lease(existing)
-            if plan is not None and plan.slot_id == slot_id:
+            if plan is not None and plan.micro_batches[int(existing.subject.rsplit("/", 1)[1])].slot_id == slot_id:
                 return  # a repeated ack of the same attempt
         lease = self._leases.require_active(lease_id, worker_id, LeaseKind.MICRO_BATCH)
         plan = self._plan_of_lease(lease)
-        if plan is None or plan.slot_id != slot_id:
+        mb = plan.micro_batches[int(lease.subject.rsplit("/", 1)[1])] if plan is not None else None
+        if plan is None or mb is None or mb.slot_id != slot_id:
             raise FailedPrecondition(f"lease {lease_id!r} does not belong to slot {slot_id!r}")
-        mb = plan.micro_batches[int(lease.subject.rsplit("/", 1)[1])]
         if episodes and episodes != mb.episodes:
             raise InvalidArgument(f"lease {lease_id!r}: micro-batch has {mb.episodes} episodes, ack says {episodes}")
         self._leases.end(lease, LeaseStatus.RELEASED, "acked")
@@ -1024,12 +1125,13 @@ class JobPlanner:
     def slot_lost(self, slot_id: str, reason: str) -> None:
         """A trainer slot died or failed: steps with work on it restart from the last committed version."""
         for plan in list(self._plans.values()):
-            if plan.slot_id != slot_id:
+            if slot_id not in plan.members:
                 continue
             if plan.mid_step:
                 self._replay(plan, reason)
             else:
                 plan.slot_id = ""
+                plan.group = None
 
     def _replay(self, plan: _StepPlan, reason: str) -> None:
         """Starts a new attempt of a step: every micro-batch again, same manifest, from the committed version."""
@@ -1039,8 +1141,11 @@ class JobPlanner:
                 self._leases.end(lease, LeaseStatus.REVOKED, f"step replayed: {reason}")
             mb.status = _MicroBatchStatus.READY
             mb.lease_id = ""
+            mb.slot_id = ""
         plan.attempt += 1
         plan.slot_id = ""
+        plan.group = None
+        plan.optimizer_issued = set()
         plan.optimizer_deadline_s = None
         logger.warning("job %s: replaying step %d of agent %s (attempt %d): %s",
                        self.job_id, plan.step, plan.agent, plan.attempt, reason)
@@ -1052,6 +1157,7 @@ class JobPlanner:
         plan = self.current_plan(agent)
         if plan is not None and not plan.mid_step:
             plan.slot_id = ""
+            plan.group = None
 
     def record_swap_out(self, agent: str, state_uri: str) -> None:
         """A slot saved the agent's committed state at ``state_uri``."""
@@ -1061,6 +1167,10 @@ class JobPlanner:
         state.state_uri = state_uri
         state.state_worker_id = "" if is_durable_state(state_uri) else state.state_worker_id
         self._changes.append(StateMoved(self.job_id, agent, state.version, state_uri, self._now_s()))
+
+    def has_leasable_tasks(self) -> bool:
+        """Whether :meth:`lease_tasks` would hand out a task now (a re-issue or an admissible one)."""
+        return not self._state.terminal and (bool(self._retry) or self._admitted < self.admission_limit())
 
     def rollout_demand(self) -> dict[str, int]:
         """Estimated tokens still to generate per agent (leased and admissible tasks)."""
@@ -1093,7 +1203,10 @@ class Planner:
         self._options = options or PlannerOptions()
         self._jobs: dict[str, JobPlanner] = {}
         self.binder = SlotBinder(now_s, aging_per_s=self._options.aging_per_s,
-                                 affinity_bonus=self._options.affinity_bonus, max_wait_s=self._options.max_wait_s)
+                                 affinity_bonus=self._options.affinity_bonus, max_wait_s=self._options.max_wait_s,
+                                 dp_min_micro_batches_per_member=self._options.dp_min_micro_batches_per_member,
+                                 recruit_fresh_s=self._options.dp_recruit_fresh_s,
+                                 dp_timeout_s=self._options.dp_timeout_s, incarnation=self._options.lease_epoch)
         self._next_job = 0
 
     # ---- jobs ----------------------------------------------------------------------------------------------
@@ -1148,7 +1261,8 @@ class Planner:
     def snapshot(self, job_id: str) -> JobSnapshot:
         """Status of one job, with the slot bound to each agent."""
         job = self.job(job_id)
-        return job.snapshot(lambda agent: self.binder.slot_of((job_id, agent)) or "")
+        return job.snapshot(lambda agent: self.binder.slot_of((job_id, agent)) or "",
+                            lambda agent: self.binder.members((job_id, agent)))
 
     def take_changes(self) -> list[StateChange]:
         """Durable changes of every job, in order within each job."""
@@ -1216,6 +1330,10 @@ class Planner:
                     progress = True
         return leased
 
+    def has_leasable_tasks(self) -> bool:
+        """Whether some running job has a rollout task to hand out now (no tick, no side effects)."""
+        return any(job.has_leasable_tasks() for job in self._jobs.values())
+
     def renew_leases(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
         """Renews task or micro-batch leases across jobs."""
         self.tick()
@@ -1260,14 +1378,18 @@ class Planner:
         demands: dict[AgentKey, AgentDemand] = {}
         for job in self._running():
             for agent in job.spec.agent_names:
-                demands[(job.job_id, agent)] = job.demand(agent)
+                demands[(job.job_id, agent)] = job.data_parallel_demand(agent)
         return demands
 
     def poll_trainer_work(self, worker_id: str, slot_id: str,
-                          resident: Sequence[ResidentAgent] = ()) -> TrainerWork | None:
-        """The next work for one trainer slot, or None (the servicer long-polls and asks again)."""
+                          resident: Sequence[ResidentAgent] = (), dp_address: str = "") -> TrainerWork | None:
+        """The next work for one trainer slot, or None (the servicer long-polls and asks again).
+
+        ``dp_address``: the slot's data-parallel rendezvous (``""`` = it cannot join a group).
+        """
         self.tick()
-        slot = self.binder.observe_poll(slot_id, worker_id, {(r.job_id, r.agent): r.version for r in resident})
+        slot = self.binder.observe_poll(slot_id, worker_id, {(r.job_id, r.agent): r.version for r in resident},
+                                        dp_address)
         if slot.swapping_out is not None:
             job_id, agent = slot.swapping_out
             if job_id in self._jobs and not self._jobs[job_id].state.terminal:
@@ -1278,20 +1400,35 @@ class Planner:
         decision = self.binder.decide(slot_id, demands)
         if decision.kind is DecisionKind.RELEASE and decision.agent is not None:
             job_id, agent = decision.agent
+            primary = self.binder.slot_of(decision.agent) == slot_id
             self.binder.release(slot_id)
             self._jobs[job_id].release_slot(agent)
-            if not self._jobs[job_id].state_is_portable(agent):
+            if primary and not self._jobs[job_id].state_is_portable(agent):
+                # A non-primary member never holds the only copy: rank 0 holds the same version.
                 slot.swapping_out = decision.agent
                 return SwapOutWork(job_id, agent, self._options.swap_location)
             if decision.successor is None:
                 return None
             self.binder.bind(slot_id, decision.successor)
-            return self._jobs[decision.successor[0]].next_trainer_work(decision.successor[1], slot_id, worker_id)
+            return self._trainer_work(decision.successor, slot_id, worker_id, demands)
         if decision.kind is DecisionKind.BIND and decision.agent is not None:
             self.binder.bind(slot_id, decision.agent)
-        if decision.kind in (DecisionKind.BIND, DecisionKind.KEEP) and decision.agent is not None:
-            return self._jobs[decision.agent[0]].next_trainer_work(decision.agent[1], slot_id, worker_id)
+        if decision.kind is DecisionKind.JOIN and decision.agent is not None:
+            self.binder.join(slot_id, decision.agent)
+        if decision.kind in (DecisionKind.BIND, DecisionKind.KEEP, DecisionKind.JOIN) and decision.agent is not None:
+            return self._trainer_work(decision.agent, slot_id, worker_id, demands)
         return None
+
+    def _trainer_work(self, agent: AgentKey, slot_id: str, worker_id: str,
+                      demands: Mapping[AgentKey, AgentDemand]) -> TrainerWork | None:
+        """Grows the agent's group at a step boundary (data parallelism), then the slot's next work."""
+        demand = demands.get(agent)
+        if demand is not None and not demand.mid_step:
+            joined = self.binder.grow(agent, demands)
+            if joined:
+                logger.info("agent %s/%s: slots %s joined its data-parallel group (now %s)", agent[0], agent[1],
+                            joined, list(self.binder.members(agent)))
+        return self._jobs[agent[0]].next_trainer_work(agent[1], slot_id, worker_id, self.binder.group(agent))
 
     def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int = 0) -> None:
         """See :meth:`JobPlanner.ack_micro_batch`."""

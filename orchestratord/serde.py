@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flexmarl.v1 import common_pb2, orchestrator_pb2
+from orchestratord.binding import DataParallelGroup
 from orchestratord.planner import (
     AgentVersion,
     ExperienceSummary,
@@ -34,7 +35,7 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
                 agent=a.agent, step=a.version, version=a.version, total_steps=a.total_steps,
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, weights_uri=a.weights_uri,
                 slot_id=a.slot_id, step_seconds=a.step_seconds,
-                tokens_per_s=(tokens_per_s or {}).get(a.agent, 0.0),
+                tokens_per_s=(tokens_per_s or {}).get(a.agent, 0.0), slot_ids=list(a.slot_ids),
             )
             for a in snap.agents
         ],
@@ -76,6 +77,15 @@ def resident_agents(msgs: Any) -> list[ResidentAgent]:
     return [ResidentAgent(m.job_id, m.agent, m.version) for m in msgs]
 
 
+def dp_group(group: DataParallelGroup | None, rank: int) -> orchestrator_pb2.DataParallelGroup | None:
+    """A step attempt's data-parallel group as seen by one member (None when it trains alone)."""
+    if group is None or group.world_size <= 1:
+        return None
+    return orchestrator_pb2.DataParallelGroup(
+        group_id=group.group_id, rank=rank, world_size=group.world_size, master_address=group.master_address,
+        member_slot_ids=list(group.members), timeout_s=group.timeout_s)
+
+
 def trainer_work(work: TrainerWork | None, spec_json: str) -> orchestrator_pb2.PollTrainerWorkResponse:
     """Trainer work as the oneof of PollTrainerWorkResponse (empty when None)."""
     if isinstance(work, MicroBatchWork):
@@ -83,13 +93,15 @@ def trainer_work(work: TrainerWork | None, spec_json: str) -> orchestrator_pb2.P
             lease_id=work.lease_id, job_id=work.job_id, agent=work.agent, step=work.step, step_id=work.step_id,
             micro_batch_index=work.micro_batch_index, experience_ids=list(work.experience_ids),
             base_version=work.base_version, state_uri=work.state_uri, step_episodes=work.step_episodes,
-            deadline_unix_ms=_ms(work.deadline_s), spec_json=spec_json,
+            deadline_unix_ms=_ms(work.deadline_s), spec_json=spec_json, group=dp_group(work.group, work.rank),
         ))
     if isinstance(work, OptimizerStepWork):
         return orchestrator_pb2.PollTrainerWorkResponse(optimizer_step=orchestrator_pb2.OptimizerStepWork(
             job_id=work.job_id, agent=work.agent, step=work.step, step_id=work.step_id,
             new_version=work.new_version, step_response_tokens=work.step_response_tokens,
             step_episodes=work.step_episodes, num_micro_batches=work.num_micro_batches,
+            group=dp_group(work.group, work.rank), base_version=work.base_version, state_uri=work.state_uri,
+            spec_json=spec_json if work.group is not None else "",
         ))
     if isinstance(work, SwapOutWork):
         return orchestrator_pb2.PollTrainerWorkResponse(swap_out=orchestrator_pb2.SwapOutWork(

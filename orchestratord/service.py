@@ -385,9 +385,10 @@ class OrchestratorService:
         self._metrics.tasks_reported.labels("ok" if succeeded else "failed").inc()
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],
-                                wait_ms: int) -> TrainerWork | None:
-        """Long-poll for trainer work."""
-        return await self.wait_for(lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident), wait_ms)
+                                wait_ms: int, dp_address: str = "") -> TrainerWork | None:
+        """Long-poll for trainer work (``dp_address``: the slot's data-parallel rendezvous, "" = none)."""
+        return await self.wait_for(
+            lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident, dp_address), wait_ms)
 
     async def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
         """A micro-batch was accumulated."""

@@ -15,6 +15,7 @@ from orchestratord.state import JobState
 MAX_SPEC_BYTES = 1 << 20
 MAX_TASKS_PER_LEASE = 256
 MAX_REPORTED_EXPERIENCES = 1 << 16
+MAX_DP_ADDRESS_LENGTH = 256
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -131,8 +132,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         """Long-poll for the next work of a trainer slot."""
         worker_id = require_id("worker_id", request.worker_id)
         slot_id = require_id("slot_id", request.slot_id)
+        if len(request.dp_address) > MAX_DP_ADDRESS_LENGTH:
+            raise InvalidArgument(f"dp_address: longer than {MAX_DP_ADDRESS_LENGTH} characters")
         work = await self._service.poll_trainer_work(worker_id, slot_id, serde.resident_agents(request.resident),
-                                                     request.wait_ms)
+                                                     request.wait_ms, request.dp_address)
         spec_json = self._service.planner.job(work.job_id).spec_json if work is not None else ""
         return serde.trainer_work(work, spec_json)
 

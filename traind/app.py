@@ -10,9 +10,22 @@ import grpc.aio
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import train_pb2_grpc
 from traind.config import TrainerConfig
+from traind.distributed import reserve_port
 from traind.metrics import TrainerMetrics
 from traind.servicer import TrainerServicer
 from traind.worker import TrainerSettings, TrainerWorker
+
+
+def data_parallel_address(config: TrainerConfig) -> str:
+    """The rendezvous ``host:port`` this process advertises, or "" when it cannot join a group.
+
+    Only a process with exactly one slot joins (DeepSpeed uses one default process group
+    per process) and only when its committed states are durable (``mem`` states would be
+    in one member's memory only, and saving an engine of a group outside a step is collective).
+    """
+    if config.slots != 1 or config.state_location == "mem" or not config.dp_host:
+        return ""
+    return f"{config.dp_host}:{reserve_port(config.dp_host)}"
 
 
 class TrainerApp(DaemonApp):
@@ -27,6 +40,7 @@ class TrainerApp(DaemonApp):
             state_location=config.state_location, publish_location=config.publish_location,
             orchestrator_address=config.orchestrator_address, store_address=config.store_address,
             max_message_bytes=config.max_message_bytes, security=ctx.security,
+            dp_address=data_parallel_address(config),
         )
         self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
 

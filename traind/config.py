@@ -24,6 +24,10 @@ class TrainerConfig(DaemonConfig):
         default="file", metadata=_help("where committed states go: file (work dir), stored or mem"))
     publish_location: str = dataclasses.field(
         default="file", metadata=_help("where weights are published: file (shared path) or stored"))
+    dp_host: str = dataclasses.field(
+        default="127.0.0.1", metadata=_help(
+            "address other traind processes reach this one at for data-parallel rendezvous "
+            "(\"\" = never join a group; only a process with one slot and durable states joins)"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""

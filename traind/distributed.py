@@ -7,6 +7,7 @@ environment gets a world of one on a free loopback port.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -61,3 +62,46 @@ def shutdown_distributed() -> None:
     """Destroys the process group so that the process can initialise a new one (DESIGN §5)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def reserve_port(host: str) -> int:
+    """A TCP port on ``host`` that was free a moment ago, for this process's data-parallel rendezvous.
+
+    The port is not held open: the TCP store of a group this process leads binds it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def join_group(rank: int, world_size: int, master_address: str, timeout_s: float) -> None:
+    """Leaves the current process group and joins (or, as rank 0, hosts) a new one.
+
+    ``master_address`` is rank 0's ``host:port``. Every collective of the new group,
+    and the rendezvous itself, fails after ``timeout_s`` instead of hanging when a
+    member is gone. ``LOCAL_RANK`` is 0: one traind process drives one device.
+    """
+    host, _, port = master_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"master_address must be host:port, got {master_address!r}")
+    shutdown_distributed()
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": port}
+    )
+    logger.info("joining process group rank=%d world=%d at %s", rank, world_size, master_address)
+    deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def become_standalone() -> None:
+    """Leaves the current process group and makes this process a world of one again."""
+    shutdown_distributed()
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_loopback_port()),
+        }
+    )
+    ensure_distributed()

@@ -614,7 +614,12 @@ class AgentTrainer:
             path, _ = self.engine.load_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG, load_optimizer_states=True)
             if path is None:
                 raise FailedPrecondition(f"no DeepSpeed checkpoint in {location.uri}")
-            extra = torch.load(state_dir / f"trainer-rank{self.rank:05d}.pt", weights_only=False)
+            extra_path = state_dir / f"trainer-rank{self.rank:05d}.pt"
+            if not extra_path.exists() and self.config.zero_stage == 0:
+                # A ZeRO 0 state saved by rank 0 alone (or at another world size) is complete in
+                # rank 0's files; the other ranks take its RNG state.
+                extra_path = state_dir / f"trainer-rank{0:05d}.pt"
+            extra = torch.load(extra_path, weights_only=False)
             _restore_rng_state(extra["rng"])
             moved = directory_bytes(state_dir)
         self._acc = _StepAccumulator()

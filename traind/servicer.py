@@ -22,7 +22,9 @@ class TrainerServicer(train_pb2_grpc.TrainerServicer):
             slots=[train_pb2.SlotStatus(slot_id=s["slot_id"], device=self._worker.device,
                                         memory_bytes=self._worker.memory_bytes_per_slot, resident=s["resident"],
                                         resident_version=s["version"], busy=s["busy"],
-                                        busy_fraction=s["busy_fraction"]) for s in self._worker.status()],
+                                        busy_fraction=s["busy_fraction"], dp_group_id=s["dp_group_id"],
+                                        dp_rank=s["dp_rank"], dp_world_size=s["dp_world_size"])
+                  for s in self._worker.status()],
         )
 
     async def OffloadAgent(self, request: Any, context: Any) -> Any:  # noqa: N802

@@ -7,6 +7,17 @@ commit the agent's full training state is saved to the configured location
 (``file://`` under the work dir by default, ``stored://`` for clusters without shared
 storage, ``mem://`` to keep it in this process), so a step of a dead slot replays from
 the last committed state on any slot that can read that location.
+
+Data parallelism: a traind process with one slot (the GPU deployment: one process per
+device) whose states are durable (``state_location`` file or stored) advertises a
+rendezvous address (``dp_address``) in its polls. When orchestratord binds the slot into
+an agent's group, the work carries the group (id, rank, world size, rank 0's address,
+timeout): the process releases its engine, re-initialises its process group
+(:func:`traind.distributed.join_group`), builds the engine from the agent's committed
+state and accumulates its share of the step. Every member runs the optimizer step with
+the step's normalisers; only rank 0 publishes, saves and commits (ZeRO 0 only: rank 0's
+checkpoint holds the whole state). A member that leaves a group, or whose work fails,
+drops its engine and becomes a world of one again.
 """
 
 from __future__ import annotations
@@ -25,12 +36,14 @@ import grpc.aio
 
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
 from flexmarl.connections import PeerConnections, describe_error
-from flexmarl.errors import FlexmarlError, InvalidArgument
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.experience import ExperienceRecord
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
 from traind import losses
+from traind.distributed import become_standalone, join_group
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
 from traind.swap import MemoryStateStore, StateLocation, open_location, swap_in, swap_out
@@ -39,6 +52,8 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_MS = 2000
 KEEP_VERSIONS = 3
+#: How long a micro-batch waits for stored to come back before the slot reports a failure.
+STORE_RETRY_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +69,25 @@ class TrainerSettings:
     store_address: str
     max_message_bytes: int
     security: TransportSecurity = INSECURE
+    # host:port of this process's data-parallel rendezvous; "" = it never joins a group.
+    dp_address: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupKey:
+    """The process group this process is in: ("", 0, 1, "") = a world of one."""
+
+    group_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    master_address: str = ""
+
+    @classmethod
+    def of(cls, group: orchestrator_pb2.DataParallelGroup | None) -> GroupKey:
+        """The key a piece of work asks for (a group of one = standalone)."""
+        if group is None or group.world_size <= 1:
+            return cls()
+        return cls(group.group_id, int(group.rank), int(group.world_size), group.master_address)
 
 
 @dataclasses.dataclass
@@ -108,6 +142,8 @@ class TrainerWorker:
         self._stopping = False
         # One engine at a time per process: DeepSpeed engines share the process group.
         self._compute = asyncio.Lock()
+        # The data-parallel group the process is in now (the default: a world of one).
+        self.group = GroupKey()
 
     async def start(self) -> None:
         """Starts one poll loop per slot."""
@@ -149,7 +185,7 @@ class TrainerWorker:
                 stub = await self._peers.orchestrator()
                 reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
                     worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
-                    wait_ms=POLL_WAIT_MS), timeout=30)
+                    wait_ms=POLL_WAIT_MS, dp_address=self.settings.dp_address), timeout=30)
                 backoff_s = 0.2
             except (grpc.RpcError, FlexmarlError) as exc:
                 log.warning("polling work for %s failed (%s); retrying", slot.slot_id, describe_error(exc))
@@ -186,6 +222,12 @@ class TrainerWorker:
         """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""
         job_id, agent = slot.job_id, slot.agent
         self._release(slot)
+        if self.group.world_size > 1:
+            # The group may be broken (a member died): leave it; the next work re-forms one.
+            with contextlib.suppress(Exception):
+                async with self._compute:
+                    await asyncio.to_thread(become_standalone)
+            self.group = GroupKey()
         if not job_id:
             return
         with contextlib.suppress(grpc.RpcError, FlexmarlError):
@@ -205,8 +247,36 @@ class TrainerWorker:
         return open_location(uri, memory=self._memory, store=self._peers.store_if_open(), job_id=job_id,
                              loop=asyncio.get_running_loop())
 
-    async def _bind(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> AgentTrainer:
+    async def _join(self, group: orchestrator_pb2.DataParallelGroup | None) -> None:
+        """Puts the process into the work's process group (call under ``_compute``).
+
+        A different group (or leaving one) means a new process group: every resident
+        engine is released first (DeepSpeed engines are built on the default group).
+        """
+        wanted = GroupKey.of(group)
+        if wanted == self.group:
+            return
+        for slot in self.slots:
+            self._release(slot)
+        self.group = GroupKey()
+        if group is not None and wanted.world_size > 1:
+            if len(self.slots) != 1:
+                raise InvalidArgument(f"{self.settings.worker_id} has {len(self.slots)} slots: it cannot join "
+                                      f"a data-parallel group")
+            started = time.perf_counter()
+            await asyncio.to_thread(join_group, wanted.rank, wanted.world_size, wanted.master_address,
+                                    float(group.timeout_s or 60))
+            log.info("joined data-parallel group %s as rank %d of %d (%.2fs)", wanted.group_id, wanted.rank,
+                     wanted.world_size, time.perf_counter() - started)
+        else:
+            await asyncio.to_thread(become_standalone)
+            log.info("left the data-parallel group: a world of one again")
+        self.group = wanted
+
+    async def _bind(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork | orchestrator_pb2.OptimizerStepWork,
+                    ) -> AgentTrainer:
         """Makes (job, agent) at base_version resident in the slot (swapping as needed)."""
+        await self._join(work.group if work.HasField("group") else None)
         spec = self._spec(work.job_id, work.spec_json)
         key = (work.job_id, work.agent)
         if slot.trainer is not None and (slot.resident != key or slot.trainer.version != work.base_version):
@@ -239,8 +309,7 @@ class TrainerWorker:
             if slot.step_id != work.step_id:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
-            store = await self._peers.store()
-            records = await store.read(work.job_id, list(work.experience_ids))
+            records = await self._read_experiences(work.job_id, list(work.experience_ids))
             stats = await asyncio.to_thread(trainer.accumulate, records)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         stub = await self._peers.orchestrator()
@@ -248,11 +317,35 @@ class TrainerWorker:
             lease_id=work.lease_id, worker_id=self.settings.worker_id, slot_id=slot.slot_id,
             loss_sum=stats.loss_sum, tokens=stats.response_tokens, episodes=stats.sequences), timeout=30)
 
+    async def _read_experiences(self, job_id: str, ids: list[str]) -> list[ExperienceRecord]:
+        """Reads from stored; after UNAVAILABLE (stored restarting, maybe elsewhere) rediscovers and retries."""
+        deadline_s, backoff_s = time.monotonic() + STORE_RETRY_S, 0.2
+        while True:
+            try:
+                return await (await self._peers.store()).read(job_id, ids)
+            except Unavailable:
+                if time.monotonic() > deadline_s:
+                    raise
+                await self._peers.reset_store()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2.0, backoff_s * 2)
+
     async def _optimizer_step(self, slot: Slot, work: orchestrator_pb2.OptimizerStepWork) -> None:
+        group = work.group if work.HasField("group") and work.group.world_size > 1 else None
+        if group is not None and (GroupKey.of(group) != self.group or slot.step_id != work.step_id
+                                  or slot.trainer is None):
+            # A member that was given no micro-batch of this step: it joins with a zero gradient.
+            async with self._compute:
+                trainer = await self._bind(slot, work)
+                trainer.discard_gradients()
+                slot.step_id = work.step_id
         if slot.resident != (work.job_id, work.agent) or slot.step_id != work.step_id or slot.trainer is None:
             raise InvalidArgument(f"optimizer step {work.step_id} is not the step accumulated in {slot.slot_id}")
         trainer = slot.trainer
         started = time.perf_counter()
+        if group is not None and group.rank > 0:
+            await self._member_optimizer_step(slot, trainer, work)
+            return
         async with self._compute:
             stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens, work.step_episodes)
             if trainer.version != work.new_version:
@@ -270,6 +363,30 @@ class TrainerWorker:
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
         self._prune(work.job_id, work.agent, work.new_version)
+
+    async def _member_optimizer_step(self, slot: Slot, trainer: AgentTrainer,
+                                     work: orchestrator_pb2.OptimizerStepWork) -> None:
+        """Rank > 0 of a group: the same collectives as rank 0 (step, publish, save), nothing kept, no commit."""
+        started = time.perf_counter()
+        scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
+        try:
+            async with self._compute:
+                stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens,
+                                                work.step_episodes)
+                if trainer.version != work.new_version:
+                    raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
+                # publish() gathers and barriers on every rank (rank 0 writes); save_state's
+                # checkpoint barriers too: rank 0 writes the whole ZeRO 0 state, this rank nothing it needs.
+                await asyncio.to_thread(trainer.publish, scratch / "weights")
+                await asyncio.to_thread(trainer.save_state,
+                                        self._location(file_uri(scratch / "state"), work.job_id))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        seconds = time.perf_counter() - started
+        self._metrics.observe_step(work.agent, stats, seconds)
+        slot.step_id = ""
+        log.info("%s: %s/%s step %d done as rank %d of %d (rank 0 commits; %.2fs)", slot.slot_id, work.job_id,
+                 work.agent, work.step, work.group.rank, work.group.world_size, seconds)
 
     async def _publish(self, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
         out = self.settings.work_dir / "weights" / job_id / agent / f"v{version}"
@@ -311,6 +428,9 @@ class TrainerWorker:
     async def _swap_out(self, slot: Slot, work: orchestrator_pb2.SwapOutWork) -> None:
         if slot.resident != (work.job_id, work.agent) or slot.trainer is None:
             raise InvalidArgument(f"{slot.slot_id} does not hold {work.job_id}/{work.agent}")
+        if self.group.world_size > 1:
+            # Saving is collective in a group; orchestratord never asks (DP states are durable).
+            raise InvalidArgument(f"{slot.slot_id}: cannot swap out an engine of a data-parallel group")
         kind = work.location if work.location in ("mem", "file", "stored") else self.settings.state_location
         uri = self._state_uri(kind, work.job_id, work.agent, slot.trainer.version)
         if kind == "stored":
@@ -347,6 +467,7 @@ class TrainerWorker:
         return [
             {"slot_id": s.slot_id, "resident": f"{s.job_id}/{s.agent}" if s.trainer is not None else "",
              "version": s.trainer.version if s.trainer is not None else 0, "busy": s.busy,
-             "busy_fraction": s.busy_s / max(1e-9, now - s.started_s)}
+             "busy_fraction": s.busy_s / max(1e-9, now - s.started_s), "dp_group_id": self.group.group_id,
+             "dp_rank": self.group.rank, "dp_world_size": self.group.world_size}
             for s in self.slots
         ]

@@ -104,3 +104,149 @@ def test_rollout_demand_estimator() -> None:
     assert est.tokens_per_episode(A) == 55
     est.forget_job("job")
     assert est.estimate(A, 4) == 0
+
+
+# ---- data parallelism (agents[].max_slots > 1) ----------------------------------------------------------
+
+
+def dp_demand(key: tuple[str, str], **fields: object) -> AgentDemand:
+    base: dict[str, object] = {"max_slots": 2, "data_parallel": True, "upcoming_micro_batches": 4}
+    base.update(fields)
+    return AgentDemand(key, **base)  # type: ignore[arg-type]
+
+
+def dp_binder(clock: FakeClock, slots: int = 2, **knobs: float) -> SlotBinder:
+    binder = SlotBinder(clock, incarnation="t", **knobs)  # type: ignore[arg-type]
+    for i in range(slots):
+        binder.observe_poll(f"s{i}", f"w{i}", {}, dp_address=f"127.0.0.1:{7000 + i}")
+    return binder
+
+
+def test_group_forms_at_a_step_boundary_when_worth_it() -> None:
+    clock = FakeClock()
+    binder = dp_binder(clock)
+    binder.bind("s0", A)
+    ds = demands(dp_demand(A, ready_micro_batches=1))
+    assert binder.grow(A, ds) == ["s1"]
+    group = binder.group(A)
+    assert group is not None and group.members == ("s0", "s1") and group.world_size == 2
+    assert group.master_address == "127.0.0.1:7000" and group.rank_of("s1") == 1
+    assert binder.slot_of(A) == "s0" and binder.slot("s1").agent == A  # type: ignore[union-attr]
+
+
+def test_a_free_slot_polling_joins_the_group() -> None:
+    binder = dp_binder(FakeClock())
+    binder.bind("s0", A)
+    decision = binder.decide("s1", demands(dp_demand(A)))
+    assert decision.kind is DecisionKind.JOIN and decision.agent == A
+
+
+def test_group_not_formed_when_not_worth_it_or_not_allowed() -> None:
+    clock = FakeClock()
+    cases = [
+        dp_demand(A, upcoming_micro_batches=1),  # fewer than 2 micro-batches for the extra member
+        dp_demand(A, max_slots=1),  # max_slots respected
+        dp_demand(A, data_parallel=False),  # e.g. ZeRO >= 1
+        dp_demand(A, portable=False),  # a new member could not load the state
+        dp_demand(A, mid_step=True),  # never mid-step
+    ]
+    for demand in cases:
+        binder = dp_binder(clock)
+        binder.bind("s0", A)
+        assert binder.grow(A, demands(demand)) == [], demand
+        assert binder.decide("s1", demands(demand)).kind is DecisionKind.IDLE, demand
+
+
+def test_group_respects_max_slots_and_work_size() -> None:
+    binder = dp_binder(FakeClock(), slots=4)
+    binder.bind("s0", A)
+    assert binder.grow(A, demands(dp_demand(A, max_slots=3, upcoming_micro_batches=100))) == ["s1", "s2"]
+    binder2 = dp_binder(FakeClock(), slots=4)
+    binder2.bind("s0", A)
+    # 1 + 5 // 2 = 3 members at most for 5 upcoming micro-batches, though max_slots is 4.
+    assert binder2.grow(A, demands(dp_demand(A, max_slots=4, upcoming_micro_batches=5))) == ["s1", "s2"]
+
+
+def test_only_capable_and_recently_seen_slots_are_recruited() -> None:
+    clock = FakeClock()
+    binder = SlotBinder(clock, incarnation="t", recruit_fresh_s=5)
+    binder.observe_poll("s0", "w0", {}, dp_address="h:1")
+    binder.observe_poll("s1", "w1", {})  # a process with several slots: no rendezvous address
+    binder.observe_poll("s2", "w2", {}, dp_address="h:3")
+    clock.advance(6)
+    binder.observe_poll("s0", "w0", {}, dp_address="h:1")
+    binder.bind("s0", A)
+    assert binder.grow(A, demands(dp_demand(A))) == []  # s1 incapable, s2 silent for 6 s
+    binder.observe_poll("s2", "w2", {}, dp_address="h:3")
+    assert binder.grow(A, demands(dp_demand(A))) == ["s2"]
+    # a primary without a rendezvous address cannot lead a group
+    binder3 = SlotBinder(clock, incarnation="t")
+    binder3.observe_poll("s0", "w0", {})
+    binder3.observe_poll("s1", "w1", {}, dp_address="h:2")
+    binder3.bind("s0", A)
+    assert binder3.grow(A, demands(dp_demand(A))) == []
+
+
+def test_group_never_takes_a_slot_another_agent_waits_for() -> None:
+    binder = dp_binder(FakeClock())
+    binder.bind("s0", A)
+    ds = demands(dp_demand(A), AgentDemand(B, ready_micro_batches=1))
+    binder.note_demand(ds.values())
+    assert binder.grow(A, ds) == []
+    decision = binder.decide("s1", ds)
+    assert decision.kind is DecisionKind.BIND and decision.agent == B
+
+
+def test_member_leaves_at_step_boundary_for_a_waiting_agent_but_not_mid_step() -> None:
+    binder = dp_binder(FakeClock())
+    binder.bind("s0", A)
+    binder.grow(A, demands(dp_demand(A)))
+    epoch_before = binder.group(A).group_id  # type: ignore[union-attr]
+    ds = demands(dp_demand(A, mid_step=True), AgentDemand(B, ready_micro_batches=3))
+    binder.note_demand(ds.values())
+    assert binder.decide("s1", ds).kind is DecisionKind.KEEP  # never mid-step
+    ds = demands(dp_demand(A), AgentDemand(B, ready_micro_batches=3))
+    decision = binder.decide("s1", ds)
+    assert decision.kind is DecisionKind.RELEASE and decision.agent == A and decision.successor == B
+    binder.release("s1")
+    binder.bind("s1", B)
+    group = binder.group(A)
+    assert group is not None and group.members == ("s0",) and group.group_id != epoch_before
+    assert binder.slot_of(B) == "s1"
+
+
+def test_group_dissolves_when_idle() -> None:
+    binder = dp_binder(FakeClock())
+    binder.bind("s0", A)
+    binder.grow(A, demands(dp_demand(A)))
+    # between steps with the next step's work still expected: the group stays
+    assert binder.decide("s1", demands(dp_demand(A))).kind is DecisionKind.KEEP
+    # nothing more to train (the last step committed): the extra member leaves
+    idle = demands(dp_demand(A, upcoming_micro_batches=0))
+    decision = binder.decide("s1", idle)
+    assert decision.kind is DecisionKind.RELEASE and decision.successor is None
+    binder.release("s1")
+    assert binder.members(A) == ("s0",) and binder.slot("s1").agent is None  # type: ignore[union-attr]
+    # the job ends: every binding goes
+    binder.bind("s1", B)
+    binder.forget_agents("job")
+    assert binder.members(A) == () and binder.members(B) == ()
+
+
+def test_releasing_the_primary_frees_every_member_and_a_dead_member_leaves() -> None:
+    binder = dp_binder(FakeClock(), slots=3)
+    binder.bind("s0", A)
+    binder.grow(A, demands(dp_demand(A, max_slots=3)))
+    assert binder.members(A) == ("s0", "s1", "s2")
+    binder.remove_slot("s1")  # a member died
+    group = binder.group(A)
+    assert group is not None and group.members == ("s0", "s2")
+    assert binder.release("s0") == A
+    assert binder.members(A) == () and all(s.agent is None for s in binder.slots())
+
+
+def test_static_binding_limits_group_members() -> None:
+    binder = dp_binder(FakeClock(), slots=4)
+    binder.set_static("job", ["a", "b"])  # a: s0, s2; b: s1, s3
+    binder.bind("s0", A)
+    assert binder.grow(A, demands(dp_demand(A, max_slots=4, upcoming_micro_batches=100))) == ["s2"]

@@ -37,14 +37,19 @@ class PlannerMachine(RuleBasedStateMachine):
         prompts=st.integers(2, 3),
         groups_per_mb=st.integers(1, 2),
         turns=st.integers(1, 2),
+        max_slots=st.sampled_from([1, 2]),
     )
-    def setup(self, mode: str, binding: str | None, eta: int, prompts: int, groups_per_mb: int, turns: int) -> None:
+    def setup(self, mode: str, binding: str | None, eta: int, prompts: int, groups_per_mb: int, turns: int,
+              max_slots: int) -> None:
         self.clock = FakeClock()
         self.eta = eta
         self.turns = turns
         self.planner = Planner(self.clock, PlannerOptions(lease_epoch="e", max_task_attempts=10_000,
-                                                          max_step_attempts=10_000))
+                                                          max_step_attempts=10_000,
+                                                          dp_min_micro_batches_per_member=1))
         self.spec = make_spec(pipeline={"mode": mode, "max_staleness": eta, "binding": binding},
+                              agents=[{"name": agent, "model": "/models/tiny", "max_slots": max_slots}
+                                      for agent in AGENTS],
                               batch={"prompts_per_step": prompts, "group_size": 2,
                                      "micro_batch_size": 2 * groups_per_mb},
                               total_steps=3)
@@ -58,6 +63,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.resident: dict[str, dict[str, int]] = {slot: {} for slot in SLOTS}
         self.consumed: dict[tuple[str, int], tuple[str, ...]] = {}
         self.manifests_seen: dict[tuple[str, int], tuple[str, ...]] = {}
+        self.members_of_attempt: dict[str, tuple[str, ...]] = {}  # step id -> its slots
 
     def worker_of(self, slot: str) -> str:
         return f"w-{slot}-{self.generation[slot]}"
@@ -105,10 +111,16 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(slot=st.sampled_from(SLOTS))
     def poll(self, slot: str) -> None:
         resident = [ResidentAgent(JOB, agent, version) for agent, version in self.resident[slot].items()]
-        work = self.planner.poll_trainer_work(self.worker_of(slot), slot, resident)
+        work = self.planner.poll_trainer_work(self.worker_of(slot), slot, resident, dp_address=f"host:{slot}")
         if work is None:
             return
         self.inbox[slot] = work
+        if isinstance(work, MicroBatchWork | OptimizerStepWork):
+            members = work.group.members if work.group is not None else (slot,)
+            assert slot in members
+            assert len(members) <= self.spec.agent(work.agent).max_slots, "more slots than max_slots"
+            # Fixed membership: an attempt's slots never change.
+            assert self.members_of_attempt.setdefault(work.step_id, members) == members, "membership changed"
         if isinstance(work, MicroBatchWork):
             self.check_micro_batch(work)
             if self.accum.get(slot, ("", []))[0] != work.step_id:
@@ -146,21 +158,26 @@ class PlannerMachine(RuleBasedStateMachine):
             assert step_id == work.step_id
             ids.extend(work.experience_ids)
         elif isinstance(work, OptimizerStepWork):
+            if work.rank > 0:
+                return  # a data-parallel member steps with rank 0; only rank 0 commits
             try:
                 self.planner.commit_step(worker, slot, JOB, work.agent, work.step, work.new_version,
                                          f"file:///w/{work.agent}/{work.new_version}",
                                          f"file:///s/{work.agent}/{work.new_version}")
             except FailedPrecondition:
                 return
-            step_id, ids = self.accum.pop(slot)
-            assert step_id == work.step_id, "committed gradients of another attempt"
+            # The step's gradient = what every member of the attempt accumulated under its step id.
+            ids = []
+            for member in [s for s, (step_id, _) in self.accum.items() if step_id == work.step_id]:
+                ids.extend(self.accum.pop(member)[1])
             manifest = self.manifests_seen[(work.agent, work.step)]
             assert len(ids) == len(set(ids)), "an experience was accumulated twice in one step"
             assert tuple(sorted(ids)) == manifest, "the committed step did not consume exactly its manifest"
             assert work.step_episodes == self.spec.batch.episodes_per_step
             assert (work.agent, work.step) not in self.consumed
             self.consumed[(work.agent, work.step)] = manifest
-            self.resident[slot][work.agent] = work.new_version
+            for member in work.group.members if work.group is not None else (slot,):
+                self.resident[member][work.agent] = work.new_version
         elif isinstance(work, SwapOutWork):
             self.planner.report_slot_event(worker, slot, JOB, work.agent, SlotEventKind.SWAPPED_OUT,
                                            f"stored://state/{work.agent}")

@@ -223,6 +223,7 @@ class AgentProgress(_message.Message):
     WEIGHTS_URI_FIELD_NUMBER: _builtins.int
     SLOT_ID_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    SLOT_IDS_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     """Committed optimizer steps (= current policy version)."""
@@ -236,6 +237,12 @@ class AgentProgress(_message.Message):
     slot_id: _builtins.str
     """Trainer slot bound now ("" when unbound)."""
     step_seconds: _builtins.float
+    @_builtins.property
+    def slot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every slot bound now, data-parallel rank order (slot_ids[0] == slot_id); more than one
+        when the agent trains data-parallel (agents[].max_slots > 1).
+        """
+
     def __init__(
         self,
         *,
@@ -249,10 +256,11 @@ class AgentProgress(_message.Message):
         weights_uri: _builtins.str = ...,
         slot_id: _builtins.str = ...,
         step_seconds: _builtins.float = ...,
+        slot_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "slot_ids", b"slot_ids", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -629,9 +637,14 @@ class PollTrainerWorkRequest(_message.Message):
     SLOT_ID_FIELD_NUMBER: _builtins.int
     RESIDENT_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
+    DP_ADDRESS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     slot_id: _builtins.str
     wait_ms: _builtins.int
+    dp_address: _builtins.str
+    """host:port this slot's process reserved for a data-parallel rendezvous (it hosts the
+    group's TCP store when it is rank 0); "" = the slot cannot join a data-parallel group.
+    """
     @_builtins.property
     def resident(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResidentAgent]:
         """Agents whose training state this slot holds now ("job/agent" keys)."""
@@ -643,14 +656,60 @@ class PollTrainerWorkRequest(_message.Message):
         slot_id: _builtins.str = ...,
         resident: _abc.Iterable[Global___ResidentAgent] | None = ...,
         wait_ms: _builtins.int = ...,
+        dp_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["resident", b"resident", "slot_id", b"slot_id", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_address", b"dp_address", "resident", b"resident", "slot_id", b"slot_id", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PollTrainerWorkRequest: _TypeAlias = PollTrainerWorkRequest  # noqa: Y015
+
+@_typing.final
+class DataParallelGroup(_message.Message):
+    """The data-parallel group a piece of trainer work runs in. world_size 1 (or an absent
+    group) = the slot trains alone; otherwise the process must be rank `rank` of a process
+    group of `world_size` at `master_address` before it builds the agent's engine.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MEMBER_SLOT_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """"<job>/<agent>/g<epoch>": a new id = a new process group (membership changed)."""
+    rank: _builtins.int
+    world_size: _builtins.int
+    master_address: _builtins.str
+    """host:port of rank 0's rendezvous (its dp_address)."""
+    timeout_s: _builtins.int
+    """Bound on one collective (and on the rendezvous): a dead member makes the others fail."""
+    @_builtins.property
+    def member_slot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Member slots in rank order."""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        master_address: _builtins.str = ...,
+        member_slot_ids: _abc.Iterable[_builtins.str] | None = ...,
+        timeout_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "master_address", b"master_address", "member_slot_ids", b"member_slot_ids", "rank", b"rank", "timeout_s", b"timeout_s", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataParallelGroup: _TypeAlias = DataParallelGroup  # noqa: Y015
 
 @_typing.final
 class ResidentAgent(_message.Message):
@@ -693,6 +752,7 @@ class MicroBatchWork(_message.Message):
     STEP_EPISODES_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     SPEC_JSON_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     agent: _builtins.str
@@ -709,6 +769,8 @@ class MicroBatchWork(_message.Message):
     spec_json: _builtins.str
     @_builtins.property
     def experience_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def group(self) -> Global___DataParallelGroup: ...
     def __init__(
         self,
         *,
@@ -724,10 +786,11 @@ class MicroBatchWork(_message.Message):
         step_episodes: _builtins.int = ...,
         deadline_unix_ms: _builtins.int = ...,
         spec_json: _builtins.str = ...,
+        group: Global___DataParallelGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_json", b"spec_json", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "group", b"group", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_json", b"spec_json", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -745,6 +808,10 @@ class OptimizerStepWork(_message.Message):
     STEP_RESPONSE_TOKENS_FIELD_NUMBER: _builtins.int
     STEP_EPISODES_FIELD_NUMBER: _builtins.int
     NUM_MICRO_BATCHES_FIELD_NUMBER: _builtins.int
+    GROUP_FIELD_NUMBER: _builtins.int
+    BASE_VERSION_FIELD_NUMBER: _builtins.int
+    STATE_URI_FIELD_NUMBER: _builtins.int
+    SPEC_JSON_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     agent: _builtins.str
     step: _builtins.int
@@ -755,6 +822,14 @@ class OptimizerStepWork(_message.Message):
     """Token total of the step (for token-mean losses accumulated as sums)."""
     step_episodes: _builtins.int
     num_micro_batches: _builtins.int
+    base_version: _builtins.int
+    """A data-parallel member that accumulated nothing builds the engine from these
+    (as in MicroBatchWork). Only rank 0 publishes, saves and calls CommitStep.
+    """
+    state_uri: _builtins.str
+    spec_json: _builtins.str
+    @_builtins.property
+    def group(self) -> Global___DataParallelGroup: ...
     def __init__(
         self,
         *,
@@ -766,10 +841,14 @@ class OptimizerStepWork(_message.Message):
         step_response_tokens: _builtins.int = ...,
         step_episodes: _builtins.int = ...,
         num_micro_batches: _builtins.int = ...,
+        group: Global___DataParallelGroup | None = ...,
+        base_version: _builtins.int = ...,
+        state_uri: _builtins.str = ...,
+        spec_json: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "group", b"group", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "spec_json", b"spec_json", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

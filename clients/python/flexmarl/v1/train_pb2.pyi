@@ -46,6 +46,9 @@ class SlotStatus(_message.Message):
     RESIDENT_VERSION_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
     BUSY_FRACTION_FIELD_NUMBER: _builtins.int
+    DP_GROUP_ID_FIELD_NUMBER: _builtins.int
+    DP_RANK_FIELD_NUMBER: _builtins.int
+    DP_WORLD_SIZE_FIELD_NUMBER: _builtins.int
     slot_id: _builtins.str
     device: _builtins.str
     """"cpu" or "cuda:N"."""
@@ -55,6 +58,10 @@ class SlotStatus(_message.Message):
     resident_version: _builtins.int
     busy: _builtins.bool
     busy_fraction: _builtins.float
+    dp_group_id: _builtins.str
+    """Data-parallel group of the resident engine ("" and 1 when it trains alone)."""
+    dp_rank: _builtins.int
+    dp_world_size: _builtins.int
     def __init__(
         self,
         *,
@@ -65,10 +72,13 @@ class SlotStatus(_message.Message):
         resident_version: _builtins.int = ...,
         busy: _builtins.bool = ...,
         busy_fraction: _builtins.float = ...,
+        dp_group_id: _builtins.str = ...,
+        dp_rank: _builtins.int = ...,
+        dp_world_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "busy_fraction", b"busy_fraction", "device", b"device", "memory_bytes", b"memory_bytes", "resident", b"resident", "resident_version", b"resident_version", "slot_id", b"slot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "busy_fraction", b"busy_fraction", "device", b"device", "dp_group_id", b"dp_group_id", "dp_rank", b"dp_rank", "dp_world_size", b"dp_world_size", "memory_bytes", b"memory_bytes", "resident", b"resident", "resident_version", b"resident_version", "slot_id", b"slot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
