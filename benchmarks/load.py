@@ -1,9 +1,11 @@
 """Load on orchestratord and stored: many simulated rollout and trainer workers on loopback.
 
 Usage: python benchmarks/load.py [--rollout-workers 200] [--steps 60] [--drive-s 90] [--storm-s 10]
+                                [--open-rates 5000] [--open-workers 1000] [--client-procs 3]
 
-Starts etcd, a real stored (fsync on every commit) and a real orchestratord as subprocesses, then
-runs three phases from one asyncio process over a few shared gRPC channels:
+Starts etcd, a real stored (fsync on every commit) and a real orchestratord as subprocesses. Phases
+1-2 run from one asyncio process over a few shared gRPC channels; phases 3-5 run their callers in
+--client-procs separate processes (multiprocessing), so the client's CPU does not starve the server:
 
 1. drive: a real 2-agent job through the planner. Hundreds of simulated rolloutd tasks long-poll
    LeaseRolloutTasks, append tiny synthetic experiences to stored (one AppendExperiences per task),
@@ -12,8 +14,19 @@ runs three phases from one asyncio process over a few shared gRPC channels:
    RSS of both daemons is sampled throughout (growth per committed step).
 2. hold: a second job admits many tasks at once; the benchmark leases them all without reporting and
    reads orchestratord's RSS before and after (state bytes per lease in flight).
-3. storm: the same hundreds of tasks call RenewLeases (one held lease each) and non-blocking
-   LeaseRolloutTasks as fast as they can for --storm-s: the lease-operation ceiling.
+3. baseline: the closed loop of phase 4 against a bare grpc.aio server (same proto, handlers that
+   only build an empty reply; no interceptor, no planner): the ceiling of Python gRPC itself here.
+4. storm (closed loop): --rollout-workers callers each call RenewLeases (one held lease) and a
+   non-blocking LeaseRolloutTasks back to back for --storm-s: the ceiling. Its latency is queueing
+   of that many concurrent callers, not latency at a rate.
+5. open (open loop): for each rate in --open-rates, --open-workers simulated rolloutds each hold
+   --open-leases task leases and, like rolloutd, renew all of them in one RenewLeases every
+   --renew-s; the rest of the rate is task turnover: ReportRolloutTask of a held task, then a
+   LeaseRolloutTasks for its replacement, at Poisson times. Sends are scheduled ahead and never wait
+   for earlier replies; latency counts from the scheduled send time (no coordinated omission).
+
+Lease operations are counted per lease: a RenewLeases of k leases is k operations, a task leased is
+one, a task reported is one. RPCs per second are reported next to them.
 
 Prints a table and writes benchmarks/results/load.json. The client shares the machine's cores with
 the daemons, so the numbers are a lower bound of what orchestratord alone can serve.
@@ -24,12 +37,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -307,52 +323,302 @@ async def hold(cluster: Cluster, sampler: RssSampler, args: argparse.Namespace) 
             "bytes_per_lease": (after - before) / max(1, len(leased))}, leased
 
 
-async def storm(cluster: Cluster, leased: list[Any], pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
-    """Phase 3: RenewLeases and non-blocking LeaseRolloutTasks as fast as the client can send them."""
-    rec = Recorder()
-    stop = asyncio.Event()
+# ---- multi-process callers (phases 3-5) ---------------------------------------------------------------
+
+
+def _summary(seconds: dict[str, list[float]], errors: dict[str, dict[str, int]], lease_ops: dict[str, int],
+             wall_s: float) -> dict[str, dict[str, Any]]:
+    """count, RPC/s, lease ops/s, p50/p99/max ms per RPC (samples merged over client processes)."""
+    out: dict[str, dict[str, Any]] = {}
+    for rpc in sorted(set(seconds) | set(errors)):
+        ms = np.array(seconds.get(rpc) or [float("nan")]) * 1000
+        out[rpc] = {"count": len(seconds.get(rpc, [])), "ops_per_s": len(seconds.get(rpc, [])) / wall_s,
+                    "lease_ops_per_s": lease_ops.get(rpc, 0) / wall_s,
+                    "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+                    "max_ms": float(np.max(ms)), "errors": dict(errors.get(rpc, {}))}
+    return out
+
+
+class _ProcRecorder:
+    """Latencies, errors and lease operations of one client process."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, list[float]] = defaultdict(list)
+        self.errors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.lease_ops: dict[str, int] = defaultdict(int)
+        self.lag_s: list[float] = []
+
+    async def call(self, rpc: str, method: Callable[..., Awaitable[T]], request: Any, since: float,
+                   ops: int = 1) -> T | None:
+        """Calls method(request); latency counts from ``since`` (the scheduled send time)."""
+        try:
+            reply = await method(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            self.errors[rpc][exc.code().name] += 1
+            return None
+        self.seconds[rpc].append(time.perf_counter() - since)
+        self.lease_ops[rpc] += ops
+        return reply
+
+    def result(self) -> dict[str, Any]:
+        """Plain data for the parent process."""
+        return {"seconds": dict(self.seconds), "errors": {k: dict(v) for k, v in self.errors.items()},
+                "lease_ops": dict(self.lease_ops), "lag_s": self.lag_s}
+
+
+def _summaries(task_id: str, group_size: int) -> list[orchestrator_pb2.ExperienceSummary]:
+    """A successful task's report: one experience per (sample, agent) at behaviour version 0."""
+    return [orchestrator_pb2.ExperienceSummary(
+        experience_id=experience_id(task_id, sample, agent, 0), agent=agent, group_id=group_id(task_id, agent),
+        sample_index=sample, behavior_version=0, response_tokens=8, reward=0.5)
+        for sample in range(group_size) for agent in AGENTS]
+
+
+async def _closed_callers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any]) -> None:
+    """Closed loop: each caller renews one held lease, then polls for a task without waiting, back to back."""
+    leases: list[str] = cfg["lease_ids"]
 
     async def one(index: int) -> None:
-        orch = cluster.orch[index % len(cluster.orch)]
-        lease = leased[index % len(leased)] if leased else None
-        renew = orchestrator_pb2.RenewLeasesRequest(worker_id="holder", lease_ids=[lease.lease_id] if lease else [])
-        poll = orchestrator_pb2.LeaseRolloutTasksRequest(worker_id=f"storm-{index}", max_tasks=1, wait_ms=0)
-        while not stop.is_set():
-            await rec.timed("RenewLeases", orch.RenewLeases, renew)
-            await rec.timed("LeaseRolloutTasks", orch.LeaseRolloutTasks, poll)
+        orch = stubs[index % len(stubs)]
+        lease = leases[(cfg["proc"] * 7919 + index) % len(leases)] if leases else ""
+        renew = orchestrator_pb2.RenewLeasesRequest(worker_id=cfg["holder"], lease_ids=[lease] if lease else [])
+        poll = orchestrator_pb2.LeaseRolloutTasksRequest(worker_id=f"storm-{cfg['proc']}-{index}", max_tasks=1,
+                                                         wait_ms=0)
+        while time.time() < cfg["end_at"]:
+            await rec.call("RenewLeases", orch.RenewLeases, renew, time.perf_counter(), len(renew.lease_ids))
+            got = await rec.call("LeaseRolloutTasks", orch.LeaseRolloutTasks, poll, time.perf_counter(), 0)
+            if got is not None:
+                rec.lease_ops["LeaseRolloutTasks"] += len(got.tasks)
 
-    procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-    procs["client"] = psutil.Process()
-    cpu_before = {name: sum(p.cpu_times()[:2]) for name, p in procs.items()}
-    start = time.monotonic()
-    tasks = [asyncio.create_task(one(i)) for i in range(args.rollout_workers)]
-    await asyncio.sleep(args.storm_s)
-    stop.set()
-    await asyncio.gather(*tasks)
-    wall_s = time.monotonic() - start
-    cpu_cores = {name: (sum(p.cpu_times()[:2]) - cpu_before[name]) / wall_s for name, p in procs.items()}
-    rpcs = rec.summary(wall_s)
-    all_ms = np.array([s for v in rec.seconds.values() for s in v]) * 1000
-    return {"wall_s": wall_s, "rpcs": rpcs, "lease_ops_per_s": len(all_ms) / wall_s, "cpu_cores_used": cpu_cores,
-            "orchestratord_cpu_us_per_op": cpu_cores["orchestratord"] * 1e6 / max(1.0, len(all_ms) / wall_s),
-            "p50_ms": float(np.percentile(all_ms, 50)), "p99_ms": float(np.percentile(all_ms, 99))}
+    await asyncio.sleep(max(0.0, cfg["start_at"] - time.time()))
+    await asyncio.gather(*(one(i) for i in range(cfg["callers"])))
+
+
+async def _open_workers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any]) -> None:
+    """Open loop: simulated rolloutds renewing their leases in batches and turning tasks over at Poisson times."""
+    rng = random.Random(cfg["proc"])
+    held: list[deque[Any]] = []
+    for index in range(cfg["workers"]):  # each worker leases its tasks before the clock starts
+        worker_id = f"open-{cfg['proc']}-{index}"
+        reply = await stubs[index % len(stubs)].LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
+            worker_id=worker_id, max_tasks=cfg["leases"], wait_ms=0), timeout=30)
+        held.append(deque(reply.tasks))
+    pending: set[asyncio.Task[Any]] = set()
+
+    async def turn_over(index: int, worker_id: str, since: float) -> None:
+        orch = stubs[index % len(stubs)]
+        if not held[index]:
+            return
+        task = held[index].popleft()
+        await rec.call("ReportRolloutTask", orch.ReportRolloutTask, orchestrator_pb2.ReportRolloutTaskRequest(
+            lease_id=task.lease_id, worker_id=worker_id, task_id=task.task_id, succeeded=True,
+            experiences=_summaries(task.task_id, task.group_size)), since)
+        got = await rec.call("LeaseRolloutTasks", orch.LeaseRolloutTasks, orchestrator_pb2.LeaseRolloutTasksRequest(
+            worker_id=worker_id, max_tasks=1, wait_ms=0), time.perf_counter(), 0)
+        if got is not None:
+            rec.lease_ops["LeaseRolloutTasks"] += len(got.tasks)
+            held[index].extend(got.tasks)
+
+    async def worker(index: int) -> None:
+        worker_id = f"open-{cfg['proc']}-{index}"
+        orch = stubs[index % len(stubs)]
+        next_renew = cfg["start_at"] + rng.uniform(0, cfg["renew_s"])
+        rate = cfg["task_rate_per_worker"]
+        next_task = cfg["start_at"] + rng.expovariate(rate) if rate > 0 else float("inf")
+        while True:
+            due = min(next_renew, next_task)
+            if due >= cfg["end_at"]:
+                return
+            await asyncio.sleep(max(0.0, due - time.time()))
+            now = time.time()
+            rec.lag_s.append(now - due)
+            since = time.perf_counter() - (now - due)  # latency counts from the scheduled time
+            job: asyncio.Task[Any]
+            if due == next_renew:
+                ids = [t.lease_id for t in held[index]]
+                request = orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=ids)
+                job = asyncio.create_task(rec.call("RenewLeases", orch.RenewLeases, request, since, len(ids)))
+                next_renew += cfg["renew_s"]
+            else:
+                job = asyncio.create_task(turn_over(index, worker_id, since))
+                next_task += rng.expovariate(rate)
+            pending.add(job)
+            job.add_done_callback(pending.discard)
+
+    await asyncio.gather(*(worker(i) for i in range(cfg["workers"])))
+    if pending:
+        await asyncio.wait(pending, timeout=35)
+
+
+def _client_main(cfg: dict[str, Any], conn: multiprocessing.connection.Connection) -> None:
+    """Entry point of one client process: runs its callers and sends back what it measured."""
+
+    async def main() -> dict[str, Any]:
+        channels = [grpc.aio.insecure_channel(cfg["address"]) for _ in range(cfg["channels"])]
+        stubs = [orchestrator_pb2_grpc.OrchestratorStub(c) for c in channels]
+        for channel in channels:
+            await channel.channel_ready()
+        rec = _ProcRecorder()
+        if cfg["mode"] == "open":
+            await _open_workers(cfg, rec, stubs)
+        else:
+            await _closed_callers(cfg, rec, stubs)
+        for channel in channels:
+            await channel.close()
+        return rec.result()
+
+    cpu_before = sum(os.times()[:2])
+    result = asyncio.run(main())
+    result["cpu_s"] = sum(os.times()[:2]) - cpu_before
+    conn.send(result)
+    conn.close()
+
+
+def run_clients(address: str, configs: list[dict[str, Any]], pids: dict[str, int], wall_s: float,
+                setup_s: float) -> dict[str, Any]:
+    """Runs one client process per config; merges their samples; measures server CPU and peak RSS."""
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    start_at = time.time() + setup_s
+    for index, cfg in enumerate(configs):
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_client_main, daemon=True, args=(
+            {**cfg, "proc": index, "address": address, "start_at": start_at, "end_at": start_at + wall_s}, child))
+        proc.start()
+        procs.append(proc)
+        conns.append(parent)
+    watched = {name: psutil.Process(pid) for name, pid in pids.items()}
+    while time.time() < start_at:
+        time.sleep(0.01)
+    cpu_before = {name: sum(p.cpu_times()[:2]) for name, p in watched.items()}
+    peak = dict.fromkeys(watched, 0)
+    while time.time() < start_at + wall_s:
+        for name, p in watched.items():
+            peak[name] = max(peak[name], p.memory_info().rss)
+        time.sleep(0.25)
+    cpu_cores = {name: (sum(p.cpu_times()[:2]) - cpu_before[name]) / wall_s for name, p in watched.items()}
+    results = [conn.recv() for conn in conns]
+    for proc in procs:
+        proc.join(timeout=30)
+    seconds: dict[str, list[float]] = defaultdict(list)
+    errors: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    lease_ops: dict[str, int] = defaultdict(int)
+    lag: list[float] = []
+    for result in results:
+        for rpc, values in result["seconds"].items():
+            seconds[rpc].extend(values)
+        for rpc, codes in result["errors"].items():
+            for code, n in codes.items():
+                errors[rpc][code] += n
+        for rpc, n in result["lease_ops"].items():
+            lease_ops[rpc] += n
+        lag.extend(result["lag_s"])
+    server = next(iter(watched))
+    cpu_cores["clients"] = sum(r["cpu_s"] for r in results) / wall_s
+    all_ms = np.array([v for values in seconds.values() for v in values] or [float("nan")]) * 1000
+    rpcs_per_s = sum(len(v) for v in seconds.values()) / wall_s
+    ops_per_s = sum(lease_ops.values()) / wall_s
+    return {"wall_s": wall_s, "client_procs": len(configs), "rpcs": _summary(seconds, errors, lease_ops, wall_s),
+            "rpcs_per_s": rpcs_per_s, "lease_ops_per_s": ops_per_s, "cpu_cores_used": cpu_cores,
+            "server_cpu_us_per_rpc": cpu_cores[server] * 1e6 / max(1.0, rpcs_per_s),
+            "server_cpu_us_per_lease_op": cpu_cores[server] * 1e6 / max(1.0, ops_per_s),
+            "p50_ms": float(np.percentile(all_ms, 50)), "p99_ms": float(np.percentile(all_ms, 99)),
+            "max_ms": float(np.max(all_ms)), "peak_rss_mb": {k: v / 2**20 for k, v in peak.items()},
+            "client_lag_p99_ms": float(np.percentile(np.array(lag) * 1000, 99)) if lag else 0.0}
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def storm(address: str, leased: list[str], pids: dict[str, int], args: argparse.Namespace,
+          holder: str = "holder") -> dict[str, Any]:
+    """Closed loop from --client-procs processes: the ceiling (and queueing latency) of RenewLeases + polls."""
+    configs = [{"mode": "closed", "callers": n, "lease_ids": leased, "holder": holder, "channels": args.channels}
+               for n in _split(args.rollout_workers, args.client_procs)]
+    return run_clients(address, configs, pids, args.storm_s, setup_s=3.0)
+
+
+def open_loop(address: str, rate: float, pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    """Open loop at ``rate`` lease ops/s: batched renewals of held leases plus task turnover."""
+    renew_ops = args.open_workers * args.open_leases / args.renew_s
+    task_rate = (rate - renew_ops) / 2  # a turnover is one report and one lease
+    if task_rate < 0:
+        raise SystemExit(f"--open-workers x --open-leases / --renew-s = {renew_ops:.0f} lease ops/s of renewals "
+                         f"alone exceeds the rate {rate:.0f}")
+    configs = [{"mode": "open", "workers": n, "leases": args.open_leases, "renew_s": args.renew_s,
+                "task_rate_per_worker": task_rate / args.open_workers, "channels": args.channels}
+               for n in _split(args.open_workers, args.client_procs)]
+    result = run_clients(address, configs, pids, args.open_s, setup_s=3.0 + args.open_workers / 300)
+    result["offered"] = {"lease_ops_per_s": rate, "renewal_lease_ops_per_s": renew_ops,
+                         "renew_rpcs_per_s": args.open_workers / args.renew_s, "task_turnovers_per_s": task_rate,
+                         "rpcs_per_s": args.open_workers / args.renew_s + 2 * task_rate,
+                         "leases_held": args.open_workers * args.open_leases,
+                         "mean_task_s": args.open_workers * args.open_leases / task_rate if task_rate else None}
+    return result
+
+
+async def _empty_renew(request: Any, context: Any) -> orchestrator_pb2.RenewLeasesResponse:
+    return orchestrator_pb2.RenewLeasesResponse()
+
+
+async def _empty_lease(request: Any, context: Any) -> orchestrator_pb2.LeaseRolloutTasksResponse:
+    return orchestrator_pb2.LeaseRolloutTasksResponse()
+
+
+def _bare_server_main(conn: multiprocessing.connection.Connection) -> None:
+    """A grpc.aio server whose RenewLeases and LeaseRolloutTasks only build an empty reply."""
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("flexmarl.v1.Orchestrator", {
+            "RenewLeases": grpc.unary_unary_rpc_method_handler(
+                _empty_renew, orchestrator_pb2.RenewLeasesRequest.FromString,
+                orchestrator_pb2.RenewLeasesResponse.SerializeToString),
+            "LeaseRolloutTasks": grpc.unary_unary_rpc_method_handler(
+                _empty_lease, orchestrator_pb2.LeaseRolloutTasksRequest.FromString,
+                orchestrator_pb2.LeaseRolloutTasksResponse.SerializeToString),
+        }),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        conn.send(port)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """Phase 3: the closed loop against a bare grpc.aio server."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    server = ctx.Process(target=_bare_server_main, args=(child,), daemon=True)
+    server.start()
+    try:
+        port = parent.recv()
+        return storm(f"127.0.0.1:{port}", [f"bare-{i}" for i in range(args.rollout_workers)],
+                     {"bare_grpc": int(server.pid or 0)}, args)
+    finally:
+        server.terminate()
+        server.join(timeout=10)
 
 
 async def run(orch_address: str, store_address: str, pids: dict[str, int],
               args: argparse.Namespace) -> dict[str, Any]:
-    """All three phases."""
+    """Phases 1 and 2 (one asyncio process), and the job the open loop turns over."""
     cluster = Cluster(orch_address, store_address, args.channels)
     sampler = RssSampler(pids)
     sampler.start()
     try:
         driven = await drive(cluster, sampler, args)
         held, leased = await hold(cluster, sampler, args)
-        stormed = await storm(cluster, leased, pids, args)
+        spec = job_spec("open", args.open_prompts, 2, 1000, 9)
+        await cluster.orch[0].SubmitJob(orchestrator_pb2.SubmitJobRequest(spec_json=spec, job_id="load-open"),
+                                        timeout=10)
     finally:
         await sampler.stop()
         await cluster.close()
     peaks = {name: sampler.peak(name) / 2**20 for name in pids}
-    return {"drive": driven, "hold": held, "storm": stormed, "peak_rss_mb": peaks}
+    return {"drive": driven, "hold": held, "peak_rss_mb": peaks, "held_lease_ids": [t.lease_id for t in leased]}
 
 
 def _lease_ops(rpcs: dict[str, dict[str, Any]]) -> tuple[float, float]:
@@ -361,36 +627,57 @@ def _lease_ops(rpcs: dict[str, dict[str, Any]]) -> tuple[float, float]:
     return sum(r["ops_per_s"] for r in rows), max((r["p99_ms"] for r in rows), default=float("nan"))
 
 
+def _rows(phase: str, rpcs: dict[str, dict[str, Any]]) -> None:
+    for rpc, row in rpcs.items():
+        errors = ",".join(f"{k}={v}" for k, v in row["errors"].items()) or "-"
+        lease_ops = f"{row['lease_ops_per_s']:>10.0f}" if "lease_ops_per_s" in row else f"{'':>10}"
+        print(f"{phase + '/' + rpc:<36}{row['count']:>9}{row['ops_per_s']:>9.0f}{lease_ops}{row['p50_ms']:>9.2f}"
+              f"{row['p99_ms']:>9.2f}{row['max_ms']:>9.1f}  {errors}")
+
+
 def print_report(report: dict[str, Any]) -> None:
     """A human-readable table of the report."""
-    d, h, s = report["drive"], report["hold"], report["storm"]
+    d, h, s, b = report["drive"], report["hold"], report["storm"], report["baseline"]
     print(f"drive: job {d['job_state']} in {d['wall_s']:.1f} s, {d['committed_steps_all_agents']} agent-steps "
           f"committed ({d['steps_per_s']:.2f}/s), tasks {d['tasks_done']}/{d['tasks_total']}")
-    print(f"{'phase/rpc':<32}{'count':>9}{'ops/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  errors")
-    for phase, rpcs in (("drive", d["rpcs"]), ("storm", s["rpcs"])):
-        for rpc, row in rpcs.items():
-            errors = ",".join(f"{k}={v}" for k, v in row["errors"].items()) or "-"
-            print(f"{phase + '/' + rpc:<32}{row['count']:>9}{row['ops_per_s']:>10.0f}{row['p50_ms']:>9.2f}"
-                  f"{row['p99_ms']:>9.2f}{row['max_ms']:>9.1f}  {errors}")
+    print(f"{'phase/rpc':<36}{'count':>9}{'RPC/s':>9}{'lease op/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  errors")
+    _rows("drive", d["rpcs"])
+    _rows("baseline(bare grpc.aio)", b["rpcs"])
+    _rows("storm(closed)", s["rpcs"])
+    for run in report["open"]:
+        _rows(f"open@{run['offered']['lease_ops_per_s']:.0f}", run["rpcs"])
     for name, m in d["memory"].items():
         print(f"{name}: RSS start {m['rss_start_mb']:.1f} MiB, after warm-up {m['rss_after_warmup_mb']:.1f}, "
               f"end {m['rss_end_mb']:.1f}, peak {m['rss_peak_mb']:.1f}; growth after warm-up "
               f"{m['growth_after_warmup_kb_per_committed_step']:.1f} KiB per committed step")
     print(f"hold: {h['leases_in_flight']} leases in flight: orchestratord RSS {h['rss_before_mb']:.1f} -> "
           f"{h['rss_after_mb']:.1f} MiB = {h['bytes_per_lease']:.0f} bytes per lease")
-    cores = ", ".join(f"{k} {v:.2f}" for k, v in s["cpu_cores_used"].items())
-    print(f"storm CPU (cores busy): {cores}; orchestratord {s['orchestratord_cpu_us_per_op']:.0f} us CPU per op")
-    t = report["targets"]
-    print(f"storm: {s['lease_ops_per_s']:,.0f} lease ops/s, p50 {s['p50_ms']:.2f} ms, p99 {s['p99_ms']:.2f} ms "
-          f"-> target >= {TARGET_LEASE_OPS_PER_S:,.0f}/s: {'met' if t['storm_ops_met'] else 'MISSED'}; "
-          f"p99 < {TARGET_P99_MS} ms: {'met' if t['storm_p99_met'] else 'MISSED'}")
+    print("peak RSS (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in report["peak_rss_mb"].items()))
+    for name, phase in (("baseline", b), ("storm", s), *((f"open@{r['offered']['lease_ops_per_s']:.0f}", r)
+                                                         for r in report["open"])):
+        cores = ", ".join(f"{k} {v:.2f}" for k, v in phase["cpu_cores_used"].items())
+        print(f"{name:<12} {phase['rpcs_per_s']:>7,.0f} RPC/s {phase['lease_ops_per_s']:>7,.0f} lease ops/s  "
+              f"p50 {phase['p50_ms']:6.2f} p99 {phase['p99_ms']:7.2f} max {phase['max_ms']:7.1f} ms  "
+              f"server {phase['server_cpu_us_per_rpc']:.0f} us CPU/RPC; cores busy: {cores}; "
+              f"client lag p99 {phase['client_lag_p99_ms']:.1f} ms")
+    print(f"storm / bare grpc.aio RPC/s: {s['rpcs_per_s'] / b['rpcs_per_s']:.2f}")
+    for run, met in zip(report["open"], report["targets"]["open"], strict=True):
+        o = run["offered"]
+        print(f"open loop offered {o['lease_ops_per_s']:,.0f} lease ops/s ({o['rpcs_per_s']:,.0f} RPC/s: "
+              f"{o['renew_rpcs_per_s']:.0f} RenewLeases of {report['settings']['open_leases']} leases, "
+              f"{o['task_turnovers_per_s']:.0f} report+lease turnovers; {o['leases_held']} leases held) -> achieved "
+              f"{run['lease_ops_per_s']:,.0f} lease ops/s, {run['rpcs_per_s']:,.0f} RPC/s, worst RPC p99 "
+              f"{met['worst_p99_ms']:.2f} ms: rate {'met' if met['rate_met'] else 'MISSED'}, "
+              f"p99 < {TARGET_P99_MS} ms {'met' if met['p99_met'] else 'MISSED'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rollout-workers", type=int, default=200, help="concurrent simulated rollout tasks")
+    parser.add_argument("--rollout-workers", type=int, default=200,
+                        help="concurrent simulated rollout tasks (drive) and closed-loop callers (storm)")
     parser.add_argument("--rollout-worker-ids", type=int, default=8, help="distinct rolloutd ids they act as")
-    parser.add_argument("--channels", type=int, default=4, help="gRPC channels shared by the tasks")
+    parser.add_argument("--channels", type=int, default=4, help="gRPC channels per client process")
+    parser.add_argument("--client-procs", type=int, default=3, help="client processes of phases 3-5")
     parser.add_argument("--steps", type=int, default=60, help="total_steps of the driven job")
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=4)
@@ -399,8 +686,15 @@ def main() -> None:
     parser.add_argument("--drive-s", type=float, default=90.0, help="time limit of the driven job")
     parser.add_argument("--hold-prompts", type=int, default=1000, help="prompts per step of the held job (x10)")
     parser.add_argument("--storm-s", type=float, default=10.0)
+    parser.add_argument("--open-rates", default="5000", help="comma-separated offered lease ops/s of the open loop")
+    parser.add_argument("--open-workers", type=int, default=1000, help="simulated rolloutds of the open loop")
+    parser.add_argument("--open-leases", type=int, default=8, help="task leases each holds (rolloutd max_tasks)")
+    parser.add_argument("--renew-s", type=float, default=2.0, help="renewal period (rolloutd's RENEW_INTERVAL_S)")
+    parser.add_argument("--open-s", type=float, default=10.0, help="duration of each open-loop rate")
+    parser.add_argument("--open-prompts", type=int, default=8192, help="prompts per step of the turned-over job")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    rates = [float(r) for r in args.open_rates.split(",") if r.strip()]
     load_at_start = os.getloadavg()
 
     with tempfile.TemporaryDirectory(prefix="load-bench-") as tmp_name:
@@ -415,8 +709,15 @@ def main() -> None:
             orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING"],
                                  etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
             orch.start()
-            result = asyncio.run(run(orch.address, stored.address,
-                                     {"orchestratord": orch.pid, "stored": stored.pid}, args))
+            pids = {"orchestratord": orch.pid, "stored": stored.pid}
+            result = asyncio.run(run(orch.address, stored.address, pids, args))
+            leased = result.pop("held_lease_ids")
+            result["baseline"] = baseline(args)
+            result["storm"] = storm(orch.address, leased, {"orchestratord": orch.pid}, args)
+            result["open"] = [open_loop(orch.address, rate, {"orchestratord": orch.pid}, args) for rate in rates]
+            for phase in (result["storm"], *result["open"]):
+                result["peak_rss_mb"]["orchestratord"] = max(result["peak_rss_mb"]["orchestratord"],
+                                                             phase["peak_rss_mb"]["orchestratord"])
         finally:
             if orch is not None:
                 orch.terminate()
@@ -425,16 +726,25 @@ def main() -> None:
 
     ops, p99 = result["storm"]["lease_ops_per_s"], result["storm"]["p99_ms"]
     drive_ops, drive_p99 = _lease_ops(result["drive"]["rpcs"])
+    open_targets = []
+    for run_ in result["open"]:
+        worst = max(row["p99_ms"] for row in run_["rpcs"].values())
+        open_targets.append({"offered": run_["offered"]["lease_ops_per_s"], "worst_p99_ms": worst,
+                             "rate_met": run_["lease_ops_per_s"] >= 0.97 * run_["offered"]["lease_ops_per_s"]
+                             and run_["offered"]["lease_ops_per_s"] >= TARGET_LEASE_OPS_PER_S,
+                             "p99_met": worst < TARGET_P99_MS})
     report = {
         "command": "python benchmarks/load.py " + " ".join(sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "lease_op_counting": "RenewLeases of k leases = k lease ops; each task leased = 1; each task reported = 1",
         **result,
         "targets": {"lease_ops_per_s": TARGET_LEASE_OPS_PER_S, "p99_ms": TARGET_P99_MS,
                     "storm_ops_met": ops >= TARGET_LEASE_OPS_PER_S, "storm_p99_met": p99 < TARGET_P99_MS,
+                    "storm_vs_bare_grpc_rpcs": result["storm"]["rpcs_per_s"] / result["baseline"]["rpcs_per_s"],
                     "drive_lease_ops_per_s": drive_ops, "drive_worst_p99_ms": drive_p99,
-                    "drive_p99_met": drive_p99 < TARGET_P99_MS},
+                    "drive_p99_met": drive_p99 < TARGET_P99_MS, "open": open_targets},
     }
     print_report(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)

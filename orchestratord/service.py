@@ -59,7 +59,7 @@ def require_id(name: str, value: str) -> str:
         raise InvalidArgument(f"{name}: must not be empty")
     if len(value) > MAX_ID_LENGTH:
         raise InvalidArgument(f"{name}: longer than {MAX_ID_LENGTH} characters")
-    if not value.isprintable() or any(c.isspace() for c in value):
+    if not value.isprintable() or value.split() != [value]:  # split() splits on exactly str.isspace
         raise InvalidArgument(f"{name}: must be printable without whitespace, got {value!r}")
     return value
 
@@ -88,6 +88,8 @@ class OrchestratorService:
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._generation = 0
+        #: Long-polls for rollout tasks wait here; woken only when some job has a task to hand out.
+        self._lease_waiters: set[asyncio.Future[None]] = set()
         # Only the stored side is used: orchestratord is the orchestrator.
         self._peers = PeerConnections(registry, orchestrator_address="", store_address=store_address,
                                       max_message_bytes=max_message_bytes, security=security)
@@ -235,9 +237,18 @@ class OrchestratorService:
                 result = fn()
             finally:
                 await self._persist(self.planner.take_changes())
+        self._wake_lease_waiters()
         if notify:
             await self._notify()
         return result
+
+    def _wake_lease_waiters(self) -> None:
+        """Wakes the rollout-task long-polls when some job has a task to hand out (else they sleep on)."""
+        if self._lease_waiters and self.planner.has_leasable_tasks():
+            for waiter in self._lease_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._lease_waiters.clear()
 
     async def _notify(self) -> None:
         """Wakes long-polls and watch streams: the planner may have changed."""
@@ -284,14 +295,25 @@ class OrchestratorService:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
 
     async def _mark_consumed(self, job_id: str, agent: str, step: int, ids: Sequence[str]) -> None:
-        """Marks a committed step's experiences consumed in stored (for GC); best effort."""
+        """Marks a committed step's experiences consumed in stored; retried while stored is unavailable."""
         from flexmarl.experience import ExperienceState
 
-        try:
-            store = await self._peers.store()
-            await store.mark(job_id, agent, f"{job_id}/{agent}/step{step}", ids, ExperienceState.CONSUMED)
-        except Exception as exc:
-            log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+        deadline_s, backoff_s = time.monotonic() + 300.0, 0.5
+        while True:
+            try:
+                store = await self._peers.store()
+                await store.mark(job_id, agent, f"{job_id}/{agent}/step{step}", ids, ExperienceState.CONSUMED)
+                return
+            except Unavailable as exc:  # stored restarting (maybe on a new address): rediscover, retry
+                if time.monotonic() > deadline_s:
+                    log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+                    return
+                await self._peers.reset_store()
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(5.0, backoff_s * 2)
+            except Exception as exc:
+                log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+                return
 
     async def wait_for(self, fn: Callable[[], T | None], wait_ms: int) -> T | None:
         """Calls fn (as a mutation) until it returns a truthy value or wait_ms passes."""
@@ -365,17 +387,45 @@ class OrchestratorService:
     # ---- workers -------------------------------------------------------------------------------------
 
     async def lease_rollout_tasks(self, worker_id: str, max_tasks: int, wait_ms: int) -> list[RolloutTaskLease]:
-        """Long-poll for rollout tasks."""
-        tasks = await self.wait_for(lambda: self.planner.lease_rollout_tasks(worker_id, max_tasks), wait_ms)
-        self._metrics.tasks_leased.inc(len(tasks or []))
-        for task in tasks or []:
-            log.debug("leased %s (attempt %d) to %s with versions %s", task.task_id, task.attempt, worker_id,
-                      {v.agent: v.version for v in task.agent_versions})
-        return tasks or []
+        """Long-poll for rollout tasks.
+
+        The planner is entered (under the lock) only while some job has a task to hand out, so an
+        empty poll is one predicate check, and waiting polls sleep until a mutation leaves a task
+        to hand out (an expired lease is re-queued by the tick loop, at most TICK_INTERVAL_S late).
+        Leasing changes nothing other waiters wait for, so it wakes nobody.
+        """
+        wait_s = min(max(wait_ms, 0), self.lease_poll_max_ms) / 1000.0
+        deadline = time.monotonic() + wait_s
+        lease = functools.partial(self.planner.lease_rollout_tasks, worker_id, max_tasks)
+        while True:
+            if self.planner.has_leasable_tasks():
+                tasks = await self.mutate(lease, notify=False)
+                if tasks:
+                    self._metrics.tasks_leased.inc(len(tasks))
+                    if log.isEnabledFor(logging.DEBUG):
+                        for task in tasks:
+                            log.debug("leased %s (attempt %d) to %s with versions %s", task.task_id, task.attempt,
+                                      worker_id, {v.agent: v.version for v in task.agent_versions})
+                    return tasks
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return []
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._lease_waiters.add(waiter)
+            try:
+                async with asyncio.timeout(remaining_s):
+                    await waiter
+            except TimeoutError:
+                return []
+            finally:
+                self._lease_waiters.discard(waiter)
 
     async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
-        """Renews leases."""
-        return await self.mutate(lambda: self.planner.renew_leases(worker_id, lease_ids))
+        """Renews leases: soft state, never persisted (leases are re-issued after a restart).
+
+        A renewal changes nothing a long-poll or watch waits for, so it wakes nobody.
+        """
+        return await self.mutate(functools.partial(self.planner.renew_leases, worker_id, lease_ids), notify=False)
 
     async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                           experiences: Sequence[ExperienceSummary]) -> None:

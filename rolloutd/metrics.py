@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,17 @@ class RolloutMetrics:
         self.reload_seconds = Histogram("flexmarl_rolloutd_weight_reload_seconds",
                                         "Time to load new weights onto a replica.", ["agent"],
                                         buckets=_TASK_BUCKETS_S, registry=registry)
+        self.backpressure = Gauge("flexmarl_rolloutd_backpressure",
+                                  "1 while no new task is leased because stored is full, down or slow.",
+                                  registry=registry)
+        self.backpressure_seconds = Counter("flexmarl_rolloutd_backpressure_seconds_total",
+                                            "Time the lease loop held back because stored pushed back.",
+                                            registry=registry)
+        self.pending_appends = Gauge("flexmarl_rolloutd_pending_appends",
+                                     "Finished tasks whose experiences are not yet durable in stored.",
+                                     registry=registry)
+        self.append_retries = Counter("flexmarl_rolloutd_append_retries_total",
+                                      "Appends to stored retried, by status code.", ["code"], registry=registry)
 
         self._registry = registry
 

@@ -4,6 +4,13 @@ A task's experiences are durable in stored before the task is reported done; a t
 whose lease is lost (renewal says so, or the orchestrator rejects the report) is
 abandoned, and the experiences it may already have written are kept by stored and
 deduplicated by id when the re-issued task writes them again.
+
+Backpressure: when stored is full (its per-job quota: RESOURCE_EXHAUSTED "quota exceeded"),
+down or slow, a finished task keeps its experiences and retries the append with exponential
+backoff for as long as its lease lives (the renew loop keeps renewing it, and cancels the task
+only when the orchestrator says the lease is lost). Meanwhile the lease loop leases nothing new:
+while appends are failing, or while half of ``max_tasks`` or more tasks wait on their append.
+Rollouts slow down to what stored absorbs instead of dropping data.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, describe_error
-from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.errors import FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
@@ -42,6 +49,10 @@ JOB_SWEEP_INTERVAL_S = 10.0
 _FINISHED_JOB_STATES = (orchestrator_pb2.JOB_STATE_SUCCEEDED, orchestrator_pb2.JOB_STATE_FAILED,
                         orchestrator_pb2.JOB_STATE_CANCELLED)
 LEASE_WAIT_MS = 2000
+APPEND_BACKOFF_MIN_S = 0.2
+APPEND_BACKOFF_MAX_S = 5.0
+BACKPRESSURE_POLL_S = 0.1
+_RETRIED_APPEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclasses.dataclass
@@ -88,6 +99,10 @@ class RolloutWorker:
         self._job_lock = asyncio.Lock()
         self.episodes_done = 0
         self._stopping = False
+        #: Tasks whose experiences wait to be durable in stored, and since when appends fail (None: they succeed).
+        self._pending_appends = 0
+        self._max_pending_appends = max(1, settings.max_tasks // 2)
+        self._appends_failing_since: float | None = None
         metrics.watch_router(lambda: self.router)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -117,11 +132,38 @@ class RolloutWorker:
 
     # ---- leasing -----------------------------------------------------------------------------------
 
+    def store_backpressure(self) -> str:
+        """Why no new task should be leased now because of stored ("" when leasing may go on)."""
+        if self._appends_failing_since is not None:
+            return f"appends to stored failing for {time.monotonic() - self._appends_failing_since:.1f} s"
+        if self._pending_appends >= self._max_pending_appends:
+            return f"{self._pending_appends} tasks waiting on their append to stored"
+        return ""
+
+    async def _wait_out_backpressure(self) -> None:
+        """Blocks while stored pushes back, counting the time in the backpressure metrics."""
+        reason = self.store_backpressure()
+        if not reason:
+            return
+        log.warning("not leasing new tasks: %s", reason)
+        self._metrics.backpressure.set(1)
+        last_s = time.monotonic()
+        try:
+            while not self._stopping and self.store_backpressure():
+                await asyncio.sleep(BACKPRESSURE_POLL_S)
+                now_s = time.monotonic()
+                self._metrics.backpressure_seconds.inc(now_s - last_s)
+                last_s = now_s
+        finally:
+            self._metrics.backpressure.set(0)
+        log.info("stored keeps up again; leasing tasks")
+
     async def _lease_loop(self) -> None:
         backoff_s = 0.2
         while not self._stopping:
+            await self._wait_out_backpressure()
             free = self.settings.max_tasks - len(self._in_flight)
-            if free <= 0:
+            if free <= 0 or self._stopping:
                 await asyncio.sleep(0.05)
                 continue
             try:
@@ -225,17 +267,38 @@ class RolloutWorker:
             self._in_flight.pop(task.lease_id, None)
 
     async def _store_experiences(self, result: RolloutResult) -> None:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                store = await self._peers.store()
-                await store.append(result.experiences)
-                return
-            except Unavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await self._peers.reset_store()
-                await asyncio.sleep(0.5)
+        """Appends a task's experiences, retrying while stored is full, down or slow (see the module doc).
+
+        There is no deadline: the task's lease bounds the wait (the renew loop cancels this task
+        when the lease is lost, and the re-issued task produces the experiences again). Any other
+        error (a malformed or oversized record) fails the task at once.
+        """
+        self._pending_appends += 1
+        self._metrics.pending_appends.set(self._pending_appends)
+        backoff_s = APPEND_BACKOFF_MIN_S
+        try:
+            while True:
+                try:
+                    store = await self._peers.store()
+                    await store.append(result.experiences)
+                    self._appends_failing_since = None
+                    return
+                except (ResourceExhausted, Unavailable, grpc.RpcError) as exc:
+                    code = _append_retry_code(exc)
+                    if code is None:
+                        raise
+                    if self._appends_failing_since is None:
+                        self._appends_failing_since = time.monotonic()
+                        log.warning("appending to stored failed (%s); holding the experiences and retrying",
+                                    describe_error(exc))
+                    self._metrics.append_retries.labels(code.name).inc()
+                    if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        await self._peers.reset_store()
+                    await asyncio.sleep(backoff_s)
+                    backoff_s = min(APPEND_BACKOFF_MAX_S, backoff_s * 2)
+        finally:
+            self._pending_appends -= 1
+            self._metrics.pending_appends.set(self._pending_appends)
 
     async def _durable_experiences(
         self, job: _Job, task: orchestrator_pb2.RolloutTask
@@ -358,6 +421,22 @@ class RolloutWorker:
     def status(self) -> dict[str, Any]:
         """What GetRolloutStatus reports."""
         return {"tasks_in_flight": len(self._in_flight), "episodes_done": self.episodes_done}
+
+
+def _append_retry_code(exc: Exception) -> grpc.StatusCode | None:
+    """The status code of an append failure worth retrying, or None.
+
+    stored answers RESOURCE_EXHAUSTED both for a full job quota (retried: GC or an operator
+    frees room) and for a record or request over its size limits (never fits: not retried).
+    """
+    if isinstance(exc, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if "quota exceeded" in str(exc) else None
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, grpc.Call) and exc.code() in _RETRIED_APPEND_CODES:
+        code: grpc.StatusCode = exc.code()
+        return code
+    return None
 
 
 def _sampling_of(sampling: dict[str, Any]) -> dict[str, Any]:

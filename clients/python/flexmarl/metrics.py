@@ -7,6 +7,7 @@ Nothing is registered at import time: each daemon builds its metrics into its ow
 from __future__ import annotations
 
 import threading
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -33,6 +34,20 @@ class RpcMetrics:
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )
+        # labels() takes a lock and builds a key per call; an RPC path calls it twice per request.
+        self._count_children: dict[tuple[str, str], Any] = {}
+        self._seconds_children: dict[str, Any] = {}
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """Counts one request of ``method`` that ended with status ``code`` and took ``seconds``."""
+        counter = self._count_children.get((method, code))
+        if counter is None:
+            counter = self._count_children[(method, code)] = self.requests.labels(method, code)
+        histogram = self._seconds_children.get(method)
+        if histogram is None:
+            histogram = self._seconds_children[method] = self.seconds.labels(method)
+        counter.inc()
+        histogram.observe(seconds)
 
 
 class MetricsServer:

@@ -42,6 +42,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, metrics: RpcMetrics | None) -> None:
         self._metrics = metrics
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -52,7 +53,15 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        # Generic handlers hand out the same handler object per method: wrap it once, not per RPC.
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler_call_details.method.rsplit("/", 1)[-1], handler)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         decode = _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
@@ -80,8 +89,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _record(self, method: str, code: grpc.StatusCode, start: float) -> None:
         if self._metrics is not None:
-            self._metrics.requests.labels(method, code.name).inc()
-            self._metrics.seconds.labels(method).observe(time.perf_counter() - start)
+            self._metrics.observe(method, code.name, time.perf_counter() - start)
 
     async def _fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
         if isinstance(exc, FlexmarlError):
