@@ -32,7 +32,7 @@ from typing import Any
 
 from flexmarl.config import ConfigError, etcd_endpoints
 from flexmarl.errors import Unavailable
-from flexmarl.registry import ETCD_ERRORS, Registry, ServiceRecord
+from flexmarl.registry import ETCD_ERRORS, PLAINTEXT_ETCD, EtcdSecurity, Registry, ServiceRecord
 
 log = logging.getLogger("etcd_sd")
 
@@ -64,9 +64,12 @@ def write_atomically(path: Path, groups: list[dict[str, Any]]) -> bool:
     return True
 
 
-async def list_services(endpoints: str, prefix: str, timeout_s: float) -> list[ServiceRecord]:
+async def list_services(
+    endpoints: str, prefix: str, timeout_s: float, security: EtcdSecurity = PLAINTEXT_ETCD
+) -> list[ServiceRecord]:
     """Every registered daemon; raises Unavailable when etcd does not answer."""
-    registry = Registry(endpoints, prefix, connect_timeout_s=timeout_s, request_timeout_s=timeout_s)
+    registry = Registry(endpoints, prefix, connect_timeout_s=timeout_s, request_timeout_s=timeout_s,
+                        security=security)
     await registry.connect()
     try:
         return await registry.list_services()
@@ -76,7 +79,10 @@ async def list_services(endpoints: str, prefix: str, timeout_s: float) -> list[S
         await registry.close()
 
 
-async def run(endpoints: str, prefix: str, out: Path, interval_s: float, timeout_s: float) -> int:
+async def run(
+    endpoints: str, prefix: str, out: Path, interval_s: float, timeout_s: float,
+    security: EtcdSecurity = PLAINTEXT_ETCD,
+) -> int:
     """Writes the targets once (interval_s == 0) or every interval_s until SIGTERM/SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -85,7 +91,7 @@ async def run(endpoints: str, prefix: str, out: Path, interval_s: float, timeout
             loop.add_signal_handler(sig, stop.set)
     while True:
         try:
-            services = await list_services(endpoints, prefix, timeout_s)
+            services = await list_services(endpoints, prefix, timeout_s, security)
         except Unavailable as exc:
             if interval_s <= 0:
                 print(f"etcd_sd: {exc}", file=sys.stderr)
@@ -114,13 +120,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="file_sd JSON file to write")
     parser.add_argument("--interval-s", type=float, default=0.0, help="rewrite period; 0 = write once and exit")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="etcd connect/request timeout")
+    for name, text in _ETCD_SECURITY_FLAGS:
+        env = f"FLEXMARL_{name.upper()}"
+        parser.add_argument("--" + name.replace("_", "-"), default=os.environ.get(env, ""), help=f"{text} [env {env}]")
     args = parser.parse_args(argv)
     try:
         etcd_endpoints(args.etcd_endpoints)
+        security = EtcdSecurity.from_files(ca=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
+                                           username=args.etcd_username, password_file=args.etcd_password_file)
     except ConfigError as exc:
         parser.exit(2, f"etcd_sd: error: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run(args.etcd_endpoints, args.etcd_prefix, args.out, args.interval_s, args.timeout_s))
+    return asyncio.run(run(args.etcd_endpoints, args.etcd_prefix, args.out, args.interval_s, args.timeout_s,
+                           security))
+
+
+#: etcd TLS/auth settings, named and read from the environment as the daemons' (flexmarl.config).
+_ETCD_SECURITY_FLAGS = (
+    ("etcd_ca", "CA bundle: reach etcd over TLS"),
+    ("etcd_cert", "client certificate for etcd (with --etcd-key)"),
+    ("etcd_key", "private key of --etcd-cert"),
+    ("etcd_username", "etcd user (with --etcd-password-file)"),
+    ("etcd_password_file", "file holding the etcd user's password"),
+)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,18 @@ def _client(args: argparse.Namespace) -> Any:
     def option(name: str) -> str:
         return str(getattr(args, name, "") or os.environ.get(f"FLEXMARL_{name.upper()}", ""))
 
+    from flexmarl.config import ConfigError
+    from flexmarl.registry import EtcdSecurity
+
+    try:
+        etcd_security = EtcdSecurity.from_files(
+            ca=option("etcd_ca"), cert=option("etcd_cert"), key=option("etcd_key"),
+            username=option("etcd_username"), password_file=option("etcd_password_file"))
+    except ConfigError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix, tls_ca=option("tls_ca"),
-                  tls_cert=option("tls_cert"), tls_key=option("tls_key"), token_file=option("token_file"))
+                  tls_cert=option("tls_cert"), tls_key=option("tls_key"), token_file=option("token_file"),
+                  etcd_security=etcd_security)
 
 
 def _console() -> Any:
@@ -394,6 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--tls-cert", default="", help="client certificate for mutual TLS [env FLEXMARL_TLS_CERT]")
     common.add_argument("--tls-key", default="", help="private key of --tls-cert [env FLEXMARL_TLS_KEY]")
     common.add_argument("--token-file", default="", help="file holding the bearer token [env FLEXMARL_TOKEN_FILE]")
+    common.add_argument("--etcd-ca", default="", help="CA bundle: reach etcd over TLS [env FLEXMARL_ETCD_CA]")
+    common.add_argument("--etcd-cert", default="", help="client certificate for etcd [env FLEXMARL_ETCD_CERT]")
+    common.add_argument("--etcd-key", default="", help="private key of --etcd-cert [env FLEXMARL_ETCD_KEY]")
+    common.add_argument("--etcd-username", default="", help="etcd user [env FLEXMARL_ETCD_USERNAME]")
+    common.add_argument("--etcd-password-file", default="",
+                        help="file holding the etcd user's password [env FLEXMARL_ETCD_PASSWORD_FILE]")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", parents=[common], help="start a local cluster")

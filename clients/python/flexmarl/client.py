@@ -21,7 +21,7 @@ import grpc.aio
 from flexmarl.config import ConfigError
 from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_status
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
-from flexmarl.registry import Registry
+from flexmarl.registry import PLAINTEXT_ETCD, EtcdSecurity, Registry
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -160,9 +160,10 @@ async def _call(awaitable: Awaitable[T]) -> T:
         raise _error_from_rpc(exc) from None
 
 
-async def discover(kind: str, etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
+async def discover(kind: str, etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0,
+                   etcd_security: EtcdSecurity = PLAINTEXT_ETCD) -> str:
     """The address of a registered daemon of kind; raises Unavailable when there is none."""
-    registry = Registry(etcd_endpoints, prefix, connect_timeout_s=timeout_s)
+    registry = Registry(etcd_endpoints, prefix, connect_timeout_s=timeout_s, security=etcd_security)
     await registry.connect()
     try:
         return await registry.first_address(kind)
@@ -170,9 +171,10 @@ async def discover(kind: str, etcd_endpoints: str, prefix: str = "/flexmarl", ti
         await registry.close()
 
 
-async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0) -> str:
+async def discover_orchestrator(etcd_endpoints: str, prefix: str = "/flexmarl", timeout_s: float = 5.0,
+                                etcd_security: EtcdSecurity = PLAINTEXT_ETCD) -> str:
     """The address of a registered orchestratord; raises Unavailable when there is none."""
-    return await discover("orchestratord", etcd_endpoints, prefix, timeout_s)
+    return await discover("orchestratord", etcd_endpoints, prefix, timeout_s, etcd_security)
 
 
 def client_security(
@@ -193,7 +195,8 @@ class AsyncClient:
 
     ``tls_ca`` turns on TLS (the server must present a certificate it signed); ``tls_cert`` and
     ``tls_key`` add a client certificate (mutual TLS); ``token`` or ``token_file`` sends
-    ``authorization: Bearer <token>`` on every call.
+    ``authorization: Bearer <token>`` on every call. ``etcd_security`` (``EtcdSecurity.from_files``)
+    is how discovery reaches an etcd that serves TLS or has auth enabled.
     """
 
     def __init__(
@@ -208,6 +211,7 @@ class AsyncClient:
         tls_key: str = "",
         token: str = "",
         token_file: str = "",
+        etcd_security: EtcdSecurity = PLAINTEXT_ETCD,
     ) -> None:
         if not address and not etcd_endpoints:
             raise InvalidArgument("client: give an orchestratord address or etcd endpoints")
@@ -216,6 +220,7 @@ class AsyncClient:
         self._address = address
         self._etcd_endpoints = etcd_endpoints
         self._etcd_prefix = etcd_prefix
+        self._etcd_security = etcd_security
         self._timeout_s = timeout_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
@@ -223,7 +228,8 @@ class AsyncClient:
     async def _connect(self) -> orchestrator_pb2_grpc.OrchestratorStub:
         if self._stub is None:
             if not self._address:
-                self._address = await discover_orchestrator(self._etcd_endpoints, self._etcd_prefix)
+                self._address = await discover_orchestrator(self._etcd_endpoints, self._etcd_prefix,
+                                                            etcd_security=self._etcd_security)
             self._channel = open_channel(self._address, self._security, channel_options(_MAX_MESSAGE_BYTES))
             self._stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel)
         return self._stub
@@ -312,7 +318,8 @@ class AsyncClient:
         if uri.startswith("stored://"):
             if not self._etcd_endpoints:
                 raise InvalidArgument("downloading from stored needs etcd endpoints to discover it")
-            address = await discover("stored", self._etcd_endpoints, self._etcd_prefix)
+            address = await discover("stored", self._etcd_endpoints, self._etcd_prefix,
+                                     etcd_security=self._etcd_security)
             store = StoreClient(address, security=self._security)
         try:
             with tempfile.TemporaryDirectory(prefix="flexmarl-download-") as tmp:
@@ -396,10 +403,11 @@ class Client:
         tls_key: str = "",
         token: str = "",
         token_file: str = "",
+        etcd_security: EtcdSecurity = PLAINTEXT_ETCD,
     ) -> None:
         self._async = AsyncClient(address, etcd_endpoints=etcd_endpoints, etcd_prefix=etcd_prefix,
                                   timeout_s=timeout_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                  token=token, token_file=token_file)
+                                  token=token, token_file=token_file, etcd_security=etcd_security)
         self._loop = asyncio.new_event_loop()
 
     def __enter__(self) -> Client:

@@ -7,11 +7,14 @@ dies before it is ready, the error carries the tail of its stderr.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -121,52 +124,138 @@ class _Child:
             self._log = None
 
 
-class EtcdServer(_Child):
-    """A real etcd on free loopback ports with a temp data dir (removed on stop)."""
+@dataclasses.dataclass(frozen=True)
+class EtcdTls:
+    """PEM files etcd serves clients with; ``client_cert_auth`` requires a client certificate signed by ``ca``."""
 
-    def __init__(self, run_dir: Path | None = None, binary: str | None = None) -> None:
+    cert: Path
+    key: Path
+    ca: Path
+    client_cert_auth: bool = False
+
+
+class EtcdServer(_Child):
+    """A real etcd on free loopback ports with a temp data dir (removed on stop).
+
+    ``tls`` serves clients over HTTPS/TLS; ``auth`` creates the ``root`` user with a random
+    password (in ``password_file``, mode 0600) and enables etcd's authentication.
+    ``extra_hosts`` are further addresses (already configured) it listens on for clients.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path | None = None,
+        binary: str | None = None,
+        *,
+        tls: EtcdTls | None = None,
+        auth: bool = False,
+        extra_hosts: Sequence[str] = (),
+    ) -> None:
         self._own_dir = run_dir is None
         super().__init__("etcd", Path(tempfile.mkdtemp(prefix="flexmarl-etcd-")) if run_dir is None else run_dir)
         self.binary = binary or os.environ.get(ETCD_BINARY_ENV) or shutil.which("etcd") or "/usr/bin/etcd"
         self.data_dir = self.run_dir / "etcd-data"
         self.client_port = 0
         self.peer_port = 0
+        self.tls = tls
+        self.auth = auth
+        self.extra_hosts = tuple(extra_hosts)
+        self.username = "root" if auth else ""
+        self.password_file = self.run_dir / "etcd-root-password" if auth else None
 
     @property
     def endpoint(self) -> str:
         """host:port for clients."""
         return f"127.0.0.1:{self.client_port}"
 
+    def endpoint_on(self, host: str) -> str:
+        """host:port for clients that reach etcd on one of its ``extra_hosts``."""
+        return f"{host}:{self.client_port}"
+
+    def client_args(self) -> list[str]:
+        """The daemon flags that reach this etcd: its CA, a client certificate, the root user."""
+        args: list[str] = []
+        if self.tls is not None:
+            args += ["--etcd-ca", str(self.tls.ca)]
+            if self.tls.client_cert_auth:
+                args += ["--etcd-cert", str(self.tls.cert), "--etcd-key", str(self.tls.key)]
+        if self.password_file is not None:
+            args += ["--etcd-username", self.username, "--etcd-password-file", str(self.password_file)]
+        return args
+
     def start(self, timeout_s: float = 20.0) -> None:
-        """Starts etcd (reusing its ports on a restart) and waits for /health."""
+        """Starts etcd (reusing its ports on a restart) and waits for /health; enables auth on a fresh data dir."""
         if not Path(self.binary).exists():
             raise LaunchError(f"etcd binary not found at {self.binary} (apt install etcd-server)")
+        fresh = not (self.data_dir / "member").exists()
+        scheme = "https" if self.tls is not None else "http"
+        tls_args: list[str] = []
+        if self.tls is not None:
+            tls_args = ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key),
+                        "--trusted-ca-file", str(self.tls.ca)]
+            if self.tls.client_cert_auth:
+                tls_args.append("--client-cert-auth")
         for attempt in range(3):
             if not self.client_port or attempt:
                 self.client_port, self.peer_port = free_port(), free_port()
-            client_url = f"http://127.0.0.1:{self.client_port}"
+            client_urls = ",".join(f"{scheme}://{host}:{self.client_port}" for host in ("127.0.0.1", *self.extra_hosts))
             peer_url = f"http://127.0.0.1:{self.peer_port}"
             self._spawn([
                 self.binary, "--name", "flexmarl-test", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-client-urls", client_urls, "--advertise-client-urls", client_urls,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"flexmarl-test={peer_url}",
                 "--heartbeat-interval", "10", "--election-timeout", "100",
-                "--quota-backend-bytes", str(256 * 1024 * 1024), "--log-level", "warn",
+                "--quota-backend-bytes", str(256 * 1024 * 1024), "--log-level", "warn", *tls_args,
             ], env={"ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")})
             try:
                 wait_until(self._healthy, timeout_s, "etcd /health")
-                return
+                break
             except (TimeoutError, LaunchError):
                 self.kill()
                 if self.data_dir.exists() and attempt < 2 and "address already in use" in self.stderr_tail():
                     continue
                 raise LaunchError(f"etcd did not become healthy; last output:\n{self.stderr_tail()}") from None
+        if self.password_file is not None and fresh:
+            self._enable_auth(self.password_file)
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        if self.tls.client_cert_auth:
+            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        return context
+
+    def _enable_auth(self, password_file: Path) -> None:
+        """Creates the root user (random password, written 0600) and turns etcd's auth on."""
+        import grpc
+        from aetcd import rpc
+
+        password = secrets.token_urlsafe(24)
+        fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(password + "\n")
+        if self.tls is None:
+            channel = grpc.insecure_channel(self.endpoint)
+        else:
+            key = self.tls.key.read_bytes() if self.tls.client_cert_auth else None
+            cert = self.tls.cert.read_bytes() if self.tls.client_cert_auth else None
+            channel = grpc.secure_channel(self.endpoint, grpc.ssl_channel_credentials(
+                self.tls.ca.read_bytes(), private_key=key, certificate_chain=cert))
+        with channel:
+            auth = rpc.AuthStub(channel)
+            auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=password), timeout=10)
+            auth.RoleAdd(rpc.AuthRoleAddRequest(name="root"), timeout=10)
+            auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=10)
+            auth.AuthEnable(rpc.AuthEnableRequest(), timeout=10)
 
     def _healthy(self) -> bool:
         self._check_alive()
+        scheme = "https" if self.tls is not None else "http"
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as resp:
+            with urllib.request.urlopen(f"{scheme}://{self.endpoint}/health", timeout=1,
+                                        context=self._ssl_context()) as resp:
                 return bool(json.loads(resp.read()).get("health") in ("true", True))
         except (urllib.error.URLError, OSError, ValueError):
             return False

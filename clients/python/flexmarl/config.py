@@ -23,7 +23,7 @@ import yaml
 ENV_PREFIX = "FLEXMARL_"
 _SECRET_MARKERS = ("token", "password", "secret", "key_file")
 #: Fields that name a file holding a secret: the path is shown, the file's contents never enter the config.
-_SECRET_PATH_FIELDS = frozenset({"auth_token_file"})
+_SECRET_PATH_FIELDS = frozenset({"auth_token_file", "etcd_password_file"})
 
 
 class ConfigError(Exception):
@@ -54,6 +54,19 @@ class DaemonConfig:
     etcd_prefix: str = dataclasses.field(default="/flexmarl", metadata=_help("key prefix in etcd"))
     etcd_connect_timeout_s: float = dataclasses.field(
         default=5.0, metadata=_help("give up starting when etcd is unreachable this long")
+    )
+    etcd_ca: str = dataclasses.field(
+        default="", metadata=_help("PEM CA bundle: connect to etcd over TLS and verify its certificate with it")
+    )
+    etcd_cert: str = dataclasses.field(
+        default="", metadata=_help("PEM client certificate presented to etcd (with --etcd-key; needs --etcd-ca)")
+    )
+    etcd_key: str = dataclasses.field(default="", metadata=_help("PEM private key of --etcd-cert"))
+    etcd_username: str = dataclasses.field(
+        default="", metadata=_help("etcd user to authenticate as (etcd auth enabled; with --etcd-password-file)")
+    )
+    etcd_password_file: str = dataclasses.field(
+        default="", metadata=_help("file holding the etcd user's password (never give the password itself)")
     )
     registry_ttl_s: int = dataclasses.field(default=10, metadata=_help("TTL of the registration lease"))
     log_level: str = dataclasses.field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
@@ -103,7 +116,14 @@ class DaemonConfig:
             raise ConfigError("tls_cert/tls_key: give both or neither")
         if self.tls_require_client_cert and not (self.tls_ca and self.tls_cert):
             raise ConfigError("tls_require_client_cert: needs tls_ca, tls_cert and tls_key")
-        for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file"):
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ConfigError("etcd_cert/etcd_key: give both or neither")
+        if self.etcd_cert and not self.etcd_ca:
+            raise ConfigError("etcd_cert: needs etcd_ca (the CA that signed etcd's certificate)")
+        if bool(self.etcd_username) != bool(self.etcd_password_file):
+            raise ConfigError("etcd_username/etcd_password_file: give both or neither")
+        for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file", "etcd_ca", "etcd_cert", "etcd_key",
+                     "etcd_password_file"):
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):
                 raise ConfigError(f"{name}: cannot read {path}")

@@ -149,12 +149,12 @@ class DaemonRunner:
         cfg = self.config
         try:
             security = TransportSecurity.from_config(cfg)
+            registry = Registry.from_config(cfg)
         except ConfigError as exc:
             raise StartupError(str(exc)) from None
         metrics_registry = CollectorRegistry()
         rpc_metrics = RpcMetrics(self.kind, metrics_registry)
         up = Gauge(f"flexmarl_{self.kind}_up", "1 while the daemon serves.", registry=metrics_registry)
-        registry = Registry(cfg.etcd_endpoints, cfg.etcd_prefix, connect_timeout_s=cfg.etcd_connect_timeout_s)
         try:
             await registry.connect()
         except Unavailable as exc:

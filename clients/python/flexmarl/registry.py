@@ -6,6 +6,11 @@ import with protobuf >= 4, so it is not an option.
 Keys live under a configurable prefix (default ``/flexmarl``):
 ``services/<kind>/<id>`` holds a JSON :class:`ServiceRecord` attached to the
 daemon's TTL lease, so a daemon that dies disappears within its TTL.
+
+etcd's own security (:class:`EtcdSecurity`): aetcd 1.0 only opens plaintext channels
+and authenticates once per connection, so :class:`_EtcdClient` opens the channel itself
+(TLS with a CA and optionally a client certificate) and sends the auth token through an
+interceptor that authenticates again when etcd forgets the token (an etcd restart).
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
+import grpc
+import grpc.aio
 
-from flexmarl.config import etcd_endpoints
+from flexmarl.config import ConfigError, DaemonConfig, etcd_endpoints
 from flexmarl.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -37,6 +47,208 @@ ETCD_ERRORS: tuple[type[BaseException], ...] = (
 
 #: Errors after which a watch re-lists (etcd errors and records it cannot parse).
 _WATCH_ERRORS: tuple[type[BaseException], ...] = (*ETCD_ERRORS, ValueError, KeyError)
+
+
+#: etcd's answers to a bad user/password, a missing user or a missing permission (do not retry).
+_AUTH_REJECTIONS = ("authentication failed", "user name is empty", "permission denied", "user name not found")
+
+
+def _read_file(name: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdSecurity:
+    """How to reach etcd: TLS material and the user to authenticate as; empty fields mean off."""
+
+    ca_pem: bytes = b""
+    cert_pem: bytes = b""
+    key_pem: bytes = b""
+    username: str = ""
+    password: str = dataclasses.field(default="", repr=False)
+
+    @classmethod
+    def from_files(
+        cls, *, ca: str = "", cert: str = "", key: str = "", username: str = "", password_file: str = ""
+    ) -> EtcdSecurity:
+        """Reads the named files; raises ConfigError (one line naming the setting) when one is unusable."""
+        if bool(cert) != bool(key):
+            raise ConfigError("etcd_cert/etcd_key: give both or neither")
+        if cert and not ca:
+            raise ConfigError("etcd_cert: needs etcd_ca (the CA that signed etcd's certificate)")
+        if bool(username) != bool(password_file):
+            raise ConfigError("etcd_username/etcd_password_file: give both or neither")
+        password = ""
+        if password_file:
+            try:
+                password = _read_file("etcd_password_file", password_file).decode().rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise ConfigError(f"etcd_password_file: {password_file} is not UTF-8 text") from None
+            if not password:
+                raise ConfigError(f"etcd_password_file: {password_file} is empty")
+        return cls(
+            ca_pem=_read_file("etcd_ca", ca) if ca else b"",
+            cert_pem=_read_file("etcd_cert", cert) if cert else b"",
+            key_pem=_read_file("etcd_key", key) if key else b"",
+            username=username,
+            password=password,
+        )
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig) -> EtcdSecurity:
+        """The etcd settings of a daemon config; raises ConfigError when a file is unusable."""
+        return cls.from_files(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key,
+                              username=config.etcd_username, password_file=config.etcd_password_file)
+
+    @property
+    def tls(self) -> bool:
+        """Whether channels to etcd use TLS."""
+        return bool(self.ca_pem)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials for a channel to etcd, or None for plaintext."""
+        if not self.ca_pem:
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem or None, certificate_chain=self.cert_pem or None
+        )
+
+
+PLAINTEXT_ETCD = EtcdSecurity()
+
+
+class _EtcdToken:
+    """etcd's auth token of one client: fetched on first use and again when etcd forgets it."""
+
+    def __init__(self, channel: grpc.aio.Channel, username: str, password: str, timeout_s: float | None) -> None:
+        self._auth = aetcd.rpc.AuthStub(channel)
+        self._username = username
+        self._password = password
+        self._timeout_s = timeout_s
+        self._token = ""
+        self._lock = asyncio.Lock()
+
+    async def current(self, stale: str = "") -> str:
+        """The token; authenticates when there is none yet or it is ``stale``."""
+        async with self._lock:
+            if not self._token or self._token == stale:
+                reply = await self._auth.Authenticate(
+                    aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout_s,
+                )
+                self._token = str(reply.token)
+            return self._token
+
+    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        """One interceptor per call type (grpc.aio files each interceptor under one type only)."""
+        return [_TokenUnaryUnary(self), _TokenUnaryStream(self), _TokenStreamStream(self)]
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()))
+    metadata["token"] = token
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                      details.wait_for_ready)
+
+
+class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Sends the token; on UNAUTHENTICATED ("invalid auth token") authenticates again and retries once."""
+
+    def __init__(self, token: _EtcdToken) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        token = await self._token.current()
+        call = await continuation(_with_token(client_call_details, token), request)
+        if await call.code() is not grpc.StatusCode.UNAUTHENTICATED:
+            return call
+        log.info("etcd rejected the auth token (%s); authenticating again", await call.details())
+        token = await self._token.current(stale=token)
+        return await continuation(_with_token(client_call_details, token), request)
+
+
+class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Sends the token (a rejected stream fails; the next unary call renews the token)."""
+
+    def __init__(self, token: _EtcdToken) -> None:
+        self._token = token
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return await continuation(_with_token(client_call_details, await self._token.current()), request)
+
+
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """Sends the token on watch and lease keep-alive streams."""
+
+    def __init__(self, token: _EtcdToken) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        return await continuation(_with_token(client_call_details, await self._token.current()), request_iterator)
+
+
+class _EtcdClient(aetcd.Client):  # type: ignore[misc]
+    """aetcd's client over a channel this module opens: TLS and token auth as configured.
+
+    aetcd 1.0 (the only release) has no TLS and authenticates once per connection, so
+    :meth:`connect` builds the channel, the stubs and the watcher itself. Without TLS and
+    without a user it defers to aetcd unchanged.
+    """
+
+    def __init__(self, host: str, port: int, security: EtcdSecurity, timeout: int) -> None:
+        super().__init__(host=host, port=port, timeout=timeout)
+        self._security = security
+        self._auth_channel: grpc.aio.Channel | None = None
+
+    def _custom(self) -> bool:
+        return self._security.tls or bool(self._security.username)
+
+    async def connect(self) -> None:
+        """Opens the channel (no I/O: grpc connects on the first call)."""
+        if not self._custom():
+            await super().connect()
+            return
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        credentials = self._security.channel_credentials()
+        interceptors: list[grpc.aio.ClientInterceptor] = []
+        if self._security.username:
+            self._auth_channel = _open_channel(target, credentials, [])
+            token = _EtcdToken(self._auth_channel, self._security.username, self._security.password, self._timeout)
+            interceptors = token.interceptors()
+        self.channel = _open_channel(target, credentials, interceptors)
+        self.metadata = None  # the interceptor adds the token
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
+        self._connected.set()
+
+    async def close(self) -> None:
+        """Closes the channels."""
+        await super().close()
+        if self._auth_channel is not None:
+            await self._auth_channel.close()
+            self._auth_channel = None
+
+
+def _open_channel(
+    target: str, credentials: grpc.ChannelCredentials | None, interceptors: list[grpc.aio.ClientInterceptor]
+) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, interceptors=interceptors or None)
+    return grpc.aio.secure_channel(target, credentials, interceptors=interceptors or None)
+
+
+def _rejected_credentials(exc: BaseException) -> bool:
+    """Whether an etcd error means "wrong or missing credentials" (not worth retrying)."""
+    text = str(exc).lower()
+    return isinstance(exc, aetcd.exceptions.UnauthenticatedError) or any(m in text for m in _AUTH_REJECTIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,18 +292,22 @@ class Registry:
         *,
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 5.0,
-        username: str | None = None,
-        password: str | None = None,
+        security: EtcdSecurity = PLAINTEXT_ETCD,
     ) -> None:
         self._endpoints = etcd_endpoints(endpoints)
         self.prefix = prefix
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._username = username
-        self._password = password
+        self._security = security
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0
         self._registrations: dict[str, _Registration] = {}
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig) -> Registry:
+        """A registry with a daemon's etcd settings; raises ConfigError when a TLS/password file is unusable."""
+        return cls(config.etcd_endpoints, config.etcd_prefix, connect_timeout_s=config.etcd_connect_timeout_s,
+                   security=EtcdSecurity.from_config(config))
 
     # ---- connection ----
 
@@ -103,25 +319,27 @@ class Registry:
         return self._client
 
     async def connect(self) -> None:
-        """Connects to the first reachable endpoint; raises Unavailable when none answers in time."""
+        """Connects to the first reachable endpoint; raises Unavailable when none answers in time.
+
+        The probe reads a key under the prefix, so missing or wrong credentials of an etcd with
+        auth enabled fail here at once ("etcd rejected the credentials"), without retrying.
+        """
         deadline = time.monotonic() + self._connect_timeout_s
         last_error = ""
         while True:
             for _ in range(len(self._endpoints)):
                 host, port = self._endpoints[self._endpoint_index]
-                client = aetcd.Client(
-                    host=host,
-                    port=port,
-                    username=self._username,
-                    password=self._password,
-                    timeout=int(max(1, self._request_timeout_s)),
-                )
+                client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)))
                 try:
-                    await asyncio.wait_for(client.status(), timeout=max(0.2, min(2.0, self._connect_timeout_s)))
+                    await asyncio.wait_for(client.get(self.key("services").encode()),
+                                           timeout=max(0.2, min(2.0, self._connect_timeout_s)))
                 except ETCD_ERRORS as exc:
                     last_error = f"{host}:{port}: {type(exc).__name__} {exc}".strip()
                     with contextlib.suppress(*ETCD_ERRORS):
                         await client.close()
+                    if _rejected_credentials(exc):
+                        user = f"user {self._security.username!r}" if self._security.username else "no user"
+                        raise Unavailable(f"etcd rejected the credentials ({user}): {last_error}") from None
                     self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
                     continue
                 self._client = client

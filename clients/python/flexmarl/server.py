@@ -22,13 +22,19 @@ log = logging.getLogger(__name__)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options for servers and channels: explicit message limits and keepalive."""
+    """Options for servers and channels: explicit message limits, keepalive, reconnect back-off.
+
+    gRPC's default reconnect back-off grows to 120 s; after a partition heals, a client's retries
+    would run out before its channel tried again. 5 s bounds how long a healed link stays unused.
+    """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 
