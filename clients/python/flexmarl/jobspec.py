@@ -350,6 +350,14 @@ _SpecLoader.add_implicit_resolver(
 )
 
 
+def _is_file(text: str) -> bool:
+    """True when text names an existing file; a spec longer than a file name is not one (ENAMETOOLONG)."""
+    try:
+        return Path(text).is_file()
+    except OSError:
+        return False
+
+
 def load_job_spec(text_or_path: str | Path) -> JobSpec:
     """Loads a job spec from YAML/JSON text or from a file path.
 
@@ -361,7 +369,7 @@ def load_job_spec(text_or_path: str | Path) -> JobSpec:
         InvalidArgument: the text does not parse or the spec is invalid.
     """
     text: str
-    if isinstance(text_or_path, Path) or ("\n" not in text_or_path and Path(text_or_path).is_file()):
+    if isinstance(text_or_path, Path) or ("\n" not in text_or_path and _is_file(text_or_path)):
         path = Path(text_or_path)
         try:
             text = path.read_text(encoding="utf-8")

@@ -1,0 +1,629 @@
+"""Pure simulation from 48 to 768 devices: the real planner and balancer on a discrete-event clock.
+
+    python -m benchmarks.sim                                   # sweep 48..768 devices, 3 configurations
+    python -m benchmarks.sim --devices 48 96 --steps 3 --configs flexmarl static
+
+Nothing here re-implements a policy. The simulation drives
+
+* :class:`orchestratord.planner.Planner` (admission, task leases, micro-batches, staleness,
+  the pipeline modes, and through it :mod:`orchestratord.binding`'s slot binder) with a
+  virtual clock, calling exactly the methods orchestratord's servicer calls: lease,
+  report, poll, ack, commit, slot events;
+* :class:`rolloutd.balancer.HierarchicalBalancer` (inter-agent replica assignment with
+  weight-load costs, intra-agent least-tokens routing with episode affinity) and
+  :class:`rolloutd.balancer.TokenEstimator`, as rolloutd's router drives them, with the
+  orchestrator's outstanding-demand estimate as the balancer's hint;
+
+and models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
+
+* a replica is continuous batching: every running sequence advances one token per
+  iteration of ``decode_iteration_s(batch, context)`` (re-evaluated at every event and at
+  least every ``refresh_tokens`` tokens as the context grows); a request that joins stalls
+  the batch for its prefill; a replica that must serve a newer version of its agent or a
+  different agent pays ``weight_transfer_s`` first;
+* a trainer slot (``devices_per_slot`` devices, data parallel) takes ``train_tokens_s`` per
+  micro-batch of (prompt + response) tokens, ``optimizer_step_s`` per step and ``swap_s`` to
+  bring an agent's state in or out.
+
+Devices: a fraction ``--rollout-fraction`` of them are rollout replicas (one device each),
+the rest trainer slots of ``--devices-per-slot``. The batch grows with the cluster (weak
+scaling, ``--episodes-per-replica`` episodes per replica and step). Configurations as in
+``benchmarks.run``: ``flexmarl`` (async, eta 1, hierarchical balancing, dynamic binding),
+``static`` (MARTI-like barrier, fixed slots and replica shares), ``sequential``
+(MAS-RL-like: batch, then each agent trains in turn, fixed replica shares).
+
+Writes ``<out>/sim.json`` and ``<out>/sim.png`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import Workload, make_workload
+from flexmarl import devicemodel
+from flexmarl.jobspec import parse_job_spec
+from orchestratord.planner import (
+    ExperienceSummary,
+    MicroBatchWork,
+    OptimizerStepWork,
+    Planner,
+    PlannerOptions,
+    ResidentAgent,
+    RolloutTaskLease,
+    SlotEventKind,
+    SwapOutWork,
+)
+from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
+from rolloutd.balancer import ReplicaSpec as BalancerReplica
+
+# name -> (pipeline section, rollout balancing), the same settings as benchmarks.run.CONFIGS
+SIM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "flexmarl": ({"mode": "async", "max_staleness": 1}, "hierarchical"),
+    "static": ({"mode": "static"}, "static"),
+    "sequential": ({"mode": "sequential"}, "static"),
+    "no-lb": ({"mode": "async", "max_staleness": 1}, "static"),
+}
+EPOCH_S = 1.0e9  # the planner's clock is unix seconds; any fixed origin will do
+WORKER = "rollout-0"
+TICK_S = 2.0  # traind re-polls every POLL_WAIT_MS; rolloutd rebalances on its interval
+STALL_S = 3600.0  # a job with no event but ticks for this long has stalled
+DONE_TOKENS = 1e-3  # a sequence this close to its length is complete (float round-off)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimSettings:
+    """Shape of one simulated cluster and job."""
+
+    devices: int = 48
+    rollout_fraction: float = 2.0 / 3.0
+    devices_per_slot: int = 8
+    episodes_per_replica: int = 2
+    group_size: int = 8
+    micro_batch_groups: int = 1
+    steps: int = 3
+    agents: int = 3
+    variant: str = "long-tail"
+    seed: int = 0
+    refresh_tokens: float = 256.0
+    rebalance_interval_s: float = 5.0
+
+    @property
+    def replicas(self) -> int:
+        """Rollout replicas (one device each)."""
+        return max(1, round(self.devices * self.rollout_fraction))
+
+    @property
+    def slots(self) -> int:
+        """Trainer slots."""
+        return max(1, (self.devices - self.replicas) // self.devices_per_slot)
+
+    @property
+    def prompts_per_step(self) -> int:
+        """Tasks per batch (each one GRPO group of ``group_size`` episodes)."""
+        return max(1, self.replicas * self.episodes_per_replica // self.group_size)
+
+
+@dataclasses.dataclass
+class SimOutcome:
+    """Figures of one configuration at one size."""
+
+    config: str
+    devices: int
+    replicas: int
+    slots: int
+    episodes_per_step: int
+    state: str
+    step_s: float
+    tokens_per_s: float
+    rollout_busy: float
+    train_busy: float
+    reassignments: int
+    events: int
+    sim_wall_s: float
+
+
+@dataclasses.dataclass
+class _Seq:
+    request_id: int
+    episode: _Episode
+    remaining: float
+    context: float
+
+
+@dataclasses.dataclass
+class _Replica:
+    replica_id: str
+    running: list[_Seq] = dataclasses.field(default_factory=list)
+    updated_s: float = 0.0
+    resume_s: float = 0.0  # prefill or weight load in progress until then
+    loaded: tuple[str, int] = ("", -1)
+    busy_s: float = 0.0
+    generation: int = 0
+
+
+@dataclasses.dataclass
+class _Episode:
+    task: RolloutTaskLease
+    sample_index: int
+    lengths: tuple[int, ...]
+    turn: int = 0
+    behaviour: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Slot:
+    slot_id: str
+    resident: ResidentAgent | None = None
+    busy_until_s: float = -1.0
+    busy_s: float = 0.0
+    pending: Any = None
+
+
+class Simulation:
+    """One configuration of one cluster size, to completion of ``steps`` steps."""
+
+    def __init__(
+        self, config: str, settings: SimSettings, workload: Workload, profile: devicemodel.DeviceProfile | None = None
+    ) -> None:
+        pipeline, balancing = SIM_CONFIGS[config]
+        self.config, self.settings, self.workload = config, settings, workload
+        self.profile = (profile or devicemodel.H100_SXM).with_changes(
+            train_devices_per_slot=settings.devices_per_slot, rollout_devices_per_replica=1
+        )
+        self.now_s = 0.0  # simulated seconds; the planner sees EPOCH_S + now_s
+        self.rng = random.Random(settings.seed)
+        self.agents = [name for name, _ in workload.agents]
+        self.lengths = dict(workload.agents)
+        spec = parse_job_spec(
+            {
+                "name": f"sim-{config}",
+                "seed": settings.seed,
+                "environment": {"entrypoint": "benchmarks.workloads:SkewedAgentsEnv", "config": {}},
+                "agents": [
+                    {"name": a, "model": "/sim/base", "sampling": {"max_new_tokens": self.lengths[a].high}}
+                    for a in self.agents
+                ],
+                "algorithm": {"name": "grpo"},
+                "batch": {
+                    "prompts_per_step": settings.prompts_per_step,
+                    "group_size": settings.group_size,
+                    "micro_batch_size": settings.group_size * settings.micro_batch_groups,
+                },
+                "total_steps": settings.steps,
+                "pipeline": {"max_staleness": 0, **pipeline},
+                "rollout": {"balancing": balancing},
+                "leases": {"rollout_timeout_s": 86_400.0, "train_timeout_s": 86_400.0},
+            }
+        )
+        self.planner = Planner(
+            lambda: EPOCH_S + self.now_s, PlannerOptions(slot_silence_s=1.0e9, max_wait_s=60.0, swap_location="file")
+        )
+        self.job_id = "sim"
+        self.planner.submit_job(self.job_id, spec)
+        self.replicas = {f"r{i:04d}": _Replica(f"r{i:04d}") for i in range(settings.replicas)}
+        agent_keys = list(self.agents)
+        split = [
+            BalancerReplica(rid, agent_keys[i % len(agent_keys)], tokens_per_s=1.0)
+            for i, rid in enumerate(sorted(self.replicas))
+        ]
+        self.balancer = HierarchicalBalancer(
+            split,
+            [AgentSpec(a, a) for a in agent_keys],
+            BalancerConfig(
+                rebalance_enabled=balancing == "hierarchical",
+                routing=RoutingPolicy.LEAST_TOKENS,
+                rebalance_interval_s=settings.rebalance_interval_s,
+                reassignment_cost_s=devicemodel.weight_transfer_s(self.profile),
+            ),
+        )
+        self.estimator = TokenEstimator()
+        self.slots = [_Slot(f"trainer-{i}/slot0") for i in range(settings.slots)]
+        self.events: list[tuple[float, int, str, Any]] = []
+        self.counter = 0
+        self.tickets: dict[int, tuple[_Episode, str]] = {}
+        self.task_episodes: dict[str, list[_Episode]] = {}
+        self.task_left: dict[str, int] = {}
+        self.experience_tokens: dict[str, int] = {}
+        self.commits: dict[tuple[str, int], float] = {}
+        self.response_tokens: dict[int, int] = {}
+        self.wanted: dict[str, int] = dict.fromkeys(self.agents, 0)
+        self.loads: set[str] = set()
+        self.event_count = 0
+        self.reported = False
+
+    # ---- event queue ----------------------------------------------------------------------------------------
+    def push(self, at_s: float, kind: str, payload: Any) -> None:
+        """Schedule an event."""
+        self.counter += 1
+        heapq.heappush(self.events, (at_s, self.counter, kind, payload))
+
+    # ---- replicas ---------------------------------------------------------------------------------------------
+    def iteration_s(self, replica: _Replica) -> float:
+        """Modelled seconds of one decode iteration of the replica's batch now."""
+        return devicemodel.decode_iteration_s(
+            self.profile, len(replica.running), sum(seq.context for seq in replica.running)
+        )
+
+    def settle(self, replica: _Replica) -> None:
+        """Advance the replica's sequences to now."""
+        start_s = max(replica.updated_s, replica.resume_s)
+        if replica.running and self.now_s > start_s:
+            tokens = (self.now_s - start_s) / self.iteration_s(replica)
+            for seq in replica.running:
+                seq.remaining -= tokens
+                seq.context += tokens
+        if replica.running or self.now_s < replica.resume_s:
+            replica.busy_s += self.now_s - replica.updated_s
+        replica.updated_s = self.now_s
+
+    def reschedule(self, replica: _Replica) -> None:
+        """Schedule the replica's next completion (or context refresh)."""
+        replica.generation += 1
+        if not replica.running:
+            return
+        tokens = max(0.0, min(seq.remaining for seq in replica.running))
+        step_tokens = min(tokens, self.settings.refresh_tokens)
+        at_s = max(self.now_s, replica.resume_s) + step_tokens * self.iteration_s(replica)
+        self.push(at_s, "replica", (replica.replica_id, replica.generation))
+
+    def on_replica(self, replica_id: str, generation: int) -> None:
+        """A completion or a refresh point of one replica."""
+        replica = self.replicas[replica_id]
+        if generation != replica.generation:
+            return
+        self.settle(replica)
+        done = [seq for seq in replica.running if seq.remaining <= DONE_TOKENS]
+        replica.running = [seq for seq in replica.running if seq.remaining > DONE_TOKENS]
+        for seq in done:
+            self.finish_turn(seq)
+        self.reschedule(replica)
+
+    # ---- rollouts ---------------------------------------------------------------------------------------------
+    def lease_tasks(self) -> None:
+        """Lease every task the planner admits (rolloutd's lease loop, unbounded concurrency)."""
+        for task in self.planner.lease_rollout_tasks(WORKER, 10_000):
+            episodes = []
+            for sample in range(task.group_size):
+                lengths = tuple(self.lengths[a].sample(self.rng) for a in self.agents)
+                episodes.append(_Episode(task, sample, lengths))
+            self.task_episodes[task.task_id] = episodes
+            self.task_left[task.task_id] = len(episodes)
+            for version in task.agent_versions:
+                self.wanted[version.agent] = max(self.wanted[version.agent], version.version)
+            for episode in episodes:
+                self.submit_turn(episode)
+
+    def submit_turn(self, episode: _Episode) -> None:
+        """Hand the episode's next turn to the balancer."""
+        agent = self.agents[episode.turn]
+        estimate = self.estimator.estimate(agent, self.workload.prompt_tokens, self.lengths[agent].high)
+        ticket = self.balancer.submit(agent, estimate, f"{episode.task.task_id}#{episode.sample_index}")
+        self.tickets[ticket.request_id] = (episode, agent)
+        if ticket.replica_id is not None:
+            self.start(ticket)
+
+    def start(self, ticket: Ticket) -> None:
+        """A placed request joins its replica's batch (after a weight load if its version is old)."""
+        episode, agent = self.tickets[ticket.request_id]
+        replica = self.replicas[str(ticket.replica_id)]
+        self.settle(replica)
+        version = self.wanted[agent]
+        stall_s = devicemodel.prefill_s(self.profile, self.workload.prompt_tokens)
+        if replica.loaded != (agent, version):
+            stall_s += devicemodel.weight_transfer_s(self.profile)
+            replica.loaded = (agent, version)
+        replica.resume_s = max(replica.resume_s, self.now_s) + stall_s
+        episode.behaviour[agent] = version
+        length = episode.lengths[episode.turn]
+        replica.running.append(_Seq(ticket.request_id, episode, float(length), float(self.workload.prompt_tokens)))
+        self.reschedule(replica)
+
+    def finish_turn(self, seq: _Seq) -> None:
+        """A response is complete: free its ticket, start the episode's next turn or report the task."""
+        episode, agent = self.tickets.pop(seq.request_id)
+        self.balancer.finish(seq.request_id)
+        self.estimator.observe(agent, episode.lengths[episode.turn])
+        episode.turn += 1
+        if episode.turn < len(self.agents):
+            self.submit_turn(episode)
+            return
+        task_id = episode.task.task_id
+        self.task_left[task_id] -= 1
+        if self.task_left[task_id] == 0:
+            self.report(task_id)
+
+    def report(self, task_id: str) -> None:
+        """ReportRolloutTask with every experience of the task."""
+        episodes = self.task_episodes.pop(task_id)
+        task = episodes[0].task
+        experiences = []
+        for episode in episodes:
+            for index, agent in enumerate(self.agents):
+                experience_id = f"{task_id}/{agent}/{episode.sample_index}"
+                tokens = episode.lengths[index]
+                self.experience_tokens[experience_id] = tokens + self.workload.prompt_tokens
+                experiences.append(
+                    ExperienceSummary(
+                        experience_id,
+                        agent,
+                        f"{task_id}/{agent}",
+                        episode.sample_index,
+                        episode.behaviour[agent],
+                        tokens,
+                        0.0,
+                    )
+                )
+        self.planner.report_rollout_task(task.lease_id, WORKER, task_id, True, "", experiences)
+        self.reported = True
+        self.response_tokens[task.batch_index] = self.response_tokens.get(task.batch_index, 0) + sum(
+            e.response_tokens for e in experiences
+        )
+
+    def balance(self) -> None:
+        """Demand hints from the planner, rebalancing, weight loads, queued placements."""
+        demand = self.planner.rollout_demand()
+        for (_, agent), tokens in demand.items():
+            self.balancer.set_demand_hint(agent, tokens)
+        self.balancer.maybe_rebalance(self.now_s)
+        self.place()
+
+    def place(self) -> None:
+        """Start weight loads of moved replicas and requests the balancer can place now."""
+        self.start_loads()
+        for ticket in self.balancer.place_queued():
+            self.start(ticket)
+
+    def start_loads(self) -> None:
+        """Drained replicas load their new agent's weights."""
+        for move in self.balancer.replicas_awaiting_load():
+            self.balancer.begin_load(move.replica_id)
+            replica = self.replicas[move.replica_id]
+            replica.loaded = (move.to_model_key, self.wanted[move.to_model_key])
+            self.push(self.now_s + devicemodel.weight_transfer_s(self.profile), "loaded", move.replica_id)
+
+    # ---- trainer slots ------------------------------------------------------------------------------------
+    def poll_slots(self) -> None:
+        """Every idle slot polls the planner (the long poll answers at once when work exists)."""
+        for slot in self.slots:
+            if slot.busy_until_s >= self.now_s or slot.pending is not None:
+                continue
+            resident = [slot.resident] if slot.resident is not None else []
+            work = self.planner.poll_trainer_work("trainer", slot.slot_id, resident)
+            if work is None:
+                continue
+            duration_s = self.work_seconds(slot, work)
+            slot.pending = work
+            slot.busy_until_s = self.now_s + duration_s
+            slot.busy_s += duration_s
+            self.push(slot.busy_until_s, "slot", slot.slot_id)
+
+    def work_seconds(self, slot: _Slot, work: Any) -> float:
+        """Modelled seconds of one piece of trainer work (swap-in included)."""
+        if isinstance(work, SwapOutWork):
+            return devicemodel.swap_s(self.profile)
+        swap_in_s = 0.0
+        if slot.resident is None or (slot.resident.agent, slot.resident.version) != (work.agent, work_version(work)):
+            swap_in_s = devicemodel.swap_s(self.profile) if work_version(work) > 0 else 0.0
+            slot.resident = ResidentAgent(self.job_id, work.agent, work_version(work))
+        if isinstance(work, MicroBatchWork):
+            tokens = sum(self.experience_tokens[e] for e in work.experience_ids)
+            return swap_in_s + devicemodel.train_tokens_s(self.profile, tokens)
+        return swap_in_s + devicemodel.optimizer_step_s(self.profile)
+
+    def on_slot(self, slot_id: str) -> None:
+        """A slot finished its work: ack, commit or report the swap-out."""
+        slot = next(s for s in self.slots if s.slot_id == slot_id)
+        work, slot.pending = slot.pending, None
+        if isinstance(work, MicroBatchWork):
+            self.planner.ack_micro_batch(work.lease_id, "trainer", slot_id, len(work.experience_ids))
+        elif isinstance(work, OptimizerStepWork):
+            uri = f"file:///sim/{work.agent}/v{work.new_version}"
+            self.planner.commit_step("trainer", slot_id, self.job_id, work.agent, work.step, work.new_version, uri, uri)
+            slot.resident = ResidentAgent(self.job_id, work.agent, work.new_version)
+            self.commits[(work.agent, work.step)] = self.now_s
+        elif isinstance(work, SwapOutWork):
+            version = slot.resident.version if slot.resident is not None else 0
+            self.planner.report_slot_event(
+                "trainer",
+                slot_id,
+                self.job_id,
+                work.agent,
+                SlotEventKind.SWAPPED_OUT,
+                f"file:///sim/{work.agent}/v{version}",
+            )
+            slot.resident = None
+
+    # ---- main loop ------------------------------------------------------------------------------------------
+    def run(self, max_events: int = 5_000_000) -> SimOutcome:
+        """Run until the job finishes (or stalls); return its figures."""
+        started = time.perf_counter()
+        self.push(self.now_s, "tick", None)
+        job = self.planner.job(self.job_id)
+        last_progress_s = 0.0
+        while self.events and not job.state.terminal and self.event_count < max_events:
+            at_s, _, kind, payload = heapq.heappop(self.events)
+            self.now_s = max(self.now_s, at_s)
+            self.event_count += 1
+            if kind == "replica":
+                self.on_replica(*payload)
+            elif kind == "slot":
+                self.on_slot(payload)
+            elif kind == "loaded":
+                self.balancer.complete_load(payload)
+            elif kind == "tick":  # rolloutd's balancer interval and the slots' long-poll period
+                if self.now_s - last_progress_s < STALL_S:
+                    self.push(self.now_s + TICK_S, "tick", None)
+            if kind != "tick":
+                last_progress_s = self.now_s
+            # The planner is asked when its answer can have changed (orchestratord's long polls
+            # wake on state changes): after reports and slot events, and on every tick.
+            if kind in ("slot", "tick"):
+                self.lease_tasks()
+            if kind == "tick":
+                self.balance()
+            else:
+                self.place()
+            if kind in ("slot", "tick") or self.reported:
+                self.reported = False
+                self.poll_slots()
+        for replica in self.replicas.values():
+            self.settle(replica)
+        return self.outcome(job.state.name, time.perf_counter() - started)
+
+    def outcome(self, state: str, sim_wall_s: float) -> SimOutcome:
+        """Step seconds between the first and last complete steps (step 0 left out, as in benchmarks.run)."""
+        s = self.settings
+        done = {}
+        for step in range(s.steps):
+            times = [self.commits.get((a, step)) for a in self.agents]
+            if all(t is not None for t in times):
+                done[step] = max(t for t in times if t is not None)
+        nan = math.nan
+        steps = sorted(done)
+        if len(steps) < 2:
+            return SimOutcome(
+                self.config,
+                s.devices,
+                s.replicas,
+                s.slots,
+                s.prompts_per_step * s.group_size,
+                state,
+                nan,
+                nan,
+                nan,
+                nan,
+                self.balancer.reassignments,
+                self.event_count,
+                sim_wall_s,
+            )
+        window_s = done[steps[-1]] - done[steps[0]]
+        step_s = window_s / (steps[-1] - steps[0])
+        tokens = sum(self.response_tokens.get(b, 0) for b in steps[1:])
+        total_s = self.now_s
+        rollout_busy = sum(r.busy_s for r in self.replicas.values()) / (len(self.replicas) * total_s)
+        train_busy = sum(slot.busy_s for slot in self.slots) / (len(self.slots) * total_s)
+        return SimOutcome(
+            self.config,
+            s.devices,
+            s.replicas,
+            s.slots,
+            s.prompts_per_step * s.group_size,
+            state,
+            step_s,
+            tokens / window_s,
+            rollout_busy,
+            train_busy,
+            self.balancer.reassignments,
+            self.event_count,
+            sim_wall_s,
+        )
+
+
+def work_version(work: MicroBatchWork | OptimizerStepWork) -> int:
+    """The agent version a piece of work starts from."""
+    return work.base_version if isinstance(work, MicroBatchWork) else work.new_version - 1
+
+
+def sweep(devices: Sequence[int], configs: Sequence[str], base: SimSettings) -> list[SimOutcome]:
+    """Every configuration at every size (same workload shape and seed)."""
+    workload = make_workload(base.agents, base.variant)
+    outcomes = []
+    for count in devices:
+        settings = dataclasses.replace(base, devices=count)
+        for config in configs:
+            outcomes.append(Simulation(config, settings, workload).run())
+    return outcomes
+
+
+def table(outcomes: Sequence[SimOutcome]) -> str:
+    """Step seconds, throughput, busy fractions and FlexMARL's speedup per size."""
+    flex = {o.devices: o for o in outcomes if o.config == "flexmarl"}
+    lines = [
+        f"{'devices':>7} {'repl':>5} {'slots':>5} {'eps/step':>8} {'config':<11} {'state':<10} {'step s':>8} "
+        f"{'tok/s':>9} {'roll busy':>9} {'train busy':>10} {'moves':>6} {'speedup':>8}"
+    ]
+    for o in outcomes:
+        ref = flex.get(o.devices)
+        over = o.step_s / ref.step_s if ref is not None and ref.step_s > 0 else math.nan
+        lines.append(
+            f"{o.devices:>7} {o.replicas:>5} {o.slots:>5} {o.episodes_per_step:>8} {o.config:<11} "
+            f"{o.state:<10} {o.step_s:>8.1f} {o.tokens_per_s:>9.0f} {o.rollout_busy:>9.2f} "
+            f"{o.train_busy:>10.2f} {o.reassignments:>6} {over:>7.2f}x"
+        )
+    lines.append("modelled seconds (H100/Qwen2.5-14B roofline); speedup = config step s / flexmarl step s")
+    return "\n".join(lines)
+
+
+def chart(outcomes: Sequence[SimOutcome], path: Path) -> None:
+    """Tokens/s against devices, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for config in dict.fromkeys(o.config for o in outcomes):
+        points = [(o.devices, o.tokens_per_s) for o in outcomes if o.config == config and math.isfinite(o.tokens_per_s)]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("modelled response tokens / s")
+    ax.set_title("simulated throughput (weak scaling)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the sweep; returns 0 when every simulated job succeeded."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[48, 96, 192, 384, 768])
+    parser.add_argument("--configs", nargs="+", default=["flexmarl", "static", "sequential"], choices=list(SIM_CONFIGS))
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--variant", choices=["long-tail", "uniform"], default="long-tail")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--episodes-per-replica", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--devices-per-slot", type=int, default=8)
+    parser.add_argument("--rollout-fraction", type=float, default=2.0 / 3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    base = SimSettings(
+        rollout_fraction=args.rollout_fraction,
+        devices_per_slot=args.devices_per_slot,
+        episodes_per_replica=args.episodes_per_replica,
+        group_size=args.group_size,
+        steps=args.steps,
+        agents=args.agents,
+        variant=args.variant,
+        seed=args.seed,
+    )
+    outcomes = sweep(args.devices, args.configs, base)
+    report = table(outcomes)
+    print(report)  # noqa: T201 (a CLI report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "outcomes": [dataclasses.asdict(o) for o in outcomes],
+        "table": report,
+    }
+    (args.out / "sim.json").write_text(json.dumps(payload, indent=2))
+    chart(outcomes, args.out / "sim.png")
+    return 0 if all(o.state == "SUCCEEDED" for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
