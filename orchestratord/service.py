@@ -90,6 +90,8 @@ class OrchestratorService:
         self._generation = 0
         #: Long-polls for rollout tasks wait here; woken only when some job has a task to hand out.
         self._lease_waiters: set[asyncio.Future[None]] = set()
+        #: Planner changes whose write failed (etcd unreachable); written before the next ones.
+        self._unpersisted: list[StateChange] = []
         # Only the stored side is used: orchestratord is the orchestrator.
         self._peers = PeerConnections(registry, orchestrator_address="", store_address=store_address,
                                       max_message_bytes=max_message_bytes, security=security)
@@ -257,10 +259,23 @@ class OrchestratorService:
             self._changed.notify_all()
 
     async def _persist(self, changes: list[StateChange]) -> None:
-        if not changes:
+        """Writes the planner's changes, after any earlier ones a failed write left behind.
+
+        The planner has already applied them in memory. When etcd stays unreachable past the
+        state store's retries, the RPC fails and the changes are kept: the next mutation writes
+        them first, so no reply is ever sent on top of an unwritten change (a restart before that
+        drops only changes no caller was told about). Rewriting a change is idempotent.
+        """
+        pending = self._unpersisted + changes
+        if not pending:
             return
-        await apply_changes(self.state, changes, self._history_record)
-        for change in changes:
+        self._unpersisted = []
+        try:
+            await apply_changes(self.state, pending, self._history_record)
+        except BaseException:
+            self._unpersisted = pending
+            raise
+        for change in pending:
             if isinstance(change, StepCommitted):
                 self._observe_commit(change.commit)
 
