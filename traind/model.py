@@ -306,6 +306,10 @@ class AgentTrainer:
         # Modelled device time (benchmarks): micro-batches and optimizer steps take the time the
         # profile's accelerator would take (real math still runs); None = real time only.
         self.device_profile = devicemodel.profile_from_env()
+        # Modelled waits queued by _pace for settle_pacing(): a daemon holding several slots in one
+        # process waits outside its compute lock, so its slots are separate modelled devices.
+        self.defer_pacing = False
+        self._deferred_pacing: list[tuple[str, float, devicemodel.Pacer]] = []
         self._trace = (devicemodel.TraceWriter(self.device_profile, f"traind-{os.getpid()}-{config.agent}")
                        if self.device_profile is not None else None)
         self._build_engine()
@@ -465,9 +469,20 @@ class AgentTrainer:
         pacer = devicemodel.Pacer(profile, clock=time.perf_counter)
         pacer.start_s = started_perf_s
         pacer.add(float(modelled(profile)))
+        if self.defer_pacing:
+            self._deferred_pacing.append((kind, wall_started_s, pacer))
+            return
         pacer.wait()
         if self._trace is not None:
             self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
+
+    def settle_pacing(self) -> None:
+        """Waits out the modelled time that ``_pace`` deferred (``defer_pacing``), in order, and traces it."""
+        while self._deferred_pacing:
+            kind, wall_started_s, pacer = self._deferred_pacing.pop(0)
+            pacer.wait()
+            if self._trace is not None:
+                self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
 
     def _normalise_and_clip_hook(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         scale = self._pending_grad_scale

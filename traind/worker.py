@@ -310,7 +310,9 @@ class TrainerWorker:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
             records = await self._read_experiences(work.job_id, list(work.experience_ids))
+            trainer.defer_pacing = True
             stats = await asyncio.to_thread(trainer.accumulate, records)
+        await asyncio.to_thread(trainer.settle_pacing)  # modelled device time, outside the compute lock
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         stub = await self._peers.orchestrator()
         await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
@@ -347,11 +349,13 @@ class TrainerWorker:
             await self._member_optimizer_step(slot, trainer, work)
             return
         async with self._compute:
+            trainer.defer_pacing = True
             stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens, work.step_episodes)
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
             weights_uri = await self._publish(trainer, work.job_id, work.agent, work.new_version)
             state_uri = await self._save_state(trainer, work.job_id, work.agent, work.new_version)
+        await asyncio.to_thread(trainer.settle_pacing)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
         stub = await self._peers.orchestrator()
@@ -371,6 +375,7 @@ class TrainerWorker:
         scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
         try:
             async with self._compute:
+                trainer.defer_pacing = True
                 stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens,
                                                 work.step_episodes)
                 if trainer.version != work.new_version:
@@ -382,6 +387,7 @@ class TrainerWorker:
                                         self._location(file_uri(scratch / "state"), work.job_id))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        await asyncio.to_thread(trainer.settle_pacing)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
         slot.step_id = ""
