@@ -25,6 +25,16 @@ and models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
   micro-batch of (prompt + response) tokens, ``optimizer_step_s`` per step and ``swap_s`` to
   bring an agent's state in or out.
 
+Every slot is a one-slot traind process (its own worker id) that advertises a ``dp_address``,
+so agents with ``max_slots`` > 1 (ZeRO 0) get data-parallel groups from the planner's slot
+binder, and the slots handle group work as traind does: a slot whose group changes drops its
+engine and loads the agent's committed state again (``swap_s``; the rendezvous itself is not
+modelled); each member trains the micro-batches it is leased; every member runs the optimizer
+step, a collective that ends for all members together, ``allreduce_s`` after the last member
+reaches it, then ``optimizer_step_s``; only rank 0 commits. :func:`allreduce_s` is the sim's
+own all-reduce cost (the device model has none): a ring all-reduce of the BF16 gradients over
+one link per slot.
+
 Devices: a fraction ``--rollout-fraction`` of them are rollout replicas (one device each),
 the rest trainer slots of ``--devices-per-slot``. The batch grows with the cluster (weak
 scaling, ``--episodes-per-replica`` episodes per replica and step). Configurations as in
@@ -95,7 +105,10 @@ class SimSettings:
     variant: str = "long-tail"
     seed: int = 0
     refresh_tokens: float = 256.0
-    rebalance_interval_s: float = 5.0
+    # Data parallelism: agents' max_slots (0 = per configuration, see agent_max_slots; 1 = none).
+    max_slots: int = 0
+    # None = the balancer's production default (what rolloutd's worker configures).
+    hysteresis: float | None = None
 
     @property
     def replicas(self) -> int:
@@ -106,6 +119,22 @@ class SimSettings:
     def slots(self) -> int:
         """Trainer slots."""
         return max(1, (self.devices - self.replicas) // self.devices_per_slot)
+
+    def agent_max_slots(self, config: str) -> int:
+        """The agents' ``max_slots`` in the job spec of ``config``.
+
+        ``max_slots`` 0 means: ``sequential`` (one agent trains at a time) every slot; the
+        others a fair share, ``ceil(slots / agents)``. A larger cap hurts async FlexMARL: an
+        agent's group grows at its step boundary to every free slot and keeps them for the
+        whole step while its micro-batches trickle in, so the other agents wait (768 devices:
+        119 s per step with every slot against 61 s with a fair share). Static binding bounds
+        each agent to its fixed set anyway.
+        """
+        if self.max_slots > 0:
+            return min(1024, self.max_slots)
+        if config == "sequential":
+            return min(1024, self.slots)
+        return min(1024, max(1, math.ceil(self.slots / self.agents)))
 
     @property
     def prompts_per_step(self) -> int:
@@ -130,6 +159,7 @@ class SimOutcome:
     reassignments: int
     events: int
     sim_wall_s: float
+    max_group_size: int = 1
 
 
 @dataclasses.dataclass
@@ -163,10 +193,30 @@ class _Episode:
 @dataclasses.dataclass
 class _Slot:
     slot_id: str
+    worker_id: str
+    dp_address: str
     resident: ResidentAgent | None = None
     busy_until_s: float = -1.0
     busy_s: float = 0.0
     pending: Any = None
+    # The process group the slot's process is in ("" = a world of one), as traind's GroupKey.
+    group_id: str = ""
+
+
+def allreduce_s(profile: devicemodel.DeviceProfile, members: int) -> float:
+    """Modelled seconds of one gradient all-reduce over ``members`` data-parallel slots.
+
+    Ring all-reduce of the BF16 gradients (``model_params * bytes_per_param`` bytes): every
+    member sends and receives ``2 (n - 1) / n`` of them over its link,
+    ``2 (n - 1) / n * P * bytes_per_param / link_bytes_per_s``; 0 for one member. One
+    ``link_bytes_per_s`` link per slot (conservative: a node with one NIC per device could
+    reduce ``train_devices_per_slot`` shards in parallel); the reduction inside a slot is part
+    of ``train_tokens_s``' data parallelism and not charged again.
+    """
+    if members <= 1:
+        return 0.0
+    gradient_bytes = profile.model_params * profile.bytes_per_param
+    return 2.0 * (members - 1) / members * gradient_bytes / profile.link_bytes_per_s
 
 
 class Simulation:
@@ -190,7 +240,13 @@ class Simulation:
                 "seed": settings.seed,
                 "environment": {"entrypoint": "benchmarks.workloads:SkewedAgentsEnv", "config": {}},
                 "agents": [
-                    {"name": a, "model": "/sim/base", "sampling": {"max_new_tokens": self.lengths[a].high}}
+                    {
+                        "name": a,
+                        "model": "/sim/base",
+                        "sampling": {"max_new_tokens": self.lengths[a].high},
+                        "zero_stage": 0,
+                        "max_slots": settings.agent_max_slots(config),
+                    }
                     for a in self.agents
                 ],
                 "algorithm": {"name": "grpo"},
@@ -212,22 +268,24 @@ class Simulation:
         self.planner.submit_job(self.job_id, spec)
         self.replicas = {f"r{i:04d}": _Replica(f"r{i:04d}") for i in range(settings.replicas)}
         agent_keys = list(self.agents)
-        split = [
-            BalancerReplica(rid, agent_keys[i % len(agent_keys)], tokens_per_s=1.0)
-            for i, rid in enumerate(sorted(self.replicas))
-        ]
-        self.balancer = HierarchicalBalancer(
-            split,
-            [AgentSpec(a, a) for a in agent_keys],
-            BalancerConfig(
-                rebalance_enabled=balancing == "hierarchical",
-                routing=RoutingPolicy.LEAST_TOKENS,
-                rebalance_interval_s=settings.rebalance_interval_s,
-                reassignment_cost_s=devicemodel.weight_transfer_s(self.profile),
-            ),
+        # As rolloutd builds it: RolloutRouter._initial_assignment's ReplicaSpec (default
+        # tokens_per_s) on an equal split, and rolloutd/worker.py's BalancerConfig (defaults
+        # but for the policy); only --hysteresis (an experiment) overrides a default.
+        split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(sorted(self.replicas))]
+        balancer_config = BalancerConfig(
+            rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.LEAST_TOKENS
         )
+        if settings.hysteresis is not None:
+            balancer_config = dataclasses.replace(balancer_config, hysteresis=settings.hysteresis)
+        self.balancer = HierarchicalBalancer(split, [AgentSpec(a, a) for a in agent_keys], balancer_config)
+        self.demand_hints: dict[str, int] = {}
         self.estimator = TokenEstimator()
-        self.slots = [_Slot(f"trainer-{i}/slot0") for i in range(settings.slots)]
+        # One traind process per slot (the GPU deployment): its own worker id and rendezvous.
+        self.slots = [_Slot(f"trainer-{i}/slot0", f"trainer-{i}", f"trainer-{i}:29500") for i in range(settings.slots)]
+        self.by_slot = {slot.slot_id: slot for slot in self.slots}
+        # Optimizer steps of data-parallel groups: (group id, step id) -> members arrived.
+        self.collectives: dict[tuple[str, str], list[_Slot]] = {}
+        self.max_group_size = 1
         self.events: list[tuple[float, int, str, Any]] = []
         self.counter = 0
         self.tickets: dict[int, tuple[_Episode, str]] = {}
@@ -311,6 +369,8 @@ class Simulation:
         self.tickets[ticket.request_id] = (episode, agent)
         if ticket.replica_id is not None:
             self.start(ticket)
+        else:
+            self.rebalance()  # RolloutRouter._acquire: a queued request
 
     def start(self, ticket: Ticket) -> None:
         """A placed request joins its replica's batch (after a weight load if its version is old)."""
@@ -332,6 +392,7 @@ class Simulation:
         """A response is complete: free its ticket, start the episode's next turn or report the task."""
         episode, agent = self.tickets.pop(seq.request_id)
         self.balancer.finish(seq.request_id)
+        self.rebalance()  # RolloutRouter._release
         self.estimator.observe(agent, episode.lengths[episode.turn])
         episode.turn += 1
         if episode.turn < len(self.agents):
@@ -370,11 +431,26 @@ class Simulation:
         )
 
     def balance(self) -> None:
-        """Demand hints from the planner, rebalancing, weight loads, queued placements."""
+        """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent."""
         demand = self.planner.rollout_demand()
-        for (_, agent), tokens in demand.items():
-            self.balancer.set_demand_hint(agent, tokens)
-        self.balancer.maybe_rebalance(self.now_s)
+        for (_, agent), tokens in sorted(demand.items()):
+            # RolloutRouter.set_demand_hint
+            self.demand_hints[agent] = max(0, tokens)
+            self.balancer.set_demand_hint(agent, max(0, tokens))
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
+        balancer = self.balancer
+        counts = balancer.replica_counts()
+        starved = {ticket.agent for ticket in balancer.queued() if counts.get(ticket.agent, 0) == 0}
+        if starved:
+            for agent, hint in self.demand_hints.items():
+                if hint and agent not in starved and balancer.demand_tokens(agent) == hint:
+                    balancer.set_demand_hint(agent, 0)
+            balancer.rebalance(self.now_s)
+        else:
+            balancer.maybe_rebalance(self.now_s)
         self.place()
 
     def place(self) -> None:
@@ -398,19 +474,54 @@ class Simulation:
             if slot.busy_until_s >= self.now_s or slot.pending is not None:
                 continue
             resident = [slot.resident] if slot.resident is not None else []
-            work = self.planner.poll_trainer_work("trainer", slot.slot_id, resident)
+            work = self.planner.poll_trainer_work(slot.worker_id, slot.slot_id, resident, slot.dp_address)
             if work is None:
                 continue
             duration_s = self.work_seconds(slot, work)
             slot.pending = work
-            slot.busy_until_s = self.now_s + duration_s
             slot.busy_s += duration_s
+            group = work.group if not isinstance(work, SwapOutWork) else None
+            if isinstance(work, OptimizerStepWork) and group is not None and group.world_size > 1:
+                self.join_collective(slot, work, self.now_s + duration_s)
+                continue
+            slot.busy_until_s = self.now_s + duration_s
             self.push(slot.busy_until_s, "slot", slot.slot_id)
 
+    def join_collective(self, slot: _Slot, work: OptimizerStepWork, ready_s: float) -> None:
+        """A member reaches its group's optimizer step (after any state load); the last one starts it.
+
+        The step's all-reduce (and the publish and save barriers after it) completes only when
+        every member runs it, so all members finish together, ``allreduce_s`` plus
+        ``optimizer_step_s`` after the last arrival.
+        """
+        group = work.group
+        if group is None:
+            return
+        key = (group.group_id, work.step_id)
+        arrived = self.collectives.setdefault(key, [])
+        arrived.append(slot)
+        slot.busy_until_s = ready_s  # then blocked in the collective (``pending`` keeps it from polling)
+        if len(arrived) < group.world_size:
+            return
+        del self.collectives[key]
+        step_s = allreduce_s(self.profile, group.world_size) + devicemodel.optimizer_step_s(self.profile)
+        done_s = max(member.busy_until_s for member in arrived) + step_s
+        for member in arrived:
+            member.busy_s += step_s
+            member.busy_until_s = done_s
+            self.push(done_s, "slot", member.slot_id)
+
     def work_seconds(self, slot: _Slot, work: Any) -> float:
-        """Modelled seconds of one piece of trainer work (swap-in included)."""
+        """Modelled seconds of one piece of trainer work (swap-in included; a group's collective step not)."""
         if isinstance(work, SwapOutWork):
             return devicemodel.swap_s(self.profile)
+        group_id = work.group.group_id if work.group is not None and work.group.world_size > 1 else ""
+        if group_id != slot.group_id:
+            # traind releases every engine of the process and joins the new process group.
+            slot.group_id = group_id
+            slot.resident = None
+        if work.group is not None:
+            self.max_group_size = max(self.max_group_size, work.group.world_size)
         swap_in_s = 0.0
         if slot.resident is None or (slot.resident.agent, slot.resident.version) != (work.agent, work_version(work)):
             swap_in_s = devicemodel.swap_s(self.profile) if work_version(work) > 0 else 0.0
@@ -418,23 +529,29 @@ class Simulation:
         if isinstance(work, MicroBatchWork):
             tokens = sum(self.experience_tokens[e] for e in work.experience_ids)
             return swap_in_s + devicemodel.train_tokens_s(self.profile, tokens)
+        if work.group is not None and work.group.world_size > 1:
+            return swap_in_s  # the collective step is charged in join_collective
         return swap_in_s + devicemodel.optimizer_step_s(self.profile)
 
     def on_slot(self, slot_id: str) -> None:
         """A slot finished its work: ack, commit or report the swap-out."""
-        slot = next(s for s in self.slots if s.slot_id == slot_id)
+        slot = self.by_slot[slot_id]
         work, slot.pending = slot.pending, None
         if isinstance(work, MicroBatchWork):
-            self.planner.ack_micro_batch(work.lease_id, "trainer", slot_id, len(work.experience_ids))
+            self.planner.ack_micro_batch(work.lease_id, slot.worker_id, slot_id, len(work.experience_ids))
         elif isinstance(work, OptimizerStepWork):
-            uri = f"file:///sim/{work.agent}/v{work.new_version}"
-            self.planner.commit_step("trainer", slot_id, self.job_id, work.agent, work.step, work.new_version, uri, uri)
+            # Every member holds the new version; only rank 0 publishes, saves and commits.
             slot.resident = ResidentAgent(self.job_id, work.agent, work.new_version)
-            self.commits[(work.agent, work.step)] = self.now_s
+            if work.rank == 0:
+                uri = f"file:///sim/{work.agent}/v{work.new_version}"
+                self.planner.commit_step(
+                    slot.worker_id, slot_id, self.job_id, work.agent, work.step, work.new_version, uri, uri
+                )
+                self.commits[(work.agent, work.step)] = self.now_s
         elif isinstance(work, SwapOutWork):
             version = slot.resident.version if slot.resident is not None else 0
             self.planner.report_slot_event(
-                "trainer",
+                slot.worker_id,
                 slot_id,
                 self.job_id,
                 work.agent,
@@ -505,6 +622,7 @@ class Simulation:
                 self.balancer.reassignments,
                 self.event_count,
                 sim_wall_s,
+                self.max_group_size,
             )
         window_s = done[steps[-1]] - done[steps[0]]
         step_s = window_s / (steps[-1] - steps[0])
@@ -526,6 +644,7 @@ class Simulation:
             self.balancer.reassignments,
             self.event_count,
             sim_wall_s,
+            self.max_group_size,
         )
 
 
@@ -550,7 +669,7 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
     flex = {o.devices: o for o in outcomes if o.config == "flexmarl"}
     lines = [
         f"{'devices':>7} {'repl':>5} {'slots':>5} {'eps/step':>8} {'config':<11} {'state':<10} {'step s':>8} "
-        f"{'tok/s':>9} {'roll busy':>9} {'train busy':>10} {'moves':>6} {'speedup':>8}"
+        f"{'tok/s':>9} {'roll busy':>9} {'train busy':>10} {'dp max':>6} {'moves':>6} {'speedup':>8}"
     ]
     for o in outcomes:
         ref = flex.get(o.devices)
@@ -558,9 +677,12 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
         lines.append(
             f"{o.devices:>7} {o.replicas:>5} {o.slots:>5} {o.episodes_per_step:>8} {o.config:<11} "
             f"{o.state:<10} {o.step_s:>8.1f} {o.tokens_per_s:>9.0f} {o.rollout_busy:>9.2f} "
-            f"{o.train_busy:>10.2f} {o.reassignments:>6} {over:>7.2f}x"
+            f"{o.train_busy:>10.2f} {o.max_group_size:>6} {o.reassignments:>6} {over:>7.2f}x"
         )
-    lines.append("modelled seconds (H100/Qwen2.5-14B roofline); speedup = config step s / flexmarl step s")
+    lines.append(
+        "modelled seconds (H100/Qwen2.5-14B roofline); dp max = largest data-parallel group (slots); "
+        "speedup = config step s / flexmarl step s"
+    )
     return "\n".join(lines)
 
 
@@ -599,6 +721,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices-per-slot", type=int, default=8)
     parser.add_argument("--rollout-fraction", type=float, default=2.0 / 3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-slots",
+        type=int,
+        default=0,
+        help="agents' max_slots (0 = per config: sequential every slot, else ceil(slots/agents); 1 = no DP)",
+    )
+    parser.add_argument("--hysteresis", type=float, default=None, help="balancer hysteresis (default: rolloutd's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     base = SimSettings(
@@ -610,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         agents=args.agents,
         variant=args.variant,
         seed=args.seed,
+        max_slots=args.max_slots,
+        hysteresis=args.hysteresis,
     )
     outcomes = sweep(args.devices, args.configs, base)
     report = table(outcomes)
