@@ -1,6 +1,6 @@
 """FlexMARL against its baselines on the real daemons, with modelled device time.
 
-    python -m benchmarks.run                      # default matrix (3-agent long-tail), ~5-10 min
+    python -m benchmarks.run                      # default matrix (3-agent long-tail), ~15-20 min
     python -m benchmarks.run --configs flexmarl sequential --steps 3
 
 Every configuration starts a fresh local cluster (etcd, stored, orchestratord, one traind with
@@ -14,7 +14,9 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
 * busy fractions: union of the engines' (trainers') modelled-time intervals in that window,
   over replicas (slots) x window.
 
-Writes ``<out>/modelled.json`` and ``<out>/modelled.png`` and prints the table.
+Writes ``<out>/modelled.json`` and ``<out>/modelled.png`` (other workloads:
+``modelled-<agents>-agent-<variant>.*``) and prints the table, plus the analytic estimate of a
+colocated, time-shared sequential baseline (:func:`timeshared_sequential_estimate`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import logging
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -43,15 +46,24 @@ log = logging.getLogger("benchmarks.run")
 
 # name -> (pipeline section, rollout section, what it is)
 CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
-    "sequential": ({"mode": "sequential"}, {"balancing": "static"},
-                   "MAS-RL-like: barrier, agents train one after another, fixed replica shares"),
+    "sequential": (
+        {"mode": "sequential"},
+        {"balancing": "static"},
+        "MAS-RL-like: barrier, agents train one after another, fixed replica shares",
+    ),
     "static": ({"mode": "static"}, {}, "MARTI-like: barrier, fixed slots and replica shares per agent"),
-    "flexmarl": ({"mode": "async", "max_staleness": 1}, {"balancing": "hierarchical"},
-                 "async micro-batches, hierarchical LB, dynamic binding"),
+    "flexmarl": (
+        {"mode": "async", "max_staleness": 1},
+        {"balancing": "hierarchical"},
+        "async micro-batches, hierarchical LB, dynamic binding",
+    ),
     "no-async": ({"mode": "sync"}, {"balancing": "hierarchical"}, "FlexMARL with the rollout->train barrier"),
     "no-lb": ({"mode": "async", "max_staleness": 1}, {"balancing": "static"}, "FlexMARL with fixed replica shares"),
-    "no-binding": ({"mode": "async", "max_staleness": 1, "binding": "static"}, {"balancing": "hierarchical"},
-                   "FlexMARL with each agent on a fixed slot set"),
+    "no-binding": (
+        {"mode": "async", "max_staleness": 1, "binding": "static"},
+        {"balancing": "hierarchical"},
+        "FlexMARL with each agent on a fixed slot set",
+    ),
 }
 TARGETS = {"sequential": 8.0, "static": 1.6}
 
@@ -72,6 +84,83 @@ class RunResult:
     model_overrun_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class TimeSharedEstimate:
+    """Modelled seconds of one step of a colocated, time-shared sequential baseline (not measured)."""
+
+    devices: int
+    rollout_s: float
+    reload_s: float
+    train_s: float
+
+    @property
+    def step_s(self) -> float:
+        """Rollout phases + weight reloads between them + training of every agent in turn."""
+        return self.rollout_s + self.reload_s + self.train_s
+
+
+def turn_phase_s(profile: devicemodel.DeviceProfile, prompt_tokens: int, lengths: list[int], replicas: int) -> float:
+    """Modelled seconds for ``replicas`` replicas to answer one turn of every episode, all sent at once.
+
+    Sequences are dealt round-robin to the replicas; each replica prefills its prompts, then
+    decodes its sequences as one continuous batch (a sequence leaves when done; at step s each
+    live sequence holds ``prompt_tokens + s`` context tokens). The phase ends with the slowest
+    replica.
+    """
+    slowest = 0.0
+    for replica in range(replicas):
+        mine = sorted(lengths[replica::replicas])
+        if not mine:
+            continue
+        elapsed = devicemodel.prefill_s(profile, prompt_tokens * len(mine))
+        live, done = len(mine), 0
+        for step in range(1, mine[-1] + 1):
+            elapsed += devicemodel.decode_iteration_s(profile, live, live * (prompt_tokens + step))
+            while done < len(mine) and mine[done] == step:
+                done += 1
+                live -= 1
+        slowest = max(slowest, elapsed)
+    return slowest
+
+
+def timeshared_sequential_estimate(
+    workload: Workload, profile: devicemodel.DeviceProfile, devices: int, episodes: int, samples: int = 8, seed: int = 0
+) -> TimeSharedEstimate:
+    """The paper's kind of sequential baseline on the same devices, from the device model alone.
+
+    All ``devices`` serve one agent at a time: per step, every agent's turn of every episode
+    runs as one phase on all devices (one replica per device; a phase starts when the previous
+    agent's phase ended, because turn k needs turn k - 1's answer, and its replicas first load
+    that agent's weights), then each agent trains in turn on all devices (data parallel), its
+    full training state swapped in and the previous one's out (sharded over the devices' links).
+    Response lengths are drawn from the workload as the environment draws them (rounded up to
+    whole real tokens); the result is the mean over ``samples`` draws of a step's lengths.
+    """
+    rng = random.Random(seed)
+    scale = profile.token_scale
+    trainer = profile.with_changes(train_devices_per_slot=devices)
+    rollout = train = 0.0
+    for _ in range(samples):
+        for _, dist in workload.agents:
+            lengths = [math.ceil(dist.sample(rng) / scale) * int(scale) for _ in range(episodes)]
+            rollout += turn_phase_s(profile, workload.prompt_tokens, lengths, devices)
+            tokens = sum(workload.prompt_tokens + length for length in lengths)
+            train += (
+                devicemodel.train_tokens_s(trainer, tokens)
+                + devicemodel.optimizer_step_s(trainer)
+                + 2.0 * devicemodel.swap_s(profile) / devices
+            )
+    reload = len(workload.agents) * devicemodel.weight_transfer_s(profile)
+    return TimeSharedEstimate(devices, rollout / samples, reload, train / samples)
+
+
+def _daemon_pythonpath() -> str:
+    """The repository (benchmarks.workloads) and its client package, ahead of the caller's path."""
+    root = Path(__file__).resolve().parents[1]
+    parts = [str(root), str(root / "clients" / "python"), os.environ.get("PYTHONPATH", "")]
+    return os.pathsep.join(part for part in parts if part)
+
+
 def job_spec(workload: Workload, config: str, model_dir: Path, steps: int, token_scale: float) -> dict[str, Any]:
     """The job of one configuration."""
     pipeline, rollout, _ = CONFIGS[config]
@@ -79,11 +168,19 @@ def job_spec(workload: Workload, config: str, model_dir: Path, steps: int, token
     return {
         "name": f"bench-{config}",
         "seed": 0,
-        "environment": {"entrypoint": "benchmarks.workloads:SkewedAgentsEnv",
-                        "config": workload.environment_config(token_scale)},
-        "agents": [{"name": name, "model": str(model_dir),
-                    "sampling": {"temperature": 1.0, "max_new_tokens": max_new},
-                    "optimizer": {"name": "adamw", "lr": 1.0e-4}} for name, _ in workload.agents],
+        "environment": {
+            "entrypoint": "benchmarks.workloads:SkewedAgentsEnv",
+            "config": workload.environment_config(token_scale),
+        },
+        "agents": [
+            {
+                "name": name,
+                "model": str(model_dir),
+                "sampling": {"temperature": 1.0, "max_new_tokens": max_new},
+                "optimizer": {"name": "adamw", "lr": 1.0e-4},
+            }
+            for name, _ in workload.agents
+        ],
         "algorithm": {"name": "grpo"},
         "batch": {"prompts_per_step": 4, "group_size": 16, "micro_batch_size": 16},
         "total_steps": steps,
@@ -98,14 +195,19 @@ def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir
     run_dir = root / config.replace(" ", "_")
     trace_dir = run_dir / "traces"
     profile = devicemodel.PRESETS[args.device].with_changes(
-        token_scale=args.token_scale, time_scale=args.time_scale, trace_dir=str(trace_dir),
-        train_devices_per_slot=args.train_devices_per_slot)
+        token_scale=args.token_scale,
+        time_scale=args.time_scale,
+        trace_dir=str(trace_dir),
+        train_devices_per_slot=args.train_devices_per_slot,
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     profile_path = run_dir / "device.json"
     profile_path.write_text(profile.to_json())
     cluster_config = LocalClusterConfig(
-        run_dir=run_dir, engine_replicas=args.replicas, trainer_slots=args.slots,
-        env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        run_dir=run_dir,
+        engine_replicas=args.replicas,
+        trainer_slots=args.slots,
+        env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
@@ -123,8 +225,16 @@ def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir
     return measure(config, workload, info.state.name, history, profile, trace_dir, args, wall_s)
 
 
-def measure(config: str, workload: Workload, state: str, history: list[Any], profile: devicemodel.DeviceProfile,
-            trace_dir: Path, args: argparse.Namespace, wall_s: float) -> RunResult:
+def measure(
+    config: str,
+    workload: Workload,
+    state: str,
+    history: list[Any],
+    profile: devicemodel.DeviceProfile,
+    trace_dir: Path,
+    args: argparse.Namespace,
+    wall_s: float,
+) -> RunResult:
     """Turns a job's step records and traces into the table's figures."""
     agents = len(workload.agents)
     done_at: dict[int, float] = {}
@@ -147,20 +257,34 @@ def measure(config: str, workload: Workload, state: str, history: list[Any], pro
     engines = [r for name, r in traces.items() if name.startswith("engine-")]
     trainers = [r for name, r in traces.items() if name.startswith("traind-")]
     rollout_busy = sum(devicemodel.busy_seconds(r, done_at[first], done_at[last]) for r in engines) / (
-        args.replicas * window_s)
+        args.replicas * window_s
+    )
     train_busy = sum(devicemodel.busy_seconds(r, done_at[first], done_at[last]) for r in trainers) / (
-        args.slots * window_s)
+        args.slots * window_s
+    )
     overrun = sum(float(rec.get("overrun_s", 0.0)) for r in [*engines, *trainers] for rec in r)
-    return RunResult(config, workload.name, state, step_s, response_tokens / (window_s / profile.time_scale),
-                     rollout_busy, train_busy, wall_s, measured, overrun)
+    return RunResult(
+        config,
+        workload.name,
+        state,
+        step_s,
+        response_tokens / (window_s / profile.time_scale),
+        rollout_busy,
+        train_busy,
+        wall_s,
+        measured,
+        overrun,
+    )
 
 
 def table(results: list[RunResult]) -> str:
     """The printed table: figures and speedups of FlexMARL over each baseline."""
     by_name = {r.config: r for r in results}
     flex = by_name.get("flexmarl")
-    lines = [f"{'config':<12} {'state':<10} {'step s':>8} {'tok/s':>9} {'roll busy':>9} {'train busy':>10} "
-             f"{'flexmarl speedup':>16}  target"]
+    lines = [
+        f"{'config':<12} {'state':<10} {'step s':>8} {'tok/s':>9} {'roll busy':>9} {'train busy':>10} "
+        f"{'flexmarl speedup':>16}  target"
+    ]
     for r in results:
         over = r.step_s / flex.step_s if flex and flex.step_s > 0 else float("nan")
         target = TARGETS.get(r.config)
@@ -169,9 +293,22 @@ def table(results: list[RunResult]) -> str:
             verdict = f">= {target}x: {'met' if over >= target else 'MISSED'}"
         elif r.config != "flexmarl":
             verdict = f"ablation costs {over:.2f}x"
-        lines.append(f"{r.config:<12} {r.state:<10} {r.step_s:>8.1f} {r.tokens_per_s:>9.0f} {r.rollout_busy:>9.2f} "
-                     f"{r.train_busy:>10.2f} {over:>15.2f}x  {verdict}")
+        lines.append(
+            f"{r.config:<12} {r.state:<10} {r.step_s:>8.1f} {r.tokens_per_s:>9.0f} {r.rollout_busy:>9.2f} "
+            f"{r.train_busy:>10.2f} {over:>15.2f}x  {verdict}"
+        )
     return "\n".join(lines)
+
+
+def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str:
+    """The analytic time-shared sequential baseline, against FlexMARL's measured step."""
+    flex = next((r for r in results if r.config == "flexmarl"), None)
+    over = estimate.step_s / flex.step_s if flex is not None and flex.step_s > 0 else float("nan")
+    return (
+        f"time-shared sequential on all {estimate.devices} devices (device model only, not run): "
+        f"{estimate.step_s:.1f} s/step (rollout phases {estimate.rollout_s:.1f}, reloads {estimate.reload_s:.1f}, "
+        f"training {estimate.train_s:.1f}) = {over:.2f}x FlexMARL's step"
+    )
 
 
 def chart(results: list[RunResult], path: Path) -> None:
@@ -203,8 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=sorted(devicemodel.PRESETS), default="h100")
     parser.add_argument("--train-devices-per-slot", type=int, default=1)
     parser.add_argument("--token-scale", type=float, default=128.0)
-    parser.add_argument("--time-scale", type=float, default=0.01)
-    parser.add_argument("--run-timeout-s", type=float, default=240.0)
+    # 0.1: a modelled second lasts 0.1 wall s, so the real per-step overheads (polls, gRPC,
+    # DeepSpeed on CPU, checkpoint writes and reloads: ~1-3 wall s) stay small next to device time.
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--run-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -218,13 +357,22 @@ def main(argv: list[str] | None = None) -> int:
             result = run_one(config, workload, args, model_dir, root)
             log.info("%s", result)
             results.append(result)
-    report = table(results)
+    profile = devicemodel.PRESETS[args.device].with_changes(token_scale=args.token_scale)
+    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
+    report = table(results) + "\n" + estimate_line(estimate, results)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    payload = {"workload": workload.name, "settings": {k: str(v) for k, v in vars(args).items()},
-               "results": [dataclasses.asdict(r) for r in results], "table": report}
-    (args.out / "modelled.json").write_text(json.dumps(payload, indent=2))
-    chart(results, args.out / "modelled.png")
+    payload = {
+        "workload": workload.name,
+        "settings": {k: str(v) for k, v in vars(args).items()},
+        "results": [dataclasses.asdict(r) for r in results],
+        "timeshared_sequential_estimate": {**dataclasses.asdict(estimate), "step_s": estimate.step_s},
+        "table": report,
+    }
+    default_workload = args.agents == 3 and args.variant == "long-tail"
+    stem = "modelled" if default_workload else f"modelled-{args.agents}-agent-{args.variant}"
+    (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2))
+    chart(results, args.out / f"{stem}.png")
     return 0 if all(r.state == "SUCCEEDED" for r in results) else 1
 
 

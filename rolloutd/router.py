@@ -96,6 +96,10 @@ class Replica:
     loaded_version: int = -1
     healthy: bool = True
     lock: _ReadWriteLock = dataclasses.field(default_factory=_ReadWriteLock)
+    # One would-be reloader at a time; the others wait here (not for the replica's readers), so
+    # requests that find the reload done go straight to generation instead of queueing behind
+    # each other's generations for the write lock.
+    reload_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     reloads: int = 0
 
 
@@ -331,6 +335,13 @@ class RolloutRouter:
             raise Unavailable(f"no weights known for {key}")
         if replica.loaded_agent == key and replica.loaded_version >= wanted.version:
             return
+        async with replica.reload_lock:
+            wanted = self._wanted[key]
+            if replica.loaded_agent == key and replica.loaded_version >= wanted.version:
+                return
+            await self._reload(replica, key)
+
+    async def _reload(self, replica: Replica, key: str) -> None:
         async with replica.lock.write():
             wanted = self._wanted[key]
             if replica.loaded_agent == key and replica.loaded_version >= wanted.version:

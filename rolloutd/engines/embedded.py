@@ -5,12 +5,25 @@ same client code path as a GPU SGLang server. Endpoints, request fields and resp
 follow sglang ``python/sglang/srt/entrypoints/http_server.py`` and
 ``python/sglang/srt/managers/io_struct.py`` (see docs/engines.md for the exact subset).
 
-Scheduling: HTTP handlers (on the event loop) enqueue generation jobs; one worker thread takes
-every job waiting (up to ``max_batch_size`` sequences), prefills their prompts together
-(left padding + attention mask + KV cache), expands each prompt's cache to its ``n`` samples
-(the prefill is shared) and decodes the batch token by token, dropping finished sequences.
-Jobs that arrive meanwhile wait for the next batch. Weight reloads are queued in the same FIFO
-and applied by the worker between batches, so no token is produced by a half-loaded model.
+Scheduling (continuous batching, as SGLang): HTTP handlers (on the event loop) enqueue
+generation jobs; one worker thread runs the batch. At every decode iteration it first admits
+queued jobs in arrival order (:func:`plan_admission`: while the running sequences stay within
+the batch limit and, with a device model, their reserved KV tokens within the replica's KV
+capacity), prefills the new prompts together (left padding + attention mask + KV cache; each
+prompt once, its cache rows repeated for its ``n`` samples) and appends their rows to the
+running batch's cache (left-padded to a common length); then it samples one token for every
+running sequence and returns each sequence as soon as it finishes. Only an idle replica waits
+``batch_window_s`` for co-arriving jobs. Weight reloads are queued in the same FIFO: a queued
+reload stops admission, the running sequences finish on the old weights, then the new weights
+are applied (so no token is produced by a half-loaded model) and admission resumes.
+
+Modelled device time (``--modelled-device``): the real tiny-model tokens are computed as above,
+and every real iteration of b sequences stands for ``token_scale`` modelled decode iterations
+of those b sequences (plus the modelled prefill of the prompts admitted at it, during which the
+running sequences stall); the worker sleeps until the busy period's modelled time has passed
+before returning the sequences that finished, so each sequence leaves at its modelled finish
+time. Limits then come from the device model: ``max_running_requests`` sequences and
+``devicemodel.kv_capacity_tokens`` KV tokens (HBM minus weights over KV bytes per token).
 
 Log-probabilities: like SGLang by default, the logprob of a sampled token is taken from the
 temperature-scaled distribution ``log_softmax(logits / temperature)`` before top-k/top-p/min-p
@@ -29,6 +42,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -109,7 +123,7 @@ class _Job:
 
 @dataclass
 class _WeightSwap:
-    """A fully loaded replacement model, applied by the worker between batches."""
+    """A fully loaded replacement model, applied by the worker once the running batch has drained."""
 
     loaded: _LoadedModel
     loop: asyncio.AbstractEventLoop
@@ -125,6 +139,139 @@ class _Sequence:
     generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+
+
+# ----- continuous batching: admission (pure) and the running batch ------------------------
+_TRACE_SPAN_S = 0.5  # a busy period is traced in spans of about this many wall seconds
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one queued job asks of the running batch: sequences and reserved KV-cache tokens."""
+
+    sequences: int
+    kv_tokens: float
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What bounds a replica's running batch.
+
+    Attributes:
+        max_running: most sequences decoded together.
+        kv_capacity_tokens: (modelled) KV-cache tokens the replica holds; ``math.inf`` = unbounded.
+        token_scale: modelled tokens per real token (1 without a device model).
+    """
+
+    max_running: int
+    kv_capacity_tokens: float = math.inf
+    token_scale: float = 1.0
+
+    @classmethod
+    def for_engine(cls, max_batch_size: int, device: devicemodel.DeviceProfile | None) -> BatchLimits:
+        """``max_batch_size`` sequences in real mode; the device model's limits in modelled mode."""
+        if device is None:
+            return cls(max_batch_size)
+        return cls(device.max_running_requests, devicemodel.kv_capacity_tokens(device), device.token_scale)
+
+    def sequence_kv_tokens(self, prompt_tokens: int, max_new_tokens: int) -> float:
+        """KV tokens one sequence reserves: its prompt plus every token it may generate (modelled)."""
+        return (prompt_tokens + max_new_tokens) * self.token_scale
+
+    def demand(self, prompt_tokens: int, max_new_tokens: int, n: int) -> Demand:
+        """The demand of a job of ``n`` samples of one prompt."""
+        return Demand(n, n * self.sequence_kv_tokens(prompt_tokens, max_new_tokens))
+
+
+def plan_admission(
+    waiting: Sequence[Demand], running_sequences: int, reserved_kv_tokens: float, limits: BatchLimits
+) -> int:
+    """How many jobs from the head of the queue join the running batch at this iteration.
+
+    First come, first served (SGLang's ``fcfs`` policy): jobs join in queue order while the
+    running sequences stay within ``limits.max_running`` and the reserved KV tokens (prompt plus
+    ``max_new_tokens`` of every running sequence, so a running sequence is never evicted) within
+    ``limits.kv_capacity_tokens``; the first job that does not fit stops admission, so later,
+    smaller jobs do not overtake it. A job larger than the limits on its own is admitted into an
+    empty batch (it could otherwise never run).
+    """
+    count = 0
+    sequences, reserved = running_sequences, reserved_kv_tokens
+    for demand in waiting:
+        fits = (
+            sequences + demand.sequences <= limits.max_running
+            and reserved + demand.kv_tokens <= limits.kv_capacity_tokens
+        )
+        if not fits and not (sequences == 0 and count == 0):
+            break
+        count += 1
+        sequences += demand.sequences
+        reserved += demand.kv_tokens
+    return count
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``tensor`` with zeros prepended along ``dim`` up to ``width``."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _mergeable(cache: Any) -> bool:
+    """Whether the cache is plain per-layer key/value tensors, which rows of other batches may join."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers: list[Any] = list(getattr(cache, "layers", None) or [])
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+
+
+@dataclass
+class _Batch:
+    """The running batch: one KV cache row, mask row and next-token logits per sequence.
+
+    Rows are left-padded to a common length (mask 0 on the padding); the position of each row's
+    next token is tracked separately, so rows of different lengths decode together.
+    """
+
+    loaded: _LoadedModel
+    cache: Any
+    mask: torch.Tensor
+    last_position: torch.Tensor
+    logits: torch.Tensor
+    rows: list[_Sequence]
+    mergeable: bool
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only the rows ``keep`` (in order) and drop padding columns no row needs any more."""
+        kept = torch.tensor(keep)
+        self.cache.batch_select_indices(kept)
+        self.mask, self.last_position, self.logits = self.mask[kept], self.last_position[kept], self.logits[kept]
+        self.rows = [self.rows[row] for row in keep]
+        if not self.mergeable:
+            return
+        used = torch.nonzero(self.mask.sum(dim=0)).flatten()
+        first = int(used[0]) if used.numel() else 0
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, first:, :]
+                layer.values = layer.values[:, :, first:, :]
+
+
+def _merge_batches(running: _Batch, new: _Batch) -> _Batch:
+    """``running`` with the rows of ``new`` (just prefilled, same model) appended, left-padded to one length."""
+    width = max(running.mask.shape[1], new.mask.shape[1])
+    for old_layer, new_layer in zip(running.cache.layers, new.cache.layers, strict=True):
+        old_layer.keys = torch.cat([_left_pad(old_layer.keys, width, 2), _left_pad(new_layer.keys, width, 2)])
+        old_layer.values = torch.cat([_left_pad(old_layer.values, width, 2), _left_pad(new_layer.values, width, 2)])
+    running.mask = torch.cat([_left_pad(running.mask, width, 1), _left_pad(new.mask, width, 1)])
+    running.last_position = torch.cat([running.last_position, new.last_position])
+    running.logits = torch.cat([running.logits, new.logits])
+    running.rows = running.rows + new.rows
+    return running
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
@@ -181,7 +328,7 @@ def _compatible(current: _LoadedModel, new: _LoadedModel) -> str:
 
 
 class EmbeddedEngine:
-    """Batched CPU generation behind a worker thread, plus weight swaps between batches."""
+    """Continuously batched CPU generation behind a worker thread, plus weight swaps between busy periods."""
 
     def __init__(self, config: EmbeddedEngineConfig) -> None:
         self.config = config
@@ -190,6 +337,7 @@ class EmbeddedEngine:
         self._queue: collections.deque[_Job | _WeightSwap] = collections.deque()
         self._running: list[_Job] = []
         self._running_tokens = 0
+        self._batch: _Batch | None = None  # worker thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._seed_source = secrets.SystemRandom() if config.seed is None else None
@@ -198,9 +346,20 @@ class EmbeddedEngine:
         self.max_batch_sequences = 0
         self.generated_tokens = 0
         self._started_s = time.monotonic()
-        self.device = (devicemodel.load_profile(config.modelled_device) if config.modelled_device
-                       else devicemodel.profile_from_env())
+        self.device = (
+            devicemodel.load_profile(config.modelled_device)
+            if config.modelled_device
+            else devicemodel.profile_from_env()
+        )
         self._trace = devicemodel.TraceWriter(self.device, f"engine-{os.getpid()}") if self.device else None
+        self._limits = BatchLimits.for_engine(config.max_batch_size, self.device)
+        self._pacer: devicemodel.Pacer | None = None  # modelled time of the current busy period
+        self._span_started_s, self._span_modelled_s, self._span_tokens = 0.0, 0.0, 0
+
+    @property
+    def limits(self) -> BatchLimits:
+        """What bounds the running batch."""
+        return self._limits
 
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -282,52 +441,76 @@ class EmbeddedEngine:
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            swap: _WeightSwap | None = None
+            admitted: list[_Job] = []
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and self._batch is None and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
-                    return
-                if isinstance(self._queue[0], _Job) and self.config.batch_window_s > 0:
-                    # Give requests that arrive together a moment to share the batch.
+                    break
+                if self._batch is None and isinstance(self._queue[0], _Job) and self.config.batch_window_s > 0:
+                    # Give requests that arrive together at an idle replica a moment to share a prefill.
                     deadline = time.monotonic() + self.config.batch_window_s
                     while (remaining := deadline - time.monotonic()) > 0 and not self._stopping:
                         self._cond.wait(remaining)
-                if self._stopping or not self._queue:
-                    continue
-                batch = self._take_batch()
-            if isinstance(batch, _WeightSwap):
-                self._apply_swap(batch)
+                    if self._stopping:
+                        break
+                head = self._queue[0] if self._queue else None
+                if self._batch is None and isinstance(head, _WeightSwap):
+                    self._queue.popleft()  # only between busy periods: the running batch finished
+                    swap = head
+                else:
+                    admitted = self._take_admissible()
+            if swap is not None:
+                self._apply_swap(swap)
                 continue
             try:
-                self._run_batch(batch)
+                if admitted:
+                    self._admit(admitted)
+                if self._batch is not None:
+                    self._step()
             except Exception as exc:  # a failing batch must not kill the replica
-                logger.exception("batch of %d jobs failed", len(batch))
-                for job in batch:
+                logger.exception(
+                    "decode iteration failed; failing its %d sequences", len(self._batch.rows) if self._batch else 0
+                )
+                failed = {id(seq.job): seq.job for seq in self._batch.rows} if self._batch else {}
+                failed.update({id(job): job for job in admitted})
+                for job in failed.values():
                     job.fail(exc)
+                self._batch = None
+                self._end_busy_period()
             finally:
-                with self._cond:
-                    self._running = []
-                    self._running_tokens = 0
+                self._publish_running()
+        if self._batch is not None:  # stopping: what is still running ends as aborted
+            loaded = self._batch.loaded
+            for seq in self._batch.rows:
+                self._finish(seq, _abort_reason(), loaded)
+            self._batch = None
+            self._publish_running()
 
-    def _take_batch(self) -> list[_Job] | _WeightSwap:
-        """Pop a weight swap, or the queued jobs before the next swap (up to the batch size)."""
-        head = self._queue[0]
-        if isinstance(head, _WeightSwap):
-            self._queue.popleft()
-            return head
-        jobs: list[_Job] = []
-        sequences = 0
-        while self._queue:
-            job = self._queue[0]
-            if not isinstance(job, _Job):
+    def _take_admissible(self) -> list[_Job]:
+        """Pop the queued jobs that join the running batch now (called with the lock held)."""
+        if self._batch is not None and not self._batch.mergeable:
+            return []  # a cache layout the engine cannot merge: wait for the batch to end
+        demands: list[Demand] = []
+        for item in self._queue:
+            if not isinstance(item, _Job) or len(demands) >= self._limits.max_running:
                 break
-            if jobs and sequences + job.params.n > self.config.max_batch_size:
-                break
-            jobs.append(job)
-            sequences += job.params.n
-            self._queue.popleft()
-        self._running = jobs
-        return jobs
+            demands.append(self._limits.demand(len(item.input_ids), item.params.max_new_tokens, item.params.n))
+        rows = self._batch.rows if self._batch is not None else []
+        reserved = sum(self._limits.sequence_kv_tokens(len(s.job.input_ids), s.job.params.max_new_tokens) for s in rows)
+        count = plan_admission(demands, len(rows), reserved, self._limits)
+        jobs = [self._queue.popleft() for _ in range(count)]
+        return [job for job in jobs if isinstance(job, _Job)]
+
+    def _publish_running(self) -> None:
+        """Expose the running jobs and KV tokens to load_snapshot, abort and stop."""
+        batch = self._batch
+        jobs = list({id(seq.job): seq.job for seq in batch.rows}.values()) if batch is not None else []
+        tokens = int(batch.mask.sum()) if batch is not None else 0
+        with self._cond:
+            self._running = jobs
+            self._running_tokens = tokens
 
     def _apply_swap(self, swap: _WeightSwap) -> None:
         if self.device is not None:  # the replica serves nothing while the modelled reload runs
@@ -340,8 +523,9 @@ class EmbeddedEngine:
         logger.info("serving %s (weight_version %s)", swap.loaded.model_path, swap.loaded.weight_version)
         swap.loop.call_soon_threadsafe(_set_result, swap.future, None)
 
-    def _run_batch(self, jobs: list[_Job]) -> None:
-        loaded = self._loaded  # one model for the whole batch, whatever swaps are queued
+    def _admit(self, jobs: list[_Job]) -> None:
+        """Prefill the admitted jobs' prompts together and add their samples to the running batch."""
+        loaded = self._batch.loaded if self._batch is not None else self._loaded
         live: list[_Job] = []
         for job in jobs:
             job.outputs = [None] * job.params.n
@@ -355,10 +539,6 @@ class EmbeddedEngine:
         if not live:
             return
         self.batches_run += 1
-        self.max_batch_sequences = max(self.max_batch_sequences, sum(job.params.n for job in live))
-        device, batch_started_s = self.device, time.time()
-        pacer = devicemodel.Pacer(device) if device is not None else None
-        tokens_before = self.generated_tokens
 
         # Prefill each distinct prompt once, left-padded, then repeat its cache rows n times.
         width = max(len(job.input_ids) for job in live)
@@ -380,61 +560,105 @@ class EmbeddedEngine:
             **{loaded.cache_kwarg: cache},
         )
         logits = out.logits[:, -1, :].float()
-        if pacer is not None and device is not None:  # modelled prefill of each distinct prompt
-            pacer.add(devicemodel.prefill_s(device, sum(len(job.input_ids) for job in live) * device.token_scale))
-            pacer.wait()
         expand = torch.tensor([row for row, job in enumerate(live) for _ in range(job.params.n)])
         cache.batch_select_indices(expand)
-        logits, mask, last_position = logits[expand], mask[expand], positions[expand, -1]
-        sequences = [
-            _Sequence(job, index, self._generator(job, index)) for job in live for index in range(job.params.n)
-        ]
-        with self._cond:
-            self._running_tokens = int(mask.sum())
+        rows = [_Sequence(job, index, self._generator(job, index)) for job in live for index in range(job.params.n)]
+        new = _Batch(
+            loaded, cache, mask[expand], positions[expand, -1], logits[expand], rows, mergeable=_mergeable(cache)
+        )
+        self._batch = new if self._batch is None else _merge_batches(self._batch, new)
+        self.max_batch_sequences = max(self.max_batch_sequences, len(self._batch.rows))
+        device = self.device
+        if device is not None:  # the running sequences stall while the new prompts prefill (no chunking)
+            self._busy_pacer().add(
+                devicemodel.prefill_s(device, sum(len(j.input_ids) for j in live) * device.token_scale)
+            )
 
-        while sequences:
-            next_ids: list[int] = []
-            keep: list[int] = []
-            for row, seq in enumerate(sequences):
-                if seq.job.aborted:
-                    self._finish(seq, _abort_reason(), loaded)
-                    continue
-                token_id, logprob = self._sample(logits[row], seq)
-                seq.output_ids.append(token_id)
-                seq.logprobs.append(logprob)
-                self.generated_tokens += 1
-                stop = self._stop_reason(seq, token_id, loaded)
-                if stop is not None:
-                    self._finish(seq, stop, loaded)
-                    continue
-                next_ids.append(token_id)
-                keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(sequences):
-                kept = torch.tensor(keep)
-                cache.batch_select_indices(kept)
-                mask, last_position = mask[kept], last_position[kept]
-                sequences = [sequences[row] for row in keep]
-            mask = torch.cat([mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
-            last_position = last_position + 1
-            with self._cond:
-                self._running_tokens = int(mask.sum())
+    def _step(self) -> None:
+        """One decode iteration: a token for every running sequence; finished ones leave the batch."""
+        batch = self._batch
+        if batch is None:
+            return
+        loaded, device = batch.loaded, self.device
+        finished: list[tuple[_Sequence, dict[str, Any]]] = []
+        next_ids: list[int] = []
+        keep: list[int] = []
+        sampled = 0
+        context_tokens = int(batch.mask.sum())
+        for row, seq in enumerate(batch.rows):
+            if seq.job.aborted:
+                finished.append((seq, _abort_reason()))
+                continue
+            token_id, logprob = self._sample(batch.logits[row], seq)
+            seq.output_ids.append(token_id)
+            seq.logprobs.append(logprob)
+            self.generated_tokens += 1
+            sampled += 1
+            stop = self._stop_reason(seq, token_id, loaded)
+            if stop is not None:
+                finished.append((seq, stop))
+                continue
+            next_ids.append(token_id)
+            keep.append(row)
+        if keep:
+            if len(keep) < len(batch.rows):
+                batch.select(keep)
+            batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
+            batch.last_position = batch.last_position + 1
             out = loaded.model(
                 input_ids=torch.tensor(next_ids).unsqueeze(1),
-                attention_mask=mask,
-                position_ids=last_position.unsqueeze(1),
+                attention_mask=batch.mask,
+                position_ids=batch.last_position.unsqueeze(1),
                 use_cache=True,
-                **{loaded.cache_kwarg: cache},
+                **{loaded.cache_kwarg: batch.cache},
             )
-            logits = out.logits[:, -1, :].float()
-            if pacer is not None and device is not None:  # token_scale modelled iterations of this batch
-                pacer.add(devicemodel.real_decode_iteration_s(device, len(keep), float(mask.sum())))
-                pacer.wait()
-        if pacer is not None and self._trace is not None:
-            self._trace.record("generate", batch_started_s, time.time(), pacer.modelled_s,
-                               tokens=(self.generated_tokens - tokens_before) * (device.token_scale if device else 1.0),
-                               overrun_s=pacer.overrun_s)
+            batch.logits = out.logits[:, -1, :].float()
+        else:
+            self._batch = None
+        if device is not None:
+            # This real iteration stands for token_scale modelled iterations of the live batch; the
+            # sequences that finished in it are returned only once their modelled time has passed.
+            pacer = self._busy_pacer()
+            pacer.add(devicemodel.real_decode_iteration_s(device, sampled, float(context_tokens + sampled)))
+            pacer.wait()
+            if self._batch is None:
+                self._end_busy_period()
+            elif time.time() - self._span_started_s >= _TRACE_SPAN_S:
+                self._record_span(overrun_s=0.0)
+        for seq, reason in finished:
+            self._finish(seq, reason, loaded)
+
+    # ----- modelled time of a busy period (device model only) --------------------------------
+    def _busy_pacer(self) -> devicemodel.Pacer:
+        """The pacer of the current busy period (one starts when an idle replica admits work)."""
+        if self._pacer is None and self.device is not None:
+            self._pacer = devicemodel.Pacer(self.device)
+            self._span_started_s, self._span_modelled_s, self._span_tokens = time.time(), 0.0, self.generated_tokens
+        if self._pacer is None:
+            raise FlexmarlError("no device model")
+        return self._pacer
+
+    def _record_span(self, overrun_s: float) -> None:
+        """Trace the busy time since the last record (busy periods are cut into short spans)."""
+        pacer, device = self._pacer, self.device
+        if pacer is None or device is None:
+            return
+        now_s = time.time()
+        if self._trace is not None:
+            self._trace.record(
+                "generate",
+                self._span_started_s,
+                now_s,
+                pacer.modelled_s - self._span_modelled_s,
+                tokens=(self.generated_tokens - self._span_tokens) * device.token_scale,
+                overrun_s=overrun_s,
+            )
+        self._span_started_s, self._span_modelled_s, self._span_tokens = now_s, pacer.modelled_s, self.generated_tokens
+
+    def _end_busy_period(self) -> None:
+        if self._pacer is not None:
+            self._record_span(overrun_s=self._pacer.overrun_s)
+        self._pacer = None
 
     def _generator(self, job: _Job, sample_index: int) -> torch.Generator:
         seed = job.params.seed if job.params.seed is not None else self.new_seed()
@@ -508,6 +732,14 @@ class EmbeddedEngine:
             # SGLang's shape: one [logprob, token_id, text-or-null] triple per output token.
             meta_info["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, output_ids, strict=True)]
         return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
+
+
+def _max_total_tokens(engine: EmbeddedEngine) -> int:
+    """KV-cache tokens of the replica, in real tokens (the device model's capacity when modelled)."""
+    limits = engine.limits
+    if math.isfinite(limits.kv_capacity_tokens):
+        return int(limits.kv_capacity_tokens / limits.token_scale)
+    return limits.max_running * engine.loaded.max_positions
 
 
 def _abort_reason() -> dict[str, Any]:
@@ -686,7 +918,7 @@ class EmbeddedServer:
             {
                 "model_path": engine.loaded.model_path,
                 "weight_version": engine.loaded.weight_version,
-                "max_running_requests": engine.config.max_batch_size,
+                "max_running_requests": engine.limits.max_running,
                 "context_length": engine.loaded.max_positions,
                 "internal_states": [
                     {
@@ -714,12 +946,12 @@ class EmbeddedServer:
             "dp_rank": 0,
             "timestamp": time.time(),
             **snapshot,
-            "max_total_num_tokens": engine.config.max_batch_size * engine.loaded.max_positions,
+            "max_total_num_tokens": _max_total_tokens(engine),
             "token_usage": 0.0,
             "gen_throughput": engine.generated_tokens / uptime_s,
             "cache_hit_rate": 0.0,
             "utilization": 1.0 if snapshot["num_running_reqs"] else 0.0,
-            "max_running_requests": engine.config.max_batch_size,
+            "max_running_requests": engine.limits.max_running,
         }
         return web.json_response(
             {
@@ -741,7 +973,7 @@ class EmbeddedServer:
         return web.Response(status=200)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        """Load ``model_path`` off to the side, then swap it in between batches."""
+        """Load ``model_path`` off to the side, then swap it in once the running sequences finished."""
         try:
             body = await _json_body(request)
             model_path = body.get("model_path")
@@ -791,9 +1023,12 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         action="store_true",
         help="logprobs of the raw distribution instead of the temperature-scaled one",
     )
-    parser.add_argument("--modelled-device", default="",
-                        help="device profile (JSON/YAML, flexmarl.devicemodel): take that accelerator's time; "
-                             "default: $FLEXMARL_MODELLED_DEVICE")
+    parser.add_argument(
+        "--modelled-device",
+        default="",
+        help="device profile (JSON/YAML, flexmarl.devicemodel): take that accelerator's time; "
+        "default: $FLEXMARL_MODELLED_DEVICE",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

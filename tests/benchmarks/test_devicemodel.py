@@ -57,6 +57,18 @@ def test_token_scale_turns_one_real_iteration_into_many_modelled_ones() -> None:
     assert dm.real_decode_iteration_s(scaled, 4, 10) == pytest.approx(expected)
 
 
+def test_kv_capacity_is_the_memory_left_after_the_weights() -> None:
+    # H100: 80e9 B * 0.88 - 29.4e9 B of weights = 41.0e9 B / 196,608 B per token = 208,536.8 tokens.
+    assert dm.H100_SXM.hbm_capacity_bytes == 80e9 and dm.H200_SXM.hbm_capacity_bytes == 141e9
+    assert dm.kv_capacity_tokens(dm.H100_SXM) == pytest.approx(208_536.78, rel=1e-6)
+    # H200: 141e9 * 0.88 - 29.4e9 = 94.68e9 B -> 481,567.4 tokens; TP2 doubles the memory, not the weights.
+    assert dm.kv_capacity_tokens(dm.H200_SXM) == pytest.approx(481_567.38, rel=1e-6)
+    tp2 = dm.H100_SXM.with_changes(rollout_devices_per_replica=2)
+    assert dm.kv_capacity_tokens(tp2) == pytest.approx((160e9 * 0.88 - 29.4e9) / 196_608)
+    assert dm.kv_capacity_tokens(dm.H100_SXM.with_changes(hbm_capacity_bytes=20e9)) == 0.0  # weights do not fit
+    assert dm.kv_capacity_tokens(dm.H100_SXM.with_changes(kv_bytes_per_token=0.0)) == float("inf")
+
+
 def test_tensor_and_data_parallel_devices_divide_the_time() -> None:
     tp2 = dm.H100_SXM.with_changes(rollout_devices_per_replica=2)
     assert dm.decode_iteration_s(tp2, 1, 0) == pytest.approx(dm.decode_iteration_s(dm.H100_SXM, 1, 0) / 2)
@@ -77,13 +89,19 @@ def test_profiles_load_from_files_with_presets_and_overrides(tmp_path: Path) -> 
     assert dm.load_profile(yaml_path).train_devices_per_slot == 4
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"preset": "tpu"}, "preset must be one of"),
-    ({"flops": 1}, "unknown field"),
-    ({"time_scale": 0}, "time_scale must be a positive number"),
-    ({"train_mfu": 1.5}, "train_mfu must be in"),
-    ({"train_devices_per_slot": 0}, "devices per replica and per slot"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"preset": "tpu"}, "preset must be one of"),
+        ({"flops": 1}, "unknown field"),
+        ({"time_scale": 0}, "time_scale must be a positive number"),
+        ({"train_mfu": 1.5}, "train_mfu must be in"),
+        ({"train_devices_per_slot": 0}, "devices per replica and per slot"),
+        ({"kv_memory_fraction": 0}, "kv_memory_fraction must be in"),
+        ({"hbm_capacity_bytes": -1}, "hbm_capacity_bytes must be a positive number"),
+        ({"max_running_requests": 0}, "max_running_requests must be >= 1"),
+    ],
+)
 def test_bad_profiles_are_rejected(data: dict[str, object], message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         dm.parse_profile(data)

@@ -1,8 +1,9 @@
-"""The embedded engine in-process: batching, sampling options, weight swaps, abort, launcher."""
+"""The embedded engine in-process: continuous batching, admission, modelled time, sampling, swaps, abort."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -11,8 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from flexmarl import devicemodel
 from flexmarl.errors import Unavailable
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
+from rolloutd.engines.embedded import (
+    BatchLimits,
+    Demand,
+    EmbeddedEngine,
+    EmbeddedEngineConfig,
+    EmbeddedServer,
+    plan_admission,
+)
 from rolloutd.engines.launcher import ReplicaSpec, attach, launch, sglang_command
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
@@ -101,24 +110,159 @@ async def test_weight_swap_waits_for_the_running_batch(
     assert new.weight_version == "v7" and new.model_path == str(engine_checkpoint_other)
 
 
-async def test_abort_all_and_queued(engine_server: tuple[EmbeddedServer, SGLangClient]) -> None:
+@contextlib.asynccontextmanager
+async def _server(config: EmbeddedEngineConfig) -> AsyncIterator[tuple[EmbeddedServer, SGLangClient]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = EmbeddedServer(EmbeddedEngine(config))
+    client = SGLangClient(f"http://127.0.0.1:{await server.start('127.0.0.1', 0)}")
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop()
+        torch.set_num_threads(threads)
+
+
+async def test_abort_all_and_queued(engine_checkpoint: Path) -> None:
+    # One running sequence at most, so the second request (n=2) has to wait in the queue.
+    config = EmbeddedEngineConfig(model_path=str(engine_checkpoint), max_batch_size=1, seed=0)
+    async with _server(config) as (_, client):
+        running = asyncio.create_task(client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500))))
+        await _wait_running(client)
+        queued = asyncio.create_task(
+            client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500, n=2), rid="queued"))
+        )
+        deadline = time.monotonic() + 20
+        while (await client.loads()).num_waiting_reqs < 2:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await client.abort(abort_all=True)
+        [first] = await asyncio.wait_for(running, 20)
+        second = await asyncio.wait_for(queued, 20)
+        assert first.finish_reason is FinishReason.ABORT and first.completion_tokens < 1500
+        assert [s.finish_reason for s in second] == [FinishReason.ABORT] * 2
+        assert all(s.completion_tokens == 0 for s in second)
+        assert await client.health_generate()  # still serving after aborts
+
+
+async def test_requests_join_the_running_batch_and_leave_when_done(
+    engine_server: tuple[EmbeddedServer, SGLangClient],
+) -> None:
     server, client = engine_server
-    running = asyncio.create_task(client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500))))
+    long_request = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=250, seed=5, ignore_eos=True))
+    # Longer prompts than the running one: the joining rows' caches are left-padded to merge.
+    joiners = [GenerationRequest(tuple(range(3, 3 + k)), SamplingParams(max_new_tokens=4, seed=k)) for k in (7, 11)]
+    long_task = asyncio.create_task(client.generate(long_request))
     await _wait_running(client)
-    queued = asyncio.create_task(
-        client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500, n=2), rid="queued"))
+    joined = [await client.generate(request) for request in joiners]
+    # Continuous batching: each short request was admitted into the running batch and returned
+    # while the long one (hundreds of iterations to go) was still decoding.
+    assert not long_task.done()
+    assert server.engine.max_batch_sequences == 2 and server.engine.batches_run == 3
+    [long_out] = await long_task
+    assert long_out.completion_tokens == 250
+    # Every token and logprob equals a run alone (no padding or merge leaks into the math).
+    for request, [together] in [*zip(joiners, joined, strict=True), (long_request, [long_out])]:
+        [solo] = await client.generate(request)
+        assert solo.output_ids == together.output_ids
+        diffs = [abs(a - b) for a, b in zip(solo.output_token_logprobs, together.output_token_logprobs, strict=True)]
+        assert max(diffs) < 1e-4
+
+
+# ----- admission (pure) ------------------------------------------------------------------------
+
+
+def test_admission_is_first_come_first_served_within_the_sequence_limit() -> None:
+    limits = BatchLimits(max_running=4)
+    # 2 + 1 fit into 4; the third (2 more, 5 > 4) does not.
+    assert plan_admission([Demand(2, 0), Demand(1, 0), Demand(2, 0)], 0, 0.0, limits) == 2
+    # 2 running + 3 = 5 > 4: the head waits and the small job behind it does not overtake it.
+    assert plan_admission([Demand(3, 0), Demand(1, 0)], 2, 0.0, limits) == 0
+    # A job larger than the limit alone enters an empty batch, but only as the first of the round.
+    assert plan_admission([Demand(8, 0)], 0, 0.0, limits) == 1
+    assert plan_admission([Demand(1, 0), Demand(8, 0)], 0, 0.0, limits) == 1
+    assert plan_admission([Demand(8, 0)], 1, 0.0, limits) == 0
+    assert plan_admission([], 0, 0.0, limits) == 0
+
+
+def test_admission_reserves_prompt_plus_max_new_tokens_of_kv_cache() -> None:
+    limits = BatchLimits(max_running=100, kv_capacity_tokens=1000.0)
+    # 600 reserved: +300 = 900 fits, +200 more = 1100 does not.
+    assert plan_admission([Demand(1, 300.0), Demand(1, 200.0)], 1, 600.0, limits) == 1
+    assert plan_admission([Demand(1, 401.0)], 1, 600.0, limits) == 0
+    assert plan_admission([Demand(1, 400.0)], 1, 600.0, limits) == 1
+
+
+def test_modelled_limits_come_from_the_device_model() -> None:
+    profile = devicemodel.H100_SXM.with_changes(token_scale=128.0)
+    limits = BatchLimits.for_engine(32, profile)
+    # (80e9 * 0.88 - 29.4e9) / 196608 = 41.0e9 / 196608 = 208,536.8 tokens; max_batch_size is a real-mode limit.
+    assert limits.kv_capacity_tokens == pytest.approx(208_536.78, rel=1e-6)
+    assert limits.max_running == 1024 and limits.token_scale == 128.0
+    # 16 samples of a 4-token prompt with 64 new tokens, x128: 16 * 68 * 128 = 139,264 modelled tokens.
+    group = limits.demand(4, 64, 16)
+    assert group == Demand(16, 139_264.0)
+    # One group fits, two (278,528) do not: the second waits for sequences of the first to finish.
+    assert plan_admission([group, group], 0, 0.0, limits) == 1
+    assert BatchLimits.for_engine(32, None) == BatchLimits(max_running=32)
+
+
+# ----- modelled device time --------------------------------------------------------------------
+
+
+def _modelled_profile(tmp_path: Path, **changes: float) -> Path:
+    profile = devicemodel.H100_SXM.with_changes(time_scale=0.002, trace_dir=str(tmp_path / "traces"), **changes)
+    path = tmp_path / "device.json"
+    path.write_text(profile.to_json())
+    return path
+
+
+async def test_modelled_time_of_a_continuous_batch(engine_checkpoint: Path, tmp_path: Path) -> None:
+    profile_path = _modelled_profile(tmp_path)
+    config = EmbeddedEngineConfig(
+        model_path=str(engine_checkpoint), batch_window_s=0.2, seed=0, modelled_device=str(profile_path)
     )
-    deadline = time.monotonic() + 20
-    while (await client.loads()).num_waiting_reqs < 2:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
-    await client.abort(abort_all=True)
-    [first] = await asyncio.wait_for(running, 20)
-    second = await asyncio.wait_for(queued, 20)
-    assert first.finish_reason is FinishReason.ABORT and first.completion_tokens < 1500
-    assert [s.finish_reason for s in second] == [FinishReason.ABORT] * 2
-    assert all(s.completion_tokens == 0 for s in second)
-    assert await client.health_generate()  # still serving after aborts
+    async with _server(config) as (_, client):
+        short = asyncio.create_task(client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1))))
+        long = asyncio.create_task(
+            client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=3, ignore_eos=True)))
+        )
+        done, _ = await asyncio.wait({short, long}, return_when=asyncio.FIRST_COMPLETED)
+        assert short in done and not long.done()  # the short sequence leaves after its own iteration
+        await long
+    # Hand schedule (token_scale 1): one prefill of both 2-token prompts (4 tokens); iteration 1
+    # decodes 2 sequences over 2 + 2 prompt tokens + 2 new = 6 context tokens; the short one ends;
+    # iterations 2 and 3 decode the long one alone over 4 and then 5 context tokens.
+    profile = devicemodel.load_profile(profile_path)
+    expected_s = (
+        devicemodel.prefill_s(profile, 4)
+        + devicemodel.decode_iteration_s(profile, 2, 6)
+        + devicemodel.decode_iteration_s(profile, 1, 4)
+        + devicemodel.decode_iteration_s(profile, 1, 5)
+    )
+    records = [r for rs in devicemodel.read_traces(tmp_path / "traces").values() for r in rs]
+    assert {r["kind"] for r in records} == {"generate"}
+    assert sum(r["modelled_s"] for r in records) == pytest.approx(expected_s, rel=1e-9)
+    assert sum(r["tokens"] for r in records) == 4.0
+    # By hand: 3 weight reads of 29.4 GB + 15 context tokens of 196,608 B at 2.345 TB/s, plus
+    # 2 * 14.7e9 * 4 FLOP of prefill at 593.4 TFLOP/s = 37.61 ms + 0.0013 ms + 0.198 ms = 37.81 ms.
+    assert expected_s == pytest.approx(3 * 29.4e9 / 2.345e12 + 15 * 196_608 / 2.345e12 + 2 * 14.7e9 * 4 / 593.4e12)
+    assert expected_s == pytest.approx(0.037811, rel=1e-4)
+
+
+async def test_the_kv_capacity_of_the_device_model_bounds_the_batch(engine_checkpoint: Path, tmp_path: Path) -> None:
+    # Memory for the weights plus 10 KV tokens: a sequence reserving 2 + 4 = 6 tokens fits, two do not.
+    weights = devicemodel.H100_SXM.weight_bytes
+    kv = devicemodel.H100_SXM.kv_bytes_per_token
+    profile_path = _modelled_profile(tmp_path, hbm_capacity_bytes=(weights + 10 * kv) / 0.88)
+    config = EmbeddedEngineConfig(model_path=str(engine_checkpoint), seed=0, modelled_device=str(profile_path))
+    async with _server(config) as (server, client):
+        assert server.engine.limits.kv_capacity_tokens == pytest.approx(10.0)
+        requests = [GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True)) for _ in range(2)]
+        outputs = await asyncio.gather(*(client.generate(r) for r in requests))
+        assert [out.completion_tokens for [out] in outputs] == [4, 4]
+        assert server.engine.max_batch_sequences == 1 and server.engine.batches_run == 2
 
 
 def test_sglang_command_uses_server_args_flags() -> None:

@@ -19,7 +19,9 @@ trainer slot (``train_devices_per_slot`` devices, data parallel):
 * optimizer step: ``P * optimizer_bytes_per_param / (hbm_bytes_per_s * hbm_efficiency * d)``
   (mixed-precision Adam reads and writes master weights, two moments and the gradient) plus
   publishing the new weights, ``W / link_bytes_per_s``;
-* weight reload on a replica, agent-state swap: bytes ``/ link_bytes_per_s``.
+* weight reload on a replica, agent-state swap: bytes ``/ link_bytes_per_s``;
+* KV-cache capacity of a replica (what bounds its running batch, as in SGLang):
+  ``(hbm_capacity_bytes * kv_memory_fraction * d - W) / kv_bytes_per_token`` tokens.
 
 Scales: each real token stands for ``token_scale`` modelled tokens (a 64-token CPU response
 is modelled as a 64 × 128 = 8192-token one), and a modelled second takes ``time_scale`` wall
@@ -40,7 +42,10 @@ figures are with 2:4 sparsity):
   2 (K, V) × 48 × 8 × 128 × 2 B = 196,608 B.
 
 Efficiencies are assumptions, not datasheet numbers: 40 % MFU for training, 60 % for
-prefill, 70 % of HBM bandwidth for decode.
+prefill, 70 % of HBM bandwidth for decode. So are the serving limits: 88 % of HBM for weights
+plus KV cache (the order of SGLang's ``mem_fraction_static``; the rest is activations and
+CUDA graphs) and at most 1,024 running requests (a cap; on these shapes the KV capacity binds
+first: 208,537 tokens on one H100 for Qwen2.5-14B).
 """
 
 from __future__ import annotations
@@ -81,6 +86,9 @@ class DeviceProfile:
         prefill_mfu: achievable fraction of ``peak_flops`` in prefill (and batched decode compute).
         train_mfu: achievable fraction of ``peak_flops`` in training.
         hbm_efficiency: achievable fraction of ``hbm_bytes_per_s``.
+        hbm_capacity_bytes: memory of one device.
+        kv_memory_fraction: fraction of a replica's memory for weights plus KV cache.
+        max_running_requests: most sequences a replica decodes together (besides the KV bound).
         model_params: parameters of the modelled model (P).
         bytes_per_param: bytes of one served/published weight (2 for BF16).
         kv_bytes_per_token: KV-cache bytes of one context token.
@@ -99,6 +107,9 @@ class DeviceProfile:
     prefill_mfu: float = 0.6
     train_mfu: float = 0.4
     hbm_efficiency: float = 0.7
+    hbm_capacity_bytes: float = 80.0 * GB
+    kv_memory_fraction: float = 0.88
+    max_running_requests: int = 1024
     model_params: float = QWEN25_14B_PARAMS
     bytes_per_param: float = 2.0
     kv_bytes_per_token: float = float(QWEN25_14B_KV_BYTES_PER_TOKEN)
@@ -110,13 +121,21 @@ class DeviceProfile:
     trace_dir: str = ""
 
     def __post_init__(self) -> None:
-        positive = ("peak_flops", "hbm_bytes_per_s", "link_bytes_per_s", "model_params", "bytes_per_param",
-                    "token_scale", "time_scale")
+        positive = (
+            "peak_flops",
+            "hbm_bytes_per_s",
+            "link_bytes_per_s",
+            "model_params",
+            "bytes_per_param",
+            "token_scale",
+            "time_scale",
+            "hbm_capacity_bytes",
+        )
         for name in positive:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise InvalidArgument(f"device profile: {name} must be a positive number, got {value!r}")
-        for name in ("prefill_mfu", "train_mfu", "hbm_efficiency"):
+        for name in ("prefill_mfu", "train_mfu", "hbm_efficiency", "kv_memory_fraction"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise InvalidArgument(f"device profile: {name} must be in (0, 1], got {value!r}")
@@ -125,6 +144,8 @@ class DeviceProfile:
                 raise InvalidArgument(f"device profile: {name} must be >= 0")
         if self.rollout_devices_per_replica < 1 or self.train_devices_per_slot < 1:
             raise InvalidArgument("device profile: devices per replica and per slot must be >= 1")
+        if self.max_running_requests < 1:
+            raise InvalidArgument("device profile: max_running_requests must be >= 1")
 
     @property
     def weight_bytes(self) -> float:
@@ -141,7 +162,7 @@ class DeviceProfile:
 
 
 H100_SXM = DeviceProfile()
-H200_SXM = DeviceProfile(name="H200-SXM/Qwen2.5-14B", hbm_bytes_per_s=4.8 * TB)
+H200_SXM = DeviceProfile(name="H200-SXM/Qwen2.5-14B", hbm_bytes_per_s=4.8 * TB, hbm_capacity_bytes=141.0 * GB)
 PRESETS: Mapping[str, DeviceProfile] = {"h100": H100_SXM, "h200": H200_SXM}
 
 
@@ -155,7 +176,7 @@ def parse_profile(data: Mapping[str, Any]) -> DeviceProfile:
     unknown = sorted(set(values) - fields)
     if unknown:
         raise InvalidArgument(f"device profile: unknown field(s) {unknown}")
-    for key in ("rollout_devices_per_replica", "train_devices_per_slot"):
+    for key in ("rollout_devices_per_replica", "train_devices_per_slot", "max_running_requests"):
         if key in values:
             values[key] = int(values[key])
     return PRESETS[preset_name].with_changes(**values)
@@ -193,7 +214,8 @@ def decode_iteration_s(profile: DeviceProfile, batch_sequences: int, context_tok
         return 0.0
     devices = profile.rollout_devices_per_replica
     memory_s = (profile.weight_bytes + profile.kv_bytes_per_token * context_tokens) / (
-        profile.hbm_bytes_per_s * profile.hbm_efficiency * devices)
+        profile.hbm_bytes_per_s * profile.hbm_efficiency * devices
+    )
     compute_s = 2.0 * profile.model_params * batch_sequences / (profile.peak_flops * profile.prefill_mfu * devices)
     return max(memory_s, compute_s)
 
@@ -207,8 +229,11 @@ def train_tokens_s(profile: DeviceProfile, tokens: float) -> float:
 def optimizer_step_s(profile: DeviceProfile) -> float:
     """Modelled seconds of an optimizer step on one slot, including publishing the new weights."""
     devices = profile.train_devices_per_slot
-    update_s = profile.model_params * profile.optimizer_bytes_per_param / (
-        profile.hbm_bytes_per_s * profile.hbm_efficiency * devices)
+    update_s = (
+        profile.model_params
+        * profile.optimizer_bytes_per_param
+        / (profile.hbm_bytes_per_s * profile.hbm_efficiency * devices)
+    )
     return update_s + weight_transfer_s(profile)
 
 
@@ -221,6 +246,18 @@ def swap_s(profile: DeviceProfile) -> float:
     """Modelled seconds to move an agent's full training state (weights + optimizer) over the link."""
     state_bytes = profile.model_params * (profile.bytes_per_param + profile.optimizer_bytes_per_param)
     return state_bytes / profile.link_bytes_per_s
+
+
+def kv_capacity_tokens(profile: DeviceProfile) -> float:
+    """Modelled context tokens one replica's KV cache holds: memory left after the weights, per token.
+
+    Never below zero (a model that does not fit leaves no KV cache); unbounded when the profile
+    states no KV bytes per token.
+    """
+    if profile.kv_bytes_per_token <= 0:
+        return math.inf
+    memory = profile.hbm_capacity_bytes * profile.kv_memory_fraction * profile.rollout_devices_per_replica
+    return max(0.0, (memory - profile.weight_bytes) / profile.kv_bytes_per_token)
 
 
 def real_decode_iteration_s(profile: DeviceProfile, batch_sequences: int, real_context_tokens: float) -> float:
@@ -239,8 +276,13 @@ class Pacer:
     ``start + modelled × time_scale``. Clock and sleep are injectable for tests.
     """
 
-    def __init__(self, profile: DeviceProfile, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.profile = profile
         self._clock = clock
         self._sleep = sleep
