@@ -6,9 +6,10 @@ Two levels (DESIGN.md §4):
   ``model_key`` can be served by the same replica without a weight load) so that the
   estimated time to drain each group's outstanding token demand is balanced, i.e. replicas
   follow demand in proportion. A move costs a weight load (``reassignment_cost_s``) plus the
-  time to drain the donor replica; it is made only when it shortens the bottleneck group's
-  estimated drain time by more than the hysteresis margin, and only every
-  ``rebalance_interval_s``. A group with demand never loses its last replica, and a group
+  time to drain the donor replica. A rebalance plans greedy moves, each shortening the current
+  bottleneck, and makes them only if together they cut the largest estimated drain time by more
+  than the hysteresis margin (a per-move margin would never grow a group of nine or more: one
+  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``. A group with demand never loses its last replica, and a group
   that has demand but no replica gets one at the next rebalance regardless of hysteresis.
 * **Intra-agent**: a request goes to the group replica with the least outstanding estimated
   tokens, except that turns of one episode prefer the replica that served earlier turns
@@ -83,8 +84,8 @@ class BalancerConfig:
         rebalance_enabled: False keeps the initial replica assignment forever (static).
         rebalance_interval_s: minimum time between inter-agent re-evaluations.
         reassignment_cost_s: estimated time of one weight load on a replica.
-        hysteresis: a move must cut the bottleneck group's estimated drain time by at
-            least this fraction (after counting the move's cost).
+        hysteresis: a rebalance's moves, together, must cut the largest group's estimated
+            drain time by at least this fraction (after counting the moves' cost).
         min_residency_s: a replica that was moved stays put at least this long.
         max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
     """
@@ -440,16 +441,48 @@ class HierarchicalBalancer:
                 donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
                 if donor is not None:
                     moves.append(self._move(donor, model_key, now_s))
-        for _ in range(len(self._replicas)):
-            move = self._best_improving_move(demand, now_s)
-            if move is None:
-                break
-            moves.append(move)
-        return moves
+        return moves + self._improving_plan(demand, now_s)
 
-    def _best_improving_move(self, demand: Mapping[str, int], now_s: float) -> ReplicaMove | None:
+    def _improving_plan(self, demand: Mapping[str, int], now_s: float) -> list[ReplicaMove]:
+        """Greedy moves, each shortening the bottleneck; kept only if together they beat the hysteresis.
+
+        The margin applies to the whole plan, not to each move: one more replica shortens a
+        group of n by at most 1/(n+1), so a per-move margin of 10 % would never let a group of
+        nine or more grow, however skewed the demand.
+        """
         rates = self._group_rates()
         drain_s = {key: self._drain_time_s(demand[key], rates[key]) for key in self._model_keys}
+        before_s = max((drain_s[key] for key in self._model_keys if demand[key] > 0), default=0.0)
+        if before_s <= 0 or math.isinf(before_s):
+            return []
+        after_s: dict[str, float] = {}
+        planned: list[tuple[ReplicaMove, _Replica, str, float, ReplicaPhase]] = []
+        for _ in range(len(self._replicas)):
+            found = self._best_improving_move(demand, now_s, after_s)
+            if found is None:
+                break
+            planned.append(found)
+        if not planned:
+            return []
+        rates = self._group_rates()
+        final_s = max(after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys)
+        if final_s <= before_s * (1.0 - self._config.hysteresis):
+            return [move for move, *_ in planned]
+        for _move, replica, target, last_move_s, phase in reversed(planned):  # not worth it: undo
+            replica.target_model_key, replica.last_move_s, replica.phase = target, last_move_s, phase
+            self.reassignments -= 1
+        return []
+
+    def _best_improving_move(
+        self, demand: Mapping[str, int], now_s: float, after_s: dict[str, float]
+    ) -> tuple[ReplicaMove, _Replica, str, float, ReplicaPhase] | None:
+        """The next move that shortens the current bottleneck, with what undoing it needs.
+
+        ``after_s`` collects each touched group's estimated drain time after the moves so far
+        (a receiving group's includes the weight load and the donor's drain).
+        """
+        rates = self._group_rates()
+        drain_s = {key: after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys}
         bottleneck = max(
             (key for key in self._model_keys if demand[key] > 0),
             key=lambda key: (drain_s[key], key),
@@ -465,13 +498,21 @@ class HierarchicalBalancer:
         cost_s = self._config.reassignment_cost_s + donor.outstanding_tokens / donor_rate
         before_s = drain_s[bottleneck]
         bottleneck_rate = rates[bottleneck]
-        remaining_after_cost = max(0.0, demand[bottleneck] - bottleneck_rate * cost_s)
+        # Replicas this plan already moved in are loading, not serving, during the cost.
+        serving_rate = bottleneck_rate - sum(
+            r.spec.tokens_per_s for r in self._replicas.values()
+            if r.target_model_key == bottleneck and r.model_key != bottleneck)
+        remaining_after_cost = max(0.0, demand[bottleneck] - max(0.0, serving_rate) * cost_s)
         bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + donor_rate)
         donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
-        target_s = before_s * (1.0 - self._config.hysteresis)
-        if bottleneck_after_s < target_s and donor_after_s < target_s:
-            return self._move(donor, bottleneck, now_s)
-        return None
+        if not (bottleneck_after_s < before_s and donor_after_s < before_s):
+            return None
+        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase)
+        move = self._move(donor, bottleneck, now_s)
+        after_s[bottleneck] = bottleneck_after_s
+        if donor_key in self._model_keys:
+            after_s[donor_key] = max(after_s.get(donor_key, 0.0), donor_after_s)
+        return (move, *undo)
 
     def _pick_donor(
         self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool

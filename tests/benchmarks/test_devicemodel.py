@@ -134,3 +134,11 @@ def test_traces_and_busy_time(tmp_path: Path) -> None:
     assert dm.busy_seconds(records, 0.0, 10.0) == pytest.approx(4.0)  # [1,4] + [6,7]
     assert dm.busy_seconds(records, 2.5, 6.5) == pytest.approx(2.0)  # [2.5,4] + [6,6.5]
     dm.TraceWriter(dm.H100_SXM, "nowhere").record("decode", 0.0, 1.0, 1.0)  # no trace_dir: no-op
+
+
+def test_a_json_profile_with_a_tiny_time_scale_loads(tmp_path: Path) -> None:
+    """json.dumps writes 1e-05; YAML 1.1 would read it as a string."""
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"preset": "h100", "time_scale": 0.00001}))
+    assert "1e-05" in path.read_text()
+    assert dm.load_profile(path).time_scale == pytest.approx(1e-5)

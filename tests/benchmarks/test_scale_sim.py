@@ -88,11 +88,13 @@ def test_agents_train_on_data_parallel_groups_and_only_rank_0_commits() -> None:
     assert outcome.step_s < single.step_s
 
 
-def test_default_hysteresis_blocks_every_single_move_into_a_group_of_ten() -> None:
-    """Why the sweep shows no moves: one replica more cuts a group of n's drain time by 1/(n+1) < 10 %.
+def test_the_hysteresis_applies_to_the_whole_plan_so_a_group_of_ten_still_grows() -> None:
+    """One replica more cuts a group of n's drain time by only 1/(n+1) < 10 %.
 
-    The bottleneck group has 10 replicas and all the demand, the donors none; the balancer
-    still moves nothing with its default hysteresis (0.1), and moves at once with 0.05.
+    The balancer once applied its 10 % hysteresis to each move, so a bottleneck group of ten
+    never grew (the sweep showed no moves). The margin now applies to the whole plan: the idle
+    groups give all their replicas (only a group with demand keeps its last one), and a plan that cannot reach the
+    margin is undone.
     """
     from rolloutd.balancer import AgentSpec, BalancerConfig, ReplicaSpec
 
@@ -104,5 +106,11 @@ def test_default_hysteresis_blocks_every_single_move_into_a_group_of_ten() -> No
         made.set_demand_hint("a", 10_000_000)
         return made
 
-    assert balancer(BalancerConfig().hysteresis).rebalance(0.0) == []
-    assert balancer(0.05).rebalance(0.0) != []
+    moves = balancer(BalancerConfig().hysteresis).rebalance(0.0)
+    assert {m.to_model_key for m in moves} == {"a"}
+    assert len(moves) == 20  # every replica of the groups without demand
+    # 30 replicas instead of 10 cut the drain time by 67 %: a 0.7 margin blocks the plan, whole.
+    blocked = balancer(0.7)
+    assert blocked.rebalance(0.0) == []
+    assert blocked.replica_counts() == {"a": 10, "b": 10, "c": 10}
+    assert blocked.reassignments == 0

@@ -183,10 +183,15 @@ def parse_profile(data: Mapping[str, Any]) -> DeviceProfile:
 
 
 def load_profile(path: str | Path) -> DeviceProfile:
-    """Reads a JSON or YAML profile file (see :func:`parse_profile`)."""
+    """Reads a JSON or YAML profile file (see :func:`parse_profile`).
+
+    A ``.json`` file is parsed as JSON: YAML 1.1 reads ``1e-05`` (how JSON writes small floats)
+    as a string.
+    """
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as error:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as error:
         raise InvalidArgument(f"device profile {str(path)!r}: {error}") from None
     if not isinstance(data, Mapping):
         raise InvalidArgument(f"device profile {str(path)!r}: must be a mapping")
