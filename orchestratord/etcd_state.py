@@ -10,17 +10,27 @@ Key layout under the registry prefix (DESIGN §7)::
     jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory)
 
 Every write that can race is a transaction that compares the value it read.
+
+Every method is retried while etcd is unreachable (an etcd restart): each one re-reads what it
+compares, and a write whose reply was lost is found on the retry (an identical manifest, commit or
+spec counts as done), so a retry never applies a change twice. Without the retry, a commit that
+met an etcd restart was lost from etcd while the planner had already applied it in memory, and
+every later commit of that agent failed its version check: the job stalled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import json
-from collections.abc import Iterable, Mapping
-from typing import Any
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
-from flexmarl.registry import Registry
+from flexmarl.registry import ETCD_ERRORS, Registry
 from orchestratord.state import (
     AgentVersionRecord,
     JobState,
@@ -35,6 +45,31 @@ from orchestratord.state import (
 )
 
 _CAS_RETRIES = 5
+#: How long a state operation waits for etcd to come back before its RPC fails.
+ETCD_RETRY_S = 60.0
+
+log = logging.getLogger(__name__)
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _retrying(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
+    """Retries ``method`` on etcd connection errors for up to ETCD_RETRY_S (see the module docstring)."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        deadline_s, backoff_s = time.monotonic() + ETCD_RETRY_S, 0.05
+        while True:
+            try:
+                return await method(*args, **kwargs)
+            except ETCD_ERRORS as exc:
+                if time.monotonic() > deadline_s:
+                    raise
+                log.warning("etcd unavailable in %s (%s); retrying", method.__name__, type(exc).__name__)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(1.0, backoff_s * 2)
+
+    return wrapper
 
 
 def _dump(data: Any) -> bytes:
@@ -51,6 +86,7 @@ class EtcdStateStore(StateStore):
     def _key(self, job_id: str, *parts: str) -> str:
         return job_key(self._prefix, job_id, *parts)
 
+    @_retrying
     async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
         """See :meth:`StateStore.create_job`."""
         spec_key = self._key(job_id, "spec")
@@ -71,6 +107,7 @@ class EtcdStateStore(StateStore):
             return False
         raise AlreadyExists(f"job {job_id!r} exists with a different spec")
 
+    @_retrying
     async def set_job_state(self, job_id: str, state: JobState, error: str, updated_s: float) -> None:
         """See :meth:`StateStore.set_job_state`."""
         key = self._key(job_id, "meta")
@@ -84,6 +121,7 @@ class EtcdStateStore(StateStore):
                 return
         raise Aborted(f"job {job_id!r}: concurrent state updates")
 
+    @_retrying
     async def put_manifest(self, manifest: StepManifest) -> None:
         """See :meth:`StateStore.put_manifest`."""
         key = manifest_key(self._prefix, manifest.job_id, manifest.agent, manifest.step)
@@ -102,6 +140,7 @@ class EtcdStateStore(StateStore):
             raise NotFound(f"agent {agent!r} of job {job_id!r} not found")
         return key, raw, AgentVersionRecord(**json.loads(raw))
 
+    @_retrying
     async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
         """See :meth:`StateStore.commit_step`."""
         ckey = commit_key(self._prefix, commit.job_id, commit.agent, commit.step)
@@ -123,6 +162,7 @@ class EtcdStateStore(StateStore):
                 return
         raise Aborted(f"agent {commit.agent!r}: concurrent commits of step {commit.step}")
 
+    @_retrying
     async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
         """See :meth:`StateStore.set_state_uri`."""
         for _ in range(_CAS_RETRIES):
@@ -137,12 +177,14 @@ class EtcdStateStore(StateStore):
     def _history_key(self, job_id: str, agent: str, step: int) -> str:
         return self._key(job_id, "history", agent, f"{step:08d}")
 
+    @_retrying
     async def load_history(self, job_id: str) -> list[dict[str, Any]]:
         """Every stored per-step record of a job, ordered by commit time."""
         values, _ = await self._registry.get_prefix(self._key(job_id, "history") + "/")
         rows = [json.loads(v) for v in values.values()]
         return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
 
+    @_retrying
     async def load_job(self, job_id: str) -> PersistedJob | None:
         """See :meth:`StateStore.load_job`."""
         values, _ = await self._registry.get_prefix(self._key(job_id) + "/")
@@ -177,6 +219,7 @@ class EtcdStateStore(StateStore):
             commits=commits,
         )
 
+    @_retrying
     async def list_job_ids(self) -> list[str]:
         """See :meth:`StateStore.list_job_ids`."""
         values, _ = await self._registry.get_prefix(job_key(self._prefix, "").rstrip("/") + "/")

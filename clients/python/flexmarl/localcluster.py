@@ -97,8 +97,11 @@ class LocalCluster:
             self.certs = generate(self.run_dir / "tls")
         try:
             self.etcd.start()
-            self._add("stored", "stored", ["--data-dir", str(self.run_dir / "stored-data"), *cfg.stored_args])
-            self._add("orchestratord", "orchestratord", list(cfg.orchestratord_args))
+            # Fixed registry ids (as the workers have): a restarted daemon overwrites its own record
+            # instead of sitting next to its dead predecessor's until that lease expires.
+            self._add("stored", "stored", ["--data-dir", str(self.run_dir / "stored-data"), "--service-id", "stored",
+                                           *cfg.stored_args])
+            self._add("orchestratord", "orchestratord", ["--service-id", "orchestratord", *cfg.orchestratord_args])
             for i in range(cfg.trainer_workers):
                 self._add("traind", f"traind-{i}", [
                     "--slots", str(cfg.trainer_slots), "--work-dir", str(self.run_dir / f"traind-{i}"),
