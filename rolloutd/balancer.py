@@ -9,8 +9,9 @@ Two levels (DESIGN.md §4):
   time to drain the donor replica. A rebalance plans greedy moves, each shortening the current
   bottleneck, and makes them only if together they cut the largest estimated drain time by more
   than the hysteresis margin (a per-move margin would never grow a group of nine or more: one
-  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``. A group with demand never loses its last replica, and a group
-  that has demand but no replica gets one at the next rebalance regardless of hysteresis.
+  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``.
+  A group with demand never loses its last replica, and a group that has demand but no
+  replica gets one at the next rebalance regardless of hysteresis.
 * **Intra-agent**: a request goes to the group replica with the least outstanding estimated
   tokens, except that turns of one episode prefer the replica that served earlier turns
   (KV prefix reuse) while the group is balanced. "Imbalanced" follows sglang-router's
