@@ -290,9 +290,14 @@ def task_index_of(batch_index: int, position: int, prompts_per_step: int) -> int
     return batch_index * prompts_per_step + position
 
 
-def step_id_of(job_id: str, agent: str, step: int, attempt: int) -> str:
-    """Id of one attempt at one step: ``<job>/<agent>/s<t>/a<k>``."""
-    return f"{job_id}/{agent}/s{step}/a{attempt}"
+def step_id_of(job_id: str, agent: str, step: int, attempt: int, epoch: str = "") -> str:
+    """Id of one attempt at one step: ``<job>/<agent>/s<t>[/e<epoch>]/a<k>``.
+
+    ``epoch`` names the orchestrator process: after a restart, the restored planner has forgotten
+    which micro-batches a slot already accumulated and issues them all again, so its step ids
+    must differ from the dead process's, or the slot would add a micro-batch's gradient twice.
+    """
+    return f"{job_id}/{agent}/s{step}/e{epoch}/a{attempt}" if epoch else f"{job_id}/{agent}/s{step}/a{attempt}"
 
 
 def manifest_id_of(job_id: str, agent: str, step: int) -> str:
@@ -446,6 +451,7 @@ class JobPlanner:
         self._error = error
         self._changes: list[StateChange] = []
         epoch = options.lease_epoch or secrets.token_hex(3)
+        self._epoch = epoch
         self._leases = LeaseTable(now_s, f"{job_id}/{epoch}-")
         self._agents: dict[str, _AgentState] = {}
         for name in spec.agent_names:
@@ -983,7 +989,7 @@ class JobPlanner:
             state = self._agents[agent]
             return OptimizerStepWork(
                 job_id=self.job_id, agent=agent, step=plan.step,
-                step_id=step_id_of(self.job_id, agent, plan.step, plan.attempt), new_version=plan.step + 1,
+                step_id=step_id_of(self.job_id, agent, plan.step, plan.attempt, self._epoch), new_version=plan.step + 1,
                 step_response_tokens=plan.manifest.step_response_tokens,
                 step_episodes=plan.manifest.step_episodes, num_micro_batches=len(plan.micro_batches),
                 group=plan.group, rank=rank, base_version=state.version, state_uri=state.state_uri,
@@ -1022,7 +1028,8 @@ class JobPlanner:
         agent = self._agents[plan.agent]
         return MicroBatchWork(
             lease_id=lease.lease_id, job_id=self.job_id, agent=plan.agent, step=plan.step,
-            step_id=step_id_of(self.job_id, plan.agent, plan.step, plan.attempt), micro_batch_index=mb.index,
+            step_id=step_id_of(self.job_id, plan.agent, plan.step, plan.attempt, self._epoch),
+            micro_batch_index=mb.index,
             experience_ids=mb.experience_ids, base_version=agent.version, state_uri=agent.state_uri,
             step_episodes=self.spec.batch.episodes_per_step, deadline_s=lease.deadline_s,
             group=plan.group, rank=plan.group.rank_of(mb.slot_id) if plan.group is not None else 0,

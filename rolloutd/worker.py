@@ -28,7 +28,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
-from flexmarl.connections import PeerConnections, describe_error
+from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
@@ -49,6 +49,10 @@ JOB_SWEEP_INTERVAL_S = 10.0
 _FINISHED_JOB_STATES = (orchestrator_pb2.JOB_STATE_SUCCEEDED, orchestrator_pb2.JOB_STATE_FAILED,
                         orchestrator_pb2.JOB_STATE_CANCELLED)
 LEASE_WAIT_MS = 2000
+#: Bound on one call to orchestratord, discovery in etcd included (the RPCs have their own deadlines).
+POLL_DEADLINE_S = 40.0
+#: Report attempts (backoff 0.2 s doubling to 2 s: about 20 s in all).
+REPORT_ATTEMPTS = 12
 APPEND_BACKOFF_MIN_S = 0.2
 APPEND_BACKOFF_MAX_S = 5.0
 BACKPRESSURE_POLL_S = 0.1
@@ -167,11 +171,15 @@ class RolloutWorker:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                stub = await self._peers.orchestrator()
-                reply = await stub.LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
-                    worker_id=self.settings.worker_id, max_tasks=free, wait_ms=LEASE_WAIT_MS), timeout=30)
+                # Discovery included: nothing in one poll may wait longer than the poll itself.
+                async with asyncio.timeout(POLL_DEADLINE_S):
+                    stub = await self._peers.orchestrator()
+                    reply = await stub.LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
+                        worker_id=self.settings.worker_id, max_tasks=free, wait_ms=LEASE_WAIT_MS), timeout=30)
                 backoff_s = 0.2
-            except (grpc.RpcError, FlexmarlError) as exc:
+            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
+                    raise
                 log.warning("leasing tasks failed (%s); retrying", describe_error(exc))
                 await self._peers.reset_orchestrator()
                 await asyncio.sleep(backoff_s)
@@ -191,10 +199,13 @@ class RolloutWorker:
             if not self._in_flight:
                 continue
             try:
-                stub = await self._peers.orchestrator()
-                reply = await stub.RenewLeases(orchestrator_pb2.RenewLeasesRequest(
-                    worker_id=self.settings.worker_id, lease_ids=list(self._in_flight)), timeout=10)
-            except (grpc.RpcError, FlexmarlError) as exc:
+                async with asyncio.timeout(POLL_DEADLINE_S):
+                    stub = await self._peers.orchestrator()
+                    reply = await stub.RenewLeases(orchestrator_pb2.RenewLeasesRequest(
+                        worker_id=self.settings.worker_id, lease_ids=list(self._in_flight)), timeout=10)
+            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
+                    raise
                 log.warning("renewing leases failed (%s)", describe_error(exc))
                 continue
             for lease_id in reply.lost_lease_ids:
@@ -211,11 +222,14 @@ class RolloutWorker:
             if any(name.startswith(f"task {job_id}/") for name in busy):
                 continue
             try:
-                stub = await self._peers.orchestrator()
-                status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=10)
+                async with asyncio.timeout(POLL_DEADLINE_S):
+                    stub = await self._peers.orchestrator()
+                    status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=10)
             except grpc.RpcError as exc:
                 if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.NOT_FOUND:
                     ended.append(job_id)
+                continue
+            except (FlexmarlError, TimeoutError):  # no orchestratord registered right now: ask again later
                 continue
             if status.state in _FINISHED_JOB_STATES:
                 ended.append(job_id)
@@ -343,18 +357,25 @@ class RolloutWorker:
         request = orchestrator_pb2.ReportRolloutTaskRequest(
             lease_id=task.lease_id, worker_id=self.settings.worker_id, task_id=task.task_id,
             succeeded=not error, error=error[:4096], experiences=experiences)
-        for attempt in range(5):
+        # Long enough to outlast an orchestratord restart (~3-10 s): a report given up costs a
+        # lease timeout before the task is re-issued.
+        backoff_s = 0.2
+        for _attempt in range(REPORT_ATTEMPTS):
             try:
-                stub = await self._peers.orchestrator()
-                await stub.ReportRolloutTask(request, timeout=30)
+                async with asyncio.timeout(POLL_DEADLINE_S):
+                    stub = await self._peers.orchestrator()
+                    await stub.ReportRolloutTask(request, timeout=30)
                 return
             except grpc.RpcError as exc:
                 code = exc.code() if isinstance(exc, grpc.Call) else None
                 if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     log.warning("report of task %s rejected: %s", task.task_id, describe_error(exc))
                     return
-                await self._peers.reset_orchestrator()
-                await asyncio.sleep(0.2 * (attempt + 1))
+            except (FlexmarlError, TimeoutError):  # no orchestratord registered right now
+                pass
+            await self._peers.reset_orchestrator()
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(2.0, backoff_s * 2)
         log.error("could not report task %s; its lease will expire", task.task_id)
 
     # ---- jobs and engines --------------------------------------------------------------------------

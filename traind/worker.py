@@ -35,7 +35,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
-from flexmarl.connections import PeerConnections, describe_error
+from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.experience import ExperienceRecord
 from flexmarl.jobspec import JobSpec, load_job_spec
@@ -51,6 +51,8 @@ from traind.swap import MemoryStateStore, StateLocation, open_location, swap_in,
 log = logging.getLogger(__name__)
 
 POLL_WAIT_MS = 2000
+#: Bound on one poll, discovery in etcd included (the RPC itself has a 30 s deadline).
+POLL_DEADLINE_S = 40.0
 KEEP_VERSIONS = 3
 #: How long a micro-batch waits for stored to come back before the slot reports a failure.
 STORE_RETRY_S = 60.0
@@ -182,12 +184,16 @@ class TrainerWorker:
                 resident = [orchestrator_pb2.ResidentAgent(job_id=slot.job_id, agent=slot.agent,
                                                            version=slot.trainer.version)]
             try:
-                stub = await self._peers.orchestrator()
-                reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
-                    worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
-                    wait_ms=POLL_WAIT_MS, dp_address=self.settings.dp_address), timeout=30)
+                # Discovery included: nothing in one poll may wait longer than the poll itself.
+                async with asyncio.timeout(POLL_DEADLINE_S):
+                    stub = await self._peers.orchestrator()
+                    reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
+                        worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
+                        wait_ms=POLL_WAIT_MS, dp_address=self.settings.dp_address), timeout=30)
                 backoff_s = 0.2
-            except (grpc.RpcError, FlexmarlError) as exc:
+            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
+                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
+                    raise
                 log.warning("polling work for %s failed (%s); retrying", slot.slot_id, describe_error(exc))
                 await self._peers.reset_orchestrator()
                 await asyncio.sleep(backoff_s)
@@ -206,7 +212,10 @@ class TrainerWorker:
                 else:
                     await self._swap_out(slot, reply.swap_out)
             except asyncio.CancelledError:
-                raise
+                if cancelled_from_outside():
+                    raise
+                log.warning("%s: a call was cancelled under %s work (its channel closed)", slot.slot_id, kind)
+                await self._peers.reset_orchestrator()
             except grpc.RpcError as exc:
                 log.warning("%s: orchestrator call failed: %s", slot.slot_id, describe_error(exc))
                 await self._peers.reset_orchestrator()

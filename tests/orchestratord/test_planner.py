@@ -305,3 +305,22 @@ def test_rollout_demand_counts_outstanding_tokens(clock: FakeClock) -> None:
     ])
     demand = planner.rollout_demand()
     assert demand == {("job1", "sender"): 80, ("job1", "receiver"): 800}
+
+
+def test_a_restarted_orchestrator_issues_a_step_under_new_step_ids(clock: FakeClock) -> None:
+    """After a restart every micro-batch of an uncommitted step is issued again; the new step id
+    tells a slot that already accumulated some of them (acks lost with the old process) to start
+    the step over instead of adding their gradients twice."""
+    before = Planner(clock, PlannerOptions(lease_epoch="e0"))
+    after = Planner(clock, PlannerOptions(lease_epoch="e1"))
+    works = []
+    for planner in (before, after):
+        planner.submit_job("job1", make_spec())
+        for lease in planner.lease_rollout_tasks("roll-0", 4):
+            report(planner, lease)
+        work = planner.poll_trainer_work("t0", "slot-0")
+        assert isinstance(work, MicroBatchWork)
+        works.append(work)
+    assert works[0].experience_ids == works[1].experience_ids and works[0].step == works[1].step
+    assert works[0].step_id != works[1].step_id
+    assert works[0].step_id.endswith("/a0") and works[1].step_id.endswith("/a0")

@@ -6,6 +6,11 @@ their one place to discover, connect, and reconnect after the peer went away.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any
+
 import grpc
 import grpc.aio
 
@@ -14,6 +19,9 @@ from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2_grpc
+
+#: Calls in flight on a dropped channel get this long to end (every worker call has a shorter deadline).
+CLOSE_GRACE_S = 60.0
 
 
 class PeerConnections:
@@ -36,6 +44,7 @@ class PeerConnections:
         self._channel: grpc.aio.Channel | None = None
         self._stub: orchestrator_pb2_grpc.OrchestratorStub | None = None
         self._store: StoreClient | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def address(self, kind: str, configured: str = "") -> str:
         """A configured address, else the first registered daemon of kind."""
@@ -50,10 +59,16 @@ class PeerConnections:
         return self._stub
 
     async def reset_orchestrator(self) -> None:
-        """Drops the orchestratord channel: the next call discovers and connects again."""
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel, self._stub = None, None
+        """Drops the orchestratord channel: the next call discovers and connects again.
+
+        The old channel is closed in the background with a grace period longer than any call's
+        deadline. Closing it at once would cancel the calls other coroutines still have on it,
+        and grpc.aio raises that as ``asyncio.CancelledError`` in them: a worker's poll loop
+        took it for its own cancellation and ended (a chaos test found the stalled job).
+        """
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            self._close_later(channel.close(CLOSE_GRACE_S))
 
     async def store(self) -> StoreClient:
         """The stored client (connecting on first use)."""
@@ -67,15 +82,28 @@ class PeerConnections:
         return self._store
 
     async def reset_store(self) -> None:
-        """Drops the stored client: the next call discovers and connects again."""
-        if self._store is not None:
-            await self._store.close()
-        self._store = None
+        """Drops the stored client: the next call discovers and connects again (as reset_orchestrator)."""
+        store, self._store = self._store, None
+        if store is not None:
+            self._close_later(store.close(CLOSE_GRACE_S))
+
+    def _close_later(self, closing: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(closing, name="close a dropped channel")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        """Closes both."""
-        await self.reset_store()
-        await self.reset_orchestrator()
+        """Closes both, and the channels dropped earlier, now (calls in flight are cancelled)."""
+        store, self._store = self._store, None
+        channel, self._channel, self._stub = self._channel, None, None
+        if store is not None:
+            await store.close()
+        if channel is not None:
+            await channel.close()
+        for task in list(self._closing):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 def describe_error(exc: BaseException) -> str:
@@ -83,3 +111,13 @@ def describe_error(exc: BaseException) -> str:
     if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def cancelled_from_outside() -> bool:
+    """Inside ``except asyncio.CancelledError``: True when this task itself is being cancelled.
+
+    False means a call was cancelled under it (grpc.aio raises CancelledError in a caller whose
+    channel was closed): a failed call to retry, not a reason for a worker loop to end.
+    """
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0

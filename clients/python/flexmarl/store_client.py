@@ -142,9 +142,9 @@ class StoreClient:
         )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
 
-    async def close(self) -> None:
-        """Closes the channel."""
-        await self._channel.close()
+    async def close(self, grace_s: float | None = None) -> None:
+        """Closes the channel; with ``grace_s``, calls in flight get that long to finish first."""
+        await self._channel.close(grace_s)
 
     async def __aenter__(self) -> StoreClient:
         return self
