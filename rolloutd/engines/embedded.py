@@ -29,7 +29,10 @@ Log-probabilities: like SGLang by default, the logprob of a sampled token is tak
 temperature-scaled distribution ``log_softmax(logits / temperature)`` before top-k/top-p/min-p
 truncation; with ``temperature == 0`` (greedy) it is ``log_softmax(logits)``. The flag
 ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) returns
-``log_softmax(logits)`` at every temperature.
+``log_softmax(logits)`` at every temperature. The logprobs returned are recomputed per
+finished sequence in an unpadded forward pass (``batch_invariant_logprobs``, on by default;
+``--batch-dependent-logprobs`` keeps the batched decode's values): they do not depend on which
+requests shared a batch.
 """
 
 from __future__ import annotations
@@ -78,6 +81,11 @@ class EmbeddedEngineConfig:
     max_batch_size: int = 32
     batch_window_s: float = 0.002
     return_original_logprob: bool = False
+    # Recompute each finished sequence's logprobs in a forward pass of its own (prompt + output,
+    # no padding): they then depend on the weights and tokens only, not on which requests shared
+    # the batch (padding changes float sums). Like SGLang's --enable-deterministic-inference;
+    # what makes sync and async runs of a strict job produce the same behaviour logprobs.
+    batch_invariant_logprobs: bool = True
     weight_version: str = "default"
     seed: int | None = None
     ready_file: str = ""
@@ -689,6 +697,23 @@ class EmbeddedEngine:
         source = raw_logprobs if self.config.return_original_logprob else scaled_logprobs
         return token_id, max(float(source[token_id]), _LOGPROB_FLOOR)
 
+    def _rescore(self, job: _Job, output_ids: list[int], loaded: _LoadedModel) -> list[float]:
+        """Logprobs of ``output_ids`` after ``job.input_ids`` from one unpadded forward pass.
+
+        Same convention as :meth:`_sample`: the temperature-scaled distribution, the raw one at
+        temperature 0 or with ``return_original_logprob``.
+        """
+        tokens = torch.tensor([list(job.input_ids) + list(output_ids)], dtype=torch.long)
+        with torch.inference_mode():
+            logits = loaded.model(input_ids=tokens, use_cache=False).logits[0].float()
+        first = len(job.input_ids) - 1
+        logits = logits[first : first + len(output_ids)]
+        temperature = job.params.temperature
+        if temperature != 0 and not self.config.return_original_logprob:
+            logits = logits / temperature
+        chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1)
+        return [max(float(value), _LOGPROB_FLOOR) for value in chosen]
+
     @staticmethod
     def _stop_reason(seq: _Sequence, token_id: int, loaded: _LoadedModel) -> dict[str, Any] | None:
         params = seq.job.params
@@ -700,6 +725,8 @@ class EmbeddedEngine:
 
     def _finish(self, seq: _Sequence, reason: dict[str, Any], loaded: _LoadedModel) -> None:
         job = seq.job
+        if job.return_logprob and self.config.batch_invariant_logprobs and seq.output_ids:
+            seq.logprobs = self._rescore(job, seq.output_ids, loaded)
         job.outputs[seq.sample_index] = self._output(
             job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded
         )
@@ -1019,6 +1046,11 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
     parser.add_argument("--weight-version", default="default", help="initial weight_version reported")
     parser.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
     parser.add_argument(
+        "--batch-dependent-logprobs",
+        action="store_true",
+        help="return the batched decode's logprobs instead of an unpadded per-sequence recomputation",
+    )
+    parser.add_argument(
         "--return-original-logprob",
         action="store_true",
         help="logprobs of the raw distribution instead of the temperature-scaled one",
@@ -1042,6 +1074,7 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         max_batch_size=args.max_batch_size,
         batch_window_s=args.batch_window_s,
         return_original_logprob=args.return_original_logprob,
+        batch_invariant_logprobs=not args.batch_dependent_logprobs,
         weight_version=args.weight_version,
         seed=args.seed,
         ready_file=args.ready_file,
