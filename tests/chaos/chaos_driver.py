@@ -49,11 +49,12 @@ import numpy as np
 import psutil
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from flexmarl.artifacts import local_path
+from flexmarl.artifacts import checkpoint_tensors, local_path
 from flexmarl.cli import materialize_models
 from flexmarl.client import Client, JobInfo, JobState
+from flexmarl.cluster import descendant_pids
+from flexmarl.errors import NotFound
 from flexmarl.experience import ExperienceRecord, ExperienceState
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig
 from flexmarl.registry import Registry
@@ -370,17 +371,9 @@ class ChaosDriver:
 
     def engine_pids(self, rolloutd: str) -> list[int]:
         """Pids of the embedded engines a rolloutd launched."""
-        try:
-            children = psutil.Process(self.cluster.daemon(rolloutd).pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        pids = []
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                if ENGINE_MODULE in " ".join(child.cmdline()):
-                    pids.append(child.pid)
+        pids = descendant_pids(self.cluster.daemon(rolloutd).pid, ENGINE_MODULE)
         self.engines_seen.update(pids)
-        return sorted(pids)
+        return pids
 
     def _note_engines(self) -> None:
         for name, proc in self.cluster.daemons.items():
@@ -885,12 +878,10 @@ def _diff(got: dict[str, str], want: dict[str, str]) -> str:
 
 
 def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    if not out:
-        raise ChaosFailure(f"no safetensors in {checkpoint}")
-    return out
+    try:
+        return checkpoint_tensors(checkpoint)
+    except NotFound as exc:
+        raise ChaosFailure(str(exc)) from None
 
 
 def _kill_engines(pids: Sequence[int]) -> None:

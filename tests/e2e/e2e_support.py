@@ -25,7 +25,7 @@ import yaml
 from flexmarl.artifacts import local_path
 from flexmarl.cli import materialize_models
 from flexmarl.client import Client, JobInfo, JobState
-from flexmarl.cluster import wait_until
+from flexmarl.cluster import descendant_pids, wait_until
 from flexmarl.experience import ExperienceState
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig
 from flexmarl.registry import Registry
@@ -166,16 +166,7 @@ class E2ECluster:
 
     def engine_pids(self, rolloutd: str = "rolloutd-0") -> list[int]:
         """Pids of the embedded engine replicas a rolloutd launched (its child processes)."""
-        try:
-            children = psutil.Process(self.cluster.daemon(rolloutd).pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        pids = []
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                if ENGINE_MODULE in " ".join(child.cmdline()):
-                    pids.append(child.pid)
-        return sorted(pids)
+        return descendant_pids(self.cluster.daemon(rolloutd).pid, ENGINE_MODULE)
 
 
 @contextlib.contextmanager

@@ -26,8 +26,8 @@ from e2e_support import (
     running_cluster,
     weights_dir,
 )
-from safetensors.torch import load_file
 
+from flexmarl.artifacts import checkpoint_tensors
 from flexmarl.cli import materialize_models
 from flexmarl.cluster import wait_until
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc, train_pb2, train_pb2_grpc
@@ -66,13 +66,6 @@ def _spec(e2e: E2ECluster, max_slots: int) -> dict[str, Any]:
     }
     return materialize_models(raw, e2e.models_dir)
 
-
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    assert out, f"no safetensors in {checkpoint}"
-    return out
 
 
 def _bound_slots(e2e: E2ECluster, job_id: str) -> list[str]:
@@ -141,7 +134,7 @@ def test_two_slots_train_one_agent_data_parallel_like_one_slot(dp_cluster: E2ECl
         trained = metric_sum(e2e.metrics_text(name), "flexmarl_traind_micro_batches_total",
                              lambda series: 'agent="speaker"' in series)
         assert trained >= 1, f"{name} accumulated no micro-batch of the data-parallel job"
-    parallel = _tensors(weights_dir(info.agents[0].weights_uri))
+    parallel = checkpoint_tensors(weights_dir(info.agents[0].weights_uri))
 
     # The same job and seed on one slot (max_slots 1); the group was dissolved when the job ended.
     single_spec = _spec(e2e, max_slots=1)
@@ -149,9 +142,9 @@ def test_two_slots_train_one_agent_data_parallel_like_one_slot(dp_cluster: E2ECl
     single_info = e2e.wait_job("dp-one-slot")
     assert_succeeded(e2e, single_info, STEPS)
     assert_exactly_once(e2e, "dp-one-slot", single_spec)
-    single = _tensors(weights_dir(single_info.agents[0].weights_uri))
+    single = checkpoint_tensors(weights_dir(single_info.agents[0].weights_uri))
 
-    initial = _tensors(Path(spec["agents"][0]["model"]))
+    initial = checkpoint_tensors(Path(spec["agents"][0]["model"]))
     assert parallel.keys() == single.keys()
     moved = False
     for name, expected in single.items():

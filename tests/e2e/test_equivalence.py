@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_support import E2ECluster, assert_succeeded, weights_dir
-from safetensors.torch import load_file
+
+from flexmarl.artifacts import checkpoint_tensors
 
 STEPS = 2
 # Both runs apply the same gradients to the same parameters; only the order in which
@@ -17,20 +18,13 @@ STEPS = 2
 MAX_RELATIVE_DIFFERENCE = 1e-5
 
 
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    assert out, f"no safetensors in {checkpoint}"
-    return out
-
 
 def _run(e2e: E2ECluster, pipeline: dict[str, object], job_id: str) -> dict[str, dict[str, torch.Tensor]]:
     spec = e2e.spec(total_steps=STEPS, pipeline=pipeline)
     e2e.client.submit(spec, job_id=job_id)
     info = e2e.wait_job(job_id)
     assert_succeeded(e2e, info, STEPS)
-    return {agent.agent: _tensors(weights_dir(agent.weights_uri)) for agent in info.agents}
+    return {agent.agent: checkpoint_tensors(weights_dir(agent.weights_uri)) for agent in info.agents}
 
 
 @pytest.mark.timeout(240)
@@ -38,7 +32,7 @@ def test_async_with_zero_staleness_trains_the_same_parameters_as_sync(shared_clu
     sync = _run(shared_cluster, {"mode": "sync"}, "equivalence-sync")
     async_ = _run(shared_cluster, {"mode": "async", "max_staleness": 0}, "equivalence-async")
 
-    initial = {a["name"]: _tensors(Path(a["model"])) for a in shared_cluster.spec()["agents"]}
+    initial = {a["name"]: checkpoint_tensors(Path(a["model"])) for a in shared_cluster.spec()["agents"]}
     assert sync.keys() == async_.keys() == {"sender", "receiver"}
     for agent, sync_params in sync.items():
         async_params = async_[agent]

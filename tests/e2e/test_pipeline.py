@@ -15,21 +15,14 @@ from e2e_support import (
     metric_sum,
     weights_dir,
 )
-from safetensors.torch import load_file
 
+from flexmarl.artifacts import checkpoint_tensors
 from flexmarl.client import JobState
 from rolloutd.engines.launcher import ReplicaSpec, launch
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
 
 PROMPT_IDS = (111, 98, 106, 58, 48, 49, 50, 51, 32, 116, 103, 116, 58, 48, 62)
 
-
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        out.update(load_file(str(shard)))
-    assert out, f"no safetensors in {checkpoint}"
-    return out
 
 
 async def _greedy_logprobs_before_and_after(model: str, published: Path, run_dir: Path) -> tuple[
@@ -78,7 +71,7 @@ def test_two_agents_on_one_slot_train_exactly_once(shared_cluster: E2ECluster, t
     models = {a["name"]: a["model"] for a in spec["agents"]}
     for agent in info.agents:
         published = weights_dir(agent.weights_uri)
-        initial, trained = _tensors(Path(models[agent.agent])), _tensors(published)
+        initial, trained = checkpoint_tensors(Path(models[agent.agent])), checkpoint_tensors(published)
         shared = set(initial) & set(trained)
         assert shared, f"{agent.agent}: no common tensor names"
         assert any(not torch.equal(initial[k], trained[k]) for k in shared), f"{agent.agent}: weights unchanged"

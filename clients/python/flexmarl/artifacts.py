@@ -15,7 +15,10 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from flexmarl.errors import InvalidArgument
+import torch
+from safetensors.torch import load_file
+
+from flexmarl.errors import InvalidArgument, NotFound
 from flexmarl.store_client import StoreClient
 
 FILE_SCHEME = "file://"
@@ -32,6 +35,20 @@ def local_path(uri: str) -> Path:
     if not uri.startswith(FILE_SCHEME):
         raise InvalidArgument(f"not a file:// URI: {uri!r}")
     return Path(urllib.parse.unquote(uri[len(FILE_SCHEME):]))
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint directory's safetensors shards, by name.
+
+    Raises:
+        NotFound: the directory holds no ``*.safetensors`` shard with a tensor.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(shard)))
+    if not out:
+        raise NotFound(f"no safetensors in {directory}")
+    return out
 
 
 def weights_blob_name(job_id: str, agent: str, version: int) -> str:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
+
 ETCD_BINARY_ENV = "FLEXMARL_ETCD_BINARY"
 
 
@@ -46,6 +48,23 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, inter
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.1f}s waiting for {what}")
         time.sleep(interval_s)
+
+
+def descendant_pids(pid: int, cmdline_contains: str) -> list[int]:
+    """Pids of ``pid``'s live descendants whose command line contains ``cmdline_contains``.
+
+    [] when ``pid`` is gone. Used to find the engine replicas a rolloutd launched.
+    """
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    pids = []
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            if cmdline_contains in " ".join(child.cmdline()):
+                pids.append(child.pid)
+    return sorted(pids)
 
 
 def _tail(path: Path, max_bytes: int = 4000) -> str:
