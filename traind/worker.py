@@ -309,6 +309,7 @@ class TrainerWorker:
                 raise InvalidArgument(f"state of {work.agent} is v{trainer.version}, work needs v{work.base_version}")
             log.info("%s: %s/%s v%d resident (%.2fs)", slot.slot_id, work.job_id, work.agent, trainer.version,
                      time.perf_counter() - started)
+            trainer.defer_pacing = True  # modelled time is waited by settle_pacing, outside _compute
             slot.trainer, slot.job_id, slot.agent, slot.step_id = trainer, work.job_id, work.agent, ""
         return slot.trainer
 
@@ -319,7 +320,6 @@ class TrainerWorker:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
             records = await self._read_experiences(work.job_id, list(work.experience_ids))
-            trainer.defer_pacing = True
             stats = await asyncio.to_thread(trainer.accumulate, records)
         await asyncio.to_thread(trainer.settle_pacing)  # modelled device time, outside the compute lock
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
@@ -358,7 +358,6 @@ class TrainerWorker:
             await self._member_optimizer_step(slot, trainer, work)
             return
         async with self._compute:
-            trainer.defer_pacing = True
             stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens, work.step_episodes)
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
@@ -384,7 +383,6 @@ class TrainerWorker:
         scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
         try:
             async with self._compute:
-                trainer.defer_pacing = True
                 stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens,
                                                 work.step_episodes)
                 if trainer.version != work.new_version:
