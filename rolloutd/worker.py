@@ -313,6 +313,11 @@ class RolloutWorker:
         finally:
             self._pending_appends -= 1
             self._metrics.pending_appends.set(self._pending_appends)
+            if self._pending_appends == 0:
+                # "Failing" describes appends still waiting. A task cancelled mid-retry (its lease
+                # lost) must not leave it set: a re-issued task that reuses durable experiences
+                # appends nothing, so no success would ever clear it and leasing would stop for good.
+                self._appends_failing_since = None
 
     async def _durable_experiences(
         self, job: _Job, task: orchestrator_pb2.RolloutTask
