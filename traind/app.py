@@ -40,7 +40,7 @@ class TrainerApp(DaemonApp):
             state_location=config.state_location, publish_location=config.publish_location,
             orchestrator_address=config.orchestrator_address, store_address=config.store_address,
             max_message_bytes=config.max_message_bytes, security=ctx.security,
-            dp_address=data_parallel_address(config),
+            dp_address=data_parallel_address(config), slot_local_ranks=config.slot_local_ranks(),
         )
         self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
 
@@ -59,7 +59,8 @@ class TrainerApp(DaemonApp):
     def registration_info(self) -> dict[str, Any]:
         """Advertises the slots."""
         return {"slots": [s.slot_id for s in self.worker.slots], "device": self.worker.device,
-                "memory_bytes_per_slot": self.worker.memory_bytes_per_slot}
+                "memory_bytes_per_slot": self.worker.memory_bytes_per_slot,
+                "slot_local_ranks": [s.local_rank for s in self.worker.slots if s.local_rank is not None]}
 
 
 def build_app(config: TrainerConfig, ctx: DaemonContext) -> DaemonApp:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Callable, Mapping
 
 from flexmarl.config import ConfigError, DaemonConfig
+from flexmarl.devices import NO_DEVICES, device_pool, local_index, parse_device_list, split_device_sets
 
 
 def _help(text: str) -> dict[str, str]:
@@ -19,6 +22,9 @@ class TrainerConfig(DaemonConfig):
         default="", metadata=_help("orchestratord host:port (default: discovered in etcd)"))
     store_address: str = dataclasses.field(default="", metadata=_help("stored host:port (default: discovered)"))
     slots: int = dataclasses.field(default=1, metadata=_help("training slots (one GPU each, or CPU slots)"))
+    gpus: str = dataclasses.field(
+        default="", metadata=_help("devices of the slots, one each, in slot order (default: CUDA_VISIBLE_DEVICES, "
+                                   "else every GPU; none: assign none); ignored on CPU"))
     work_dir: str = dataclasses.field(default="traind-work", metadata=_help("published weights and states"))
     state_location: str = dataclasses.field(
         default="file", metadata=_help("where committed states go: file (work dir), stored or mem"))
@@ -38,3 +44,39 @@ class TrainerConfig(DaemonConfig):
             raise ConfigError(f"state_location: must be file, stored or mem, got {self.state_location!r}")
         if self.publish_location not in ("file", "stored"):
             raise ConfigError(f"publish_location: must be file or stored, got {self.publish_location!r}")
+        if self.gpus.strip().lower() != NO_DEVICES:
+            parse_device_list(self.gpus)
+        self.slot_local_ranks()
+
+    def slot_local_ranks(
+        self, env: Mapping[str, str] | None = None, cuda_device_count: Callable[[], int] | None = None,
+    ) -> tuple[int, ...] | None:
+        """Each slot's device, as its index in this process's CUDA numbering (its ``LOCAL_RANK``).
+
+        Slot ``i`` gets device ``i`` of the pool (``gpus``, else ``CUDA_VISIBLE_DEVICES``, else
+        every device; :mod:`flexmarl.devices`). None when training runs on CPU (no CUDA device,
+        or DeepSpeed's accelerator is not CUDA) or with ``gpus=none``: nothing is assigned.
+
+        Raises:
+            ConfigError: fewer devices than slots, a device this process cannot see, or
+                ``gpus`` given where no CUDA device is visible.
+        """
+        env = os.environ if env is None else env
+        if cuda_device_count is None:
+            from traind.distributed import cuda_device_count as count_devices
+
+            cuda_device_count = count_devices
+        count = cuda_device_count()
+        if count == 0:
+            if self.gpus.strip() and self.gpus.strip().lower() != NO_DEVICES:
+                raise ConfigError(f"gpus: {self.gpus!r} given, but this process sees no CUDA device "
+                                  f"(DS_ACCELERATOR={env.get('DS_ACCELERATOR', '')!r})")
+            return None
+        pool = device_pool(self.gpus, env, lambda: count)
+        if not pool:
+            return None
+        ranks = tuple(local_index(s.ids[0], env) for s in split_device_sets(pool, self.slots, 1, "gpus"))
+        beyond = [r for r in ranks if r >= count]
+        if beyond:
+            raise ConfigError(f"gpus: device index {beyond[0]} is beyond the {count} CUDA devices this process sees")
+        return ranks

@@ -3,6 +3,12 @@
 DeepSpeed chooses the backend from the accelerator (gloo or ccl on CPU, NCCL
 on CUDA); nothing here names a backend. A single process with no launcher
 environment gets a world of one on a free loopback port.
+
+Devices: DeepSpeed takes a process's device from ``LOCAL_RANK`` (``DeepSpeedEngine``
+reads it when built and calls ``get_accelerator().set_device``; ``init_distributed``
+binds an NCCL group of several ranks to ``cuda:LOCAL_RANK``). A slot's work therefore runs
+under :func:`on_device`, which sets both for the slot's device: CUDA's current device is
+per thread, and the worker's calls run on pool threads.
 """
 
 from __future__ import annotations
@@ -11,11 +17,39 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
+from typing import TypeVar
 
 import deepspeed
 import deepspeed.comm as dist
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process trains on: 0 unless DeepSpeed's accelerator is CUDA."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda":
+        return 0
+    return int(torch.cuda.device_count())
+
+
+def on_device(local_rank: int | None, fn: Callable[..., T], *args: object) -> T:
+    """Runs ``fn(*args)`` with ``LOCAL_RANK`` and this thread's CUDA device set to ``local_rank``.
+
+    ``None`` (training on CPU, or no device assigned) changes nothing.
+    """
+    if local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+    return fn(*args)
 
 
 def free_loopback_port() -> int:
@@ -74,32 +108,34 @@ def reserve_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def join_group(rank: int, world_size: int, master_address: str, timeout_s: float) -> None:
+def join_group(rank: int, world_size: int, master_address: str, timeout_s: float, local_rank: int = 0) -> None:
     """Leaves the current process group and joins (or, as rank 0, hosts) a new one.
 
     ``master_address`` is rank 0's ``host:port``. Every collective of the new group,
     and the rendezvous itself, fails after ``timeout_s`` instead of hanging when a
-    member is gone. ``LOCAL_RANK`` is 0: one traind process drives one device.
+    member is gone. ``local_rank`` is the index of the process's (one) training device:
+    DeepSpeed binds the NCCL group to it.
     """
     host, _, port = master_address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"master_address must be host:port, got {master_address!r}")
     shutdown_distributed()
     os.environ.update(
-        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": port}
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank), "MASTER_ADDR": host,
+         "MASTER_PORT": port}
     )
     logger.info("joining process group rank=%d world=%d at %s", rank, world_size, master_address)
     deepspeed.init_distributed(auto_mpi_discovery=False, verbose=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def become_standalone() -> None:
-    """Leaves the current process group and makes this process a world of one again."""
+def become_standalone(local_rank: int = 0) -> None:
+    """Leaves the current process group and makes this process a world of one again (on device ``local_rank``)."""
     shutdown_distributed()
     os.environ.update(
         {
             "RANK": "0",
             "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
+            "LOCAL_RANK": str(local_rank),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_loopback_port()),
         }

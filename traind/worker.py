@@ -18,6 +18,12 @@ state and accumulates its share of the step. Every member runs the optimizer ste
 the step's normalisers; only rank 0 publishes, saves and commits (ZeRO 0 only: rank 0's
 checkpoint holds the whole state). A member that leaves a group, or whose work fails,
 drops its engine and becomes a world of one again.
+
+Devices: on CUDA each slot has one device (``TrainerSettings.slot_local_ranks``, from
+traind's ``gpus``/``CUDA_VISIBLE_DEVICES``, :meth:`traind.config.TrainerConfig.slot_local_ranks`);
+every call into the slot's trainer runs under :func:`traind.distributed.on_device`, so
+DeepSpeed builds the engine on it and CUDA's per-thread current device is it. On CPU
+nothing is assigned.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import dataclasses
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -43,12 +50,13 @@ from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
 from traind import losses
-from traind.distributed import become_standalone, join_group
+from traind.distributed import become_standalone, join_group, on_device
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
 from traind.swap import MemoryStateStore, StateLocation, open_location, swap_in, swap_out
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_WAIT_MS = 2000
 #: Bound on one poll, discovery in etcd included (the RPC itself has a 30 s deadline).
@@ -73,6 +81,8 @@ class TrainerSettings:
     security: TransportSecurity = INSECURE
     # host:port of this process's data-parallel rendezvous; "" = it never joins a group.
     dp_address: str = ""
+    # Each slot's device as an index in this process's CUDA numbering (LOCAL_RANK); None: CPU.
+    slot_local_ranks: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +107,8 @@ class Slot:
     """One training slot and the agent resident in it."""
 
     slot_id: str
+    #: The slot's device (its LOCAL_RANK in this process); None: nothing assigned (CPU).
+    local_rank: int | None = None
     trainer: AgentTrainer | None = None
     job_id: str = ""
     agent: str = ""
@@ -134,7 +146,11 @@ class TrainerWorker:
         self.settings = settings
         self._registry = registry
         self._metrics = metrics
-        self.slots = [Slot(f"{settings.worker_id}/slot{i}") for i in range(settings.slots)]
+        ranks = settings.slot_local_ranks
+        if ranks is not None and len(ranks) != settings.slots:
+            raise InvalidArgument(f"{len(ranks)} devices for {settings.slots} slots")
+        self.slots = [Slot(f"{settings.worker_id}/slot{i}", None if ranks is None else ranks[i])
+                      for i in range(settings.slots)]
         self._memory = MemoryStateStore()
         self._specs: dict[str, JobSpec] = {}
         self._loops: list[asyncio.Task[None]] = []
@@ -165,6 +181,16 @@ class TrainerWorker:
                 slot.trainer.release()
                 slot.trainer = None
         await self._peers.close()
+
+    @property
+    def _group_local_rank(self) -> int:
+        """The device a data-parallel group binds to: the one slot's (only one-slot processes join)."""
+        rank = self.slots[0].local_rank if len(self.slots) == 1 else None
+        return 0 if rank is None else rank
+
+    async def _on_device(self, slot: Slot, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on a pool thread, on the slot's device (:func:`traind.distributed.on_device`)."""
+        return await asyncio.to_thread(on_device, slot.local_rank, fn, *args)
 
     def _spec(self, job_id: str, spec_json: str) -> JobSpec:
         spec = self._specs.get(job_id)
@@ -235,7 +261,7 @@ class TrainerWorker:
             # The group may be broken (a member died): leave it; the next work re-forms one.
             with contextlib.suppress(Exception):
                 async with self._compute:
-                    await asyncio.to_thread(become_standalone)
+                    await asyncio.to_thread(become_standalone, self._group_local_rank)
             self.group = GroupKey()
         if not job_id:
             return
@@ -274,11 +300,11 @@ class TrainerWorker:
                                       f"a data-parallel group")
             started = time.perf_counter()
             await asyncio.to_thread(join_group, wanted.rank, wanted.world_size, wanted.master_address,
-                                    float(group.timeout_s or 60))
+                                    float(group.timeout_s or 60), self._group_local_rank)
             log.info("joined data-parallel group %s as rank %d of %d (%.2fs)", wanted.group_id, wanted.rank,
                      wanted.world_size, time.perf_counter() - started)
         else:
-            await asyncio.to_thread(become_standalone)
+            await asyncio.to_thread(become_standalone, self._group_local_rank)
             log.info("left the data-parallel group: a world of one again")
         self.group = wanted
 
@@ -298,10 +324,10 @@ class TrainerWorker:
                 if work.state_uri.startswith("stored://"):
                     await self._peers.store()
                 location = self._location(work.state_uri, work.job_id)
-                trainer, stats = await asyncio.to_thread(swap_in, config, location)
+                trainer, stats = await self._on_device(slot, swap_in, config, location)
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
             elif work.base_version == 0:
-                trainer = await asyncio.to_thread(AgentTrainer, config)
+                trainer = await self._on_device(slot, AgentTrainer, config)
             else:
                 raise InvalidArgument(f"{work.agent} v{work.base_version}: no state_uri to load from")
             if trainer.version != work.base_version:
@@ -320,7 +346,7 @@ class TrainerWorker:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
             records = await self._read_experiences(work.job_id, list(work.experience_ids))
-            stats = await asyncio.to_thread(trainer.accumulate, records)
+            stats = await self._on_device(slot, trainer.accumulate, records)
         await asyncio.to_thread(trainer.settle_pacing)  # modelled device time, outside the compute lock
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         stub = await self._peers.orchestrator()
@@ -358,11 +384,12 @@ class TrainerWorker:
             await self._member_optimizer_step(slot, trainer, work)
             return
         async with self._compute:
-            stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens, work.step_episodes)
+            stats = await self._on_device(slot, trainer.optimizer_step, work.step_response_tokens,
+                                          work.step_episodes)
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
-            weights_uri = await self._publish(trainer, work.job_id, work.agent, work.new_version)
-            state_uri = await self._save_state(trainer, work.job_id, work.agent, work.new_version)
+            weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
+            state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, work.new_version)
         await asyncio.to_thread(trainer.settle_pacing)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
@@ -383,15 +410,15 @@ class TrainerWorker:
         scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
         try:
             async with self._compute:
-                stats = await asyncio.to_thread(trainer.optimizer_step, work.step_response_tokens,
-                                                work.step_episodes)
+                stats = await self._on_device(slot, trainer.optimizer_step, work.step_response_tokens,
+                                              work.step_episodes)
                 if trainer.version != work.new_version:
                     raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
                 # publish() gathers and barriers on every rank (rank 0 writes); save_state's
                 # checkpoint barriers too: rank 0 writes the whole ZeRO 0 state, this rank nothing it needs.
-                await asyncio.to_thread(trainer.publish, scratch / "weights")
-                await asyncio.to_thread(trainer.save_state,
-                                        self._location(file_uri(scratch / "state"), work.job_id))
+                await self._on_device(slot, trainer.publish, scratch / "weights")
+                await self._on_device(slot, trainer.save_state,
+                                      self._location(file_uri(scratch / "state"), work.job_id))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         await asyncio.to_thread(trainer.settle_pacing)
@@ -401,22 +428,22 @@ class TrainerWorker:
         log.info("%s: %s/%s step %d done as rank %d of %d (rank 0 commits; %.2fs)", slot.slot_id, work.job_id,
                  work.agent, work.step, work.group.rank, work.group.world_size, seconds)
 
-    async def _publish(self, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
+    async def _publish(self, slot: Slot, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
         out = self.settings.work_dir / "weights" / job_id / agent / f"v{version}"
-        await asyncio.to_thread(trainer.publish, out)
+        await self._on_device(slot, trainer.publish, out)
         if self.settings.publish_location == "stored":
             return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._peers.store(),
                                      job_id)
         return file_uri(out)
 
-    async def _save_state(self, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
+    async def _save_state(self, slot: Slot, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
         kind = self.settings.state_location
         uri = self._state_uri(kind, job_id, agent, version)
         if kind == "stored":
             await self._peers.store()
         location = self._location(uri, job_id)
         started = time.perf_counter()
-        moved = await asyncio.to_thread(trainer.save_state, location)
+        moved = await self._on_device(slot, trainer.save_state, location)
         self._metrics.observe_swap("save", moved, time.perf_counter() - started)
         return uri
 
@@ -449,7 +476,7 @@ class TrainerWorker:
         if kind == "stored":
             await self._peers.store()
         async with self._compute:
-            stats = await asyncio.to_thread(swap_out, slot.trainer, self._location(uri, work.job_id))
+            stats = await self._on_device(slot, swap_out, slot.trainer, self._location(uri, work.job_id))
         self._metrics.observe_swap("out", stats.bytes_moved, stats.seconds)
         slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""
         stub = await self._peers.orchestrator()
@@ -471,7 +498,8 @@ class TrainerWorker:
         import torch
 
         if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
+            first = self.slots[0].local_rank if self.slots else None
+            return int(torch.cuda.get_device_properties(first or 0).total_memory)
         return int(psutil.virtual_memory().total // max(1, len(self.slots)))
 
     def status(self) -> list[dict[str, Any]]:
