@@ -22,13 +22,19 @@ class RolloutApp(DaemonApp):
 
     def __init__(self, config: RolloutConfig, ctx: DaemonContext) -> None:
         self.config = config
+        engine_urls = config.engine_url_list()
         settings = WorkerSettings(
             worker_id=ctx.service_id, work_dir=Path(config.work_dir).resolve(), max_tasks=config.max_tasks,
             engine_backend=config.engine_backend, engine_replicas=config.engine_replicas,
-            engine_urls=tuple(u.strip() for u in config.engine_urls.split(",") if u.strip()),
-            engine_threads=config.engine_threads, orchestrator_address=config.orchestrator_address,
-            store_address=config.store_address, max_message_bytes=config.max_message_bytes,
-            security=ctx.security,
+            engine_urls=engine_urls, engine_threads=config.engine_threads,
+            orchestrator_address=config.orchestrator_address, store_address=config.store_address,
+            max_message_bytes=config.max_message_bytes, security=ctx.security,
+            engine_tp_size=config.engine_tp_size,
+            engine_device_sets=None if engine_urls else config.engine_device_sets(),
+            deterministic_inference=config.engine_deterministic_inference,
+            engine_launch_timeout_s=config.engine_launch_timeout_s, engine_extra_args=config.engine_arg_list(),
+            engine_path_map=config.path_map(),
+            weights_cache_dir=Path(config.weights_cache_dir).resolve() if config.weights_cache_dir else None,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 
@@ -46,7 +52,9 @@ class RolloutApp(DaemonApp):
 
     def registration_info(self) -> dict[str, Any]:
         """Advertises the engine pool."""
-        return {"engine_backend": self.config.engine_backend, "engine_replicas": self.config.engine_replicas}
+        devices = self.worker.settings.engine_device_sets
+        return {"engine_backend": self.config.engine_backend, "engine_replicas": self.config.engine_replicas,
+                "engine_devices": [str(d) for d in devices] if devices is not None else []}
 
 
 def build_app(config: RolloutConfig, ctx: DaemonContext) -> DaemonApp:

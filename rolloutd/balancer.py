@@ -37,7 +37,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
+from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 AFFINITY_SEPARATOR = "#"
 
@@ -242,6 +242,7 @@ class HierarchicalBalancer:
             self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
         self._replica_order: tuple[str, ...] = tuple(sorted(self._replicas))
         self._tickets: dict[int, Ticket] = {}
+        self._detached: set[int] = set()  # in flight on a replica that was removed since
         self._queued: dict[str, collections.deque[int]] = {key: collections.deque() for key in self._model_keys}
         self._demand_hint_tokens: dict[str, int] = {}
         self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -335,6 +336,9 @@ class HierarchicalBalancer:
         ticket = self._tickets.pop(request_id, None)
         if ticket is None:
             raise NotFound(f"request {request_id} is not in flight")
+        if request_id in self._detached:  # its replica was removed while it ran
+            self._detached.discard(request_id)
+            return ticket
         if ticket.replica_id is None:
             self._queued[self._agent_model[ticket.agent]].remove(request_id)
             return ticket
@@ -410,10 +414,26 @@ class HierarchicalBalancer:
         for stale in [k for k in self._affinity if k == key or k.startswith(prefix)]:
             del self._affinity[stale]
 
+    def add_replica(self, spec: ReplicaSpec) -> None:
+        """Adds a replica (a re-admitted one) serving ``spec.model_key``; the inverse of :meth:`remove_replica`.
+
+        Call :meth:`place_queued` next. Requests still in flight from the replica's previous
+        membership stay detached from it (their :meth:`finish` does not count against it).
+        """
+        if spec.replica_id in self._replicas:
+            raise AlreadyExists(f"replica {spec.replica_id!r} is already served")
+        if spec.tokens_per_s <= 0:
+            raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
+        self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
+        self._replica_order = tuple(sorted(self._replicas))
+
     def remove_replica(self, replica_id: str) -> None:
         """Forgets a dead replica: nothing is routed to it again; its group is re-served by a rebalance."""
         replica = self._replica(replica_id)
         del self._replicas[replica_id]
+        for request_id, ticket in self._tickets.items():
+            if ticket.replica_id == replica_id:
+                self._detached.add(request_id)
         self._replica_order = tuple(sorted(self._replicas))
         for key in [k for k, r in self._affinity.items() if r == replica_id]:
             del self._affinity[key]

@@ -3,12 +3,60 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import posixpath
+import shlex
+from collections.abc import Callable, Mapping
 
 from flexmarl.config import ConfigError, DaemonConfig
+from flexmarl.devices import DeviceSet, device_pool, nvidia_smi_device_count, split_device_sets
+from flexmarl.errors import InvalidArgument
 
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePathMap:
+    """How a path in rolloutd's filesystem is named on the hosts of attached engines (a shared filesystem).
+
+    An engine attached by URL runs elsewhere; ``/update_weights_from_disk`` must name the
+    checkpoint as *that* host sees it. Each rule maps a local prefix to the engine's prefix
+    (the longest matching prefix wins, on whole path components). Without rules the path is
+    sent unchanged (the engines mount the filesystem at the same path). With rules, a path
+    under no prefix is an error: it would name a file the engine cannot see.
+    """
+
+    rules: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> EnginePathMap:
+        """Parses ``"LOCAL_PREFIX=ENGINE_PREFIX[,...]"``; raises ConfigError when malformed."""
+        rules = []
+        for item in filter(None, (i.strip() for i in text.split(","))):
+            local, sep, remote = item.partition("=")
+            local, remote = local.strip(), remote.strip()
+            if not sep or not posixpath.isabs(local) or not posixpath.isabs(remote):
+                raise ConfigError(f"engine_path_map: {item!r} is not LOCAL_PREFIX=ENGINE_PREFIX (absolute paths)")
+            rules.append((posixpath.normpath(local), posixpath.normpath(remote)))
+        return cls(tuple(sorted(rules, key=lambda rule: len(rule[0]), reverse=True)))
+
+    def to_engine(self, path: str) -> str:
+        """The engine's name for a local path.
+
+        Raises:
+            InvalidArgument: rules are set and none covers ``path``.
+        """
+        if not self.rules:
+            return path
+        normal = posixpath.normpath(path)
+        for local, remote in self.rules:
+            if normal == local or normal.startswith(local.rstrip("/") + "/"):
+                return remote + normal[len(local):] if local != "/" else posixpath.join(remote, normal[1:])
+        prefixes = ", ".join(local for local, _ in self.rules)
+        raise InvalidArgument(f"{path} is outside every engine_path_map prefix ({prefixes}): the attached engines "
+                              f"cannot read it; map its directory or put it on the shared filesystem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +68,31 @@ class RolloutConfig(DaemonConfig):
     store_address: str = dataclasses.field(default="", metadata=_help("stored host:port (default: discovered)"))
     max_tasks: int = dataclasses.field(default=8, metadata=_help("rollout tasks run concurrently"))
     work_dir: str = dataclasses.field(default="rolloutd-work", metadata=_help("engine logs and weight cache"))
+    weights_cache_dir: str = dataclasses.field(
+        default="", metadata=_help("where stored:// checkpoints are unpacked for the engines "
+                                   "(default <work_dir>/weights; a shared filesystem for attached engines)"))
     engine_backend: str = dataclasses.field(
         default="embedded", metadata=_help("replicas to launch: embedded (CPU) or sglang (GPU hosts)"))
     engine_replicas: int = dataclasses.field(default=2, metadata=_help("replicas to launch"))
     engine_urls: str = dataclasses.field(
         default="", metadata=_help("comma-separated http://host:port of running replicas (no launch)"))
     engine_threads: int = dataclasses.field(default=1, metadata=_help("torch threads per embedded replica"))
+    engine_tp_size: int = dataclasses.field(
+        default=1, metadata=_help("devices per launched SGLang replica (its --tp-size); embedded: 1"))
+    gpus: str = dataclasses.field(
+        default="", metadata=_help("devices the launched replicas share out, engine_tp_size each "
+                                   "(default: CUDA_VISIBLE_DEVICES, else every GPU; none: assign none)"))
+    engine_deterministic_inference: bool = dataclasses.field(
+        default=True, metadata=_help("launch replicas with --enable-deterministic-inference: seeded, "
+                                     "batch-invariant sampling (reproducible runs; slower on SGLang)"))
+    engine_launch_timeout_s: float = dataclasses.field(
+        default=600.0, metadata=_help("how long a launched replica may take to become healthy "
+                                      "(SGLang loads weights and captures CUDA graphs first)"))
+    engine_extra_args: str = dataclasses.field(
+        default="", metadata=_help("extra command-line flags for every launched replica (shell-quoted)"))
+    engine_path_map: str = dataclasses.field(
+        default="", metadata=_help("LOCAL_PREFIX=ENGINE_PREFIX[,...]: how attached engines (engine_urls) "
+                                   "name rolloutd's checkpoint paths on a shared filesystem"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
@@ -38,6 +105,53 @@ class RolloutConfig(DaemonConfig):
             raise ConfigError(f"engine_replicas: must be in 1..1024, got {self.engine_replicas}")
         if not 1 <= self.engine_threads <= 256:
             raise ConfigError(f"engine_threads: must be in 1..256, got {self.engine_threads}")
-        for url in filter(None, (u.strip() for u in self.engine_urls.split(","))):
+        if not 1 <= self.engine_tp_size <= 64:
+            raise ConfigError(f"engine_tp_size: must be in 1..64, got {self.engine_tp_size}")
+        if self.engine_backend == "embedded" and self.engine_tp_size != 1:
+            raise ConfigError("engine_tp_size: the embedded engine runs on one device (tensor parallelism is SGLang's)")
+        if not self.engine_launch_timeout_s > 0:
+            raise ConfigError(f"engine_launch_timeout_s: must be > 0, got {self.engine_launch_timeout_s}")
+        for url in self.engine_url_list():
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"engine_urls: {url!r} is not http(s)://host:port")
+        self.engine_arg_list()
+        if self.path_map().rules and not self.engine_url_list():
+            raise ConfigError("engine_path_map: applies to engines attached by engine_urls "
+                              "(launched replicas share rolloutd's filesystem)")
+        if not self.engine_url_list():
+            self.engine_device_sets()
+
+    def engine_url_list(self) -> tuple[str, ...]:
+        """The attached engines' URLs (empty: rolloutd launches its replicas)."""
+        return tuple(u.strip() for u in self.engine_urls.split(",") if u.strip())
+
+    def engine_arg_list(self) -> tuple[str, ...]:
+        """``engine_extra_args`` split as a shell would; raises ConfigError when unbalanced."""
+        try:
+            return tuple(shlex.split(self.engine_extra_args))
+        except ValueError as exc:
+            raise ConfigError(f"engine_extra_args: {exc}") from None
+
+    def path_map(self) -> EnginePathMap:
+        """The parsed ``engine_path_map``."""
+        return EnginePathMap.parse(self.engine_path_map)
+
+    def engine_device_sets(
+        self, env: Mapping[str, str] | None = None,
+        host_device_count: Callable[[], int] = nvidia_smi_device_count,
+    ) -> tuple[DeviceSet, ...] | None:
+        """One device set per launched replica (``engine_tp_size`` devices each), or None to assign none.
+
+        None when the pool is empty (a CPU host, or ``gpus=none``): replicas inherit rolloutd's view.
+        None as well for the embedded backend unless ``gpus`` names devices: it computes on the CPU,
+        so a GPU host with fewer GPUs than embedded replicas is no configuration error.
+
+        Raises:
+            ConfigError: the pool has fewer than ``engine_replicas * engine_tp_size`` devices.
+        """
+        if self.engine_backend == "embedded" and not self.gpus.strip():
+            return None
+        pool = device_pool(self.gpus, os.environ if env is None else env, host_device_count)
+        if not pool:
+            return None
+        return tuple(split_device_sets(pool, self.engine_replicas, self.engine_tp_size, "gpus"))

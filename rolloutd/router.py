@@ -6,7 +6,11 @@ and which replica of an agent takes a request (intra-agent). Before a request ru
 a replica, the replica holds at least the version the agent requires; a weight load
 takes the replica's write lock, so it waits for the requests in flight there to end
 and no request is ever served by a half-loaded model. A replica that fails a request
-with Unavailable is removed and the request is retried on another.
+with Unavailable is removed and the request is retried on another; a background probe
+re-admits it once its ``/health`` answers 200 again (its weights are then loaded afresh). A
+replica that answers 503 (SGLang: alive but unable to serve the request now) is kept and the
+request retried after a backoff. Seeded ``n > 1`` requests are sent as one request per sample
+(see :meth:`RolloutRouter.generate`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from flexmarl.errors import FlexmarlError, Unavailable
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
@@ -30,7 +34,8 @@ from rolloutd.balancer import (
     TokenEstimator,
     equal_split,
 )
-from rolloutd.engines.protocol import EngineClient, GenerationRequest, SamplingParams
+from rolloutd.engines.protocol import EngineClient, GenerationRequest, GenerationResult, SamplingParams
+from rolloutd.engines.sglang_client import EngineBusy
 from rolloutd.episode import GenerationOutput
 
 log = logging.getLogger(__name__)
@@ -120,7 +125,27 @@ class RolloutRouter:
         resolve_weights: WeightsResolver,
         config: BalancerConfig | None = None,
         on_reload: Callable[[str, float], None] | None = None,
+        *,
+        health_probe_interval_s: float = 5.0,
+        busy_backoff_s: float = 1.0,
     ) -> None:
+        """Routes over ``replicas``.
+
+        Args:
+            replicas: The engine replicas (ids unique).
+            resolve_weights: Maps a weights URI to a directory the engines can load.
+            config: Balancer tunables.
+            on_reload: Called with (agent key, seconds) after each weight load.
+            health_probe_interval_s: How often a dropped replica's ``/health`` is asked whether
+                it may serve again.
+            busy_backoff_s: First wait before retrying a request a replica answered 503
+                (doubled per attempt).
+        """
+        if health_probe_interval_s <= 0 or busy_backoff_s < 0:
+            raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")
+        self._health_probe_interval_s = health_probe_interval_s
+        self._busy_backoff_s = busy_backoff_s
+        self._probe: asyncio.Task[None] | None = None
         self._replicas = {r.replica_id: r for r in replicas}
         self._resolve = resolve_weights
         self._config = config or BalancerConfig()
@@ -212,14 +237,28 @@ class RolloutRouter:
         ``seed`` (when given and the sampling has none) makes the samples a function of the
         request and the weights alone, whatever replica or batch serves it: the same job and
         seed then roll out the same experiences in sync and async mode.
+
+        A seeded request with ``n > 1`` goes out as ``n`` requests with ``n = 1`` and seeds
+        ``seed + i`` (sample ``i``), sent together to one replica: SGLang gives all samples of
+        one request the one seed, and its seeded sampler hashes only the seed and the position
+        (``srt/layers/sampler.py`` ``multinomial_with_seed``, ``srt/sampling/sampling_batch_info.py``),
+        so one ``n``-request would return ``n`` identical samples (slime does the same,
+        ``slime/rollout/sglang_rollout.py``). The radix cache keeps the shared prompt cheap.
+        Unseeded ``n > 1`` requests stay one request. Samples come back in sample order, each
+        with the version that generated it; samples a failed replica did not deliver are retried
+        on another.
         """
         wire = {**sampling, "n": n}
         if seed is not None and wire.get("sampling_seed") is None:
             wire["sampling_seed"] = request_seed(seed, key, affinity_key, input_ids)
         params = SamplingParams.from_wire(wire)
+        parts = _sample_parts(params)
+        done: dict[int, list[GenerationOutput]] = {}
         last_error: FlexmarlError | None = None
-        for _ in range(MAX_ATTEMPTS):
-            ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, n, affinity_key)
+        for attempt in range(MAX_ATTEMPTS):
+            todo = [index for index in range(len(parts)) if index not in done]
+            samples = sum(parts[index].n for index in todo)
+            ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, samples, affinity_key)
             replica = self._replicas[str(ticket.replica_id)]
             try:
                 await self._ensure_weights(replica, key)
@@ -227,23 +266,34 @@ class RolloutRouter:
                     if replica.loaded_agent != key:  # a concurrent load won; route again
                         raise _Reroute
                     version = replica.loaded_version
-                    results = await replica.client.generate(
-                        GenerationRequest(input_ids=tuple(input_ids), sampling=params, return_logprob=True)
-                    )
-                for result in results:
-                    self._estimator.observe(key, result.completion_tokens)
-                return [
-                    GenerationOutput(tuple(r.output_ids), tuple(r.output_token_logprobs), str(r.finish_reason),
-                                     version)
-                    for r in results
-                ]
+                    outcomes = await _run_parts(replica.client, input_ids, [parts[index] for index in todo])
+                failures: list[Unavailable] = []
+                for index, outcome in zip(todo, outcomes, strict=True):
+                    if isinstance(outcome, Unavailable):
+                        failures.append(outcome)
+                        continue
+                    for result in outcome:
+                        self._estimator.observe(key, result.completion_tokens)
+                    done[index] = [
+                        GenerationOutput(tuple(r.output_ids), tuple(r.output_token_logprobs), str(r.finish_reason),
+                                         version)
+                        for r in outcome
+                    ]
+                if not failures:
+                    return [output for index in range(len(parts)) for output in done[index]]
+                raise next((f for f in failures if not isinstance(f, EngineBusy)), failures[0])
             except _Reroute:
                 continue
+            except EngineBusy as exc:  # alive but could not serve now: back off, keep the replica
+                last_error = exc
+                log.info("replica %s busy: %s", replica.replica_id, exc)
             except Unavailable as exc:
                 last_error = exc
                 self._drop_replica(replica, str(exc))
             finally:
                 self._release(ticket)
+            if isinstance(last_error, EngineBusy) and attempt + 1 < MAX_ATTEMPTS:
+                await asyncio.sleep(self._busy_backoff_s * 2**attempt)
         raise last_error or Unavailable(f"{key}: no replica could serve the request")
 
     async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:
@@ -365,6 +415,45 @@ class RolloutRouter:
             with contextlib.suppress(FlexmarlError):
                 self._balancer.remove_replica(replica.replica_id)
             self._rebalance()
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_dropped())
+
+    async def _probe_dropped(self) -> None:
+        """Asks each dropped replica's ``/health`` every interval; re-admits those that answer 200.
+
+        Runs while some replica is dropped (started by the drop, ended by the last re-admission
+        or :meth:`close`). SGLang's ``/health`` answers 200 only once it can generate again.
+        """
+        while dropped := [r for r in self._replicas.values() if not r.healthy]:
+            await asyncio.sleep(self._health_probe_interval_s)
+            answers = await asyncio.gather(*(self._answers_health(r) for r in dropped))
+            for replica, healthy in zip(dropped, answers, strict=True):
+                if healthy:
+                    self._readmit(replica)
+
+    @staticmethod
+    async def _answers_health(replica: Replica) -> bool:
+        try:
+            return await replica.client.health()
+        except FlexmarlError as exc:
+            log.debug("replica %s still down: %s", replica.replica_id, exc)
+            return False
+
+    def _readmit(self, replica: Replica) -> None:
+        """A dropped replica serves again; its weights are loaded afresh (it may have restarted)."""
+        if replica.healthy:
+            return
+        replica.healthy = True
+        replica.loaded_agent, replica.loaded_version = "", -1
+        log.warning("replica %s re-admitted: /health answers 200", replica.replica_id)
+        balancer = self._balancer
+        if balancer is None:
+            return  # the next set_agents deals it out with the others
+        counts = balancer.replica_counts()
+        # The group with the fewest replicas (most demand on ties) gets it; a rebalance may move it.
+        model_key = min(counts, key=lambda k: (counts[k], -balancer.demand_tokens(k), k))
+        balancer.add_replica(ReplicaSpec(replica.replica_id, model_key))
+        self._rebalance()
 
     def set_demand_hint(self, key: str, tokens: int) -> None:
         """Not-yet-submitted demand of an agent (from the orchestrator)."""
@@ -374,9 +463,13 @@ class RolloutRouter:
             self._rebalance()
 
     async def close(self) -> None:
-        """Cancels pending loads."""
-        for task in list(self._loads):
+        """Cancels pending loads and the health probe of dropped replicas; waits for them to end."""
+        tasks = [*self._loads, *([self._probe] if self._probe is not None else [])]
+        for task in tasks:
             task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._probe = None
 
 
 class _Reroute(Exception):
@@ -401,3 +494,36 @@ class JobBackend:
             episode = affinity_key.removeprefix(f"{self._job_id}/")
             sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
         return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)
+
+
+def _sample_parts(params: SamplingParams) -> list[SamplingParams]:
+    """The requests that produce ``params.n`` samples: one per sample when seeded, else one."""
+    if params.seed is None or params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=params.seed + index) for index in range(params.n)]
+
+
+async def _run_parts(
+    client: EngineClient, input_ids: Sequence[int], parts: Sequence[SamplingParams]
+) -> list[list[GenerationResult] | Unavailable]:
+    """Sends the parts concurrently; each outcome is its results or the Unavailable it met.
+
+    Any other error cancels the parts still running and propagates. Every part has ended when
+    this returns or raises, so none outlives the replica's read lock.
+    """
+
+    async def one(part: SamplingParams) -> list[GenerationResult] | Unavailable:
+        try:
+            return await client.generate(GenerationRequest(input_ids=tuple(input_ids), sampling=part))
+        except Unavailable as exc:
+            return exc
+
+    if len(parts) == 1:
+        return [await one(parts[0])]
+    tasks = [asyncio.ensure_future(one(part)) for part in parts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,16 @@ import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
+from flexmarl.devices import DeviceSet
 from flexmarl.errors import FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
+from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
+from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.episode import Environment, HFTokenizer, load_environment
 from rolloutd.metrics import RolloutMetrics
@@ -82,6 +86,53 @@ class WorkerSettings:
     store_address: str
     max_message_bytes: int
     security: TransportSecurity = INSECURE
+    engine_tp_size: int = 1
+    #: One device set per launched replica; None: the replicas inherit rolloutd's devices.
+    engine_device_sets: tuple[DeviceSet, ...] | None = None
+    deterministic_inference: bool = True
+    engine_launch_timeout_s: float = 600.0
+    engine_extra_args: tuple[str, ...] = ()
+    #: How attached engines (engine_urls) name rolloutd's checkpoint paths.
+    engine_path_map: EnginePathMap = dataclasses.field(default_factory=EnginePathMap)
+    #: Where stored:// checkpoints are unpacked (None: <work_dir>/weights).
+    weights_cache_dir: Path | None = None
+
+    @property
+    def weights_cache(self) -> Path:
+        """The directory stored:// checkpoints are unpacked into."""
+        return self.weights_cache_dir or self.work_dir / "weights"
+
+
+def replica_specs(settings: WorkerSettings, model_path: str) -> list[ReplicaSpec]:
+    """What each replica rolloutd launches runs: its backend, model, devices and flags."""
+    devices = settings.engine_device_sets
+    if devices is not None and len(devices) != settings.engine_replicas:
+        raise InvalidArgument(f"{len(devices)} device sets for {settings.engine_replicas} replicas")
+    return [
+        ReplicaSpec(backend=settings.engine_backend, model_path=model_path,  # type: ignore[arg-type]
+                    num_threads=settings.engine_threads, tp_size=settings.engine_tp_size,
+                    deterministic_inference=settings.deterministic_inference,
+                    devices=None if devices is None else devices[index], extra_args=settings.engine_extra_args)
+        for index in range(settings.engine_replicas)
+    ]
+
+
+def weights_resolver(
+    cache_dir: Path, path_map: EnginePathMap, store: Callable[[], Awaitable[StoreClient]],
+) -> Callable[[str], Awaitable[str]]:
+    """The router's resolver: a weights URI to the path the engines load it from.
+
+    A ``stored://`` checkpoint is unpacked into ``cache_dir`` once; the local directory is
+    then named as the engines see it (``path_map``; identity for launched replicas).
+
+    Raises (from the resolver):
+        InvalidArgument: the URI is malformed, or its directory is outside every mapped prefix.
+    """
+    async def resolve(uri: str) -> str:
+        client = await store() if uri.startswith("stored://") else None
+        return path_map.to_engine(str(await resolve_dir(uri, cache_dir, client)))
+
+    return resolve
 
 
 class RolloutWorker:
@@ -422,21 +473,18 @@ class RolloutWorker:
             s = self.settings
             if s.engine_urls:
                 engines = [attach(url) for url in s.engine_urls]
+                path_map = s.engine_path_map
             else:
-                first_model = spec.agents[0].model
-                specs = [ReplicaSpec(backend=s.engine_backend, model_path=first_model,  # type: ignore[arg-type]
-                                     num_threads=s.engine_threads) for _ in range(s.engine_replicas)]
                 engines = []
-                for index, replica_spec in enumerate(specs):
-                    engines.append(await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}"))
-                self._engines = engines
+                for index, replica_spec in enumerate(replica_specs(s, spec.agents[0].model)):
+                    engines.append(await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}",
+                                                timeout_s=s.engine_launch_timeout_s))
+                    self._engines = engines  # stop() stops the ones started, even if a later one fails
+                path_map = EnginePathMap()  # launched replicas see rolloutd's filesystem
             replicas = [Replica(f"replica-{i}", e.client()) for i, e in enumerate(engines)]
-            cache = s.work_dir / "weights"
+            cache = s.weights_cache
             cache.mkdir(parents=True, exist_ok=True)
-
-            async def resolve(uri: str) -> str:
-                store = await self._peers.store() if uri.startswith("stored://") else None
-                return str(await resolve_dir(uri, cache, store))
+            resolve = weights_resolver(cache, path_map, self._peers.store)
 
             # The first job's rollout.balancing sets the policy of this worker's router (benchmarks, ablations).
             balancing = spec.balancing

@@ -1,9 +1,10 @@
 """The embedded engine: a CPU inference server speaking the RL subset of SGLang's HTTP API.
 
 It serves a Hugging Face transformers causal LM with torch on CPU, so CI (no GPU) drives the
-same client code path as a GPU SGLang server. Endpoints, request fields and response fields
-follow sglang ``python/sglang/srt/entrypoints/http_server.py`` and
-``python/sglang/srt/managers/io_struct.py`` (see docs/engines.md for the exact subset).
+same client code path as a GPU SGLang server. The HTTP side (routes, parsing, validation, rids,
+abort and error shapes, as sglang/srt/entrypoints/http_server.py and
+sglang/srt/managers/io_struct.py) is the shared :mod:`rolloutd.engines.sglang_server`; this
+module is its backend (see docs/engines.md for the exact subset).
 
 Scheduling (continuous batching, as SGLang): HTTP handlers (on the event loop) enqueue
 generation jobs; one worker thread runs the batch. At every decode iteration it first admits
@@ -27,12 +28,29 @@ time. Limits then come from the device model: ``max_running_requests`` sequences
 
 Log-probabilities: like SGLang by default, the logprob of a sampled token is taken from the
 temperature-scaled distribution ``log_softmax(logits / temperature)`` before top-k/top-p/min-p
-truncation; with ``temperature == 0`` (greedy) it is ``log_softmax(logits)``. The flag
+truncation; greedy decoding (temperature below 1e-6) gives ``log_softmax(logits)``. The flag
 ``--return-original-logprob`` (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``) returns
-``log_softmax(logits)`` at every temperature. The logprobs returned are recomputed per
-finished sequence in an unpadded forward pass (``batch_invariant_logprobs``, on by default;
-``--batch-dependent-logprobs`` keeps the batched decode's values): they do not depend on which
-requests shared a batch.
+``log_softmax(logits)`` at every temperature.
+
+Sampling and seeds, as SGLang 0.5.23 (sglang/srt/sampling/sampling_batch_info.py
+``from_schedule_batch``, sglang/srt/layers/sampler.py): without
+``--enable-deterministic-inference`` a request's ``sampling_seed`` is ignored; tokens are drawn
+from the engine's own generator (seeded at start by ``--seed``, SGLang's ``--random-seed``)
+in batch order, and logprobs are the batched decode's (they depend on what shared the batch).
+With the flag, every sample draws its token at position ``p`` by Gumbel-max over uniforms that
+are a function of (its seed, ``p``) alone (seed 42 when the request brought none), so the ``n``
+samples of one ``n > 1`` request with one seed are identical, and the samples do not depend on
+what else shares the batch; the logprobs are then recomputed per finished sequence in an
+unpadded forward pass, so they are batch-invariant too. SGLang's seeded sampler asserts when
+a batch needs min-p sampling, and a failed assertion in its scheduler takes the server down:
+with the flag, a request with ``min_p > 0`` stops this engine the same way.
+
+Stop conditions (sglang/srt/managers/schedule_batch.py ``update_finish_state``): stop strings
+first (the decoded output contains one: ``{"type": "stop", "matched": "<str>"}``), then stop
+token ids and EOS (both off under ``ignore_eos``), then ``max_new_tokens``. ``output_ids``
+keep every token through the one that completed the match; ``text`` drops the stop string
+and what follows it (the matched stop token) unless ``no_stop_trim``
+(detokenizer_manager.py ``trim_matched_stop``).
 """
 
 from __future__ import annotations
@@ -51,23 +69,38 @@ import secrets
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from flexmarl import devicemodel
-from flexmarl.errors import FlexmarlError, InvalidArgument
-from rolloutd.engines.protocol import SamplingParams, parse_input_ids
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines.protocol import SamplingParams
+from rolloutd.engines.sglang_server import (
+    EngineBackend,
+    LoadSnapshot,
+    SampleRequest,
+    SGLangServer,
+    first_sample,
+    queued_abort_output,
+    running_abort_reason,
+    sample_output,
+)
 
 logger = logging.getLogger(__name__)
 
 ENGINE_VERSION = "flexmarl-embedded-0.1"
 _LOGPROB_FLOOR = torch.finfo(torch.float32).min
+# sampling_batch_info.py: the seed of a request without sampling_seed under deterministic inference.
+DEFAULT_SAMPLING_SEED = 42
+_UINT64_MASK = (1 << 64) - 1
+
+
+class SchedulerCrash(FlexmarlError):
+    """A failure SGLang's scheduler does not survive (its process exits and takes the server down)."""
 
 
 @dataclass(frozen=True)
@@ -81,13 +114,14 @@ class EmbeddedEngineConfig:
     max_batch_size: int = 32
     batch_window_s: float = 0.002
     return_original_logprob: bool = False
-    # Recompute each finished sequence's logprobs in a forward pass of its own (prompt + output,
-    # no padding): they then depend on the weights and tokens only, not on which requests shared
-    # the batch (padding changes float sums). Like SGLang's --enable-deterministic-inference;
-    # what makes sync and async runs of a strict job produce the same behaviour logprobs.
-    batch_invariant_logprobs: bool = True
+    # SGLang's --enable-deterministic-inference: seeded, position-hashed sampling (sampling_seed
+    # honoured, 42 without one) and each finished sequence's logprobs recomputed in a forward pass
+    # of its own (prompt + output, no padding), so samples and logprobs depend on the weights,
+    # tokens and seed only, not on which requests shared the batch. What makes sync and async
+    # runs of a strict job produce the same experiences. Off: seeds are ignored, as in SGLang.
+    enable_deterministic_inference: bool = False
     weight_version: str = "default"
-    seed: int | None = None
+    seed: int | None = None  # seeds the engine's sampling generator at start (SGLang --random-seed)
     ready_file: str = ""
     # Device profile file (flexmarl.devicemodel): generation takes the modelled time of that
     # accelerator; "" = the FLEXMARL_MODELLED_DEVICE environment variable, unset = real time only.
@@ -121,6 +155,10 @@ class _Job:
     aborted: bool = False
     outputs: list[dict[str, Any] | None] = field(default_factory=list)
 
+    def sample_request(self) -> SampleRequest:
+        """The job as the HTTP server's sample request (what output objects are built from)."""
+        return SampleRequest(self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s)
+
     def resolve(self) -> None:
         results = [output for output in self.outputs if output is not None]
         self.loop.call_soon_threadsafe(_set_result, self.future, results)
@@ -144,7 +182,6 @@ class _Sequence:
 
     job: _Job
     sample_index: int
-    generator: torch.Generator
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -348,8 +385,11 @@ class EmbeddedEngine:
         self._batch: _Batch | None = None  # worker thread only
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._seed_source = secrets.SystemRandom() if config.seed is None else None
-        self._seed_counter = 0
+        self._rng = torch.Generator()
+        self._rng.manual_seed(secrets.randbits(63) if config.seed is None else config.seed)
+        self.last_output_s = 0.0  # monotonic time of the last decode step (health checks read it)
+        self.fatal: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None  # called from the worker thread once the engine died
         self.batches_run = 0
         self.max_batch_sequences = 0
         self.generated_tokens = 0
@@ -407,6 +447,10 @@ class EmbeddedEngine:
             self._queue.append(job)
             self._cond.notify_all()
 
+    def set_weight_version(self, weight_version: str) -> None:
+        """Report ``weight_version`` for the served weights from now on (``/update_weight_version``)."""
+        self._loaded = dataclasses.replace(self._loaded, weight_version=weight_version)
+
     def submit_swap(self, swap: _WeightSwap) -> None:
         """Queue a weight swap behind every job already queued."""
         with self._cond:
@@ -414,7 +458,11 @@ class EmbeddedEngine:
             self._cond.notify_all()
 
     def abort(self, rid: str, abort_all: bool) -> int:
-        """Abort queued and running jobs whose rid starts with ``rid`` (SGLang matches prefixes)."""
+        """Abort queued and running jobs whose rid starts with ``rid``.
+
+        This is the scheduler's half of SGLang's abort (scheduler.py ``abort_request``, prefix
+        match); the server only passes rids it knows exactly (tokenizer_manager.py).
+        """
         count = 0
         with self._cond:
             for item in [*self._queue, *self._running]:
@@ -424,26 +472,27 @@ class EmbeddedEngine:
             self._cond.notify_all()
         return count
 
-    def load_snapshot(self) -> dict[str, Any]:
-        """Queue and batch sizes in SGLang's ``/v1/loads`` vocabulary."""
+    def load_snapshot(self) -> LoadSnapshot:
+        """Queue and batch sizes; queued tokens count once per sample, as SGLang's waiting queue holds them."""
         with self._cond:
             waiting = [item for item in self._queue if isinstance(item, _Job)]
             running = sum(job.params.n for job in self._running)
             used = self._running_tokens
-        pending_tokens = sum(len(job.input_ids) for job in waiting)
-        return {
-            "num_running_reqs": running,
-            "num_waiting_reqs": sum(job.params.n for job in waiting),
-            "num_used_tokens": used,
-            "num_total_tokens": used + pending_tokens,
-        }
+        uptime_s = max(time.monotonic() - self._started_s, 1e-9)
+        return LoadSnapshot(
+            num_running_reqs=running,
+            num_waiting_reqs=sum(job.params.n for job in waiting),
+            num_used_tokens=used,
+            num_waiting_tokens=sum(len(job.input_ids) * job.params.n for job in waiting),
+            max_total_num_tokens=_max_total_tokens(self),
+            max_running_requests=self._limits.max_running,
+            gen_throughput=self.generated_tokens / uptime_s,
+        )
 
-    def new_seed(self) -> int:
-        """A seed for a request that brought none (from the engine seed, else OS entropy)."""
-        if self._seed_source is not None:
-            return self._seed_source.getrandbits(62)
-        self._seed_counter += 1
-        return (int(self.config.seed or 0) * 1_000_003 + self._seed_counter) % (1 << 62)
+    def idle(self) -> bool:
+        """True when nothing is queued or running (SGLang's ``is_fully_idle``)."""
+        with self._cond:
+            return not self._queue and not self._running and self._batch is None
 
     # ----- worker thread -----------------------------------------------------------------
     def _worker(self) -> None:
@@ -477,24 +526,42 @@ class EmbeddedEngine:
                     self._admit(admitted)
                 if self._batch is not None:
                     self._step()
-            except Exception as exc:  # a failing batch must not kill the replica
-                logger.exception(
-                    "decode iteration failed; failing its %d sequences", len(self._batch.rows) if self._batch else 0
-                )
-                failed = {id(seq.job): seq.job for seq in self._batch.rows} if self._batch else {}
-                failed.update({id(job): job for job in admitted})
-                for job in failed.values():
-                    job.fail(exc)
-                self._batch = None
-                self._end_busy_period()
+            except SchedulerCrash as exc:
+                self._die(exc, admitted)
+                return
+            except Exception as exc:
+                # scheduler.py run_scheduler_process: any exception in the scheduler loop is logged
+                # and takes the whole SGLang server down (SIGQUIT to its parent); so here.
+                logger.exception("decode iteration failed")
+                self._die(SchedulerCrash(repr(exc)), admitted)
+                return
             finally:
                 self._publish_running()
         if self._batch is not None:  # stopping: what is still running ends as aborted
             loaded = self._batch.loaded
             for seq in self._batch.rows:
-                self._finish(seq, _abort_reason(), loaded)
+                self._finish(seq, running_abort_reason(), loaded)
             self._batch = None
             self._publish_running()
+
+    def _die(self, exc: SchedulerCrash, admitted: list[_Job]) -> None:
+        """Fail everything and stop, as SGLang's scheduler process does on an exception."""
+        logger.error("Scheduler hit an exception: %s", exc)
+        self.fatal = exc
+        with self._cond:
+            self._stopping = True
+            jobs = [item for item in self._queue if isinstance(item, _Job)]
+            swaps = [item for item in self._queue if isinstance(item, _WeightSwap)]
+            self._queue.clear()
+        rows = self._batch.rows if self._batch is not None else []
+        for job in {id(j): j for j in [*jobs, *admitted, *(seq.job for seq in rows)]}.values():
+            job.fail(Unavailable(f"engine died: {exc}"))
+        for swap in swaps:
+            swap.loop.call_soon_threadsafe(_set_exception, swap.future, Unavailable(f"engine died: {exc}"))
+        self._batch = None
+        self._publish_running()
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _take_admissible(self) -> list[_Job]:
         """Pop the queued jobs that join the running batch now (called with the lock held)."""
@@ -537,10 +604,12 @@ class EmbeddedEngine:
         live: list[_Job] = []
         for job in jobs:
             job.outputs = [None] * job.params.n
-            if job.aborted or job.params.max_new_tokens == 0:
-                reason: dict[str, Any] = _abort_reason() if job.aborted else {"type": "length", "length": 0}
+            if job.aborted:  # still in the waiting queue: SGLang answers without running it
+                job.outputs = [queued_abort_output(job.sample_request(), loaded.weight_version)] * job.params.n
+                job.resolve()
+            elif job.params.max_new_tokens == 0:
                 for index in range(job.params.n):
-                    job.outputs[index] = self._output(job, index, [], [], reason, loaded)
+                    job.outputs[index] = self._output(job, index, [], [], {"type": "length", "length": 0}, loaded)
                 job.resolve()
             else:
                 live.append(job)
@@ -548,14 +617,19 @@ class EmbeddedEngine:
             return
         self.batches_run += 1
 
-        # Prefill each distinct prompt once, left-padded, then repeat its cache rows n times.
-        width = max(len(job.input_ids) for job in live)
+        # Prefill each distinct prompt once (the samples of an n > 1 request arrive as jobs of one
+        # prompt, like SGLang's radix cache sharing their prefix), left-padded, then repeat its
+        # cache rows for every sample.
+        prompt_rows: dict[tuple[int, ...], int] = {}
+        for job in live:
+            prompt_rows.setdefault(tuple(job.input_ids), len(prompt_rows))
+        width = max(len(prompt) for prompt in prompt_rows)
         pad_id = int(loaded.model.config.pad_token_id or 0)
-        input_ids = torch.full((len(live), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(live), width), dtype=torch.long)
-        for row, job in enumerate(live):
-            input_ids[row, width - len(job.input_ids) :] = torch.tensor(job.input_ids)
-            mask[row, width - len(job.input_ids) :] = 1
+        input_ids = torch.full((len(prompt_rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompt_rows), width), dtype=torch.long)
+        for prompt, row in prompt_rows.items():
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         from transformers import DynamicCache
 
@@ -568,9 +642,9 @@ class EmbeddedEngine:
             **{loaded.cache_kwarg: cache},
         )
         logits = out.logits[:, -1, :].float()
-        expand = torch.tensor([row for row, job in enumerate(live) for _ in range(job.params.n)])
+        expand = torch.tensor([prompt_rows[tuple(job.input_ids)] for job in live for _ in range(job.params.n)])
         cache.batch_select_indices(expand)
-        rows = [_Sequence(job, index, self._generator(job, index)) for job in live for index in range(job.params.n)]
+        rows = [_Sequence(job, index) for job in live for index in range(job.params.n)]
         new = _Batch(
             loaded, cache, mask[expand], positions[expand, -1], logits[expand], rows, mergeable=_mergeable(cache)
         )
@@ -593,15 +667,21 @@ class EmbeddedEngine:
         keep: list[int] = []
         sampled = 0
         context_tokens = int(batch.mask.sum())
+        if self.config.enable_deterministic_inference and any(seq.job.params.min_p > 0 for seq in batch.rows):
+            # sampler.py top_k_top_p_min_p_sampling_from_probs_torch: "With sampling seed,
+            # multinomial_with_seed will provide wrong results" (an assertion; the scheduler dies).
+            raise SchedulerCrash("min_p sampling is not supported with --enable-deterministic-inference")
         for row, seq in enumerate(batch.rows):
-            if seq.job.aborted:
-                finished.append((seq, _abort_reason()))
-                continue
             token_id, logprob = self._sample(batch.logits[row], seq)
             seq.output_ids.append(token_id)
             seq.logprobs.append(logprob)
             self.generated_tokens += 1
             sampled += 1
+            if seq.job.aborted:
+                # scheduler.py: a running request aborted by /abort_request runs one more decode
+                # step and then finishes with FINISH_ABORT (its tokens so far are returned).
+                finished.append((seq, running_abort_reason()))
+                continue
             stop = self._stop_reason(seq, token_id, loaded)
             if stop is not None:
                 finished.append((seq, stop))
@@ -623,6 +703,7 @@ class EmbeddedEngine:
             batch.logits = out.logits[:, -1, :].float()
         else:
             self._batch = None
+        self.last_output_s = time.monotonic()
         if device is not None:
             # This real iteration stands for token_scale modelled iterations of the live batch; the
             # sequences that finished in it are returned only once their modelled time has passed.
@@ -668,16 +749,11 @@ class EmbeddedEngine:
             self._record_span(overrun_s=self._pacer.overrun_s)
         self._pacer = None
 
-    def _generator(self, job: _Job, sample_index: int) -> torch.Generator:
-        seed = job.params.seed if job.params.seed is not None else self.new_seed()
-        generator = torch.Generator()
-        generator.manual_seed((seed * 1_000_003 + sample_index) % (1 << 63))
-        return generator
-
     def _sample(self, logits: torch.Tensor, seq: _Sequence) -> tuple[int, float]:
+        """One token for ``seq`` and its logprob (sampler.py's order: temperature, top-k, top-p, min-p)."""
         params = seq.job.params
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if params.temperature == 0:
+        if params.greedy:  # SGLang: temperature 1 and top_k 1, whatever the seed
             token_id = int(torch.argmax(logits))
             return token_id, max(float(raw_logprobs[token_id]), _LOGPROB_FLOOR)
         scaled_logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
@@ -693,7 +769,12 @@ class EmbeddedEngine:
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         if params.min_p > 0:
             probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
-        token_id = int(torch.multinomial(probs / probs.sum(), 1, generator=seq.generator))
+        if self.config.enable_deterministic_inference:
+            seed = params.seed if params.seed is not None else DEFAULT_SAMPLING_SEED
+            position = len(seq.job.input_ids) + len(seq.output_ids)
+            token_id = gumbel_max_token(probs, seed, position)
+        else:
+            token_id = int(torch.multinomial(probs / probs.sum(), 1, generator=self._rng))
         source = raw_logprobs if self.config.return_original_logprob else scaled_logprobs
         return token_id, max(float(source[token_id]), _LOGPROB_FLOOR)
 
@@ -716,8 +797,15 @@ class EmbeddedEngine:
 
     @staticmethod
     def _stop_reason(seq: _Sequence, token_id: int, loaded: _LoadedModel) -> dict[str, Any] | None:
+        """schedule_batch.py ``update_finish_state``: stop strings, then stop tokens/EOS, then length."""
         params = seq.job.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in loaded.eos_token_ids):
+        if params.stop and loaded.tokenizer is not None:
+            decoded = loaded.tokenizer.decode(seq.output_ids)
+            for stop in params.stop:
+                if stop in decoded:
+                    return {"type": "stop", "matched": stop}
+        # _check_token_based_finish: ignore_eos turns off stop_token_ids as well as EOS.
+        if not params.ignore_eos and (token_id in params.stop_token_ids or token_id in loaded.eos_token_ids):
             return {"type": "stop", "matched": token_id}
         if len(seq.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
@@ -725,11 +813,12 @@ class EmbeddedEngine:
 
     def _finish(self, seq: _Sequence, reason: dict[str, Any], loaded: _LoadedModel) -> None:
         job = seq.job
-        if job.return_logprob and self.config.batch_invariant_logprobs and seq.output_ids:
+        if job.return_logprob and self.config.enable_deterministic_inference and seq.output_ids:
             seq.logprobs = self._rescore(job, seq.output_ids, loaded)
         job.outputs[seq.sample_index] = self._output(
             job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded
         )
+        self.last_output_s = time.monotonic()
         if all(output is not None for output in job.outputs):
             job.resolve()
 
@@ -742,23 +831,51 @@ class EmbeddedEngine:
         reason: dict[str, Any],
         loaded: _LoadedModel,
     ) -> dict[str, Any]:
-        text = ""
-        if loaded.tokenizer is not None and output_ids:
-            text = loaded.tokenizer.decode(output_ids, skip_special_tokens=True)
-        meta_info: dict[str, Any] = {
-            "id": job.rid if job.params.n == 1 else f"{job.rid}-{sample_index}",
-            "finish_reason": reason,
-            "prompt_tokens": len(job.input_ids),
-            "completion_tokens": len(output_ids),
-            "cached_tokens": 0,
-            "weight_version": loaded.weight_version,
-            "model_path": loaded.model_path,  # FlexMARL extension: the checkpoint dir served
-            "e2e_latency": time.monotonic() - job.created_s,
-        }
-        if job.return_logprob:
-            # SGLang's shape: one [logprob, token_id, text-or-null] triple per output token.
-            meta_info["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, output_ids, strict=True)]
-        return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
+        text = _output_text(loaded, output_ids, reason, job.params)
+        request = job.sample_request()
+        if job.params.n > 1:  # in-process callers only: the HTTP server sends one sample per job
+            request = dataclasses.replace(request, rid=f"{job.rid}_{sample_index}")
+        return sample_output(
+            request,
+            output_ids,
+            logprobs,
+            reason,
+            text=text,
+            weight_version=loaded.weight_version,
+            model_path=loaded.model_path,
+        )
+
+
+def _output_text(loaded: _LoadedModel, output_ids: list[int], reason: dict[str, Any], params: SamplingParams) -> str:
+    """The detokenized output, trimmed at the matched stop as detokenizer_manager.py ``trim_matched_stop``."""
+    if loaded.tokenizer is None or not output_ids:
+        return ""
+    matched = reason.get("matched") if reason.get("type") == "stop" else None
+    ids = output_ids
+    if isinstance(matched, int) and not params.no_stop_trim:
+        ids = output_ids[:-1]  # the matched stop token is the last one
+    text = str(loaded.tokenizer.decode(ids, skip_special_tokens=True))
+    if isinstance(matched, str) and (position := text.find(matched)) != -1:
+        text = text[: position + len(matched)] if params.no_stop_trim else text[:position]
+    return text
+
+
+def gumbel_max_token(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The token Gumbel-max picks from ``probs`` with uniforms that depend on (seed, position) only.
+
+    What SGLang's deterministic sampler does (sampler.py ``multinomial_with_seed``: argmax of
+    ``log p + Gumbel`` noise hashed from the seed and the position), with FlexMARL's own
+    uniform stream: a generator seeded by a 64-bit mix of the seed and the position. Two
+    samples with one seed at one position draw the same noise, whatever shares the batch.
+    """
+    mixed = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _UINT64_MASK
+    mixed ^= mixed >> 31
+    generator = torch.Generator()
+    generator.manual_seed(mixed)
+    uniforms = torch.rand(probs.shape[-1], generator=generator, dtype=torch.float64).clamp_(1e-300, 1.0 - 2.0**-53)
+    gumbel = -torch.log(-torch.log(uniforms))
+    scores = torch.log(probs.to(torch.float64)) + gumbel  # log 0 = -inf: filtered tokens never win
+    return int(torch.argmax(scores))
 
 
 def _max_total_tokens(engine: EmbeddedEngine) -> int:
@@ -769,176 +886,114 @@ def _max_total_tokens(engine: EmbeddedEngine) -> int:
     return limits.max_running * engine.loaded.max_positions
 
 
-def _abort_reason() -> dict[str, Any]:
-    return {"type": "abort", "message": "Abort request", "status_code": 200, "err_type": None}
-
-
 # ----- HTTP ------------------------------------------------------------------------------
-def _error(status: int, message: str) -> web.Response:
-    """SGLang's ErrorResponse shape (http_server.py, _create_error_response)."""
-    body = {"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": status}
-    return web.json_response(body, status=status)
+class EmbeddedBackend(EngineBackend):
+    """:class:`EmbeddedEngine` under the shared SGLang-protocol server."""
 
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidArgument("body must be a JSON object")
-    return body
-
-
-class EmbeddedServer:
-    """The aiohttp application around one :class:`EmbeddedEngine`."""
+    name = "embedded"
+    version = ENGINE_VERSION
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine = engine
-        self._runner: web.AppRunner | None = None
-        self._ready = False
-        self.port = 0
 
-    def build_app(self) -> web.Application:
-        """Routes, methods and paths as in SGLang's http_server.py."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("POST", "/generate", self.generate)
-        app.router.add_route("PUT", "/generate", self.generate)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/health_generate", self.health_generate)
-        for path in ("/model_info", "/get_model_info"):
-            app.router.add_get(path, self.model_info)
-        for path in ("/server_info", "/get_server_info"):
-            app.router.add_get(path, self.server_info)
-        app.router.add_get("/get_weight_version", self.weight_version)
-        for method in ("GET", "POST"):
-            app.router.add_route(method, "/flush_cache", self.flush_cache)
-        app.router.add_get("/v1/loads", self.loads)
-        app.router.add_post("/abort_request", self.abort_request)
-        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        return app
-
-    async def start(self, host: str, port: int) -> int:
-        """Start the worker thread and listen; returns the bound port."""
+    async def start(self, port: int) -> None:
+        """Start the worker thread."""
         self.engine.start()
-        self._runner = web.AppRunner(self.build_app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
-        self._ready = True
-        return self.port
 
     async def stop(self) -> None:
-        """Stop listening and stop the engine (idempotent)."""
-        self._ready = False
+        """Stop the worker thread (off the event loop: it joins)."""
         await asyncio.to_thread(self.engine.stop)
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
-    # ----- handlers ----------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        """``/generate``: one dict for one prompt with n == 1, otherwise a list (prompt-major)."""
+    def check(self, request: SampleRequest) -> None:
+        """Context length and vocabulary (tokenizer_manager.py ``_validate_one_request``)."""
+        loaded = self.engine.loaded
+        prompt, params = request.input_ids, request.params
+        if len(prompt) >= loaded.max_positions:
+            raise InvalidArgument(
+                f"The input ({len(prompt)} tokens) is longer than the model's context length "
+                f"({loaded.max_positions} tokens)."
+            )
+        if len(prompt) + params.max_new_tokens > loaded.max_positions:
+            raise InvalidArgument(
+                f"Requested token count exceeds the model's maximum context length of {loaded.max_positions} "
+                f"tokens. You requested a total of {len(prompt) + params.max_new_tokens} tokens: {len(prompt)} "
+                f"tokens from the input messages and {params.max_new_tokens} tokens for the completion."
+            )
+        vocab = int(loaded.model.config.vocab_size)
+        if max(prompt) >= vocab:
+            raise InvalidArgument(f"input_ids contain a token >= vocab size {vocab}")
+        if params.stop and loaded.tokenizer is None:
+            raise InvalidArgument("stop strings need a tokenizer; this checkpoint has none")
+
+    def submit(self, request: SampleRequest) -> asyncio.Future[dict[str, Any]]:
+        """Queue the sample as a one-sample job."""
+        loop = asyncio.get_running_loop()
+        inner: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
+        job = _Job(request.rid, list(request.input_ids), request.params, request.return_logprob, loop, inner)
+        job.created_s = request.created_s
         try:
-            body = await _json_body(request)
-            if body.get("stream"):
-                raise InvalidArgument("stream is not supported by the embedded engine")
-            if "input_ids" not in body:
-                raise InvalidArgument("input_ids is required (the embedded engine does not take text)")
-            prompts = parse_input_ids(body["input_ids"])
-            jobs = self._make_jobs(body, prompts)
+            self.engine.submit(job)
         except FlexmarlError as exc:
-            return _error(400, str(exc))
-        for job in jobs:
-            self.engine.submit(job)
-        try:
-            results = await asyncio.gather(*(job.future for job in jobs))
-        except asyncio.CancelledError:
-            for job in jobs:
-                job.aborted = True  # the client went away: stop spending tokens on it
-            raise
-        outputs = [output for result in results for output in result]
-        if len(prompts) == 1 and jobs[0].params.n == 1 and not isinstance(body["input_ids"][0], list):
-            return web.json_response(outputs[0])
-        return web.json_response(outputs)
+            raise Unavailable(str(exc)) from exc
+        return first_sample(inner)
 
-    def _make_jobs(self, body: dict[str, Any], prompts: list[list[int]]) -> list[_Job]:
-        raw_params = body.get("sampling_params") or {}
-        params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
-        if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
-            raise InvalidArgument("sampling_params must be an object or one object per prompt")
-        rid_field = body.get("rid")
-        rids = rid_field if isinstance(rid_field, list) else None
-        if rids is not None and len(rids) != len(prompts):
-            raise InvalidArgument("rid must have one entry per prompt")
-        return_logprob = body.get("return_logprob") or False
-        loaded = self.engine.loaded
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """The scheduler's abort (prefix match)."""
+        self.engine.abort(rid, abort_all)
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None, weight_version: str) -> None:
+        """Load off to the side, then swap in once the running sequences finished."""
+        if load_format not in (None, "auto", "safetensors"):
+            raise InvalidArgument(f"load_format {load_format!r} is not supported (auto, safetensors)")
+        loaded = await asyncio.to_thread(load_model, model_path, weight_version)
+        reason = _compatible(self.engine.loaded, loaded)
+        if reason:
+            raise InvalidArgument(f"incompatible checkpoint: {reason}")
         loop = asyncio.get_running_loop()
-        jobs: list[_Job] = []
-        for index, (prompt, raw) in enumerate(zip(prompts, params_list, strict=True)):
-            params = SamplingParams.from_wire(raw)
-            if len(prompt) + params.max_new_tokens > loaded.max_positions:
-                raise InvalidArgument(
-                    f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                    f"context length {loaded.max_positions}"
-                )
-            vocab = int(loaded.model.config.vocab_size)
-            if max(prompt) >= vocab:
-                raise InvalidArgument(f"input_ids contain a token >= vocab size {vocab}")
-            if rids is not None:
-                rid = str(rids[index])
-            elif rid_field is not None:
-                rid = str(rid_field) if len(prompts) == 1 else f"{rid_field}-{index}"
-            else:
-                rid = uuid.uuid4().hex
-            wants_logprob = return_logprob[index] if isinstance(return_logprob, list) else return_logprob
-            jobs.append(_Job(rid, prompt, params, bool(wants_logprob), loop, loop.create_future()))
-        return jobs
+        swap = _WeightSwap(loaded, loop, loop.create_future())
+        self.engine.submit_swap(swap)
+        await swap.future
 
-    async def health(self, request: web.Request) -> web.Response:
-        """200 once serving, 503 while starting or stopping."""
-        return web.Response(status=200 if self._ready else 503)
+    def set_weight_version(self, weight_version: str) -> None:
+        """Rename the served weights (the next tokens report the new version)."""
+        self.engine.set_weight_version(weight_version)
 
-    async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one greedy token end to end (as SGLang's health check does)."""
-        if not self._ready:
-            return web.Response(status=503)
-        loop = asyncio.get_running_loop()
-        job = _Job(
-            f"HEALTH_CHECK_{time.time()}",
-            [0],
-            SamplingParams(temperature=0.0, max_new_tokens=1),
-            False,
-            loop,
-            loop.create_future(),
-        )
-        try:
-            self.engine.submit(job)
-            await asyncio.wait_for(job.future, timeout=20)
-        except (TimeoutError, FlexmarlError):
-            return web.Response(status=503)
-        return web.Response(status=200)
+    @property
+    def weight_version(self) -> str:
+        """The served weight version."""
+        return self.engine.loaded.weight_version
 
-    async def model_info(self, request: web.Request) -> web.Response:
-        """Fields of SGLang's ``/get_model_info``."""
+    @property
+    def last_output_s(self) -> float:
+        """When the worker last produced tokens."""
+        return self.engine.last_output_s
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """The engine's load."""
+        return self.engine.load_snapshot()
+
+    def flush_cache(self) -> bool:
+        """Nothing is cached across requests; refused while anything runs or waits, as SGLang."""
+        return self.engine.idle()
+
+    def model_info(self) -> dict[str, Any]:
+        """Fields of SGLang's ``/model_info``."""
         loaded = self.engine.loaded
-        return web.json_response(
-            {
-                "model_path": loaded.model_path,
-                "tokenizer_path": loaded.model_path if loaded.tokenizer is not None else None,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": loaded.weight_version,
-            }
-        )
+        config = loaded.model.config
+        return {
+            "model_path": loaded.model_path,
+            "served_model_name": loaded.model_path,
+            "tokenizer_path": loaded.model_path if loaded.tokenizer is not None else None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": loaded.weight_version,
+            "load_format": "auto",
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        }
 
-    async def weight_version(self, request: web.Request) -> web.Response:
-        """``/get_weight_version``."""
-        return web.json_response({"weight_version": self.engine.loaded.weight_version})
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        """Server arguments plus internal state, like SGLang's ``/get_server_info``."""
+    def server_info(self) -> dict[str, Any]:
+        """Server arguments plus internal state, like SGLang's ``/server_info``."""
         engine = self.engine
         info: dict[str, Any] = dataclasses.asdict(engine.config)
         info.update(
@@ -947,6 +1002,7 @@ class EmbeddedServer:
                 "weight_version": engine.loaded.weight_version,
                 "max_running_requests": engine.limits.max_running,
                 "context_length": engine.loaded.max_positions,
+                "random_seed": engine.config.seed,
                 "internal_states": [
                     {
                         "batches_run": engine.batches_run,
@@ -954,81 +1010,18 @@ class EmbeddedServer:
                         "generated_tokens": engine.generated_tokens,
                     }
                 ],
-                "version": ENGINE_VERSION,
                 "backend": "embedded",
             }
         )
-        return web.json_response(info)
+        return info
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        """Nothing is cached across requests here, so flushing always succeeds."""
-        return web.Response(text="Cache flushed.\n", status=200)
 
-    async def loads(self, request: web.Request) -> web.Response:
-        """``/v1/loads`` with the ``core`` fields of SGLang's ``GetLoadsReqOutput``."""
-        engine = self.engine
-        snapshot = engine.load_snapshot()
-        uptime_s = max(time.monotonic() - engine._started_s, 1e-9)
-        load = {
-            "dp_rank": 0,
-            "timestamp": time.time(),
-            **snapshot,
-            "max_total_num_tokens": _max_total_tokens(engine),
-            "token_usage": 0.0,
-            "gen_throughput": engine.generated_tokens / uptime_s,
-            "cache_hit_rate": 0.0,
-            "utilization": 1.0 if snapshot["num_running_reqs"] else 0.0,
-            "max_running_requests": engine.limits.max_running,
-        }
-        return web.json_response(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "version": ENGINE_VERSION,
-                "accelerator": None,
-                "num_accelerators": 0,
-                "loads": [load],
-            }
-        )
+class EmbeddedServer(SGLangServer):
+    """The SGLang-protocol server around one :class:`EmbeddedEngine`."""
 
-    async def abort_request(self, request: web.Request) -> web.Response:
-        """``/abort_request`` with SGLang's ``AbortReq`` fields ``rid`` and ``abort_all``."""
-        try:
-            body = await _json_body(request)
-        except FlexmarlError as exc:
-            return _error(400, str(exc))
-        self.engine.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
-        return web.Response(status=200)
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        """Load ``model_path`` off to the side, then swap it in once the running sequences finished."""
-        try:
-            body = await _json_body(request)
-            model_path = body.get("model_path")
-            if not isinstance(model_path, str) or not model_path:
-                raise InvalidArgument("model_path is required")
-            load_format = body.get("load_format")
-            if load_format not in (None, "auto", "safetensors"):
-                raise InvalidArgument(f"load_format {load_format!r} is not supported (auto, safetensors)")
-            current = self.engine.loaded
-            version = body.get("weight_version")
-            new_version = current.weight_version if version is None else str(version)
-            loaded = await asyncio.to_thread(load_model, model_path, new_version)
-            reason = _compatible(current, loaded)
-            if reason:
-                raise InvalidArgument(f"incompatible checkpoint: {reason}")
-        except FlexmarlError as exc:
-            body_out = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
-            return web.json_response(body_out, status=400)
-        if body.get("abort_all_requests"):
-            self.engine.abort("", abort_all=True)
-        loop = asyncio.get_running_loop()
-        swap = _WeightSwap(loaded, loop, loop.create_future())
-        self.engine.submit_swap(swap)
-        await swap.future
-        message = "Succeeded to update model weights."
-        if version is not None:
-            message += f" Weight version updated to {new_version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        super().__init__(EmbeddedBackend(engine))
+        self.engine = engine
 
 
 # ----- entry point -----------------------------------------------------------------------
@@ -1044,11 +1037,14 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
     parser.add_argument("--max-batch-size", type=int, default=32, help="most sequences decoded together")
     parser.add_argument("--batch-window-s", type=float, default=0.002, help="wait for co-arriving requests")
     parser.add_argument("--weight-version", default="default", help="initial weight_version reported")
-    parser.add_argument("--seed", type=int, default=None, help="seed for requests that bring none")
     parser.add_argument(
-        "--batch-dependent-logprobs",
+        "--seed", type=int, default=None, help="seed of the engine's sampling generator (SGLang's --random-seed)"
+    )
+    parser.add_argument(
+        "--enable-deterministic-inference",
         action="store_true",
-        help="return the batched decode's logprobs instead of an unpadded per-sequence recomputation",
+        help="as SGLang: honour sampling_seed (42 when absent) with position-hashed sampling, and return "
+        "batch-invariant logprobs",
     )
     parser.add_argument(
         "--return-original-logprob",
@@ -1074,7 +1070,7 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         max_batch_size=args.max_batch_size,
         batch_window_s=args.batch_window_s,
         return_original_logprob=args.return_original_logprob,
-        batch_invariant_logprobs=not args.batch_dependent_logprobs,
+        enable_deterministic_inference=args.enable_deterministic_inference,
         weight_version=args.weight_version,
         seed=args.seed,
         ready_file=args.ready_file,
@@ -1090,28 +1086,34 @@ def _write_ready_file(path: str, port: int) -> None:
     tmp.replace(target)
 
 
-async def serve(config: EmbeddedEngineConfig) -> None:
-    """Run one replica until SIGTERM or SIGINT."""
+async def serve(config: EmbeddedEngineConfig) -> int:
+    """Run one replica until SIGTERM or SIGINT (exit status 0), or until the engine dies (1)."""
     torch.set_num_threads(config.num_threads)
     engine = await asyncio.to_thread(EmbeddedEngine, config)
     server = EmbeddedServer(engine)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_fatal() -> None:
+        loop.call_soon_threadsafe(stop.set)
+
+    engine.on_fatal = on_fatal
     port = await server.start(config.host, config.port)
     logger.info("embedded engine serving %s on %s:%d", config.model_path, config.host, port)
     if config.ready_file:
         _write_ready_file(config.ready_file, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     logger.info("stopping")
     await server.stop()
+    return 0 if engine.fatal is None else 1
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m rolloutd.engines.embedded``."""
-    asyncio.run(serve(_parse_args(argv)))
+    raise SystemExit(asyncio.run(serve(_parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,28 @@
 """Launch engine replicas as subprocesses (embedded engine or SGLang) or attach to URLs.
 
-SGLang's flags come from ``python/sglang/srt/server_args.py`` (``ServerArgs.add_cli_args``):
-``--model-path``, ``--host``, ``--port``, ``--tp-size``, ``--dp-size``,
-``--mem-fraction-static``, ``--dtype``, ``--random-seed``, ``--weight-version``,
-``--log-level``. SGLang cannot bind port 0 and report it, so a free port is chosen here.
+SGLang 0.5.23 builds its CLI from the fields of ``sglang/srt/arg_groups/fields/*.py``
+(``sglang/srt/arg_groups/arg_utils.py``: field ``a_b`` is flag ``--a-b``; a bool is
+``store_true``), collected by ``ServerArgs.add_cli_args`` in ``sglang/srt/server_args.py``.
+The flags used here and the file of each:
+
+* ``--model-path``, ``--dtype``: ``fields/model.py``
+* ``--host``, ``--port``, ``--weight-version``: ``fields/serving.py``
+* ``--tp-size``: ``fields/parallel.py``
+* ``--mem-fraction-static``: ``fields/schedule.py``
+* ``--random-seed``, ``--base-gpu-id``: ``fields/device.py``
+* ``--enable-deterministic-inference``: ``fields/exec_.py`` (without it SGLang ignores
+  ``sampling_seed``; with it, the sampling backend is forced to pytorch and batch-invariant
+  kernels are used, see ``arg_groups/attention_hook.py`` and ``arg_groups/overrides.py``)
+
+Devices: a replica with a :class:`~flexmarl.devices.DeviceSet` gets
+``CUDA_VISIBLE_DEVICES`` = that set, and SGLang ``--base-gpu-id 0``: SGLang's scheduler
+puts TP rank ``r`` on visible device ``base_gpu_id + r * gpu_id_step``
+(``sglang/srt/entrypoints/engine.py``), an index into the visible devices, so 0 is the
+set's first device. ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless set) makes indices mean what
+``nvidia-smi`` shows (SGLang warns without it: ``sglang/srt/platforms/cuda.py``). The
+embedded engine takes the same ``--enable-deterministic-inference`` flag.
+
+SGLang cannot bind port 0 and report it, so a free port is chosen here.
 """
 
 from __future__ import annotations
@@ -24,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from flexmarl.devices import CUDA_VISIBLE_DEVICES, DeviceSet
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.engines.sglang_client import SGLangClient
 
@@ -46,6 +66,11 @@ class ReplicaSpec:
     dtype: str = "auto"  # sglang only
     seed: int | None = None
     weight_version: str = "default"
+    # --enable-deterministic-inference: honour sampling_seed (SGLang ignores it otherwise) and
+    # batch-invariant kernels; slower on SGLang (pytorch sampling backend, no custom all-reduce).
+    deterministic_inference: bool = False
+    # The replica's devices (CUDA_VISIBLE_DEVICES of the child); None: it inherits rolloutd's view.
+    devices: DeviceSet | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -89,6 +114,8 @@ def embedded_command(spec: ReplicaSpec, ready_file: Path) -> list[str]:
     ]
     if spec.seed is not None:
         command += ["--seed", str(spec.seed)]
+    if spec.deterministic_inference:
+        command.append("--enable-deterministic-inference")
     return command + list(spec.extra_args)
 
 
@@ -115,7 +142,27 @@ def sglang_command(spec: ReplicaSpec, port: int) -> list[str]:
         command += ["--mem-fraction-static", str(spec.mem_fraction_static)]
     if spec.seed is not None:
         command += ["--random-seed", str(spec.seed)]
+    if spec.devices is not None:
+        command += ["--base-gpu-id", "0"]  # an index into CUDA_VISIBLE_DEVICES, which is the set
+    if spec.deterministic_inference:
+        command.append("--enable-deterministic-inference")
     return command + list(spec.extra_args)
+
+
+def replica_env(spec: ReplicaSpec, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The child's environment: ``base_env``, the spec's ``env``, and its devices (see the module doc).
+
+    Raises:
+        InvalidArgument: an SGLang replica's set holds fewer devices than ``tp_size``.
+    """
+    env = {**base_env, **spec.env}
+    if spec.devices is not None:
+        if spec.backend == "sglang" and len(spec.devices.ids) < spec.tp_size:
+            raise InvalidArgument(f"--tp-size {spec.tp_size} needs {spec.tp_size} devices, "
+                                  f"the replica has {spec.devices}")
+        env[CUDA_VISIBLE_DEVICES] = spec.devices.cuda_visible_devices
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    return env
 
 
 class EngineReplica:
@@ -145,7 +192,9 @@ class EngineReplica:
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll ``/health`` until 200; fail fast (with the log tail) when the child dies."""
         deadline = time.monotonic() + timeout_s
-        async with SGLangClient(self.url, retries=0, control_timeout_s=2.0) as client:
+        # SGLang's /health generates a token and answers only after its once-a-second poll saw it
+        # (>= 1 s); a probe that times out is just asked again, so the child's exit is still seen soon.
+        async with SGLangClient(self.url, retries=0, control_timeout_s=5.0) as client:
             while True:
                 if self.process is not None and self.process.poll() is not None:
                     raise Unavailable(f"engine at {self.url} exited with {self.process.returncode}:\n{self.log_tail()}")
@@ -201,10 +250,12 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
     Args:
         spec: What to run.
         run_dir: Directory for the ready file and the child's log (created).
-        timeout_s: Deadline for the replica to become healthy.
+        timeout_s: Deadline for the replica to become healthy (SGLang loads the model and
+            captures CUDA graphs first: minutes for a large model).
         name: File name stem for the ready file and the log.
 
     Raises:
+        InvalidArgument: The spec cannot be run (unknown backend, too few devices for tp_size).
         Unavailable: The child died or did not become healthy in time (message has its log tail).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,12 +270,13 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
         command = sglang_command(spec, port)
     else:
         raise InvalidArgument(f"unknown engine backend {spec.backend!r}")
-    env = {**os.environ, **spec.env}
+    env = replica_env(spec, os.environ)
     deadline = time.monotonic() + timeout_s
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(_die_with_parent(command), stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
-    logger.info("started %s engine pid %d: %s", spec.backend, process.pid, " ".join(command))
+    logger.info("started %s engine pid %d on devices %s: %s", spec.backend, process.pid,
+                spec.devices or "(inherited)", " ".join(command))
     replica = EngineReplica("", process, log_path)
     try:
         if spec.backend == "embedded":

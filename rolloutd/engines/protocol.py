@@ -19,23 +19,166 @@ from flexmarl.errors import InvalidArgument
 
 # SGLang's SamplingParams default for max_new_tokens.
 DEFAULT_MAX_NEW_TOKENS = 128
+# SGLang treats a temperature below this as greedy (sglang/srt/sampling/sampling_params.py _SAMPLING_EPS).
+GREEDY_TEMPERATURE_EPS = 1e-6
+# Most stop strings one request may carry (sampling_params.py MAX_STOP_COUNT).
+MAX_STOP_COUNT = 32
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# Every key SGLang 0.5.23 accepts in ``sampling_params``, in its order (sglang/api/v1/api_types.py
+# ``SamplingParams``; the /generate contract gate, sglang/srt/entrypoints/api_contract.py, rejects
+# any other key). Read from the 0.5.23 wheel; not imported, so rolloutd does not need sglang.
+SGLANG_SAMPLING_KEYS: tuple[str, ...] = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
+
+# Keys SGLang accepts that FlexMARL's engines do not implement, with the value that means "off".
+# A request that sets one to anything else is rejected (never silently ignored).
+_UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "stop_regex": None,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "logit_bias": {},
+    "custom_params": None,
+    "beam_width": None,
+    "watermark": None,
+    "choice": [],
+}
+_INT_KEYS = frozenset(
+    {"max_new_tokens", "top_k", "min_new_tokens", "n", "stream_interval", "sampling_seed", "beam_width"}
+)
+_FLOAT_KEYS = frozenset(
+    {"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+)
+_BOOL_KEYS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+_STR_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag"})
 
 
 class FinishReason(enum.StrEnum):
     """Why a sample stopped (the ``type`` of SGLang's ``meta_info.finish_reason``)."""
 
-    STOP = "stop"  # an EOS or stop token was generated (it is the last output token)
+    STOP = "stop"  # an EOS or stop token was generated (it is the last output token), or a stop string
     LENGTH = "length"  # max_new_tokens reached
     ABORT = "abort"  # /abort_request or a server-side abort
+
+
+class ContractViolation(InvalidArgument):
+    """A ``/generate`` body that breaks SGLang's JSON contract (unknown key, wrong type).
+
+    SGLang answers these with HTTP 400 and ``{"error": "<text>"}`` (a bare string, from the
+    contract gate in sglang/srt/entrypoints/http_server.py ``generate_request``), unlike the
+    ``{"error": {"message": ...}}`` of the checks that run after it.
+    """
+
+
+def _unknown_field(key: str) -> ContractViolation:
+    listed = ", ".join(f"`{name}`" for name in SGLANG_SAMPLING_KEYS)
+    return ContractViolation(f"unknown field `{key}`, expected one of {listed}")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"boolean `{str(value).lower()}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    if isinstance(value, list):
+        return "sequence"
+    if isinstance(value, dict):
+        return "map"
+    return type(value).__name__
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_wire_type(key: str, value: Any) -> None:
+    """Raise :class:`ContractViolation` when ``value`` has the wrong JSON type for ``key``."""
+    if value is None or key in ("custom_params", "watermark"):
+        return
+    if key in _INT_KEYS:
+        ok, expected = _is_int(value), "i64"
+    elif key in _FLOAT_KEYS:
+        ok, expected = _is_int(value) or isinstance(value, float), "f64"
+    elif key in _BOOL_KEYS:
+        ok, expected = isinstance(value, bool), "a boolean"
+    elif key in _STR_KEYS:
+        ok, expected = isinstance(value, str), "a string"
+    elif key in ("stop", "stop_regex"):
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+        expected = "a value or an array of values for StringOrList"
+    elif key == "stop_token_ids":
+        ok, expected = isinstance(value, list) and all(_is_int(v) for v in value), "a sequence of i64"
+    elif key == "logit_bias":
+        ok = isinstance(value, dict) and all(_is_int(v) or isinstance(v, float) for v in value.values())
+        expected = "a map of f64"
+    else:  # choice
+        ok, expected = isinstance(value, list) and all(isinstance(v, str) for v in value), "a sequence of strings"
+    if not ok:
+        raise ContractViolation(f"invalid type: {_describe(value)}, expected {expected} (sampling_params.{key})")
+
+
+def check_sampling_contract(wire: Any) -> None:
+    """Raise :class:`ContractViolation` unless ``wire`` passes SGLang's ``SamplingParams`` contract.
+
+    Mirrors the decoder of sglang/api/v1/api_types.py (``decode_SamplingParams``): an object
+    whose keys are all in :data:`SGLANG_SAMPLING_KEYS`, each of its JSON type (null = default).
+    """
+    if not isinstance(wire, Mapping):
+        raise ContractViolation(f"invalid type: {_describe(wire)}, expected struct SamplingParams")
+    for key, value in wire.items():
+        if key not in SGLANG_SAMPLING_KEYS:
+            raise _unknown_field(str(key))
+        _check_wire_type(key, value)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (SGLang ``sampling_params`` field names).
 
-    ``temperature == 0`` means greedy decoding. ``top_k == -1`` disables top-k. ``seed`` is the
-    embedded engine's per-request seed (SGLang spells it ``sampling_seed``; both engines accept
-    it under that name, see docs/engines.md).
+    ``temperature`` below 1e-6 means greedy decoding (SGLang sets top_k = 1). ``top_k == -1``
+    disables top-k. ``seed`` goes on the wire as SGLang's ``sampling_seed``; SGLang and the
+    embedded engine honour it only when launched with ``--enable-deterministic-inference``
+    (docs/engines.md). ``stop`` strings end a sample once its decoded text contains one.
     """
 
     temperature: float = 1.0
@@ -44,26 +187,40 @@ class SamplingParams:
     min_p: float = 0.0
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
     ignore_eos: bool = False
     n: int = 1
     seed: int | None = None
 
+    @property
+    def greedy(self) -> bool:
+        """Whether SGLang decodes this request greedily (temperature < 1e-6)."""
+        return 0 <= self.temperature < GREEDY_TEMPERATURE_EPS
+
     def validate(self) -> None:
-        """Raise :class:`InvalidArgument` when a field is out of range."""
+        """Raise :class:`InvalidArgument` when a field is out of range.
+
+        The ranges of sglang/srt/sampling/sampling_params.py ``SamplingParams.verify``.
+        """
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgument(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise InvalidArgument(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}.")
         if not 0 <= self.min_p <= 1:
-            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise InvalidArgument(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
         if self.max_new_tokens < 0:
-            raise InvalidArgument(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise InvalidArgument(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if self.n < 1:
-            raise InvalidArgument(f"n must be >= 1, got {self.n}")
+            raise InvalidArgument(f"n must be at least 1, got {self.n}.")
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids must be non-negative")
+        if len(self.stop) > MAX_STOP_COUNT:
+            raise InvalidArgument(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(self.stop)}")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise InvalidArgument(f"sampling_seed must be in [-2**63, 2**63 - 1], got {self.seed}.")
 
     def to_wire(self) -> dict[str, Any]:
         """The ``sampling_params`` JSON object of SGLang's ``/generate``."""
@@ -78,28 +235,47 @@ class SamplingParams:
         }
         if self.stop_token_ids:
             wire["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            wire["stop"] = list(self.stop)
+        if self.no_stop_trim:
+            wire["no_stop_trim"] = True
         if self.seed is not None:
             wire["sampling_seed"] = self.seed
         return wire
 
     @classmethod
-    def from_wire(cls, wire: Mapping[str, Any]) -> SamplingParams:
-        """Parse a ``sampling_params`` JSON object; unknown keys are ignored, bad types rejected."""
-        try:
-            seed = wire.get("sampling_seed", wire.get("seed"))
-            params = cls(
-                temperature=float(wire.get("temperature", 1.0)),
-                top_p=float(wire.get("top_p", 1.0)),
-                top_k=int(wire.get("top_k", -1)),
-                min_p=float(wire.get("min_p", 0.0)),
-                max_new_tokens=int(wire.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
-                stop_token_ids=tuple(int(t) for t in (wire.get("stop_token_ids") or ())),
-                ignore_eos=bool(wire.get("ignore_eos", False)),
-                n=int(wire.get("n", 1)),
-                seed=None if seed is None else int(seed),
-            )
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"bad sampling_params: {exc}") from exc
+    def from_wire(cls, wire: Mapping[str, Any], *, engine: str = "FlexMARL's engines") -> SamplingParams:
+        """Parse a ``sampling_params`` JSON object as strictly as SGLang 0.5.23.
+
+        Unknown keys and wrong JSON types raise :class:`ContractViolation` (SGLang's contract
+        gate); out-of-range values and keys SGLang accepts but ``engine`` does not implement
+        (penalties, grammars, ``logit_bias``, ``min_new_tokens``, ...) set to anything but their
+        default raise :class:`InvalidArgument` naming the field. Nothing is ignored.
+        """
+        check_sampling_contract(wire)
+        for key, default in _UNSUPPORTED_DEFAULTS.items():
+            value = wire.get(key)
+            if value is not None and value != default:
+                raise InvalidArgument(f"sampling_params.{key}={value!r} is not supported by {engine}")
+
+        def get(key: str, default: Any) -> Any:
+            value = wire.get(key)
+            return default if value is None else value
+
+        stop = get("stop", ())
+        params = cls(
+            temperature=float(get("temperature", 1.0)),
+            top_p=float(get("top_p", 1.0)),
+            top_k=int(get("top_k", -1)),
+            min_p=float(get("min_p", 0.0)),
+            max_new_tokens=int(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+            stop_token_ids=tuple(int(t) for t in get("stop_token_ids", ())),
+            stop=(stop,) if isinstance(stop, str) else tuple(s for s in stop if s),
+            no_stop_trim=bool(get("no_stop_trim", False)),
+            ignore_eos=bool(get("ignore_eos", False)),
+            n=int(get("n", 1)),
+            seed=None if wire.get("sampling_seed") is None else int(wire["sampling_seed"]),
+        )
         params.validate()
         return params
 
@@ -200,7 +376,11 @@ class EngineClient(abc.ABC):
 
     @abc.abstractmethod
     async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:
-        """Abort the request(s) whose rid starts with ``rid`` (or all of them)."""
+        """Abort the request whose rid is exactly ``rid`` (or all of them).
+
+        On SGLang only ``abort_all`` is reliable: the samples of an ``n > 1`` request run
+        under fresh rids, and an unknown rid is a no-op (docs/engines.md).
+        """
 
     @abc.abstractmethod
     async def health(self) -> bool:

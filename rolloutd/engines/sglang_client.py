@@ -20,14 +20,22 @@ Paths and field names are SGLang's:
   ``{"type": "abort", ...}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
   ``weight_version`` and, with ``return_logprob``, ``output_token_logprobs`` as
   ``[logprob, token_id, text-or-null]`` triples. One prompt with ``n == 1`` answers one object;
-  ``n > 1`` (or a batch of prompts) answers a list of such objects, one per sample.
+  ``n > 1`` (or a batch of prompts) answers a list of such objects, one per sample, each under
+  a fresh rid. SGLang's ``meta_info`` has no ``model_path`` (the embedded engine adds one):
+  :attr:`GenerationResult.model_path` is empty from SGLang.
+- error bodies: see :func:`sglang_error_message`; status codes: 400 for a request SGLang rejects
+  (validation or a ``ValueError`` while serving), 503 for one it cannot serve now.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -46,14 +54,136 @@ from rolloutd.engines.protocol import (
 logger = logging.getLogger(__name__)
 
 
+#: Samples in flight per replica when its ``/v1/loads`` does not report ``max_running_requests``.
+DEFAULT_MAX_CONCURRENT_GENERATIONS = 1024
+
+
+class EngineBusy(Unavailable):
+    """The replica is up but answered 503 to one request: retry later, do not drop the replica.
+
+    SGLang answers 503 for a request it aborted under memory pressure ("Retracted under decode
+    memory pressure without a KV backup. Retry later.", ``srt/managers/schedule_batch.py``) and
+    for a few per-request refusals (``srt/managers/scheduler.py``); none means the server died.
+    """
+
+
+def sglang_error_message(payload: Any) -> str:
+    """The human message of an SGLang error body, whatever shape the route answers in.
+
+    SGLang 0.5.23 uses several (``srt/entrypoints/http_server.py``):
+
+    - ``{"error": {"message": ...}}`` (``_create_error_response``: a ``ValueError`` raised while
+      serving ``/generate``, ``/abort_request``, ...);
+    - ``{"error": "<text>"}`` (the ``/generate`` body contract check, the admin-key refusal);
+    - ``{"object": "error", "message": ..., "type": ..., "param": ..., "code": ...}`` (the
+      ``ErrorResponse`` of ``api/v1/api_types.py``: request validation errors and any
+      ``HTTPException``, e.g. a 503 abort);
+    - a plain-text body (``/flush_cache``).
+    """
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and error.get("message") is not None:
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        if isinstance(error, list):
+            return "; ".join(str(item) for item in error)
+        for name in ("message", "detail"):
+            if payload.get(name) is not None:
+                return str(payload[name])
+        return json.dumps(payload)[:2000]
+    return str(payload).strip()[:2000]
+
+
+class _GenerationSlots:
+    """Bounds the samples a client has in flight on its replica; waiters are served FIFO.
+
+    A request takes ``n`` slots (one per sample it runs on the server), at most the whole limit.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(1, limit)
+        self._in_use = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    @limit.setter
+    def limit(self, value: int) -> None:
+        self._limit = max(1, value)
+        self._grant()
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    @contextlib.asynccontextmanager
+    async def hold(self, samples: int) -> AsyncIterator[None]:
+        taken = await self._acquire(min(max(1, samples), self._limit))
+        try:
+            yield
+        finally:
+            self._in_use -= taken
+            self._grant()
+
+    async def _acquire(self, weight: int) -> int:
+        if not self._waiters and self._in_use + weight <= self._limit:
+            self._in_use += weight
+            return weight
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((weight, granted))
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():  # granted, then cancelled: hand it on
+                self._in_use -= weight
+                self._grant()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove((weight, granted))
+            raise
+        return weight
+
+    def _grant(self) -> None:
+        while self._waiters:
+            weight, granted = self._waiters[0]
+            if granted.done():  # cancelled while waiting
+                self._waiters.popleft()
+                continue
+            weight = min(weight, self._limit)
+            if self._in_use + weight > self._limit:
+                return
+            self._waiters.popleft()
+            self._in_use += weight
+            granted.set_result(None)
+
+
 class SGLangClient(EngineClient):
     """One replica's HTTP client (SGLang server or embedded engine).
 
-    Connection errors (refused, reset, server gone) are retried ``retries`` times with
+    Transport, chosen so that long generations never make a healthy replica look dead:
+
+    - Generations hold a slot each (``n`` for an ``n > 1`` request) out of
+      ``max_concurrent_generations``, by default the replica's own running-request capacity
+      (the sum of ``max_running_requests`` over its ``/v1/loads`` ranks, read once before the first
+      generation; :data:`DEFAULT_MAX_CONCURRENT_GENERATIONS` when it does not say). Requests
+      beyond it wait here, and that wait is not counted against the replica. The HTTP connection
+      pool itself is unbounded, so control calls (``/health``, ``/abort_request``, weights)
+      never queue behind generations.
+    - A ``/generate`` that holds a slot may run ``generate_timeout_base_s +
+      generate_timeout_per_token_s * max_new_tokens`` seconds (no total timeout otherwise): a
+      deadline in proportion to the work asked for, generous enough for a slow, fully batched
+      decode, so only a stuck replica hits it. A dead replica is seen at once (the connection
+      breaks); the router re-admits a dropped replica when its ``/health`` answers 200 again.
+
+    Errors: connection errors (refused, reset, server gone) are retried ``retries`` times with
     exponential backoff, then raised as :class:`Unavailable`; a request that times out raises
-    :class:`Unavailable` at once (the replica is alive but stuck or overloaded). HTTP 400
-    raises :class:`InvalidArgument`, 503 :class:`Unavailable`, other errors
-    :class:`FlexmarlError`.
+    :class:`Unavailable` at once (the replica is alive but stuck). HTTP 400 (and 422) raises
+    :class:`InvalidArgument`, 503 :class:`EngineBusy` (alive, retry later), 502/504
+    :class:`Unavailable`, other errors :class:`FlexmarlError`; each carries SGLang's own message
+    (:func:`sglang_error_message`).
     """
 
     def __init__(
@@ -63,19 +193,49 @@ class SGLangClient(EngineClient):
         request_timeout_s: float = 300.0,
         connect_timeout_s: float = 5.0,
         control_timeout_s: float = 30.0,
+        generate_timeout_base_s: float = 300.0,
+        generate_timeout_per_token_s: float = 0.25,
+        max_concurrent_generations: int | None = None,
         retries: int = 2,
         retry_backoff_s: float = 0.1,
         session: aiohttp.ClientSession | None = None,
     ) -> None:
+        """Builds a client; nothing is sent until the first call.
+
+        Args:
+            url: ``http://host:port`` of the replica.
+            request_timeout_s: Total timeout of ``/update_weights_from_disk``.
+            connect_timeout_s: Timeout of establishing one TCP connection.
+            control_timeout_s: Total timeout of the other control calls. SGLang's ``/health``
+                generates a token and may take up to ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) to
+                answer, so keep this above that for a real server.
+            generate_timeout_base_s: Fixed part of a ``/generate`` deadline.
+            generate_timeout_per_token_s: Per ``max_new_tokens`` part of a ``/generate`` deadline.
+            max_concurrent_generations: Samples in flight at once; None reads the replica's
+                capacity from ``/v1/loads``.
+            retries: Retries of a request that hit a connection error.
+            retry_backoff_s: First retry delay (doubled each retry).
+            session: A session to use (not closed by :meth:`close`); by default the client
+                opens its own with an unbounded connection pool.
+        """
+        if max_concurrent_generations is not None and max_concurrent_generations < 1:
+            raise InvalidArgument(f"max_concurrent_generations must be >= 1, got {max_concurrent_generations}")
+        if generate_timeout_base_s <= 0 or generate_timeout_per_token_s < 0:
+            raise InvalidArgument("generate_timeout_base_s must be > 0 and generate_timeout_per_token_s >= 0")
         self.url = url.rstrip("/")
         self._request_timeout_s = request_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._control_timeout_s = control_timeout_s
+        self._generate_timeout_base_s = generate_timeout_base_s
+        self._generate_timeout_per_token_s = generate_timeout_per_token_s
         self._retries = retries
         self._retry_backoff_s = retry_backoff_s
         self._session = session
         self._owns_session = session is None
         self._info_paths: dict[str, str] = {}
+        self._slots = _GenerationSlots(max_concurrent_generations or DEFAULT_MAX_CONCURRENT_GENERATIONS)
+        self._capacity_known = max_concurrent_generations is not None
+        self._capacity_lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -92,10 +252,26 @@ class SGLangClient(EngineClient):
             await self._session.close()
         self._session = None
 
+    @property
+    def max_concurrent_generations(self) -> int:
+        """Samples this client lets run on the replica at once (the rest wait here)."""
+        return self._slots.limit
+
+    @property
+    def generations_in_flight(self) -> int:
+        """Slots held by running generations."""
+        return self._slots.in_use
+
+    def generate_timeout_s(self, max_new_tokens: int) -> float:
+        """How long one ``/generate`` may run once it holds its slot."""
+        return self._generate_timeout_base_s + self._generate_timeout_per_token_s * max(0, max_new_tokens)
+
     # ----- transport ---------------------------------------------------------------------
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            # limit=0: no pool bound. Generations are bounded by the slots, and control calls
+            # must never queue behind them (aiohttp counts pool waits in the request timeout).
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._owns_session = True
         return self._session
 
@@ -105,13 +281,14 @@ class SGLangClient(EngineClient):
         path: str,
         *,
         body: dict[str, Any] | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None,
         allowed_statuses: tuple[int, ...] = (),
     ) -> tuple[int, Any]:
-        """Send one request with retries on connection errors; returns (status, JSON or text)."""
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s or self._control_timeout_s, sock_connect=self._connect_timeout_s
-        )
+        """Send one request with retries on connection errors; returns (status, JSON or text).
+
+        ``timeout_s`` is the request's total timeout; None sets none (the caller bounds it).
+        """
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
         attempt = 0
         while True:
             try:
@@ -120,7 +297,7 @@ class SGLangClient(EngineClient):
                     text = await response.text()
                     payload: Any = text
                     if response.content_type == "application/json" and text:
-                        payload = await response.json()
+                        payload = json.loads(text)
                 break
             except aiohttp.ClientConnectionError as exc:
                 if attempt >= self._retries:
@@ -133,17 +310,22 @@ class SGLangClient(EngineClient):
                 raise Unavailable(f"engine {self.url} timed out ({method} {path})") from exc
         if status in allowed_statuses or 200 <= status < 300:
             return status, payload
-        message = payload.get("message", payload) if isinstance(payload, dict) else payload
-        detail = f"engine {self.url} {method} {path} -> HTTP {status}: {message}"
-        if status == 400:
+        detail = f"engine {self.url} {method} {path} -> HTTP {status}: {sglang_error_message(payload)}"
+        if status in (400, 422):
             raise InvalidArgument(detail)
-        if status in (502, 503, 504):
+        if status == 503:
+            raise EngineBusy(detail)
+        if status in (502, 504):
             raise Unavailable(detail)
         raise FlexmarlError(detail)
 
     # ----- generation --------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> list[GenerationResult]:
-        """POST ``/generate`` for one prompt; returns ``n`` results in sample order."""
+        """POST ``/generate`` for one prompt; returns ``n`` results in sample order.
+
+        Waits for ``n`` generation slots first (not counted in the request's deadline, see the
+        class doc).
+        """
         request.validate()
         rid = request.rid or uuid.uuid4().hex
         body: dict[str, Any] = {
@@ -153,11 +335,41 @@ class SGLangClient(EngineClient):
             "rid": rid,
             "stream": False,
         }
-        _, payload = await self._request("POST", "/generate", body=body, timeout_s=self._request_timeout_s)
+        await self._learn_capacity()
+        deadline_s = self.generate_timeout_s(request.sampling.max_new_tokens)
+        async with self._slots.hold(request.sampling.n):
+            try:
+                async with asyncio.timeout(deadline_s):
+                    _, payload = await self._request("POST", "/generate", body=body, timeout_s=None)
+            except TimeoutError as exc:
+                raise Unavailable(
+                    f"engine {self.url}: /generate (max_new_tokens={request.sampling.max_new_tokens}) "
+                    f"ran past its {deadline_s:.0f}s deadline"
+                ) from exc
         outputs = payload if isinstance(payload, list) else [payload]
         if len(outputs) != request.sampling.n:
             raise FlexmarlError(f"engine {self.url} returned {len(outputs)} samples, expected {request.sampling.n}")
         return [self._parse_output(output, rid, request.return_logprob) for output in outputs]
+
+    async def _learn_capacity(self) -> None:
+        """Sets the slot limit from the replica's running-request capacity, once."""
+        if self._capacity_known:
+            return
+        async with self._capacity_lock:
+            if self._capacity_known:
+                return
+            try:
+                capacity = await self.running_capacity()
+            except Unavailable:
+                return  # not reachable now: the generation will tell; ask again next time
+            except FlexmarlError as exc:
+                logger.warning("engine %s: no running-request capacity (%s); allowing %d generations",
+                               self.url, exc, self._slots.limit)
+                capacity = None
+            if capacity is not None:
+                self._slots.limit = capacity
+                logger.info("engine %s runs at most %d requests: as many generations in flight", self.url, capacity)
+            self._capacity_known = True
 
     def _parse_output(self, output: Any, rid: str, return_logprob: bool) -> GenerationResult:
         if not isinstance(output, dict) or not isinstance(output.get("meta_info"), dict):
@@ -194,10 +406,19 @@ class SGLangClient(EngineClient):
         )
 
     async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:
-        """POST ``/abort_request``; SGLang aborts every request whose rid starts with ``rid``."""
+        """POST ``/abort_request``: the ``n == 1`` request of exactly this rid, or every request.
+
+        Only two forms are reliable on SGLang 0.5.23 (``TokenizerManager.abort_request`` in
+        ``srt/managers/tokenizer_manager.py``): the exact rid of a running ``n == 1`` request, or
+        ``abort_all``. A rid the tokenizer manager does not know is ignored (answered 200), so
+        is the rid of an ``n > 1`` request (its samples run under fresh rids), and no prefix of a
+        rid matches anything. Nothing in rolloutd relies on prefixes.
+        """
         if not rid and not abort_all:
             raise InvalidArgument("give a rid or abort_all=True")
-        await self._request("POST", "/abort_request", body={"rid": rid, "abort_all": abort_all})
+        await self._request(
+            "POST", "/abort_request", body={"rid": rid, "abort_all": abort_all}, timeout_s=self._control_timeout_s
+        )
 
     # ----- weights -----------------------------------------------------------------------
     async def update_weights_from_disk(
@@ -208,7 +429,16 @@ class SGLangClient(EngineClient):
         load_format: str | None = None,
         abort_all_requests: bool = False,
     ) -> WeightUpdateResult:
-        """POST ``/update_weights_from_disk``; raises FailedPrecondition when the engine refuses."""
+        """POST ``/update_weights_from_disk``.
+
+        SGLang answers ``{"success", "message", "num_paused_requests"}`` with 200 on success and
+        400 on failure (``srt/entrypoints/http_server.py``); a body it cannot parse gets its
+        validation ``ErrorResponse`` with 400 instead.
+
+        Raises:
+            FailedPrecondition: The engine tried and failed (its message, e.g. a missing file).
+            InvalidArgument: The engine rejected the request body.
+        """
         body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
         if load_format is not None:
             body["load_format"] = load_format
@@ -217,6 +447,10 @@ class SGLangClient(EngineClient):
         status, payload = await self._request(
             "POST", "/update_weights_from_disk", body=body, timeout_s=self._request_timeout_s, allowed_statuses=(400,)
         )
+        if status == 400 and not (isinstance(payload, dict) and "success" in payload):
+            raise InvalidArgument(
+                f"engine {self.url} rejected the weight update of {model_path}: {sglang_error_message(payload)}"
+            )
         if not isinstance(payload, dict):
             raise FlexmarlError(f"engine {self.url}: malformed weight update answer {str(payload)[:200]}")
         result = WeightUpdateResult(
@@ -230,24 +464,34 @@ class SGLangClient(EngineClient):
 
     # ----- health and info ---------------------------------------------------------------
     async def health(self) -> bool:
-        """GET ``/health``; False on 503 (starting or shutting down); Unavailable when unreachable."""
-        status, _ = await self._request("GET", "/health", allowed_statuses=(503,))
+        """GET ``/health``; False on 503; Unavailable when unreachable.
+
+        On SGLang 0.5.23 ``/health`` is ``/health_generate`` unless
+        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: it answers 503 while starting, shutting
+        down, or when no output arrived for ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) — which includes
+        a long weight load that holds the model lock; it answers 200 under load.
+        """
+        status, _ = await self._request("GET", "/health", timeout_s=self._control_timeout_s, allowed_statuses=(503,))
         return status == 200
 
     async def health_generate(self) -> bool:
         """GET ``/health_generate`` (generates one token); False on 503."""
-        status, _ = await self._request("GET", "/health_generate", allowed_statuses=(503,))
+        status, _ = await self._request(
+            "GET", "/health_generate", timeout_s=self._control_timeout_s, allowed_statuses=(503,)
+        )
         return status == 200
 
     async def _get_info(self, new_path: str, old_path: str) -> Any:
         path = self._info_paths.get(new_path)
         if path is None:
-            status, payload = await self._request("GET", new_path, allowed_statuses=(404,))
+            status, payload = await self._request(
+                "GET", new_path, timeout_s=self._control_timeout_s, allowed_statuses=(404,)
+            )
             if status != 404:
                 self._info_paths[new_path] = new_path
                 return payload
             path = self._info_paths[new_path] = old_path
-        _, payload = await self._request("GET", path)
+        _, payload = await self._request("GET", path, timeout_s=self._control_timeout_s)
         return payload
 
     async def model_info(self) -> ModelInfo:
@@ -271,19 +515,30 @@ class SGLangClient(EngineClient):
         return payload
 
     async def flush_cache(self) -> bool:
-        """POST ``/flush_cache``; False when SGLang refuses (requests are running)."""
-        status, _ = await self._request("POST", "/flush_cache", allowed_statuses=(400,))
+        """POST ``/flush_cache``; False when SGLang refuses (400 with a text body: requests running)."""
+        status, _ = await self._request(
+            "POST", "/flush_cache", timeout_s=self._control_timeout_s, allowed_statuses=(400,)
+        )
         return status == 200
 
-    async def loads(self) -> EngineLoad:
-        """GET ``/v1/loads``, summed over data-parallel ranks."""
-        _, payload = await self._request("GET", "/v1/loads")
+    async def _load_ranks(self) -> list[dict[str, Any]]:
+        _, payload = await self._request("GET", "/v1/loads", timeout_s=self._control_timeout_s)
         loads = payload.get("loads") if isinstance(payload, dict) else None
         if not isinstance(loads, list):
             raise FlexmarlError(f"engine {self.url}: malformed /v1/loads answer")
+        return [load for load in loads if isinstance(load, dict)]
+
+    async def loads(self) -> EngineLoad:
+        """GET ``/v1/loads``, summed over data-parallel ranks.
+
+        Field meanings are SGLang's (``srt/managers/scheduler_components/load_inquirer.py``):
+        ``num_used_tokens`` is KV tokens in use, ``num_total_tokens`` is used plus queued tokens
+        (the prompts waiting) — demand, not capacity; capacity is ``max_total_num_tokens``.
+        """
+        loads = await self._load_ranks()
 
         def total(name: str) -> int:
-            return sum(int(load.get(name) or 0) for load in loads if isinstance(load, dict))
+            return sum(int(load.get(name) or 0) for load in loads)
 
         return EngineLoad(
             num_running_reqs=total("num_running_reqs"),
@@ -291,3 +546,12 @@ class SGLangClient(EngineClient):
             num_used_tokens=total("num_used_tokens"),
             num_total_tokens=total("num_total_tokens"),
         )
+
+    async def running_capacity(self) -> int | None:
+        """Requests the replica runs at once: ``max_running_requests`` summed over its ``/v1/loads`` ranks.
+
+        None when the replica does not report it.
+        """
+        values = [load.get("max_running_requests") for load in await self._load_ranks()]
+        known = [int(value) for value in values if isinstance(value, int) and value > 0]
+        return sum(known) if known else None

@@ -1,15 +1,16 @@
 """The synthetic engine: many modelled replicas in one process, lengths only, no neural net.
 
-It serves the same subset of SGLang's native HTTP API as the embedded engine (``/generate``,
-``/health``, ``/health_generate``, ``/update_weights_from_disk``, ``/abort_request``,
-``/get_model_info`` and ``/model_info``, ``/get_server_info`` and ``/server_info``,
-``/flush_cache``, ``/v1/loads``, ``/get_weight_version``) plus ``/get_load`` (polled by
-sglang-router's ``power_of_two`` policy), one aiohttp application per port, so rolloutd and
-sglang-router drive it through their ordinary clients. It exists for the scale-out benchmark:
+It serves SGLang's native HTTP API through the same server as the embedded engine
+(:mod:`rolloutd.engines.sglang_server`: routes, parsing, validation, rids, abort and error
+shapes as SGLang 0.5.23) plus ``/get_load`` (polled by sglang-router's ``power_of_two``
+policy), one aiohttp application per port, so rolloutd and sglang-router drive it through
+their ordinary clients. It exists for the scale-out benchmark:
 64 or more modelled replicas do not fit a small CPU machine as embedded engines.
 
 What it returns: token ids drawn from a seeded ``random.Random`` (the request's
-``sampling_seed``, else the engine seed and a counter), never a stop token; every logprob is
+``sampling_seed``, else the engine seed and a counter; so, as SGLang with
+``--enable-deterministic-inference``, the samples of one seeded ``n > 1`` request are
+identical), never a stop token; stop strings are rejected (there is no tokenizer); every logprob is
 ``-ln(vocab_size)`` (a uniform policy). Length: ``max_new_tokens`` when ``ignore_eos`` is set
 or no EOS length is configured; otherwise a lognormal draw (``eos_median_tokens``,
 ``eos_sigma``) capped at ``max_new_tokens``, ending with the EOS id (finish reason ``stop``).
@@ -43,16 +44,23 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
-from rolloutd.engines.protocol import SamplingParams, parse_input_ids
+from rolloutd.engines.protocol import SamplingParams
+from rolloutd.engines.sglang_server import (
+    EngineBackend,
+    LoadSnapshot,
+    SampleRequest,
+    SGLangServer,
+    first_sample,
+    queued_abort_output,
+    running_abort_reason,
+    sample_output,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +120,10 @@ class _Request:
     aborted: bool = False
     outputs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
 
+    def sample_request(self) -> SampleRequest:
+        """The request as the HTTP server's sample request."""
+        return SampleRequest(self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s)
+
 
 @dataclasses.dataclass
 class _Sequence:
@@ -162,6 +174,7 @@ class SyntheticReplica:
         self.max_batch_sequences = 0
         self.modelled_busy_s = 0.0
         self.overrun_s = 0.0
+        self.last_output_s = 0.0
         self.ready = False
 
     # ---- lifecycle --------------------------------------------------------------------------------------
@@ -200,7 +213,10 @@ class SyntheticReplica:
         self._wake.set()
 
     def abort(self, rid: str, abort_all: bool) -> int:
-        """Abort waiting and running requests whose rid starts with ``rid``."""
+        """Abort waiting and running requests whose rid starts with ``rid`` (scheduler.py semantics).
+
+        The server passes only rids it knows exactly (tokenizer_manager.py ``abort_request``).
+        """
         count = 0
         for request in self._waiting + [seq.request for seq in self._running]:
             if abort_all or (rid and request.rid.startswith(rid)):
@@ -216,16 +232,22 @@ class SyntheticReplica:
         self._wake.set()
         await update.future
 
-    def load(self) -> dict[str, int]:
-        """Queue and batch sizes in SGLang's ``/v1/loads`` vocabulary."""
-        used = sum(seq.context_tokens for seq in self._running)
-        waiting = sum(len(r.input_ids) * r.params.n for r in self._waiting)
-        return {
-            "num_running_reqs": len(self._running),
-            "num_waiting_reqs": sum(r.params.n for r in self._waiting),
-            "num_used_tokens": used,
-            "num_total_tokens": used + waiting,
-        }
+    def load(self) -> LoadSnapshot:
+        """Queue and batch sizes (``num_total_tokens`` = used + queued tokens, as load_inquirer.py)."""
+        uptime_s = max(time.monotonic() - self._started_s, 1e-9)
+        return LoadSnapshot(
+            num_running_reqs=len(self._running),
+            num_waiting_reqs=sum(r.params.n for r in self._waiting),
+            num_used_tokens=sum(seq.context_tokens for seq in self._running),
+            num_waiting_tokens=sum(len(r.input_ids) * r.params.n for r in self._waiting),
+            max_total_num_tokens=int(devicemodel.kv_capacity_tokens(self.profile) / self.profile.token_scale),
+            max_running_requests=self.config.max_running_requests,
+            gen_throughput=self.generated_tokens / uptime_s,
+        )
+
+    def idle(self) -> bool:
+        """Nothing waiting, running or reloading."""
+        return not self._waiting and not self._running and not self._updates
 
     # ---- scheduling -------------------------------------------------------------------------------------
     def _target_length(self, request: _Request, sample_index: int) -> tuple[int, bool]:
@@ -257,9 +279,11 @@ class SyntheticReplica:
         return prompt_tokens
 
     def _resolve_empty(self, request: _Request) -> None:
-        reason = _abort_reason() if request.aborted else {"type": "length", "length": 0}
         for index in range(request.params.n):
-            request.outputs[index] = self._output(request, index, [], reason)
+            if request.aborted:  # aborted in the waiting queue (tokenizer_manager.py's shorter answer)
+                request.outputs[index] = queued_abort_output(request.sample_request(), self.weight_version)
+            else:
+                request.outputs[index] = self._output(request, index, [], {"type": "length", "length": 0})
         _resolve(request)
 
     def _plan(self, prefill_tokens: int) -> list[float]:
@@ -321,6 +345,7 @@ class SyntheticReplica:
                 tokens=steps * batch * self.profile.token_scale,
                 overrun_s=overrun_s,
             )
+        self.last_output_s = time.monotonic()
         still: list[_Sequence] = []
         for seq in self._running:
             seq.generated += steps
@@ -339,7 +364,7 @@ class SyntheticReplica:
         kept = []
         for seq in self._running:
             if seq.request.aborted:
-                self._finish(seq, _abort_reason())
+                self._finish(seq, running_abort_reason())
             else:
                 kept.append(seq)
         self._running = kept
@@ -381,20 +406,19 @@ class SyntheticReplica:
     def _output(
         self, request: _Request, sample_index: int, output_ids: list[int], reason: dict[str, Any]
     ) -> dict[str, Any]:
-        meta_info: dict[str, Any] = {
-            "id": request.rid if request.params.n == 1 else f"{request.rid}-{sample_index}",
-            "finish_reason": reason,
-            "prompt_tokens": len(request.input_ids),
-            "completion_tokens": len(output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "model_path": self.model_path,
-            "e2e_latency": time.monotonic() - request.created_s,
-        }
-        if request.return_logprob:
-            logprob = -math.log(self.config.vocab_size)
-            meta_info["output_token_logprobs"] = [[logprob, token, None] for token in output_ids]
-        return {"text": "", "output_ids": output_ids, "meta_info": meta_info}
+        sample = request.sample_request()
+        if request.params.n > 1:  # in-process callers only: the HTTP server sends one sample per request
+            sample = dataclasses.replace(sample, rid=f"{request.rid}_{sample_index}")
+        logprobs = [-math.log(self.config.vocab_size)] * len(output_ids)
+        return sample_output(
+            sample,
+            output_ids,
+            logprobs,
+            reason,
+            text="",
+            weight_version=self.weight_version,
+            model_path=self.model_path,
+        )
 
 
 def _resolve(request: _Request) -> None:
@@ -402,158 +426,87 @@ def _resolve(request: _Request) -> None:
         request.future.set_result([output for output in request.outputs if output is not None])
 
 
-def _abort_reason() -> dict[str, Any]:
-    return {"type": "abort", "message": "Abort request", "status_code": 200, "err_type": None}
+class SyntheticBackend(EngineBackend):
+    """One :class:`SyntheticReplica` under the shared SGLang-protocol server."""
 
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}, "message": message}, status=status)
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise InvalidArgument("body must be a JSON object")
-    return body
-
-
-class SyntheticServer:
-    """The HTTP face of one replica (SGLang's paths and field names)."""
+    name = "synthetic"
+    version = ENGINE_VERSION
 
     def __init__(self, replica: SyntheticReplica) -> None:
         self.replica = replica
-        self._runner: web.AppRunner | None = None
 
-    def build_app(self) -> web.Application:
-        """Routes as in SGLang's http_server.py (the subset rolloutd and sglang-router use)."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_route("POST", "/generate", self.generate)
-        app.router.add_route("PUT", "/generate", self.generate)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/health_generate", self.health_generate)
-        for path in ("/model_info", "/get_model_info"):
-            app.router.add_get(path, self.model_info)
-        for path in ("/server_info", "/get_server_info"):
-            app.router.add_get(path, self.server_info)
-        app.router.add_get("/get_weight_version", self.get_weight_version)
-        for method in ("GET", "POST"):
-            app.router.add_route(method, "/flush_cache", self.flush_cache)
-        app.router.add_get("/v1/loads", self.loads)
-        app.router.add_get("/get_load", self.get_load)
-        app.router.add_post("/abort_request", self.abort_request)
-        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        return app
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen and start the replica's scheduler; returns the bound port."""
-        self._runner = web.AppRunner(self.build_app(), access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, backlog=1024).start()
-        bound = int(self._runner.addresses[0][1])
-        self.replica.start(bound)
-        return bound
+    async def start(self, port: int) -> None:
+        """Start the replica's scheduler."""
+        self.replica.start(port)
 
     async def stop(self) -> None:
-        """Stop the replica and stop listening (idempotent)."""
+        """Stop the replica's scheduler."""
         await self.replica.stop()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
-    async def generate(self, request: web.Request) -> web.Response:
-        """``/generate``: one dict for one prompt with n == 1, otherwise a list."""
+    def check(self, request: SampleRequest) -> None:
+        """Stop strings need a tokenizer, which the synthetic engine has not."""
+        if request.params.stop:
+            raise InvalidArgument("sampling_params.stop is not supported by the synthetic engine (no tokenizer)")
+
+    def submit(self, request: SampleRequest) -> asyncio.Future[dict[str, Any]]:
+        """Queue the sample; its seed is ``sampling_seed``, else a fresh one."""
         replica = self.replica
-        try:
-            body = await _json_body(request)
-            if body.get("stream"):
-                raise InvalidArgument("stream is not supported by the synthetic engine")
-            if "input_ids" not in body:
-                raise InvalidArgument("input_ids is required (the synthetic engine does not take text)")
-            prompts = parse_input_ids(body["input_ids"])
-            jobs = self._make_requests(body, prompts)
-            for job in jobs:
-                replica.submit(job)
-        except FlexmarlError as exc:
-            return _error(503 if isinstance(exc, Unavailable) else 400, str(exc))
-        try:
-            results = await asyncio.gather(*(job.future for job in jobs))
-        except asyncio.CancelledError:
-            for job in jobs:
-                job.aborted = True
-            raise
-        except FlexmarlError as exc:
-            return _error(503, str(exc))
-        outputs = [output for result in results for output in result]
-        if len(prompts) == 1 and jobs[0].params.n == 1 and not isinstance(body["input_ids"][0], list):
-            return web.json_response(outputs[0])
-        return web.json_response(outputs)
-
-    def _make_requests(self, body: dict[str, Any], prompts: list[list[int]]) -> list[_Request]:
-        raw_params = body.get("sampling_params") or {}
-        params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
-        if len(params_list) != len(prompts) or not all(isinstance(p, dict) for p in params_list):
-            raise InvalidArgument("sampling_params must be an object or one object per prompt")
-        rid_field = body.get("rid")
-        return_logprob = body.get("return_logprob") or False
         loop = asyncio.get_running_loop()
-        requests = []
-        for index, (prompt, raw) in enumerate(zip(prompts, params_list, strict=True)):
-            params = SamplingParams.from_wire(raw)
-            if isinstance(rid_field, list):
-                rid = str(rid_field[index])
-            elif rid_field is not None:
-                rid = str(rid_field) if len(prompts) == 1 else f"{rid_field}-{index}"
-            else:
-                rid = uuid.uuid4().hex
-            wants = return_logprob[index] if isinstance(return_logprob, list) else return_logprob
-            seed = params.seed if params.seed is not None else self.replica.new_seed()
-            requests.append(_Request(rid, prompt, params, bool(wants), seed, loop.create_future()))
-        return requests
+        inner: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
+        seed = request.params.seed if request.params.seed is not None else replica.new_seed()
+        job = _Request(request.rid, list(request.input_ids), request.params, request.return_logprob, seed, inner)
+        job.created_s = request.created_s
+        replica.submit(job)
+        return first_sample(inner)
 
-    async def health(self, request: web.Request) -> web.Response:
-        """200 while serving."""
-        return web.Response(status=200 if self.replica.ready else 503)
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """The scheduler's abort (prefix match)."""
+        self.replica.abort(rid, abort_all)
 
-    async def health_generate(self, request: web.Request) -> web.Response:
-        """Generate one token through the scheduler."""
-        if not self.replica.ready:
-            return web.Response(status=503)
-        job = _Request(
-            f"HEALTH_CHECK_{time.time()}",
-            [0],
-            SamplingParams(max_new_tokens=1),
-            False,
-            0,
-            asyncio.get_running_loop().create_future(),
-        )
-        try:
-            self.replica.submit(job)
-            await asyncio.wait_for(job.future, timeout=20)
-        except (TimeoutError, FlexmarlError):
-            return web.Response(status=503)
-        return web.Response(status=200)
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None, weight_version: str) -> None:
+        """Record the new path and version after the modelled reload (no weights are read)."""
+        if not model_path:
+            raise InvalidArgument("model_path is required")
+        if self.replica.config.check_model_path and not Path(model_path).is_dir():
+            raise InvalidArgument(f"{model_path} is not a directory")
+        await self.replica.update_weights(model_path, weight_version)
 
-    async def model_info(self, request: web.Request) -> web.Response:
-        """Fields of SGLang's ``/get_model_info``."""
-        return web.json_response(
-            {
-                "model_path": self.replica.model_path,
-                "tokenizer_path": None,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.replica.weight_version,
-            }
-        )
+    def set_weight_version(self, weight_version: str) -> None:
+        """Rename the modelled weights."""
+        self.replica.weight_version = weight_version
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        """``/get_weight_version``."""
-        return web.json_response({"weight_version": self.replica.weight_version})
+    @property
+    def weight_version(self) -> str:
+        """The modelled weight version."""
+        return self.replica.weight_version
 
-    async def server_info(self, request: web.Request) -> web.Response:
-        """Server arguments and state, like SGLang's ``/get_server_info`` (``dp_size`` for sglang-router)."""
+    @property
+    def last_output_s(self) -> float:
+        """When the scheduler last advanced."""
+        return self.replica.last_output_s
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """The replica's load."""
+        return self.replica.load()
+
+    def flush_cache(self) -> bool:
+        """Refused while anything waits or runs, as SGLang."""
+        return self.replica.idle()
+
+    def model_info(self) -> dict[str, Any]:
+        """Fields of SGLang's ``/model_info``."""
+        return {
+            "model_path": self.replica.model_path,
+            "served_model_name": self.replica.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.replica.weight_version,
+            "load_format": "auto",
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """Server arguments and state (``dp_size`` for sglang-router)."""
         replica = self.replica
         info: dict[str, Any] = {k: v for k, v in dataclasses.asdict(replica.config).items() if k != "ports"}
         info.update(
@@ -565,7 +518,6 @@ class SyntheticServer:
                 "dp_size": 1,
                 "max_running_requests": replica.config.max_running_requests,
                 "device_profile": replica.profile.name,
-                "version": ENGINE_VERSION,
                 "backend": "synthetic",
                 "internal_states": [
                     {
@@ -578,79 +530,19 @@ class SyntheticServer:
                 ],
             }
         )
-        return web.json_response(info)
+        return info
 
-    async def flush_cache(self, request: web.Request) -> web.Response:
-        """Nothing is cached, so flushing always succeeds."""
-        return web.Response(text="Cache flushed.\n", status=200)
 
-    async def loads(self, request: web.Request) -> web.Response:
-        """``/v1/loads`` (the ``core`` fields of SGLang's ``GetLoadsReqOutput``)."""
-        replica = self.replica
-        snapshot = replica.load()
-        uptime_s = max(time.monotonic() - replica._started_s, 1e-9)
-        load = {
-            "dp_rank": 0,
-            "timestamp": time.time(),
-            **snapshot,
-            "max_running_requests": replica.config.max_running_requests,
-            "gen_throughput": replica.generated_tokens / uptime_s,
-            "utilization": 1.0 if snapshot["num_running_reqs"] else 0.0,
-        }
-        return web.json_response(
-            {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "version": ENGINE_VERSION,
-                "loads": [load],
-            }
-        )
+class SyntheticServer(SGLangServer):
+    """The HTTP face of one replica (the shared SGLang-protocol server, plus ``/get_load``)."""
 
-    async def get_load(self, request: web.Request) -> web.Response:
-        """``/get_load``: sglang-router's power-of-two policy reads ``num_tokens``."""
-        snapshot = self.replica.load()
-        return web.json_response(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": snapshot["num_running_reqs"] + snapshot["num_waiting_reqs"],
-                    "num_waiting_reqs": snapshot["num_waiting_reqs"],
-                    "num_tokens": snapshot["num_total_tokens"],
-                }
-            ]
-        )
+    def __init__(self, replica: SyntheticReplica) -> None:
+        super().__init__(SyntheticBackend(replica), serve_get_load=True)
+        self.replica = replica
 
-    async def abort_request(self, request: web.Request) -> web.Response:
-        """``/abort_request`` with ``rid`` and ``abort_all``."""
-        try:
-            body = await _json_body(request)
-        except FlexmarlError as exc:
-            return _error(400, str(exc))
-        self.replica.abort(str(body.get("rid") or ""), bool(body.get("abort_all", False)))
-        return web.Response(status=200)
-
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        """Record the new model path and version after the modelled reload (no weights are read)."""
-        replica = self.replica
-        try:
-            body = await _json_body(request)
-            model_path = body.get("model_path")
-            if not isinstance(model_path, str) or not model_path:
-                raise InvalidArgument("model_path is required")
-            if replica.config.check_model_path and not Path(model_path).is_dir():
-                raise InvalidArgument(f"{model_path} is not a directory")
-        except FlexmarlError as exc:
-            return web.json_response(
-                {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}, status=400
-            )
-        version = body.get("weight_version")
-        new_version = replica.weight_version if version is None else str(version)
-        if body.get("abort_all_requests"):
-            replica.abort("", abort_all=True)
-        await replica.update_weights(model_path, new_version)
-        message = "Succeeded to update model weights."
-        if version is not None:
-            message += f" Weight version updated to {new_version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+    async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
+        """Listen (a deep backlog: benchmarks open many connections at once); returns the bound port."""
+        return await super().start(host, port, backlog=backlog)
 
 
 class SyntheticEngine:

@@ -53,7 +53,9 @@ async def test_generate_lengths_logprobs_and_determinism(engine: SyntheticEngine
         one = await first.generate(GenerationRequest((5, 6, 7), params))
         two = await second.generate(GenerationRequest((5, 6, 7), params))
         assert [r.output_ids for r in one] == [r.output_ids for r in two]  # same seed, any replica
-        assert one[0].output_ids != one[1].output_ids  # samples differ
+        # No assertion on one[0] vs one[1]: sent as one n=2 request with one sampling_seed, SGLang
+        # (deterministic inference) and the synthetic engine return identical samples; a client
+        # that sends one request per sample with seeds base + i gets distinct ones.
         for result in one:
             assert len(result.output_ids) == 12 and result.finish_reason is FinishReason.LENGTH
             assert all(0 <= t < 256 for t in result.output_ids)

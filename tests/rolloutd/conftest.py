@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
+from rolloutd.engines.synthetic import SyntheticEngineConfig, SyntheticFleet
+
+# Both shipped servers run with room for 4 sequences, so tests can fill a batch and queue behind it.
+ENGINE_MAX_RUNNING = 4
 
 
 @pytest.fixture(scope="session")
@@ -24,15 +29,69 @@ def engine_checkpoint_other(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("engine-ckpt") / "seed1", seed=1)
 
 
+def _launch_embedded(checkpoint: Path, run_dir: Path, *extra_args: str) -> EngineReplica:
+    spec = ReplicaSpec("embedded", str(checkpoint), seed=0, extra_args=extra_args)
+    return asyncio.run(launch(spec, run_dir, timeout_s=120))
+
+
 @pytest.fixture(scope="module")
 def engine_replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReplica]:
-    """An embedded engine subprocess shared by a test module; stopped at module teardown."""
-    run_dir = tmp_path_factory.mktemp("engine-run")
-    replica = asyncio.run(launch(ReplicaSpec("embedded", str(engine_checkpoint), seed=0), run_dir, timeout_s=120))
+    """An embedded engine subprocess in SGLang's default mode (seeds ignored), shared by a module."""
+    replica = _launch_embedded(
+        engine_checkpoint, tmp_path_factory.mktemp("engine-run"), "--max-batch-size", str(ENGINE_MAX_RUNNING)
+    )
     try:
         yield replica
     finally:
         replica.stop(grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def engine_deterministic_replica(
+    engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineReplica]:
+    """An embedded engine subprocess launched with ``--enable-deterministic-inference``."""
+    replica = _launch_embedded(
+        engine_checkpoint, tmp_path_factory.mktemp("engine-run-det"), "--enable-deterministic-inference"
+    )
+    try:
+        yield replica
+    finally:
+        replica.stop(grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def engine_synthetic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SyntheticFleet]:
+    """A one-replica synthetic engine subprocess (H100 timing, real time), shared by a module."""
+    config = SyntheticEngineConfig(replicas=1, max_running_requests=ENGINE_MAX_RUNNING, seed=0)
+    fleet = SyntheticFleet.start(config, tmp_path_factory.mktemp("engine-synth"), timeout_s=60)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """One of the servers FlexMARL ships, running: which one, and its URL."""
+
+    kind: str  # "embedded" or "synthetic"
+    url: str
+
+    @property
+    def real_logits(self) -> bool:
+        """Whether a neural network (and a tokenizer) produces its tokens."""
+        return self.kind == "embedded"
+
+
+@pytest.fixture(scope="module", params=["embedded", "synthetic"])
+def engine_served(request: pytest.FixtureRequest) -> ServedEngine:
+    """Every server implementation FlexMARL ships, in turn (the contract suite runs against each)."""
+    if request.param == "embedded":
+        replica: EngineReplica = request.getfixturevalue("engine_replica")
+        return ServedEngine("embedded", replica.url)
+    fleet: SyntheticFleet = request.getfixturevalue("engine_synthetic")
+    return ServedEngine("synthetic", fleet.urls[0])
 
 
 @pytest.fixture(scope="session")

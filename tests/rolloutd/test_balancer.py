@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
+from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
@@ -192,3 +192,26 @@ def test_hierarchical_beats_round_robin_and_static_on_skewed_workload() -> None:
     assert hierarchical.makespan_s < 0.9 * results["static"].makespan_s
     assert hierarchical.utilisation > results["static"].utilisation
     assert hierarchical.reassignments > 0
+
+
+def test_removed_replica_can_be_added_back_and_serves_queued_requests() -> None:
+    b = make({"r0": "m"}, {"a": "m"})
+    running = b.submit("a", 50)  # in flight on r0 when it is removed
+    b.remove_replica("r0")
+    waiting = b.submit("a", 10)
+    assert waiting.replica_id is None  # no replica left: queued
+    b.add_replica(ReplicaSpec("r0", "m", 100.0))
+    [placed] = b.place_queued()
+    assert placed.request_id == waiting.request_id and placed.replica_id == "r0"
+    # The request that ran on r0's previous membership does not count against the new one.
+    b.finish(running.request_id)
+    [view] = b.replicas()
+    assert (view.outstanding_tokens, view.in_flight_requests, view.phase) == (10, 1, ReplicaPhase.SERVING)
+    b.finish(placed.request_id)
+    assert (b.replicas()[0].outstanding_tokens, b.replicas()[0].in_flight_requests) == (0, 0)
+
+
+def test_add_replica_rejects_a_served_replica() -> None:
+    b = make({"r0": "m"}, {"a": "m"})
+    with pytest.raises(AlreadyExists):
+        b.add_replica(ReplicaSpec("r0", "m"))

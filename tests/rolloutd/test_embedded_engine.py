@@ -8,7 +8,9 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from rolloutd.engines.embedded import (
     EmbeddedEngine,
     EmbeddedEngineConfig,
     EmbeddedServer,
+    gumbel_max_token,
     plan_admission,
 )
 from rolloutd.engines.launcher import ReplicaSpec, attach, launch, sglang_command
@@ -35,7 +38,12 @@ async def engine_server(engine_checkpoint: Path) -> AsyncIterator[tuple[Embedded
     # threads per tiny matmul are ~30x slower than one.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=str(engine_checkpoint), batch_window_s=0.05, seed=0))
+    # Deterministic inference: samples and logprobs do not depend on what shares the batch, which
+    # is what the batching tests below compare against solo runs.
+    config = EmbeddedEngineConfig(
+        model_path=str(engine_checkpoint), batch_window_s=0.05, seed=0, enable_deterministic_inference=True
+    )
+    engine = EmbeddedEngine(config)
     server = EmbeddedServer(engine)
     port = await server.start("127.0.0.1", 0)
     client = SGLangClient(f"http://127.0.0.1:{port}")
@@ -99,7 +107,7 @@ async def test_weight_swap_waits_for_the_running_batch(
 ) -> None:
     server, client = engine_server
     long_request = asyncio.create_task(
-        client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=300, seed=1)))
+        client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=300, seed=1, ignore_eos=True)))
     )
     await _wait_running(client)
     await client.update_weights_from_disk(str(engine_checkpoint_other), weight_version="v7")
@@ -125,24 +133,40 @@ async def _server(config: EmbeddedEngineConfig) -> AsyncIterator[tuple[EmbeddedS
 
 
 async def test_abort_all_and_queued(engine_checkpoint: Path) -> None:
-    # One running sequence at most, so the second request (n=2) has to wait in the queue.
+    # One running sequence at most, so the second request (n=2) has to wait in the queue. Raw
+    # HTTP: the client would hold the second request back (it keeps to the replica's capacity).
     config = EmbeddedEngineConfig(model_path=str(engine_checkpoint), max_batch_size=1, seed=0)
-    async with _server(config) as (_, client):
-        running = asyncio.create_task(client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500))))
+    async with _server(config) as (_, client), aiohttp.ClientSession() as session:
+
+        async def generate(sampling: dict[str, Any]) -> Any:
+            body = {"input_ids": list(PROMPT), "sampling_params": sampling, "return_logprob": True}
+            async with session.post(client.url + "/generate", json=body) as response:
+                assert response.status == 200
+                return await response.json()
+
+        running = asyncio.create_task(generate({"max_new_tokens": 1500, "ignore_eos": True}))
         await _wait_running(client)
-        queued = asyncio.create_task(
-            client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=1500, n=2), rid="queued"))
-        )
+        queued = asyncio.create_task(generate({"max_new_tokens": 1500, "ignore_eos": True, "n": 2}))
         deadline = time.monotonic() + 20
         while (await client.loads()).num_waiting_reqs < 2:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         await client.abort(abort_all=True)
-        [first] = await asyncio.wait_for(running, 20)
+        first = await asyncio.wait_for(running, 20)
         second = await asyncio.wait_for(queued, 20)
-        assert first.finish_reason is FinishReason.ABORT and first.completion_tokens < 1500
-        assert [s.finish_reason for s in second] == [FinishReason.ABORT] * 2
-        assert all(s.completion_tokens == 0 for s in second)
+        # Running: SGLang's FINISH_ABORT() and the tokens so far (scheduler.py, schedule_batch.py).
+        assert first["meta_info"]["finish_reason"] == {
+            "type": "abort",
+            "message": "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
+        assert 0 < first["meta_info"]["completion_tokens"] == len(first["output_ids"]) < 1500
+        # Queued: tokenizer_manager.py's shorter answer (no prompt_tokens), nothing generated.
+        for sample in second:
+            assert sample["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+            assert sample["output_ids"] == [] and sample["meta_info"]["completion_tokens"] == 0
+            assert "prompt_tokens" not in sample["meta_info"]
         assert await client.health_generate()  # still serving after aborts
 
 
@@ -292,3 +316,17 @@ async def test_attach_and_launch_failures(tmp_path: Path) -> None:
         await replica.wait_healthy(timeout_s=0.3)
     with pytest.raises(Unavailable, match="exited"):
         await launch(ReplicaSpec("embedded", str(tmp_path / "no-such-checkpoint")), tmp_path, timeout_s=60)
+
+
+# ----- seeded sampling (deterministic inference) ------------------------------------------------
+
+
+def test_gumbel_max_token_is_a_function_of_seed_and_position_and_samples_probs() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    assert gumbel_max_token(probs, 7, 12) == gumbel_max_token(probs.clone(), 7, 12)  # same (seed, position)
+    draws = [gumbel_max_token(probs, 7, position) for position in range(4000)]
+    counts = [draws.count(token) / len(draws) for token in range(4)]
+    # Gumbel-max over independent uniforms per position samples the distribution; a zero never wins.
+    assert counts[3] == 0.0
+    assert counts[:3] == pytest.approx([0.5, 0.3, 0.2], abs=0.03)
+    assert len({gumbel_max_token(torch.full((64,), 1 / 64), seed, 5) for seed in range(20)}) > 10
