@@ -21,6 +21,11 @@ setup() {
   fi
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e '.[train,dev]'
+  # SGLang's own request definitions, for tests/rolloutd/test_sglang_schema.py: the wheel alone
+  # (--no-deps: its runtime needs CUDA builds of torch and kernels; the schema modules need only
+  # msgspec, in the dev extra). About 6 s and 130 MB the first time; skipped once installed.
+  "$PY" -c 'import importlib.metadata as m; raise SystemExit(m.version("sglang") != "0.5.23")' 2>/dev/null \
+    || "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile sglang==0.5.23
   # DeepSpeed JIT-compiles its CPU ops once per machine; keep them in one place.
   export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/flexmarl/torch_extensions}
 }
