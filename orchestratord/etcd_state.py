@@ -3,7 +3,8 @@
 Key layout under the registry prefix (DESIGN §7)::
 
     jobs/<job>/spec                                 the canonical spec JSON
-    jobs/<job>/meta                                 {state, error, created_s, updated_s}
+    jobs/<job>/meta                                 {state, error, created_s, updated_s of the last
+                                                     state change; load_job adds the last commit's time}
     jobs/<job>/agents/<agent>/version               {version, weights_uri, state_uri, updated_s}
     jobs/<job>/agents/<agent>/steps/<n>/manifest    the step's fixed membership
     jobs/<job>/agents/<agent>/steps/<n>/commit      the step's commit record
@@ -213,7 +214,8 @@ class EtcdStateStore(StateStore):
             state=JobState(int(meta["state"])),
             error=str(meta["error"]),
             created_s=float(meta["created_s"]),
-            updated_s=float(meta["updated_s"]),
+            # A commit touches the job without rewriting meta (no contention with state changes).
+            updated_s=max([float(meta["updated_s"]), *(commit.committed_s for commit in commits.values())]),
             agents=agents,
             manifests=manifests,
             commits=commits,

@@ -23,7 +23,7 @@ composition (re-formed from the manifest). Reported experiences live in
 stored; the wiring lists them on restart and hands them to
 ``JobPlanner.recover``.
 
-An etcd implementation (the lead's) maps each method onto the keys above with
+The etcd implementation (orchestratord/etcd_state.py) maps each method onto the keys above with
 one transaction each; :class:`InMemoryStateStore` is the reference semantics
 and ``tests/orchestratord/test_state.py`` the contract both must pass.
 """

@@ -5,9 +5,9 @@ whose lease is lost (renewal says so, or the orchestrator rejects the report) is
 abandoned, and the experiences it may already have written are kept by stored and
 deduplicated by id when the re-issued task writes them again.
 
-Backpressure: when stored is full (its per-job quota: RESOURCE_EXHAUSTED "quota exceeded"),
-down or slow, a finished task keeps its experiences and retries the append with exponential
-backoff for as long as its lease lives (the renew loop keeps renewing it, and cancels the task
+Backpressure: when stored is full (its per-job quota: RESOURCE_EXHAUSTED, reason
+QUOTA_EXCEEDED), down or slow, a finished task keeps its experiences and retries the append with
+exponential backoff for as long as its lease lives (the renew loop keeps renewing it, and cancels the task
 only when the orchestrator says the lease is lost). Meanwhile the lease loop leases nothing new:
 while appends are failing, or while half of ``max_tasks`` or more tasks wait on their append.
 Rollouts slow down to what stored absorbs instead of dropping data.
@@ -31,7 +31,7 @@ import grpc.aio
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
 from flexmarl.devices import DeviceSet
-from flexmarl.errors import FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
+from flexmarl.errors import ErrorReason, FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
@@ -501,10 +501,11 @@ def _append_retry_code(exc: Exception) -> grpc.StatusCode | None:
     """The status code of an append failure worth retrying, or None.
 
     stored answers RESOURCE_EXHAUSTED both for a full job quota (retried: GC or an operator
-    frees room) and for a record or request over its size limits (never fits: not retried).
+    frees room) and for a record or request over its size limits (never fits: not retried);
+    the error's reason (sent in the status's trailing metadata) tells them apart.
     """
     if isinstance(exc, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED if "quota exceeded" in str(exc) else None
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if exc.reason is ErrorReason.QUOTA_EXCEEDED else None
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, grpc.Call) and exc.code() in _RETRIED_APPEND_CODES:

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexmarl.errors import ResourceExhausted
+from flexmarl.errors import ErrorReason, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,8 @@ def check_quota(conn: sqlite3.Connection, quotas: JobQuotas, job_id: str, adding
     used = job_usage_bytes(conn, job_id)
     if used + adding_bytes > limit:
         raise ResourceExhausted(
-            f"job {job_id!r} quota exceeded: {used} bytes used + {adding_bytes} new > limit {limit}"
+            f"job {job_id!r} quota exceeded: {used} bytes used + {adding_bytes} new > limit {limit}",
+            reason=ErrorReason.QUOTA_EXCEEDED,
         )
 
 

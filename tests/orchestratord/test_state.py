@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition
+from flexmarl.cluster import EtcdServer
+from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
+from flexmarl.registry import Registry
+from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.planner import ExperienceSummary, MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions
 from orchestratord.state import (
     InMemoryStateStore,
@@ -20,12 +24,35 @@ from orchestratord.state import (
 
 from .helpers import FakeClock, experiences_for, make_spec, run_job
 
-STORES: list[Callable[[], StateStore]] = [InMemoryStateStore]
+pytestmark = pytest.mark.timeout(60)
+
+_PREFIXES = itertools.count()
 
 
-@pytest.fixture(params=STORES, ids=lambda factory: factory.__name__)
-def store(request: pytest.FixtureRequest) -> StateStore:
-    return request.param()  # type: ignore[no-any-return]
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the module (each test gets its own key prefix)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["memory", "etcd"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
+    """Every StateStore implementation: the in-memory reference and etcd on a real server."""
+    if request.param == "memory":
+        yield InMemoryStateStore()
+        return
+    etcd: EtcdServer = request.getfixturevalue("module_etcd")
+    registry = Registry(etcd.endpoint, f"/state-contract-{next(_PREFIXES)}")
+    await registry.connect()
+    try:
+        yield EtcdStateStore(registry)
+    finally:
+        await registry.close()
 
 
 async def test_create_is_idempotent_and_conflicts_on_other_spec(store: StateStore) -> None:
@@ -67,9 +94,8 @@ async def test_manifests_are_immutable(store: StateStore) -> None:
     assert manifest_key("/flexmarl", "j", "a", 0) == "/flexmarl/jobs/j/agents/a/steps/0/manifest"
 
 
-async def test_planner_restarts_from_persisted_state_and_finishes() -> None:
+async def test_planner_restarts_from_persisted_state_and_finishes(store: StateStore) -> None:
     clock = FakeClock()
-    store = InMemoryStateStore()
     planner = Planner(clock, PlannerOptions(lease_epoch="first"))
     planner.submit_job("job1", make_spec(pipeline={"max_staleness": 1}))
     reported: list[ExperienceSummary] = []
@@ -127,9 +153,8 @@ async def test_planner_restarts_from_persisted_state_and_finishes() -> None:
     assert len(final.manifests) == 6
 
 
-async def test_restored_manifest_must_match_recovered_experiences() -> None:
+async def test_restored_manifest_must_match_recovered_experiences(store: StateStore) -> None:
     clock = FakeClock()
-    store = InMemoryStateStore()
     planner = Planner(clock, PlannerOptions(lease_epoch="a"))
     planner.submit_job("job1", make_spec())
     reported: list[ExperienceSummary] = []
@@ -148,3 +173,19 @@ async def test_restored_manifest_must_match_recovered_experiences() -> None:
     assert [item.task_id for item in lease] == ["job1/b0/t0"]
     with pytest.raises(FailedPrecondition):
         restarted.commit_step("t", "slot", "job1", "sender", 0, 1, "file:///w", "")
+
+
+async def test_unknown_jobs_and_agents_are_not_found_and_commits_touch_the_job(store: StateStore) -> None:
+    with pytest.raises(NotFound):
+        await store.set_job_state("nope", JobState.FAILED, "x", 1.0)
+    await store.create_job("j", "{}", ["a"], 1.0)
+    with pytest.raises(NotFound):
+        await store.commit_step(StepCommit("j", "b", 0, "file:///w", "", "slot", 2.0))
+    with pytest.raises(NotFound):
+        await store.set_state_uri("j", "b", 0, "stored://s", 2.0)
+    await store.commit_step(StepCommit("j", "a", 0, "file:///w", "", "slot", 5.0), history={"loss": 1.0})
+    job = await store.load_job("j")
+    assert job is not None and job.updated_s == 5.0 and job.created_s == 1.0
+    await store.set_job_state("j", JobState.SUCCEEDED, "", 6.0)
+    job = await store.load_job("j")
+    assert job is not None and (job.state, job.error, job.updated_s) == (JobState.SUCCEEDED, "", 6.0)

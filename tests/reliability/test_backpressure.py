@@ -1,10 +1,11 @@
 """Backpressure: a full stored slows rollouts down instead of losing experiences.
 
-stored starts with a 1-byte job quota, so every append of the job fails with RESOURCE_EXHAUSTED
-"quota exceeded". rolloutd must hold the finished tasks' experiences and retry while renewing
-their leases, lease nothing new, and never report a task failed. Then stored restarts without a
-quota (an operator raising it): the held experiences land, the remaining tasks run, a simulated
-trainer commits the step, and stored holds every experience of the job exactly once.
+stored starts with a 1-byte job quota, so every append of the job fails with RESOURCE_EXHAUSTED,
+reason QUOTA_EXCEEDED (a status detail, not the message text). rolloutd must hold the finished
+tasks' experiences and retry while renewing their leases, lease nothing new, and never report a
+task failed. Then stored restarts without a quota (an operator raising it): the held experiences
+land, the remaining tasks run, a simulated trainer commits the step, and stored holds every
+experience of the job exactly once.
 """
 
 from __future__ import annotations

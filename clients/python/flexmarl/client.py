@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.config import ConfigError
-from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_status
+from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_rpc
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import PLAINTEXT_ETCD, EtcdSecurity, Registry
 from flexmarl.security import TransportSecurity, open_channel
@@ -142,11 +142,11 @@ def _retryable(exc: grpc.RpcError) -> bool:
 
 def _error_from_rpc(exc: grpc.RpcError) -> FlexmarlError:
     """Maps a failed RPC back onto the domain error of its status code."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    mapped = error_for_status(code, details)
+    mapped = error_for_rpc(exc)
     if mapped is not None:
         return mapped
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
     error = FlexmarlError(f"{code.name}: {details}")
     error.code = code
     return error

@@ -100,6 +100,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def _fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> grpc.StatusCode:
         if isinstance(exc, FlexmarlError):
             code, details = exc.code, str(exc) or type(exc).__name__
+            trailing = exc.trailing_metadata()  # the machine-readable reason, if any
+            if trailing:
+                await context.abort(code, details, trailing)
         elif isinstance(exc, NotImplementedError):
             code, details = grpc.StatusCode.UNIMPLEMENTED, f"{method} is not implemented yet"
         else:

@@ -85,7 +85,7 @@ class StoreStats:
 
 
 def _mapped(exc: grpc.aio.AioRpcError) -> BaseException:
-    return errors.error_for_status(exc.code(), exc.details() or "") or exc
+    return errors.error_for_rpc(exc) or exc
 
 
 async def _call(awaitable: Awaitable[_T]) -> _T:
