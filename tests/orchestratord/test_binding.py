@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from orchestratord.binding import AgentDemand, DecisionKind, RolloutDemandEstimator, SlotBinder
+from orchestratord.binding import AgentDemand, DecisionKind, SlotBinder
+from orchestratord.planner import RolloutDemandEstimator
 
 from .helpers import FakeClock
 

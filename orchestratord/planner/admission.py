@@ -1,0 +1,94 @@
+"""Rollout side: which tasks are admitted (AReaL's staleness rule) and their leases."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.planner.ids import task_id_of, task_index_of
+from orchestratord.planner.job_plan import JobPlan, Task, TaskStatus
+from orchestratord.planner.types import RenewResult, RolloutTaskLease
+
+logger = logging.getLogger(__name__)
+
+
+def admission_limit(job: JobPlan) -> int:
+    """Tasks that may have been admitted by now: (eta + v + 1) x prompts_per_step (AReaL's rule).
+
+    The rule counts samples (N < (eta + v + 1) * B with B episodes per step);
+    every task holds ``group_size`` episodes, so counting tasks against
+    ``prompts_per_step`` is the same bound. Sync mode is the barrier: eta = 0.
+    """
+    eta = 0 if job.spec.pipeline.barrier else job.spec.pipeline.max_staleness
+    prompts = job.spec.batch.prompts_per_step
+    return min((eta + job.min_version() + 1) * prompts, job.spec.total_steps * prompts)
+
+
+def has_leasable_tasks(job: JobPlan) -> bool:
+    """Whether :func:`lease_tasks` would hand out a task now (a re-issue or an admissible one)."""
+    return not job.state.terminal and (bool(job.retry) or job.admitted < admission_limit(job))
+
+
+def lease_tasks(job: JobPlan, worker_id: str, max_tasks: int) -> list[RolloutTaskLease]:
+    """Leases up to ``max_tasks`` tasks: re-issues first, then newly admitted ones."""
+    if job.state.terminal or max_tasks <= 0:
+        return []
+    leased: list[RolloutTaskLease] = []
+    for task_id in sorted(job.retry, key=lambda tid: (job.tasks[tid].batch, job.tasks[tid].position)):
+        if len(leased) >= max_tasks:
+            break
+        leased.append(_lease_task(job, job.tasks[task_id], worker_id))
+    prompts = job.spec.batch.prompts_per_step
+    while len(leased) < max_tasks and job.admitted < admission_limit(job):
+        batch, position = divmod(job.admitted, prompts)
+        job.admitted += 1
+        task_id = task_id_of(job.job_id, batch, position)
+        task = job.tasks.get(task_id)
+        if task is None:
+            task = Task(task_id, batch, position, task_index_of(batch, position, prompts))
+            job.tasks[task_id] = task
+        if task.status is TaskStatus.PENDING:
+            leased.append(_lease_task(job, task, worker_id))
+    return leased
+
+
+def _lease_task(job: JobPlan, task: Task, worker_id: str) -> RolloutTaskLease:
+    job.retry.discard(task.task_id)
+    task.attempts += 1
+    lease = job.leases.issue(LeaseKind.ROLLOUT_TASK, worker_id, task.task_id, job.spec.leases.rollout_timeout_s)
+    task.status = TaskStatus.LEASED
+    task.lease_id = lease.lease_id
+    return RolloutTaskLease(
+        lease_id=lease.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.task_index,
+        batch_index=task.batch, group_size=job.spec.batch.group_size,
+        agent_versions=tuple(job.versions()), deadline_s=lease.deadline_s, attempt=task.attempts,
+    )
+
+
+def requeue_task(job: JobPlan, task_id: str, reason: str) -> None:
+    """A leased task's attempt ended without a result: lease it again, or fail the job after too many tries."""
+    task = job.tasks.get(task_id)
+    if task is None or task.status is not TaskStatus.LEASED:
+        return
+    task.status = TaskStatus.PENDING
+    task.lease_id = ""
+    if task.attempts >= job.options.max_task_attempts:
+        job.fail(f"task {task_id} failed {task.attempts} times (last: {reason})")
+        return
+    logger.info("re-issuing task %s after attempt %d: %s", task_id, task.attempts, reason)
+    job.retry.add(task_id)
+
+
+def renew(job: JobPlan, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+    """Extends the leases ``worker_id`` still holds (tasks or micro-batches); the others are reported lost."""
+    lost: list[str] = []
+    deadlines: list[float] = []
+    for lease_id in lease_ids:
+        lease = job.leases.get(lease_id)
+        if lease is None or lease.status is not LeaseStatus.ACTIVE or lease.holder != worker_id \
+                or job.now_s() > lease.deadline_s:
+            lost.append(lease_id)
+            continue
+        deadlines.append(job.leases.renew(lease))
+    return RenewResult(tuple(lost), min(deadlines) if deadlines else job.now_s())

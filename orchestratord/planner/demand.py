@@ -1,0 +1,70 @@
+"""Demand: what an agent needs from the trainer pool (for the binder) and tokens still to generate (for rolloutd)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from orchestratord.binding import AgentDemand
+from orchestratord.leases import LeaseKind
+from orchestratord.planner.admission import admission_limit
+from orchestratord.planner.dispatch import agent_may_train
+from orchestratord.planner.ids import is_durable_state
+from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan
+
+
+def demand(job: JobPlan, agent: str) -> AgentDemand:
+    """What the agent needs from the trainer pool now."""
+    key = (job.job_id, agent)
+    plan = job.current_plan(agent)
+    if job.state.terminal or plan is None or not agent_may_train(job, agent, plan.step):
+        return AgentDemand(key)
+    ready = [mb for mb in plan.micro_batches if mb.status is MicroBatchStatus.READY]
+    taken = sum(1 for mb in plan.micro_batches if mb.status is not MicroBatchStatus.READY)
+    return _with_parallelism(job, AgentDemand(
+        key=key, ready_micro_batches=len(ready), ready_tokens=sum(mb.response_tokens for mb in ready),
+        optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
+    ), max(0, _expected_micro_batches(job, plan) - taken))
+
+
+def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:
+    """:func:`demand`, also for an agent between steps (no plan yet): what the binder sizes groups with."""
+    now = demand(job, agent)
+    if now.has_work or now.mid_step or job.state.terminal:
+        return now
+    plan = job.current_plan(agent)
+    version = job.agent(agent).version
+    upcoming = 0
+    if version < job.spec.total_steps and agent_may_train(job, agent, version):
+        upcoming = _expected_micro_batches(job, plan)
+    return _with_parallelism(job, now, upcoming)
+
+
+def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
+    """Micro-batches a step will have: its formed ones plus those its missing groups will form."""
+    per = job.spec.batch.groups_per_micro_batch
+    formed = len(plan.micro_batches) if plan is not None else 0
+    pending_groups = job.spec.batch.prompts_per_step - (
+        sum(len(mb.groups) for mb in plan.micro_batches) if plan is not None else 0)
+    return formed + -(-max(0, pending_groups) // per)
+
+
+def _with_parallelism(job: JobPlan, agent_demand: AgentDemand, upcoming: int) -> AgentDemand:
+    spec = job.spec.agent(agent_demand.key[1])
+    return dataclasses.replace(
+        agent_demand, max_slots=spec.max_slots, data_parallel=spec.max_slots > 1 and spec.zero_stage == 0,
+        upcoming_micro_batches=upcoming, portable=state_is_portable(job, agent_demand.key[1]))
+
+
+def state_is_portable(job: JobPlan, agent: str) -> bool:
+    """Whether another slot could load the agent's committed state without a swap-out first."""
+    state = job.agent(agent)
+    return is_durable_state(state.state_uri) or (state.version == 0 and not state.state_uri)
+
+
+def rollout_demand(job: JobPlan) -> dict[str, int]:
+    """Estimated tokens still to generate per agent (leased and admissible tasks)."""
+    pending_tasks = len(job.leases.active(LeaseKind.ROLLOUT_TASK)) + len(job.retry)
+    if not job.state.terminal:
+        pending_tasks += max(0, admission_limit(job) - job.admitted)
+    episodes = pending_tasks * job.spec.batch.group_size
+    return {name: job.rollout_demand_estimator.estimate((job.job_id, name), episodes) for name in job.agents}

@@ -1,0 +1,241 @@
+"""Trainer side: micro-batches and optimizer steps handed to slots, their acks, and step commits."""
+
+from __future__ import annotations
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument
+from orchestratord.binding import DataParallelGroup
+from orchestratord.leases import Lease, LeaseKind, LeaseStatus
+from orchestratord.planner.ids import (
+    batch_of_lease,
+    is_durable_state,
+    micro_batch_subject,
+    parse_micro_batch_subject,
+    step_id_of,
+)
+from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
+from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork
+from orchestratord.state import JobState, StateMoved, StepCommit, StepCommitted
+
+
+def agent_may_train(job: JobPlan, agent: str, step: int) -> bool:
+    """Whether step ``step`` of ``agent`` may be trained now.
+
+    Always, except in ``sequential`` mode, where agent k's step t waits for
+    agent k-1's commit of step t (see the package docstring).
+    """
+    if job.spec.pipeline.mode != "sequential":
+        return True
+    names = job.spec.agent_names
+    index = names.index(agent)
+    return index == 0 or job.agents[names[index - 1]].version > step
+
+
+def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str,
+                      group: DataParallelGroup | None = None) -> MicroBatchWork | OptimizerStepWork | None:
+    """Work for a slot bound to ``agent``: its micro-batch in flight again, a new one, or the optimizer step.
+
+    ``group`` = the agent's slots now (None or one member = this slot alone). An
+    attempt's group is fixed when its first work is issued; each member holds at
+    most one micro-batch at a time, and every member gets the optimizer step.
+    """
+    if job.state.terminal:
+        return None
+    plan = job.current_plan(agent)
+    if plan is None or not agent_may_train(job, agent, plan.step):
+        return None
+    members = plan.members
+    if members and slot_id not in members:
+        return None
+    if not members and group is not None and slot_id not in group.members:
+        return None
+    for mb in plan.micro_batches:
+        if mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id:
+            lease = job.leases.get(mb.lease_id)
+            if lease is not None and lease.holder == worker_id:
+                return _micro_batch_work(job, plan, mb, lease)  # lost response: deliver again
+            return None
+    if plan.group is None and (group is None or group.world_size == 1) and any(
+            mb.status is MicroBatchStatus.LEASED for mb in plan.micro_batches):
+        return None  # one slot: one micro-batch at a time
+    for mb in plan.micro_batches:
+        if mb.status is MicroBatchStatus.READY:
+            _start_attempt(plan, slot_id, group)
+            return _lease_micro_batch(job, plan, mb, slot_id, worker_id)
+    if plan.ready_for_optimizer and plan.manifest is not None:
+        _start_attempt(plan, slot_id, group)
+        rank = plan.group.rank_of(slot_id) if plan.group is not None else 0
+        if rank > 0 and slot_id in plan.optimizer_issued:
+            return None  # a member waits for rank 0's commit
+        plan.optimizer_issued.add(slot_id)
+        if plan.optimizer_deadline_s is None:
+            plan.optimizer_deadline_s = job.now_s() + job.spec.leases.train_timeout_s
+        state = job.agents[agent]
+        return OptimizerStepWork(
+            job_id=job.job_id, agent=agent, step=plan.step,
+            step_id=step_id_of(job.job_id, agent, plan.step, plan.attempt, job.epoch), new_version=plan.step + 1,
+            step_response_tokens=plan.manifest.step_response_tokens,
+            step_episodes=plan.manifest.step_episodes, num_micro_batches=len(plan.micro_batches),
+            group=plan.group, rank=rank, base_version=state.version, state_uri=state.state_uri,
+        )
+    return None
+
+
+def _start_attempt(plan: StepPlan, slot_id: str, group: DataParallelGroup | None) -> None:
+    """Fixes the attempt's slots on its first work: the agent's group, or this slot alone."""
+    if plan.slot_id:
+        return
+    if group is not None and group.world_size > 1 and slot_id in group.members:
+        plan.group = group
+        plan.slot_id = group.primary
+    else:
+        plan.group = None
+        plan.slot_id = slot_id
+
+
+def _lease_micro_batch(job: JobPlan, plan: StepPlan, mb: MicroBatch, slot_id: str,
+                       worker_id: str) -> MicroBatchWork | None:
+    eta = job.spec.pipeline.max_staleness
+    for group in mb.groups:
+        # Defence in depth: report validation already enforces this.
+        if plan.step - group.min_behavior_version > eta or group.max_behavior_version > plan.step:
+            job.fail(f"staleness bound broken: group {group.group_id} (versions "
+                     f"{group.min_behavior_version}..{group.max_behavior_version}) in step {plan.step}")
+            return None
+    subject = micro_batch_subject(plan.agent, plan.step, plan.attempt, mb.index)
+    lease = job.leases.issue(LeaseKind.MICRO_BATCH, worker_id, subject, job.spec.leases.train_timeout_s)
+    mb.status = MicroBatchStatus.LEASED
+    mb.lease_id = lease.lease_id
+    mb.slot_id = slot_id
+    return _micro_batch_work(job, plan, mb, lease)
+
+
+def _micro_batch_work(job: JobPlan, plan: StepPlan, mb: MicroBatch, lease: Lease) -> MicroBatchWork:
+    agent = job.agents[plan.agent]
+    return MicroBatchWork(
+        lease_id=lease.lease_id, job_id=job.job_id, agent=plan.agent, step=plan.step,
+        step_id=step_id_of(job.job_id, plan.agent, plan.step, plan.attempt, job.epoch),
+        micro_batch_index=mb.index,
+        experience_ids=mb.experience_ids, base_version=agent.version, state_uri=agent.state_uri,
+        step_episodes=job.spec.batch.episodes_per_step, deadline_s=lease.deadline_s,
+        group=plan.group, rank=plan.group.rank_of(mb.slot_id) if plan.group is not None else 0,
+    )
+
+
+def micro_batch_of_lease(job: JobPlan, lease: Lease) -> tuple[StepPlan, MicroBatch] | None:
+    """The step and micro-batch a micro-batch lease is for; None when its attempt is over."""
+    agent, step, attempt, index = parse_micro_batch_subject(lease.subject)
+    plan = job.plans.get((agent, step))
+    if plan is None or plan.attempt != attempt:
+        return None
+    return plan, plan.micro_batches[index]
+
+
+def ack_micro_batch(job: JobPlan, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
+    """A micro-batch's gradients are accumulated in the slot.
+
+    Raises:
+        NotFound: unknown lease.
+        FailedPrecondition: the lease expired, was revoked (its step is being
+            replayed) or belongs to another worker or slot.
+        InvalidArgument: ``episodes`` (when non-zero) differs from the micro-batch's.
+    """
+    job.require_running()
+    existing = job.leases.get(lease_id)
+    if existing is not None and existing.kind is LeaseKind.MICRO_BATCH \
+            and existing.status is LeaseStatus.RELEASED and existing.holder == worker_id:
+        found = micro_batch_of_lease(job, existing)
+        if found is not None and found[1].slot_id == slot_id:
+            return  # a repeated ack of the same attempt
+    lease = job.leases.require_active(lease_id, worker_id, LeaseKind.MICRO_BATCH)
+    found = micro_batch_of_lease(job, lease)
+    if found is None or found[1].slot_id != slot_id:
+        raise FailedPrecondition(f"lease {lease_id!r} does not belong to slot {slot_id!r}")
+    mb = found[1]
+    if episodes and episodes != mb.episodes:
+        raise InvalidArgument(f"lease {lease_id!r}: micro-batch has {mb.episodes} episodes, ack says {episodes}")
+    job.leases.end(lease, LeaseStatus.RELEASED, "acked")
+    mb.status = MicroBatchStatus.ACKED
+
+
+def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
+                weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
+                step_seconds: float = 0.0) -> None:
+    """The optimizer step of ``step`` ran on the slot and version ``new_version`` is published.
+
+    Emits StepCommitted; the step's plan and, once every agent committed it, its batch are forgotten.
+
+    Raises:
+        FailedPrecondition: no optimizer step of this step was issued to this
+            slot (e.g. the attempt was replayed elsewhere) or the step committed
+            differently already.
+        InvalidArgument: ``new_version`` is not ``step + 1``.
+    """
+    job.require_running()
+    state = job.agent(agent)
+    if new_version != step + 1:
+        raise InvalidArgument(f"new_version must be step + 1 = {step + 1}, got {new_version}")
+    if step < state.version:
+        previous = job.commits.get((agent, step))
+        if previous is not None and previous.slot_id == slot_id and previous.weights_uri == weights_uri:
+            return  # the same commit again
+        raise FailedPrecondition(f"step {step} of agent {agent!r} is already committed")
+    plan = job.plans.get((agent, step))
+    if step > state.version or plan is None or plan.optimizer_deadline_s is None or plan.slot_id != slot_id:
+        raise FailedPrecondition(f"no optimizer step {step} of agent {agent!r} was issued to slot {slot_id!r}")
+    if not weights_uri:
+        raise InvalidArgument("weights_uri: must not be empty")
+    commit = StepCommit(job_id=job.job_id, agent=agent, step=step, weights_uri=weights_uri,
+                        state_uri=state_uri, slot_id=slot_id, committed_s=job.now_s(), loss=loss,
+                        grad_norm=grad_norm, step_seconds=step_seconds)
+    job.commits[(agent, step)] = commit
+    job.changes.append(StepCommitted(commit))
+    episodes = sum(group.episodes for group in plan.groups) or 1
+    experiences = sum(len(group.experience_ids) for group in plan.groups) or 1
+    state.version = new_version
+    state.weights_uri = weights_uri
+    state.state_uri = state_uri
+    state.state_worker_id = "" if is_durable_state(state_uri) else worker_id
+    state.reward_mean = sum(group.reward_sum for group in plan.groups) / experiences
+    state.staleness_mean = sum((step - group.min_behavior_version) * group.episodes
+                               for group in plan.groups) / episodes
+    state.step_seconds = step_seconds
+    job.updated_s = commit.committed_s
+    del job.plans[(agent, step)]
+    _prune_batch(job, step)
+    if job.min_version() >= job.spec.total_steps:
+        job.set_state(JobState.SUCCEEDED, "")
+
+
+def _prune_batch(job: JobPlan, batch: int) -> None:
+    """Forgets a rollout batch once every agent committed its step."""
+    if job.min_version() <= batch:
+        return
+    for task_id in [tid for tid, task in job.tasks.items() if task.batch == batch]:
+        del job.tasks[task_id]
+    job.leases.forget(lease.lease_id for lease in job.leases.all() if batch_of_lease(lease) == batch)
+    job.done_per_batch.pop(batch, None)
+
+
+def slot_busy(job: JobPlan, slot_id: str) -> bool:
+    """Whether some step has work in flight on the slot (a leased micro-batch or an optimizer step)."""
+    return any((plan.optimizer_deadline_s is not None and slot_id in plan.members) or any(
+        mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id for mb in plan.micro_batches)
+        for plan in job.plans.values())
+
+
+def release_slot(job: JobPlan, agent: str) -> None:
+    """The agent leaves its slot between steps (binding change)."""
+    plan = job.current_plan(agent)
+    if plan is not None and not plan.mid_step:
+        plan.slot_id = ""
+        plan.group = None
+
+
+def record_swap_out(job: JobPlan, agent: str, state_uri: str) -> None:
+    """A slot saved the agent's committed state at ``state_uri`` (emits StateMoved)."""
+    state = job.agent(agent)
+    if not state_uri:
+        raise InvalidArgument("state_uri: must not be empty for a swap-out")
+    state.state_uri = state_uri
+    state.state_worker_id = "" if is_durable_state(state_uri) else state.state_worker_id
+    job.changes.append(StateMoved(job.job_id, agent, state.version, state_uri, job.now_s()))

@@ -1,0 +1,269 @@
+"""``JobPlanner``: the plan of one job behind one interface; the work is done by the sibling modules."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from flexmarl.jobspec import JobSpec, parse_job_spec
+from orchestratord.binding import AgentDemand, DataParallelGroup
+from orchestratord.leases import LeaseTable
+from orchestratord.planner import admission, demand, dispatch, recovery, reports
+from orchestratord.planner.estimator import RolloutDemandEstimator
+from orchestratord.planner.ids import lease_id_prefix, validate_job_id
+from orchestratord.planner.job_plan import AgentState, JobPlan, StepPlan
+from orchestratord.planner.types import (
+    AgentProgress,
+    AgentVersion,
+    ExperienceSummary,
+    JobSnapshot,
+    MicroBatchWork,
+    OptimizerStepWork,
+    PlannerOptions,
+    RenewResult,
+    RolloutTaskLease,
+)
+from orchestratord.state import (
+    AgentVersionRecord,
+    JobCreated,
+    JobState,
+    PersistedJob,
+    StateChange,
+    StepCommit,
+    StepManifest,
+)
+
+
+class JobPlanner:
+    """The whole plan of one job. Create with :meth:`create` or :meth:`restore`."""
+
+    def __init__(
+        self,
+        job_id: str,
+        spec: JobSpec,
+        now_s: Callable[[], float],
+        options: PlannerOptions,
+        *,
+        created_s: float,
+        agents: Mapping[str, AgentVersionRecord],
+        manifests: Mapping[tuple[str, int], StepManifest] | None = None,
+        commits: Mapping[tuple[str, int], StepCommit] | None = None,
+        state: JobState = JobState.RUNNING,
+        error: str = "",
+    ) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.spec_json = spec.to_json()
+        epoch = options.lease_epoch or secrets.token_hex(3)
+        records = {name: agents.get(name, AgentVersionRecord()) for name in spec.agent_names}
+        job = JobPlan(
+            job_id=job_id, spec=spec, now_s=now_s, options=options, epoch=epoch,
+            leases=LeaseTable(now_s, lease_id_prefix(job_id, epoch)),
+            agents={name: AgentState(name, r.version, r.weights_uri, r.state_uri) for name, r in records.items()},
+            persisted_manifests=dict(manifests or {}), commits=dict(commits or {}),
+            created_s=created_s, updated_s=created_s, state=state, error=error,
+            rollout_demand_estimator=RolloutDemandEstimator(),
+        )
+        # Every batch below the lowest committed version is done (a restored job starts there).
+        job.admitted = job.tasks_done_total = job.min_version() * spec.batch.prompts_per_step
+        for agent in spec.agents:
+            job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
+        if not state.terminal and job.min_version() >= spec.total_steps:
+            job.set_state(JobState.SUCCEEDED, "")
+        self._job = job
+
+    @classmethod
+    def create(cls, job_id: str, spec: JobSpec, now_s: Callable[[], float],
+               options: PlannerOptions | None = None) -> JobPlanner:
+        """A new job at version 0 of every agent; emits JobCreated."""
+        validate_job_id(job_id)
+        created_s = now_s()
+        planner = cls(job_id, spec, now_s, options or PlannerOptions(), created_s=created_s, agents={})
+        planner._job.changes.append(JobCreated(job_id, planner.spec_json, spec.agent_names, created_s))
+        return planner
+
+    @classmethod
+    def restore(cls, persisted: PersistedJob, now_s: Callable[[], float],
+                options: PlannerOptions | None = None) -> JobPlanner:
+        """Rebuilds a job from durable state after an orchestrator restart.
+
+        Leases that were in flight are forgotten (their tasks and micro-batches
+        are issued again); call :meth:`recover` with the experiences stored
+        already reported so that finished rollouts are not redone.
+        """
+        spec = parse_job_spec(json.loads(persisted.spec_json))  # JSON text, never read as a path
+        planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
+                      created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
+                      commits=persisted.commits, state=persisted.state, error=persisted.error)
+        planner._job.updated_s = persisted.updated_s
+        return planner
+
+    # ---- status ------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> JobState:
+        """The job's state."""
+        return self._job.state
+
+    @property
+    def error(self) -> str:
+        """Why the job failed ("" otherwise)."""
+        return self._job.error
+
+    @property
+    def rollout_demand_estimator(self) -> RolloutDemandEstimator:
+        """Tokens per episode of each agent of the job."""
+        return self._job.rollout_demand_estimator
+
+    def take_changes(self) -> list[StateChange]:
+        """Durable changes since the last call, in order (apply them before answering)."""
+        changes, self._job.changes = self._job.changes, []
+        return changes
+
+    def versions(self) -> list[AgentVersion]:
+        """Committed version of every agent, in spec order."""
+        return self._job.versions()
+
+    def version(self, agent: str) -> int:
+        """Committed version of one agent."""
+        return self._job.agent(agent).version
+
+    def manifest(self, agent: str, step: int) -> StepManifest | None:
+        """The fixed manifest of a step, or None when not fixed yet (or pruned after commit)."""
+        plan = self._job.plans.get((agent, step))
+        if plan is not None and plan.manifest is not None:
+            return plan.manifest
+        return self._job.persisted_manifests.get((agent, step))
+
+    def snapshot(self, slot_of: Callable[[str], str] | None = None,
+                 members_of: Callable[[str], tuple[str, ...]] | None = None) -> JobSnapshot:
+        """The job's status now; ``slot_of(agent)`` names the bound slot, ``members_of`` all of them."""
+        job = self._job
+        agents = tuple(
+            AgentProgress(
+                agent=a.name, version=a.version, total_steps=self.spec.total_steps,
+                weights_uri=a.weights_uri, state_uri=a.state_uri,
+                slot_id=slot_of(a.name) if slot_of is not None else "",
+                reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, step_seconds=a.step_seconds,
+                slot_ids=members_of(a.name) if members_of is not None else (),
+            )
+            for a in job.agents.values()
+        )
+        return JobSnapshot(
+            job_id=self.job_id, name=self.spec.name, state=job.state, error=job.error,
+            created_s=job.created_s, updated_s=job.updated_s, spec_json=self.spec_json, agents=agents,
+            tasks_done=job.tasks_done_total,
+            tasks_total=self.spec.total_steps * self.spec.batch.prompts_per_step,
+        )
+
+    def cancel(self) -> None:
+        """Cancels the job (no-op once it ended)."""
+        if not self._job.state.terminal:
+            self._job.set_state(JobState.CANCELLED, "cancelled")
+
+    def fail(self, error: str) -> None:
+        """Fails the job (no-op once it ended)."""
+        self._job.fail(error)
+
+    # ---- time and failures (recovery.py) -------------------------------------------------------------------
+
+    def tick(self) -> list[str]:
+        """Expires overdue leases and optimizer steps; returns slots whose work expired (treat as dead)."""
+        return recovery.tick(self._job)
+
+    def slot_lost(self, slot_id: str, reason: str) -> None:
+        """A trainer slot died or failed: steps with work on it restart from the last committed version."""
+        recovery.slot_lost(self._job, slot_id, reason)
+
+    def revoke_worker(self, worker_id: str) -> None:
+        """A rollout worker died: its task leases end now and the tasks are re-issued."""
+        recovery.revoke_worker(self._job, worker_id)
+
+    def recover(self, reported: Iterable[ExperienceSummary]) -> int:
+        """After :meth:`restore`: marks done the tasks stored holds every experience of; returns how many."""
+        return recovery.recover(self._job, reported)
+
+    # ---- rollout side (admission.py, reports.py) ---------------------------------------------------------
+
+    def admission_limit(self) -> int:
+        """Tasks that may have been admitted by now (AReaL's rule, see :func:`.admission.admission_limit`)."""
+        return admission.admission_limit(self._job)
+
+    @property
+    def admitted_tasks(self) -> int:
+        """Tasks admitted so far (N of the admission rule, in tasks)."""
+        return self._job.admitted
+
+    def has_leasable_tasks(self) -> bool:
+        """Whether :meth:`lease_tasks` would hand out a task now (a re-issue or an admissible one)."""
+        return admission.has_leasable_tasks(self._job)
+
+    def lease_tasks(self, worker_id: str, max_tasks: int) -> list[RolloutTaskLease]:
+        """Leases up to ``max_tasks`` tasks: re-issues first, then newly admitted ones."""
+        return admission.lease_tasks(self._job, worker_id, max_tasks)
+
+    def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+        """Extends the leases ``worker_id`` still holds; the others are reported lost."""
+        return admission.renew(self._job, worker_id, lease_ids)
+
+    def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
+                    experiences: Sequence[ExperienceSummary]) -> None:
+        """A rollout worker finished or failed a task; see :func:`.reports.report_task` for what it raises."""
+        reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences)
+
+    # ---- demand (demand.py) -----------------------------------------------------------------------------
+
+    def demand(self, agent: str) -> AgentDemand:
+        """What the agent needs from the trainer pool now."""
+        return demand.demand(self._job, agent)
+
+    def data_parallel_demand(self, agent: str) -> AgentDemand:
+        """:meth:`demand`, also for an agent between steps (no plan yet): what the binder sizes groups with."""
+        return demand.data_parallel_demand(self._job, agent)
+
+    def state_is_portable(self, agent: str) -> bool:
+        """Whether another slot could load the agent's committed state without a swap-out first."""
+        return demand.state_is_portable(self._job, agent)
+
+    def rollout_demand(self) -> dict[str, int]:
+        """Estimated tokens still to generate per agent (leased and admissible tasks)."""
+        return demand.rollout_demand(self._job)
+
+    # ---- trainer side (dispatch.py) -------------------------------------------------------------------------
+
+    def current_plan(self, agent: str) -> StepPlan | None:
+        """The plan of the step the agent trains next (None when nothing arrived for it yet)."""
+        return self._job.current_plan(agent)
+
+    def agent_may_train(self, agent: str, step: int) -> bool:
+        """Whether step ``step`` of ``agent`` may be trained now (not in ``sequential`` mode before its turn)."""
+        return dispatch.agent_may_train(self._job, agent, step)
+
+    def slot_busy(self, slot_id: str) -> bool:
+        """Whether some step has work in flight on the slot (a leased micro-batch or an optimizer step)."""
+        return dispatch.slot_busy(self._job, slot_id)
+
+    def next_trainer_work(self, agent: str, slot_id: str, worker_id: str,
+                          group: DataParallelGroup | None = None) -> MicroBatchWork | OptimizerStepWork | None:
+        """Work for a slot bound to ``agent`` (see :func:`.dispatch.next_trainer_work`), or None."""
+        return dispatch.next_trainer_work(self._job, agent, slot_id, worker_id, group)
+
+    def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
+        """A micro-batch's gradients are accumulated in the slot; see :func:`.dispatch.ack_micro_batch`."""
+        dispatch.ack_micro_batch(self._job, lease_id, worker_id, slot_id, episodes)
+
+    def commit_step(self, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
+                    weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
+                    step_seconds: float = 0.0) -> None:
+        """Version ``new_version`` of the agent is published; see :func:`.dispatch.commit_step`."""
+        dispatch.commit_step(self._job, worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
+                             loss, grad_norm, step_seconds)
+
+    def release_slot(self, agent: str) -> None:
+        """The agent leaves its slot between steps (binding change)."""
+        dispatch.release_slot(self._job, agent)
+
+    def record_swap_out(self, agent: str, state_uri: str) -> None:
+        """A slot saved the agent's committed state at ``state_uri``."""
+        dispatch.record_swap_out(self._job, agent, state_uri)

@@ -1,0 +1,220 @@
+"""The mutable state of one job's plan, and the few operations every part of the planner needs.
+
+The functions in ``admission``, ``reports``, ``manifests``, ``recovery``, ``dispatch``
+and ``demand`` take a :class:`JobPlan` and change it; durable changes go to
+:attr:`JobPlan.changes` (the outbox the daemon persists before it answers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+from flexmarl.errors import FailedPrecondition, NotFound
+from flexmarl.jobspec import JobSpec
+from orchestratord.binding import DataParallelGroup
+from orchestratord.leases import LeaseStatus, LeaseTable
+from orchestratord.planner.estimator import RolloutDemandEstimator
+from orchestratord.planner.types import AgentVersion, PlannerOptions
+from orchestratord.state import JobState, JobStateChanged, StateChange, StepCommit, StepManifest
+
+logger = logging.getLogger(__name__)
+
+
+class TaskStatus(enum.Enum):
+    """Where a rollout task is."""
+
+    PENDING = "pending"
+    LEASED = "leased"
+    DONE = "done"
+
+
+@dataclasses.dataclass
+class Task:
+    """One admitted rollout task (``group_size`` episodes of one environment task)."""
+
+    task_id: str
+    batch: int
+    position: int
+    task_index: int
+    status: TaskStatus = TaskStatus.PENDING
+    attempts: int = 0
+    lease_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """An agent's experiences of one task: the unit micro-batches are made of."""
+
+    agent: str
+    group_id: str
+    task_id: str
+    position: int
+    experience_ids: tuple[str, ...]
+    episodes: int
+    response_tokens: int
+    reward_sum: float
+    min_behavior_version: int
+    max_behavior_version: int
+
+
+class MicroBatchStatus(enum.Enum):
+    """Where a micro-batch of the current attempt is."""
+
+    READY = "ready"
+    LEASED = "leased"
+    ACKED = "acked"
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Complete groups whose gradients one slot accumulates under one lease."""
+
+    index: int
+    groups: tuple[Group, ...]
+    status: MicroBatchStatus = MicroBatchStatus.READY
+    lease_id: str = ""
+    slot_id: str = ""
+
+    @property
+    def experience_ids(self) -> tuple[str, ...]:
+        """Every experience of the micro-batch, group by group."""
+        return tuple(eid for group in self.groups for eid in group.experience_ids)
+
+    @property
+    def episodes(self) -> int:
+        """Episodes of the micro-batch."""
+        return sum(group.episodes for group in self.groups)
+
+    @property
+    def response_tokens(self) -> int:
+        """Generated tokens of the micro-batch."""
+        return sum(group.response_tokens for group in self.groups)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step of one agent: its groups, micro-batches, manifest and current attempt."""
+
+    agent: str
+    step: int
+    groups: list[Group] = dataclasses.field(default_factory=list)
+    unformed: list[Group] = dataclasses.field(default_factory=list)
+    micro_batches: list[MicroBatch] = dataclasses.field(default_factory=list)
+    manifest: StepManifest | None = None
+    attempt: int = 0
+    # Primary slot of the attempt (the one that commits); "" before the attempt started.
+    slot_id: str = ""
+    optimizer_deadline_s: float | None = None
+    # The attempt's group, fixed when its first work is issued (None = not started).
+    group: DataParallelGroup | None = None
+    # Members that were given the optimizer step of this attempt.
+    optimizer_issued: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The attempt's slots (primary first); empty before it started."""
+        if self.group is not None:
+            return self.group.members
+        return (self.slot_id,) if self.slot_id else ()
+
+    @property
+    def mid_step(self) -> bool:
+        """Whether the attempt has work out or done (a slot holds gradients of it)."""
+        return self.optimizer_deadline_s is not None or any(
+            mb.status is not MicroBatchStatus.READY for mb in self.micro_batches)
+
+    @property
+    def ready_for_optimizer(self) -> bool:
+        """Whether every micro-batch of the fixed manifest is accumulated."""
+        return (self.manifest is not None and not self.unformed and bool(self.micro_batches)
+                and all(mb.status is MicroBatchStatus.ACKED for mb in self.micro_batches))
+
+
+@dataclasses.dataclass
+class AgentState:
+    """An agent's committed version and where its weights and training state are."""
+
+    name: str
+    version: int
+    weights_uri: str
+    state_uri: str
+    # Worker whose memory alone holds the committed state (non-durable state_uri), else "".
+    state_worker_id: str = ""
+    reward_mean: float = 0.0
+    staleness_mean: float = 0.0
+    step_seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class JobPlan:
+    """Everything the planner knows about one job (built by ``JobPlanner``)."""
+
+    job_id: str
+    spec: JobSpec
+    now_s: Callable[[], float]
+    options: PlannerOptions
+    # Distinguishes this process's lease and step ids from a dead orchestrator's.
+    epoch: str
+    leases: LeaseTable
+    agents: dict[str, AgentState]
+    persisted_manifests: dict[tuple[str, int], StepManifest]
+    commits: dict[tuple[str, int], StepCommit]
+    created_s: float
+    updated_s: float
+    state: JobState = JobState.RUNNING
+    error: str = ""
+    # The outbox: durable changes not yet taken by the daemon.
+    changes: list[StateChange] = dataclasses.field(default_factory=list)
+    tasks: dict[str, Task] = dataclasses.field(default_factory=dict)
+    # Tasks to lease again (expired, failed or rejected), before newly admitted ones.
+    retry: set[str] = dataclasses.field(default_factory=set)
+    done_per_batch: defaultdict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    plans: dict[tuple[str, int], StepPlan] = dataclasses.field(default_factory=dict)
+    # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
+    admitted: int = 0
+    tasks_done_total: int = 0
+    rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
+
+    def agent(self, agent: str) -> AgentState:
+        """An agent of the job; raises NotFound."""
+        state = self.agents.get(agent)
+        if state is None:
+            raise NotFound(f"job {self.job_id!r} has no agent {agent!r}")
+        return state
+
+    def min_version(self) -> int:
+        """The lowest committed version over the agents."""
+        return min(a.version for a in self.agents.values())
+
+    def versions(self) -> list[AgentVersion]:
+        """Committed version of every agent, in spec order."""
+        return [AgentVersion(self.job_id, a.name, a.version, a.weights_uri) for a in self.agents.values()]
+
+    def current_plan(self, agent: str) -> StepPlan | None:
+        """The plan of the step the agent trains next (None when nothing arrived for it yet)."""
+        return self.plans.get((agent, self.agent(agent).version))
+
+    def require_running(self) -> None:
+        """Raises FailedPrecondition once the job ended."""
+        if self.state.terminal:
+            raise FailedPrecondition(f"job {self.job_id!r} is {self.state.name.lower()}")
+
+    def set_state(self, state: JobState, error: str) -> None:
+        """Moves the job to ``state`` (emits JobStateChanged); a terminal state revokes every lease."""
+        self.state = state
+        self.error = error
+        self.updated_s = self.now_s()
+        self.changes.append(JobStateChanged(self.job_id, state, error, self.updated_s))
+        if state.terminal:
+            for lease in self.leases.active():
+                self.leases.end(lease, LeaseStatus.REVOKED, f"job {state.name.lower()}")
+
+    def fail(self, error: str) -> None:
+        """Fails the job (no-op once it ended)."""
+        if not self.state.terminal:
+            logger.error("job %s failed: %s", self.job_id, error)
+            self.set_state(JobState.FAILED, error)

@@ -1,0 +1,131 @@
+"""When something ends early: expiries, dead slots and workers, step replays, orchestrator restarts.
+
+After a restart, :func:`recover` rebuilds a job's progress from the experiences stored holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument
+from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.planner.admission import requeue_task
+from orchestratord.planner.dispatch import micro_batch_of_lease
+from orchestratord.planner.ids import parse_task_id, task_index_of
+from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
+from orchestratord.planner.manifests import complete_task
+from orchestratord.planner.reports import validate_groups
+from orchestratord.planner.types import ExperienceSummary
+
+logger = logging.getLogger(__name__)
+
+
+def tick(job: JobPlan) -> list[str]:
+    """Expires overdue leases and optimizer steps; returns slots whose work expired (treat as dead)."""
+    dead_slots: list[str] = []
+    if job.state.terminal:
+        return dead_slots
+    for lease in job.leases.due():
+        job.leases.end(lease, LeaseStatus.EXPIRED, "deadline passed")
+        if lease.kind is LeaseKind.ROLLOUT_TASK:
+            requeue_task(job, lease.subject, "lease expired")
+        else:
+            found = micro_batch_of_lease(job, lease)
+            if found is not None:
+                plan, mb = found
+                dead = mb.slot_id or plan.slot_id
+                dead_slots.append(dead)
+                replay(job, plan, f"micro-batch lease {lease.lease_id} expired on slot {dead}")
+    now_s = job.now_s()
+    for plan in list(job.plans.values()):
+        if plan.optimizer_deadline_s is not None and now_s > plan.optimizer_deadline_s:
+            dead_slots.append(plan.slot_id)
+            replay(job, plan, f"optimizer step not committed in time on slot {plan.slot_id}")
+    return dead_slots
+
+
+def slot_lost(job: JobPlan, slot_id: str, reason: str) -> None:
+    """A trainer slot died or failed: steps with work on it restart from the last committed version."""
+    for plan in list(job.plans.values()):
+        if slot_id not in plan.members:
+            continue
+        if plan.mid_step:
+            replay(job, plan, reason)
+        else:
+            plan.slot_id = ""
+            plan.group = None
+
+
+def revoke_worker(job: JobPlan, worker_id: str) -> None:
+    """A rollout worker died: its task leases end now and the tasks are re-issued.
+
+    The job fails when the worker's memory held the only copy of an agent's training state.
+    """
+    for lease in job.leases.held_by(worker_id):
+        if lease.kind is LeaseKind.ROLLOUT_TASK:
+            job.leases.end(lease, LeaseStatus.REVOKED, f"worker {worker_id} gone")
+            requeue_task(job, lease.subject, f"worker {worker_id} gone")
+    for agent in job.agents.values():
+        if agent.state_worker_id == worker_id:
+            job.fail(f"training state of agent {agent.name!r} at version {agent.version} was only in the "
+                     f"memory of worker {worker_id}, which is gone ({agent.state_uri})")
+
+
+def replay(job: JobPlan, plan: StepPlan, reason: str) -> None:
+    """Starts a new attempt of a step: every micro-batch again, same manifest, from the committed version."""
+    for mb in plan.micro_batches:
+        lease = job.leases.get(mb.lease_id) if mb.lease_id else None
+        if lease is not None:
+            job.leases.end(lease, LeaseStatus.REVOKED, f"step replayed: {reason}")
+        mb.status = MicroBatchStatus.READY
+        mb.lease_id = ""
+        mb.slot_id = ""
+    plan.attempt += 1
+    plan.slot_id = ""
+    plan.group = None
+    plan.optimizer_issued = set()
+    plan.optimizer_deadline_s = None
+    logger.warning("job %s: replaying step %d of agent %s (attempt %d): %s",
+                   job.job_id, plan.step, plan.agent, plan.attempt, reason)
+    if plan.attempt >= job.options.max_step_attempts:
+        job.fail(f"step {plan.step} of agent {plan.agent!r} failed {plan.attempt} times (last: {reason})")
+
+
+def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
+    """Marks done the tasks whose experiences stored already holds (after a restore).
+
+    ``reported`` = every experience of the job in stored. A task counts as
+    done when it has a complete, valid group for every agent; anything
+    partial is re-issued. Returns the number of tasks recovered.
+    """
+    if job.state.terminal:
+        return 0
+    by_task: dict[str, list[ExperienceSummary]] = defaultdict(list)
+    for exp in reported:
+        by_task[exp.task_id].append(exp)
+    prompts = job.spec.batch.prompts_per_step
+    min_version = job.min_version()
+    recovered = 0
+    for task_id in sorted(by_task):
+        location = parse_task_id(job.job_id, task_id)
+        if location is None:
+            continue
+        batch, position = location
+        if batch < min_version or batch >= job.spec.total_steps or position >= prompts:
+            continue
+        task = job.tasks.get(task_id)
+        if task is None:
+            task = Task(task_id, batch, position, task_index_of(batch, position, prompts))
+        if task.status is TaskStatus.DONE:
+            continue
+        try:
+            groups = validate_groups(job, task, by_task[task_id], check_staleness=True)
+        except (InvalidArgument, FailedPrecondition) as rejection:
+            logger.info("not recovering task %s: %s", task_id, rejection)
+            continue
+        job.tasks[task_id] = task
+        complete_task(job, task, groups)
+        recovered += 1
+    return recovered

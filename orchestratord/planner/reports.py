@@ -1,0 +1,102 @@
+"""Rollout reports: a finished task's experiences are validated, then join their steps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument
+from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.planner.admission import requeue_task
+from orchestratord.planner.ids import group_id_of
+from orchestratord.planner.job_plan import Group, JobPlan, Task
+from orchestratord.planner.manifests import complete_task
+from orchestratord.planner.types import ExperienceSummary
+
+
+def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
+                experiences: Sequence[ExperienceSummary]) -> None:
+    """A rollout worker finished a task (experiences durable in stored) or failed it.
+
+    Raises:
+        NotFound: unknown lease.
+        FailedPrecondition: the lease expired or is not the caller's; or the
+            experiences break the staleness bound (the task is re-issued).
+        InvalidArgument: the report is malformed (the task is re-issued).
+    """
+    job.require_running()
+    lease = job.leases.require_active(lease_id, worker_id, LeaseKind.ROLLOUT_TASK)
+    if lease.subject != task_id:
+        raise InvalidArgument(f"lease {lease_id!r} is for task {lease.subject!r}, not {task_id!r}")
+    task = job.tasks[task_id]
+    if not succeeded:
+        job.leases.end(lease, LeaseStatus.RELEASED, "failed")
+        requeue_task(job, task_id, f"worker reported failure: {error}")
+        return
+    try:
+        groups = validate_groups(job, task, experiences, check_staleness=True)
+    except (InvalidArgument, FailedPrecondition) as rejection:
+        job.leases.end(lease, LeaseStatus.RELEASED, "rejected")
+        requeue_task(job, task_id, str(rejection))
+        raise
+    job.leases.end(lease, LeaseStatus.RELEASED, "reported")
+    complete_task(job, task, groups)
+
+
+def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSummary],
+                    check_staleness: bool) -> dict[str, Group]:
+    """Validates a task's experiences; returns one group per agent that still trains on batch ``task.batch``.
+
+    Raises:
+        InvalidArgument: a malformed experience, or an episode some agent has no experience of.
+        FailedPrecondition: an experience of a version the agent has not reached, or too stale.
+    """
+    group_size = job.spec.batch.group_size
+    eta = job.spec.pipeline.max_staleness
+    prefix = task.task_id + "/"
+    by_agent: dict[str, list[ExperienceSummary]] = defaultdict(list)
+    seen: set[str] = set()
+    for exp in experiences:
+        where = f"task {task.task_id}: experience {exp.experience_id!r}"
+        if exp.agent not in job.agents:
+            raise InvalidArgument(f"{where}: unknown agent {exp.agent!r}")
+        if exp.experience_id in seen:
+            raise InvalidArgument(f"{where}: reported twice")
+        if not exp.experience_id.startswith(prefix):
+            raise InvalidArgument(f"{where}: id must start with {prefix!r}")
+        if exp.group_id != group_id_of(task.task_id, exp.agent):
+            raise InvalidArgument(f"{where}: group_id must be {group_id_of(task.task_id, exp.agent)!r}, "
+                                  f"got {exp.group_id!r}")
+        if not 0 <= exp.sample_index < group_size:
+            raise InvalidArgument(f"{where}: sample_index must be in [0, {group_size}), got {exp.sample_index}")
+        if exp.behavior_version < 0 or exp.response_tokens < 0:
+            raise InvalidArgument(f"{where}: negative behavior_version or response_tokens")
+        seen.add(exp.experience_id)
+        by_agent[exp.agent].append(exp)
+    groups: dict[str, Group] = {}
+    for agent in job.agents.values():
+        members = by_agent.get(agent.name, [])
+        missing = sorted(set(range(group_size)) - {exp.sample_index for exp in members})
+        if missing:
+            raise InvalidArgument(f"task {task.task_id}: agent {agent.name!r} has no experience for "
+                                  f"episodes {missing} (every episode involves every agent)")
+        if agent.version > task.batch:
+            continue  # this agent already committed step task.batch (after a restore)
+        for exp in members:
+            if exp.behavior_version > agent.version:
+                raise FailedPrecondition(
+                    f"task {task.task_id}: experience {exp.experience_id!r} claims version "
+                    f"{exp.behavior_version} of agent {agent.name!r}, which is at version {agent.version}")
+            if check_staleness and task.batch - exp.behavior_version > eta:
+                raise FailedPrecondition(
+                    f"task {task.task_id}: experience {exp.experience_id!r} of version {exp.behavior_version} "
+                    f"is too stale for step {task.batch} (max_staleness {eta})")
+        groups[agent.name] = Group(
+            agent=agent.name, group_id=group_id_of(task.task_id, agent.name), task_id=task.task_id,
+            position=task.position, experience_ids=tuple(sorted(exp.experience_id for exp in members)),
+            episodes=group_size, response_tokens=sum(exp.response_tokens for exp in members),
+            reward_sum=sum(exp.reward for exp in members),
+            min_behavior_version=min(exp.behavior_version for exp in members),
+            max_behavior_version=max(exp.behavior_version for exp in members),
+        )
+    return groups

@@ -1,0 +1,195 @@
+"""The planner's public types: what it takes from and hands to the servicer, and its options."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from orchestratord.binding import DataParallelGroup
+from orchestratord.planner.ids import task_id_of_group
+from orchestratord.state import JobState
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceSummary:
+    """One experience as reported by rolloutd (arrays stay in stored)."""
+
+    experience_id: str
+    agent: str
+    group_id: str
+    sample_index: int
+    behavior_version: int
+    response_tokens: int
+    reward: float = 0.0
+
+    @property
+    def task_id(self) -> str:
+        """The task of the experience, derived from its group id ("<task_id>/<agent>")."""
+        return task_id_of_group(self.group_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentVersion:
+    """A committed policy version of one agent."""
+
+    job_id: str
+    agent: str
+    version: int
+    weights_uri: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutTaskLease:
+    """A rollout task leased to a worker: one environment task x ``group_size`` episodes."""
+
+    lease_id: str
+    job_id: str
+    task_id: str
+    task_index: int
+    batch_index: int
+    group_size: int
+    # Minimum version of each agent to generate with.
+    agent_versions: tuple[AgentVersion, ...]
+    deadline_s: float
+    attempt: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RenewResult:
+    """Outcome of a renewal: leases no longer held, and the earliest new deadline."""
+
+    lost_lease_ids: tuple[str, ...]
+    deadline_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentAgent:
+    """An agent whose training state a slot holds now."""
+
+    job_id: str
+    agent: str
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchWork:
+    """Accumulate the gradients of these complete groups into the slot (no optimizer step).
+
+    A ``step_id`` different from the one the slot is accumulating means a new
+    attempt: drop the accumulated gradients and, when the slot's version of the
+    agent is not ``base_version``, load the state at ``state_uri`` first
+    (``""`` with base version 0 = the initial model of the spec).
+    """
+
+    lease_id: str
+    job_id: str
+    agent: str
+    step: int
+    step_id: str
+    micro_batch_index: int
+    experience_ids: tuple[str, ...]
+    base_version: int
+    state_uri: str
+    # Normaliser fixed before backward: episodes of the whole step.
+    step_episodes: int
+    deadline_s: float
+    # The attempt's data-parallel group and this slot's rank in it (None = one slot).
+    group: DataParallelGroup | None = None
+    rank: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerStepWork:
+    """Every micro-batch of the step is accumulated: scale, step, publish, then CommitStep."""
+
+    job_id: str
+    agent: str
+    step: int
+    step_id: str
+    new_version: int
+    step_response_tokens: int
+    step_episodes: int
+    num_micro_batches: int
+    # Data parallelism: every member gets the step; only rank 0 publishes and commits. A member
+    # that accumulated nothing builds the engine from base_version / state_uri first.
+    group: DataParallelGroup | None = None
+    rank: int = 0
+    base_version: int = 0
+    state_uri: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapOutWork:
+    """Save the agent's training state to ``location`` and report it (ReportSlotEvent SWAPPED_OUT)."""
+
+    job_id: str
+    agent: str
+    location: str
+
+
+TrainerWork = MicroBatchWork | OptimizerStepWork | SwapOutWork
+
+
+class SlotEventKind(enum.Enum):
+    """What a slot reports outside of acks and commits."""
+
+    SWAPPED_OUT = 1
+    FAILED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentProgress:
+    """Progress of one agent (for JobStatus)."""
+
+    agent: str
+    version: int
+    total_steps: int
+    weights_uri: str
+    state_uri: str
+    slot_id: str
+    reward_mean: float
+    staleness_mean: float
+    step_seconds: float
+    # Every bound slot in data-parallel rank order (slot_ids[0] == slot_id).
+    slot_ids: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSnapshot:
+    """A job's status at one instant."""
+
+    job_id: str
+    name: str
+    state: JobState
+    error: str
+    created_s: float
+    updated_s: float
+    spec_json: str
+    agents: tuple[AgentProgress, ...]
+    tasks_done: int
+    tasks_total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the planner that are not part of a job spec."""
+
+    # Leases a task may get (expiries and failed reports count) before its job fails.
+    max_task_attempts: int = 5
+    # Attempts a step may get (trainer deaths and expiries) before its job fails.
+    max_step_attempts: int = 5
+    # Where SwapOutWork asks a slot to save a state that is not yet durable.
+    swap_location: str = "stored"
+    # A bound slot with no work in flight that has not polled for this long is dead.
+    slot_silence_s: float = 120.0
+    # Distinguishes lease ids across orchestrator restarts; random when empty.
+    lease_epoch: str = ""
+    # Binder knobs (see orchestratord.binding).
+    aging_per_s: float = 0.05
+    affinity_bonus: float = 1.0
+    max_wait_s: float = 60.0
+    # Data parallelism (see orchestratord.binding): micro-batches a member must be worth,
+    # how recently a free slot must have polled to be recruited, and the collective timeout.
+    dp_min_micro_batches_per_member: int = 2
+    dp_recruit_fresh_s: float = 10.0
+    dp_timeout_s: int = 60
