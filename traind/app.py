@@ -41,6 +41,7 @@ class TrainerApp(DaemonApp):
             orchestrator_address=config.orchestrator_address, store_address=config.store_address,
             max_message_bytes=config.max_message_bytes, security=ctx.security,
             dp_address=data_parallel_address(config), slot_local_ranks=config.slot_local_ranks(),
+            device_profile=config.device_profile(),
         )
         self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
 

@@ -6,8 +6,10 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 
+from flexmarl import devicemodel
 from flexmarl.config import ConfigError, DaemonConfig
 from flexmarl.devices import NO_DEVICES, device_pool, local_index, parse_device_list, split_device_sets
+from flexmarl.errors import InvalidArgument
 
 
 def _help(text: str) -> dict[str, str]:
@@ -34,6 +36,9 @@ class TrainerConfig(DaemonConfig):
         default="127.0.0.1", metadata=_help(
             "address other traind processes reach this one at for data-parallel rendezvous "
             "(\"\" = never join a group; only a process with one slot and durable states joins)"))
+    modelled_device: str = dataclasses.field(
+        default="", metadata=_help("device profile file (flexmarl.devicemodel; benchmarks): training takes the "
+                                   "time its accelerator would take; \"\" = real time only"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
@@ -47,6 +52,20 @@ class TrainerConfig(DaemonConfig):
         if self.gpus.strip().lower() != NO_DEVICES:
             parse_device_list(self.gpus)
         self.slot_local_ranks()
+        self.device_profile()
+
+    def device_profile(self) -> devicemodel.DeviceProfile | None:
+        """The profile ``modelled_device`` names, or None (real time only).
+
+        Raises:
+            ConfigError: the file cannot be read or is not a device profile.
+        """
+        if not self.modelled_device:
+            return None
+        try:
+            return devicemodel.load_profile(self.modelled_device)
+        except InvalidArgument as error:
+            raise ConfigError(f"modelled_device: {error}") from None
 
     def slot_local_ranks(
         self, env: Mapping[str, str] | None = None, cuda_device_count: Callable[[], int] | None = None,

@@ -26,10 +26,9 @@ import os
 import random
 import shutil
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import deepspeed
 import deepspeed.comm as dist
@@ -37,14 +36,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceRecord
 from traind import losses
+from traind.batches import micro_batch_advantages, pack_micro_batch, token_logprobs, token_logprobs_and_entropy
 from traind.distributed import ensure_distributed
-
-if TYPE_CHECKING:
-    from traind.swap import StateLocation
+from traind.locations import StateLocation
+from traind.pacing import ModelledDeviceClock
 
 logger = logging.getLogger(__name__)
 
@@ -161,109 +159,6 @@ class _StepAccumulator:
     micro_batches: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class PackedMicroBatch:
-    """Right-padded token tensors of a micro-batch, aligned to next-token logits."""
-
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    response_mask: torch.Tensor  # [B, L-1], 1 where logits[:, t] predicts a response token
-    behavior_logprobs: torch.Tensor  # [B, L-1]
-    advantages: torch.Tensor  # [B]
-
-
-def micro_batch_advantages(records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float) -> list[float]:
-    """GRPO advantage of every record; the micro-batch must hold complete groups.
-
-    rolloutd writes the agent's episode return (the sum of its ``ctx.reward`` calls in
-    that episode) as the ``reward`` of every one of its turns, so the return of an
-    episode (``sample_index``) is that shared value; every turn of the episode gets the
-    episode's advantage.
-
-    Raises:
-        InvalidArgument: a group is incomplete (fewer distinct samples than ``group_size``),
-            or the turns of one episode disagree on its return.
-    """
-    returns: dict[str, dict[int, float]] = defaultdict(dict)
-    sizes: dict[str, int] = {}
-    for rec in records:
-        previous = returns[rec.group_id].setdefault(rec.sample_index, float(rec.reward))
-        if previous != float(rec.reward):
-            raise InvalidArgument(
-                f"group {rec.group_id!r} episode {rec.sample_index}: turns disagree on the episode return "
-                f"({previous} vs {rec.reward})"
-            )
-        sizes[rec.group_id] = rec.group_size
-    for gid, by_sample in returns.items():
-        if len(by_sample) != sizes[gid]:
-            raise InvalidArgument(
-                f"group {gid!r} is incomplete in the micro-batch: {len(by_sample)} of {sizes[gid]} episodes"
-            )
-    advs = losses.grouped_advantages(returns, norm, eps)
-    return [advs[(rec.group_id, rec.sample_index)] for rec in records]
-
-
-def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[float]) -> PackedMicroBatch:
-    """Concatenates prompt + response per record and right-pads to one tensor."""
-    if not records:
-        raise InvalidArgument("empty micro-batch")
-    lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in records]
-    width = max(lengths)
-    if width < 2:
-        raise InvalidArgument("every sequence needs a prompt token and a response token")
-    batch = len(records)
-    input_ids = torch.zeros((batch, width), dtype=torch.long)
-    attention = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
-    behavior = torch.zeros((batch, width - 1), dtype=torch.float32)
-    for i, rec in enumerate(records):
-        prompt_len = len(rec.prompt_token_ids)
-        resp_len = len(rec.response_token_ids)
-        if prompt_len == 0:
-            raise InvalidArgument(f"experience {rec.experience_id!r} has an empty prompt")
-        input_ids[i, :prompt_len] = torch.from_numpy(rec.prompt_token_ids.astype(np.int64))
-        input_ids[i, prompt_len : prompt_len + resp_len] = torch.from_numpy(rec.response_token_ids.astype(np.int64))
-        attention[i, : lengths[i]] = 1
-        response_mask[i, prompt_len - 1 : prompt_len - 1 + resp_len] = 1.0
-        behavior[i, prompt_len - 1 : prompt_len - 1 + resp_len] = torch.from_numpy(
-            rec.response_logprobs.astype(np.float32)
-        )
-    return PackedMicroBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        response_mask=response_mask,
-        behavior_logprobs=behavior,
-        advantages=torch.tensor(list(advantages), dtype=torch.float32),
-    )
-
-
-def token_logprobs(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probability of each next token, ``[B, L-1]``, computed in fp32."""
-    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, entropy=False)[0]
-
-
-def token_logprobs_and_entropy(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
-    entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next-token logprobs ``[B, L-1]`` and (when asked) the entropy of each next-token distribution."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        # The engines report logprobs of the temperature-scaled distribution the tokens were
-        # sampled from (SGLang's default); the policy ratio must compare like with like.
-        logits = logits / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    log_norm = torch.logsumexp(logits, dim=-1)
-    picked = torch.gather(logits, -1, targets).squeeze(-1) - log_norm
-    if not entropy:
-        return picked, None
-    log_probs = logits - log_norm.unsqueeze(-1)
-    return picked, -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
 def _capture_rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -294,24 +189,22 @@ class AgentTrainer:
     Not thread-safe: call it from one thread at a time.
     """
 
-    def __init__(self, config: AgentTrainerConfig) -> None:
-        """Loads the agent's checkpoint and builds its engine (initialises the process group if needed)."""
+    def __init__(self, config: AgentTrainerConfig, device_clock: ModelledDeviceClock | None = None) -> None:
+        """Loads the agent's checkpoint and builds its engine (initialises the process group if needed).
+
+        Args:
+            config: the agent's engine settings.
+            device_clock: modelled device time (benchmarks): every micro-batch and optimizer step
+                is charged to it and its owner settles it (real math still runs); None = real time only.
+        """
         ensure_distributed()
         self.config = config
+        self.device_clock = device_clock
         self._engine: Any = None
         self._reference: PreTrainedModel | None = None
         self._acc = _StepAccumulator()
         self._pending_grad_scale: float | None = None
         self._last_grad_norm = 0.0
-        # Modelled device time (benchmarks): micro-batches and optimizer steps take the time the
-        # profile's accelerator would take (real math still runs); None = real time only.
-        self.device_profile = devicemodel.profile_from_env()
-        # Modelled waits queued by _pace for settle_pacing(): a daemon holding several slots in one
-        # process waits outside its compute lock, so its slots are separate modelled devices.
-        self.defer_pacing = False
-        self._deferred_pacing: list[tuple[str, float, devicemodel.Pacer]] = []
-        self._trace = (devicemodel.TraceWriter(self.device_profile, f"traind-{os.getpid()}-{config.agent}")
-                       if self.device_profile is not None else None)
         self._build_engine()
 
     # ------------------------------------------------------------------ build
@@ -442,8 +335,8 @@ class AgentTrainer:
         loss_sum = losses.aggregate_sum(terms.loss, mask, cfg.loss.loss_agg)
         self.engine.backward(loss_sum, scale_wrt_gas=False)
         tokens = int(mask.sum().item())
-        self._pace("train", started, lambda profile: devicemodel.train_tokens_s(
-            profile, float(attention.sum().item()) * profile.token_scale))
+        if self.device_clock is not None:
+            self.device_clock.train(started, float(attention.sum().item()))
         acc = self._acc
         acc.loss_sum += float(loss_sum.detach().item())
         acc.tokens += tokens
@@ -458,31 +351,6 @@ class AgentTrainer:
             loss_sum=float(loss_sum.detach().item()),
             seconds=time.perf_counter() - started,
         )
-
-    def _pace(self, kind: str, started_perf_s: float,
-              modelled: Callable[[devicemodel.DeviceProfile], float]) -> None:
-        """Waits until ``modelled(profile)`` scaled seconds passed since ``started_perf_s`` (modelled time only)."""
-        profile = self.device_profile
-        if profile is None:
-            return
-        wall_started_s = time.time() - (time.perf_counter() - started_perf_s)
-        pacer = devicemodel.Pacer(profile, clock=time.perf_counter)
-        pacer.start_s = started_perf_s
-        pacer.add(float(modelled(profile)))
-        if self.defer_pacing:
-            self._deferred_pacing.append((kind, wall_started_s, pacer))
-            return
-        pacer.wait()
-        if self._trace is not None:
-            self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
-
-    def settle_pacing(self) -> None:
-        """Waits out the modelled time that ``_pace`` deferred (``defer_pacing``), in order, and traces it."""
-        while self._deferred_pacing:
-            kind, wall_started_s, pacer = self._deferred_pacing.pop(0)
-            pacer.wait()
-            if self._trace is not None:
-                self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
 
     def _normalise_and_clip_hook(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         scale = self._pending_grad_scale
@@ -545,7 +413,8 @@ class AgentTrainer:
             self._pending_grad_scale = None
         self.engine.zero_grad()
         self._acc = _StepAccumulator()
-        self._pace("optimizer", started, devicemodel.optimizer_step_s)
+        if self.device_clock is not None:
+            self.device_clock.optimizer_step(started)
         token_count = max(tokens, 1.0)
         return StepStats(
             version=self.version,

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
+from flexmarl import devicemodel
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
 from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
@@ -51,9 +53,11 @@ from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
 from traind import losses
 from traind.distributed import become_standalone, join_group, on_device
+from traind.locations import MemoryStateStore, StateLocation, open_location
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
-from traind.swap import MemoryStateStore, StateLocation, open_location, swap_in, swap_out
+from traind.pacing import ModelledDeviceClock
+from traind.swap import swap_in, swap_out
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -83,6 +87,8 @@ class TrainerSettings:
     dp_address: str = ""
     # Each slot's device as an index in this process's CUDA numbering (LOCAL_RANK); None: CPU.
     slot_local_ranks: tuple[int, ...] | None = None
+    # Modelled device time (benchmarks; traind's modelled_device); None = real time only.
+    device_profile: devicemodel.DeviceProfile | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,14 +326,15 @@ class TrainerWorker:
         if slot.trainer is None:
             config = trainer_config(spec, work.agent)
             started = time.perf_counter()
+            clock = self._device_clock(work.agent)
             if work.state_uri:
                 if work.state_uri.startswith("stored://"):
                     await self._peers.store()
                 location = self._location(work.state_uri, work.job_id)
-                trainer, stats = await self._on_device(slot, swap_in, config, location)
+                trainer, stats = await self._on_device(slot, swap_in, config, location, clock)
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
             elif work.base_version == 0:
-                trainer = await self._on_device(slot, AgentTrainer, config)
+                trainer = await self._on_device(slot, AgentTrainer, config, clock)
             else:
                 raise InvalidArgument(f"{work.agent} v{work.base_version}: no state_uri to load from")
             if trainer.version != work.base_version:
@@ -335,9 +342,19 @@ class TrainerWorker:
                 raise InvalidArgument(f"state of {work.agent} is v{trainer.version}, work needs v{work.base_version}")
             log.info("%s: %s/%s v%d resident (%.2fs)", slot.slot_id, work.job_id, work.agent, trainer.version,
                      time.perf_counter() - started)
-            trainer.defer_pacing = True  # modelled time is waited by settle_pacing, outside _compute
             slot.trainer, slot.job_id, slot.agent, slot.step_id = trainer, work.job_id, work.agent, ""
         return slot.trainer
+
+    def _device_clock(self, agent: str) -> ModelledDeviceClock | None:
+        """A modelled-device clock for a trainer of ``agent`` built now (None: real time only)."""
+        profile = self.settings.device_profile
+        return ModelledDeviceClock(profile, f"traind-{os.getpid()}-{agent}") if profile is not None else None
+
+    @staticmethod
+    async def _settle(trainer: AgentTrainer) -> None:
+        """Waits out the trainer's modelled device time, outside ``_compute``: the slots are separate devices."""
+        if trainer.device_clock is not None:
+            await asyncio.to_thread(trainer.device_clock.settle)
 
     async def _micro_batch(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> None:
         async with self._compute:
@@ -347,7 +364,7 @@ class TrainerWorker:
                 slot.step_id = work.step_id
             records = await self._read_experiences(work.job_id, list(work.experience_ids))
             stats = await self._on_device(slot, trainer.accumulate, records)
-        await asyncio.to_thread(trainer.settle_pacing)  # modelled device time, outside the compute lock
+        await self._settle(trainer)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         stub = await self._peers.orchestrator()
         await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
@@ -390,7 +407,7 @@ class TrainerWorker:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
             weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
             state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, work.new_version)
-        await asyncio.to_thread(trainer.settle_pacing)
+        await self._settle(trainer)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
         stub = await self._peers.orchestrator()
@@ -421,7 +438,7 @@ class TrainerWorker:
                                       self._location(file_uri(scratch / "state"), work.job_id))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        await asyncio.to_thread(trainer.settle_pacing)
+        await self._settle(trainer)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
         slot.step_id = ""

@@ -15,8 +15,9 @@ def main() -> None:
     from flexmarl.tiny import build_tiny_checkpoint
     from tests.traind.conftest import make_groups
     from tests.traind.test_trainer import step_sizes, trainer_config
+    from traind.locations import MemoryStateStore, open_location
     from traind.model import AgentTrainer
-    from traind.swap import MemoryStateStore, open_location, swap_in, swap_out
+    from traind.swap import swap_in, swap_out
 
     root = Path(tempfile.mkdtemp(prefix="flexmarl-swap-bench-"))
     models = {

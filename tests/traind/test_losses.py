@@ -137,7 +137,7 @@ def test_entropy_bonus_is_subtracted_with_its_coefficient() -> None:
 
 
 def test_token_entropy_matches_the_distribution() -> None:
-    from traind.model import token_logprobs_and_entropy
+    from traind.batches import token_logprobs_and_entropy
 
     logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, 0.0]]])  # p = (1/4, 3/4), then (1/2, 1/2)
 

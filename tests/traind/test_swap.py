@@ -12,17 +12,16 @@ import pytest
 import torch
 
 from flexmarl.errors import InvalidArgument, NotFound
-from traind.model import AgentTrainer, AgentTrainerConfig
-from traind.swap import (
+from traind.locations import (
     FileLocation,
     MemoryLocation,
     MemoryStateStore,
     StateLocation,
     StoredLocation,
     open_location,
-    swap_in,
-    swap_out,
 )
+from traind.model import AgentTrainer, AgentTrainerConfig
+from traind.swap import swap_in, swap_out
 
 from .conftest import make_groups
 from .test_trainer import flat_params, step_sizes, trainer_config

@@ -13,14 +13,9 @@ from transformers import AutoModelForCausalLM
 from flexmarl.errors import InvalidArgument
 from flexmarl.experience import ExperienceRecord
 from traind import losses
+from traind.batches import micro_batch_advantages, pack_micro_batch, token_logprobs
 from traind.losses import LossAggregation, PolicyLossConfig
-from traind.model import (
-    AgentTrainer,
-    AgentTrainerConfig,
-    micro_batch_advantages,
-    pack_micro_batch,
-    token_logprobs,
-)
+from traind.model import AgentTrainer, AgentTrainerConfig
 
 from .conftest import make_groups
 

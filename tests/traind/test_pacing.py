@@ -1,0 +1,65 @@
+"""Modelled device time in traind: read once from config, injected into the trainer, settled by its owner."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from flexmarl import devicemodel
+from flexmarl.config import ConfigError, load_config
+from traind.config import TrainerConfig
+from traind.model import AgentTrainer
+from traind.pacing import ModelledDeviceClock
+
+from .conftest import make_groups
+from .test_trainer import step_sizes, trainer_config
+
+
+def _profile(trace_dir: Path) -> devicemodel.DeviceProfile:
+    return devicemodel.H100_SXM.with_changes(token_scale=4.0, time_scale=1e-4, trace_dir=str(trace_dir))
+
+
+def test_clock_waits_out_its_charges_in_order_and_traces_them(tmp_path: Path) -> None:
+    profile = _profile(tmp_path)
+    clock = ModelledDeviceClock(profile, "traind-test-a")
+    started = time.perf_counter()
+    clock.train(started, real_tokens=1000.0)
+    clock.optimizer_step(started)
+    assert devicemodel.read_traces(tmp_path) == {}  # charged, not yet waited
+    clock.settle()
+    train_s = devicemodel.train_tokens_s(profile, 1000.0 * profile.token_scale)
+    assert time.perf_counter() - started >= devicemodel.optimizer_step_s(profile) * profile.time_scale
+    records = devicemodel.read_traces(tmp_path)["traind-test-a"]
+    assert [r["kind"] for r in records] == ["train", "optimizer"]
+    assert records[0]["modelled_s"] == pytest.approx(train_s)
+    assert records[1]["modelled_s"] == pytest.approx(devicemodel.optimizer_step_s(profile))
+    clock.settle()  # nothing left
+    assert len(devicemodel.read_traces(tmp_path)["traind-test-a"]) == 2
+
+
+def test_the_profile_comes_from_traind_config_once(tmp_path: Path) -> None:
+    path = tmp_path / "device.json"
+    path.write_text(_profile(tmp_path).to_json())
+    config = load_config(TrainerConfig, [], "traind", env={devicemodel.PROFILE_ENV: str(path)})
+    assert config.modelled_device == str(path)
+    assert config.device_profile() == devicemodel.load_profile(path)
+    assert load_config(TrainerConfig, [], "traind", env={}).device_profile() is None
+    with pytest.raises(ConfigError, match="modelled_device"):
+        load_config(TrainerConfig, ["--modelled-device", str(tmp_path / "absent.json")], "traind", env={})
+
+
+def test_trainer_charges_micro_batches_and_steps_to_its_clock(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = AgentTrainer(trainer_config(tiny_model_dir), ModelledDeviceClock(_profile(tmp_path), "traind-t-a"))
+    try:
+        groups = make_groups(seed=3, tasks=2, group_size=2)
+        for group in groups:
+            trainer.accumulate(group)
+        trainer.optimizer_step(*step_sizes(groups))
+        assert trainer.device_clock is not None
+        trainer.device_clock.settle()
+    finally:
+        trainer.release()
+    kinds = [r["kind"] for r in devicemodel.read_traces(tmp_path)["traind-t-a"]]
+    assert kinds == ["train", "train", "optimizer"]

@@ -1,0 +1,123 @@
+"""Batch preparation for one micro-batch: GRPO advantages, packed tensors, next-token logprobs.
+
+Pure functions of experiences and tensors (torch and numpy, no DeepSpeed), shared by
+:class:`traind.model.AgentTrainer` and anything that trains or checks with the trainer's
+own pieces (tests, ``benchmarks/signaling_learning.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexmarl.errors import InvalidArgument
+from flexmarl.experience import ExperienceRecord
+from traind import losses
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedMicroBatch:
+    """Right-padded token tensors of a micro-batch, aligned to next-token logits."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    response_mask: torch.Tensor  # [B, L-1], 1 where logits[:, t] predicts a response token
+    behavior_logprobs: torch.Tensor  # [B, L-1]
+    advantages: torch.Tensor  # [B]
+
+
+def micro_batch_advantages(records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float) -> list[float]:
+    """GRPO advantage of every record; the micro-batch must hold complete groups.
+
+    rolloutd writes the agent's episode return (the sum of its ``ctx.reward`` calls in
+    that episode) as the ``reward`` of every one of its turns, so the return of an
+    episode (``sample_index``) is that shared value; every turn of the episode gets the
+    episode's advantage.
+
+    Raises:
+        InvalidArgument: a group is incomplete (fewer distinct samples than ``group_size``),
+            or the turns of one episode disagree on its return.
+    """
+    returns: dict[str, dict[int, float]] = defaultdict(dict)
+    sizes: dict[str, int] = {}
+    for rec in records:
+        previous = returns[rec.group_id].setdefault(rec.sample_index, float(rec.reward))
+        if previous != float(rec.reward):
+            raise InvalidArgument(
+                f"group {rec.group_id!r} episode {rec.sample_index}: turns disagree on the episode return "
+                f"({previous} vs {rec.reward})"
+            )
+        sizes[rec.group_id] = rec.group_size
+    for gid, by_sample in returns.items():
+        if len(by_sample) != sizes[gid]:
+            raise InvalidArgument(
+                f"group {gid!r} is incomplete in the micro-batch: {len(by_sample)} of {sizes[gid]} episodes"
+            )
+    advs = losses.grouped_advantages(returns, norm, eps)
+    return [advs[(rec.group_id, rec.sample_index)] for rec in records]
+
+
+def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[float]) -> PackedMicroBatch:
+    """Concatenates prompt + response per record and right-pads to one tensor."""
+    if not records:
+        raise InvalidArgument("empty micro-batch")
+    lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in records]
+    width = max(lengths)
+    if width < 2:
+        raise InvalidArgument("every sequence needs a prompt token and a response token")
+    batch = len(records)
+    input_ids = torch.zeros((batch, width), dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    response_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
+    behavior = torch.zeros((batch, width - 1), dtype=torch.float32)
+    for i, rec in enumerate(records):
+        prompt_len = len(rec.prompt_token_ids)
+        resp_len = len(rec.response_token_ids)
+        if prompt_len == 0:
+            raise InvalidArgument(f"experience {rec.experience_id!r} has an empty prompt")
+        input_ids[i, :prompt_len] = torch.from_numpy(rec.prompt_token_ids.astype(np.int64))
+        input_ids[i, prompt_len : prompt_len + resp_len] = torch.from_numpy(rec.response_token_ids.astype(np.int64))
+        attention[i, : lengths[i]] = 1
+        response_mask[i, prompt_len - 1 : prompt_len - 1 + resp_len] = 1.0
+        behavior[i, prompt_len - 1 : prompt_len - 1 + resp_len] = torch.from_numpy(
+            rec.response_logprobs.astype(np.float32)
+        )
+    return PackedMicroBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response_mask,
+        behavior_logprobs=behavior,
+        advantages=torch.tensor(list(advantages), dtype=torch.float32),
+    )
+
+
+def token_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of each next token, ``[B, L-1]``, computed in fp32."""
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next-token logprobs ``[B, L-1]`` and (when asked) the entropy of each next-token distribution."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logits = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        # The engines report logprobs of the temperature-scaled distribution the tokens were
+        # sampled from (SGLang's default); the policy ratio must compare like with like.
+        logits = logits / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    log_norm = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, targets).squeeze(-1) - log_norm
+    if not entropy:
+        return picked, None
+    log_probs = logits - log_norm.unsqueeze(-1)
+    return picked, -(log_probs.exp() * log_probs).sum(dim=-1)
