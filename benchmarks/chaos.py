@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -30,23 +29,32 @@ sys.path.insert(0, str(REPO_ROOT / "tests" / "chaos"))
 
 from chaos_driver import FAULT_KINDS, ChaosConfig, ChaosDriver, ChaosFailure, ChaosResult  # noqa: E402
 
+from benchmarks.report import Column, percentile, render_table  # noqa: E402
+
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "chaos.json"
 
 
 def _table(result: ChaosResult, failure: str) -> str:
-    lines = [f"{'fault':>5} {'kind':<14} {'target':<14} {'at version':>10} {'restart s':>10} {'recovery s':>11}"]
-    for f in result.faults:
-        lines.append(
-            f"{f.index:>5} {f.kind:<14} {f.target:<14} {f.version_at_kill:>10} {f.restart_s:>10.1f} "
-            f"{f.recovery_s:>11.1f}"
-        )
+    faults = [
+        Column("fault", 5),
+        Column("kind", 14, "<"),
+        Column("target", 14, "<"),
+        Column("at version", 10),
+        Column("restart s", 10, fmt=".1f"),
+        Column("recovery s", 11, fmt=".1f"),
+    ]
+    lines = render_table(
+        faults, ([f.index, f.kind, f.target, f.version_at_kill, f.restart_s, f.recovery_s] for f in result.faults)
+    )
     lines.append("")
-    lines.append(f"{'kind':<14} {'faults':>6} {'recovery p50 s':>15} {'max s':>7}")
+    kinds = [Column("kind", 14, "<"), Column("faults", 6), Column("recovery p50 s", 15), Column("max s", 7)]
+    rows = []
     for kind in FAULT_KINDS:
         times = [f.recovery_s for f in result.faults if f.kind == kind]
-        p50 = f"{statistics.median(times):.1f}" if times else "-"
+        p50 = f"{percentile(times, 50):.1f}" if times else "-"
         top = f"{max(times):.1f}" if times else "-"
-        lines.append(f"{kind:<14} {len(times):>6} {p50:>15} {top:>7}")
+        rows.append([kind, len(times), p50, top])
+    lines += render_table(kinds, rows)
     ratio = result.job_wall_s / result.baseline_wall_s if result.baseline_wall_s else float("nan")
     lines += [
         "",

@@ -50,14 +50,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import grpc
-import grpc.aio
-import numpy as np
-import psutil
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: benchmarks.report is found from the repo root
+    sys.path.insert(0, str(REPO_ROOT))
 
-from flexmarl.cluster import DaemonProcess, EtcdServer
-from flexmarl.experience import ExperienceRecord, experience_id, group_id
-from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc, store_pb2, store_pb2_grpc
+import grpc  # noqa: E402
+import grpc.aio  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+from benchmarks.report import Column, latency_ms, render_table  # noqa: E402
+from flexmarl.cluster import DaemonProcess, EtcdServer  # noqa: E402
+from flexmarl.experience import ExperienceRecord, experience_id, group_id  # noqa: E402
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc, store_pb2, store_pb2_grpc  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "load.json"
 AGENTS = ("alice", "bob")
@@ -106,10 +111,8 @@ class Recorder:
         """count, ops/s, p50/p99/max ms per RPC."""
         out: dict[str, dict[str, Any]] = {}
         for rpc, samples in sorted(self.seconds.items()):
-            ms = np.array(samples) * 1000
-            out[rpc] = {"count": len(samples), "ops_per_s": len(samples) / wall_s,
-                        "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-                        "max_ms": float(ms.max()), "errors": dict(self.errors.get(rpc, {}))}
+            out[rpc] = {"count": len(samples), "ops_per_s": len(samples) / wall_s, **latency_ms(samples),
+                        "errors": dict(self.errors.get(rpc, {}))}
         return out
 
 
@@ -331,11 +334,10 @@ def _summary(seconds: dict[str, list[float]], errors: dict[str, dict[str, int]],
     """count, RPC/s, lease ops/s, p50/p99/max ms per RPC (samples merged over client processes)."""
     out: dict[str, dict[str, Any]] = {}
     for rpc in sorted(set(seconds) | set(errors)):
-        ms = np.array(seconds.get(rpc) or [float("nan")]) * 1000
-        out[rpc] = {"count": len(seconds.get(rpc, [])), "ops_per_s": len(seconds.get(rpc, [])) / wall_s,
-                    "lease_ops_per_s": lease_ops.get(rpc, 0) / wall_s,
-                    "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-                    "max_ms": float(np.max(ms)), "errors": dict(errors.get(rpc, {}))}
+        samples = seconds.get(rpc, [])
+        out[rpc] = {"count": len(samples), "ops_per_s": len(samples) / wall_s,
+                    "lease_ops_per_s": lease_ops.get(rpc, 0) / wall_s, **latency_ms(samples),
+                    "errors": dict(errors.get(rpc, {}))}
     return out
 
 
@@ -515,16 +517,15 @@ def run_clients(address: str, configs: list[dict[str, Any]], pids: dict[str, int
         lag.extend(result["lag_s"])
     server = next(iter(watched))
     cpu_cores["clients"] = sum(r["cpu_s"] for r in results) / wall_s
-    all_ms = np.array([v for values in seconds.values() for v in values] or [float("nan")]) * 1000
     rpcs_per_s = sum(len(v) for v in seconds.values()) / wall_s
     ops_per_s = sum(lease_ops.values()) / wall_s
     return {"wall_s": wall_s, "client_procs": len(configs), "rpcs": _summary(seconds, errors, lease_ops, wall_s),
             "rpcs_per_s": rpcs_per_s, "lease_ops_per_s": ops_per_s, "cpu_cores_used": cpu_cores,
             "server_cpu_us_per_rpc": cpu_cores[server] * 1e6 / max(1.0, rpcs_per_s),
             "server_cpu_us_per_lease_op": cpu_cores[server] * 1e6 / max(1.0, ops_per_s),
-            "p50_ms": float(np.percentile(all_ms, 50)), "p99_ms": float(np.percentile(all_ms, 99)),
-            "max_ms": float(np.max(all_ms)), "peak_rss_mb": {k: v / 2**20 for k, v in peak.items()},
-            "client_lag_p99_ms": float(np.percentile(np.array(lag) * 1000, 99)) if lag else 0.0}
+            **latency_ms([v for values in seconds.values() for v in values]),
+            "peak_rss_mb": {k: v / 2**20 for k, v in peak.items()},
+            "client_lag_p99_ms": latency_ms(lag)["p99_ms"] if lag else 0.0}
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -627,12 +628,24 @@ def _lease_ops(rpcs: dict[str, dict[str, Any]]) -> tuple[float, float]:
     return sum(r["ops_per_s"] for r in rows), max((r["p99_ms"] for r in rows), default=float("nan"))
 
 
-def _rows(phase: str, rpcs: dict[str, dict[str, Any]]) -> None:
-    for rpc, row in rpcs.items():
-        errors = ",".join(f"{k}={v}" for k, v in row["errors"].items()) or "-"
-        lease_ops = f"{row['lease_ops_per_s']:>10.0f}" if "lease_ops_per_s" in row else f"{'':>10}"
-        print(f"{phase + '/' + rpc:<36}{row['count']:>9}{row['ops_per_s']:>9.0f}{lease_ops}{row['p50_ms']:>9.2f}"
-              f"{row['p99_ms']:>9.2f}{row['max_ms']:>9.1f}  {errors}")
+RPC_COLUMNS = [
+    Column("phase/rpc", 36, "<"),
+    Column("count", 9),
+    Column("RPC/s", 9, fmt=".0f"),
+    Column("lease op/s", 10, fmt=".0f"),
+    Column("p50 ms", 9, fmt=".2f"),
+    Column("p99 ms", 9, fmt=".2f"),
+    Column("max ms", 9, fmt=".1f"),
+    Column("errors", 0, "<", gap="  "),
+]
+
+
+def _rows(phase: str, rpcs: dict[str, dict[str, Any]]) -> list[list[object]]:
+    return [
+        [phase + "/" + rpc, row["count"], row["ops_per_s"], row.get("lease_ops_per_s"), row["p50_ms"],
+         row["p99_ms"], row["max_ms"], ",".join(f"{k}={v}" for k, v in row["errors"].items()) or "-"]
+        for rpc, row in rpcs.items()
+    ]
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -640,12 +653,10 @@ def print_report(report: dict[str, Any]) -> None:
     d, h, s, b = report["drive"], report["hold"], report["storm"], report["baseline"]
     print(f"drive: job {d['job_state']} in {d['wall_s']:.1f} s, {d['committed_steps_all_agents']} agent-steps "
           f"committed ({d['steps_per_s']:.2f}/s), tasks {d['tasks_done']}/{d['tasks_total']}")
-    print(f"{'phase/rpc':<36}{'count':>9}{'RPC/s':>9}{'lease op/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  errors")
-    _rows("drive", d["rpcs"])
-    _rows("baseline(bare grpc.aio)", b["rpcs"])
-    _rows("storm(closed)", s["rpcs"])
+    rows = _rows("drive", d["rpcs"]) + _rows("baseline(bare grpc.aio)", b["rpcs"]) + _rows("storm(closed)", s["rpcs"])
     for run in report["open"]:
-        _rows(f"open@{run['offered']['lease_ops_per_s']:.0f}", run["rpcs"])
+        rows += _rows(f"open@{run['offered']['lease_ops_per_s']:.0f}", run["rpcs"])
+    print("\n".join(render_table(RPC_COLUMNS, rows, sep="")))
     for name, m in d["memory"].items():
         print(f"{name}: RSS start {m['rss_start_mb']:.1f} MiB, after warm-up {m['rss_after_warmup_mb']:.1f}, "
               f"end {m['rss_end_mb']:.1f}, peak {m['rss_peak_mb']:.1f}; growth after warm-up "

@@ -3,7 +3,7 @@
     pip install sglang-router            # 0.3.2, a CPU wheel
     python -m benchmarks.router_compare  # ~2-4 min on 2 cores
 
-Replicas: ``--replicas`` synthetic engine replicas (:mod:`rolloutd.engines.synthetic`, one
+Replicas: ``--replicas`` synthetic engine replicas (:mod:`benchmarks.synthetic_engine`, one
 process, continuous batching, modelled H100 time). Workload: one agent, ``--episodes``
 episodes released together (an RL rollout batch), each ``--turns`` turns in a row on the same
 512-token prompt; every response length is drawn from the long-tailed ``planner`` shape of
@@ -42,13 +42,14 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.report import Column, percentile, render_table
+from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet
 from benchmarks.workloads import LONG_TAIL_SHAPES, LengthDistribution
 from flexmarl import devicemodel
 from rolloutd.balancer import BalancerConfig
 from rolloutd.engines.launcher import free_port
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.engines.synthetic import SyntheticEngineConfig, SyntheticFleet
 from rolloutd.router import Replica, RolloutRouter
 
 log = logging.getLogger("benchmarks.router_compare")
@@ -82,14 +83,6 @@ def make_turns(episodes: int, turns: int, shape: LengthDistribution, token_scale
     return [
         [Turn(e, t, max(1, math.ceil(shape.sample(rng) / token_scale))) for t in range(turns)] for e in range(episodes)
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 async def _drive(generate: Any, episodes: list[list[Turn]], prompt: list[int]) -> tuple[float, list[float], int]:
@@ -239,15 +232,20 @@ async def run_sglang(
 def table(results: list[RouterResult]) -> str:
     """Makespan and latencies, with each router's makespan over flexmarl's."""
     ours = next((r for r in results if r.router == "flexmarl"), None)
-    lines = [
-        f"{'router':<26} {'makespan s':>10} {'p50 s':>8} {'p99 s':>8} {'vs flexmarl':>11} {'requests':>8} {'errors':>6}"
+    columns = [
+        Column("router", 26, "<"),
+        Column("makespan s", 10, fmt=".1f"),
+        Column("p50 s", 8, fmt=".1f"),
+        Column("p99 s", 8, fmt=".1f"),
+        Column("vs flexmarl", 11, fmt=".2f", suffix="x"),
+        Column("requests", 8),
+        Column("errors", 6),
     ]
+    rows = []
     for r in results:
         ratio = r.makespan_s / ours.makespan_s if ours is not None and ours.makespan_s > 0 else math.nan
-        lines.append(
-            f"{r.router:<26} {r.makespan_s:>10.1f} {r.p50_latency_s:>8.1f} {r.p99_latency_s:>8.1f} "
-            f"{ratio:>10.2f}x {r.requests:>8} {r.errors:>6}"
-        )
+        rows.append([r.router, r.makespan_s, r.p50_latency_s, r.p99_latency_s, ratio, r.requests, r.errors])
+    lines = render_table(columns, rows)
     lines.append("modelled seconds; vs flexmarl = router makespan / flexmarl makespan (> 1: flexmarl faster)")
     return "\n".join(lines)
 
@@ -281,8 +279,8 @@ async def compare(args: argparse.Namespace, run_dir: Path) -> list[RouterResult]
         result = RouterResult(
             name,
             wall_s / scale,
-            percentile(latencies, 0.5) / scale,
-            percentile(latencies, 0.99) / scale,
+            percentile(latencies, 50, nearest_rank=True) / scale,
+            percentile(latencies, 99, nearest_rank=True) / scale,
             len(latencies),
             errors,
         )

@@ -36,6 +36,7 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.workloads import Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402
@@ -281,10 +282,17 @@ def table(results: list[RunResult]) -> str:
     """The printed table: figures and speedups of FlexMARL over each baseline."""
     by_name = {r.config: r for r in results}
     flex = by_name.get("flexmarl")
-    lines = [
-        f"{'config':<12} {'state':<10} {'step s':>8} {'tok/s':>9} {'roll busy':>9} {'train busy':>10} "
-        f"{'flexmarl speedup':>16}  target"
+    columns = [
+        Column("config", 12, "<"),
+        Column("state", 10, "<"),
+        Column("step s", 8, fmt=".1f"),
+        Column("tok/s", 9, fmt=".0f"),
+        Column("roll busy", 9, fmt=".2f"),
+        Column("train busy", 10, fmt=".2f"),
+        Column("flexmarl speedup", 16, fmt=".2f", suffix="x"),
+        Column("target", 0, "<", gap="  "),
     ]
+    rows = []
     for r in results:
         over = r.step_s / flex.step_s if flex and flex.step_s > 0 else float("nan")
         target = TARGETS.get(r.config)
@@ -293,11 +301,8 @@ def table(results: list[RunResult]) -> str:
             verdict = f">= {target}x: {'met' if over >= target else 'MISSED'}"
         elif r.config != "flexmarl":
             verdict = f"ablation costs {over:.2f}x"
-        lines.append(
-            f"{r.config:<12} {r.state:<10} {r.step_s:>8.1f} {r.tokens_per_s:>9.0f} {r.rollout_busy:>9.2f} "
-            f"{r.train_busy:>10.2f} {over:>15.2f}x  {verdict}"
-        )
-    return "\n".join(lines)
+        rows.append([r.config, r.state, r.step_s, r.tokens_per_s, r.rollout_busy, r.train_busy, over, verdict])
+    return "\n".join(render_table(columns, rows))
 
 
 def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str:
@@ -313,19 +318,14 @@ def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str
 
 def chart(results: list[RunResult], path: Path) -> None:
     """A bar chart of modelled step seconds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r.config for r in results]
-    ax.bar(names, [r.step_s if math.isfinite(r.step_s) else 0.0 for r in results], color="#4477aa")
-    ax.set_ylabel("modelled step seconds")
-    ax.set_title(f"{results[0].workload}: step time (lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart(
+        path,
+        [r.config for r in results],
+        [r.step_s for r in results],
+        ylabel="modelled step seconds",
+        title=f"{results[0].workload}: step time (lower is better)",
+        size=(7, 3.5),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@
 
 One local cluster per configuration: etcd, stored, orchestratord, one rolloutd pointed (via
 ``--engine-urls``) at ``--replicas`` replicas of the synthetic engine
-(:mod:`rolloutd.engines.synthetic`, all in one process, continuous batching, lengths only),
+(:mod:`benchmarks.synthetic_engine`, all in one process, continuous batching, lengths only),
 and ``--slots`` traind processes of one slot each. One process per slot because traind
 serialises the compute of the slots of one process (one DeepSpeed process group), modelled
 waits included; separate processes let the slots' modelled device time overlap as separate
@@ -37,13 +37,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import psutil  # noqa: E402
 
+from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.run import CONFIGS, RunResult, job_spec, measure  # noqa: E402
+from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet  # noqa: E402
 from benchmarks.workloads import Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
-from rolloutd.engines.synthetic import SyntheticEngineConfig, SyntheticFleet  # noqa: E402
 
 log = logging.getLogger("benchmarks.scaleout")
 
@@ -163,19 +164,27 @@ def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir
 def table(results: list[ScaleResult]) -> str:
     """Figures, FlexMARL's speedup over each baseline, and CPU (cores busy) per daemon kind."""
     flex = next((r for r in results if r.run.config == "flexmarl"), None)
-    lines = [
-        f"{'config':<12} {'state':<10} {'repl':>4} {'slots':>5} {'step s':>8} {'tok/s':>9} {'roll busy':>9} "
-        f"{'train busy':>10} {'speedup':>8} {'orch cpu':>8} {'roll cpu':>8} {'eng cpu':>8} {'trn cpu':>8}"
+    columns = [
+        Column("config", 12, "<"),
+        Column("state", 10, "<"),
+        Column("repl", 4),
+        Column("slots", 5),
+        Column("step s", 8, fmt=".1f"),
+        Column("tok/s", 9, fmt=".0f"),
+        Column("roll busy", 9, fmt=".2f"),
+        Column("train busy", 10, fmt=".2f"),
+        Column("speedup", 8, fmt=".2f", suffix="x"),
+        *(Column(header, 8, fmt=".2f") for header in ("orch cpu", "roll cpu", "eng cpu", "trn cpu")),
     ]
+    rows = []
     for r in results:
         run = r.run
         over = run.step_s / flex.run.step_s if flex and flex.run.step_s > 0 else math.nan
-        lines.append(
-            f"{run.config:<12} {run.state:<10} {r.replicas:>4} {r.slots:>5} {run.step_s:>8.1f} "
-            f"{run.tokens_per_s:>9.0f} {run.rollout_busy:>9.2f} {run.train_busy:>10.2f} {over:>7.2f}x "
-            f"{r.cpu_fraction('orchestratord'):>8.2f} {r.cpu_fraction('rolloutd'):>8.2f} "
-            f"{r.cpu_fraction('synthetic'):>8.2f} {r.cpu_fraction('traind'):>8.2f}"
+        rows.append(
+            [run.config, run.state, r.replicas, r.slots, run.step_s, run.tokens_per_s, run.rollout_busy,
+             run.train_busy, over, *(r.cpu_fraction(k) for k in ("orchestratord", "rolloutd", "synthetic", "traind"))]
         )
+    lines = render_table(columns, rows)
     lines.append(
         "step s and tok/s are modelled; speedup = config step s / flexmarl step s; "
         "cpu = CPU seconds per wall second of the job (cores busy)"
@@ -185,20 +194,15 @@ def table(results: list[ScaleResult]) -> str:
 
 def chart(results: list[ScaleResult], path: Path) -> None:
     """Bars of modelled step seconds per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [r.run.config for r in results]
-    ax.bar(names, [r.run.step_s if math.isfinite(r.run.step_s) else 0.0 for r in results], color="#4477aa")
-    ax.set_ylabel("modelled step seconds")
     first = results[0]
-    ax.set_title(f"{first.agents} agents, {first.replicas} replicas, {first.slots} slots (lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    bar_chart(
+        path,
+        [r.run.config for r in results],
+        [r.run.step_s for r in results],
+        ylabel="modelled step seconds",
+        title=f"{first.agents} agents, {first.replicas} replicas, {first.slots} slots (lower is better)",
+        size=(6, 3.5),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

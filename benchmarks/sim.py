@@ -59,6 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import Column, line_chart, render_table
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
 from flexmarl.jobspec import parse_job_spec
@@ -667,18 +668,30 @@ def sweep(devices: Sequence[int], configs: Sequence[str], base: SimSettings) -> 
 def table(outcomes: Sequence[SimOutcome]) -> str:
     """Step seconds, throughput, busy fractions and FlexMARL's speedup per size."""
     flex = {o.devices: o for o in outcomes if o.config == "flexmarl"}
-    lines = [
-        f"{'devices':>7} {'repl':>5} {'slots':>5} {'eps/step':>8} {'config':<11} {'state':<10} {'step s':>8} "
-        f"{'tok/s':>9} {'roll busy':>9} {'train busy':>10} {'dp max':>6} {'moves':>6} {'speedup':>8}"
+    columns = [
+        Column("devices", 7),
+        Column("repl", 5),
+        Column("slots", 5),
+        Column("eps/step", 8),
+        Column("config", 11, "<"),
+        Column("state", 10, "<"),
+        Column("step s", 8, fmt=".1f"),
+        Column("tok/s", 9, fmt=".0f"),
+        Column("roll busy", 9, fmt=".2f"),
+        Column("train busy", 10, fmt=".2f"),
+        Column("dp max", 6),
+        Column("moves", 6),
+        Column("speedup", 8, fmt=".2f", suffix="x"),
     ]
+    rows = []
     for o in outcomes:
         ref = flex.get(o.devices)
         over = o.step_s / ref.step_s if ref is not None and ref.step_s > 0 else math.nan
-        lines.append(
-            f"{o.devices:>7} {o.replicas:>5} {o.slots:>5} {o.episodes_per_step:>8} {o.config:<11} "
-            f"{o.state:<10} {o.step_s:>8.1f} {o.tokens_per_s:>9.0f} {o.rollout_busy:>9.2f} "
-            f"{o.train_busy:>10.2f} {o.max_group_size:>6} {o.reassignments:>6} {over:>7.2f}x"
+        rows.append(
+            [o.devices, o.replicas, o.slots, o.episodes_per_step, o.config, o.state, o.step_s, o.tokens_per_s,
+             o.rollout_busy, o.train_busy, o.max_group_size, o.reassignments, over]
         )
+    lines = render_table(columns, rows)
     lines.append(
         "modelled seconds (H100/Qwen2.5-14B roofline); dp max = largest data-parallel group (slots); "
         "speedup = config step s / flexmarl step s"
@@ -688,24 +701,20 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
 
 def chart(outcomes: Sequence[SimOutcome], path: Path) -> None:
     """Tokens/s against devices, one line per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for config in dict.fromkeys(o.config for o in outcomes):
-        points = [(o.devices, o.tokens_per_s) for o in outcomes if o.config == config and math.isfinite(o.tokens_per_s)]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=config)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("devices")
-    ax.set_ylabel("modelled response tokens / s")
-    ax.set_title("simulated throughput (weak scaling)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    series = {
+        config: [(o.devices, o.tokens_per_s) for o in outcomes if o.config == config]
+        for config in dict.fromkeys(o.config for o in outcomes)
+    }
+    line_chart(
+        path,
+        series,
+        xlabel="devices",
+        ylabel="modelled response tokens / s",
+        title="simulated throughput (weak scaling)",
+        size=(6.5, 4),
+        log_x_base=2,
+        log_y=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

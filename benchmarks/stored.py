@@ -23,13 +23,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-import grpc.aio
-import numpy as np
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script: benchmarks.report is found from the repo root
+    sys.path.insert(0, str(REPO_ROOT))
 
-from flexmarl.cluster import DaemonProcess, EtcdServer, free_port, wait_until
-from flexmarl.experience import ExperienceRecord, experience_id, group_id
-from flexmarl.store_client import StoreClient
+import grpc  # noqa: E402
+import grpc.aio  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.report import Column, percentile, render_table  # noqa: E402
+from flexmarl.cluster import DaemonProcess, EtcdServer, free_port, wait_until  # noqa: E402
+from flexmarl.experience import ExperienceRecord, experience_id, group_id  # noqa: E402
+from flexmarl.store_client import StoreClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "stored.json"
 RAW_MESSAGE_BYTES = 1 << 20
@@ -138,8 +143,8 @@ async def bench_stored(address: str, args: argparse.Namespace, tmp: Path) -> dic
         "append_batch": args.batch,
         "append_experiences_per_s": len(records) / append_s,
         "append_mb_per_s": total_mb / append_s,
-        "append_p50_ms": 1000 * float(np.percentile(latencies, 50)),
-        "append_p99_ms": 1000 * float(np.percentile(latencies, 99)),
+        "append_p50_ms": 1000 * percentile(latencies, 50),
+        "append_p99_ms": 1000 * percentile(latencies, 99),
         "read_batch": args.read_batch,
         "read_experiences_per_s": len(records) / read_s,
         "read_mb_per_s": total_mb / read_s,
@@ -202,10 +207,9 @@ def main() -> None:
     ]
     print(f"stored benchmark: {args.records} experiences, {args.response_tokens}-token responses + logprobs, "
           f"{args.prompt_tokens}-token prompts, synchronous={args.synchronous}")
-    print(f"{'operation':<36}{'experiences/s':>15}{'MiB/s':>10}")
-    for name, eps, mbs in rows:
-        eps_text = "-" if eps != eps else f"{eps:,.0f}"
-        print(f"{name:<36}{eps_text:>15}{mbs:>10.1f}")
+    columns = [Column("operation", 36, "<"), Column("experiences/s", 15, fmt=",.0f"), Column("MiB/s", 10, fmt=".1f")]
+    table_rows = [(name, "-" if eps != eps else eps, mbs) for name, eps, mbs in rows]
+    print("\n".join(render_table(columns, table_rows, sep="")))
     print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

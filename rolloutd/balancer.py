@@ -22,7 +22,7 @@ Two levels (DESIGN.md §4):
   in-flight requests; we measure it in outstanding estimated tokens, so the absolute
   threshold is in tokens here.
 
-The caller (the async rollout router, or the simulator in ``balancer_sim``) owns time and
+The caller (the async rollout router, or the simulator in ``benchmarks.balancer_sim``) owns time and
 I/O: it calls :meth:`HierarchicalBalancer.submit` per request, :meth:`~HierarchicalBalancer.finish`
 when a request ends, :meth:`~HierarchicalBalancer.maybe_rebalance` periodically, performs
 the weight loads the balancer asks for and reports them with

@@ -124,7 +124,8 @@ class EmbeddedEngineConfig:
     seed: int | None = None  # seeds the engine's sampling generator at start (SGLang --random-seed)
     ready_file: str = ""
     # Device profile file (flexmarl.devicemodel): generation takes the modelled time of that
-    # accelerator; "" = the FLEXMARL_MODELLED_DEVICE environment variable, unset = real time only.
+    # accelerator; "" = real time only. The command line falls back to FLEXMARL_MODELLED_DEVICE
+    # (read once, in _parse_args), so the engine itself never reads the environment.
     modelled_device: str = ""
 
 
@@ -394,11 +395,7 @@ class EmbeddedEngine:
         self.max_batch_sequences = 0
         self.generated_tokens = 0
         self._started_s = time.monotonic()
-        self.device = (
-            devicemodel.load_profile(config.modelled_device)
-            if config.modelled_device
-            else devicemodel.profile_from_env()
-        )
+        self.device = devicemodel.load_profile(config.modelled_device) if config.modelled_device else None
         self._trace = devicemodel.TraceWriter(self.device, f"engine-{os.getpid()}") if self.device else None
         self._limits = BatchLimits.for_engine(config.max_batch_size, self.device)
         self._pacer: devicemodel.Pacer | None = None  # modelled time of the current busy period
@@ -1074,7 +1071,7 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         weight_version=args.weight_version,
         seed=args.seed,
         ready_file=args.ready_file,
-        modelled_device=args.modelled_device,
+        modelled_device=args.modelled_device or os.environ.get(devicemodel.PROFILE_ENV, ""),
     )
 
 

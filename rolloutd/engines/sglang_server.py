@@ -1,7 +1,7 @@
 """The SGLang-protocol HTTP server every engine FlexMARL ships speaks, over a small backend interface.
 
 The embedded engine (:mod:`rolloutd.engines.embedded`) and the synthetic engine
-(:mod:`rolloutd.engines.synthetic`) implement :class:`EngineBackend`; this module owns what a
+(:mod:`benchmarks.synthetic_engine`) implement :class:`EngineBackend`; this module owns what a
 client sees: routes, methods, body parsing, validation, rids and error shapes, each as SGLang
 0.5.23 does it, never kinder. The SGLang files mirrored:
 

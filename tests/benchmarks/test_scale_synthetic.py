@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticFleet
 from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.engines.synthetic import SyntheticEngine, SyntheticEngineConfig, SyntheticFleet
 
 
 def _profile(tmp_path: Path, time_scale: float = 0.0005) -> Path:

@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -65,13 +66,17 @@ log = logging.getLogger(__name__)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SIGNALING_JOB = REPO_ROOT / "examples" / "signaling" / "job.yaml"
 E2E_DIR = REPO_ROOT / "tests" / "e2e"
+if str(E2E_DIR) not in sys.path:  # e2e_support: the parameter comparison shared with test_equivalence
+    sys.path.insert(0, str(E2E_DIR))
+
+# test_equivalence's bound: same gradients, only the order of fp32 sums may differ.
+from e2e_support import MAX_RELATIVE_DIFFERENCE, max_relative_difference  # noqa: E402
+
 ENGINE_MODULE = "rolloutd.engines.embedded"
 DENSE_ENV = "dense_signaling:DenseSignaling"
 
 #: Every kind of process the schedule kills.
 FAULT_KINDS: tuple[str, ...] = ("etcd", "stored", "orchestratord", "traind", "rolloutd", "engine")
-#: test_equivalence's bound: same gradients, only the order of fp32 sums may differ.
-MAX_RELATIVE_DIFFERENCE = 1e-5
 REGISTRY_TTL_S = 3
 PROBE_JOB = "chaos-probe"
 #: orchestratord.state.JobState values of SUCCEEDED, FAILED, CANCELLED (as stored in etcd).
@@ -616,8 +621,7 @@ class ChaosDriver:
             if chaos.keys() != reference.keys():
                 raise ChaosFailure(f"{agent}: parameter names differ from the fault-free run")
             for name, expected in reference.items():
-                scale = expected.abs().max().clamp_min(1e-12)
-                worst = max(worst, float((chaos[name] - expected).abs().max() / scale))
+                worst = max(worst, max_relative_difference(chaos[name], expected))
         self.result.max_relative_difference = worst
 
         async def experiences(job_id: str) -> dict[str, ExperienceRecord]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
+import torch
 import yaml
 
 from flexmarl.artifacts import local_path
@@ -38,6 +39,11 @@ ENGINE_MODULE = "rolloutd.engines.embedded"
 DENSE_ENV = "dense_signaling:DenseSignaling"
 
 JOB_TIMEOUT_S = 150.0
+# Bound on max_relative_difference between the parameters of two runs that apply the same
+# gradients to the same parameters and differ only in the order fp32 sums are formed (a few ulps
+# per step). Shared by test_equivalence, test_data_parallel_binding and the chaos driver; each
+# says why its two runs qualify.
+MAX_RELATIVE_DIFFERENCE = 1e-5
 
 
 def daemon_env() -> dict[str, str]:
@@ -299,3 +305,9 @@ def weights_dir(uri: str) -> Path:
     """The directory of a file:// weights URI."""
     assert uri.startswith("file://"), uri
     return local_path(uri)
+
+
+def max_relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest ``|actual - expected|`` over the largest ``|expected|`` (at least 1e-12)."""
+    scale = expected.abs().max().clamp_min(1e-12)
+    return float((actual - expected).abs().max() / scale)

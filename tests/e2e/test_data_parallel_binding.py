@@ -18,10 +18,12 @@ import grpc
 import pytest
 import torch
 from e2e_support import (
+    MAX_RELATIVE_DIFFERENCE,
     E2ECluster,
     assert_exactly_once,
     assert_one_commit_per_step,
     assert_succeeded,
+    max_relative_difference,
     metric_sum,
     running_cluster,
     weights_dir,
@@ -39,8 +41,8 @@ TRAINDS = ("traind-0", "traind-1")
 # partial sums and the W/N rescale divides and multiplies by W = 2; alone, one slot sums them
 # in arrival order). That moves gradients by a few ulps. Adam's first update is ~lr * g / (|g| + eps):
 # with eps 1e-8 a component that is zero up to rounding could flip sign and move by 2 lr, so the
-# job uses eps 1e-4 (as tests/traind/test_data_parallel.py); then parameters agree far below 1e-5.
-MAX_RELATIVE_DIFFERENCE = 1e-5
+# job uses eps 1e-4 (as tests/traind/test_data_parallel.py); then parameters agree far below
+# MAX_RELATIVE_DIFFERENCE (1e-5, e2e_support).
 ADAM_EPS = 1e-4
 
 
@@ -149,8 +151,7 @@ def test_two_slots_train_one_agent_data_parallel_like_one_slot(dp_cluster: E2ECl
     moved = False
     for name, expected in single.items():
         actual = parallel[name]
-        scale = expected.abs().max().clamp_min(1e-12)
-        relative = float((actual - expected).abs().max() / scale)
+        relative = max_relative_difference(actual, expected)
         assert relative <= MAX_RELATIVE_DIFFERENCE, f"{name}: max relative difference {relative:.3g}"
         if name in initial:
             moved = moved or not torch.equal(expected, initial[name])

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_support import E2ECluster, assert_succeeded, weights_dir
+from e2e_support import (
+    MAX_RELATIVE_DIFFERENCE,
+    E2ECluster,
+    assert_succeeded,
+    max_relative_difference,
+    weights_dir,
+)
 
 from flexmarl.artifacts import checkpoint_tensors
 
@@ -14,8 +20,7 @@ STEPS = 2
 # Both runs apply the same gradients to the same parameters; only the order in which
 # floating-point sums are formed may differ (micro-batch gradients accumulate as they
 # arrive, and the engine may batch the same requests differently), which in fp32 moves
-# parameters by a few ulps per step, far below 1e-5 relative.
-MAX_RELATIVE_DIFFERENCE = 1e-5
+# parameters by a few ulps per step, far below MAX_RELATIVE_DIFFERENCE (1e-5, e2e_support).
 
 
 
@@ -40,8 +45,7 @@ def test_async_with_zero_staleness_trains_the_same_parameters_as_sync(shared_clu
         moved = False
         for name, expected in sync_params.items():
             actual = async_params[name]
-            scale = expected.abs().max().clamp_min(1e-12)
-            relative = float((actual - expected).abs().max() / scale)
+            relative = max_relative_difference(actual, expected)
             assert relative <= MAX_RELATIVE_DIFFERENCE, f"{agent}.{name}: max relative difference {relative:.3g}"
             if name in initial[agent]:  # the initial checkpoint may tie lm_head to the embeddings
                 moved = moved or not torch.equal(expected, initial[agent][name])

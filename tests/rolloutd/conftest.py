@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet
 from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
-from rolloutd.engines.synthetic import SyntheticEngineConfig, SyntheticFleet
 
 # Both shipped servers run with room for 4 sequences, so tests can fill a batch and queue behind it.
 ENGINE_MAX_RUNNING = 4

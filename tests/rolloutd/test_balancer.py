@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.balancer_sim import compare, format_table, simulate, skewed_workload
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.balancer import (
     AgentSpec,
@@ -16,7 +17,6 @@ from rolloutd.balancer import (
     equal_split,
     group_affinity_key,
 )
-from rolloutd.balancer_sim import compare, format_table, simulate, skewed_workload
 
 
 def make(replicas: dict[str, str], agents: dict[str, str], **config: object) -> HierarchicalBalancer:

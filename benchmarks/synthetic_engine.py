@@ -4,8 +4,10 @@ It serves SGLang's native HTTP API through the same server as the embedded engin
 (:mod:`rolloutd.engines.sglang_server`: routes, parsing, validation, rids, abort and error
 shapes as SGLang 0.5.23) plus ``/get_load`` (polled by sglang-router's ``power_of_two``
 policy), one aiohttp application per port, so rolloutd and sglang-router drive it through
-their ordinary clients. It exists for the scale-out benchmark:
-64 or more modelled replicas do not fit a small CPU machine as embedded engines.
+their ordinary clients. It exists for the scale-out benchmarks and the engine contract suite
+(tests/rolloutd): 64 or more modelled replicas do not fit a small CPU machine as embedded
+engines. It lives in benchmarks/ because the daemon never runs it; it imports rolloutd's
+server, never the other way round.
 
 What it returns: token ids drawn from a seeded ``random.Random`` (the request's
 ``sampling_seed``, else the engine seed and a counter; so, as SGLang with
@@ -65,6 +67,7 @@ from rolloutd.engines.sglang_server import (
 logger = logging.getLogger(__name__)
 
 ENGINE_VERSION = "flexmarl-synthetic-0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +85,8 @@ class SyntheticEngineConfig:
     eos_sigma: float = 1.0
     max_running_requests: int = 256
     seed: int = 0
-    # Device profile file; "" = $FLEXMARL_MODELLED_DEVICE, and without either the H100 preset
-    # at token_scale 1 and time_scale 1 (real time of the modelled accelerator).
+    # Device profile file; "" = the H100 preset at token_scale 1 and time_scale 1 (real time of
+    # the modelled accelerator). The command line falls back to $FLEXMARL_MODELLED_DEVICE.
     modelled_device: str = ""
     check_model_path: bool = True  # weight updates need an existing directory
     ready_file: str = ""
@@ -103,7 +106,7 @@ class SyntheticEngineConfig:
         """The device profile that sets modelled time."""
         if self.modelled_device:
             return devicemodel.load_profile(self.modelled_device)
-        return devicemodel.profile_from_env() or devicemodel.H100_SXM.with_changes(token_scale=1.0, time_scale=1.0)
+        return devicemodel.H100_SXM.with_changes(token_scale=1.0, time_scale=1.0)
 
 
 @dataclasses.dataclass
@@ -589,18 +592,21 @@ class SyntheticFleet:
     def start(
         cls, config: SyntheticEngineConfig, run_dir: Path, *, env: dict[str, str] | None = None, timeout_s: float = 60.0
     ) -> SyntheticFleet:
-        """Start ``python -m rolloutd.engines.synthetic`` and wait for its ready file."""
+        """Start ``python -m benchmarks.synthetic_engine`` and wait for its ready file."""
         run_dir.mkdir(parents=True, exist_ok=True)
         ready = run_dir / "synthetic.ready.json"
         ready.unlink(missing_ok=True)
         log_path = run_dir / "synthetic.log"
-        command = [sys.executable, "-m", "rolloutd.engines.synthetic", *to_args(config), "--ready-file", str(ready)]
+        command = [sys.executable, "-m", "benchmarks.synthetic_engine", *to_args(config), "--ready-file", str(ready)]
+        child_env = {**os.environ, **(env or {})}
+        # benchmarks/ is not an installed package: the child finds it through the repository root.
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), child_env.get("PYTHONPATH", "")) if p)
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
                 command,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env=child_env,
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s
@@ -659,7 +665,7 @@ def to_args(config: SyntheticEngineConfig) -> list[str]:
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[SyntheticEngineConfig, str]:
     parser = argparse.ArgumentParser(
-        prog="python -m rolloutd.engines.synthetic",
+        prog="python -m benchmarks.synthetic_engine",
         description="FlexMARL synthetic engine: modelled replicas, lengths only",
     )
     parser.add_argument("--replicas", type=int, default=1, help="replicas served by this process (one port each)")
@@ -697,7 +703,8 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[SyntheticEngineConfig, str]
         eos_sigma=args.eos_sigma,
         max_running_requests=args.max_running_requests,
         seed=args.seed,
-        modelled_device=args.modelled_device,
+        # The environment is read here, once: the engine itself only sees its config.
+        modelled_device=args.modelled_device or os.environ.get(devicemodel.PROFILE_ENV, ""),
         check_model_path=not args.no_check_model_path,
     )
     return config, args.ready_file
@@ -724,7 +731,7 @@ async def serve(config: SyntheticEngineConfig, ready_file: str = "") -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m rolloutd.engines.synthetic``."""
+    """``python -m benchmarks.synthetic_engine``."""
     config, ready_file = _parse_args(argv)
     try:
         config.validate()

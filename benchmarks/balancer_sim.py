@@ -16,7 +16,7 @@ evenly over its running requests, and one request never goes faster than
 plus ``prefill_token_weight`` × its prompt tokens not already cached on that replica (the
 prompt of an episode's earlier turn on the same replica and model is cached until a reload).
 
-Run ``python -m rolloutd.balancer_sim`` for the comparison table.
+Run ``python -m benchmarks.balancer_sim`` for the comparison table.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import math
 import random
 from collections.abc import Sequence
 
+from benchmarks.report import Column, render_table
 from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
@@ -294,10 +295,15 @@ def compare(workload: Workload, config: SimConfig | None = None) -> dict[str, Si
 
 def format_table(results: Sequence[SimResult]) -> str:
     """A plain-text table of results."""
-    lines = [f"{'policy':<14}{'makespan_s':>12}{'utilisation':>13}{'moves':>7}{'requests':>10}"]
-    for r in results:
-        lines.append(f"{r.policy:<14}{r.makespan_s:>12.1f}{r.utilisation:>13.2f}{r.reassignments:>7}{r.requests:>10}")
-    return "\n".join(lines)
+    columns = [
+        Column("policy", 14, "<"),
+        Column("makespan_s", 12, fmt=".1f"),
+        Column("utilisation", 13, fmt=".2f"),
+        Column("moves", 7),
+        Column("requests", 10),
+    ]
+    rows = [[r.policy, r.makespan_s, r.utilisation, r.reassignments, r.requests] for r in results]
+    return "\n".join(render_table(columns, rows, sep=""))
 
 
 def main() -> None:
