@@ -75,7 +75,7 @@ from orchestratord.planner import (
     SwapOutWork,
 )
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
-from rolloutd.balancer import ReplicaSpec as BalancerReplica
+from rolloutd.balancer import ReplicaAssignment as BalancerReplica
 
 # name -> (pipeline section, rollout balancing), the same settings as benchmarks.run.CONFIGS
 SIM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
@@ -269,7 +269,7 @@ class Simulation:
         self.planner.submit_job(self.job_id, spec)
         self.replicas = {f"r{i:04d}": _Replica(f"r{i:04d}") for i in range(settings.replicas)}
         agent_keys = list(self.agents)
-        # As rolloutd builds it: RolloutRouter._initial_assignment's ReplicaSpec (default
+        # As rolloutd builds it: RolloutRouter._initial_assignment's ReplicaAssignment (default
         # tokens_per_s) on an equal split, and rolloutd/worker.py's BalancerConfig (defaults
         # but for the policy); only --hysteresis (an experiment) overrides a default.
         split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(sorted(self.replicas))]

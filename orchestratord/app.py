@@ -7,9 +7,9 @@ import grpc.aio
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import orchestrator_pb2_grpc
 from orchestratord.config import OrchestratorConfig
+from orchestratord.coordinator import JobCoordinator
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import PlannerOptions
-from orchestratord.service import OrchestratorService
 from orchestratord.servicer import OrchestratorServicer
 
 
@@ -20,7 +20,7 @@ class OrchestratorApp(DaemonApp):
 
     def __init__(self, config: OrchestratorConfig, ctx: DaemonContext) -> None:
         self.config = config
-        self.service = OrchestratorService(
+        self.service = JobCoordinator(
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
             options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,

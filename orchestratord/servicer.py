@@ -8,8 +8,8 @@ from typing import Any
 from flexmarl.errors import InvalidArgument
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
+from orchestratord.coordinator import JobCoordinator, require_id
 from orchestratord.planner import SlotEventKind
-from orchestratord.service import OrchestratorService, require_id
 from orchestratord.state import JobState
 
 MAX_SPEC_BYTES = 1 << 20
@@ -21,7 +21,7 @@ MAX_DP_ADDRESS_LENGTH = 256
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """Every RPC of flexmarl.v1.Orchestrator."""
 
-    def __init__(self, service: OrchestratorService) -> None:
+    def __init__(self, service: JobCoordinator) -> None:
         self._service = service
 
     # ---- jobs ----

@@ -115,7 +115,7 @@ class BalancerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaSpec:
+class ReplicaAssignment:
     """An engine replica and the model group it serves at start."""
 
     replica_id: str
@@ -165,7 +165,7 @@ class ReplicaView:
 
 @dataclasses.dataclass
 class _Replica:
-    spec: ReplicaSpec
+    spec: ReplicaAssignment
     model_key: str
     target_model_key: str
     phase: ReplicaPhase = ReplicaPhase.SERVING
@@ -222,7 +222,7 @@ class HierarchicalBalancer:
 
     def __init__(
         self,
-        replicas: Sequence[ReplicaSpec],
+        replicas: Sequence[ReplicaAssignment],
         agents: Sequence[AgentSpec],
         config: BalancerConfig | None = None,
     ) -> None:
@@ -414,7 +414,7 @@ class HierarchicalBalancer:
         for stale in [k for k in self._affinity if k == key or k.startswith(prefix)]:
             del self._affinity[stale]
 
-    def add_replica(self, spec: ReplicaSpec) -> None:
+    def add_replica(self, spec: ReplicaAssignment) -> None:
         """Adds a replica (a re-admitted one) serving ``spec.model_key``; the inverse of :meth:`remove_replica`.
 
         Call :meth:`place_queued` next. Requests still in flight from the replica's previous
@@ -627,9 +627,9 @@ class HierarchicalBalancer:
 
 def equal_split(
     replica_ids: Sequence[str], model_keys: Iterable[str], tokens_per_s: float = 1000.0
-) -> list[ReplicaSpec]:
+) -> list[ReplicaAssignment]:
     """Initial (and static baseline) assignment: replicas dealt to model groups in turn."""
     keys = sorted(set(model_keys))
     if not keys:
         raise InvalidArgument("no model groups to assign replicas to")
-    return [ReplicaSpec(r, keys[i % len(keys)], tokens_per_s) for i, r in enumerate(replica_ids)]
+    return [ReplicaAssignment(r, keys[i % len(keys)], tokens_per_s) for i, r in enumerate(replica_ids)]

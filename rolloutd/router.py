@@ -29,7 +29,7 @@ from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
     HierarchicalBalancer,
-    ReplicaSpec,
+    ReplicaAssignment,
     Ticket,
     TokenEstimator,
     equal_split,
@@ -206,7 +206,7 @@ class RolloutRouter:
                 self._rebuilding = False
                 self._quiet.notify_all()
 
-    def _initial_assignment(self, healthy: Sequence[Replica], agents: Sequence[str]) -> list[ReplicaSpec]:
+    def _initial_assignment(self, healthy: Sequence[Replica], agents: Sequence[str]) -> list[ReplicaAssignment]:
         """Keeps replicas on the agent they already hold where possible (no reload), else deals them out."""
         split = equal_split([r.replica_id for r in healthy], agents)
         keep = {r.replica_id: r.loaded_agent for r in healthy if r.loaded_agent in agents}
@@ -220,7 +220,7 @@ class RolloutRouter:
         for r in healthy:
             if r.replica_id not in assigned:
                 assigned[r.replica_id] = free.pop(0) if free else agents[0]
-        return [ReplicaSpec(rid, assigned[rid]) for rid in sorted(assigned)]
+        return [ReplicaAssignment(rid, assigned[rid]) for rid in sorted(assigned)]
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -452,7 +452,7 @@ class RolloutRouter:
         counts = balancer.replica_counts()
         # The group with the fewest replicas (most demand on ties) gets it; a rebalance may move it.
         model_key = min(counts, key=lambda k: (counts[k], -balancer.demand_tokens(k), k))
-        balancer.add_replica(ReplicaSpec(replica.replica_id, model_key))
+        balancer.add_replica(ReplicaAssignment(replica.replica_id, model_key))
         self._rebalance()
 
     def set_demand_hint(self, key: str, tokens: int) -> None:

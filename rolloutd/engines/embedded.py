@@ -143,7 +143,7 @@ class _LoadedModel:
 
 
 @dataclass
-class _Job:
+class _GenerationJob:
     """One prompt to complete ``params.n`` times (one entry of a /generate batch)."""
 
     rid: str
@@ -181,7 +181,7 @@ class _WeightSwap:
 class _Sequence:
     """One sample being decoded."""
 
-    job: _Job
+    job: _GenerationJob
     sample_index: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -380,8 +380,8 @@ class EmbeddedEngine:
         self.config = config
         self._loaded = load_model(config.model_path, config.weight_version)
         self._cond = threading.Condition()
-        self._queue: collections.deque[_Job | _WeightSwap] = collections.deque()
-        self._running: list[_Job] = []
+        self._queue: collections.deque[_GenerationJob | _WeightSwap] = collections.deque()
+        self._running: list[_GenerationJob] = []
         self._running_tokens = 0
         self._batch: _Batch | None = None  # worker thread only
         self._stopping = False
@@ -418,7 +418,7 @@ class EmbeddedEngine:
         with self._cond:
             self._stopping = True
             for item in self._queue:
-                if isinstance(item, _Job):
+                if isinstance(item, _GenerationJob):
                     item.fail(FlexmarlError("engine stopped"))
                 else:
                     item.loop.call_soon_threadsafe(_set_exception, item.future, FlexmarlError("engine stopped"))
@@ -436,7 +436,7 @@ class EmbeddedEngine:
         """The model now being served."""
         return self._loaded
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: _GenerationJob) -> None:
         """Queue a generation job; its future resolves with one output dict per sample."""
         with self._cond:
             if self._stopping:
@@ -463,7 +463,7 @@ class EmbeddedEngine:
         count = 0
         with self._cond:
             for item in [*self._queue, *self._running]:
-                if isinstance(item, _Job) and (abort_all or (rid and item.rid.startswith(rid))):
+                if isinstance(item, _GenerationJob) and (abort_all or (rid and item.rid.startswith(rid))):
                     item.aborted = True
                     count += 1
             self._cond.notify_all()
@@ -472,7 +472,7 @@ class EmbeddedEngine:
     def load_snapshot(self) -> LoadSnapshot:
         """Queue and batch sizes; queued tokens count once per sample, as SGLang's waiting queue holds them."""
         with self._cond:
-            waiting = [item for item in self._queue if isinstance(item, _Job)]
+            waiting = [item for item in self._queue if isinstance(item, _GenerationJob)]
             running = sum(job.params.n for job in self._running)
             used = self._running_tokens
         uptime_s = max(time.monotonic() - self._started_s, 1e-9)
@@ -496,13 +496,14 @@ class EmbeddedEngine:
         torch.set_grad_enabled(False)
         while True:
             swap: _WeightSwap | None = None
-            admitted: list[_Job] = []
+            admitted: list[_GenerationJob] = []
             with self._cond:
                 while not self._queue and self._batch is None and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     break
-                if self._batch is None and isinstance(self._queue[0], _Job) and self.config.batch_window_s > 0:
+                if (self._batch is None and isinstance(self._queue[0], _GenerationJob)
+                        and self.config.batch_window_s > 0):
                     # Give requests that arrive together at an idle replica a moment to share a prefill.
                     deadline = time.monotonic() + self.config.batch_window_s
                     while (remaining := deadline - time.monotonic()) > 0 and not self._stopping:
@@ -541,13 +542,13 @@ class EmbeddedEngine:
             self._batch = None
             self._publish_running()
 
-    def _die(self, exc: SchedulerCrash, admitted: list[_Job]) -> None:
+    def _die(self, exc: SchedulerCrash, admitted: list[_GenerationJob]) -> None:
         """Fail everything and stop, as SGLang's scheduler process does on an exception."""
         logger.error("Scheduler hit an exception: %s", exc)
         self.fatal = exc
         with self._cond:
             self._stopping = True
-            jobs = [item for item in self._queue if isinstance(item, _Job)]
+            jobs = [item for item in self._queue if isinstance(item, _GenerationJob)]
             swaps = [item for item in self._queue if isinstance(item, _WeightSwap)]
             self._queue.clear()
         rows = self._batch.rows if self._batch is not None else []
@@ -560,20 +561,20 @@ class EmbeddedEngine:
         if self.on_fatal is not None:
             self.on_fatal()
 
-    def _take_admissible(self) -> list[_Job]:
+    def _take_admissible(self) -> list[_GenerationJob]:
         """Pop the queued jobs that join the running batch now (called with the lock held)."""
         if self._batch is not None and not self._batch.mergeable:
             return []  # a cache layout the engine cannot merge: wait for the batch to end
         demands: list[Demand] = []
         for item in self._queue:
-            if not isinstance(item, _Job) or len(demands) >= self._limits.max_running:
+            if not isinstance(item, _GenerationJob) or len(demands) >= self._limits.max_running:
                 break
             demands.append(self._limits.demand(len(item.input_ids), item.params.max_new_tokens, item.params.n))
         rows = self._batch.rows if self._batch is not None else []
         reserved = sum(self._limits.sequence_kv_tokens(len(s.job.input_ids), s.job.params.max_new_tokens) for s in rows)
         count = plan_admission(demands, len(rows), reserved, self._limits)
         jobs = [self._queue.popleft() for _ in range(count)]
-        return [job for job in jobs if isinstance(job, _Job)]
+        return [job for job in jobs if isinstance(job, _GenerationJob)]
 
     def _publish_running(self) -> None:
         """Expose the running jobs and KV tokens to load_snapshot, abort and stop."""
@@ -595,10 +596,10 @@ class EmbeddedEngine:
         logger.info("serving %s (weight_version %s)", swap.loaded.model_path, swap.loaded.weight_version)
         swap.loop.call_soon_threadsafe(_set_result, swap.future, None)
 
-    def _admit(self, jobs: list[_Job]) -> None:
+    def _admit(self, jobs: list[_GenerationJob]) -> None:
         """Prefill the admitted jobs' prompts together and add their samples to the running batch."""
         loaded = self._batch.loaded if self._batch is not None else self._loaded
-        live: list[_Job] = []
+        live: list[_GenerationJob] = []
         for job in jobs:
             job.outputs = [None] * job.params.n
             if job.aborted:  # still in the waiting queue: SGLang answers without running it
@@ -775,7 +776,7 @@ class EmbeddedEngine:
         source = raw_logprobs if self.config.return_original_logprob else scaled_logprobs
         return token_id, max(float(source[token_id]), _LOGPROB_FLOOR)
 
-    def _rescore(self, job: _Job, output_ids: list[int], loaded: _LoadedModel) -> list[float]:
+    def _rescore(self, job: _GenerationJob, output_ids: list[int], loaded: _LoadedModel) -> list[float]:
         """Logprobs of ``output_ids`` after ``job.input_ids`` from one unpadded forward pass.
 
         Same convention as :meth:`_sample`: the temperature-scaled distribution, the raw one at
@@ -821,7 +822,7 @@ class EmbeddedEngine:
 
     @staticmethod
     def _output(
-        job: _Job,
+        job: _GenerationJob,
         sample_index: int,
         output_ids: list[int],
         logprobs: list[float],
@@ -926,7 +927,7 @@ class EmbeddedBackend(EngineBackend):
         """Queue the sample as a one-sample job."""
         loop = asyncio.get_running_loop()
         inner: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
-        job = _Job(request.rid, list(request.input_ids), request.params, request.return_logprob, loop, inner)
+        job = _GenerationJob(request.rid, list(request.input_ids), request.params, request.return_logprob, loop, inner)
         job.created_s = request.created_s
         try:
             self.engine.submit(job)

@@ -96,10 +96,10 @@ def test_the_hysteresis_applies_to_the_whole_plan_so_a_group_of_ten_still_grows(
     groups give all their replicas (only a group with demand keeps its last one), and a plan that cannot reach the
     margin is undone.
     """
-    from rolloutd.balancer import AgentSpec, BalancerConfig, ReplicaSpec
+    from rolloutd.balancer import AgentSpec, BalancerConfig, ReplicaAssignment
 
     def balancer(hysteresis: float) -> HierarchicalBalancer:
-        replicas = [ReplicaSpec(f"r{i:02d}", ("a", "b", "c")[i % 3]) for i in range(30)]
+        replicas = [ReplicaAssignment(f"r{i:02d}", ("a", "b", "c")[i % 3]) for i in range(30)]
         made = HierarchicalBalancer(
             replicas, [AgentSpec(k, k) for k in "abc"], BalancerConfig(hysteresis=hysteresis, reassignment_cost_s=0.0)
         )

@@ -8,8 +8,8 @@ from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
     HierarchicalBalancer,
+    ReplicaAssignment,
     ReplicaPhase,
-    ReplicaSpec,
     RoutingPolicy,
     TokenEstimator,
     affinity_parent,
@@ -21,7 +21,7 @@ from rolloutd.balancer import (
 
 def make(replicas: dict[str, str], agents: dict[str, str], **config: object) -> HierarchicalBalancer:
     return HierarchicalBalancer(
-        [ReplicaSpec(r, m, 100.0) for r, m in replicas.items()],
+        [ReplicaAssignment(r, m, 100.0) for r, m in replicas.items()],
         [AgentSpec(a, m) for a, m in agents.items()],
         BalancerConfig(**config),  # type: ignore[arg-type]
     )
@@ -200,7 +200,7 @@ def test_removed_replica_can_be_added_back_and_serves_queued_requests() -> None:
     b.remove_replica("r0")
     waiting = b.submit("a", 10)
     assert waiting.replica_id is None  # no replica left: queued
-    b.add_replica(ReplicaSpec("r0", "m", 100.0))
+    b.add_replica(ReplicaAssignment("r0", "m", 100.0))
     [placed] = b.place_queued()
     assert placed.request_id == waiting.request_id and placed.replica_id == "r0"
     # The request that ran on r0's previous membership does not count against the new one.
@@ -214,4 +214,4 @@ def test_removed_replica_can_be_added_back_and_serves_queued_requests() -> None:
 def test_add_replica_rejects_a_served_replica() -> None:
     b = make({"r0": "m"}, {"a": "m"})
     with pytest.raises(AlreadyExists):
-        b.add_replica(ReplicaSpec("r0", "m"))
+        b.add_replica(ReplicaAssignment("r0", "m"))

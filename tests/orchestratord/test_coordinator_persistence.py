@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from flexmarl.errors import Unavailable
+from orchestratord.coordinator import JobCoordinator
 from orchestratord.metrics import OrchestratorMetrics
-from orchestratord.service import OrchestratorService
 from orchestratord.state import InMemoryStateStore
 
 from .helpers import spec_dict
@@ -31,9 +31,9 @@ class FlakyStore(InMemoryStateStore):
         return await super().create_job(job_id, spec_json, agents, created_s)
 
 
-def _service(store: FlakyStore) -> OrchestratorService:
+def _service(store: FlakyStore) -> JobCoordinator:
     registry: Any = types.SimpleNamespace(prefix="/test")  # never called: nothing here reaches etcd or stored
-    service = OrchestratorService(registry, OrchestratorMetrics(CollectorRegistry()))
+    service = JobCoordinator(registry, OrchestratorMetrics(CollectorRegistry()))
     service.state = store
     return service
 

@@ -64,7 +64,7 @@ def require_id(name: str, value: str) -> str:
     return value
 
 
-class OrchestratorService:
+class JobCoordinator:
     """Planner + etcd state + waiting, for the servicer."""
 
     def __init__(
