@@ -22,6 +22,7 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.errors import InvalidArgument, Unavailable
+from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.security import TransportSecurity, open_channel
@@ -317,7 +318,7 @@ class JobCoordinator:
         while True:
             try:
                 store = await self._peers.store()
-                await store.mark(job_id, agent, f"{job_id}/{agent}/step{step}", ids, ExperienceState.CONSUMED)
+                await store.mark(job_id, agent, str(StepRef(job_id, agent, step)), ids, ExperienceState.CONSUMED)
                 return
             except Unavailable as exc:  # stored restarting (maybe on a new address): rediscover, retry
                 if time.monotonic() > deadline_s:

@@ -33,6 +33,7 @@ from flexmarl.connections import PeerConnections, cancelled_from_outside, descri
 from flexmarl.devices import DeviceSet
 from flexmarl.errors import ErrorReason, FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
+from flexmarl.ids import TaskRef
 from flexmarl.jobspec import JobSpec, load_job_spec
 from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
@@ -64,11 +65,21 @@ _RETRIED_APPEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_E
 
 
 @dataclasses.dataclass
-class _Job:
+class _ServedJob:
+    """A training job whose agents this worker serves (its spec, environment and runner)."""
+
     job_id: str
     spec: JobSpec
     env: Environment
     runner: RolloutRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlightTask:
+    """A leased rollout task being run (keyed by its lease id, which renewals speak)."""
+
+    ref: TaskRef
+    runner: asyncio.Task[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +155,8 @@ class RolloutWorker:
         self._metrics = metrics
         self._engines: list[EngineReplica] = []
         self.router: RolloutRouter | None = None
-        self._jobs: dict[str, _Job] = {}
-        self._in_flight: dict[str, asyncio.Task[None]] = {}
+        self._jobs: dict[str, _ServedJob] = {}
+        self._in_flight: dict[str, _InFlightTask] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
                                       store_address=settings.store_address,
@@ -171,9 +182,10 @@ class RolloutWorker:
     async def stop(self) -> None:
         """Stops leasing, cancels running tasks (their leases expire and are re-issued), stops engines."""
         self._stopping = True
-        for task in [*self._loops, *self._in_flight.values()]:
+        running = [*self._loops, *(entry.runner for entry in self._in_flight.values())]
+        for task in running:
             task.cancel()
-        for task in [*self._loops, *self._in_flight.values()]:
+        for task in running:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.router is not None:
@@ -237,8 +249,13 @@ class RolloutWorker:
                 backoff_s = min(5.0, backoff_s * 2)
                 continue
             for task in reply.tasks:
-                self._in_flight[task.lease_id] = asyncio.get_running_loop().create_task(
-                    self._run(task), name=f"task {task.task_id}")
+                try:
+                    ref = TaskRef.parse(task.task_id)
+                except InvalidArgument as exc:  # an orchestratord bug: let the lease expire
+                    log.error("leased task %s not run: %s", task.lease_id, exc)
+                    continue
+                self._in_flight[task.lease_id] = _InFlightTask(ref, asyncio.get_running_loop().create_task(
+                    self._run(task), name=f"task {task.task_id}"))
 
     async def _renew_loop(self) -> None:
         last_sweep_s = time.monotonic()
@@ -260,17 +277,17 @@ class RolloutWorker:
                 log.warning("renewing leases failed (%s)", describe_error(exc))
                 continue
             for lease_id in reply.lost_lease_ids:
-                task = self._in_flight.get(lease_id)
-                if task is not None:
+                entry = self._in_flight.get(lease_id)
+                if entry is not None:
                     log.warning("lease %s lost; abandoning its task", lease_id)
-                    task.cancel()
+                    entry.runner.cancel()
 
     async def _forget_finished_jobs(self) -> None:
         """Stops serving the agents of jobs that ended (their replicas go to the live jobs)."""
-        busy = {task.get_name() for task in self._in_flight.values()}
+        busy = {entry.ref.job_id for entry in self._in_flight.values()}
         ended = []
         for job_id in list(self._jobs):
-            if any(name.startswith(f"task {job_id}/") for name in busy):
+            if job_id in busy:
                 continue
             try:
                 async with asyncio.timeout(POLL_DEADLINE_S):
@@ -371,7 +388,7 @@ class RolloutWorker:
                 self._appends_failing_since = None
 
     async def _durable_experiences(
-        self, job: _Job, task: orchestrator_pb2.RolloutTask
+        self, job: _ServedJob, task: orchestrator_pb2.RolloutTask
     ) -> list[orchestrator_pb2.ExperienceSummary] | None:
         """The experiences an earlier attempt of the task stored (all or nothing), or None.
 
@@ -436,7 +453,7 @@ class RolloutWorker:
 
     # ---- jobs and engines --------------------------------------------------------------------------
 
-    async def _job(self, task: orchestrator_pb2.RolloutTask) -> _Job:
+    async def _job(self, task: orchestrator_pb2.RolloutTask) -> _ServedJob:
         job = self._jobs.get(task.job_id)
         if job is not None:
             return job
@@ -446,7 +463,7 @@ class RolloutWorker:
                 return job
             return await self._new_job(task)
 
-    async def _new_job(self, task: orchestrator_pb2.RolloutTask) -> _Job:
+    async def _new_job(self, task: orchestrator_pb2.RolloutTask) -> _ServedJob:
         spec = load_job_spec(task.spec_json)
         await self._ensure_engines(spec)
         assert self.router is not None
@@ -459,7 +476,7 @@ class RolloutWorker:
             tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
             runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()))
         runner = RolloutRunner(env, runtimes, self.router.backend(task.job_id, spec.seed))
-        job = _Job(task.job_id, spec, env, runner)
+        job = _ServedJob(task.job_id, spec, env, runner)
         self._jobs[task.job_id] = job
         await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                       for a in j.spec.agent_names])

@@ -29,15 +29,13 @@ import numpy.typing as npt
 
 from flexmarl.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from flexmarl.experience import LOGPROB_DTYPE, TOKEN_DTYPE, ExperienceRecord, ExperienceState
-from flexmarl.experience import experience_id as make_experience_id
-from flexmarl.experience import group_id as make_group_id
+from flexmarl.ids import AGENT_NAME_PATTERN, JOB_ID_PATTERN, ExperienceKey, GroupRef, is_job_id
 from flexmarl.store_client import ExperienceRef, ExperienceStats
 from stored.database import Database, JobQuotas, check_quota
 
 log = logging.getLogger(__name__)
 
-JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-AGENT_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+AGENT_RE = re.compile(AGENT_NAME_PATTERN)
 # Task and step ids are made by orchestratord; they may contain '/', ':' and '.'.
 TASK_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}")
 STEP_ID_RE = TASK_ID_RE
@@ -115,8 +113,8 @@ class _PackedRecord:
 
 def validate_job_id(job_id: str) -> None:
     """Raises InvalidArgument unless job_id is a well-formed job id."""
-    if not JOB_ID_RE.fullmatch(job_id):
-        raise InvalidArgument(f"bad job_id {job_id!r}: expected [A-Za-z0-9][A-Za-z0-9._-]{{0,127}}")
+    if not is_job_id(job_id):
+        raise InvalidArgument(f"bad job_id {job_id!r}: expected {JOB_ID_PATTERN}")
 
 
 def validate_agent(agent: str) -> None:
@@ -185,10 +183,10 @@ def validate_record(record: ExperienceRecord, limits: ExperienceLimits) -> _Pack
         raise InvalidArgument(f"experience {exp_id!r}: bad turn {record.turn}")
     if not 0 <= record.behavior_version <= _INT64_MAX:
         raise InvalidArgument(f"experience {exp_id!r}: behavior_version must be >= 0")
-    expected_id = make_experience_id(record.task_id, record.sample_index, record.agent, record.turn)
+    expected_id = str(ExperienceKey(record.task_id, record.sample_index, record.agent, record.turn))
     if exp_id != expected_id:
         raise InvalidArgument(f"bad experience_id {exp_id!r}: expected {expected_id!r} (task/sample/agent/turn)")
-    expected_group = make_group_id(record.task_id, record.agent)
+    expected_group = str(GroupRef(record.task_id, record.agent))
     if record.group_id != expected_group:
         raise InvalidArgument(f"experience {exp_id!r}: bad group_id {record.group_id!r}, expected {expected_group!r}")
     if not math.isfinite(record.reward):

@@ -56,13 +56,8 @@ from orchestratord.planner.estimator import (
 )
 from orchestratord.planner.ids import (
     DURABLE_STATE_SCHEMES,
-    JOB_ID_MAX_LENGTH,
     is_durable_state,
-    manifest_id_of,
-    step_id_of,
-    task_id_of,
     task_index_of,
-    validate_job_id,
 )
 from orchestratord.planner.job import (
     JobPlanner,
@@ -91,7 +86,6 @@ __all__ = [
     "AgentVersion",
     "DURABLE_STATE_SCHEMES",
     "ExperienceSummary",
-    "JOB_ID_MAX_LENGTH",
     "JobPlanner",
     "JobSnapshot",
     "MicroBatchWork",
@@ -106,9 +100,5 @@ __all__ = [
     "SwapOutWork",
     "TrainerWork",
     "is_durable_state",
-    "manifest_id_of",
-    "step_id_of",
-    "task_id_of",
     "task_index_of",
-    "validate_job_id",
 ]

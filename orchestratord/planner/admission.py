@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from flexmarl.ids import TaskRef
 from orchestratord.leases import LeaseKind, LeaseStatus
-from orchestratord.planner.ids import task_id_of, task_index_of
+from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, Task, TaskStatus
 from orchestratord.planner.types import RenewResult, RolloutTaskLease
 
@@ -43,7 +44,7 @@ def lease_tasks(job: JobPlan, worker_id: str, max_tasks: int) -> list[RolloutTas
     while len(leased) < max_tasks and job.admitted < admission_limit(job):
         batch, position = divmod(job.admitted, prompts)
         job.admitted += 1
-        task_id = task_id_of(job.job_id, batch, position)
+        task_id = str(TaskRef(job.job_id, batch, position))
         task = job.tasks.get(task_id)
         if task is None:
             task = Task(task_id, batch, position, task_index_of(batch, position, prompts))

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.ids import MicroBatchRef, StepAttemptRef
 from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
-from orchestratord.planner.ids import (
-    batch_of_lease,
-    is_durable_state,
-    micro_batch_subject,
-    parse_micro_batch_subject,
-    step_id_of,
-)
+from orchestratord.planner.ids import batch_of_lease, is_durable_state
 from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
 from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork
 from orchestratord.state import JobState, StateMoved, StepCommit, StepCommitted
@@ -72,7 +67,8 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str,
         state = job.agents[agent]
         return OptimizerStepWork(
             job_id=job.job_id, agent=agent, step=plan.step,
-            step_id=step_id_of(job.job_id, agent, plan.step, plan.attempt, job.epoch), new_version=plan.step + 1,
+            step_id=str(StepAttemptRef(job.job_id, agent, plan.step, plan.attempt, job.epoch)),
+            new_version=plan.step + 1,
             step_response_tokens=plan.manifest.step_response_tokens,
             step_episodes=plan.manifest.step_episodes, num_micro_batches=len(plan.micro_batches),
             group=plan.group, rank=rank, base_version=state.version, state_uri=state.state_uri,
@@ -101,7 +97,7 @@ def _lease_micro_batch(job: JobPlan, plan: StepPlan, mb: MicroBatch, slot_id: st
             job.fail(f"staleness bound broken: group {group.group_id} (versions "
                      f"{group.min_behavior_version}..{group.max_behavior_version}) in step {plan.step}")
             return None
-    subject = micro_batch_subject(plan.agent, plan.step, plan.attempt, mb.index)
+    subject = str(MicroBatchRef(plan.agent, plan.step, plan.attempt, mb.index))
     lease = job.leases.issue(LeaseKind.MICRO_BATCH, worker_id, subject, job.spec.leases.train_timeout_s)
     mb.status = MicroBatchStatus.LEASED
     mb.lease_id = lease.lease_id
@@ -113,7 +109,7 @@ def _micro_batch_work(job: JobPlan, plan: StepPlan, mb: MicroBatch, lease: Lease
     agent = job.agents[plan.agent]
     return MicroBatchWork(
         lease_id=lease.lease_id, job_id=job.job_id, agent=plan.agent, step=plan.step,
-        step_id=step_id_of(job.job_id, plan.agent, plan.step, plan.attempt, job.epoch),
+        step_id=str(StepAttemptRef(job.job_id, plan.agent, plan.step, plan.attempt, job.epoch)),
         micro_batch_index=mb.index,
         experience_ids=mb.experience_ids, base_version=agent.version, state_uri=agent.state_uri,
         step_episodes=job.spec.batch.episodes_per_step, deadline_s=lease.deadline_s,
@@ -123,11 +119,11 @@ def _micro_batch_work(job: JobPlan, plan: StepPlan, mb: MicroBatch, lease: Lease
 
 def micro_batch_of_lease(job: JobPlan, lease: Lease) -> tuple[StepPlan, MicroBatch] | None:
     """The step and micro-batch a micro-batch lease is for; None when its attempt is over."""
-    agent, step, attempt, index = parse_micro_batch_subject(lease.subject)
-    plan = job.plans.get((agent, step))
-    if plan is None or plan.attempt != attempt:
+    ref = MicroBatchRef.parse(lease.subject)
+    plan = job.plans.get((ref.agent, ref.step))
+    if plan is None or plan.attempt != ref.attempt:
         return None
-    return plan, plan.micro_batches[index]
+    return plan, plan.micro_batches[ref.index]
 
 
 def ack_micro_batch(job: JobPlan, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:

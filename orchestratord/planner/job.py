@@ -6,12 +6,12 @@ import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from orchestratord.binding import AgentDemand, DataParallelGroup
 from orchestratord.leases import LeaseTable
 from orchestratord.planner import admission, demand, dispatch, recovery, reports
 from orchestratord.planner.estimator import RolloutDemandEstimator
-from orchestratord.planner.ids import lease_id_prefix, validate_job_id
 from orchestratord.planner.job_plan import AgentState, JobPlan, StepPlan
 from orchestratord.planner.types import (
     AgentProgress,

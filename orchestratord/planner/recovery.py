@@ -10,10 +10,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.ids import TaskRef
 from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
-from orchestratord.planner.ids import parse_task_id, task_index_of
+from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
 from orchestratord.planner.manifests import complete_task
 from orchestratord.planner.reports import validate_groups
@@ -109,10 +110,10 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
     min_version = job.min_version()
     recovered = 0
     for task_id in sorted(by_task):
-        location = parse_task_id(job.job_id, task_id)
-        if location is None:
+        ref = TaskRef.of_job(job.job_id, task_id)
+        if ref is None:
             continue
-        batch, position = location
+        batch, position = ref.batch, ref.position
         if batch < min_version or batch >= job.spec.total_steps or position >= prompts:
             continue
         task = job.tasks.get(task_id)

@@ -6,9 +6,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.ids import GroupRef
 from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
-from orchestratord.planner.ids import group_id_of
 from orchestratord.planner.job_plan import Group, JobPlan, Task
 from orchestratord.planner.manifests import complete_task
 from orchestratord.planner.types import ExperienceSummary
@@ -64,8 +64,9 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
             raise InvalidArgument(f"{where}: reported twice")
         if not exp.experience_id.startswith(prefix):
             raise InvalidArgument(f"{where}: id must start with {prefix!r}")
-        if exp.group_id != group_id_of(task.task_id, exp.agent):
-            raise InvalidArgument(f"{where}: group_id must be {group_id_of(task.task_id, exp.agent)!r}, "
+        expected_group = str(GroupRef(task.task_id, exp.agent))
+        if exp.group_id != expected_group:
+            raise InvalidArgument(f"{where}: group_id must be {expected_group!r}, "
                                   f"got {exp.group_id!r}")
         if not 0 <= exp.sample_index < group_size:
             raise InvalidArgument(f"{where}: sample_index must be in [0, {group_size}), got {exp.sample_index}")
@@ -92,7 +93,7 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
                     f"task {task.task_id}: experience {exp.experience_id!r} of version {exp.behavior_version} "
                     f"is too stale for step {task.batch} (max_staleness {eta})")
         groups[agent.name] = Group(
-            agent=agent.name, group_id=group_id_of(task.task_id, agent.name), task_id=task.task_id,
+            agent=agent.name, group_id=str(GroupRef(task.task_id, agent.name)), task_id=task.task_id,
             position=task.position, experience_ids=tuple(sorted(exp.experience_id for exp in members)),
             episodes=group_size, response_tokens=sum(exp.response_tokens for exp in members),
             reward_sum=sum(exp.reward for exp in members),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from flexmarl.ids import GroupRef
 from orchestratord.binding import DataParallelGroup
-from orchestratord.planner.ids import task_id_of_group
 from orchestratord.state import JobState
 
 
@@ -25,7 +25,7 @@ class ExperienceSummary:
     @property
     def task_id(self) -> str:
         """The task of the experience, derived from its group id ("<task_id>/<agent>")."""
-        return task_id_of_group(self.group_id)
+        return GroupRef.parse(self.group_id).task_id
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from flexmarl.ids import TaskRef
 from orchestratord.planner import (
     MicroBatchWork,
     OptimizerStepWork,
@@ -10,7 +11,6 @@ from orchestratord.planner import (
     PlannerOptions,
     SlotEventKind,
     SwapOutWork,
-    task_id_of,
 )
 from orchestratord.state import JobState, ManifestFixed, StepCommitted
 
@@ -37,7 +37,7 @@ def report(planner: Planner, lease, worker: str = "roll-0", **kw) -> None:  # ty
 def test_task_ids_and_indices_are_deterministic(clock: FakeClock) -> None:
     planner = new_planner(clock)
     leases = planner.lease_rollout_tasks("roll-0", 10)
-    assert [lease.task_id for lease in leases] == [task_id_of("job1", 0, i) for i in range(4)]
+    assert [lease.task_id for lease in leases] == [str(TaskRef("job1", 0, i)) for i in range(4)]
     assert [lease.task_index for lease in leases] == [0, 1, 2, 3]
     assert all(lease.batch_index == 0 and lease.attempt == 1 and lease.group_size == 2 for lease in leases)
     assert {v.agent: v.version for v in leases[0].agent_versions} == {"sender": 0, "receiver": 0}

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flexmarl.errors import InvalidArgument
+from flexmarl.ids import ExperienceKey, GroupRef
 from flexmarl.v1 import common_pb2
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -29,13 +30,13 @@ class ExperienceState(enum.IntEnum):
 
 
 def experience_id(task_id: str, sample_index: int, agent: str, turn: int) -> str:
-    """The deterministic id of one (episode, agent turn)."""
-    return f"{task_id}/{sample_index}/{agent}/{turn}"
+    """The deterministic id of one (episode, agent turn) (see :class:`flexmarl.ids.ExperienceKey`)."""
+    return str(ExperienceKey(task_id, sample_index, agent, turn))
 
 
 def group_id(task_id: str, agent: str) -> str:
-    """The GRPO group of an agent's experiences within one task."""
-    return f"{task_id}/{agent}"
+    """The GRPO group of an agent's experiences within one task (see :class:`flexmarl.ids.GroupRef`)."""
+    return str(GroupRef(task_id, agent))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,10 +20,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from flexmarl import ids
 from flexmarl.errors import InvalidArgument
 
-AGENT_NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,31}$"
-JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+AGENT_NAME_PATTERN = rf"^{ids.AGENT_NAME_PATTERN}$"
+JOB_NAME_PATTERN = rf"^{ids.JOB_ID_PATTERN}$"  # a job's name is its job id's prefix
 # "package.module:attr.sub" — the environment class or factory to load.
 _DOTTED_NAME = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 ENTRYPOINT_PATTERN = rf"^{_DOTTED_NAME}:{_DOTTED_NAME}$"
