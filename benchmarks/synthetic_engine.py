@@ -52,6 +52,7 @@ from typing import Any
 
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines.launcher import stop_process
 from rolloutd.engines.protocol import SamplingParams
 from rolloutd.engines.sglang_server import (
     EngineBackend,
@@ -621,13 +622,7 @@ class SyntheticFleet:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=grace_s)
+        stop_process(self.process, grace_s)
 
 
 def to_args(config: SyntheticEngineConfig) -> list[str]:

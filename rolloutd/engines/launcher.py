@@ -165,6 +165,18 @@ def replica_env(spec: ReplicaSpec, base_env: Mapping[str, str]) -> dict[str, str
     return env
 
 
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> int:
+    """SIGTERM a child, then SIGKILL it after ``grace_s``; returns its exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=grace_s)
+    return process.returncode
+
+
 class EngineReplica:
     """A running (or attached) replica: its URL, and its process when this launcher owns it."""
 
@@ -209,14 +221,7 @@ class EngineReplica:
         """SIGTERM, then SIGKILL after ``grace_s``; returns the exit code (None if attached)."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=grace_s)
-        return self.process.returncode
+        return stop_process(self.process, grace_s)
 
     def kill(self) -> None:
         """SIGKILL the child (fault tests)."""
