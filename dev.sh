@@ -3,22 +3,43 @@
 #   ./dev.sh demo   set up, start a local cluster and train the signaling-game example on CPU
 #   ./dev.sh test   set up, then lint (ruff), type-check (mypy) and run the test suite
 #   ./dev.sh setup  set up only
-# Set-up is idempotent: Debian's etcd-server, the CPU build of torch (pinned: an unpinned
-# torch pulls a multi-GB CUDA build), then this repo with its train and dev extras.
+# Set-up is idempotent: Debian's etcd-server, a virtual environment in .venv (Debian's own
+# python3 refuses pip installs outside one, PEP 668), the CPU build of torch in it (pinned: an
+# unpinned torch pulls a multi-GB CUDA build), then this repo with its train and dev extras.
+# Interpreter: $PYTHON if set, else the active virtual environment, else .venv (created from
+# python3). Afterwards `source .venv/bin/activate` puts `flexmarl` on PATH.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+
+apt_install() {
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+pick_python() {
+  if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; return; fi
+  if [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then PY=$VIRTUAL_ENV/bin/python; return; fi
+  if [ ! -x .venv/bin/python ]; then
+    local base=${BASE_PYTHON:-python3}
+    "$base" -c 'import sys; raise SystemExit(sys.version_info < (3, 11))' \
+      || { echo "dev.sh: $base is $("$base" -V 2>&1); FlexMARL needs Python >= 3.11" >&2; exit 1; }
+    # Debian ships venv's pip bootstrap separately (python3-venv).
+    "$base" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+    rm -rf .venv
+    "$base" -m venv .venv
+  fi
+  PY=$PWD/.venv/bin/python
+  export VIRTUAL_ENV=$PWD/.venv PATH=$PWD/.venv/bin:$PATH
+}
+pick_python
 
 setup() {
   # etcd for the registry; systemd only for `systemd-analyze verify` of deploy/systemd in the tests.
   local missing=()
   command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
   command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
-  if [ ${#missing[@]} -gt 0 ]; then
-    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
+  if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e '.[train,dev]'
   # SGLang's own request definitions, for tests/rolloutd/test_sglang_schema.py: the wheel alone
@@ -45,10 +66,10 @@ case "$cmd" in
     setup
     export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
     shift
-    exec flexmarl demo "$@"
+    exec "$PY" -m flexmarl.cli demo "$@"
     ;;
   *)
-    sed -n '2,7p' "$0"
+    sed -n '2,10p' "$0"
     exit 2
     ;;
 esac
