@@ -234,8 +234,7 @@ async def trainer_slot(index: int, cluster: Cluster, rec: Recorder, stop: asynci
             mb = work.micro_batch
             resident[(mb.job_id, mb.agent)] = mb.base_version
             await rec.timed("AckMicroBatch", orch.AckMicroBatch, orchestrator_pb2.AckMicroBatchRequest(
-                lease_id=mb.lease_id, worker_id=worker_id, slot_id=slot_id, loss_sum=0.0,
-                tokens=len(mb.experience_ids), episodes=0))
+                lease_id=mb.lease_id, worker_id=worker_id, slot_id=slot_id, episodes=0))
         elif kind == "optimizer_step":
             step = work.optimizer_step
             ok = await rec.timed("CommitStep", orch.CommitStep, orchestrator_pb2.CommitStepRequest(

@@ -157,8 +157,7 @@ class JobCoordinator:
                 out: list[ExperienceSummary] = []
                 for agent in agents:
                     for ref in await store.query(job_id, agent):
-                        out.append(ExperienceSummary(ref.experience_id, agent, ref.group_id, ref.sample_index,
-                                                     ref.behavior_version, ref.response_tokens, ref.reward))
+                        out.append(ExperienceSummary.of_ref(ref, agent))
                 return out
             except Exception as exc:  # stored may still be starting after a whole-cluster restart
                 if time.monotonic() > deadline:

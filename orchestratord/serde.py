@@ -43,6 +43,7 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
         created_unix_ms=_ms(snap.created_s),
         updated_unix_ms=_ms(snap.updated_s),
         spec_json=snap.spec_json,
+        spec_digest=snap.spec_digest,
         tasks_done=snap.tasks_done,
         tasks_total=snap.tasks_total,
     )
@@ -53,13 +54,13 @@ def agent_version(v: AgentVersion) -> common_pb2.AgentVersion:
     return common_pb2.AgentVersion(job_id=v.job_id, agent=v.agent, version=v.version, weights_uri=v.weights_uri)
 
 
-def rollout_task(task: RolloutTaskLease, spec_json: str) -> orchestrator_pb2.RolloutTask:
+def rollout_task(task: RolloutTaskLease, spec_digest: str) -> orchestrator_pb2.RolloutTask:
     """A leased task as a RolloutTask message."""
     return orchestrator_pb2.RolloutTask(
         lease_id=task.lease_id, job_id=task.job_id, task_id=task.task_id, task_index=task.task_index,
         batch_index=task.batch_index, group_size=task.group_size,
         agent_versions=[agent_version(v) for v in task.agent_versions],
-        deadline_unix_ms=_ms(task.deadline_s), attempt=task.attempt, spec_json=spec_json,
+        deadline_unix_ms=_ms(task.deadline_s), attempt=task.attempt, spec_digest=spec_digest,
     )
 
 
@@ -86,14 +87,14 @@ def dp_group(group: DataParallelGroup | None, rank: int) -> orchestrator_pb2.Dat
         member_slot_ids=list(group.members), timeout_s=group.timeout_s)
 
 
-def trainer_work(work: TrainerWork | None, spec_json: str) -> orchestrator_pb2.PollTrainerWorkResponse:
+def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2.PollTrainerWorkResponse:
     """Trainer work as the oneof of PollTrainerWorkResponse (empty when None)."""
     if isinstance(work, MicroBatchWork):
         return orchestrator_pb2.PollTrainerWorkResponse(micro_batch=orchestrator_pb2.MicroBatchWork(
             lease_id=work.lease_id, job_id=work.job_id, agent=work.agent, step=work.step, step_id=work.step_id,
             micro_batch_index=work.micro_batch_index, experience_ids=list(work.experience_ids),
             base_version=work.base_version, state_uri=work.state_uri, step_episodes=work.step_episodes,
-            deadline_unix_ms=_ms(work.deadline_s), spec_json=spec_json, group=dp_group(work.group, work.rank),
+            deadline_unix_ms=_ms(work.deadline_s), spec_digest=spec_digest, group=dp_group(work.group, work.rank),
         ))
     if isinstance(work, OptimizerStepWork):
         return orchestrator_pb2.PollTrainerWorkResponse(optimizer_step=orchestrator_pb2.OptimizerStepWork(
@@ -101,7 +102,7 @@ def trainer_work(work: TrainerWork | None, spec_json: str) -> orchestrator_pb2.P
             new_version=work.new_version, step_response_tokens=work.step_response_tokens,
             step_episodes=work.step_episodes, num_micro_batches=work.num_micro_batches,
             group=dp_group(work.group, work.rank), base_version=work.base_version, state_uri=work.state_uri,
-            spec_json=spec_json if work.group is not None else "",
+            spec_digest=spec_digest,
         ))
     if isinstance(work, SwapOutWork):
         return orchestrator_pb2.PollTrainerWorkResponse(swap_out=orchestrator_pb2.SwapOutWork(

@@ -103,7 +103,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(f"max_tasks: must be in 1..{MAX_TASKS_PER_LEASE}, got {request.max_tasks}")
         tasks = await self._service.lease_rollout_tasks(worker_id, request.max_tasks, request.wait_ms)
         return orchestrator_pb2.LeaseRolloutTasksResponse(
-            tasks=[serde.rollout_task(t, self._service.planner.job(t.job_id).spec_json) for t in tasks]
+            tasks=[serde.rollout_task(t, self._service.planner.job(t.job_id).spec_digest) for t in tasks]
         )
 
     async def RenewLeases(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -136,8 +136,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(f"dp_address: longer than {MAX_DP_ADDRESS_LENGTH} characters")
         work = await self._service.poll_trainer_work(worker_id, slot_id, serde.resident_agents(request.resident),
                                                      request.wait_ms, request.dp_address)
-        spec_json = self._service.planner.job(work.job_id).spec_json if work is not None else ""
-        return serde.trainer_work(work, spec_json)
+        digest = self._service.planner.job(work.job_id).spec_digest if work is not None else ""
+        return serde.trainer_work(work, digest)
 
     async def AckMicroBatch(self, request: Any, context: Any) -> Any:  # noqa: N802
         """A micro-batch's gradients are accumulated."""

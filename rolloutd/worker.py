@@ -34,7 +34,7 @@ from flexmarl.devices import DeviceSet
 from flexmarl.errors import ErrorReason, FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
 from flexmarl.experience import group_id
 from flexmarl.ids import TaskRef
-from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.jobspec import JobSpec, JobSpecCache
 from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.store_client import StoreClient
@@ -163,6 +163,7 @@ class RolloutWorker:
                                       max_message_bytes=settings.max_message_bytes, security=settings.security)
         self._engine_lock = asyncio.Lock()
         self._job_lock = asyncio.Lock()
+        self._specs = JobSpecCache(self._fetch_spec)
         self.episodes_done = 0
         self._stopping = False
         #: Tasks whose experiences wait to be durable in stored, and since when appends fail (None: they succeed).
@@ -306,6 +307,7 @@ class RolloutWorker:
         async with self._job_lock:
             for job_id in ended:
                 self._jobs.pop(job_id, None)
+                self._specs.forget(job_id)
             await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                           for a in j.spec.agent_names])
         log.info("stopped serving finished jobs %s", ended)
@@ -463,8 +465,14 @@ class RolloutWorker:
                 return job
             return await self._new_job(task)
 
+    async def _fetch_spec(self, job_id: str) -> str:
+        """A job's spec JSON from orchestratord (once per job: :class:`~flexmarl.jobspec.JobSpecCache`)."""
+        stub = await self._peers.orchestrator()
+        status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=30)
+        return str(status.spec_json)
+
     async def _new_job(self, task: orchestrator_pb2.RolloutTask) -> _ServedJob:
-        spec = load_job_spec(task.spec_json)
+        spec = await self._specs.get(task.job_id, task.spec_digest)
         await self._ensure_engines(spec)
         assert self.router is not None
         env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)

@@ -1,10 +1,9 @@
-"""gRPC adapter of traind's own API (status and explicit swaps)."""
+"""gRPC adapter of traind's own API (status; swaps are work pulled from orchestratord)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.v1 import train_pb2, train_pb2_grpc
 from traind.worker import TrainerWorker
 
@@ -26,9 +25,3 @@ class TrainerServicer(train_pb2_grpc.TrainerServicer):
                                         dp_rank=s["dp_rank"], dp_world_size=s["dp_world_size"])
                   for s in self._worker.status()],
         )
-
-    async def OffloadAgent(self, request: Any, context: Any) -> Any:  # noqa: N802
-        """Explicit swap-outs go through the orchestrator (it owns bindings)."""
-        if not request.job_id or not request.agent:
-            raise InvalidArgument("job_id and agent must not be empty")
-        raise FailedPrecondition("bindings are owned by orchestratord: it sends SwapOutWork when a slot must move")

@@ -47,7 +47,7 @@ from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
 from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.experience import ExperienceRecord
-from flexmarl.jobspec import JobSpec, load_job_spec
+from flexmarl.jobspec import JobSpec, JobSpecCache
 from flexmarl.registry import Registry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.v1 import orchestrator_pb2
@@ -158,7 +158,7 @@ class TrainerWorker:
         self.slots = [Slot(f"{settings.worker_id}/slot{i}", None if ranks is None else ranks[i])
                       for i in range(settings.slots)]
         self._memory = MemoryStateStore()
-        self._specs: dict[str, JobSpec] = {}
+        self._specs = JobSpecCache(self._fetch_spec)
         self._loops: list[asyncio.Task[None]] = []
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
                                       store_address=settings.store_address,
@@ -198,13 +198,11 @@ class TrainerWorker:
         """``fn(*args)`` on a pool thread, on the slot's device (:func:`traind.distributed.on_device`)."""
         return await asyncio.to_thread(on_device, slot.local_rank, fn, *args)
 
-    def _spec(self, job_id: str, spec_json: str) -> JobSpec:
-        spec = self._specs.get(job_id)
-        if spec is None:
-            if not spec_json:
-                raise InvalidArgument(f"no spec known for job {job_id}")
-            spec = self._specs[job_id] = load_job_spec(spec_json)
-        return spec
+    async def _fetch_spec(self, job_id: str) -> str:
+        """A job's spec JSON from orchestratord (once per job: :class:`~flexmarl.jobspec.JobSpecCache`)."""
+        stub = await self._peers.orchestrator()
+        status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=30)
+        return str(status.spec_json)
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -318,7 +316,7 @@ class TrainerWorker:
                     ) -> AgentTrainer:
         """Makes (job, agent) at base_version resident in the slot (swapping as needed)."""
         await self._join(work.group if work.HasField("group") else None)
-        spec = self._spec(work.job_id, work.spec_json)
+        spec = await self._specs.get(work.job_id, work.spec_digest)
         key = (work.job_id, work.agent)
         if slot.trainer is not None and (slot.resident != key or slot.trainer.version != work.base_version):
             log.info("%s: releasing %s/%s v%d", slot.slot_id, slot.job_id, slot.agent, slot.trainer.version)
@@ -369,7 +367,7 @@ class TrainerWorker:
         stub = await self._peers.orchestrator()
         await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
             lease_id=work.lease_id, worker_id=self.settings.worker_id, slot_id=slot.slot_id,
-            loss_sum=stats.loss_sum, tokens=stats.response_tokens, episodes=stats.sequences), timeout=30)
+            episodes=stats.sequences), timeout=30)
 
     async def _read_experiences(self, job_id: str, ids: list[str]) -> list[ExperienceRecord]:
         """Reads from stored; after UNAVAILABLE (stored restarting, maybe elsewhere) rediscovers and retries."""

@@ -51,6 +51,7 @@ binding" ablation. None of the modes changes what a step trains on: the
 manifest of step t of an agent is the same set of experience ids in every mode.
 """
 
+from flexmarl.experience import ExperienceSummary  # what the planner takes from reports
 from orchestratord.planner.estimator import (
     RolloutDemandEstimator,
 )
@@ -68,7 +69,6 @@ from orchestratord.planner.multi_job import (
 from orchestratord.planner.types import (
     AgentProgress,
     AgentVersion,
-    ExperienceSummary,
     JobSnapshot,
     MicroBatchWork,
     OptimizerStepWork,

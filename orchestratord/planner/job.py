@@ -6,8 +6,9 @@ import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import lease_id_prefix, validate_job_id
-from flexmarl.jobspec import JobSpec, parse_job_spec
+from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
 from orchestratord.binding import AgentDemand, DataParallelGroup
 from orchestratord.leases import LeaseTable
 from orchestratord.planner import admission, demand, dispatch, recovery, reports
@@ -16,7 +17,6 @@ from orchestratord.planner.job_plan import AgentState, JobPlan, StepPlan
 from orchestratord.planner.types import (
     AgentProgress,
     AgentVersion,
-    ExperienceSummary,
     JobSnapshot,
     MicroBatchWork,
     OptimizerStepWork,
@@ -55,6 +55,7 @@ class JobPlanner:
         self.job_id = job_id
         self.spec = spec
         self.spec_json = spec.to_json()
+        self.spec_digest = spec_digest(self.spec_json)
         epoch = options.lease_epoch or secrets.token_hex(3)
         records = {name: agents.get(name, AgentVersionRecord()) for name in spec.agent_names}
         job = JobPlan(
@@ -152,7 +153,8 @@ class JobPlanner:
         )
         return JobSnapshot(
             job_id=self.job_id, name=self.spec.name, state=job.state, error=job.error,
-            created_s=job.created_s, updated_s=job.updated_s, spec_json=self.spec_json, agents=agents,
+            created_s=job.created_s, updated_s=job.updated_s, spec_json=self.spec_json, spec_digest=self.spec_digest,
+            agents=agents,
             tasks_done=job.tasks_done_total,
             tasks_total=self.spec.total_steps * self.spec.batch.prompts_per_step,
         )

@@ -7,12 +7,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, NotFound
+from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
 from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, SlotBinder
 from orchestratord.planner.job import JobPlanner
 from orchestratord.planner.types import (
-    ExperienceSummary,
     JobSnapshot,
     PlannerOptions,
     RenewResult,

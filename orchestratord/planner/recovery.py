@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
 from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
@@ -18,7 +19,6 @@ from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
 from orchestratord.planner.manifests import complete_task
 from orchestratord.planner.reports import validate_groups
-from orchestratord.planner.types import ExperienceSummary
 
 logger = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import GroupRef
 from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.job_plan import Group, JobPlan, Task
 from orchestratord.planner.manifests import complete_task
-from orchestratord.planner.types import ExperienceSummary
 
 
 def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,

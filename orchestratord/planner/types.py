@@ -5,27 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from flexmarl.ids import GroupRef
 from orchestratord.binding import DataParallelGroup
 from orchestratord.state import JobState
-
-
-@dataclasses.dataclass(frozen=True)
-class ExperienceSummary:
-    """One experience as reported by rolloutd (arrays stay in stored)."""
-
-    experience_id: str
-    agent: str
-    group_id: str
-    sample_index: int
-    behavior_version: int
-    response_tokens: int
-    reward: float = 0.0
-
-    @property
-    def task_id(self) -> str:
-        """The task of the experience, derived from its group id ("<task_id>/<agent>")."""
-        return GroupRef.parse(self.group_id).task_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +146,7 @@ class JobSnapshot:
     created_s: float
     updated_s: float
     spec_json: str
+    spec_digest: str
     agents: tuple[AgentProgress, ...]
     tasks_done: int
     tasks_total: int

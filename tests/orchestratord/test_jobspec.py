@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -7,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from flexmarl.errors import InvalidArgument
-from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
+from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.jobspec import JobSpec, JobSpecCache, load_job_spec, parse_job_spec
 
 from .helpers import spec_dict
 
@@ -137,3 +138,27 @@ def test_missing_file_is_read_as_text() -> None:
     with pytest.raises(InvalidArgument):
         load_job_spec("/no/such/file.yaml")
     assert yaml.safe_load(GOOD_YAML)["name"] == "signaling"
+
+
+def test_spec_cache_fetches_once_per_job_and_checks_the_digest() -> None:
+    spec = parse_job_spec(spec_dict())
+    fetched: list[str] = []
+    served = {"job-a": spec.to_json(), "job-b": spec.to_json().replace('"seed":0', '"seed":7')}
+
+    async def fetch(job_id: str) -> str:
+        fetched.append(job_id)
+        return served[job_id]
+
+    async def run() -> None:
+        cache = JobSpecCache(fetch)
+        got = await asyncio.gather(*(cache.get("job-a", spec.digest()) for _ in range(5)))
+        assert all(g == spec for g in got) and fetched == ["job-a"]
+        with pytest.raises(FailedPrecondition, match="digest"):
+            await cache.get("job-b", spec.digest())  # job-b's spec is another one
+        with pytest.raises(InvalidArgument, match="no spec digest"):
+            await cache.get("job-a", "")
+        cache.forget("job-a")
+        await cache.get("job-a", spec.digest())
+        assert fetched == ["job-a", "job-b", "job-a"]
+
+    asyncio.run(run())

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from flexmarl.cli import materialize_models
 from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import InvalidArgument
+from flexmarl.jobspec import JobSpecCache, spec_digest
 from flexmarl.registry import Registry
 from flexmarl.v1 import orchestrator_pb2
 from traind import distributed
@@ -107,8 +108,14 @@ def _signaling_spec_json(models_dir: Path) -> str:
 async def test_a_slots_engine_is_built_on_the_slots_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "0")
     worker = _worker(_settings(tmp_path, 2, (0, 1)))
+    spec_json = _signaling_spec_json(tmp_path / "models")
+
+    async def fetch(job_id: str) -> str:  # orchestratord's GetJob
+        return spec_json
+
+    worker._specs = JobSpecCache(fetch)
     work = orchestrator_pb2.MicroBatchWork(job_id="job", agent="sender", step_id="s1", base_version=0,
-                                           spec_json=_signaling_spec_json(tmp_path / "models"))
+                                           spec_digest=spec_digest(spec_json))
     slot = worker.slots[1]
     async with worker._compute:
         trainer = await worker._bind(slot, work)

@@ -1,7 +1,16 @@
-"""The experience record shared by rolloutd, stored, traind and the SDK.
+"""The experience shapes shared by rolloutd, stored, traind, orchestratord and the SDK.
 
-Token ids and logprobs are numpy arrays in memory and packed little-endian
-bytes on the wire (int32 ids, float32 logprobs).
+Three shapes, each carrying different data, with one conversion between each pair that meets:
+
+- :class:`ExperienceRecord`: the whole experience (token ids, logprobs, reward), written to and read
+  from stored. Token ids and logprobs are numpy arrays in memory and packed little-endian bytes on
+  the wire (int32 ids, float32 logprobs).
+- :class:`flexmarl.store_client.ExperienceRef`: stored's query result (ids, group metadata and
+  lifecycle state, no arrays).
+- :class:`ExperienceSummary`: what orchestratord plans with (ids, group, version, length, reward),
+  reported by rolloutd. Built from a record (:meth:`ExperienceSummary.of_record`, a fresh rollout)
+  or from a ref (:meth:`ExperienceSummary.of_ref`, what an earlier attempt already stored); the
+  daemons' serde modules are the only places it meets its proto.
 """
 
 from __future__ import annotations
@@ -37,6 +46,54 @@ def experience_id(task_id: str, sample_index: int, agent: str, turn: int) -> str
 def group_id(task_id: str, agent: str) -> str:
     """The GRPO group of an agent's experiences within one task (see :class:`flexmarl.ids.GroupRef`)."""
     return str(GroupRef(task_id, agent))
+
+
+@typing.runtime_checkable
+class _StoredRef(typing.Protocol):
+    """The fields of :class:`flexmarl.store_client.ExperienceRef` a summary needs (no import cycle)."""
+
+    @property
+    def experience_id(self) -> str: ...  # noqa: D102
+    @property
+    def group_id(self) -> str: ...  # noqa: D102
+    @property
+    def sample_index(self) -> int: ...  # noqa: D102
+    @property
+    def behavior_version(self) -> int: ...  # noqa: D102
+    @property
+    def response_tokens(self) -> int: ...  # noqa: D102
+    @property
+    def reward(self) -> float: ...  # noqa: D102
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperienceSummary:
+    """One experience as orchestratord plans with it (arrays stay in stored)."""
+
+    experience_id: str
+    agent: str
+    group_id: str
+    sample_index: int
+    behavior_version: int
+    response_tokens: int
+    reward: float = 0.0
+
+    @property
+    def task_id(self) -> str:
+        """The task of the experience, derived from its group id ("<task_id>/<agent>")."""
+        return GroupRef.parse(self.group_id).task_id
+
+    @classmethod
+    def of_record(cls, record: ExperienceRecord) -> ExperienceSummary:
+        """The summary of a whole record (what rolloutd reports after a rollout)."""
+        return cls(record.experience_id, record.agent, record.group_id, record.sample_index,
+                   record.behavior_version, record.response_tokens, record.reward)
+
+    @classmethod
+    def of_ref(cls, ref: _StoredRef, agent: str) -> ExperienceSummary:
+        """The summary of one of stored's query results for ``agent`` (what is already durable)."""
+        return cls(ref.experience_id, agent, ref.group_id, ref.sample_index, ref.behavior_version,
+                   ref.response_tokens, ref.reward)
 
 
 @dataclasses.dataclass(frozen=True)

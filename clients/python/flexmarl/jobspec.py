@@ -10,9 +10,11 @@ to a default.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from flexmarl import ids
-from flexmarl.errors import InvalidArgument
+from flexmarl.errors import FailedPrecondition, InvalidArgument
 
 AGENT_NAME_PATTERN = rf"^{ids.AGENT_NAME_PATTERN}$"
 JOB_NAME_PATTERN = rf"^{ids.JOB_ID_PATTERN}$"  # a job's name is its job id's prefix
@@ -232,6 +234,15 @@ class JobSpec(_SpecModel):
         """Canonical JSON (sorted keys, defaults filled in): what the SDK sends and orchestratord stores."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
+    def digest(self) -> str:
+        """:func:`spec_digest` of :meth:`to_json`: how rollout tasks and trainer work name the spec."""
+        return spec_digest(self.to_json())
+
+
+def spec_digest(spec_json: str) -> str:
+    """sha256 (hex) of a spec's canonical JSON text."""
+    return hashlib.sha256(spec_json.encode()).hexdigest()
+
 
 def _cross_field_problems(spec: JobSpec) -> list[str]:
     problems: list[str] = []
@@ -383,3 +394,59 @@ def load_job_spec(text_or_path: str | Path) -> JobSpec:
     except yaml.YAMLError as error:
         raise InvalidArgument(f"job spec: not valid YAML/JSON: {error}".replace("\n", " ")) from None
     return parse_job_spec(data)
+
+
+class JobSpecCache:
+    """Job specs by job id for a worker: fetched once per job, checked against the digest work names.
+
+    Rollout tasks and trainer work carry only the spec's digest (a spec may be up to 1 MiB); the first
+    piece of work of a job fetches the spec (orchestratord's GetJob), and every later one reuses it
+    while its digest matches. A job's spec never changes, so a mismatch means the fetch raced a
+    resubmission under the same id, and is an error rather than a silent mix of two specs.
+    """
+
+    def __init__(self, fetch: Callable[[str], Awaitable[str]]) -> None:
+        """fetch(job_id) returns the job's spec JSON (JobStatus.spec_json)."""
+        self._fetch = fetch
+        self._specs: dict[str, tuple[str, JobSpec]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def cached(self, job_id: str, digest: str) -> JobSpec | None:
+        """The cached spec of job_id if its digest is ``digest``, else None."""
+        entry = self._specs.get(job_id)
+        return entry[1] if entry is not None and entry[0] == digest else None
+
+    async def get(self, job_id: str, digest: str) -> JobSpec:
+        """The spec of job_id whose digest is ``digest``, fetched at most once per job.
+
+        Raises:
+            InvalidArgument: ``digest`` is empty, or the fetched spec does not parse.
+            FailedPrecondition: the fetched spec has another digest.
+        """
+        if not digest:
+            raise InvalidArgument(f"job {job_id}: work names no spec digest")
+        spec = self.cached(job_id, digest)
+        if spec is not None:
+            return spec
+        lock = self._locks.setdefault(job_id, asyncio.Lock())
+        async with lock:  # one fetch per job, however many of its pieces of work arrive at once
+            spec = self.cached(job_id, digest)
+            if spec is not None:
+                return spec
+            spec_json = await self._fetch(job_id)
+            fetched = spec_digest(spec_json)
+            if fetched != digest:
+                raise FailedPrecondition(
+                    f"job {job_id}: its spec has digest {fetched[:12]}, the work names {digest[:12]}")
+            try:
+                data = json.loads(spec_json)  # JSON text from orchestratord, never a path on this host
+            except ValueError as exc:
+                raise InvalidArgument(f"job {job_id}: spec is not valid JSON: {exc}") from None
+            spec = parse_job_spec(data)
+            self._specs[job_id] = (digest, spec)
+            return spec
+
+    def forget(self, job_id: str) -> None:
+        """Drops a job's spec (the job is gone from this worker)."""
+        self._specs.pop(job_id, None)
+        self._locks.pop(job_id, None)

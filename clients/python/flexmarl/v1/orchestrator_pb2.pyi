@@ -280,6 +280,7 @@ class JobStatus(_message.Message):
     SPEC_JSON_FIELD_NUMBER: _builtins.int
     TASKS_DONE_FIELD_NUMBER: _builtins.int
     TASKS_TOTAL_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     name: _builtins.str
@@ -289,6 +290,8 @@ class JobStatus(_message.Message):
     spec_json: _builtins.str
     tasks_done: _builtins.int
     tasks_total: _builtins.int
+    spec_digest: _builtins.str
+    """sha256 (hex) of spec_json: what RolloutTask and trainer work name the spec by."""
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentProgress]: ...
     def __init__(
@@ -304,10 +307,11 @@ class JobStatus(_message.Message):
         spec_json: _builtins.str = ...,
         tasks_done: _builtins.int = ...,
         tasks_total: _builtins.int = ...,
+        spec_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_unix_ms", b"created_unix_ms", "error", b"error", "job_id", b"job_id", "name", b"name", "spec_json", b"spec_json", "state", b"state", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total", "updated_unix_ms", b"updated_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_unix_ms", b"created_unix_ms", "error", b"error", "job_id", b"job_id", "name", b"name", "spec_digest", b"spec_digest", "spec_json", b"spec_json", "state", b"state", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total", "updated_unix_ms", b"updated_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -408,7 +412,7 @@ class RolloutTask(_message.Message):
     AGENT_VERSIONS_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
-    SPEC_JSON_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     task_id: _builtins.str
@@ -419,8 +423,10 @@ class RolloutTask(_message.Message):
     group_size: _builtins.int
     deadline_unix_ms: _builtins.int
     attempt: _builtins.int
-    spec_json: _builtins.str
-    """The job spec, so a worker needs no second round trip."""
+    spec_digest: _builtins.str
+    """JobStatus.spec_digest of the job: the worker fetches the spec once per job (GetJob),
+    checks it against this digest and caches it.
+    """
     @_builtins.property
     def agent_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AgentVersion]:
         """Minimum policy version of each agent to use."""
@@ -437,11 +443,11 @@ class RolloutTask(_message.Message):
         agent_versions: _abc.Iterable[_common_pb2.AgentVersion] | None = ...,
         deadline_unix_ms: _builtins.int = ...,
         attempt: _builtins.int = ...,
-        spec_json: _builtins.str = ...,
+        spec_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "spec_json", b"spec_json", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -751,8 +757,8 @@ class MicroBatchWork(_message.Message):
     STATE_URI_FIELD_NUMBER: _builtins.int
     STEP_EPISODES_FIELD_NUMBER: _builtins.int
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
-    SPEC_JSON_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     agent: _builtins.str
@@ -766,7 +772,8 @@ class MicroBatchWork(_message.Message):
     step_episodes: _builtins.int
     """Step normalisers fixed before backward: episodes in the whole step."""
     deadline_unix_ms: _builtins.int
-    spec_json: _builtins.str
+    spec_digest: _builtins.str
+    """As RolloutTask.spec_digest."""
     @_builtins.property
     def experience_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -785,12 +792,12 @@ class MicroBatchWork(_message.Message):
         state_uri: _builtins.str = ...,
         step_episodes: _builtins.int = ...,
         deadline_unix_ms: _builtins.int = ...,
-        spec_json: _builtins.str = ...,
         group: Global___DataParallelGroup | None = ...,
+        spec_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "group", b"group", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_json", b"spec_json", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "group", b"group", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -811,7 +818,7 @@ class OptimizerStepWork(_message.Message):
     GROUP_FIELD_NUMBER: _builtins.int
     BASE_VERSION_FIELD_NUMBER: _builtins.int
     STATE_URI_FIELD_NUMBER: _builtins.int
-    SPEC_JSON_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     agent: _builtins.str
     step: _builtins.int
@@ -827,7 +834,8 @@ class OptimizerStepWork(_message.Message):
     (as in MicroBatchWork). Only rank 0 publishes, saves and calls CommitStep.
     """
     state_uri: _builtins.str
-    spec_json: _builtins.str
+    spec_digest: _builtins.str
+    """As RolloutTask.spec_digest."""
     @_builtins.property
     def group(self) -> Global___DataParallelGroup: ...
     def __init__(
@@ -844,11 +852,11 @@ class OptimizerStepWork(_message.Message):
         group: Global___DataParallelGroup | None = ...,
         base_version: _builtins.int = ...,
         state_uri: _builtins.str = ...,
-        spec_json: _builtins.str = ...,
+        spec_digest: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "group", b"group", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "spec_json", b"spec_json", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "group", b"group", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -917,14 +925,10 @@ class AckMicroBatchRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     WORKER_ID_FIELD_NUMBER: _builtins.int
     SLOT_ID_FIELD_NUMBER: _builtins.int
-    LOSS_SUM_FIELD_NUMBER: _builtins.int
-    TOKENS_FIELD_NUMBER: _builtins.int
     EPISODES_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     worker_id: _builtins.str
     slot_id: _builtins.str
-    loss_sum: _builtins.float
-    tokens: _builtins.int
     episodes: _builtins.int
     def __init__(
         self,
@@ -932,13 +936,11 @@ class AckMicroBatchRequest(_message.Message):
         lease_id: _builtins.str = ...,
         worker_id: _builtins.str = ...,
         slot_id: _builtins.str = ...,
-        loss_sum: _builtins.float = ...,
-        tokens: _builtins.int = ...,
         episodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes", b"episodes", "lease_id", b"lease_id", "loss_sum", b"loss_sum", "slot_id", b"slot_id", "tokens", b"tokens", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes", b"episodes", "lease_id", b"lease_id", "slot_id", b"slot_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -39,11 +39,6 @@ class TrainerStub:
                 request_serializer=flexmarl_dot_v1_dot_train__pb2.GetTrainerStatusRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_train__pb2.TrainerStatus.FromString,
                 _registered_method=True)
-        self.OffloadAgent = channel.unary_unary(
-                '/flexmarl.v1.Trainer/OffloadAgent',
-                request_serializer=flexmarl_dot_v1_dot_train__pb2.OffloadAgentRequest.SerializeToString,
-                response_deserializer=flexmarl_dot_v1_dot_train__pb2.OffloadAgentResponse.FromString,
-                _registered_method=True)
 
 
 class TrainerServicer:
@@ -55,13 +50,6 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def OffloadAgent(self, request, context):
-        """Moves an agent's training state out of its slot to a location.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -69,11 +57,6 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetTrainerStatus,
                     request_deserializer=flexmarl_dot_v1_dot_train__pb2.GetTrainerStatusRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_train__pb2.TrainerStatus.SerializeToString,
-            ),
-            'OffloadAgent': grpc.unary_unary_rpc_method_handler(
-                    servicer.OffloadAgent,
-                    request_deserializer=flexmarl_dot_v1_dot_train__pb2.OffloadAgentRequest.FromString,
-                    response_serializer=flexmarl_dot_v1_dot_train__pb2.OffloadAgentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,33 +86,6 @@ class Trainer:
             '/flexmarl.v1.Trainer/GetTrainerStatus',
             flexmarl_dot_v1_dot_train__pb2.GetTrainerStatusRequest.SerializeToString,
             flexmarl_dot_v1_dot_train__pb2.TrainerStatus.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def OffloadAgent(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/flexmarl.v1.Trainer/OffloadAgent',
-            flexmarl_dot_v1_dot_train__pb2.OffloadAgentRequest.SerializeToString,
-            flexmarl_dot_v1_dot_train__pb2.OffloadAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,
