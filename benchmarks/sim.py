@@ -62,9 +62,9 @@ from typing import Any
 from benchmarks.report import Column, line_chart, render_table
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
+from flexmarl.experience import ExperienceSummary
 from flexmarl.jobspec import parse_job_spec
 from orchestratord.planner import (
-    ExperienceSummary,
     MicroBatchWork,
     OptimizerStepWork,
     Planner,

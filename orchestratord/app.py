@@ -1,4 +1,4 @@
-"""Wires orchestratord's service and servicer into the shared daemon lifecycle."""
+"""Wires orchestratord's coordinator and servicer into the shared daemon lifecycle."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class OrchestratorApp(DaemonApp):
 
     def __init__(self, config: OrchestratorConfig, ctx: DaemonContext) -> None:
         self.config = config
-        self.service = JobCoordinator(
+        self.coordinator = JobCoordinator(
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
             options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,
@@ -29,15 +29,15 @@ class OrchestratorApp(DaemonApp):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Orchestrator service."""
-        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.service), server)
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.coordinator), server)
 
     async def start(self) -> None:
         """Restores jobs from etcd and starts the planner loops."""
-        await self.service.start()
+        await self.coordinator.start()
 
     async def stop(self) -> None:
         """Stops the loops."""
-        await self.service.stop()
+        await self.coordinator.stop()
 
 
 def build_app(config: OrchestratorConfig, ctx: DaemonContext) -> DaemonApp:

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -22,16 +22,18 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.errors import InvalidArgument, Unavailable
+from flexmarl.experience import ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
-from flexmarl.registry import Registry, ServiceRecord
+from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
+from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
-from flexmarl.v1 import rollout_pb2, rollout_pb2_grpc
+from flexmarl.v1 import rollout_pb2_grpc
+from orchestratord import serde
 from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import (
     AgentVersion,
-    ExperienceSummary,
     JobSnapshot,
     Planner,
     PlannerOptions,
@@ -52,6 +54,10 @@ MAX_PROMPTS_PER_STEP = 1 << 20
 MAX_GROUP_SIZE = 1 << 16
 TICK_INTERVAL_S = 0.2
 DEMAND_INTERVAL_S = 1.0
+#: Reading what rollouts already stored, at a restart: stored may still be starting after a whole-cluster restart.
+RECOVERY_READ_RETRY = RetryPolicy(initial_s=0.5, max_s=0.5, deadline_s=30.0)
+#: Marking a committed step's experiences consumed: stored may be restarting (maybe on a new address).
+MARK_CONSUMED_RETRY = RetryPolicy(initial_s=0.5, max_s=5.0, deadline_s=300.0)
 
 
 def require_id(name: str, value: str) -> str:
@@ -98,7 +104,7 @@ class JobCoordinator:
                                       max_message_bytes=max_message_bytes, security=security)
         self.lease_poll_max_ms = lease_poll_max_ms
         self._tasks: list[asyncio.Task[None]] = []
-        self._directories: list[Any] = []
+        self._directories: list[ServiceDirectory] = []
         self._known_workers: dict[str, set[str]] = {"rolloutd": set(), "traind": set()}
         self._last_commit_s: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -150,21 +156,20 @@ class JobCoordinator:
 
     async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
         """What rollouts already wrote to stored for a job (so a restart does not redo them)."""
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                store = await self._peers.store()
-                out: list[ExperienceSummary] = []
-                for agent in agents:
-                    for ref in await store.query(job_id, agent):
-                        out.append(ExperienceSummary.of_ref(ref, agent))
-                return out
-            except Exception as exc:  # stored may still be starting after a whole-cluster restart
-                if time.monotonic() > deadline:
-                    raise Unavailable(f"cannot read job {job_id} from stored: {exc}") from None
-                log.warning("waiting for stored to recover job %s: %s", job_id, exc)
-                await self._peers.reset_store()
-                await asyncio.sleep(0.5)
+
+        async def query() -> list[ExperienceSummary]:
+            store = await self._peers.store()
+            return [ExperienceSummary.of_ref(ref, agent)
+                    for agent in agents for ref in await store.query(job_id, agent)]
+
+        async def rediscover(exc: BaseException, attempt: int, delay_s: float) -> None:
+            log.warning("waiting for stored to recover job %s: %s", job_id, exc)
+            await self._peers.reset_store()
+
+        try:
+            return await retry(query, retryable=_any_error, policy=RECOVERY_READ_RETRY, on_retry=rediscover)
+        except Exception as exc:
+            raise Unavailable(f"cannot read job {job_id} from stored: {exc}") from None
 
     def _on_workers(self, kind: str, services: dict[str, ServiceRecord]) -> None:
         alive = set(services)
@@ -174,7 +179,7 @@ class JobCoordinator:
             log.warning("%s %s is gone; re-issuing its work", kind, worker_id)
             self._spawn(self.mutate(functools.partial(self.planner.worker_gone, worker_id)))
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -213,10 +218,7 @@ class JobCoordinator:
             self._metrics.rollout_demand_tokens.labels(job_id, agent).set(tokens)
         if not demand or not self._directories:
             return
-        request = rollout_pb2.SetAgentDemandRequest(demand=[
-            rollout_pb2.AgentDemand(job_id=job_id, agent=agent, tokens=max(0, tokens))
-            for (job_id, agent), tokens in sorted(demand.items())
-        ])
+        request = serde.agent_demand_request(demand)
         for record in list(self._directories[0].services.values()):
             channel = self._rollout_channels.get(record.address)
             if channel is None:
@@ -310,25 +312,23 @@ class JobCoordinator:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
 
     async def _mark_consumed(self, job_id: str, agent: str, step: int, ids: Sequence[str]) -> None:
-        """Marks a committed step's experiences consumed in stored; retried while stored is unavailable."""
-        from flexmarl.experience import ExperienceState
+        """Marks a committed step's experiences consumed in stored; retried while stored is unavailable.
 
-        deadline_s, backoff_s = time.monotonic() + 300.0, 0.5
-        while True:
-            try:
-                store = await self._peers.store()
-                await store.mark(job_id, agent, str(StepRef(job_id, agent, step)), ids, ExperienceState.CONSUMED)
-                return
-            except Unavailable as exc:  # stored restarting (maybe on a new address): rediscover, retry
-                if time.monotonic() > deadline_s:
-                    log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
-                    return
-                await self._peers.reset_store()
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(5.0, backoff_s * 2)
-            except Exception as exc:
-                log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
-                return
+        Best effort: marking only lets stored's GC reclaim the rows, and a restart marks every
+        committed step again, so a failure is logged, not raised.
+        """
+
+        async def mark() -> None:
+            store = await self._peers.store()
+            await store.mark(job_id, agent, str(StepRef(job_id, agent, step)), ids, ExperienceState.CONSUMED)
+
+        async def rediscover(exc: BaseException, attempt: int, delay_s: float) -> None:
+            await self._peers.reset_store()  # stored restarting, maybe on a new address
+
+        try:
+            await retry(mark, retryable=_unavailable, policy=MARK_CONSUMED_RETRY, on_retry=rediscover)
+        except Exception as exc:
+            log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
 
     async def wait_for(self, fn: Callable[[], T | None], wait_ms: int) -> T | None:
         """Calls fn (as a mutation) until it returns a truthy value or wait_ms passes."""
@@ -375,6 +375,10 @@ class JobCoordinator:
     def snapshot(self, job_id: str) -> JobSnapshot:
         """A job's status."""
         return self.planner.snapshot(job_id)
+
+    def spec_digest(self, job_id: str) -> str:
+        """The digest that names a job's spec in its work (workers fetch the spec once by GetJob)."""
+        return self.planner.job(job_id).spec_digest
 
     def rates(self, job_id: str) -> dict[str, float]:
         """Last step's generated tokens/s of each agent of a job."""
@@ -471,6 +475,14 @@ class JobCoordinator:
         """A slot swapped an agent out or failed."""
         await self.mutate(lambda: self.planner.report_slot_event(worker_id, slot_id, job_id, agent, kind,
                                                                  state_uri, error))
+
+
+def _any_error(exc: BaseException) -> bool:
+    return True
+
+
+def _unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, Unavailable)
 
 
 def _empty_spec() -> JobSpec:

@@ -21,17 +21,16 @@ every later commit of that agent failed its version check: the job stalled.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import json
 import logging
-import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
 from flexmarl.registry import ETCD_ERRORS, Registry
+from flexmarl.retry import RetryPolicy, retry
 from orchestratord.state import (
     AgentVersionRecord,
     JobState,
@@ -48,6 +47,7 @@ from orchestratord.state import (
 _CAS_RETRIES = 5
 #: How long a state operation waits for etcd to come back before its RPC fails.
 ETCD_RETRY_S = 60.0
+ETCD_RETRY = RetryPolicy(initial_s=0.05, max_s=1.0, deadline_s=ETCD_RETRY_S)
 
 log = logging.getLogger(__name__)
 _P = ParamSpec("_P")
@@ -57,20 +57,19 @@ _T = TypeVar("_T")
 def _retrying(method: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """Retries ``method`` on etcd connection errors for up to ETCD_RETRY_S (see the module docstring)."""
 
+    def log_retry(exc: BaseException, attempt: int, delay_s: float) -> None:
+        log.warning("etcd unavailable in %s (%s); retrying", method.__name__, type(exc).__name__)
+
     @functools.wraps(method)
     async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
-        deadline_s, backoff_s = time.monotonic() + ETCD_RETRY_S, 0.05
-        while True:
-            try:
-                return await method(*args, **kwargs)
-            except ETCD_ERRORS as exc:
-                if time.monotonic() > deadline_s:
-                    raise
-                log.warning("etcd unavailable in %s (%s); retrying", method.__name__, type(exc).__name__)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(1.0, backoff_s * 2)
+        return await retry(functools.partial(method, *args, **kwargs), retryable=_etcd_unreachable,
+                           policy=ETCD_RETRY, on_retry=log_retry)
 
     return wrapper
+
+
+def _etcd_unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, ETCD_ERRORS)
 
 
 def _dump(data: Any) -> bytes:

@@ -1,23 +1,36 @@
-"""Proto <-> domain conversions for orchestratord."""
+"""Proto <-> domain conversions for orchestratord (the servicer itself builds only one-field replies).
+
+The reported experiences become :class:`flexmarl.experience.ExperienceSummary` here
+(:func:`experience_summaries`), the one decoder of the proto ``ExperienceSummary``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flexmarl.v1 import common_pb2, orchestrator_pb2
+from flexmarl.errors import InvalidArgument
+from flexmarl.experience import ExperienceSummary
+from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
 from orchestratord.binding import DataParallelGroup
 from orchestratord.planner import (
     AgentVersion,
-    ExperienceSummary,
     JobSnapshot,
     MicroBatchWork,
     OptimizerStepWork,
+    RenewResult,
     ResidentAgent,
     RolloutTaskLease,
+    SlotEventKind,
     SwapOutWork,
     TrainerWork,
 )
+from orchestratord.state import JobState
+
+_SLOT_EVENT_KINDS: dict[int, SlotEventKind] = {
+    orchestrator_pb2.ReportSlotEventRequest.KIND_SWAPPED_OUT: SlotEventKind.SWAPPED_OUT,
+    orchestrator_pb2.ReportSlotEventRequest.KIND_FAILED: SlotEventKind.FAILED,
+}
 
 
 def _ms(seconds: float) -> int:
@@ -64,8 +77,14 @@ def rollout_task(task: RolloutTaskLease, spec_digest: str) -> orchestrator_pb2.R
     )
 
 
-def experience_summaries(msgs: Any) -> list[ExperienceSummary]:
-    """Reported experiences."""
+def renew_response(result: RenewResult) -> orchestrator_pb2.RenewLeasesResponse:
+    """A renewal's outcome as a RenewLeasesResponse."""
+    return orchestrator_pb2.RenewLeasesResponse(lost_lease_ids=list(result.lost_lease_ids),
+                                                deadline_unix_ms=_ms(result.deadline_s))
+
+
+def experience_summaries(msgs: Iterable[orchestrator_pb2.ExperienceSummary]) -> list[ExperienceSummary]:
+    """Reported experiences (the one proto -> :class:`flexmarl.experience.ExperienceSummary` decoder)."""
     return [
         ExperienceSummary(m.experience_id, m.agent, m.group_id, m.sample_index, m.behavior_version,
                           m.response_tokens, m.reward)
@@ -73,9 +92,28 @@ def experience_summaries(msgs: Any) -> list[ExperienceSummary]:
     ]
 
 
-def resident_agents(msgs: Any) -> list[ResidentAgent]:
+def resident_agents(msgs: Iterable[orchestrator_pb2.ResidentAgent]) -> list[ResidentAgent]:
     """Agents a slot reports as resident."""
     return [ResidentAgent(m.job_id, m.agent, m.version) for m in msgs]
+
+
+def job_states(values: Iterable[int]) -> list[JobState]:
+    """ListJobs' state filter; raises InvalidArgument on an unknown state."""
+    states = []
+    for value in values:
+        try:
+            states.append(JobState(value))
+        except ValueError:
+            raise InvalidArgument(f"states: unknown job state {value}") from None
+    return states
+
+
+def slot_event_kind(value: int) -> SlotEventKind:
+    """ReportSlotEvent's kind; raises InvalidArgument on an unknown or unset kind."""
+    kind = _SLOT_EVENT_KINDS.get(value)
+    if kind is None:
+        raise InvalidArgument(f"kind: unknown slot event {value}")
+    return kind
 
 
 def dp_group(group: DataParallelGroup | None, rank: int) -> orchestrator_pb2.DataParallelGroup | None:
@@ -109,6 +147,14 @@ def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2
             job_id=work.job_id, agent=work.agent, location=work.location,
         ))
     return orchestrator_pb2.PollTrainerWorkResponse()
+
+
+def agent_demand_request(demand: Mapping[tuple[str, str], int]) -> rollout_pb2.SetAgentDemandRequest:
+    """Each (job, agent)'s outstanding generation tokens as rolloutd's balancer hint (negative -> 0)."""
+    return rollout_pb2.SetAgentDemandRequest(demand=[
+        rollout_pb2.AgentDemand(job_id=job_id, agent=agent, tokens=max(0, tokens))
+        for (job_id, agent), tokens in sorted(demand.items())
+    ])
 
 
 def step_record(row: dict[str, Any]) -> orchestrator_pb2.StepRecord:

@@ -51,7 +51,6 @@ binding" ablation. None of the modes changes what a step trains on: the
 manifest of step t of an agent is the same set of experience ids in every mode.
 """
 
-from flexmarl.experience import ExperienceSummary  # what the planner takes from reports
 from orchestratord.planner.estimator import (
     RolloutDemandEstimator,
 )
@@ -85,7 +84,6 @@ __all__ = [
     "AgentProgress",
     "AgentVersion",
     "DURABLE_STATE_SCHEMES",
-    "ExperienceSummary",
     "JobPlanner",
     "JobSnapshot",
     "MicroBatchWork",

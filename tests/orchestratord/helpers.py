@@ -6,9 +6,9 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from flexmarl.experience import ExperienceSummary
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from orchestratord.planner import (
-    ExperienceSummary,
     MicroBatchWork,
     OptimizerStepWork,
     Planner,

@@ -9,9 +9,10 @@ import pytest
 
 from flexmarl.cluster import EtcdServer
 from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
+from flexmarl.experience import ExperienceSummary
 from flexmarl.registry import Registry
 from orchestratord.etcd_state import EtcdStateStore
-from orchestratord.planner import ExperienceSummary, MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions
+from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions
 from orchestratord.state import (
     InMemoryStateStore,
     JobState,

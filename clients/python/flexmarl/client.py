@@ -22,6 +22,7 @@ from flexmarl.config import ConfigError
 from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_rpc
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import PLAINTEXT_ETCD, EtcdSecurity, Registry
+from flexmarl.retry import Backoff
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -338,6 +339,7 @@ class AsyncClient:
         """
         lost_since: float | None = None
         loop = asyncio.get_running_loop()
+        backoff = Backoff(initial_s=0.5, max_s=0.5)  # a restarted orchestratord is back within seconds
         while True:
             try:
                 stub = await self._connect()
@@ -345,12 +347,13 @@ class AsyncClient:
                 lost_since = loop.time() if lost_since is None else lost_since
                 if loop.time() - lost_since > reconnect_s:
                     raise
-                await asyncio.sleep(0.5)
+                await backoff.sleep()
                 continue
             call = stub.WatchJob(orchestrator_pb2.WatchJobRequest(job_id=job_id))
             try:
                 async for msg in call:
                     lost_since = None
+                    backoff.reset()
                     info = JobInfo.from_proto(msg)
                     yield info
                     if info.state.finished:
@@ -364,7 +367,7 @@ class AsyncClient:
                 if now - lost_since > reconnect_s:
                     raise _error_from_rpc(exc) from None
                 await self._reconnect()
-                await asyncio.sleep(0.5)
+                await backoff.sleep()
             finally:
                 call.cancel()
 

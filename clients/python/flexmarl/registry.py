@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import grpc.aio
 
 from flexmarl.config import ConfigError, DaemonConfig, etcd_endpoints
 from flexmarl.errors import Unavailable
+from flexmarl.retry import Backoff, RetryPolicy, retry
 
 log = logging.getLogger(__name__)
 
@@ -324,29 +324,32 @@ class Registry:
         The probe reads a key under the prefix, so missing or wrong credentials of an etcd with
         auth enabled fail here at once ("etcd rejected the credentials"), without retrying.
         """
-        deadline = time.monotonic() + self._connect_timeout_s
+        policy = RetryPolicy(initial_s=0.2, max_s=0.2, deadline_s=max(0.0, self._connect_timeout_s))
+        try:
+            self._client = await retry(self._connect_once, retryable=_is_unreachable, policy=policy)
+        except _EtcdUnreachable as exc:
+            raise Unavailable(f"etcd unreachable ({exc})") from None
+
+    async def _connect_once(self) -> _EtcdClient:
+        """One probe of every endpoint, from the last good one; raises _EtcdUnreachable when none answers."""
         last_error = ""
-        while True:
-            for _ in range(len(self._endpoints)):
-                host, port = self._endpoints[self._endpoint_index]
-                client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)))
-                try:
-                    await asyncio.wait_for(client.get(self.key("services").encode()),
-                                           timeout=max(0.2, min(2.0, self._connect_timeout_s)))
-                except ETCD_ERRORS as exc:
-                    last_error = f"{host}:{port}: {type(exc).__name__} {exc}".strip()
-                    with contextlib.suppress(*ETCD_ERRORS):
-                        await client.close()
-                    if _rejected_credentials(exc):
-                        user = f"user {self._security.username!r}" if self._security.username else "no user"
-                        raise Unavailable(f"etcd rejected the credentials ({user}): {last_error}") from None
-                    self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
-                    continue
-                self._client = client
-                return
-            if time.monotonic() >= deadline:
-                raise Unavailable(f"etcd unreachable ({last_error})")
-            await asyncio.sleep(0.2)
+        for _ in range(len(self._endpoints)):
+            host, port = self._endpoints[self._endpoint_index]
+            client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)))
+            try:
+                await asyncio.wait_for(client.get(self.key("services").encode()),
+                                       timeout=max(0.2, min(2.0, self._connect_timeout_s)))
+            except ETCD_ERRORS as exc:
+                last_error = f"{host}:{port}: {type(exc).__name__} {exc}".strip()
+                with contextlib.suppress(*ETCD_ERRORS):
+                    await client.close()
+                if _rejected_credentials(exc):
+                    user = f"user {self._security.username!r}" if self._security.username else "no user"
+                    raise Unavailable(f"etcd rejected the credentials ({user}): {last_error}") from None
+                self._endpoint_index = (self._endpoint_index + 1) % len(self._endpoints)
+                continue
+            return client
+        raise _EtcdUnreachable(last_error)
 
     async def close(self) -> None:
         """Stops keep-alives (without deregistering) and closes the client."""
@@ -564,14 +567,14 @@ class ServiceDirectory:
             callback(dict(services))
 
     async def _run(self) -> None:
-        backoff_s = 0.1
+        backoff = Backoff(initial_s=0.1, max_s=2.0)
         while True:
             try:
                 values, revision = await self._registry.get_prefix(self._prefix)
                 await self._publish(
                     {_service_id(k): ServiceRecord.from_json(v) for k, v in values.items()}
                 )
-                backoff_s = 0.1
+                backoff.reset()
                 async for kind, key, value in self._registry.watch_prefix(self._prefix, revision + 1):
                     services = dict(self.services)
                     if kind == "PUT":
@@ -585,8 +588,15 @@ class ServiceDirectory:
             except _WATCH_ERRORS as exc:
                 self.resyncs += 1
                 log.info("service watch on %s broke (%s); re-listing", self._prefix, type(exc).__name__)
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(2.0, backoff_s * 2)
+                await backoff.sleep()
+
+
+class _EtcdUnreachable(Exception):
+    """No endpoint answered one round of probes (the message is the last endpoint's error)."""
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, _EtcdUnreachable)
 
 
 def _service_id(key: str) -> str:
