@@ -60,7 +60,7 @@ case "$cmd" in
     "$PY" -m ruff check .
     "$PY" -m mypy
     shift
-    "$PY" -m pytest -q "$@"
+    "$PY" -m pytest -q --durations=25 "$@"
     ;;
   demo)
     setup

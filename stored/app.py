@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -69,7 +70,8 @@ class StoredApp(DaemonApp):
             await asyncio.sleep(self.config.gc_interval_s)
             try:
                 result = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.experiences.collect_garbage, "", self.config.gc_retention_s
+                    self._executor, functools.partial(
+                        self.experiences.collect_garbage, "", self.config.gc_retention_s, finished_only=False)
                 )
             except Exception:
                 log.exception("background garbage collection failed")

@@ -67,6 +67,13 @@ CREATE INDEX IF NOT EXISTS exp_partition ON experiences (job_id, agent, state, b
 CREATE INDEX IF NOT EXISTS exp_group ON experiences (job_id, agent, group_id);
 CREATE INDEX IF NOT EXISTS exp_step ON experiences (job_id, step_id) WHERE step_id != '';
 
+-- Jobs orchestratord reported ended (FinishJob): the only ones an RPC may garbage-collect.
+CREATE TABLE IF NOT EXISTS finished_jobs (
+    job_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    finished_unix_ms INTEGER NOT NULL
+) WITHOUT ROWID;
+
 -- Rows and payload bytes per (job, agent, state), kept in the same transactions as
 -- the rows themselves: stats, metrics and quotas never scan the experiences.
 CREATE TABLE IF NOT EXISTS partition_stats (

@@ -77,10 +77,11 @@ class AppendResult:
 
 @dataclass(frozen=True)
 class GarbageCollected:
-    """Rows and payload bytes that garbage collection deleted."""
+    """Rows and payload bytes that garbage collection deleted, and the jobs it left alone."""
 
     deleted_rows: int
     deleted_bytes: int
+    skipped_running_jobs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -618,12 +619,36 @@ class ExperienceStore:
             for j, a, s, r, b in rows
         ]
 
-    def collect_garbage(self, job_id: str, retention_s: float) -> GarbageCollected:
+    def finish_job(self, job_id: str, state: str) -> bool:
+        """Records that a job ended; returns False when it already was (idempotent)."""
+        validate_job_id(job_id)
+        if not state or len(state) > 32:
+            raise InvalidArgument("state: must be a final job state's name (1..32 characters)")
+        with self._db.write() as conn:
+            cursor = conn.execute(
+                "INSERT OR IGNORE INTO finished_jobs (job_id, state, finished_unix_ms) VALUES (?, ?, ?)",
+                (job_id, state, self._clock_ms()))
+            return cursor.rowcount == 1
+
+    def finished(self, job_id: str) -> bool:
+        """Whether orchestratord reported the job ended (:meth:`finish_job`)."""
+        with self._db.read() as conn:
+            return conn.execute("SELECT 1 FROM finished_jobs WHERE job_id = ?", (job_id,)).fetchone() is not None
+
+    def collect_garbage(self, job_id: str, retention_s: float, *, finished_only: bool = True) -> GarbageCollected:
         """Deletes CONSUMED experiences consumed at least retention_s ago ("" = every job).
+
+        Args:
+            job_id: One job, or "" for every job.
+            retention_s: Minimum age of a consumption to delete.
+            finished_only: Touch only jobs :meth:`finish_job` recorded (what an RPC asks for);
+                False is the daemon's own retention policy (background GC), which may trim the
+                consumed history of running jobs too.
 
         Raises:
             InvalidArgument: a negative or non-finite retention.
             NotFound: an unknown job.
+            FailedPrecondition: ``finished_only`` and the one named job has not finished.
         """
         if not math.isfinite(retention_s) or retention_s < 0:
             raise InvalidArgument(f"retention_s must be finite and >= 0, got {retention_s}")
@@ -631,11 +656,18 @@ class ExperienceStore:
         cutoff_ms = self._clock_ms() - int(min(retention_s, _MAX_RETENTION_S) * 1000)
         consumed = int(ExperienceState.CONSUMED)
         with self._db.write() as conn:
+            finished = {str(j) for (j,) in conn.execute("SELECT job_id FROM finished_jobs")}
             if job_id:
                 self._require_job(conn, job_id)
+                if finished_only and job_id not in finished:
+                    raise FailedPrecondition(
+                        f"job {job_id!r} has not finished (orchestratord has not called FinishJob): "
+                        "its experiences are not garbage-collected on request")
                 jobs = [job_id]
             else:
                 jobs = [str(j) for (j,) in conn.execute("SELECT job_id FROM jobs")]
+            skipped = tuple(j for j in jobs if finished_only and j not in finished)
+            jobs = [j for j in jobs if j not in skipped]
             deleted_rows = deleted_bytes = 0
             for job in jobs:
                 per_agent = conn.execute(
@@ -657,7 +689,7 @@ class ExperienceStore:
             with self._db.locked_writer() as conn:
                 conn.execute("PRAGMA incremental_vacuum")
             log.info("GC of job %r: deleted %d experiences (%d bytes)", job_id or "*", deleted_rows, deleted_bytes)
-        return GarbageCollected(deleted_rows=deleted_rows, deleted_bytes=deleted_bytes)
+        return GarbageCollected(deleted_rows=deleted_rows, deleted_bytes=deleted_bytes, skipped_running_jobs=skipped)
 
 
 def _transition(

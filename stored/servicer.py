@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -24,6 +25,7 @@ from stored.experiences import ExperienceStore
 from stored.metrics import StoredMetrics
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -119,10 +121,32 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def CollectGarbage(  # noqa: N802
         self, request: store_pb2.CollectGarbageRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.CollectGarbageResponse:
-        """Deletes consumed experiences older than the retention window."""
+        """Deletes consumed experiences of finished jobs older than the retention; no destructive default.
+
+        The scope must be explicit (a job id, or ``all_jobs`` with an empty job id) and so must the
+        retention; jobs orchestratord has not finished are never touched. Every call is logged with
+        the peer that made it.
+        """
+        if not request.HasField("retention_s"):
+            raise InvalidArgument("retention_s: required (seconds since consumption; 0 = every consumed experience)")
+        if request.all_jobs == bool(request.job_id):
+            raise InvalidArgument("scope: name one job_id, or set all_jobs with an empty job_id")
+        log.info("CollectGarbage of %s, retention %.0f s, asked by %s",
+                 "every finished job" if request.all_jobs else f"job {request.job_id!r}", request.retention_s,
+                 context.peer())
         result = await self._run(self._experiences.collect_garbage, request.job_id, request.retention_s)
         self.record_gc(result.deleted_rows, result.deleted_bytes)
-        return store_pb2.CollectGarbageResponse(deleted_rows=result.deleted_rows, deleted_bytes=result.deleted_bytes)
+        return store_pb2.CollectGarbageResponse(deleted_rows=result.deleted_rows, deleted_bytes=result.deleted_bytes,
+                                                skipped_running_jobs=list(result.skipped_running_jobs))
+
+    async def FinishJob(  # noqa: N802
+        self, request: store_pb2.FinishJobRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.FinishJobResponse:
+        """Records that a job ended, so CollectGarbage may touch it."""
+        newly = await self._run(self._experiences.finish_job, request.job_id, request.state)
+        if newly:
+            log.info("job %r finished (%s), reported by %s", request.job_id, request.state, context.peer())
+        return store_pb2.FinishJobResponse(newly_finished=newly)
 
     def record_gc(self, rows: int, size: int) -> None:
         """Counts one garbage collection."""
@@ -197,5 +221,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def DeleteBlob(  # noqa: N802
         self, request: store_pb2.DeleteBlobRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.DeleteBlobResponse:
-        """Removes a name (and the content when no name is left on it)."""
-        return store_pb2.DeleteBlobResponse(content_deleted=await self._run(self._blobs.delete, request.name))
+        """Removes one exactly named blob (and its content when no name is left on it); logged."""
+        deleted = await self._run(self._blobs.delete, request.name)
+        log.info("DeleteBlob %r (content deleted: %s), asked by %s", request.name, deleted, context.peer())
+        return store_pb2.DeleteBlobResponse(content_deleted=deleted)

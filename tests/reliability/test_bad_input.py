@@ -380,6 +380,37 @@ def _read_all(stub: Any, job_id: str, ids: Sequence[str]) -> list[common_pb2.Exp
                                               timeout=10) for e in msg.experiences]
 
 
+def _store_counts(stub: Any) -> tuple[list[tuple[str, str, int, int, int]], int, int]:
+    stats = stub.GetStats(store_pb2.GetStatsRequest(), timeout=10)
+    rows = sorted((s.job_id, s.agent, s.state, s.rows, s.bytes) for s in stats.experiences)
+    return rows, stats.blob_count, stats.blob_bytes
+
+
+def _assert_default_calls_destroy_nothing(stub: Any) -> None:
+    """Every Store RPC sent with all-default fields leaves every row and blob, a finished job's too."""
+    done = [_record("d0", s, "alice", "done-job", seed=20 + s) for s in range(2)]
+    stub.AppendExperiences(store_pb2.AppendExperiencesRequest(experiences=[r.to_proto() for r in done]), timeout=10)
+    stub.MarkExperiences(store_pb2.MarkExperiencesRequest(
+        job_id="done-job", agent="alice", step_id="done-job/alice/step0",
+        experience_ids=[r.experience_id for r in done], state=common_pb2.EXPERIENCE_STATE_CONSUMED), timeout=10)
+    assert stub.FinishJob(store_pb2.FinishJobRequest(job_id="done-job", state="SUCCEEDED"), timeout=10).newly_finished
+    before = _store_counts(stub)
+    assert any(job == "done-job" and state == common_pb2.EXPERIENCE_STATE_CONSUMED for job, _, state, *_ in before[0])
+    for method in SERVICES["flexmarl.v1.Store"].methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        call = getattr(stub, method.name)
+        try:
+            if method.client_streaming:
+                call(iter([request_type()]), timeout=10)
+            elif method.server_streaming:
+                list(call(request_type(), timeout=10))
+            else:
+                call(request_type(), timeout=10)
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (method.name, exc)
+        assert _store_counts(stub) == before, f"{method.name} with default fields changed stored's contents"
+
+
 def test_store_answers_bad_input_clearly(start_daemon: Any, tmp_path: Path, case_counts: Counts) -> None:
     """Every Store RPC; afterwards the sentinel experience and blob read back byte for byte."""
     from flexmarl.v1 import store_pb2_grpc
@@ -390,6 +421,11 @@ def test_store_answers_bad_input_clearly(start_daemon: Any, tmp_path: Path, case
         sentinel = _record("sentinel-task", 0, "keeper", "sentinel-job", tokens=9, seed=7)
         assert stub.AppendExperiences(store_pb2.AppendExperiencesRequest(experiences=[sentinel.to_proto()]),
                                       timeout=10).appended == 1
+        # Consumed, in a job orchestratord never finished: what garbage collection must never touch.
+        marked = stub.MarkExperiences(store_pb2.MarkExperiencesRequest(
+            job_id="sentinel-job", agent="keeper", step_id="sentinel-job/keeper/step0",
+            experience_ids=[sentinel.experience_id], state=common_pb2.EXPERIENCE_STATE_CONSUMED), timeout=10)
+        assert marked.changed == 1
         sentinel_bytes = _read_all(stub, "sentinel-job", [sentinel.experience_id])[0].SerializeToString(
             deterministic=True)
         sentinel_blob = b"sentinel blob " * 1000
@@ -400,6 +436,7 @@ def test_store_answers_bad_input_clearly(start_daemon: Any, tmp_path: Path, case
         stub.AppendExperiences(store_pb2.AppendExperiencesRequest(experiences=[r.to_proto() for r in fuzz]), timeout=10)
         fuzz_blob = _put_blob(stub, "fuzz/blob.bin", b"fuzz" * 100, "fuzz-job")
         stats_before = stub.GetStats(store_pb2.GetStatsRequest(job_id="sentinel-job"), timeout=10)
+        _assert_default_calls_destroy_nothing(stub)
 
     pools = {
         "job_id": ["fuzz-job", "no-such-job"], "agent": ["alice", "bob", "carol"],
@@ -427,7 +464,9 @@ def test_store_answers_bad_input_clearly(start_daemon: Any, tmp_path: Path, case
             job_id="fuzz-job", agent="alice", step_id="fuzz-job/alice/step0", state=state,
             experience_ids=[r.experience_id for r in fuzz if r.agent == "alice"]) for state in STATES],
         "flexmarl.v1.GetBlobRequest": [store_pb2.GetBlobRequest(name="fuzz/blob.bin", offset=8, length=16)],
-        "flexmarl.v1.CollectGarbageRequest": [store_pb2.CollectGarbageRequest(job_id="fuzz-job")],
+        "flexmarl.v1.CollectGarbageRequest": [store_pb2.CollectGarbageRequest(job_id="fuzz-job", retention_s=0),
+                                              store_pb2.CollectGarbageRequest(all_jobs=True, retention_s=0)],
+        "flexmarl.v1.FinishJobRequest": [store_pb2.FinishJobRequest(job_id="fuzz-job", state="SUCCEEDED")],
     }
     fuzz_service("flexmarl.v1.Store", stored.address, RequestStrategies(pools, templates), case_counts,
                  stored.alive, stored.stderr_tail, extra={"PutBlob": put_templates})
@@ -512,7 +551,7 @@ def test_orchestrator_answers_bad_input_clearly(start_daemon: Any, tmp_path: Pat
             worker_id="tw-1", slot_id="tw-1/0", resident=[orchestrator_pb2.ResidentAgent(job_id="fuzz-job",
                                                                                       agent="alice")])],
         "flexmarl.v1.AckMicroBatchRequest": [orchestrator_pb2.AckMicroBatchRequest(
-            lease_id="lease-unknown", worker_id="tw-1", slot_id="tw-1/0", episodes=2, tokens=6)],
+            lease_id="lease-unknown", worker_id="tw-1", slot_id="tw-1/0", episodes=2)],
         "flexmarl.v1.CommitStepRequest": [orchestrator_pb2.CommitStepRequest(
             worker_id="tw-1", slot_id="tw-1/0", job_id="fuzz-job", agent="alice", step=0, new_version=1,
             weights_uri="file:///tmp/x", state_uri="file:///tmp/x")],

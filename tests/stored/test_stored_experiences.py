@@ -13,7 +13,7 @@ import pytest
 from flexmarl.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from flexmarl.experience import ExperienceRecord, ExperienceState
 from stored.database import Database, JobQuotas
-from stored.experiences import ExperienceLimits, ExperienceQuery, ExperienceStore
+from stored.experiences import ExperienceLimits, ExperienceQuery, ExperienceStore, GarbageCollected
 
 RecordFactory = Callable[..., ExperienceRecord]
 READY, LEASED, CONSUMED = ExperienceState.READY, ExperienceState.LEASED, ExperienceState.CONSUMED
@@ -224,6 +224,10 @@ def test_stats_and_gc(store: ExperienceStore, clock: Clock, record_factory: Reco
     stats = {(s.agent, s.state): (s.rows, s.bytes) for s in store.stats("job1")}
     assert stats == {("alice", READY): (4, 4 * payload), ("alice", CONSUMED): (4, 4 * payload)}
     clock.now_ms += 5_000
+    with pytest.raises(FailedPrecondition, match="has not finished"):
+        store.collect_garbage("job1", retention_s=0)
+    assert store.collect_garbage("", retention_s=0) == GarbageCollected(0, 0, ("job1",))  # running: skipped
+    assert store.finish_job("job1", "SUCCEEDED") and not store.finish_job("job1", "SUCCEEDED")
     assert store.collect_garbage("job1", retention_s=10).deleted_rows == 0
     store.mark("job1", "alice", "s1", ids[4:6], CONSUMED)
     clock.now_ms += 6_000

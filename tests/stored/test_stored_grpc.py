@@ -86,6 +86,10 @@ async def test_experience_lifecycle(stored: Served, record_factory: RecordFactor
     stats = await client.stats("job1")
     by_key = {(s.agent, s.state): s.rows for s in stats.experiences}
     assert by_key == {("alice", READY): 3, ("alice", CONSUMED): 4, ("bob", READY): 4}
+    with pytest.raises(errors.FailedPrecondition, match="has not finished"):
+        await client.collect_garbage("job1", 0)  # a running job is never garbage-collected on request
+    assert await client.finish_job("job1", "SUCCEEDED") is True
+    assert await client.finish_job("job1", "SUCCEEDED") is False
     assert await client.collect_garbage("job1", 0) == (4, 4 * (8 * 4 + 16 * 8))
     with pytest.raises(errors.NotFound):
         await client.read("job1", ids)
@@ -161,6 +165,13 @@ async def test_bad_inputs_get_clear_statuses(stored: Served, record_factory: Rec
         await expect_code(code.NOT_FOUND, stub.GetStats(store_pb2.GetStatsRequest(job_id="nojob")))
         await expect_code(code.INVALID_ARGUMENT, stub.CollectGarbage(
             store_pb2.CollectGarbageRequest(job_id="job1", retention_s=-1)))
+        # No destructive default: every field must be explicit.
+        for request in (store_pb2.CollectGarbageRequest(), store_pb2.CollectGarbageRequest(job_id="job1"),
+                        store_pb2.CollectGarbageRequest(retention_s=0),
+                        store_pb2.CollectGarbageRequest(job_id="job1", all_jobs=True, retention_s=0)):
+            await expect_code(code.INVALID_ARGUMENT, stub.CollectGarbage(request))
+        await expect_code(code.INVALID_ARGUMENT, stub.FinishJob(store_pb2.FinishJobRequest(job_id="job1")))
+        await expect_code(code.INVALID_ARGUMENT, stub.FinishJob(store_pb2.FinishJobRequest(state="SUCCEEDED")))
         # blobs
         data = os.urandom(3000)
 
@@ -292,6 +303,7 @@ def test_every_rpc_is_served_and_covered_by_the_client() -> None:
     covered = {
         "AppendExperiences": "append", "ReadExperiences": "read", "QueryExperiences": "query",
         "MarkExperiences": "mark", "GetStats": "stats", "CollectGarbage": "collect_garbage",
+        "FinishJob": "finish_job",
         "PutBlob": "put_blob_file", "GetBlob": "get_blob_file", "StatBlob": "stat_blob",
         "ListBlobs": "list_blobs", "DeleteBlob": "delete_blob",
     }

@@ -21,6 +21,7 @@ import grpc.aio
 
 from flexmarl import errors
 from flexmarl.experience import ExperienceRecord, ExperienceState
+from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.v1 import common_pb2, store_pb2, store_pb2_grpc
 
@@ -30,7 +31,8 @@ BLOB_CHUNK_BYTES = 1 << 20
 _APPEND_MAX_RECORDS = 4096
 _READ_MAX_IDS = 16384
 _MESSAGE_MARGIN_BYTES = 64 << 10
-_GET_RESUME_ATTEMPTS = 5
+#: A broken GetBlob stream resumes at once from the byte it broke at, five streams in all.
+_GET_RESUME = RetryPolicy(initial_s=0.0, max_s=0.0, attempts=5)
 
 _T = TypeVar("_T")
 _RESUMABLE_CODES = (
@@ -82,6 +84,10 @@ class StoreStats:
     experiences: list[ExperienceStats]
     blob_count: int
     blob_bytes: int
+
+
+def _resumable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _RESUMABLE_CODES
 
 
 def _mapped(exc: grpc.aio.AioRpcError) -> BaseException:
@@ -248,10 +254,20 @@ class StoreClient:
         )
 
     async def collect_garbage(self, job_id: str, retention_s: float) -> tuple[int, int]:
-        """Deletes consumed experiences older than retention_s; returns (rows, bytes)."""
-        request = store_pb2.CollectGarbageRequest(job_id=job_id, retention_s=retention_s)
+        """Deletes the finished job's experiences consumed >= retention_s ago; returns (rows, bytes).
+
+        ``job_id="*"`` means every finished job (the RPC's explicit ``all_jobs``); a job that has not
+        finished (:meth:`finish_job`) is refused (FailedPrecondition) or, with "*", skipped.
+        """
+        request = (store_pb2.CollectGarbageRequest(all_jobs=True, retention_s=retention_s) if job_id == "*"
+                   else store_pb2.CollectGarbageRequest(job_id=job_id, retention_s=retention_s))
         reply = await _call(self._stub.CollectGarbage(request))
         return int(reply.deleted_rows), int(reply.deleted_bytes)
+
+    async def finish_job(self, job_id: str, state: str) -> bool:
+        """Records that a job ended (orchestratord's call); False when it already was."""
+        reply = await _call(self._stub.FinishJob(store_pb2.FinishJobRequest(job_id=job_id, state=state)))
+        return bool(reply.newly_finished)
 
     # ---- blobs --------------------------------------------------------------------
 
@@ -340,30 +356,34 @@ class StoreClient:
         raise errors.DataLoss(f"blob {name!r}: downloaded content does not match sha256 {info.sha256}")
 
     async def _download(self, info: BlobInfo, part: Path) -> None:
-        failures = 0
+        """Appends the blob's missing bytes to ``part``; a broken stream resumes at once from where it broke."""
         part.parent.mkdir(parents=True, exist_ok=True)
         with part.open("ab") as f:
             if f.tell() > info.size_bytes:
                 f.truncate(0)
                 f.seek(0)
-            while f.tell() < info.size_bytes:
-                request = store_pb2.GetBlobRequest(name=f"sha256:{info.sha256}", offset=f.tell())
-                try:
-                    async for reply in self._stub.GetBlob(request):
-                        if reply.offset != f.tell():
-                            raise errors.DataLoss(
-                                f"blob {info.name!r}: chunk at byte {reply.offset}, expected {f.tell()}"
-                            )
-                        f.write(reply.chunk)
-                except grpc.aio.AioRpcError as exc:
-                    failures += 1
-                    if exc.code() not in _RESUMABLE_CODES or failures >= _GET_RESUME_ATTEMPTS:
-                        raise _mapped(exc) from exc
-                    log.warning(
-                        "blob %r: stream broke at byte %d (%s); resuming", info.name, f.tell(), exc.code().name
-                    )
-                finally:
-                    f.flush()
+
+            async def fetch_rest() -> None:
+                while f.tell() < info.size_bytes:
+                    request = store_pb2.GetBlobRequest(name=f"sha256:{info.sha256}", offset=f.tell())
+                    try:
+                        async for reply in self._stub.GetBlob(request):
+                            if reply.offset != f.tell():
+                                raise errors.DataLoss(
+                                    f"blob {info.name!r}: chunk at byte {reply.offset}, expected {f.tell()}"
+                                )
+                            f.write(reply.chunk)
+                    finally:
+                        f.flush()
+
+            def log_resume(exc: BaseException, attempt: int, delay_s: float) -> None:
+                code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
+                log.warning("blob %r: stream broke at byte %d (%s); resuming", info.name, f.tell(), code)
+
+            try:
+                await retry(fetch_rest, retryable=_resumable, policy=_GET_RESUME, on_retry=log_resume)
+            except grpc.aio.AioRpcError as exc:
+                raise _mapped(exc) from exc
 
     async def stat_blob(self, name: str) -> BlobInfo | None:
         """The blob a name (or "sha256:<hex>") refers to, or None when there is none."""

@@ -349,24 +349,34 @@ Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
 
 @_typing.final
 class CollectGarbageRequest(_message.Message):
+    """Deletes consumed experiences of finished jobs. Nothing here has a destructive default: the
+    scope is one job_id, or every finished job with all_jobs set (job_id then empty), and
+    retention_s must be sent; a job orchestratord has not finished (FinishJob) is never touched.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     RETENTION_S_FIELD_NUMBER: _builtins.int
+    ALL_JOBS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     retention_s: _builtins.float
-    """Consumed experiences older than this are deleted; 0 = all consumed."""
+    """Experiences consumed at least this many seconds ago are deleted (0 = every consumed one)."""
+    all_jobs: _builtins.bool
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
-        retention_s: _builtins.float = ...,
+        retention_s: _builtins.float | None = ...,
+        all_jobs: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s", "retention_s", b"retention_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "retention_s", b"retention_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s", "all_jobs", b"all_jobs", "job_id", b"job_id", "retention_s", b"retention_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__retention_s: _TypeAlias = _typing.Literal["retention_s"]  # noqa: Y015
+    _WhichOneofArgType__retention_s: _TypeAlias = _typing.Literal["_retention_s", b"_retention_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retention_s) -> _WhichOneofReturnType__retention_s | None: ...
 
 Global___CollectGarbageRequest: _TypeAlias = CollectGarbageRequest  # noqa: Y015
 
@@ -376,21 +386,70 @@ class CollectGarbageResponse(_message.Message):
 
     DELETED_ROWS_FIELD_NUMBER: _builtins.int
     DELETED_BYTES_FIELD_NUMBER: _builtins.int
+    SKIPPED_RUNNING_JOBS_FIELD_NUMBER: _builtins.int
     deleted_rows: _builtins.int
     deleted_bytes: _builtins.int
+    @_builtins.property
+    def skipped_running_jobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """all_jobs: jobs left alone because they have not finished."""
+
     def __init__(
         self,
         *,
         deleted_rows: _builtins.int = ...,
         deleted_bytes: _builtins.int = ...,
+        skipped_running_jobs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_bytes", b"deleted_bytes", "deleted_rows", b"deleted_rows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted_bytes", b"deleted_bytes", "deleted_rows", b"deleted_rows", "skipped_running_jobs", b"skipped_running_jobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CollectGarbageResponse: _TypeAlias = CollectGarbageResponse  # noqa: Y015
+
+@_typing.final
+class FinishJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    state: _builtins.str
+    """The final state's name (SUCCEEDED, FAILED, CANCELLED), for the record."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishJobRequest: _TypeAlias = FinishJobRequest  # noqa: Y015
+
+@_typing.final
+class FinishJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEWLY_FINISHED_FIELD_NUMBER: _builtins.int
+    newly_finished: _builtins.bool
+    """False when the job was already recorded as finished (a retried call)."""
+    def __init__(
+        self,
+        *,
+        newly_finished: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["newly_finished", b"newly_finished"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FinishJobResponse: _TypeAlias = FinishJobResponse  # noqa: Y015
 
 @_typing.final
 class BlobInfo(_message.Message):

@@ -64,6 +64,11 @@ class StoreStub:
                 request_serializer=flexmarl_dot_v1_dot_store__pb2.CollectGarbageRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_store__pb2.CollectGarbageResponse.FromString,
                 _registered_method=True)
+        self.FinishJob = channel.unary_unary(
+                '/flexmarl.v1.Store/FinishJob',
+                request_serializer=flexmarl_dot_v1_dot_store__pb2.FinishJobRequest.SerializeToString,
+                response_deserializer=flexmarl_dot_v1_dot_store__pb2.FinishJobResponse.FromString,
+                _registered_method=True)
         self.PutBlob = channel.stream_unary(
                 '/flexmarl.v1.Store/PutBlob',
                 request_serializer=flexmarl_dot_v1_dot_store__pb2.PutBlobRequest.SerializeToString,
@@ -135,6 +140,13 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishJob(self, request, context):
+        """Records that a job ended (orchestratord calls it): only then may CollectGarbage touch it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PutBlob(self, request_iterator, context):
         """Client-streaming upload: the first message carries the header.
         """
@@ -200,6 +212,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.CollectGarbage,
                     request_deserializer=flexmarl_dot_v1_dot_store__pb2.CollectGarbageRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_store__pb2.CollectGarbageResponse.SerializeToString,
+            ),
+            'FinishJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishJob,
+                    request_deserializer=flexmarl_dot_v1_dot_store__pb2.FinishJobRequest.FromString,
+                    response_serializer=flexmarl_dot_v1_dot_store__pb2.FinishJobResponse.SerializeToString,
             ),
             'PutBlob': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBlob,
@@ -389,6 +406,33 @@ class Store:
             '/flexmarl.v1.Store/CollectGarbage',
             flexmarl_dot_v1_dot_store__pb2.CollectGarbageRequest.SerializeToString,
             flexmarl_dot_v1_dot_store__pb2.CollectGarbageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flexmarl.v1.Store/FinishJob',
+            flexmarl_dot_v1_dot_store__pb2.FinishJobRequest.SerializeToString,
+            flexmarl_dot_v1_dot_store__pb2.FinishJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,8 @@ class StoreStub:
     GetStats: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetStatsRequest, _store_pb2.GetStatsResponse]
     CollectGarbage: _grpc.UnaryUnaryMultiCallable[_store_pb2.CollectGarbageRequest, _store_pb2.CollectGarbageResponse]
     """Deletes consumed experiences older than the retention window."""
+    FinishJob: _grpc.UnaryUnaryMultiCallable[_store_pb2.FinishJobRequest, _store_pb2.FinishJobResponse]
+    """Records that a job ended (orchestratord calls it): only then may CollectGarbage touch it."""
     PutBlob: _grpc.StreamUnaryMultiCallable[_store_pb2.PutBlobRequest, _store_pb2.BlobInfo]
     """Client-streaming upload: the first message carries the header."""
     GetBlob: _grpc.UnaryStreamMultiCallable[_store_pb2.GetBlobRequest, _store_pb2.GetBlobResponse]
@@ -65,6 +67,8 @@ class StoreAsyncStub(StoreStub):
     GetStats: _aio.UnaryUnaryMultiCallable[_store_pb2.GetStatsRequest, _store_pb2.GetStatsResponse]  # type: ignore[assignment]
     CollectGarbage: _aio.UnaryUnaryMultiCallable[_store_pb2.CollectGarbageRequest, _store_pb2.CollectGarbageResponse]  # type: ignore[assignment]
     """Deletes consumed experiences older than the retention window."""
+    FinishJob: _aio.UnaryUnaryMultiCallable[_store_pb2.FinishJobRequest, _store_pb2.FinishJobResponse]  # type: ignore[assignment]
+    """Records that a job ended (orchestratord calls it): only then may CollectGarbage touch it."""
     PutBlob: _aio.StreamUnaryMultiCallable[_store_pb2.PutBlobRequest, _store_pb2.BlobInfo]  # type: ignore[assignment]
     """Client-streaming upload: the first message carries the header."""
     GetBlob: _aio.UnaryStreamMultiCallable[_store_pb2.GetBlobRequest, _store_pb2.GetBlobResponse]  # type: ignore[assignment]
@@ -121,6 +125,14 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.CollectGarbageResponse, _abc.Awaitable[_store_pb2.CollectGarbageResponse]]:
         """Deletes consumed experiences older than the retention window."""
+
+    @_abc_1.abstractmethod
+    def FinishJob(
+        self,
+        request: _store_pb2.FinishJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.FinishJobResponse, _abc.Awaitable[_store_pb2.FinishJobResponse]]:
+        """Records that a job ended (orchestratord calls it): only then may CollectGarbage touch it."""
 
     @_abc_1.abstractmethod
     def PutBlob(
