@@ -11,6 +11,11 @@ exponential backoff for as long as its lease lives (the renew loop keeps renewin
 only when the orchestrator says the lease is lost). Meanwhile the lease loop leases nothing new:
 while appends are failing, or while half of ``max_tasks`` or more tasks wait on their append.
 Rollouts slow down to what stored absorbs instead of dropping data.
+
+The worker speaks dataclasses (:mod:`rolloutd.types`): to orchestratord through an
+:class:`~rolloutd.link.OrchestratorLink` (gRPC in :mod:`rolloutd.link`, protos in
+:mod:`rolloutd.serde`), to stored through :class:`flexmarl.store_client.StoreClient`; every retry
+is :mod:`flexmarl.retry`'s.
 """
 
 from __future__ import annotations
@@ -29,49 +34,59 @@ import grpc
 import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
-from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
+from flexmarl.connections import PeerConnections, describe_error
 from flexmarl.devices import DeviceSet
-from flexmarl.errors import ErrorReason, FlexmarlError, InvalidArgument, ResourceExhausted, Unavailable
-from flexmarl.experience import group_id
+from flexmarl.errors import (
+    ErrorReason,
+    FailedPrecondition,
+    FlexmarlError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from flexmarl.experience import ExperienceSummary, group_id
 from flexmarl.ids import TaskRef
 from flexmarl.jobspec import JobSpec, JobSpecCache
 from flexmarl.registry import Registry
+from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.store_client import StoreClient
-from flexmarl.v1 import orchestrator_pb2
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.episode import Environment, HFTokenizer, load_environment
+from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
+from rolloutd.types import AgentDemand, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
 
 log = logging.getLogger(__name__)
 
 RENEW_INTERVAL_S = 2.0
 JOB_SWEEP_INTERVAL_S = 10.0
-_FINISHED_JOB_STATES = (orchestrator_pb2.JOB_STATE_SUCCEEDED, orchestrator_pb2.JOB_STATE_FAILED,
-                        orchestrator_pb2.JOB_STATE_CANCELLED)
 LEASE_WAIT_MS = 2000
-#: Bound on one call to orchestratord, discovery in etcd included (the RPCs have their own deadlines).
-POLL_DEADLINE_S = 40.0
-#: Report attempts (backoff 0.2 s doubling to 2 s: about 20 s in all).
-REPORT_ATTEMPTS = 12
-APPEND_BACKOFF_MIN_S = 0.2
-APPEND_BACKOFF_MAX_S = 5.0
+#: Between failed lease polls: 0.2 s doubling to 5 s, back to 0.2 s after a poll that answers.
+LEASE_POLL_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
+#: Long enough to outlast an orchestratord restart (~3-10 s): 12 attempts, 0.2 s doubling to 2 s
+#: (about 20 s in all). A report given up costs a lease timeout before the task is re-issued.
+REPORT_RETRY = RetryPolicy(initial_s=0.2, max_s=2.0, attempts=12)
+#: Appends retry without a deadline: the task's lease bounds the wait (see the module doc).
+APPEND_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
 BACKPRESSURE_POLL_S = 0.1
 _RETRIED_APPEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclasses.dataclass
 class _ServedJob:
-    """A training job whose agents this worker serves (its spec, environment and runner)."""
+    """A training job whose agents this worker serves (its spec, environment, runner and the engines' router)."""
 
     job_id: str
     spec: JobSpec
     env: Environment
     runner: RolloutRunner
+    router: RolloutRouter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +164,11 @@ def weights_resolver(
 class RolloutWorker:
     """Pulls tasks from orchestratord and turns them into experiences in stored."""
 
-    def __init__(self, settings: WorkerSettings, registry: Registry, metrics: RolloutMetrics) -> None:
+    def __init__(
+        self, settings: WorkerSettings, registry: Registry, metrics: RolloutMetrics,
+        link: OrchestratorLink | None = None,
+    ) -> None:
+        """Builds the worker; ``link`` replaces the gRPC link to orchestratord (tests drive the loops with a fake)."""
         self.settings = settings
         self._registry = registry
         self._metrics = metrics
@@ -161,9 +180,10 @@ class RolloutWorker:
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
                                       store_address=settings.store_address,
                                       max_message_bytes=settings.max_message_bytes, security=settings.security)
+        self._link: OrchestratorLink = link if link is not None else GrpcOrchestratorLink(self._peers)
         self._engine_lock = asyncio.Lock()
         self._job_lock = asyncio.Lock()
-        self._specs = JobSpecCache(self._fetch_spec)
+        self._specs = JobSpecCache(self._link.job_spec)
         self.episodes_done = 0
         self._stopping = False
         #: Tasks whose experiences wait to be durable in stored, and since when appends fail (None: they succeed).
@@ -196,6 +216,7 @@ class RolloutWorker:
                     await replica.client.close()
         for engine in self._engines:
             await asyncio.to_thread(engine.stop, 10.0)
+        await self._link.close()
         await self._peers.close()
 
     # ---- leasing -----------------------------------------------------------------------------------
@@ -227,7 +248,7 @@ class RolloutWorker:
         log.info("stored keeps up again; leasing tasks")
 
     async def _lease_loop(self) -> None:
-        backoff_s = 0.2
+        backoff = LEASE_POLL_RETRY.backoff()
         while not self._stopping:
             await self._wait_out_backpressure()
             free = self.settings.max_tasks - len(self._in_flight)
@@ -235,27 +256,14 @@ class RolloutWorker:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                # Discovery included: nothing in one poll may wait longer than the poll itself.
-                async with asyncio.timeout(POLL_DEADLINE_S):
-                    stub = await self._peers.orchestrator()
-                    reply = await stub.LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
-                        worker_id=self.settings.worker_id, max_tasks=free, wait_ms=LEASE_WAIT_MS), timeout=30)
-                backoff_s = 0.2
-            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
-                    raise
+                tasks = await self._link.lease_tasks(self.settings.worker_id, free, LEASE_WAIT_MS)
+            except FlexmarlError as exc:
                 log.warning("leasing tasks failed (%s); retrying", describe_error(exc))
-                await self._peers.reset_orchestrator()
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(5.0, backoff_s * 2)
+                await backoff.sleep()
                 continue
-            for task in reply.tasks:
-                try:
-                    ref = TaskRef.parse(task.task_id)
-                except InvalidArgument as exc:  # an orchestratord bug: let the lease expire
-                    log.error("leased task %s not run: %s", task.lease_id, exc)
-                    continue
-                self._in_flight[task.lease_id] = _InFlightTask(ref, asyncio.get_running_loop().create_task(
+            backoff.reset()
+            for task in tasks:
+                self._in_flight[task.lease_id] = _InFlightTask(task.ref, asyncio.get_running_loop().create_task(
                     self._run(task), name=f"task {task.task_id}"))
 
     async def _renew_loop(self) -> None:
@@ -268,16 +276,11 @@ class RolloutWorker:
             if not self._in_flight:
                 continue
             try:
-                async with asyncio.timeout(POLL_DEADLINE_S):
-                    stub = await self._peers.orchestrator()
-                    reply = await stub.RenewLeases(orchestrator_pb2.RenewLeasesRequest(
-                        worker_id=self.settings.worker_id, lease_ids=list(self._in_flight)), timeout=10)
-            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
-                    raise
+                renewed = await self._link.renew(self.settings.worker_id, list(self._in_flight))
+            except FlexmarlError as exc:
                 log.warning("renewing leases failed (%s)", describe_error(exc))
                 continue
-            for lease_id in reply.lost_lease_ids:
+            for lease_id in renewed.lost_lease_ids:
                 entry = self._in_flight.get(lease_id)
                 if entry is not None:
                     log.warning("lease %s lost; abandoning its task", lease_id)
@@ -291,16 +294,13 @@ class RolloutWorker:
             if job_id in busy:
                 continue
             try:
-                async with asyncio.timeout(POLL_DEADLINE_S):
-                    stub = await self._peers.orchestrator()
-                    status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=10)
-            except grpc.RpcError as exc:
-                if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.NOT_FOUND:
-                    ended.append(job_id)
+                state = await self._link.job_state(job_id)
+            except NotFound:  # the job ended and was deleted
+                ended.append(job_id)
                 continue
-            except (FlexmarlError, TimeoutError):  # no orchestratord registered right now: ask again later
+            except FlexmarlError:  # orchestratord unreachable right now: ask again later
                 continue
-            if status.state in _FINISHED_JOB_STATES:
+            if state.finished:
                 ended.append(job_id)
         if not ended or self.router is None:
             return
@@ -314,39 +314,39 @@ class RolloutWorker:
 
     # ---- one task ----------------------------------------------------------------------------------
 
-    async def _run(self, task: orchestrator_pb2.RolloutTask) -> None:
+    async def _run(self, task: RolloutTask) -> None:
         started = time.perf_counter()
         try:
             job = await self._job(task)
-            assert self.router is not None
             for version in task.agent_versions:
                 base = job.spec.agent(version.agent).model
-                self.router.require(agent_key(task.job_id, version.agent), version.version,
-                                    version.weights_uri or base)
+                job.router.require(agent_key(task.job_id, version.agent), version.version,
+                                   version.weights_uri or base)
             stored = await self._durable_experiences(job, task) if task.attempt > 1 else None
             if stored is not None:
                 # An earlier attempt's experiences are durable: they are the task's result (exactly once).
                 log.info("task %s: reusing %d stored experiences of an earlier attempt", task.task_id, len(stored))
-                await self._report_summaries(task, stored, "")
+                await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(stored)))
                 return
             result = await job.runner.run(RolloutTaskInput(task.job_id, task.task_id, task.task_index,
                                                            job.spec.seed, task.group_size))
             if result.ok:
                 await self._store_experiences(result)
-                await self._report(task, result, "")
+                await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(
+                    ExperienceSummary.of_record(e) for e in result.experiences)))
                 self.episodes_done += task.group_size
                 self._metrics.observe_task(result, time.perf_counter() - started)
             else:
                 first = result.errors[0]
                 message = f"episode {first.sample_index}: {first.error_type}: {first.message}"
                 log.warning("task %s failed: %s", task.task_id, message)
-                await self._report(task, result, message)
+                await self._report(TaskReport(task.lease_id, task.task_id, error=message))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # anything else fails the task, never the daemon
             log.exception("task %s failed", task.task_id)
             with contextlib.suppress(Exception):
-                await self._report(task, None, f"{type(exc).__name__}: {exc}")
+                await self._report(TaskReport(task.lease_id, task.task_id, error=f"{type(exc).__name__}: {exc}"))
         finally:
             self._in_flight.pop(task.lease_id, None)
 
@@ -357,29 +357,29 @@ class RolloutWorker:
         when the lease is lost, and the re-issued task produces the experiences again). Any other
         error (a malformed or oversized record) fails the task at once.
         """
+
+        async def append() -> None:
+            store = await self._peers.store()
+            await store.append(result.experiences)
+
+        async def on_retry(exc: BaseException, _attempt: int, _delay_s: float) -> None:
+            code = _append_retry_code(exc)
+            if code is None:  # retry() retries only what _append_retry_code names
+                return
+            if self._appends_failing_since is None:
+                self._appends_failing_since = time.monotonic()
+                log.warning("appending to stored failed (%s); holding the experiences and retrying",
+                            describe_error(exc))
+            self._metrics.append_retries.labels(code.name).inc()
+            if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                await self._peers.reset_store()
+
         self._pending_appends += 1
         self._metrics.pending_appends.set(self._pending_appends)
-        backoff_s = APPEND_BACKOFF_MIN_S
         try:
-            while True:
-                try:
-                    store = await self._peers.store()
-                    await store.append(result.experiences)
-                    self._appends_failing_since = None
-                    return
-                except (ResourceExhausted, Unavailable, grpc.RpcError) as exc:
-                    code = _append_retry_code(exc)
-                    if code is None:
-                        raise
-                    if self._appends_failing_since is None:
-                        self._appends_failing_since = time.monotonic()
-                        log.warning("appending to stored failed (%s); holding the experiences and retrying",
-                                    describe_error(exc))
-                    self._metrics.append_retries.labels(code.name).inc()
-                    if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        await self._peers.reset_store()
-                    await asyncio.sleep(backoff_s)
-                    backoff_s = min(APPEND_BACKOFF_MAX_S, backoff_s * 2)
+            await retry(append, retryable=lambda exc: _append_retry_code(exc) is not None, policy=APPEND_RETRY,
+                        on_retry=on_retry)
+            self._appends_failing_since = None
         finally:
             self._pending_appends -= 1
             self._metrics.pending_appends.set(self._pending_appends)
@@ -389,24 +389,17 @@ class RolloutWorker:
                 # appends nothing, so no success would ever clear it and leasing would stop for good.
                 self._appends_failing_since = None
 
-    async def _durable_experiences(
-        self, job: _ServedJob, task: orchestrator_pb2.RolloutTask
-    ) -> list[orchestrator_pb2.ExperienceSummary] | None:
+    async def _durable_experiences(self, job: _ServedJob, task: RolloutTask) -> list[ExperienceSummary] | None:
         """The experiences an earlier attempt of the task stored (all or nothing), or None.
 
         rolloutd appends a task's experiences in one request, which stored applies
         atomically, so a task is either wholly stored or not at all.
         """
         store = await self._peers.store()
-        found: list[orchestrator_pb2.ExperienceSummary] = []
+        found: list[ExperienceSummary] = []
         for agent in job.spec.agent_names:
             refs = await store.query(task.job_id, agent, group_id=group_id(task.task_id, agent))
-            found.extend(
-                orchestrator_pb2.ExperienceSummary(
-                    experience_id=r.experience_id, agent=agent, group_id=r.group_id, sample_index=r.sample_index,
-                    behavior_version=r.behavior_version, response_tokens=r.response_tokens, reward=r.reward)
-                for r in refs
-            )
+            found.extend(ExperienceSummary.of_ref(ref, agent) for ref in refs)
         if not found:
             return None
         for agent in job.spec.agent_names:
@@ -416,46 +409,19 @@ class RolloutWorker:
                                   f"(samples {sorted(samples)})")
         return found
 
-    async def _report(self, task: orchestrator_pb2.RolloutTask, result: RolloutResult | None, error: str) -> None:
-        experiences = [] if result is None or error else [
-            orchestrator_pb2.ExperienceSummary(
-                experience_id=e.experience_id, agent=e.agent, group_id=e.group_id, sample_index=e.sample_index,
-                behavior_version=e.behavior_version, response_tokens=e.response_tokens, reward=e.reward,
-            )
-            for e in result.experiences
-        ]
-        await self._report_summaries(task, experiences, error)
-
-    async def _report_summaries(
-        self, task: orchestrator_pb2.RolloutTask, experiences: list[orchestrator_pb2.ExperienceSummary], error: str
-    ) -> None:
-        request = orchestrator_pb2.ReportRolloutTaskRequest(
-            lease_id=task.lease_id, worker_id=self.settings.worker_id, task_id=task.task_id,
-            succeeded=not error, error=error[:4096], experiences=experiences)
-        # Long enough to outlast an orchestratord restart (~3-10 s): a report given up costs a
-        # lease timeout before the task is re-issued.
-        backoff_s = 0.2
-        for _attempt in range(REPORT_ATTEMPTS):
-            try:
-                async with asyncio.timeout(POLL_DEADLINE_S):
-                    stub = await self._peers.orchestrator()
-                    await stub.ReportRolloutTask(request, timeout=30)
-                return
-            except grpc.RpcError as exc:
-                code = exc.code() if isinstance(exc, grpc.Call) else None
-                if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                    log.warning("report of task %s rejected: %s", task.task_id, describe_error(exc))
-                    return
-            except (FlexmarlError, TimeoutError):  # no orchestratord registered right now
-                pass
-            await self._peers.reset_orchestrator()
-            await asyncio.sleep(backoff_s)
-            backoff_s = min(2.0, backoff_s * 2)
-        log.error("could not report task %s; its lease will expire", task.task_id)
+    async def _report(self, report: TaskReport) -> None:
+        """Reports a task, retrying while orchestratord is unreachable (:data:`REPORT_RETRY`)."""
+        try:
+            await retry(lambda: self._link.report(self.settings.worker_id, report),
+                        retryable=_report_retryable, policy=REPORT_RETRY)
+        except (FailedPrecondition, NotFound) as exc:
+            log.warning("report of task %s rejected: %s", report.task_id, describe_error(exc))
+        except FlexmarlError:
+            log.error("could not report task %s; its lease will expire", report.task_id)
 
     # ---- jobs and engines --------------------------------------------------------------------------
 
-    async def _job(self, task: orchestrator_pb2.RolloutTask) -> _ServedJob:
+    async def _job(self, task: RolloutTask) -> _ServedJob:
         job = self._jobs.get(task.job_id)
         if job is not None:
             return job
@@ -465,16 +431,9 @@ class RolloutWorker:
                 return job
             return await self._new_job(task)
 
-    async def _fetch_spec(self, job_id: str) -> str:
-        """A job's spec JSON from orchestratord (once per job: :class:`~flexmarl.jobspec.JobSpecCache`)."""
-        stub = await self._peers.orchestrator()
-        status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=30)
-        return str(status.spec_json)
-
-    async def _new_job(self, task: orchestrator_pb2.RolloutTask) -> _ServedJob:
+    async def _new_job(self, task: RolloutTask) -> _ServedJob:
         spec = await self._specs.get(task.job_id, task.spec_digest)
-        await self._ensure_engines(spec)
-        assert self.router is not None
+        router = await self._ensure_engines(spec)
         env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
         missing = [a for a in env.agents if a not in spec.agent_names]
         if missing:
@@ -483,18 +442,18 @@ class RolloutWorker:
         for agent in spec.agents:
             tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
             runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()))
-        runner = RolloutRunner(env, runtimes, self.router.backend(task.job_id, spec.seed))
-        job = _ServedJob(task.job_id, spec, env, runner)
+        runner = RolloutRunner(env, runtimes, router.backend(task.job_id, spec.seed))
+        job = _ServedJob(task.job_id, spec, env, runner, router)
         self._jobs[task.job_id] = job
-        await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
-                                      for a in j.spec.agent_names])
+        await router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values() for a in j.spec.agent_names])
         log.info("serving job %s (%s)", task.job_id, spec.name)
         return job
 
-    async def _ensure_engines(self, spec: JobSpec) -> None:
+    async def _ensure_engines(self, spec: JobSpec) -> RolloutRouter:
+        """The router over this worker's engines, launching or attaching them for the first job."""
         async with self._engine_lock:
             if self.router is not None:
-                return
+                return self.router
             s = self.settings
             if s.engine_urls:
                 engines = [attach(url) for url in s.engine_urls]
@@ -516,24 +475,58 @@ class RolloutWorker:
             config = BalancerConfig(rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.ROUND_ROBIN
                                     if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS)
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload)
+            return self.router
 
-    def status(self) -> dict[str, Any]:
-        """What GetRolloutStatus reports."""
-        return {"tasks_in_flight": len(self._in_flight), "episodes_done": self.episodes_done}
+    # ---- rolloutd's own API --------------------------------------------------------------------------
+
+    def status(self) -> RolloutStatus:
+        """What GetRolloutStatus reports: replicas (with the balancer's view of their load), tasks, episodes."""
+        router = self.router
+        replicas: list[ReplicaStatus] = []
+        if router is not None:
+            balancer = router.balancer()
+            views = {v.replica_id: v for v in balancer.replicas()} if balancer is not None else {}
+            for replica in router.replicas():
+                view = views.get(replica.replica_id)
+                replicas.append(ReplicaStatus(
+                    replica_id=replica.replica_id, url=replica.client.url,
+                    agents=(view.model_key,) if view is not None else (), healthy=replica.healthy,
+                    outstanding_tokens=view.outstanding_tokens if view is not None else 0,
+                    in_flight_requests=view.in_flight_requests if view is not None else 0,
+                    backend=self.settings.engine_backend,
+                ))
+        return RolloutStatus(
+            worker_id=self.settings.worker_id, tasks_in_flight=len(self._in_flight), episodes_done=self.episodes_done,
+            reassignments=router.reassignments if router is not None else 0, replicas=tuple(replicas),
+        )
+
+    def set_demand(self, demand: list[AgentDemand]) -> None:
+        """Passes orchestratord's demand hints to the inter-agent balancer (none before the first job)."""
+        if self.router is None:
+            return
+        for hint in demand:
+            self.router.set_demand_hint(agent_key(hint.job_id, hint.agent), hint.tokens)
 
 
-def _append_retry_code(exc: Exception) -> grpc.StatusCode | None:
+def _report_retryable(exc: BaseException) -> bool:
+    """Whether a failed report is worth another attempt: yes, unless orchestratord rejected it."""
+    return isinstance(exc, FlexmarlError) and not isinstance(exc, (FailedPrecondition, NotFound))
+
+
+def _append_retry_code(exc: BaseException) -> grpc.StatusCode | None:
     """The status code of an append failure worth retrying, or None.
 
     stored answers RESOURCE_EXHAUSTED both for a full job quota (retried: GC or an operator
     frees room) and for a record or request over its size limits (never fits: not retried);
-    the error's reason (sent in the status's trailing metadata) tells them apart.
+    the error's reason (sent in the status's trailing metadata) tells them apart. A call that
+    ended with a status :mod:`flexmarl.errors` has no error for (DEADLINE_EXCEEDED: stored is
+    slow) reaches here as the ``grpc.aio.AioRpcError`` itself, which is no ``grpc.Call``.
     """
     if isinstance(exc, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED if exc.reason is ErrorReason.QUOTA_EXCEEDED else None
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, grpc.Call) and exc.code() in _RETRIED_APPEND_CODES:
+    if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) and exc.code() in _RETRIED_APPEND_CODES:
         code: grpc.StatusCode = exc.code()
         return code
     return None

@@ -1,0 +1,110 @@
+"""Proto <-> domain conversions for rolloutd: the only module of the daemon that builds or reads messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flexmarl.client import JobState
+from flexmarl.errors import InvalidArgument
+from flexmarl.experience import ExperienceSummary
+from flexmarl.ids import TaskRef
+from flexmarl.v1 import orchestrator_pb2, rollout_pb2
+from rolloutd.types import AgentDemand, AgentVersion, RenewResult, RolloutStatus, RolloutTask, TaskReport
+
+#: Most demand hints one SetAgentDemand may carry.
+MAX_DEMAND_ENTRIES = 4096
+#: Longest error text a report carries (the rest is cut).
+MAX_REPORT_ERROR_CHARS = 4096
+
+# ---- orchestratord ---------------------------------------------------------------------------
+
+
+def lease_request(worker_id: str, max_tasks: int, wait_ms: int) -> orchestrator_pb2.LeaseRolloutTasksRequest:
+    """A LeaseRolloutTasks request."""
+    return orchestrator_pb2.LeaseRolloutTasksRequest(worker_id=worker_id, max_tasks=max_tasks, wait_ms=wait_ms)
+
+
+def rollout_task(msg: orchestrator_pb2.RolloutTask) -> RolloutTask:
+    """A leased task; raises InvalidArgument when its task id is malformed or names another job."""
+    ref = TaskRef.parse(msg.task_id)
+    if msg.job_id != ref.job_id:
+        raise InvalidArgument(f"task {msg.task_id!r} leased for job {msg.job_id!r}")
+    return RolloutTask(
+        lease_id=msg.lease_id, ref=ref, task_index=msg.task_index, group_size=msg.group_size,
+        attempt=msg.attempt, spec_digest=msg.spec_digest,
+        agent_versions=tuple(AgentVersion(v.agent, v.version, v.weights_uri) for v in msg.agent_versions),
+    )
+
+
+def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.RenewLeasesRequest:
+    """A RenewLeases request."""
+    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids))
+
+
+def renew_result(msg: orchestrator_pb2.RenewLeasesResponse) -> RenewResult:
+    """The leases a renewal says are lost."""
+    return RenewResult(frozenset(msg.lost_lease_ids))
+
+
+def experience_summary(summary: ExperienceSummary) -> orchestrator_pb2.ExperienceSummary:
+    """An experience summary message."""
+    return orchestrator_pb2.ExperienceSummary(
+        experience_id=summary.experience_id, agent=summary.agent, group_id=summary.group_id,
+        sample_index=summary.sample_index, behavior_version=summary.behavior_version,
+        response_tokens=summary.response_tokens, reward=summary.reward,
+    )
+
+
+def report_request(worker_id: str, report: TaskReport) -> orchestrator_pb2.ReportRolloutTaskRequest:
+    """A ReportRolloutTask request (the error cut to :data:`MAX_REPORT_ERROR_CHARS`)."""
+    return orchestrator_pb2.ReportRolloutTaskRequest(
+        lease_id=report.lease_id, worker_id=worker_id, task_id=report.task_id, succeeded=report.succeeded,
+        error=report.error[:MAX_REPORT_ERROR_CHARS],
+        experiences=[experience_summary(e) for e in report.experiences],
+    )
+
+
+def job_request(job_id: str) -> orchestrator_pb2.GetJobRequest:
+    """A GetJob request."""
+    return orchestrator_pb2.GetJobRequest(job_id=job_id)
+
+
+def job_state(msg: orchestrator_pb2.JobStatus) -> JobState:
+    """A job's state; raises InvalidArgument for a state this version does not know."""
+    try:
+        return JobState(msg.state) if msg.state else JobState.PENDING
+    except ValueError:
+        raise InvalidArgument(f"job {msg.job_id!r}: unknown state {msg.state}") from None
+
+
+def job_spec_json(msg: orchestrator_pb2.JobStatus) -> str:
+    """A job's spec JSON."""
+    return str(msg.spec_json)
+
+
+# ---- rolloutd's own API ----------------------------------------------------------------------
+
+
+def agent_demand(msg: rollout_pb2.SetAgentDemandRequest) -> list[AgentDemand]:
+    """The demand hints of a SetAgentDemand request; raises InvalidArgument on a malformed one."""
+    if len(msg.demand) > MAX_DEMAND_ENTRIES:
+        raise InvalidArgument(f"demand: more than {MAX_DEMAND_ENTRIES} entries")
+    for entry in msg.demand:
+        if not entry.job_id or not entry.agent:
+            raise InvalidArgument("demand: job_id and agent must not be empty")
+    return [AgentDemand(entry.job_id, entry.agent, entry.tokens) for entry in msg.demand]
+
+
+def rollout_status(status: RolloutStatus) -> rollout_pb2.RolloutStatus:
+    """A RolloutStatus message."""
+    return rollout_pb2.RolloutStatus(
+        worker_id=status.worker_id, tasks_in_flight=status.tasks_in_flight, episodes_done=status.episodes_done,
+        reassignments=status.reassignments,
+        replicas=[
+            rollout_pb2.ReplicaStatus(
+                replica_id=r.replica_id, url=r.url, agents=list(r.agents), healthy=r.healthy,
+                outstanding_tokens=r.outstanding_tokens, in_flight_requests=r.in_flight_requests, backend=r.backend,
+            )
+            for r in status.replicas
+        ],
+    )

@@ -1,0 +1,109 @@
+"""The dataclasses rolloutd's worker speaks: what orchestratord leases and is told, and what rolloutd reports.
+
+Protos stop at :mod:`rolloutd.serde`; the worker, its link to orchestratord
+(:mod:`rolloutd.link`) and the servicer's callers see only these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexmarl.experience import ExperienceSummary
+from flexmarl.ids import TaskRef
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentVersion:
+    """The least policy version of an agent a task must run (and where its weights are)."""
+
+    agent: str
+    version: int
+    #: A checkpoint URI (``file://`` or ``stored://``); "": the agent's base model from the job spec.
+    weights_uri: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutTask:
+    """A rollout task leased to this worker: one environment prompt, ``group_size`` episodes."""
+
+    lease_id: str
+    ref: TaskRef
+    #: Index into the environment's seeded task stream.
+    task_index: int
+    group_size: int
+    #: 1 for a first attempt; more for a task re-issued after a lost lease.
+    attempt: int
+    #: JobStatus.spec_digest of the job (the spec is fetched once per job, checked against it).
+    spec_digest: str
+    agent_versions: tuple[AgentVersion, ...] = ()
+
+    @property
+    def job_id(self) -> str:
+        """The job the task belongs to."""
+        return self.ref.job_id
+
+    @property
+    def task_id(self) -> str:
+        """The task's id on the wire."""
+        return str(self.ref)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskReport:
+    """The outcome of a task, for orchestratord: its durable experiences, or why it failed."""
+
+    lease_id: str
+    task_id: str
+    #: "" for a task that succeeded; else why it failed (for people).
+    error: str = ""
+    #: The experiences durable in stored (empty for a failed task).
+    experiences: tuple[ExperienceSummary, ...] = ()
+
+    @property
+    def succeeded(self) -> bool:
+        """Whether the task succeeded."""
+        return not self.error
+
+
+@dataclasses.dataclass(frozen=True)
+class RenewResult:
+    """orchestratord's answer to a lease renewal."""
+
+    #: Leases no longer held (expired or unknown): their tasks must stop.
+    lost_lease_ids: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentDemand:
+    """A demand hint for the inter-agent balancer: an agent's outstanding tokens (queued + in flight)."""
+
+    job_id: str
+    agent: str
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStatus:
+    """One engine replica as GetRolloutStatus reports it."""
+
+    replica_id: str
+    url: str
+    #: The "job/agent" keys the replica serves now.
+    agents: tuple[str, ...]
+    healthy: bool
+    outstanding_tokens: int
+    in_flight_requests: int
+    #: "embedded" or "sglang".
+    backend: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutStatus:
+    """What GetRolloutStatus reports: the worker's replicas, tasks and episodes."""
+
+    worker_id: str
+    tasks_in_flight: int
+    episodes_done: int
+    #: Inter-agent replica moves so far.
+    reassignments: int
+    replicas: tuple[ReplicaStatus, ...] = ()
