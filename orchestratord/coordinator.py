@@ -43,7 +43,7 @@ from orchestratord.planner import (
     SlotEventKind,
     TrainerWork,
 )
-from orchestratord.state import JobState, StateChange, StepCommit, StepCommitted, apply_changes
+from orchestratord.state import JobState, JobStateChanged, StateChange, StepCommit, StepCommitted, apply_changes
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ class JobCoordinator:
             for (agent, step), manifest in persisted.manifests.items():
                 if (agent, step) in persisted.commits:
                     self._spawn(self._mark_consumed(job_id, agent, step, manifest.experience_ids))
+            if persisted.state.terminal:  # idempotent: a restart may have cut the first call short
+                self._spawn(self._finish_in_store(job_id, persisted.state))
             log.info("restored job %s (%s) with %d reported experiences", job_id, persisted.state.name, len(reported))
         await self._persist(self.planner.take_changes())
         for kind in ("rolloutd", "traind"):
@@ -280,6 +282,8 @@ class JobCoordinator:
         for change in pending:
             if isinstance(change, StepCommitted):
                 self._observe_commit(change.commit)
+            elif isinstance(change, JobStateChanged) and change.state.terminal:
+                self._spawn(self._finish_in_store(change.job_id, change.state))
 
     def _history_record(self, commit: StepCommit) -> dict[str, Any]:
         """The step's figures for `flexmarl plot`, stored atomically with its commit."""
@@ -329,6 +333,25 @@ class JobCoordinator:
             await retry(mark, retryable=_unavailable, policy=MARK_CONSUMED_RETRY, on_retry=rediscover)
         except Exception as exc:
             log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+
+    async def _finish_in_store(self, job_id: str, state: JobState) -> None:
+        """Tells stored a job ended, so an explicit CollectGarbage of it may reclaim its rows.
+
+        Until stored has heard it, garbage collection on request leaves the job alone (the safe
+        side); a restart sends it again for every ended job, so a failure is logged, not raised.
+        """
+
+        async def finish() -> None:
+            store = await self._peers.store()
+            await store.finish_job(job_id, state.name)
+
+        async def rediscover(exc: BaseException, attempt: int, delay_s: float) -> None:
+            await self._peers.reset_store()
+
+        try:
+            await retry(finish, retryable=_unavailable, policy=MARK_CONSUMED_RETRY, on_retry=rediscover)
+        except Exception as exc:
+            log.warning("could not tell stored that job %s ended: %s", job_id, exc)
 
     async def wait_for(self, fn: Callable[[], T | None], wait_ms: int) -> T | None:
         """Calls fn (as a mutation) until it returns a truthy value or wait_ms passes."""

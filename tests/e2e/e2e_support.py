@@ -27,6 +27,7 @@ from flexmarl.artifacts import local_path
 from flexmarl.cli import materialize_models
 from flexmarl.client import Client, JobInfo, JobState
 from flexmarl.cluster import descendant_pids, wait_until
+from flexmarl.errors import FailedPrecondition
 from flexmarl.experience import ExperienceState
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig
 from flexmarl.registry import Registry
@@ -163,6 +164,26 @@ class E2ECluster:
                 return await store.query(job_id, agent, state=state)
 
         return asyncio.run(query())
+
+    def wait_finished_in_store(self, job_id: str, timeout_s: float = 60.0) -> None:
+        """Waits until orchestratord told stored the job ended (FinishJob).
+
+        The probe is a CollectGarbage that keeps everything (retention 10^12 s): refused with
+        FAILED_PRECONDITION until stored knows the job finished, a no-op afterwards.
+        """
+
+        async def probe() -> bool:
+            async with StoreClient(self.cluster.daemon("stored").address) as store:
+                try:
+                    assert await store.collect_garbage(job_id, 1e12) == (0, 0)
+                except FailedPrecondition:
+                    return False
+                return True
+
+        try:
+            wait_until(lambda: asyncio.run(probe()), timeout_s, f"stored to hear that job {job_id} ended", 0.2)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}; logs:\n{self.log_tails()}")
 
     def metrics_text(self, daemon: str) -> str:
         """The Prometheus exposition of one daemon."""
