@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.retry import Backoff
 from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
@@ -255,6 +256,7 @@ class RolloutRouter:
         parts = _sample_parts(params)
         done: dict[int, list[GenerationOutput]] = {}
         last_error: FlexmarlError | None = None
+        busy = Backoff(self._busy_backoff_s, self._busy_backoff_s * 2 ** (MAX_ATTEMPTS - 1))
         for attempt in range(MAX_ATTEMPTS):
             todo = [index for index in range(len(parts)) if index not in done]
             samples = sum(parts[index].n for index in todo)
@@ -293,7 +295,7 @@ class RolloutRouter:
             finally:
                 self._release(ticket)
             if isinstance(last_error, EngineBusy) and attempt + 1 < MAX_ATTEMPTS:
-                await asyncio.sleep(self._busy_backoff_s * 2**attempt)
+                await busy.sleep()
         raise last_error or Unavailable(f"{key}: no replica could serve the request")
 
     async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:

@@ -108,7 +108,7 @@ class PeerConnections:
 
 def describe_error(exc: BaseException) -> str:
     """One line for a failed call: the status code and details of an RPC error."""
-    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+    if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) and isinstance(exc, grpc.RpcError):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
 
