@@ -30,7 +30,7 @@ from cli_support import (
 )
 
 from flexmarl.client import Client
-from flexmarl.localcluster import CLUSTER_FILE
+from flexmarl.localcluster import CLUSTER_FILE, wipe_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,6 +49,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         if (path / CLUSTER_FILE).exists():
             run_cli("down", "--run-dir", str(path), timeout_s=120)
         ensure_stopped(path)
+        wipe_state(path)  # `flexmarl down` keeps etcd's data (~60 MB preallocated): leave none behind
 
 
 @pytest.fixture(scope="module")

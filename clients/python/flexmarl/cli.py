@@ -18,10 +18,13 @@ import time
 import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from flexmarl.cluster import LaunchError
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from flexmarl.jobspec import JobSpec
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -49,12 +52,19 @@ class _Parser(argparse.ArgumentParser):
 # ---------------------------------------------------------------- helpers
 
 
-def materialize_models(spec: dict[str, Any], models_dir: Path) -> dict[str, Any]:
-    """Replaces ``tiny://<arch>?seed=N&...`` model URIs with tiny checkpoints built on disk."""
-    from flexmarl.tiny import SUPPORTED_ARCHS, build_tiny_checkpoint
+_TINY_PARAMETERS = ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size")
 
-    out: dict[str, Any] = json.loads(json.dumps(spec))
-    for agent in out.get("agents", []):
+
+def tiny_models(spec: dict[str, Any], models_dir: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The tiny checkpoints a spec's ``tiny://`` model URIs name: URI -> (directory, builder kwargs).
+
+    Checks every URI without building anything; raises InvalidArgument naming the agent's field.
+    """
+    from flexmarl.tiny import SUPPORTED_ARCHS
+
+    plans: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for agent in spec.get("agents", []):
         model = str(agent.get("model", ""))
         if not model.startswith("tiny://"):
             continue
@@ -68,25 +78,42 @@ def materialize_models(spec: dict[str, Any], models_dir: Path) -> dict[str, Any]
             )
         kwargs: dict[str, Any] = {"arch": arch}
         for key, value in params.items():
-            if key not in ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                           "intermediate_size"):
+            if key not in _TINY_PARAMETERS:
                 raise InvalidArgument(f"{where}: unknown tiny:// parameter {key!r}")
             try:
                 kwargs[key] = int(value)
             except ValueError:
                 raise InvalidArgument(f"{where}: tiny:// parameter {key} must be an integer, got {value!r}") from None
-        target = models_dir / (f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(params.items())))
+        plans[model] = (models_dir / (f"{arch}-" + "-".join(f"{k}{v}" for k, v in sorted(params.items()))), kwargs)
+    return plans
+
+
+def materialize_models(spec: dict[str, Any], models_dir: Path, progress: bool = False) -> dict[str, Any]:
+    """Replaces ``tiny://<arch>?seed=N&...`` model URIs with tiny checkpoints built on disk.
+
+    A checkpoint already under models_dir is reused. ``progress`` shows transformers' progress
+    bars while a checkpoint is written (quiet by default).
+    """
+    from flexmarl.tiny import build_tiny_checkpoint
+
+    plans = tiny_models(spec, models_dir)
+    out: dict[str, Any] = json.loads(json.dumps(spec))
+    for agent in out.get("agents", []):
+        plan = plans.get(str(agent.get("model", "")))
+        if plan is None:
+            continue
+        target, kwargs = plan
         if not (target / "config.json").exists():
             try:
-                build_tiny_checkpoint(target, **kwargs)
+                build_tiny_checkpoint(target, progress=progress, **kwargs)
             except ValueError as exc:  # sizes the builder rejects (non-positive, heads not divisible)
-                raise InvalidArgument(f"{where}: {exc}") from None
+                raise InvalidArgument(f"agents[{agent.get('name')}].model: {exc}") from None
         agent["model"] = str(target.resolve())
     return out
 
 
-def _load_spec_file(path: str, models_dir: Path) -> dict[str, Any]:
-    """Reads and validates a job file; tiny:// models are built under models_dir."""
+def _read_spec_file(path: str, models_dir: Path) -> tuple[dict[str, Any], JobSpec]:
+    """Reads and validates a job file (tiny:// URIs included) without building models: (raw spec, JobSpec)."""
     import yaml
 
     from flexmarl.jobspec import parse_job_spec
@@ -100,11 +127,41 @@ def _load_spec_file(path: str, models_dir: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise CliError(f"{path}: a job spec must be a mapping", EXIT_USAGE)
     try:
-        parse_job_spec(raw)  # report spec problems before building any model
-        return parse_job_spec(materialize_models(raw, models_dir)).model_dump(mode="json")
+        spec = parse_job_spec(raw)
+        tiny_models(raw, models_dir)
     except InvalidArgument as exc:
-        lines = str(exc).splitlines()
-        raise CliError("\n".join(f"{path}: {line}" for line in lines), EXIT_USAGE) from None
+        raise _spec_error(path, exc) from None
+    return raw, spec
+
+
+def _spec_error(path: str, exc: InvalidArgument) -> CliError:
+    """Exit 2 with one line per problem, each prefixed by the job file."""
+    return CliError("\n".join(f"{path}: {line}" for line in str(exc).splitlines()), EXIT_USAGE)
+
+
+def _materialize_spec(path: str, raw: dict[str, Any], models_dir: Path, progress: bool) -> dict[str, Any]:
+    """The validated spec with its tiny:// models built under models_dir, as JSON-ready data."""
+    from flexmarl.jobspec import parse_job_spec
+
+    try:
+        return parse_job_spec(materialize_models(raw, models_dir, progress)).model_dump(mode="json")
+    except InvalidArgument as exc:
+        raise _spec_error(path, exc) from None
+
+
+def _load_spec_file(path: str, models_dir: Path, progress: bool = False) -> dict[str, Any]:
+    """Reads and validates a job file; tiny:// models are built under models_dir."""
+    raw, _ = _read_spec_file(path, models_dir)  # report spec problems before building any model
+    return _materialize_spec(path, raw, models_dir, progress)
+
+
+def _preflight(path: str, spec: JobSpec) -> None:
+    """Exit 2 with one line per problem when the job's environment does not load or fit its agents."""
+    from flexmarl.preflight import preflight_problems
+
+    problems = preflight_problems(spec)
+    if problems:
+        raise CliError("\n".join(f"{path}: {line}" for line in problems), EXIT_USAGE)
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str, str]:
@@ -174,6 +231,15 @@ def _print_status(info: Any) -> None:
     console.print(table)
 
 
+def _outcome(job_id: str, final: Any) -> int:
+    """EXIT_OK when the job succeeded; else a CliError that names its state and error."""
+    if final is None:
+        raise CliError(f"job {job_id}: the status stream ended before the job did")
+    if final.state.name != "SUCCEEDED":
+        raise CliError(f"job {job_id} {final.state.name}" + (f": {final.error}" if final.error else ""))
+    return EXIT_OK
+
+
 def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
     """Shows rich progress bars per agent until the job ends; returns the final snapshot."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -235,13 +301,15 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     cluster = LocalCluster(LocalClusterConfig(
         run_dir=Path(args.run_dir), rollout_workers=args.rollout_workers, engine_replicas=args.engine_replicas,
-        trainer_workers=args.trainer_workers, trainer_slots=args.trainer_slots,
+        trainer_workers=args.trainer_workers, trainer_slots=args.trainer_slots, persistent=True,
     ))
     try:
         cluster.start()
     except LaunchError as exc:
         raise CliError(f"cluster did not start: {exc}".splitlines()[0] + f" (logs in {args.run_dir})") from None
     print(f"local cluster up: etcd {cluster.etcd_endpoint}, run dir {cluster.run_dir}")
+    if cluster.restored:
+        print("  state of the previous run restored (its jobs are back); `flexmarl down --wipe` deletes it")
     for name, proc in cluster.daemons.items():
         print(f"  {name:<14} {proc.address:<22} metrics :{proc.metrics_port}  log {proc.log_path}")
     if args.detach:
@@ -263,26 +331,39 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    """Stops a detached local cluster."""
-    from flexmarl.localcluster import stop_from_file
+    """Stops a detached local cluster; keeps its jobs and data unless --wipe."""
+    from flexmarl.localcluster import read_cluster_file, stop_from_file, wipe_state
 
+    run_dir = Path(args.run_dir)
     try:
-        count = stop_from_file(Path(args.run_dir))
+        read_cluster_file(run_dir)
     except LaunchError as exc:
-        raise CliError(str(exc), EXIT_UNREACHABLE) from None
-    print(f"stopped {count} processes")
+        if not args.wipe:
+            raise CliError(str(exc), EXIT_UNREACHABLE) from None
+    else:
+        print(f"stopped {stop_from_file(run_dir)} processes")
+    if args.wipe:
+        try:
+            wiped = wipe_state(run_dir)
+        except LaunchError as exc:
+            raise CliError(str(exc)) from None
+        print(f"deleted {', '.join(str(p) for p in wiped)}" if wiped else f"no cluster data in {run_dir}")
     return EXIT_OK
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    """Validates and submits a job file."""
-    spec = _load_spec_file(args.job_file, Path(args.run_dir) / "models")
+    """Validates, checks against its environment and submits a job file."""
+    models_dir = Path(args.run_dir) / "models"
+    raw, spec = _read_spec_file(args.job_file, models_dir)
+    if not args.no_preflight:
+        _preflight(args.job_file, spec)
     with _client(args) as client:
-        job_id = client.submit(spec, job_id=args.job_id)
+        if tiny_models(raw, models_dir):
+            client.list_jobs()  # reach the cluster before spending seconds on building models
+        job_id = client.submit(_materialize_spec(args.job_file, raw, models_dir, args.verbose), job_id=args.job_id)
         print(job_id)
         if args.watch:
-            final = watch_job(client, job_id)
-            return EXIT_OK if final is not None and final.state.name == "SUCCEEDED" else EXIT_FAILED
+            return _outcome(job_id, watch_job(client, job_id))
     return EXIT_OK
 
 
@@ -292,7 +373,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
         final = watch_job(client, args.job_id)
         if final is not None:
             _print_status(final)
-        return EXIT_OK if final is not None and final.state.name == "SUCCEEDED" else EXIT_FAILED
+        return _outcome(args.job_id, final)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -351,7 +432,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console = _console()
     run_dir = Path(args.run_dir if args.run_dir != str(DEFAULT_RUN_DIR) else Path("runs") / "demo").resolve()
     job_file = Path(args.job_file) if args.job_file else REPO_ROOT / "examples" / "signaling" / "job.yaml"
-    spec = _load_spec_file(str(job_file), run_dir / "models")
+    spec = _load_spec_file(str(job_file), run_dir / "models", args.verbose)
     if args.steps:
         spec["total_steps"] = args.steps
     console.print(f"[bold]FlexMARL demo[/]: {spec['name']} with agents "
@@ -420,12 +501,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true", help="leave it running in the background")
     up.set_defaults(func=cmd_up)
 
-    sub.add_parser("down", parents=[common], help="stop a detached local cluster").set_defaults(func=cmd_down)
+    down = sub.add_parser("down", parents=[common], help="stop a detached local cluster (its jobs stay)")
+    down.add_argument("--wipe", action="store_true",
+                      help="also delete the cluster's jobs and data (etcd, stored, worker dirs) in the run dir")
+    down.set_defaults(func=cmd_down)
 
     submit = sub.add_parser("submit", parents=[common], help="submit a job file (YAML/JSON)")
     submit.add_argument("job_file")
     submit.add_argument("--job-id", default="")
     submit.add_argument("--watch", action="store_true", help="watch it until it ends")
+    submit.add_argument("--no-preflight", action="store_true",
+                        help="skip loading environment.entrypoint here (when only the cluster's hosts have it)")
+    submit.add_argument("--verbose", action="store_true", help="show progress while building tiny:// models")
     submit.set_defaults(func=cmd_submit)
 
     for name, func, text in (("watch", cmd_watch, "progress bars until the job ends"),
@@ -449,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=0, help="override total_steps")
     demo.add_argument("--engine-replicas", type=int, default=2)
     demo.add_argument("--trainer-slots", type=int, default=1)
+    demo.add_argument("--verbose", action="store_true", help="show progress while building tiny:// models")
     demo.set_defaults(func=cmd_demo)
     return parser
 

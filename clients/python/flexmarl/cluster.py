@@ -154,7 +154,7 @@ class EtcdTls:
 
 
 class EtcdServer(_Child):
-    """A real etcd on free loopback ports with a temp data dir (removed on stop).
+    """A real etcd on free loopback ports; its data dir is ``<run_dir>/etcd-data`` (or a temp dir), removed on stop.
 
     ``tls`` serves clients over HTTPS/TLS; ``auth`` creates the ``root`` user with a random
     password (in ``password_file``, mode 0600) and enables etcd's authentication.
@@ -284,9 +284,16 @@ class EtcdServer(_Child):
         self.terminate()
         self.start(timeout_s)
 
-    def stop(self) -> None:
-        """Stops etcd and deletes its data (it preallocates ~120 MB)."""
+    def stop(self, *, keep_data: bool = False) -> None:
+        """Stops etcd and deletes its data (it preallocates ~120 MB) unless ``keep_data``.
+
+        A kept data dir is reused by the next :meth:`start` of an ``EtcdServer`` on the same
+        ``run_dir`` (new ports, same keys): how ``flexmarl up`` brings a local cluster's jobs back.
+        An etcd in a temp dir of its own (no ``run_dir``) never keeps its data.
+        """
         self.terminate()
+        if keep_data and not self._own_dir:
+            return
         shutil.rmtree(self.data_dir, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -3,6 +3,13 @@
 Used by ``flexmarl up`` / ``flexmarl demo`` and by end-to-end tests. Every process
 listens on loopback on a port the OS chose; logs go to ``<run_dir>/<name>.log`` and the
 cluster's addresses to ``<run_dir>/cluster.json``.
+
+The cluster's state lives in the run dir: etcd's data (``etcd/etcd-data``: jobs, steps,
+registrations), stored's experiences (``stored-data``) and the workers' directories
+(``traind-N``: published weights; ``rolloutd-N``: weight cache). A cluster started again on
+the same run dir reuses all of it, so orchestratord restores its jobs. A persistent cluster
+(``flexmarl up``) keeps that state when it stops; ``flexmarl down --wipe`` (:func:`wipe_state`)
+deletes it.
 """
 
 from __future__ import annotations
@@ -12,11 +19,15 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from flexmarl.cluster import DaemonProcess, EtcdServer, LaunchError
 from flexmarl.devcerts import DevCerts
@@ -24,6 +35,9 @@ from flexmarl.devcerts import DevCerts
 log = logging.getLogger(__name__)
 
 CLUSTER_FILE = "cluster.json"
+ETCD_DIR = "etcd"
+STORED_DATA_DIR = "stored-data"
+_WORKER_DIR = re.compile(r"^(traind|rolloutd)-\d+$")
 DEFAULT_TORCH_EXTENSIONS_DIR = Path.home() / ".cache" / "flexmarl" / "torch_extensions"
 
 
@@ -44,6 +58,9 @@ class LocalClusterConfig:
     stored_args: Sequence[str] = ()
     #: Generate dev TLS material and a token into ``<run_dir>/tls`` and start every daemon with them.
     secure: bool = False
+    #: Keep etcd's data when the cluster stops (``flexmarl up``), so that the next start restores the jobs.
+    #: A throwaway cluster (tests, the demo) deletes the etcd data it created; data it found is always kept.
+    persistent: bool = False
 
 
 class LocalCluster:
@@ -52,10 +69,12 @@ class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         self.config = config
         self.run_dir = config.run_dir.resolve()
-        self.etcd = EtcdServer(self.run_dir / "etcd")
+        self.etcd = EtcdServer(self.run_dir / ETCD_DIR)
         self.daemons: dict[str, DaemonProcess] = {}
         #: The generated TLS material and token when the cluster is secure (None otherwise).
         self.certs: DevCerts | None = None
+        #: Whether start() found etcd data of an earlier run (whose jobs orchestratord then restores).
+        self.restored = False
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -91,6 +110,11 @@ class LocalCluster:
         """Starts etcd, stored, orchestratord, traind workers, rolloutd workers (in that order)."""
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        running = running_etcd_pid(self.run_dir)
+        if running is not None:
+            raise LaunchError(f"a local cluster is already running in {self.run_dir} (etcd pid {running}); "
+                              "stop it with `flexmarl down`")
+        self.restored = (self.etcd.data_dir / "member").exists()
         if cfg.secure and self.certs is None:
             from flexmarl.devcerts import generate
 
@@ -99,7 +123,7 @@ class LocalCluster:
             self.etcd.start()
             # Fixed registry ids (as the workers have): a restarted daemon overwrites its own record
             # instead of sitting next to its dead predecessor's until that lease expires.
-            self._add("stored", "stored", ["--data-dir", str(self.run_dir / "stored-data"), "--service-id", "stored",
+            self._add("stored", "stored", ["--data-dir", str(self.run_dir / STORED_DATA_DIR), "--service-id", "stored",
                                            *cfg.stored_args])
             self._add("orchestratord", "orchestratord", ["--service-id", "orchestratord", *cfg.orchestratord_args])
             for i in range(cfg.trainer_workers):
@@ -138,14 +162,18 @@ class LocalCluster:
         (self.run_dir / CLUSTER_FILE).write_text(json.dumps(data, indent=2))
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to every daemon (workers first), then etcd; removes etcd's data."""
+        """SIGTERM to every daemon (workers first), then etcd.
+
+        Removes etcd's data only when the cluster is not ``persistent`` and created that data
+        (found none at start): stopping never deletes the jobs of an earlier run.
+        """
         order = sorted(self.daemons.values(), key=lambda p: ("stored", "orchestratord").index(p.kind)
                        if p.kind in ("stored", "orchestratord") else -1)
         for proc in order:
             with contextlib.suppress(Exception):
                 proc.terminate(timeout_s)
         with contextlib.suppress(Exception):
-            self.etcd.stop()
+            self.etcd.stop(keep_data=self.config.persistent or self.restored)
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / CLUSTER_FILE).unlink()
 
@@ -160,8 +188,52 @@ def read_cluster_file(run_dir: Path) -> dict[str, Any]:
     return data
 
 
+def running_etcd_pid(run_dir: Path) -> int | None:
+    """The pid of the etcd that run_dir's cluster.json names when it is still running, else None."""
+    with contextlib.suppress(LaunchError, KeyError, TypeError, ValueError):
+        data = read_cluster_file(run_dir)
+        pid, data_dir = int(data["etcd_pid"]), str(data["etcd_data_dir"])
+        # The pid of a crashed cluster may have been reused: it counts only while it is that etcd.
+        with contextlib.suppress(psutil.Error):
+            if pid > 0 and _alive(pid) and data_dir in " ".join(psutil.Process(pid).cmdline()):
+                return pid
+    return None
+
+
+def state_paths(run_dir: Path) -> list[Path]:
+    """The directories of run_dir that hold a local cluster's state (those that exist).
+
+    etcd's data, stored's data and the workers' directories; not the logs, the TLS material or
+    the tiny models the CLI built (``models/``).
+    """
+    paths = [run_dir / ETCD_DIR / "etcd-data", run_dir / STORED_DATA_DIR]
+    if run_dir.is_dir():
+        paths += sorted(p for p in run_dir.iterdir() if _WORKER_DIR.match(p.name))
+    return [p for p in paths if p.is_dir()]
+
+
+def wipe_state(run_dir: Path) -> list[Path]:
+    """Deletes a stopped local cluster's state (:func:`state_paths`); returns what it deleted.
+
+    Raises:
+        LaunchError: the cluster recorded in run_dir is still running.
+    """
+    running = running_etcd_pid(run_dir)
+    if running is not None:
+        raise LaunchError(f"the local cluster in {run_dir} is still running (etcd pid {running}); "
+                          "stop it first")
+    paths = state_paths(run_dir)
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+    return paths
+
+
 def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
-    """Stops a detached local cluster recorded in run_dir; returns how many processes were signalled."""
+    """Stops a detached local cluster recorded in run_dir; returns how many processes were signalled.
+
+    Its state (etcd's data, stored's data, the workers' directories) stays for the next start on
+    run_dir; :func:`wipe_state` deletes it.
+    """
     data = read_cluster_file(run_dir)
     # Workers first, then orchestratord, then stored (what they flush into), then etcd.
     order = {"rolloutd": 0, "traind": 0, "orchestratord": 1, "stored": 2}
@@ -179,11 +251,6 @@ def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
                 time.sleep(0.05)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    data_dir = data.get("etcd_data_dir")
-    if data_dir:
-        import shutil
-
-        shutil.rmtree(data_dir, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         (run_dir / CLUSTER_FILE).unlink()
     return signalled

@@ -11,7 +11,9 @@ The same seed always gives the same weights (bit for bit) and the same tokenizer
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -55,6 +57,22 @@ def _byte_symbols() -> list[str]:
             symbols.append(chr(256 + shifted))
             shifted += 1
     return symbols
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool) -> Iterator[None]:
+    """Turns transformers' progress bars ("Writing model shards") on or off for the block, then restores them."""
+    from transformers.utils import logging as hf_logging
+
+    def turn(on: bool) -> None:
+        (hf_logging.enable_progress_bar if on else hf_logging.disable_progress_bar)()  # type: ignore[no-untyped-call]
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    turn(enabled)
+    try:
+        yield
+    finally:
+        turn(was_enabled)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -114,6 +132,7 @@ def build_tiny_checkpoint(
     intermediate_size: int = 512,
     max_position_embeddings: int = 2048,
     vocab_multiple: int = 64,
+    progress: bool = False,
 ) -> Path:
     """Build a tiny random-init causal LM checkpoint directory (tokenizer + config + safetensors).
 
@@ -133,6 +152,7 @@ def build_tiny_checkpoint(
         intermediate_size: MLP width.
         max_position_embeddings: Longest sequence the rotary embedding is configured for.
         vocab_multiple: The embedding table is the tokenizer size rounded up to this multiple.
+        progress: Show transformers' progress bars while saving (on stderr); quiet by default.
 
     Returns:
         ``path``, for chaining.
@@ -186,7 +206,8 @@ def build_tiny_checkpoint(
     model.generation_config.bos_token_id = special_ids[BOS_TOKEN]
     model.generation_config.eos_token_id = [special_ids[EOS_TOKEN], special_ids[IM_END_TOKEN]]
     model.generation_config.pad_token_id = special_ids[PAD_TOKEN]
-    model.save_pretrained(str(path), safe_serialization=True)
+    with _progress_bars(progress):
+        model.save_pretrained(str(path), safe_serialization=True)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("built tiny %s checkpoint at %s (%d params, seed %d)", arch, path, num_params, seed)
     return path
