@@ -262,6 +262,15 @@ class EpisodeContext:
             version=response.version,
         )
 
+    def decode(self, agent: str, token_ids: Sequence[int]) -> str:
+        """Text of ``agent``'s token ids, special tokens skipped (as ``generate`` decodes its text)."""
+        return self._tokenizer(agent).decode(token_ids)
+
+    def sampling_defaults(self, agent: str) -> dict[str, Any]:
+        """The job's sampling parameters of ``agent`` (what ``generate`` merges its overrides into)."""
+        self._tokenizer(agent)
+        return dict(self._sampling_defaults.get(agent, {}))
+
     def reward(self, agent: str, value: float) -> None:
         """Adds ``value`` to ``agent``'s episode return (call per turn or once per episode)."""
         self._tokenizer(agent)
@@ -305,12 +314,16 @@ class Environment(abc.ABC):
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """Plays one episode: ``await ctx.generate(...)`` and ``ctx.reward(...)``."""
 
+    async def aclose(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
+        """Releases what the environment holds across episodes (a server, say); the default holds nothing."""
+
 
 def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -> Environment:
     """Imports ``module:attr`` and builds the environment with ``config`` as kwargs.
 
     Raises:
-        InvalidArgument: bad entrypoint, import failure, not an Environment, or no agents.
+        InvalidArgument: bad entrypoint, import failure (any exception user code raises while its
+            module is imported or the environment built), not an Environment, or no agents.
     """
     module_name, sep, attr = entrypoint.partition(":")
     if not sep or not module_name or not attr:
@@ -321,12 +334,16 @@ def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:
         raise InvalidArgument(f"cannot load environment {entrypoint!r}: {exc}") from exc
+    except Exception as exc:  # user code failing at import time (SyntaxError, a missing file...)
+        raise InvalidArgument(f"importing environment {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise InvalidArgument(f"{entrypoint!r} is not an Environment subclass")
     try:
         env = target(**dict(config or {}))
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"bad config for environment {entrypoint!r}: {exc}") from exc
+    except Exception as exc:
+        raise InvalidArgument(f"building environment {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
     if not env.agents or len(set(env.agents)) != len(env.agents):
         raise InvalidArgument(f"environment {entrypoint!r} must list distinct agents, got {env.agents!r}")
     return env

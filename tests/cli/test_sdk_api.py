@@ -155,3 +155,25 @@ def test_worker_rpcs_are_not_sdk_methods() -> None:
     for rpc in WORKER_RPCS:
         snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in rpc).lstrip("_")
         assert rpc not in public_names and snake not in public_names, rpc
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_script_with_the_sync_client_exits_without_tracebacks() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("sync_client_script.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["final", "SUCCEEDED", "seen", "4"] * 2 + ["done"]
+    assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr
+
+
+def test_submit_checks_the_environment_before_reaching_the_cluster() -> None:
+    from flexmarl.errors import InvalidArgument
+
+    spec = small_job()
+    spec["environment"]["entrypoint"] = "examples.signalling.env:SignalingGame"  # a typo
+    with Client("127.0.0.1:1") as client, pytest.raises(InvalidArgument, match="environment.entrypoint"):
+        client.submit(spec)

@@ -360,7 +360,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     with _client(args) as client:
         if tiny_models(raw, models_dir):
             client.list_jobs()  # reach the cluster before spending seconds on building models
-        job_id = client.submit(_materialize_spec(args.job_file, raw, models_dir, args.verbose), job_id=args.job_id)
+        job_id = client.submit(_materialize_spec(args.job_file, raw, models_dir, args.verbose), job_id=args.job_id,
+                               preflight=False)  # checked above (or skipped with --no-preflight)
         print(job_id)
         if args.watch:
             return _outcome(job_id, watch_job(client, job_id))

@@ -11,7 +11,8 @@ import dataclasses
 import enum
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator, Awaitable, Iterator, Mapping
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -253,9 +254,19 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "") -> str:
-        """Validates and submits a job; returns its id."""
+    async def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "", *,
+                     preflight: bool = True) -> str:
+        """Validates and submits a job; returns its id.
+
+        With ``preflight`` (the default) the job's environment is imported here first and its
+        agents checked against the spec (:func:`flexmarl.preflight.check_job`), so a typo in
+        ``environment.entrypoint`` fails now with one line naming the field, not on rolloutd.
+        """
         valid = to_spec(spec)
+        if preflight:
+            from flexmarl.preflight import check_job
+
+            await asyncio.to_thread(check_job, valid)
         stub = await self._connect()
         reply = await _call(stub.SubmitJob(
                 orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id), timeout=self._timeout_s
@@ -391,6 +402,34 @@ class AsyncClient:
         return await asyncio.wait_for(last(), timeout_s)
 
 
+_R = TypeVar("_R")
+
+
+async def _next(stream: AsyncGenerator[_R, None]) -> _R:
+    return await stream.__anext__()
+
+
+_LOOP_LOCK = threading.Lock()
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop every sync :class:`Client` of the process runs its calls on.
+
+    It runs forever on a daemon thread and is never closed: grpc.aio's completion-queue poller
+    posts events to the loop a channel was used on, and a per-client loop closed after its last
+    call made grpc print "Event loop is closed" tracebacks at exit. It also lets a sync client
+    work where another event loop is running (a notebook, an async framework).
+    """
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="flexmarl-client-loop", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
 class Client:
     """The synchronous SDK: the same calls as :class:`AsyncClient` on a private event loop."""
 
@@ -411,7 +450,8 @@ class Client:
         self._async = AsyncClient(address, etcd_endpoints=etcd_endpoints, etcd_prefix=etcd_prefix,
                                   timeout_s=timeout_s, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                   token=token, token_file=token_file, etcd_security=etcd_security)
-        self._loop = asyncio.new_event_loop()
+        self._loop = _background_loop()
+        self._closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -420,43 +460,53 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel and the loop."""
-        if not self._loop.is_closed():
-            self._loop.run_until_complete(self._async.close())
-            self._loop.close()
+        """Closes the channel (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._run(self._async.close())
+
+    def _run(self, coro: Coroutine[Any, Any, _R]) -> _R:
+        """Runs ``coro`` on the shared client loop; Ctrl-C cancels it."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     @property
     def address(self) -> str:
         """The address of orchestratord."""
         return self._async.address
 
-    def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "") -> str:
-        """Validates and submits a job; returns its id."""
-        return self._loop.run_until_complete(self._async.submit(spec, job_id))
+    def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "", *,
+               preflight: bool = True) -> str:
+        """Validates and submits a job; returns its id (see :meth:`AsyncClient.submit`)."""
+        return self._run(self._async.submit(spec, job_id, preflight=preflight))
 
     def status(self, job_id: str) -> JobInfo:
         """The current snapshot of a job."""
-        return self._loop.run_until_complete(self._async.status(job_id))
+        return self._run(self._async.status(job_id))
 
     def list_jobs(self, states: tuple[JobState, ...] = ()) -> list[JobInfo]:
         """Every job, optionally filtered by state."""
-        return self._loop.run_until_complete(self._async.list_jobs(states))
+        return self._run(self._async.list_jobs(states))
 
     def cancel(self, job_id: str) -> JobInfo:
         """Cancels a job."""
-        return self._loop.run_until_complete(self._async.cancel(job_id))
+        return self._run(self._async.cancel(job_id))
 
     def agents(self, job_id: str) -> tuple[AgentProgress, ...]:
         """The agents of a job with their progress."""
-        return self._loop.run_until_complete(self._async.agents(job_id))
+        return self._run(self._async.agents(job_id))
 
     def history(self, job_id: str) -> list[StepRecord]:
         """Every committed step of every agent, in commit order."""
-        return self._loop.run_until_complete(self._async.history(job_id))
+        return self._run(self._async.history(job_id))
 
     def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
         """Copies the HF checkpoint dir of one agent version into dest."""
-        return self._loop.run_until_complete(self._async.download_weights(job_id, agent, version, dest))
+        return self._run(self._async.download_weights(job_id, agent, version, dest))
 
     def watch(self, job_id: str, reconnect_s: float = 60.0) -> Iterator[JobInfo]:
         """Yields a snapshot on every change until the job finishes (see AsyncClient.watch)."""
@@ -464,12 +514,12 @@ class Client:
         try:
             while True:
                 try:
-                    yield self._loop.run_until_complete(stream.__anext__())
+                    yield self._run(_next(stream))
                 except StopAsyncIteration:
                     return
         finally:
-            self._loop.run_until_complete(stream.aclose())
+            self._run(stream.aclose())
 
     def wait(self, job_id: str, timeout_s: float | None = None) -> JobInfo:
         """Waits until the job finishes; returns its final snapshot."""
-        return self._loop.run_until_complete(self._async.wait(job_id, timeout_s))
+        return self._run(self._async.wait(job_id, timeout_s))

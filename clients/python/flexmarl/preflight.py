@@ -47,8 +47,9 @@ def _load_problem(entrypoint: str, exc: BaseException) -> str:
             return f"environment.entrypoint: cannot load {entrypoint!r}: {cause}"
         if isinstance(cause, (TypeError, ValueError)):
             return f"environment.config: {exc}"
-        return f"environment.entrypoint: {exc}"
-    # Anything else came out of the user's module or constructor (SyntaxError, RuntimeError, ...).
+        if cause is None or isinstance(cause, InvalidArgument):
+            return f"environment.entrypoint: {exc}"
+        exc = cause  # what the user's module or constructor raised (SyntaxError, RuntimeError, ...)
     return f"environment.entrypoint: loading {entrypoint!r} raised {type(exc).__name__}: {exc}"
 
 
