@@ -21,7 +21,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.connections import PeerConnections
-from flexmarl.errors import InvalidArgument, Unavailable
+from flexmarl.errors import ErrorReason, InvalidArgument, Unavailable
 from flexmarl.experience import ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
@@ -470,10 +470,11 @@ class JobCoordinator:
         return await self.mutate(functools.partial(self.planner.renew_leases, worker_id, lease_ids), notify=False)
 
     async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
-                          experiences: Sequence[ExperienceSummary]) -> None:
+                          experiences: Sequence[ExperienceSummary],
+                          reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
         """A task finished or failed."""
         await self.mutate(lambda: self.planner.report_rollout_task(lease_id, worker_id, task_id, succeeded, error,
-                                                                   experiences))
+                                                                   experiences, reason))
         self._metrics.tasks_reported.labels("ok" if succeeded else "failed").inc()
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 
-from flexmarl.errors import InvalidArgument
+from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
 from orchestratord.coordinator import JobCoordinator, require_id
@@ -130,7 +130,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         await self._coordinator.report_task(
             require_id("lease_id", request.lease_id), require_id("worker_id", request.worker_id),
             require_id("task_id", request.task_id), request.succeeded, request.error[:4096],
-            serde.experience_summaries(request.experiences),
+            serde.experience_summaries(request.experiences), ErrorReason.parse(request.reason),
         )
         return orchestrator_pb2.ReportRolloutTaskResponse()
 

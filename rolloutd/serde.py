@@ -60,7 +60,7 @@ def report_request(worker_id: str, report: TaskReport) -> orchestrator_pb2.Repor
     return orchestrator_pb2.ReportRolloutTaskRequest(
         lease_id=report.lease_id, worker_id=worker_id, task_id=report.task_id, succeeded=report.succeeded,
         error=report.error[:MAX_REPORT_ERROR_CHARS],
-        experiences=[experience_summary(e) for e in report.experiences],
+        experiences=[experience_summary(e) for e in report.experiences], reason=str(report.reason),
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flexmarl.errors import ErrorReason
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
 
@@ -58,6 +59,8 @@ class TaskReport:
     error: str = ""
     #: The experiences durable in stored (empty for a failed task).
     experiences: tuple[ExperienceSummary, ...] = ()
+    #: Why it failed, machine-readable (JOB_UNRUNNABLE: the job's environment does not load).
+    reason: ErrorReason = ErrorReason.UNSPECIFIED
 
     @property
     def succeeded(self) -> bool:

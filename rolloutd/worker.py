@@ -317,7 +317,13 @@ class RolloutWorker:
     async def _run(self, task: RolloutTask) -> None:
         started = time.perf_counter()
         try:
-            job = await self._job(task)
+            try:
+                job = await self._job(task)
+            except InvalidArgument as exc:  # the spec or environment: no other attempt can succeed
+                log.error("job %s cannot run: %s", task.job_id, exc)
+                await self._report(TaskReport(task.lease_id, task.task_id, error=str(exc),
+                                              reason=ErrorReason.JOB_UNRUNNABLE))
+                return
             for version in task.agent_versions:
                 base = job.spec.agent(version.agent).model
                 job.router.require(agent_key(task.job_id, version.agent), version.version,

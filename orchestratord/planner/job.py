@@ -6,6 +6,7 @@ import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from flexmarl.errors import ErrorReason
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
@@ -210,9 +211,9 @@ class JobPlanner:
         return admission.renew(self._job, worker_id, lease_ids)
 
     def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
-                    experiences: Sequence[ExperienceSummary]) -> None:
+                    experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
         """A rollout worker finished or failed a task; see :func:`.reports.report_task` for what it raises."""
-        reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences)
+        reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences, reason)
 
     # ---- demand (demand.py) -----------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from flexmarl.errors import AlreadyExists, FailedPrecondition, NotFound
+from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, NotFound
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
@@ -188,11 +188,13 @@ class Planner:
                            min(deadlines) if deadlines else self._now_s())
 
     def report_rollout_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
-                            experiences: Sequence[ExperienceSummary]) -> None:
+                            experiences: Sequence[ExperienceSummary],
+                            reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
         """See :meth:`JobPlanner.report_task`."""
         self.tick()
         try:
-            self._job_of_lease(lease_id).report_task(lease_id, worker_id, task_id, succeeded, error, experiences)
+            self._job_of_lease(lease_id).report_task(lease_id, worker_id, task_id, succeeded, error, experiences,
+                                                     reason)
         finally:
             self._sweep()
 

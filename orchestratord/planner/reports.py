@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.errors import ErrorReason, FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import GroupRef
 from orchestratord.leases import LeaseKind, LeaseStatus
@@ -15,8 +15,11 @@ from orchestratord.planner.manifests import complete_task
 
 
 def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
-                experiences: Sequence[ExperienceSummary]) -> None:
+                experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
     """A rollout worker finished a task (experiences durable in stored) or failed it.
+
+    A failure with reason JOB_UNRUNNABLE (the job's environment does not load on the worker)
+    fails the job at once: another attempt would fail the same way.
 
     Raises:
         NotFound: unknown lease.
@@ -31,6 +34,9 @@ def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succe
     task = job.tasks[task_id]
     if not succeeded:
         job.leases.end(lease, LeaseStatus.RELEASED, "failed")
+        if reason is ErrorReason.JOB_UNRUNNABLE:
+            job.fail(f"the job cannot run: {error} (task {task_id} on {worker_id})")
+            return
         requeue_task(job, task_id, f"worker reported failure: {error}")
         return
     try:

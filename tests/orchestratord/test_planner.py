@@ -113,6 +113,21 @@ def test_failed_report_reissues_until_max_attempts_then_job_fails(clock: FakeClo
     assert planner.lease_rollout_tasks("roll-0", 1) == []
 
 
+def test_an_unrunnable_job_fails_on_its_first_report(clock: FakeClock) -> None:
+    from flexmarl.errors import ErrorReason
+
+    planner = Planner(clock, PlannerOptions(lease_epoch="e0", max_task_attempts=5))
+    planner.submit_job("job1", make_spec())
+    lease = planner.lease_rollout_tasks("roll-0", 1)[0]
+    planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, False,
+                                "cannot load environment 'examples.signalling.env:X'", [],
+                                reason=ErrorReason.JOB_UNRUNNABLE)
+    job = planner.job("job1")
+    assert job.state is JobState.FAILED
+    assert "cannot load environment 'examples.signalling.env:X'" in job.error and "roll-0" in job.error
+    assert planner.lease_rollout_tasks("roll-0", 1) == []
+
+
 def test_malformed_and_stale_reports_are_rejected_and_reissued(clock: FakeClock) -> None:
     planner = new_planner(clock)
     lease = planner.lease_rollout_tasks("roll-0", 1)[0]

@@ -272,6 +272,18 @@ async def test_a_rejected_report_is_not_retried(
     assert link.report_calls == 1 and link.reports.empty()
 
 
+async def test_a_job_whose_environment_does_not_load_is_reported_unrunnable(served: Served) -> None:
+    worker, link = served.worker, served.link
+    broken = served.spec.model_copy(update={"environment": served.spec.environment.model_copy(
+        update={"entrypoint": "examples.signalling.env:SignalingGame"})})  # a typo in the module
+    link.spec_json = broken.to_json()
+    link.to_lease.put_nowait(_task(broken, 3))
+    report = await asyncio.wait_for(link.reports.get(), 30)
+    assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE
+    assert "examples.signalling.env" in report.error
+    await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
 def _flaky_appends(monkeypatch: pytest.MonkeyPatch, errors: list[BaseException]) -> list[int]:
     """Makes stored's appends raise ``errors`` in turn, then succeed; returns the batch size of every call."""
     calls: list[int] = []

@@ -26,6 +26,9 @@ class ErrorReason(enum.StrEnum):
     UNSPECIFIED = ""
     #: A job's byte quota in stored is full: room may come back (GC, a raised quota), so retry.
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    #: A job cannot run at all (its environment does not load, its agents do not match the
+    #: environment's): a rollout task failing so fails the job at once instead of being retried.
+    JOB_UNRUNNABLE = "JOB_UNRUNNABLE"
 
     @classmethod
     def parse(cls, text: str) -> ErrorReason:

@@ -556,11 +556,16 @@ class ReportRolloutTaskRequest(_message.Message):
     SUCCEEDED_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     EXPERIENCES_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     worker_id: _builtins.str
     task_id: _builtins.str
     succeeded: _builtins.bool
     error: _builtins.str
+    reason: _builtins.str
+    """Why a failed task failed, machine-readable (flexmarl.errors.ErrorReason): JOB_UNRUNNABLE
+    (the environment does not load) fails the job at once instead of re-issuing the task.
+    """
     @_builtins.property
     def experiences(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExperienceSummary]:
         """The experiences written to stored (arrays omitted)."""
@@ -574,10 +579,11 @@ class ReportRolloutTaskRequest(_message.Message):
         succeeded: _builtins.bool = ...,
         error: _builtins.str = ...,
         experiences: _abc.Iterable[Global___ExperienceSummary] | None = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "experiences", b"experiences", "lease_id", b"lease_id", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "experiences", b"experiences", "lease_id", b"lease_id", "reason", b"reason", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
