@@ -146,6 +146,19 @@ def test_cancel_a_running_job(run_dir: Path, etcd_endpoint: str, tmp_path: Path)
     assert "cancelled" in watched.stdout
 
 
+def test_a_job_whose_environment_does_not_load_fails_once_and_watch_says_why(run_dir: Path, tmp_path: Path) -> None:
+    spec = small_job(name="typo")
+    spec["environment"]["entrypoint"] = "examples.signalling.env:SignalingGame"  # a typo in the module
+    job = write_job(tmp_path / "typo.yaml", spec)
+    # --no-preflight: the daemons find it (the CLI's own check is tested in test_cli_submit_checks.py).
+    result = run_cli("submit", str(job), "--no-preflight", "--watch", "--run-dir", str(run_dir), timeout_s=120)
+    assert result.returncode == 1, result.explain()
+    job_id = result.stdout.strip().splitlines()[0]
+    lines = [line for line in result.stderr.splitlines() if job_id in line]
+    assert lines and "FAILED" in lines[-1] and "examples.signalling.env" in lines[-1], result.explain()
+    assert "failed 5 times" not in result.stderr  # the first attempt fails the job
+
+
 def test_unknown_job_is_exit_1_with_one_line(run_dir: Path) -> None:
     for command in ("status", "cancel", "plot"):
         result = run_cli(command, "no-such-job", "--run-dir", str(run_dir))
