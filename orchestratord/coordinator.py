@@ -57,7 +57,10 @@ DEMAND_INTERVAL_S = 1.0
 #: Reading what rollouts already stored, at a restart: stored may still be starting after a whole-cluster restart.
 RECOVERY_READ_RETRY = RetryPolicy(initial_s=0.5, max_s=0.5, deadline_s=30.0)
 #: Marking a committed step's experiences consumed: stored may be restarting (maybe on a new address).
-MARK_CONSUMED_RETRY = RetryPolicy(initial_s=0.5, max_s=5.0, deadline_s=300.0)
+#: Marking a committed step consumed in stored: no deadline (the pending mark in etcd is the record).
+MARK_CONSUMED_RETRY = RetryPolicy(initial_s=0.5, max_s=5.0)
+#: Telling stored a job ended.
+FINISH_JOB_RETRY = RetryPolicy(initial_s=0.5, max_s=5.0, deadline_s=300.0)
 
 
 def require_id(name: str, value: str) -> str:
@@ -126,10 +129,11 @@ class JobCoordinator:
             job = self.planner.restore_job(persisted, reported)
             for agent in job.spec.agent_names:
                 self._last_commit_s[(job_id, agent)] = self._now_s()
-            # Marking a committed step's experiences consumed runs after the commit; a restart may
-            # have cut it short. Marking is idempotent, so every committed step is marked again.
-            for (agent, step), manifest in persisted.manifests.items():
-                if (agent, step) in persisted.commits:
+            # Marking a committed step's experiences consumed runs after the commit; the commit left a
+            # durable pending mark, so a restart drains exactly the marks stored has not confirmed.
+            for agent, step in sorted(persisted.pending_marks):
+                manifest = persisted.manifests.get((agent, step))
+                if manifest is not None:
                     self._spawn(self._mark_consumed(job_id, agent, step, manifest.experience_ids))
             if persisted.state.terminal:  # idempotent: a restart may have cut the first call short
                 self._spawn(self._finish_in_store(job_id, persisted.state))
@@ -316,10 +320,14 @@ class JobCoordinator:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
 
     async def _mark_consumed(self, job_id: str, agent: str, step: int, ids: Sequence[str]) -> None:
-        """Marks a committed step's experiences consumed in stored; retried while stored is unavailable.
+        """Marks a committed step's experiences consumed in stored, then drops its pending mark.
 
-        Best effort: marking only lets stored's GC reclaim the rows, and a restart marks every
-        committed step again, so a failure is logged, not raised.
+        The commit wrote the pending mark in its own etcd transaction (``StateStore.commit_step``).
+        While stored is unavailable the mark is retried with no deadline (back-off up to 5 s); only
+        after stored confirmed is the pending mark cleared, so neither a long stored outage nor an
+        orchestratord restart loses it (a restart drains every pending mark again; marking is
+        idempotent). A definite refusal from stored (an unknown job, an illegal move) is logged
+        and the mark dropped: retrying cannot change it.
         """
 
         async def mark() -> None:
@@ -327,12 +335,19 @@ class JobCoordinator:
             await store.mark(job_id, agent, str(StepRef(job_id, agent, step)), ids, ExperienceState.CONSUMED)
 
         async def rediscover(exc: BaseException, attempt: int, delay_s: float) -> None:
+            if attempt == 1 or attempt % 20 == 0:
+                log.warning("marking step %d of %s/%s consumed: stored unavailable (%s); retrying",
+                            step, job_id, agent, exc)
             await self._peers.reset_store()  # stored restarting, maybe on a new address
 
         try:
             await retry(mark, retryable=_unavailable, policy=MARK_CONSUMED_RETRY, on_retry=rediscover)
         except Exception as exc:
-            log.warning("could not mark step %d of %s/%s consumed in stored: %s", step, job_id, agent, exc)
+            log.warning("stored refused marking step %d of %s/%s consumed: %s", step, job_id, agent, exc)
+        try:
+            await self.state.clear_pending_mark(job_id, agent, step)
+        except Exception as exc:  # etcd away: the mark stays pending and the next start drains it again
+            log.warning("could not clear the pending mark of step %d of %s/%s: %s", step, job_id, agent, exc)
 
     async def _finish_in_store(self, job_id: str, state: JobState) -> None:
         """Tells stored a job ended, so an explicit CollectGarbage of it may reclaim its rows.
@@ -349,7 +364,7 @@ class JobCoordinator:
             await self._peers.reset_store()
 
         try:
-            await retry(finish, retryable=_unavailable, policy=MARK_CONSUMED_RETRY, on_retry=rediscover)
+            await retry(finish, retryable=_unavailable, policy=FINISH_JOB_RETRY, on_retry=rediscover)
         except Exception as exc:
             log.warning("could not tell stored that job %s ended: %s", job_id, exc)
 

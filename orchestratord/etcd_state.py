@@ -42,6 +42,7 @@ from orchestratord.state import (
     commit_key,
     job_key,
     manifest_key,
+    pending_mark_key,
 )
 
 _CAS_RETRIES = 5
@@ -155,7 +156,8 @@ class EtcdStateStore(StateStore):
                 )
             new_record = AgentVersionRecord(commit.new_version, commit.weights_uri, commit.state_uri,
                                             commit.committed_s)
-            puts = {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode()}
+            puts = {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode(),
+                    pending_mark_key(self._prefix, commit.job_id, commit.agent, commit.step): b"1"}
             if history is not None:
                 puts[self._history_key(commit.job_id, commit.agent, commit.step)] = _dump(dict(history))
             if await self._registry.transact({vkey: raw, ckey: None}, puts):
@@ -196,6 +198,7 @@ class EtcdStateStore(StateStore):
         agents: dict[str, AgentVersionRecord] = {}
         manifests: dict[tuple[str, int], StepManifest] = {}
         commits: dict[tuple[str, int], StepCommit] = {}
+        pending: set[tuple[str, int]] = set()
         agents_prefix = self._key(job_id, "agents") + "/"
         for key, value in values.items():
             if not key.startswith(agents_prefix):
@@ -207,6 +210,8 @@ class EtcdStateStore(StateStore):
                 manifests[(parts[0], int(parts[2]))] = StepManifest.from_json(value.decode())
             elif len(parts) == 4 and parts[1] == "steps" and parts[3] == "commit":
                 commits[(parts[0], int(parts[2]))] = StepCommit.from_json(value.decode())
+            elif len(parts) == 4 and parts[1] == "steps" and parts[3] == "pending_mark":
+                pending.add((parts[0], int(parts[2])))
         return PersistedJob(
             job_id=job_id,
             spec_json=spec.decode(),
@@ -218,7 +223,13 @@ class EtcdStateStore(StateStore):
             agents=agents,
             manifests=manifests,
             commits=commits,
+            pending_marks=frozenset(pending),
         )
+
+    @_retrying
+    async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
+        """See :meth:`StateStore.clear_pending_mark`."""
+        await self._registry.delete(pending_mark_key(self._prefix, job_id, agent, step))
 
     @_retrying
     async def list_job_ids(self) -> list[str]:

@@ -135,6 +135,8 @@ class PersistedJob:
     agents: dict[str, AgentVersionRecord]
     manifests: dict[tuple[str, int], StepManifest]
     commits: dict[tuple[str, int], StepCommit]
+    #: Committed (agent, step)s whose experiences stored has not yet confirmed consumed.
+    pending_marks: frozenset[tuple[str, int]] = frozenset()
 
 
 # ---- changes emitted by the planner --------------------------------------------------------------
@@ -211,6 +213,11 @@ def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
     return job_key(prefix, job_id, "agents", agent, "steps", str(step), "commit")
 
 
+def pending_mark_key(prefix: str, job_id: str, agent: str, step: int) -> str:
+    """Key that exists while a committed step's experiences are not yet confirmed consumed in stored."""
+    return job_key(prefix, job_id, "agents", agent, "steps", str(step), "pending_mark")
+
+
 # ---- the store -----------------------------------------------------------------------------------------
 
 
@@ -245,8 +252,10 @@ class StateStore(abc.ABC):
         """Advances the agent's version from ``commit.step`` to ``commit.step + 1`` (compare-and-swap).
 
         ``history`` (the step's figures for plots) is written in the same atomic write, so a
-        crash can never leave a committed step without its record. Re-applying the identical
-        commit is a no-op.
+        crash can never leave a committed step without its record, and so is the step's
+        *pending consumption mark* (see :meth:`clear_pending_mark`): marking the step's experiences
+        consumed in stored happens after the commit, and is never lost to a crash in between.
+        Re-applying the identical commit is a no-op.
 
         Raises:
             Aborted: the agent's stored version is not ``commit.step`` (a racing writer won).
@@ -261,6 +270,10 @@ class StateStore(abc.ABC):
             Aborted: the agent's stored version is not ``version``.
             NotFound: unknown job or agent.
         """
+
+    @abc.abstractmethod
+    async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
+        """Stored confirmed the step's experiences consumed: drops its pending mark (idempotent)."""
 
     @abc.abstractmethod
     async def load_job(self, job_id: str) -> PersistedJob | None:
@@ -299,6 +312,7 @@ class InMemoryStateStore(StateStore):
             "agents": {agent: AgentVersionRecord(updated_s=created_s) for agent in agents},
             "manifests": {},
             "commits": {},
+            "pending_marks": set(),
         }
         return True
 
@@ -334,6 +348,7 @@ class InMemoryStateStore(StateStore):
             updated_s=commit.committed_s,
         )
         job["commits"][key] = commit
+        job["pending_marks"].add(key)
         if history is not None:
             job.setdefault("history", {})[key] = dict(history)
         job["updated_s"] = max(job["updated_s"], commit.committed_s)
@@ -347,6 +362,12 @@ class InMemoryStateStore(StateStore):
         if record.version != version:
             raise Aborted(f"agent {agent!r} is at version {record.version}, not {version}")
         job["agents"][agent] = dataclasses.replace(record, state_uri=state_uri, updated_s=updated_s)
+
+    async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
+        """See :meth:`StateStore.clear_pending_mark`."""
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job["pending_marks"].discard((agent, step))
 
     async def load_job(self, job_id: str) -> PersistedJob | None:
         """See :meth:`StateStore.load_job`."""
@@ -363,6 +384,7 @@ class InMemoryStateStore(StateStore):
             agents=dict(job["agents"]),
             manifests=dict(job["manifests"]),
             commits=dict(job["commits"]),
+            pending_marks=frozenset(job["pending_marks"]),
         )
 
     async def list_job_ids(self) -> list[str]:

@@ -17,7 +17,7 @@ from flexmarl.retry import RetryPolicy
 from orchestratord import coordinator as coordinator_module
 from orchestratord.coordinator import JobCoordinator
 from orchestratord.metrics import OrchestratorMetrics
-from orchestratord.state import InMemoryStateStore
+from orchestratord.state import InMemoryStateStore, StepCommit
 
 from .helpers import spec_dict
 
@@ -99,13 +99,19 @@ class FlakyStored:
 async def test_marking_consumed_rediscovers_stored_while_unavailable_and_gives_up_on_other_errors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(coordinator_module, "MARK_CONSUMED_RETRY", RetryPolicy(0.01, 0.01, deadline_s=5.0))
-    coordinator = _coordinator(FlakyStore())
+    monkeypatch.setattr(coordinator_module, "MARK_CONSUMED_RETRY", RetryPolicy(0.01, 0.01))
+    state = FlakyStore()
+    coordinator = _coordinator(state)
+    await state.create_job("job-a", "{}", ["alice"], 1.0)
+    for step in (0, 1):
+        await state.commit_step(StepCommit("job-a", "alice", step, f"file:///w{step}", "", "slot", 2.0 + step))
     stored = FlakyStored(Unavailable("stored restarting"), Unavailable("stored restarting"))
     coordinator._peers = stored  # type: ignore[assignment]
     await coordinator._mark_consumed("job-a", "alice", 0, ["e1", "e2"])
     assert stored.resets == 2  # rediscovered after each Unavailable
     assert stored.marks == [("job-a", "alice", str(StepRef("job-a", "alice", 0)), ["e1", "e2"])]
+    persisted = await state.load_job("job-a")
+    assert persisted is not None and persisted.pending_marks == {("alice", 1)}  # confirmed: cleared
 
     stored = FlakyStored(InvalidArgument("bad step"))
     coordinator._peers = stored  # type: ignore[assignment]

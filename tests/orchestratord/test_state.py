@@ -84,6 +84,21 @@ async def test_commit_is_compare_and_swap(store: StateStore) -> None:
     assert job.commits[("a", 0)] == commit
 
 
+async def test_a_commit_leaves_a_pending_consumption_mark_until_cleared(store: StateStore) -> None:
+    await store.create_job("j", "{}", ["a", "b"], 1.0)
+    await store.commit_step(StepCommit("j", "a", 0, "file:///w1", "", "slot", 2.0))
+    await store.commit_step(StepCommit("j", "a", 1, "file:///w2", "", "slot", 3.0))
+    await store.commit_step(StepCommit("j", "b", 0, "file:///w3", "", "slot", 3.0))
+    job = await store.load_job("j")
+    assert job is not None and job.pending_marks == {("a", 0), ("a", 1), ("b", 0)}
+    await store.clear_pending_mark("j", "a", 0)
+    await store.clear_pending_mark("j", "a", 0)  # idempotent
+    await store.clear_pending_mark("nope", "a", 0)  # unknown job: nothing to clear
+    job = await store.load_job("j")
+    assert job is not None and job.pending_marks == {("a", 1), ("b", 0)}
+    assert set(job.commits) == {("a", 0), ("a", 1), ("b", 0)}  # the commits themselves stay
+
+
 async def test_manifests_are_immutable(store: StateStore) -> None:
     await store.create_job("j", "{}", ["a"], 1.0)
     manifest = StepManifest("j", "a", 0, ("x", "y"), 4, 10)
