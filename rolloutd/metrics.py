@@ -22,6 +22,11 @@ class RolloutMetrics:
         self.tokens = Counter("flexmarl_rolloutd_generated_tokens_total", "Response tokens generated, by agent.",
                               ["agent"], registry=registry)
         self.episodes = Counter("flexmarl_rolloutd_episodes_total", "Episodes finished.", registry=registry)
+        self.engine_restarts = Counter("flexmarl_rolloutd_engine_restarts_total",
+                                       "Launched engine replicas relaunched after their process exited.",
+                                       registry=registry)
+        self.engine_gave_up = Counter("flexmarl_rolloutd_engine_gave_up_total",
+                                      "Launched engine replicas given up after too many restarts.", registry=registry)
         self.tasks = Counter("flexmarl_rolloutd_tasks_total", "Rollout tasks finished, by outcome.", ["outcome"],
                              registry=registry)
         self.task_seconds = Histogram("flexmarl_rolloutd_task_seconds", "Wall time of one rollout task (a group).",

@@ -55,6 +55,7 @@ from flexmarl.store_client import StoreClient
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
+from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.episode import Environment, HFTokenizer, load_environment
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
@@ -183,6 +184,7 @@ class RolloutWorker:
         self._link: OrchestratorLink = link if link is not None else GrpcOrchestratorLink(self._peers)
         self._engine_lock = asyncio.Lock()
         self._job_lock = asyncio.Lock()
+        self._supervisor: EngineSupervisor | None = None
         self._specs = JobSpecCache(self._link.job_spec)
         self.episodes_done = 0
         self._stopping = False
@@ -209,6 +211,8 @@ class RolloutWorker:
         for task in running:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._supervisor is not None:
+            await self._supervisor.stop()  # before the engines stop: a stop is no crash to relaunch
         if self.router is not None:
             await self.router.close()
             for replica in self.router.replicas():
@@ -466,11 +470,19 @@ class RolloutWorker:
                 path_map = s.engine_path_map
             else:
                 engines = []
+                launched = []
                 for index, replica_spec in enumerate(replica_specs(s, spec.agents[0].model)):
-                    engines.append(await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}",
-                                                timeout_s=s.engine_launch_timeout_s))
+                    engine = await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}",
+                                          timeout_s=s.engine_launch_timeout_s)
+                    engines.append(engine)
+                    launched.append((engine, replica_spec, f"engine-{index}"))
                     self._engines = engines  # stop() stops the ones started, even if a later one fails
                 path_map = EnginePathMap()  # launched replicas see rolloutd's filesystem
+                self._supervisor = EngineSupervisor(
+                    launched, s.work_dir / "engines", launch_timeout_s=s.engine_launch_timeout_s,
+                    on_restart=lambda _: self._metrics.engine_restarts.inc(),
+                    on_give_up=lambda _: self._metrics.engine_gave_up.inc())
+                self._supervisor.start()
             replicas = [Replica(f"replica-{i}", e.client()) for i, e in enumerate(engines)]
             cache = s.weights_cache
             cache.mkdir(parents=True, exist_ok=True)

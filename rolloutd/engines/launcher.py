@@ -249,7 +249,8 @@ async def _wait_ready_file(path: Path, process: subprocess.Popen[bytes], deadlin
         await asyncio.sleep(0.05)
 
 
-async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, name: str = "engine") -> EngineReplica:
+async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, name: str = "engine",
+                 append_log: bool = False) -> EngineReplica:
     """Start a replica as a subprocess and wait until ``/health`` answers 200.
 
     Args:
@@ -258,6 +259,7 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
         timeout_s: Deadline for the replica to become healthy (SGLang loads the model and
             captures CUDA graphs first: minutes for a large model).
         name: File name stem for the ready file and the log.
+        append_log: Append to the log instead of starting it afresh (a relaunch keeps the crash's output).
 
     Raises:
         InvalidArgument: The spec cannot be run (unknown backend, too few devices for tp_size).
@@ -277,7 +279,7 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
         raise InvalidArgument(f"unknown engine backend {spec.backend!r}")
     env = replica_env(spec, os.environ)
     deadline = time.monotonic() + timeout_s
-    with open(log_path, "wb") as log_file:
+    with open(log_path, "ab" if append_log else "wb") as log_file:
         process = subprocess.Popen(_die_with_parent(command), stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
     logger.info("started %s engine pid %d on devices %s: %s", spec.backend, process.pid,
