@@ -7,10 +7,12 @@ from typing import Any
 
 import grpc.aio
 
+from flexmarl.connections import PeerConnections
 from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import train_pb2_grpc
 from traind.config import TrainerConfig
 from traind.distributed import reserve_port
+from traind.link import GrpcOrchestratorLink, GrpcStoreLink
 from traind.metrics import TrainerMetrics
 from traind.servicer import TrainerServicer
 from traind.worker import TrainerSettings, TrainerWorker
@@ -38,12 +40,14 @@ class TrainerApp(DaemonApp):
         settings = TrainerSettings(
             worker_id=ctx.service_id, slots=config.slots, work_dir=Path(config.work_dir).resolve(),
             state_location=config.state_location, publish_location=config.publish_location,
-            orchestrator_address=config.orchestrator_address, store_address=config.store_address,
-            max_message_bytes=config.max_message_bytes, security=ctx.security,
             dp_address=data_parallel_address(config), slot_local_ranks=config.slot_local_ranks(),
             device_profile=config.device_profile(),
         )
-        self.worker = TrainerWorker(settings, ctx.registry, TrainerMetrics(ctx.metrics))
+        self._peers = PeerConnections(ctx.registry, orchestrator_address=config.orchestrator_address,
+                                      store_address=config.store_address,
+                                      max_message_bytes=config.max_message_bytes, security=ctx.security)
+        self.worker = TrainerWorker(settings, TrainerMetrics(ctx.metrics),
+                                    GrpcOrchestratorLink(self._peers, ctx.service_id), GrpcStoreLink(self._peers))
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Trainer service."""
@@ -54,8 +58,9 @@ class TrainerApp(DaemonApp):
         await self.worker.start()
 
     async def stop(self) -> None:
-        """Stops the slots."""
+        """Stops the slots, then closes the connections to orchestratord and stored."""
         await self.worker.stop()
+        await self._peers.close()
 
     def registration_info(self) -> dict[str, Any]:
         """Advertises the slots."""

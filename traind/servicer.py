@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import grpc.aio
 
 from flexmarl.v1 import train_pb2, train_pb2_grpc
+from traind import serde
 from traind.worker import TrainerWorker
 
 
@@ -14,14 +15,8 @@ class TrainerServicer(train_pb2_grpc.TrainerServicer):
     def __init__(self, worker: TrainerWorker) -> None:
         self._worker = worker
 
-    async def GetTrainerStatus(self, request: Any, context: Any) -> Any:  # noqa: N802
+    async def GetTrainerStatus(  # noqa: N802
+        self, request: train_pb2.GetTrainerStatusRequest, context: grpc.aio.ServicerContext
+    ) -> train_pb2.TrainerStatus:
         """Slots and the agents resident in them."""
-        return train_pb2.TrainerStatus(
-            worker_id=self._worker.settings.worker_id,
-            slots=[train_pb2.SlotStatus(slot_id=s["slot_id"], device=self._worker.device,
-                                        memory_bytes=self._worker.memory_bytes_per_slot, resident=s["resident"],
-                                        resident_version=s["version"], busy=s["busy"],
-                                        busy_fraction=s["busy_fraction"], dp_group_id=s["dp_group_id"],
-                                        dp_rank=s["dp_rank"], dp_world_size=s["dp_world_size"])
-                  for s in self._worker.status()],
-        )
+        return serde.trainer_status(self._worker.settings.worker_id, self._worker.status())

@@ -24,6 +24,10 @@ traind's ``gpus``/``CUDA_VISIBLE_DEVICES``, :meth:`traind.config.TrainerConfig.s
 every call into the slot's trainer runs under :func:`traind.distributed.on_device`, so
 DeepSpeed builds the engine on it and CUDA's per-thread current device is it. On CPU
 nothing is assigned.
+
+Transport: the loop speaks dataclasses (:mod:`traind.work`) to orchestratord and stored through
+:class:`traind.link.OrchestratorLink` and :class:`traind.link.StoreLink`; protos, deadlines and
+rediscovery of a restarted peer stay in the link (:mod:`traind.link`, :mod:`traind.serde`).
 """
 
 from __future__ import annotations
@@ -37,37 +41,45 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
-
-import grpc
-import grpc.aio
+from typing import TypeVar
 
 from flexmarl import devicemodel
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
-from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
-from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
-from flexmarl.experience import ExperienceRecord
+from flexmarl.connections import cancelled_from_outside
+from flexmarl.errors import FlexmarlError, InvalidArgument
 from flexmarl.jobspec import JobSpec, JobSpecCache
-from flexmarl.registry import Registry
-from flexmarl.security import INSECURE, TransportSecurity
-from flexmarl.v1 import orchestrator_pb2
+from flexmarl.retry import Backoff
 from traind import losses
 from traind.distributed import become_standalone, join_group, on_device
+from traind.link import OrchestratorCallError, OrchestratorLink, StoreLink
 from traind.locations import MemoryStateStore, StateLocation, open_location
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
 from traind.pacing import ModelledDeviceClock
 from traind.swap import swap_in, swap_out
+from traind.work import (
+    DataParallelGroup,
+    MicroBatchWork,
+    OptimizerStepWork,
+    ResidentAgent,
+    SlotEvent,
+    SlotEventKind,
+    SlotStatus,
+    StepCommit,
+    SwapOutWork,
+    TrainerWork,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_WAIT_MS = 2000
-#: Bound on one poll, discovery in etcd included (the RPC itself has a 30 s deadline).
-POLL_DEADLINE_S = 40.0
 KEEP_VERSIONS = 3
-#: How long a micro-batch waits for stored to come back before the slot reports a failure.
-STORE_RETRY_S = 60.0
+
+
+def poll_backoff() -> Backoff:
+    """Delays between failed polls of one slot (back to the first after a poll that got through)."""
+    return Backoff(initial_s=0.2, max_s=5.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +91,6 @@ class TrainerSettings:
     work_dir: Path
     state_location: str  # mem | file | stored
     publish_location: str  # file | stored
-    orchestrator_address: str
-    store_address: str
-    max_message_bytes: int
-    security: TransportSecurity = INSECURE
     # host:port of this process's data-parallel rendezvous; "" = it never joins a group.
     dp_address: str = ""
     # Each slot's device as an index in this process's CUDA numbering (LOCAL_RANK); None: CPU.
@@ -92,8 +100,8 @@ class TrainerSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class GroupKey:
-    """The process group this process is in: ("", 0, 1, "") = a world of one."""
+class ProcessGroupKey:
+    """The data-parallel process group this process is in: ("", 0, 1, "") = a world of one."""
 
     group_id: str = ""
     rank: int = 0
@@ -101,11 +109,11 @@ class GroupKey:
     master_address: str = ""
 
     @classmethod
-    def of(cls, group: orchestrator_pb2.DataParallelGroup | None) -> GroupKey:
+    def of(cls, group: DataParallelGroup | None) -> ProcessGroupKey:
         """The key a piece of work asks for (a group of one = standalone)."""
         if group is None or group.world_size <= 1:
             return cls()
-        return cls(group.group_id, int(group.rank), int(group.world_size), group.master_address)
+        return cls(group.group_id, group.rank, group.world_size, group.master_address)
 
 
 @dataclasses.dataclass
@@ -146,28 +154,27 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
 
 
 class TrainerWorker:
-    """The slots of one traind process."""
+    """The slots of one traind process, over a link to orchestratord and one to stored."""
 
-    def __init__(self, settings: TrainerSettings, registry: Registry, metrics: TrainerMetrics) -> None:
+    def __init__(self, settings: TrainerSettings, metrics: TrainerMetrics, orchestrator: OrchestratorLink,
+                 store: StoreLink) -> None:
         self.settings = settings
-        self._registry = registry
         self._metrics = metrics
+        self._orchestrator = orchestrator
+        self._store = store
         ranks = settings.slot_local_ranks
         if ranks is not None and len(ranks) != settings.slots:
             raise InvalidArgument(f"{len(ranks)} devices for {settings.slots} slots")
         self.slots = [Slot(f"{settings.worker_id}/slot{i}", None if ranks is None else ranks[i])
                       for i in range(settings.slots)]
         self._memory = MemoryStateStore()
-        self._specs = JobSpecCache(self._fetch_spec)
+        self._specs = JobSpecCache(orchestrator.job_spec)
         self._loops: list[asyncio.Task[None]] = []
-        self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
-                                      store_address=settings.store_address,
-                                      max_message_bytes=settings.max_message_bytes, security=settings.security)
         self._stopping = False
         # One engine at a time per process: DeepSpeed engines share the process group.
         self._compute = asyncio.Lock()
         # The data-parallel group the process is in now (the default: a world of one).
-        self.group = GroupKey()
+        self.group = ProcessGroupKey()
 
     async def start(self) -> None:
         """Starts one poll loop per slot."""
@@ -175,7 +182,10 @@ class TrainerWorker:
         self._loops = [loop.create_task(self._slot_loop(slot), name=slot.slot_id) for slot in self.slots]
 
     async def stop(self) -> None:
-        """Stops polling; uncommitted work is abandoned (its leases expire and replay elsewhere)."""
+        """Stops polling; uncommitted work is abandoned (its leases expire and replay elsewhere).
+
+        The links' connections belong to whoever made the links (:class:`traind.app.TrainerApp`).
+        """
         self._stopping = True
         for task in self._loops:
             task.cancel()
@@ -186,7 +196,6 @@ class TrainerWorker:
             if slot.trainer is not None:
                 slot.trainer.release()
                 slot.trainer = None
-        await self._peers.close()
 
     @property
     def _group_local_rank(self) -> int:
@@ -198,64 +207,48 @@ class TrainerWorker:
         """``fn(*args)`` on a pool thread, on the slot's device (:func:`traind.distributed.on_device`)."""
         return await asyncio.to_thread(on_device, slot.local_rank, fn, *args)
 
-    async def _fetch_spec(self, job_id: str) -> str:
-        """A job's spec JSON from orchestratord (once per job: :class:`~flexmarl.jobspec.JobSpecCache`)."""
-        stub = await self._peers.orchestrator()
-        status = await stub.GetJob(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=30)
-        return str(status.spec_json)
-
     # ---- the loop ------------------------------------------------------------------------------
 
     async def _slot_loop(self, slot: Slot) -> None:
-        backoff_s = 0.2
+        backoff = poll_backoff()
         while not self._stopping:
-            resident = []
-            if slot.trainer is not None:
-                resident = [orchestrator_pb2.ResidentAgent(job_id=slot.job_id, agent=slot.agent,
-                                                           version=slot.trainer.version)]
+            resident = [] if slot.trainer is None else [ResidentAgent(slot.job_id, slot.agent, slot.trainer.version)]
             try:
-                # Discovery included: nothing in one poll may wait longer than the poll itself.
-                async with asyncio.timeout(POLL_DEADLINE_S):
-                    stub = await self._peers.orchestrator()
-                    reply = await stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
-                        worker_id=self.settings.worker_id, slot_id=slot.slot_id, resident=resident,
-                        wait_ms=POLL_WAIT_MS, dp_address=self.settings.dp_address), timeout=30)
-                backoff_s = 0.2
-            except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
-                if isinstance(exc, asyncio.CancelledError) and cancelled_from_outside():
-                    raise
-                log.warning("polling work for %s failed (%s); retrying", slot.slot_id, describe_error(exc))
-                await self._peers.reset_orchestrator()
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(5.0, backoff_s * 2)
+                work = await self._orchestrator.poll_work(slot.slot_id, resident, POLL_WAIT_MS,
+                                                          self.settings.dp_address)
+            except (OrchestratorCallError, FlexmarlError) as exc:
+                log.warning("polling work for %s failed (%s); retrying", slot.slot_id, exc)
+                await backoff.sleep()
                 continue
-            kind = reply.WhichOneof("work")
-            if kind is None:
-                continue
-            started = time.monotonic()
-            slot.busy = True
-            try:
-                if kind == "micro_batch":
-                    await self._micro_batch(slot, reply.micro_batch)
-                elif kind == "optimizer_step":
-                    await self._optimizer_step(slot, reply.optimizer_step)
-                else:
-                    await self._swap_out(slot, reply.swap_out)
-            except asyncio.CancelledError:
-                if cancelled_from_outside():
-                    raise
-                log.warning("%s: a call was cancelled under %s work (its channel closed)", slot.slot_id, kind)
-                await self._peers.reset_orchestrator()
-            except grpc.RpcError as exc:
-                log.warning("%s: orchestrator call failed: %s", slot.slot_id, describe_error(exc))
-                await self._peers.reset_orchestrator()
-            except Exception as exc:
-                log.exception("%s: %s work failed", slot.slot_id, kind)
-                await self._fail(slot, f"{type(exc).__name__}: {exc}")
-            finally:
-                slot.busy = False
-                slot.busy_s += time.monotonic() - started
-                self._metrics.observe_busy(slot)
+            backoff.reset()
+            if work is not None:
+                await self._run(slot, work)
+
+    async def _run(self, slot: Slot, work: TrainerWork) -> None:
+        """Runs one piece of work; a failed call to orchestratord is logged, any other failure fails the slot."""
+        kind = type(work).__name__
+        started = time.monotonic()
+        slot.busy = True
+        try:
+            if isinstance(work, MicroBatchWork):
+                await self._micro_batch(slot, work)
+            elif isinstance(work, OptimizerStepWork):
+                await self._optimizer_step(slot, work)
+            else:
+                await self._swap_out(slot, work)
+        except asyncio.CancelledError:
+            if cancelled_from_outside():
+                raise
+            log.warning("%s: a call was cancelled under %s (its channel closed)", slot.slot_id, kind)
+        except OrchestratorCallError as exc:
+            log.warning("%s: orchestrator call failed: %s", slot.slot_id, exc)
+        except Exception as exc:
+            log.exception("%s: %s failed", slot.slot_id, kind)
+            await self._fail(slot, f"{type(exc).__name__}: {exc}")
+        finally:
+            slot.busy = False
+            slot.busy_s += time.monotonic() - started
+            self._metrics.observe_busy(slot)
 
     async def _fail(self, slot: Slot, error: str) -> None:
         """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""
@@ -266,14 +259,12 @@ class TrainerWorker:
             with contextlib.suppress(Exception):
                 async with self._compute:
                     await asyncio.to_thread(become_standalone, self._group_local_rank)
-            self.group = GroupKey()
+            self.group = ProcessGroupKey()
         if not job_id:
             return
-        with contextlib.suppress(grpc.RpcError, FlexmarlError):
-            stub = await self._peers.orchestrator()
-            await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
-                worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=job_id, agent=agent,
-                kind=orchestrator_pb2.ReportSlotEventRequest.KIND_FAILED, error=error[:4096]), timeout=10)
+        with contextlib.suppress(OrchestratorCallError, FlexmarlError):
+            await self._orchestrator.report_slot_event(SlotEvent(slot.slot_id, job_id, agent, SlotEventKind.FAILED,
+                                                                 error=error))
 
     def _release(self, slot: Slot) -> None:
         if slot.trainer is not None:
@@ -283,21 +274,21 @@ class TrainerWorker:
     # ---- work ----------------------------------------------------------------------------------
 
     def _location(self, uri: str, job_id: str) -> StateLocation:
-        return open_location(uri, memory=self._memory, store=self._peers.store_if_open(), job_id=job_id,
+        return open_location(uri, memory=self._memory, store=self._store.client_if_open(), job_id=job_id,
                              loop=asyncio.get_running_loop())
 
-    async def _join(self, group: orchestrator_pb2.DataParallelGroup | None) -> None:
+    async def _join(self, group: DataParallelGroup | None) -> None:
         """Puts the process into the work's process group (call under ``_compute``).
 
         A different group (or leaving one) means a new process group: every resident
         engine is released first (DeepSpeed engines are built on the default group).
         """
-        wanted = GroupKey.of(group)
+        wanted = ProcessGroupKey.of(group)
         if wanted == self.group:
             return
         for slot in self.slots:
             self._release(slot)
-        self.group = GroupKey()
+        self.group = ProcessGroupKey()
         if group is not None and wanted.world_size > 1:
             if len(self.slots) != 1:
                 raise InvalidArgument(f"{self.settings.worker_id} has {len(self.slots)} slots: it cannot join "
@@ -312,10 +303,9 @@ class TrainerWorker:
             log.info("left the data-parallel group: a world of one again")
         self.group = wanted
 
-    async def _bind(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork | orchestrator_pb2.OptimizerStepWork,
-                    ) -> AgentTrainer:
+    async def _bind(self, slot: Slot, work: MicroBatchWork | OptimizerStepWork) -> AgentTrainer:
         """Makes (job, agent) at base_version resident in the slot (swapping as needed)."""
-        await self._join(work.group if work.HasField("group") else None)
+        await self._join(work.group)
         spec = await self._specs.get(work.job_id, work.spec_digest)
         key = (work.job_id, work.agent)
         if slot.trainer is not None and (slot.resident != key or slot.trainer.version != work.base_version):
@@ -327,7 +317,7 @@ class TrainerWorker:
             clock = self._device_clock(work.agent)
             if work.state_uri:
                 if work.state_uri.startswith("stored://"):
-                    await self._peers.store()
+                    await self._store.client()
                 location = self._location(work.state_uri, work.job_id)
                 trainer, stats = await self._on_device(slot, swap_in, config, location, clock)
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
@@ -354,37 +344,22 @@ class TrainerWorker:
         if trainer.device_clock is not None:
             await asyncio.to_thread(trainer.device_clock.settle)
 
-    async def _micro_batch(self, slot: Slot, work: orchestrator_pb2.MicroBatchWork) -> None:
+    async def _micro_batch(self, slot: Slot, work: MicroBatchWork) -> None:
         async with self._compute:
             trainer = await self._bind(slot, work)
             if slot.step_id != work.step_id:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
-            records = await self._read_experiences(work.job_id, list(work.experience_ids))
-            stats = await self._on_device(slot, trainer.accumulate, records)
+            records = await self._store.read_experiences(work.job_id, work.experience_ids)
+            stats = await self._on_device(
+                slot, lambda: trainer.accumulate(records))
         await self._settle(trainer)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
-        stub = await self._peers.orchestrator()
-        await stub.AckMicroBatch(orchestrator_pb2.AckMicroBatchRequest(
-            lease_id=work.lease_id, worker_id=self.settings.worker_id, slot_id=slot.slot_id,
-            episodes=stats.sequences), timeout=30)
+        await self._orchestrator.ack_micro_batch(slot.slot_id, work.lease_id, stats.sequences)
 
-    async def _read_experiences(self, job_id: str, ids: list[str]) -> list[ExperienceRecord]:
-        """Reads from stored; after UNAVAILABLE (stored restarting, maybe elsewhere) rediscovers and retries."""
-        deadline_s, backoff_s = time.monotonic() + STORE_RETRY_S, 0.2
-        while True:
-            try:
-                return await (await self._peers.store()).read(job_id, ids)
-            except Unavailable:
-                if time.monotonic() > deadline_s:
-                    raise
-                await self._peers.reset_store()
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(2.0, backoff_s * 2)
-
-    async def _optimizer_step(self, slot: Slot, work: orchestrator_pb2.OptimizerStepWork) -> None:
-        group = work.group if work.HasField("group") and work.group.world_size > 1 else None
-        if group is not None and (GroupKey.of(group) != self.group or slot.step_id != work.step_id
+    async def _optimizer_step(self, slot: Slot, work: OptimizerStepWork) -> None:
+        group = work.group if work.group is not None and work.group.world_size > 1 else None
+        if group is not None and (ProcessGroupKey.of(group) != self.group or slot.step_id != work.step_id
                                   or slot.trainer is None):
             # A member that was given no micro-batch of this step: it joins with a zero gradient.
             async with self._compute:
@@ -396,11 +371,11 @@ class TrainerWorker:
         trainer = slot.trainer
         started = time.perf_counter()
         if group is not None and group.rank > 0:
-            await self._member_optimizer_step(slot, trainer, work)
+            await self._member_optimizer_step(slot, trainer, work, group)
             return
         async with self._compute:
-            stats = await self._on_device(slot, trainer.optimizer_step, work.step_response_tokens,
-                                          work.step_episodes)
+            stats = await self._on_device(slot, lambda: trainer.optimizer_step(
+                work.step_response_tokens, work.step_episodes))
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
             weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
@@ -408,25 +383,24 @@ class TrainerWorker:
         await self._settle(trainer)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
-        stub = await self._peers.orchestrator()
-        await stub.CommitStep(orchestrator_pb2.CommitStepRequest(
-            worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
-            step=work.step, new_version=work.new_version, weights_uri=weights_uri, state_uri=state_uri,
-            loss=stats.loss, grad_norm=stats.grad_norm, step_seconds=seconds), timeout=60)
+        await self._orchestrator.commit_step(StepCommit(
+            slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent, step=work.step, new_version=work.new_version,
+            weights_uri=weights_uri, state_uri=state_uri, loss=stats.loss, grad_norm=stats.grad_norm,
+            step_seconds=seconds))
         slot.step_id = ""
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
         self._prune(work.job_id, work.agent, work.new_version)
 
-    async def _member_optimizer_step(self, slot: Slot, trainer: AgentTrainer,
-                                     work: orchestrator_pb2.OptimizerStepWork) -> None:
+    async def _member_optimizer_step(self, slot: Slot, trainer: AgentTrainer, work: OptimizerStepWork,
+                                     group: DataParallelGroup) -> None:
         """Rank > 0 of a group: the same collectives as rank 0 (step, publish, save), nothing kept, no commit."""
         started = time.perf_counter()
         scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
         try:
             async with self._compute:
-                stats = await self._on_device(slot, trainer.optimizer_step, work.step_response_tokens,
-                                              work.step_episodes)
+                stats = await self._on_device(slot, lambda: trainer.optimizer_step(
+                    work.step_response_tokens, work.step_episodes))
                 if trainer.version != work.new_version:
                     raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
                 # publish() gathers and barriers on every rank (rank 0 writes); save_state's
@@ -441,13 +415,13 @@ class TrainerWorker:
         self._metrics.observe_step(work.agent, stats, seconds)
         slot.step_id = ""
         log.info("%s: %s/%s step %d done as rank %d of %d (rank 0 commits; %.2fs)", slot.slot_id, work.job_id,
-                 work.agent, work.step, work.group.rank, work.group.world_size, seconds)
+                 work.agent, work.step, group.rank, group.world_size, seconds)
 
     async def _publish(self, slot: Slot, trainer: AgentTrainer, job_id: str, agent: str, version: int) -> str:
         out = self.settings.work_dir / "weights" / job_id / agent / f"v{version}"
         await self._on_device(slot, trainer.publish, out)
         if self.settings.publish_location == "stored":
-            return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._peers.store(),
+            return await publish_dir(out, weights_blob_name(job_id, agent, version), await self._store.client(),
                                      job_id)
         return file_uri(out)
 
@@ -455,7 +429,7 @@ class TrainerWorker:
         kind = self.settings.state_location
         uri = self._state_uri(kind, job_id, agent, version)
         if kind == "stored":
-            await self._peers.store()
+            await self._store.client()
         location = self._location(uri, job_id)
         started = time.perf_counter()
         moved = await self._on_device(slot, trainer.save_state, location)
@@ -480,7 +454,7 @@ class TrainerWorker:
             with contextlib.suppress(FlexmarlError, KeyError):
                 self._memory.pop(f"{self.settings.worker_id}/{job_id}/{agent}/v{old}")
 
-    async def _swap_out(self, slot: Slot, work: orchestrator_pb2.SwapOutWork) -> None:
+    async def _swap_out(self, slot: Slot, work: SwapOutWork) -> None:
         if slot.resident != (work.job_id, work.agent) or slot.trainer is None:
             raise InvalidArgument(f"{slot.slot_id} does not hold {work.job_id}/{work.agent}")
         if self.group.world_size > 1:
@@ -489,15 +463,13 @@ class TrainerWorker:
         kind = work.location if work.location in ("mem", "file", "stored") else self.settings.state_location
         uri = self._state_uri(kind, work.job_id, work.agent, slot.trainer.version)
         if kind == "stored":
-            await self._peers.store()
+            await self._store.client()
         async with self._compute:
             stats = await self._on_device(slot, swap_out, slot.trainer, self._location(uri, work.job_id))
         self._metrics.observe_swap("out", stats.bytes_moved, stats.seconds)
         slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""
-        stub = await self._peers.orchestrator()
-        await stub.ReportSlotEvent(orchestrator_pb2.ReportSlotEventRequest(
-            worker_id=self.settings.worker_id, slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent,
-            kind=orchestrator_pb2.ReportSlotEventRequest.KIND_SWAPPED_OUT, state_uri=uri), timeout=30)
+        await self._orchestrator.report_slot_event(SlotEvent(slot.slot_id, work.job_id, work.agent,
+                                                             SlotEventKind.SWAPPED_OUT, state_uri=uri))
 
     @property
     def device(self) -> str:
@@ -517,13 +489,14 @@ class TrainerWorker:
             return int(torch.cuda.get_device_properties(first or 0).total_memory)
         return int(psutil.virtual_memory().total // max(1, len(self.slots)))
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[SlotStatus]:
         """Per-slot status for GetTrainerStatus."""
         now = time.monotonic()
+        device, memory_bytes = self.device, self.memory_bytes_per_slot
         return [
-            {"slot_id": s.slot_id, "resident": f"{s.job_id}/{s.agent}" if s.trainer is not None else "",
-             "version": s.trainer.version if s.trainer is not None else 0, "busy": s.busy,
-             "busy_fraction": s.busy_s / max(1e-9, now - s.started_s), "dp_group_id": self.group.group_id,
-             "dp_rank": self.group.rank, "dp_world_size": self.group.world_size}
+            SlotStatus(slot_id=s.slot_id, device=device, memory_bytes=memory_bytes,
+                       resident=ResidentAgent(s.job_id, s.agent, s.trainer.version) if s.trainer is not None else None,
+                       busy=s.busy, busy_fraction=s.busy_s / max(1e-9, now - s.started_s),
+                       dp_group_id=self.group.group_id, dp_rank=self.group.rank, dp_world_size=self.group.world_size)
             for s in self.slots
         ]

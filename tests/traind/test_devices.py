@@ -20,13 +20,15 @@ from prometheus_client import CollectorRegistry
 
 from flexmarl.cli import materialize_models
 from flexmarl.config import ConfigError, load_config
+from flexmarl.connections import PeerConnections
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import JobSpecCache, spec_digest
 from flexmarl.registry import Registry
-from flexmarl.v1 import orchestrator_pb2
 from traind import distributed
 from traind.config import TrainerConfig
+from traind.link import GrpcOrchestratorLink, GrpcStoreLink
 from traind.metrics import TrainerMetrics
+from traind.work import DataParallelGroup, MicroBatchWork
 from traind.worker import TrainerSettings, TrainerWorker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +36,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _settings(tmp_path: Path, slots: int, ranks: tuple[int, ...] | None) -> TrainerSettings:
     return TrainerSettings(worker_id="traind-test", slots=slots, work_dir=tmp_path, state_location="file",
-                           publish_location="file", orchestrator_address="127.0.0.1:9", store_address="127.0.0.1:9",
-                           max_message_bytes=1 << 26, slot_local_ranks=ranks)
+                           publish_location="file", slot_local_ranks=ranks)
 
 
 def _worker(settings: TrainerSettings) -> TrainerWorker:
-    return TrainerWorker(settings, cast(Registry, object()), TrainerMetrics(CollectorRegistry()))
+    # Nothing here calls a peer: the connections stay unopened.
+    peers = PeerConnections(cast(Registry, object()), orchestrator_address="127.0.0.1:9",
+                            store_address="127.0.0.1:9", max_message_bytes=1 << 26)
+    return TrainerWorker(settings, TrainerMetrics(CollectorRegistry()),
+                         GrpcOrchestratorLink(peers, settings.worker_id), GrpcStoreLink(peers))
 
 
 def test_each_slot_gets_one_device_as_its_local_index() -> None:
@@ -114,8 +119,9 @@ async def test_a_slots_engine_is_built_on_the_slots_device(tmp_path: Path, monke
         return spec_json
 
     worker._specs = JobSpecCache(fetch)
-    work = orchestrator_pb2.MicroBatchWork(job_id="job", agent="sender", step_id="s1", base_version=0,
-                                           spec_digest=spec_digest(spec_json))
+    work = MicroBatchWork(lease_id="", job_id="job", agent="sender", step=0, step_id="s1", micro_batch_index=0,
+                          experience_ids=(), base_version=0, state_uri="", step_episodes=0,
+                          spec_digest=spec_digest(spec_json))
     slot = worker.slots[1]
     async with worker._compute:
         trainer = await worker._bind(slot, work)
@@ -139,8 +145,8 @@ async def test_data_parallel_group_binds_to_the_slots_device(tmp_path: Path, mon
     monkeypatch.setattr(distributed, "shutdown_distributed", lambda: None)
     monkeypatch.setattr(deepspeed, "init_distributed", fake_init)
     worker = _worker(_settings(tmp_path, 1, (3,)))
-    group = orchestrator_pb2.DataParallelGroup(group_id="job/a/g1", rank=1, world_size=2,
-                                               master_address="127.0.0.1:29999", timeout_s=5)
+    group = DataParallelGroup(group_id="job/a/g1", rank=1, world_size=2, master_address="127.0.0.1:29999",
+                              timeout_s=5)
     async with worker._compute:
         await worker._join(group)
     assert joined == [{"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3"}]
