@@ -46,8 +46,8 @@ from typing import TypeVar
 from flexmarl import devicemodel
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
 from flexmarl.connections import cancelled_from_outside
-from flexmarl.errors import FlexmarlError, InvalidArgument
-from flexmarl.jobspec import JobSpec, JobSpecCache
+from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound
+from flexmarl.jobspec import CheckpointSpec, JobSpec, JobSpecCache
 from flexmarl.retry import Backoff
 from traind import losses
 from traind.distributed import become_standalone, join_group, on_device
@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_WAIT_MS = 2000
-KEEP_VERSIONS = 3
 
 
 def poll_backoff() -> Backoff:
@@ -390,7 +389,9 @@ class TrainerWorker:
         slot.step_id = ""
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
-        self._prune(work.job_id, work.agent, work.new_version)
+        spec = self._specs.cached_spec(work.job_id)
+        self._prune(work.job_id, work.agent, work.new_version, spec)
+        await self._prune_stored(work.job_id, work.agent, work.new_version, spec)
 
     async def _member_optimizer_step(self, slot: Slot, trainer: AgentTrainer, work: OptimizerStepWork,
                                      group: DataParallelGroup) -> None:
@@ -443,16 +444,39 @@ class TrainerWorker:
             return f"stored://states/{job_id}/{agent}/v{version}"
         return file_uri(self.settings.work_dir / "states" / job_id / agent / f"v{version}")
 
-    def _prune(self, job_id: str, agent: str, version: int) -> None:
-        """Deletes local weights and states older than the last few versions."""
-        for kind in ("weights", "states"):
-            root = self.settings.work_dir / kind / job_id / agent
-            keep = KEEP_VERSIONS if kind == "weights" else 1
-            for old in range(max(0, version - keep - 10), version - keep + 1):
-                shutil.rmtree(root / f"v{old}", ignore_errors=True)
-        for old in range(max(0, version - 10), version):
-            with contextlib.suppress(FlexmarlError, KeyError):
-                self._memory.pop(f"{self.settings.worker_id}/{job_id}/{agent}/v{old}")
+    def _prune(self, job_id: str, agent: str, version: int, spec: JobSpec | None) -> None:
+        """Deletes the local weights and states the job's checkpoint policy no longer retains.
+
+        ``version`` was just committed; the versions that fell out of the policy with it are the
+        ones deleted (a window, so a restarted traind also catches up on a few it missed).
+        """
+        policy = spec.checkpoint if spec is not None else CheckpointSpec()
+        window = range(max(0, version - max(policy.keep_last, policy.keep_states) - 10), version)
+        for old in window:
+            if not policy.keeps_weights(old, version):
+                shutil.rmtree(self.settings.work_dir / "weights" / job_id / agent / f"v{old}", ignore_errors=True)
+            if not policy.keeps_state(old, version):
+                shutil.rmtree(self.settings.work_dir / "states" / job_id / agent / f"v{old}", ignore_errors=True)
+                with contextlib.suppress(FlexmarlError, KeyError):
+                    self._memory.pop(f"{self.settings.worker_id}/{job_id}/{agent}/v{old}")
+
+    async def _prune_stored(self, job_id: str, agent: str, version: int, spec: JobSpec | None) -> None:
+        """:meth:`_prune` for what was published or saved to stored (best effort: logged, never raised)."""
+        if "stored" not in (self.settings.publish_location, self.settings.state_location):
+            return
+        policy = spec.checkpoint if spec is not None else CheckpointSpec()
+        try:
+            store = await self._store.client()
+            for old in range(max(0, version - max(policy.keep_last, policy.keep_states) - 10), version):
+                if self.settings.publish_location == "stored" and not policy.keeps_weights(old, version):
+                    with contextlib.suppress(NotFound):
+                        await store.delete_blob(weights_blob_name(job_id, agent, old))
+                if self.settings.state_location == "stored" and not policy.keeps_state(old, version):
+                    for blob in await store.list_blobs(f"states/{job_id}/{agent}/v{old}/"):
+                        with contextlib.suppress(NotFound):
+                            await store.delete_blob(blob.name)
+        except FlexmarlError as exc:
+            log.warning("pruning %s/%s in stored after v%d failed: %s", job_id, agent, version, exc)
 
     async def _swap_out(self, slot: Slot, work: SwapOutWork) -> None:
         if slot.resident != (work.job_id, work.agent) or slot.trainer is None:

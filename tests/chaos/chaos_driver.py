@@ -206,6 +206,9 @@ def job_spec(models_dir: Path, seed: int, total_steps: int) -> dict[str, Any]:
     # Short rollout leases: a task of a killed rolloutd comes back within seconds. Training
     # leases are generous: an expired one only replays work a slow (not dead) slot was doing.
     raw["leases"] = {"rollout_timeout_s": 10, "train_timeout_s": 60}
+    # The driver loads every published version (WeightsWatcher): the policy pins them all, so a
+    # watcher that could not reach etcd for a while finds none pruned when it catches up.
+    raw["checkpoint"] = {"keep_last": total_steps + 1}
     return materialize_models(raw, models_dir)
 
 
@@ -661,10 +664,10 @@ class ChaosDriver:
 class WeightsWatcher:
     """Loads every version the chaos job publishes, as soon as its commit is in etcd.
 
-    traind keeps only the last few versions of weights on disk (``traind.worker.KEEP_VERSIONS``),
-    so each version's files are hard-linked as soon as its commit is seen and loaded from the
-    links (``transformers.AutoModelForCausalLM.from_pretrained``); a version already pruned when
-    first seen is recorded as missed.
+    The chaos job's checkpoint policy keeps every version (``job_spec``: ``checkpoint.keep_last``
+    above the step count), and each version's files are still hard-linked as soon as its commit
+    is seen and loaded from the links (``transformers.AutoModelForCausalLM.from_pretrained``); a
+    version missing when first seen is recorded as missed.
     """
 
     def __init__(self, driver: ChaosDriver, interval_s: float = 0.2) -> None:

@@ -177,3 +177,44 @@ def test_submit_checks_the_environment_before_reaching_the_cluster() -> None:
     spec["environment"]["entrypoint"] = "examples.signalling.env:SignalingGame"  # a typo
     with Client("127.0.0.1:1") as client, pytest.raises(InvalidArgument, match="environment.entrypoint"):
         client.submit(spec)
+
+
+class VersionedOrchestrator(RecordingOrchestrator):
+    """A finished job whose sender reached v5 under a keep-last-2, keep-every-2 policy."""
+
+    def GetJob(self, request: Any, context: Any) -> Any:  # noqa: N802
+        spec = _spec()
+        spec["checkpoint"] = {"keep_last": 2, "keep_every": 2, "keep_states": 1}
+        status = _status(request.job_id)
+        status.spec_json = json.dumps(spec)
+        status.agents.add(agent="sender", step=5, version=5)
+        status.agents.add(agent="receiver", step=0, version=0)
+        return status
+
+    def GetJobHistory(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return orchestrator_pb2.JobHistory(steps=[
+            orchestrator_pb2.StepRecord(agent="sender", step=v - 1, version=v, reward_mean=v / 10,
+                                        weights_uri=f"file:///w/sender/v{v}") for v in range(1, 6)])
+
+
+def test_versions_list_what_the_policy_keeps_and_a_pruned_download_says_so(tmp_path: Any) -> None:
+    from flexmarl.errors import NotFound
+
+    servicer = VersionedOrchestrator()  # type: ignore[abstract]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            versions = client.versions("job-1")
+            kept = [(v.agent, v.version) for v in versions if v.retained]
+            assert kept == [("sender", 0), ("sender", 2), ("sender", 4), ("sender", 5), ("receiver", 0)]
+            assert [v.version for v in versions if v.agent == "sender"] == [0, 1, 2, 3, 4, 5]
+            assert client._run(client._async.weights_uri("job-1", "sender", 4)) == "file:///w/sender/v4"
+            with pytest.raises(NotFound, match="pruned by the checkpoint policy"):
+                client.download_weights("job-1", "sender", 3, tmp_path / "v3")
+            with pytest.raises(NotFound, match="no committed version 9"):
+                client.download_weights("job-1", "sender", 9, tmp_path / "v9")
+    finally:
+        server.stop(0)

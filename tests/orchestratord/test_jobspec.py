@@ -162,3 +162,18 @@ def test_spec_cache_fetches_once_per_job_and_checks_the_digest() -> None:
         assert fetched == ["job-a", "job-b", "job-a"]
 
     asyncio.run(run())
+
+
+def test_checkpoint_policy_keeps_the_last_versions_every_mth_and_never_the_latest() -> None:
+    from flexmarl.jobspec import CheckpointSpec
+
+    default = parse_job_spec(spec_dict()).checkpoint
+    assert (default.keep_last, default.keep_every, default.keep_states) == (3, 0, 1)
+    assert [v for v in range(11) if default.keeps_weights(v, 10)] == [0, 8, 9, 10]  # v0 is the spec's model
+    assert [v for v in range(11) if default.keeps_state(v, 10)] == [10]
+    policy = CheckpointSpec(keep_last=1, keep_every=4, keep_states=2)
+    assert [v for v in range(11) if policy.keeps_weights(v, 10)] == [0, 4, 8, 10]
+    assert [v for v in range(11) if policy.keeps_state(v, 10)] == [4, 8, 9, 10]  # kept-every ones resumable
+    assert "every 4th" in policy.describe()
+    with pytest.raises(InvalidArgument, match="checkpoint.keep_last"):
+        parse_job_spec(spec_dict(checkpoint={"keep_last": 0}))

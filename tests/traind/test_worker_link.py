@@ -252,3 +252,22 @@ async def test_the_grpc_link_decodes_work_and_maps_a_refused_call() -> None:
     finally:
         await peers.close()
         await server.stop(0)
+
+
+def test_pruning_follows_the_jobs_checkpoint_policy(tmp_path: Path) -> None:
+    from flexmarl.jobspec import CheckpointSpec, JobSpec
+
+    settings = TrainerSettings(worker_id="traind-prune", slots=1, work_dir=tmp_path / "work", state_location="file",
+                               publish_location="file")
+    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), FakeOrchestrator("{}", []), FakeStore([]))
+    for kind in ("weights", "states"):
+        for version in range(11):
+            (tmp_path / "work" / kind / "job" / "a" / f"v{version}").mkdir(parents=True)
+    spec = JobSpec.model_construct(checkpoint=CheckpointSpec(keep_last=2, keep_every=5, keep_states=1))
+    worker._prune("job", "a", 10, spec)
+
+    def left(kind: str) -> list[int]:
+        return sorted(int(p.name[1:]) for p in (tmp_path / "work" / kind / "job" / "a").iterdir())
+
+    assert left("weights") == [0, 5, 9, 10]  # v0 stands for the spec's own model: never pruned
+    assert left("states") == [5, 10]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -411,6 +412,25 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_versions(args: argparse.Namespace) -> int:
+    """Lists every version of every agent of a job, and whether its weights are still kept."""
+    from rich.table import Table
+
+    with _client(args) as client:
+        versions = client.versions(args.job_id)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(v) for v in versions], indent=2))
+        return EXIT_OK
+    table = Table("agent", "version", "step", "reward", "kept", "weights")
+    for v in versions:
+        if v.retained or args.all:
+            table.add_row(v.agent, str(v.version), "-" if v.step < 0 else str(v.step),
+                          "-" if v.version == 0 else f"{v.reward_mean:.3f}", "yes" if v.retained else "pruned",
+                          v.weights_uri if v.retained else "")
+    _console().print(table)
+    return EXIT_OK
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """Writes reward and throughput curves of a job to a PNG."""
     with _client(args) as client:
@@ -526,6 +546,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
     sub.add_parser("jobs", parents=[common], help="list jobs").set_defaults(func=cmd_jobs)
+    versions = sub.add_parser("versions", parents=[common],
+                              help="every retained version of every agent (step, reward, where its weights are)")
+    versions.add_argument("job_id")
+    versions.add_argument("--all", action="store_true", help="also list versions the checkpoint policy pruned")
+    versions.add_argument("--json", action="store_true")
+    versions.set_defaults(func=cmd_versions)
 
     plot = sub.add_parser("plot", parents=[common], help="reward/throughput curves to PNG")
     plot.add_argument("job_id")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import json
 import shutil
 import tempfile
 import threading
@@ -192,6 +193,20 @@ def client_security(
         raise InvalidArgument(f"client: {exc}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class VersionInfo:
+    """One version of one agent: the step that made it and whether the job still keeps its weights."""
+
+    agent: str
+    version: int
+    #: The step whose commit produced it (-1 for version 0, the spec's model).
+    step: int
+    reward_mean: float
+    weights_uri: str
+    #: False once the job's checkpoint policy pruned the weights (checkpoint.keep_last/keep_every).
+    retained: bool
+
+
 class AsyncClient:
     """asyncio client of orchestratord's public job API.
 
@@ -302,18 +317,39 @@ class AsyncClient:
         reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return [StepRecord.from_proto(r) for r in reply.steps]
 
+    async def versions(self, job_id: str) -> list[VersionInfo]:
+        """Every version of every agent (version 0 = the spec's model), with what the policy retains."""
+        info = await self.status(job_id)
+        spec = parse_job_spec(json.loads(info.spec_json))  # JSON text from orchestratord, never a path
+        history = await self.history(job_id)
+        latest = {a.agent: a.version for a in info.agents}
+        out = [VersionInfo(a.name, 0, -1, 0.0, a.model, True) for a in spec.agents]
+        for r in sorted(history, key=lambda r: (spec.agent_names.index(r.agent), r.version)):
+            retained = spec.checkpoint.keeps_weights(r.version, latest.get(r.agent, r.version))
+            out.append(VersionInfo(r.agent, r.version, r.step, r.reward_mean, r.weights_uri, retained))
+        return sorted(out, key=lambda v: (spec.agent_names.index(v.agent), v.version))
+
     async def weights_uri(self, job_id: str, agent: str, version: int) -> str:
-        """Where the weights of one agent version are (version 0 = the spec's initial model)."""
+        """Where the weights of one agent version are (version 0 = the spec's initial model).
+
+        Raises:
+            NotFound: no such agent or version, or the job's checkpoint policy pruned it (the
+                message says which, and what the policy keeps).
+        """
         if version < 0:
             raise InvalidArgument(f"version: must be >= 0, got {version}")
         info = await self.status(job_id)
         if agent not in {a.agent for a in info.agents}:
             raise NotFound(f"job {job_id} has no agent {agent!r}")
+        spec = parse_job_spec(json.loads(info.spec_json))
         if version == 0:
-            spec = load_job_spec(info.spec_json)
             return spec.agent(agent).model
+        latest = next(a.version for a in info.agents if a.agent == agent)
         for record in await self.history(job_id):
             if record.agent == agent and record.version == version:
+                if not spec.checkpoint.keeps_weights(version, latest):
+                    raise NotFound(f"job {job_id}: version {version} of {agent!r} was pruned by the checkpoint "
+                                   f"policy ({spec.checkpoint.describe()}; latest is v{latest})")
                 return record.weights_uri
         raise NotFound(f"job {job_id}: agent {agent!r} has no committed version {version}")
 
@@ -503,6 +539,10 @@ class Client:
     def history(self, job_id: str) -> list[StepRecord]:
         """Every committed step of every agent, in commit order."""
         return self._run(self._async.history(job_id))
+
+    def versions(self, job_id: str) -> list[VersionInfo]:
+        """Every version of every agent, with what the checkpoint policy retains (see AsyncClient.versions)."""
+        return self._run(self._async.versions(job_id))
 
     def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
         """Copies the HF checkpoint dir of one agent version into dest."""

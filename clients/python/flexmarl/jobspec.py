@@ -189,6 +189,36 @@ class LeaseSpec(_SpecModel):
     train_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 120.0
 
 
+class CheckpointSpec(_SpecModel):
+    """What traind keeps of each agent's versions (published weights and training states).
+
+    A version's weights are kept while it is one of the ``keep_last`` newest, or a multiple of
+    ``keep_every``; its training state while it is one of the ``keep_states`` newest, or a
+    multiple of ``keep_every`` (so every long-kept version can also be resumed from). The latest
+    committed version is never pruned, and version 0 is the spec's own model.
+    """
+
+    keep_last: Annotated[int, Field(ge=1, le=1_000_000)] = 3
+    keep_every: Annotated[int, Field(ge=0, le=MAX_TOTAL_STEPS)] = 0
+    keep_states: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+
+    def keeps_weights(self, version: int, latest: int) -> bool:
+        """Whether ``version``'s published weights are retained once ``latest`` is committed."""
+        return version == 0 or version > latest - self.keep_last or self._kept_forever(version)
+
+    def keeps_state(self, version: int, latest: int) -> bool:
+        """Whether ``version``'s training state is retained once ``latest`` is committed."""
+        return version > latest - self.keep_states or self._kept_forever(version)
+
+    def _kept_forever(self, version: int) -> bool:
+        return self.keep_every > 0 and version > 0 and version % self.keep_every == 0
+
+    def describe(self) -> str:
+        """The policy in words, for error messages."""
+        every = f", and every {self.keep_every}th version" if self.keep_every else ""
+        return f"the job keeps the last {self.keep_last} versions{every} (checkpoint.keep_last/keep_every)"
+
+
 class JobSpec(_SpecModel):
     """A whole FlexMARL job."""
 
@@ -202,6 +232,7 @@ class JobSpec(_SpecModel):
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     leases: LeaseSpec = Field(default_factory=LeaseSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
@@ -410,6 +441,11 @@ class JobSpecCache:
         self._fetch = fetch
         self._specs: dict[str, tuple[str, JobSpec]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+
+    def cached_spec(self, job_id: str) -> JobSpec | None:
+        """The spec of job_id fetched so far, whatever its digest (None before the first fetch)."""
+        entry = self._specs.get(job_id)
+        return entry[1] if entry is not None else None
 
     def cached(self, job_id: str, digest: str) -> JobSpec | None:
         """The cached spec of job_id if its digest is ``digest``, else None."""
