@@ -431,6 +431,14 @@ def cmd_versions(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Prints the job file's JSON Schema (or, with --markdown, the field reference of docs/jobspec.md)."""
+    from flexmarl.jobspec_reference import json_schema, markdown
+
+    print(markdown() if args.markdown else json.dumps(json_schema(), indent=2))
+    return EXIT_OK
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     """Writes reward and throughput curves of a job to a PNG."""
     with _client(args) as client:
@@ -552,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     versions.add_argument("--all", action="store_true", help="also list versions the checkpoint policy pruned")
     versions.add_argument("--json", action="store_true")
     versions.set_defaults(func=cmd_versions)
+    schema = sub.add_parser("schema", help="the job file's JSON Schema (for editors); --markdown: the reference")
+    schema.add_argument("--markdown", action="store_true")
+    schema.set_defaults(func=cmd_schema)
 
     plot = sub.add_parser("plot", parents=[common], help="reward/throughput curves to PNG")
     plot.add_argument("job_id")

@@ -40,14 +40,16 @@ NonNegativeFloat = Annotated[float, Field(ge=0.0)]
 class _SpecModel(BaseModel):
     """Base: unknown keys rejected, no silent coercion of strings to numbers, immutable."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
 class EnvironmentSpec(_SpecModel):
     """The environment class and its constructor kwargs."""
 
     entrypoint: str
+    """The environment class, `package.module:Class`, importable by rolloutd (and by `flexmarl submit`'s preflight)."""
     config: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor."""
 
     @field_validator("entrypoint")
     @classmethod
@@ -61,10 +63,15 @@ class SamplingSpec(_SpecModel):
     """Sampling parameters of an agent's generations."""
 
     temperature: NonNegativeFloat = 1.0
+    """Sampling temperature (0: greedy); the trainer scores tokens under the same temperature-scaled distribution."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling: smallest set of tokens whose probability reaches top_p."""
     top_k: int = -1
+    """Sample among the k most likely tokens; -1 turns it off."""
     max_new_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    """Most tokens one turn generates (an episode may ask for fewer)."""
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Token ids that end a turn besides the tokenizer's EOS."""
 
     @field_validator("top_k")
     @classmethod
@@ -78,45 +85,67 @@ class OptimizerSpec(_SpecModel):
     """Optimizer of an agent."""
 
     name: Literal["adamw", "adam", "sgd"] = "adamw"
+    """Optimizer (AdamW, Adam or SGD) of the agent's trainable parameters."""
     lr: Annotated[float, Field(gt=0.0)] = 1.0e-5
+    """Learning rate."""
     betas: Annotated[list[Annotated[float, Field(ge=0.0, lt=1.0)]], Field(min_length=2, max_length=2)] = Field(
         default_factory=lambda: [0.9, 0.999]
     )
+    """Adam's (beta1, beta2)."""
     eps: Annotated[float, Field(gt=0.0)] = 1.0e-8
+    """Adam's epsilon."""
     weight_decay: NonNegativeFloat = 0.0
+    """Decoupled weight decay (AdamW)."""
     grad_clip: NonNegativeFloat = 1.0
+    """Clip the step's global gradient norm to this; 0 turns clipping off."""
 
 
 class AgentSpec(_SpecModel):
     """One agent: its own policy, sampling and optimizer."""
 
     name: Annotated[str, Field(pattern=AGENT_NAME_PATTERN)]
+    """The agent's name, as the environment calls it."""
     model: Annotated[str, Field(min_length=1)]
+    """A Hugging Face checkpoint directory, or `tiny://<arch>?seed=N` for a tiny random-init model built locally."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    """How the agent's turns are sampled."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """How the agent's policy is trained."""
     zero_stage: Annotated[int, Field(ge=0, le=3)] = 0
+    """DeepSpeed ZeRO stage of the agent's engine (0-3)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
+    """Parameter and compute dtype of the agent's training engine."""
     max_slots: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Trainer slots the agent may train on at once (data-parallel when > 1)."""
 
 
 class AlgorithmSpec(_SpecModel):
     """The RL algorithm and its loss options."""
 
     name: Literal["grpo", "ppo"] = "grpo"
+    """`grpo`: group-relative advantages, needs batch.group_size >= 2. `ppo`: the same clipped
+    surrogate without that check (no critic is trained: advantages are still relative to the task's group)."""
     clip_eps: Annotated[float, Field(gt=0.0)] = 0.2
+    """PPO clip range epsilon of the importance ratio."""
     kl_coef: NonNegativeFloat = 0.0
+    """Weight of the KL penalty to the initial (reference) policy; 0 turns it off."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    """`token-mean`: the step's loss is averaged over response tokens; `seq-mean`: over sequences."""
     advantage_norm: Literal["std", "mean"] = "std"
-    # Entropy bonus: loss - entropy_coef * entropy of the policy at each response token.
+    """`std`: (R - mean) / std within a task's group; `mean`: R - mean."""
     entropy_coef: NonNegativeFloat = 0.0
+    """Entropy bonus: the loss subtracts entropy_coef times the policy's entropy at each response token."""
 
 
 class BatchSpec(_SpecModel):
     """Sizes of one step: tasks (prompts), episodes per task, episodes per micro-batch."""
 
     prompts_per_step: PositiveInt
+    """Tasks (prompts) of one rollout batch, i.e. of one training step."""
     group_size: PositiveInt
+    """Episodes per task (GRPO's group)."""
     micro_batch_size: PositiveInt
+    """Episodes per micro-batch; a multiple of group_size and at most prompts_per_step * group_size."""
 
     @property
     def episodes_per_step(self) -> int:
@@ -153,8 +182,11 @@ class PipelineSpec(_SpecModel):
     """
 
     mode: PipelineMode = "async"
+    """`async` (FlexMARL), `sync`, `sequential` or `static` (see docs/pipeline.md)."""
     max_staleness: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    """How many versions behind the trained policy an experience's behaviour policy may be; 0 is strict on-policy."""
     binding: BindingPolicy | None = None
+    """`dynamic` (agent-centric on-demand binding) or `static` (fixed slots); default follows the mode."""
 
     @property
     def barrier(self) -> bool:
@@ -180,13 +212,16 @@ class RolloutSpec(_SpecModel):
     """
 
     balancing: BalancingPolicy | None = None
+    """`hierarchical`, `static` or `round-robin`; default `static` in mode static, else `hierarchical`."""
 
 
 class LeaseSpec(_SpecModel):
     """Lease timeouts of rollout tasks and trainer work."""
 
     rollout_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 60.0
+    """Seconds a rollout task's lease lasts without renewal before the task is re-issued."""
     train_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 120.0
+    """Seconds a micro-batch's lease lasts before it is re-issued."""
 
 
 class CheckpointSpec(_SpecModel):
@@ -199,8 +234,11 @@ class CheckpointSpec(_SpecModel):
     """
 
     keep_last: Annotated[int, Field(ge=1, le=1_000_000)] = 3
+    """Published weights of the newest keep_last versions are kept (the latest is never pruned)."""
     keep_every: Annotated[int, Field(ge=0, le=MAX_TOTAL_STEPS)] = 0
+    """Also keep every M-th version forever, weights and training state; 0 keeps none extra."""
     keep_states: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+    """Training states (optimizer included) of the newest keep_states versions are kept."""
 
     def keeps_weights(self, version: int, latest: int) -> bool:
         """Whether ``version``'s published weights are retained once ``latest`` is committed."""
@@ -223,16 +261,27 @@ class JobSpec(_SpecModel):
     """A whole FlexMARL job."""
 
     name: Annotated[str, Field(pattern=JOB_NAME_PATTERN)]
+    """The job's name; the job id is derived from it."""
     seed: Annotated[int, Field(ge=0, lt=2**63)] = 0
+    """Seeds the task stream, sampling and training."""
     environment: EnvironmentSpec
+    """What the agents play."""
     agents: Annotated[list[AgentSpec], Field(min_length=1, max_length=MAX_AGENTS)]
+    """The trained agents, each its own policy."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """The RL algorithm and its loss options."""
     batch: BatchSpec
+    """Sizes of one step."""
     total_steps: Annotated[int, Field(ge=1, le=MAX_TOTAL_STEPS)]
+    """Optimizer steps per agent; the job succeeds when every agent reached them."""
     pipeline: PipelineSpec = Field(default_factory=PipelineSpec)
+    """Pipeline mode, staleness bound and slot binding."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How rolloutd balances generations over engine replicas."""
     leases: LeaseSpec = Field(default_factory=LeaseSpec)
+    """Lease timeouts of rollout tasks and trainer work."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """What traind keeps of each agent's versions."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
@@ -273,6 +322,17 @@ class JobSpec(_SpecModel):
 def spec_digest(spec_json: str) -> str:
     """sha256 (hex) of a spec's canonical JSON text."""
     return hashlib.sha256(spec_json.encode()).hexdigest()
+
+
+#: The rules :func:`_cross_field_problems` checks, in words (docs/jobspec.md lists them).
+CROSS_FIELD_RULES = (
+    "`batch.group_size` >= 2 when `algorithm.name` is `grpo` (a group needs a baseline).",
+    "`batch.micro_batch_size` is a multiple of `batch.group_size` (micro-batches hold whole groups).",
+    "`batch.micro_batch_size` <= `batch.prompts_per_step` * `batch.group_size`.",
+    "`pipeline.mode: static` fixes slots and replicas: `pipeline.binding: dynamic` and "
+    "`rollout.balancing: hierarchical` contradict it.",
+    "Agent names are unique.",
+)
 
 
 def _cross_field_problems(spec: JobSpec) -> list[str]:
