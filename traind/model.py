@@ -3,17 +3,26 @@
 How the step gradient stays independent of micro-batching (DESIGN §3):
 
 * DeepSpeed runs with ``gradient_accumulation_steps=1`` and
-  ``managed_gradient_accumulation=false``: ``engine.backward(loss, scale_wrt_gas=False)``
-  only adds into the gradient buffers (ZeRO 0/1 reduce in ``step()``, ZeRO 2/3 reduce
-  per backward into partitions); nothing divides by a micro-step count.
+  ``managed_gradient_accumulation=false``: nothing divides by a micro-step count.
 * Every micro-batch loss is a plain sum (:mod:`traind.losses`); advantages come from
   complete groups inside the micro-batch.
+* Exact accumulation (``exact_accumulation``, the default for fp32 ZeRO 0/1): each GRPO group
+  of a micro-batch runs its own forward and ``torch.autograd.grad`` (records in a canonical
+  order, packed alone, so its gradient depends only on the group and the parameters), and the
+  group gradients are summed exactly (:class:`traind.accumulation.ExactGradientSum`, integer
+  limbs). The step gradient is then a function of the *set* of groups of the step: the same
+  bytes whatever the arrival order, the cut into micro-batches, the data-parallel member each
+  micro-batch went to (the limbs are all-reduced; DeepSpeed's own averaging is off under
+  ZeRO 0) or a replay. The per-group statistics are summed with ``math.fsum`` (exact, then
+  rounded once). Without it (bf16, ZeRO 2/3, or switched off):
+  ``engine.backward(loss, scale_wrt_gas=False)`` per micro-batch adds into DeepSpeed's
+  gradient buffers in arrival order (ZeRO 0/1 reduce in ``step()``, ZeRO 2/3 per backward).
 * At ``optimizer_step`` the fixed normaliser ``N`` of the step (response tokens or
   sequences over all data-parallel ranks) is known. DeepSpeed's own clipping is off
   (``gradient_clipping=0``); a step pre-hook on the basic optimizer multiplies the
-  reduced gradients by ``W / N`` (DeepSpeed averaged them over the ``W`` ranks), takes
-  the global norm (all-reduced over the ranks when ZeRO partitions the optimizer) and
-  clips to the job's ``grad_clip`` before the update.
+  reduced gradients by ``1 / N`` (exact: every rank holds the sum) or ``W / N`` (DeepSpeed
+  averaged over the ``W`` ranks), takes the global norm (all-reduced over the ranks when ZeRO
+  partitions the optimizer) and clips to the job's ``grad_clip`` before the update.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceRecord
 from traind import losses
+from traind.accumulation import ExactGradientSum
 from traind.batches import micro_batch_advantages, pack_micro_batch, token_logprobs, token_logprobs_and_entropy
 from traind.distributed import ensure_distributed
 from traind.locations import StateLocation
@@ -78,6 +88,9 @@ class AgentTrainerConfig:
         advantage_eps: added to the group std.
         temperature: the agent's sampling temperature; logprobs are computed from logits / T
             to match the behaviour logprobs the engine reported (T <= 0, greedy, uses raw logits).
+        exact_accumulation: sum the step's group gradients exactly, independent of their order,
+            cut and data-parallel split (fp32 with ZeRO 0/1 only; ignored otherwise). Costs 16 bytes
+            per parameter and one forward/backward per group (docs/pipeline.md).
     """
 
     agent: str
@@ -94,6 +107,7 @@ class AgentTrainerConfig:
     advantage_norm: losses.AdvantageNorm = losses.AdvantageNorm.STD
     advantage_eps: float = 1e-6
     temperature: float = 1.0
+    exact_accumulation: bool = True
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -107,6 +121,11 @@ class AgentTrainerConfig:
     def torch_dtype(self) -> torch.dtype:
         """The parameter dtype of the engine's module."""
         return torch.bfloat16 if self.dtype == "bf16" else torch.float32
+
+    @property
+    def exact(self) -> bool:
+        """Whether the step gradient is summed exactly (see ``exact_accumulation``)."""
+        return self.exact_accumulation and self.dtype == "fp32" and self.zero_stage <= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,15 +167,46 @@ class StepStats:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _UnitStats:
+    """Statistics of one accumulation unit (a group, or a whole micro-batch without exact accumulation)."""
+
+    loss_sum: float
+    tokens: int
+    sequences: int
+    clipped_tokens: float
+    kl_sum: float
+    ratio_sum: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _MicroBatchSeen:
+    experience_ids: tuple[str, ...]
+    stats: MicroBatchStats
+
+
 @dataclasses.dataclass
 class _StepAccumulator:
-    loss_sum: float = 0.0
-    tokens: int = 0
-    sequences: int = 0
-    clipped_tokens: float = 0.0
-    kl_sum: float = 0.0
-    ratio_sum: float = 0.0
+    """What the current step accumulated on this rank (the gradient itself lives in the engine or the limbs)."""
+
+    # Keyed by the sorted group ids of the unit: the totals are summed in key order.
+    units: dict[tuple[str, ...], _UnitStats] = dataclasses.field(default_factory=dict)
+    groups: set[str] = dataclasses.field(default_factory=set)
+    # micro_batch_index -> what it held (when the caller passes indices).
+    indexed: dict[int, _MicroBatchSeen] = dataclasses.field(default_factory=dict)
     micro_batches: int = 0
+    # An accumulate failed half-way: part of a micro-batch is in the gradient.
+    broken: bool = False
+
+
+def _groups_of(micro_batch: Sequence[ExperienceRecord]) -> dict[str, list[ExperienceRecord]]:
+    """The micro-batch's records by group, each group in a canonical order (sample, turn, id)."""
+    groups: dict[str, list[ExperienceRecord]] = {}
+    for rec in micro_batch:
+        groups.setdefault(rec.group_id, []).append(rec)
+    for records in groups.values():
+        records.sort(key=lambda r: (r.sample_index, r.turn, r.experience_id))
+    return groups
 
 
 def _capture_rng_state() -> dict[str, Any]:
@@ -203,6 +253,7 @@ class AgentTrainer:
         self._engine: Any = None
         self._reference: PreTrainedModel | None = None
         self._acc = _StepAccumulator()
+        self._exact_sum: ExactGradientSum | None = None
         self._pending_grad_scale: float | None = None
         self._last_grad_norm = 0.0
         self._build_engine()
@@ -252,14 +303,21 @@ class AgentTrainer:
         )
         self._engine = engine
         engine.basic_optimizer.register_step_pre_hook(self._normalise_and_clip_hook)
+        if cfg.exact:
+            self._exact_sum = ExactGradientSum([p for p in engine.module.parameters() if p.requires_grad])
+            if cfg.zero_stage == 0:
+                # Every rank holds the exact step sum after the limbs' all-reduce: DeepSpeed's
+                # averaging would only round it again (W not a power of two).
+                engine.enable_backward_allreduce = False
         engine.train()
         logger.info(
-            "agent %s: engine built (zero=%d dtype=%s optimizer=%s world=%d)",
+            "agent %s: engine built (zero=%d dtype=%s optimizer=%s world=%d exact accumulation=%s)",
             cfg.agent,
             cfg.zero_stage,
             cfg.dtype,
             type(engine.optimizer).__name__,
             engine.dp_world_size,
+            cfg.exact,
         )
 
     @property
@@ -299,19 +357,80 @@ class AgentTrainer:
 
     # --------------------------------------------------------------- training
 
-    def accumulate(self, micro_batch: Sequence[ExperienceRecord]) -> MicroBatchStats:
-        """Forward + backward of one micro-batch of complete groups; adds its loss *sum* to the grads.
+    def accumulate(self, micro_batch: Sequence[ExperienceRecord], *,
+                   micro_batch_index: int | None = None) -> MicroBatchStats:
+        """Forward + backward of one micro-batch of complete groups; adds its loss *sum* to the step gradient.
+
+        With exact accumulation the result of the step does not depend on the order of the
+        calls, nor on how the groups were cut into micro-batches.
 
         Args:
             micro_batch: the experiences of complete GRPO groups of this agent.
+            micro_batch_index: the micro-batch's index in the step's manifest (``MicroBatchWork``);
+                with it, the same micro-batch delivered again (same index, same experiences) is
+                not added twice: the call returns the first call's statistics. None: no check.
 
         Returns:
             Sizes and the un-normalised loss sum of this micro-batch.
+
+        Raises:
+            InvalidArgument: a group is incomplete; a group was accumulated already in this step;
+                the index was accumulated already with other experiences.
         """
         started = time.perf_counter()
+        experience_ids = tuple(sorted(r.experience_id for r in micro_batch))
+        acc = self._acc
+        if micro_batch_index is not None:
+            seen = acc.indexed.get(micro_batch_index)
+            if seen is not None:
+                if seen.experience_ids != experience_ids:
+                    raise InvalidArgument(f"agent {self.config.agent}: micro-batch {micro_batch_index} was "
+                                          f"accumulated already in this step with other experiences")
+                logger.info("agent %s: micro-batch %d delivered again; not added twice", self.config.agent,
+                            micro_batch_index)
+                return seen.stats
+        groups = _groups_of(micro_batch)
+        if not groups:
+            raise InvalidArgument("empty micro-batch")
+        again = sorted(acc.groups.intersection(groups))
+        if again:
+            raise InvalidArgument(f"agent {self.config.agent}: groups {again} were accumulated already in this step")
+        units: list[tuple[tuple[str, ...], list[ExperienceRecord]]]
+        if self.config.exact:
+            units = [((gid,), groups[gid]) for gid in sorted(groups)]
+        else:
+            units = [(tuple(sorted(groups)), list(micro_batch))]
+        # Incomplete groups fail here, before any gradient of this micro-batch is added.
+        micro_batch_advantages(micro_batch, self.config.advantage_norm, self.config.advantage_eps)
+        computed = []
+        try:
+            for key, records in units:
+                computed.append((key, self._backward(records)))
+        except BaseException:
+            if computed:  # part of the micro-batch is in the gradient: the step cannot be completed
+                acc.broken = True
+            raise
+        for key, (unit, _) in computed:
+            acc.units[key] = unit
+        acc.groups.update(groups)
+        acc.micro_batches += 1
+        if self.device_clock is not None:
+            self.device_clock.train(started, sum(real_tokens for _, (_, real_tokens) in computed))
+        stats = MicroBatchStats(
+            sequences=sum(unit.sequences for _, (unit, _) in computed),
+            response_tokens=sum(unit.tokens for _, (unit, _) in computed),
+            loss_sum=math.fsum(unit.loss_sum for _, (unit, _) in computed),
+            seconds=time.perf_counter() - started,
+        )
+        if micro_batch_index is not None:
+            acc.indexed[micro_batch_index] = _MicroBatchSeen(experience_ids, stats)
+        return stats
+
+    def _backward(self, records: Sequence[ExperienceRecord]) -> tuple[_UnitStats, float]:
+        """Forward + backward of complete groups; returns their statistics and real (attended) tokens."""
         cfg = self.config
-        advantages = micro_batch_advantages(micro_batch, cfg.advantage_norm, cfg.advantage_eps)
-        packed = pack_micro_batch(micro_batch, advantages)
+        advantages = micro_batch_advantages(records, cfg.advantage_norm, cfg.advantage_eps)
+        packed = pack_micro_batch(records, advantages)
         device = self.device
         input_ids = packed.input_ids.to(device)
         attention = packed.attention_mask.to(device)
@@ -321,7 +440,11 @@ class AgentTrainer:
             with torch.no_grad():
                 ref_logprobs = token_logprobs(self._reference_model(), input_ids, attention,
                                               self.config.temperature)
-        logprobs, entropy = token_logprobs_and_entropy(self.engine, input_ids, attention, self.config.temperature,
+        exact_sum = self._exact_sum
+        # Exact: the bare module (ZeRO 0/1 need no engine forward), so that torch.autograd.grad
+        # returns the group's gradient without DeepSpeed's backward hooks or its grad buffers.
+        model = self.engine.module if exact_sum is not None else self.engine
+        logprobs, entropy = token_logprobs_and_entropy(model, input_ids, attention, self.config.temperature,
                                                        entropy=cfg.loss.entropy_coef > 0.0)
         terms = losses.policy_loss_per_token(
             logprobs,
@@ -333,24 +456,21 @@ class AgentTrainer:
             entropy,
         )
         loss_sum = losses.aggregate_sum(terms.loss, mask, cfg.loss.loss_agg)
-        self.engine.backward(loss_sum, scale_wrt_gas=False)
-        tokens = int(mask.sum().item())
-        if self.device_clock is not None:
-            self.device_clock.train(started, float(attention.sum().item()))
-        acc = self._acc
-        acc.loss_sum += float(loss_sum.detach().item())
-        acc.tokens += tokens
-        acc.sequences += len(micro_batch)
-        acc.clipped_tokens += float(terms.clipped.sum().item())
-        acc.kl_sum += float(terms.kl.sum().item())
-        acc.ratio_sum += float(terms.ratio.sum().item())
-        acc.micro_batches += 1
-        return MicroBatchStats(
-            sequences=len(micro_batch),
-            response_tokens=tokens,
+        if exact_sum is not None:
+            params = exact_sum.params
+            grads = torch.autograd.grad(loss_sum, params, allow_unused=True)
+            exact_sum.add(grads)
+        else:
+            self.engine.backward(loss_sum, scale_wrt_gas=False)
+        unit = _UnitStats(
             loss_sum=float(loss_sum.detach().item()),
-            seconds=time.perf_counter() - started,
+            tokens=int(mask.sum().item()),
+            sequences=len(records),
+            clipped_tokens=float(terms.clipped.sum().item()),
+            kl_sum=float(terms.kl.sum().item()),
+            ratio_sum=float(terms.ratio.sum().item()),
         )
+        return unit, float(attention.sum().item())
 
     def _normalise_and_clip_hook(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         scale = self._pending_grad_scale
@@ -372,7 +492,8 @@ class AgentTrainer:
             for grad in grads:
                 grad.mul_(coef)
 
-    def optimizer_step(self, step_response_tokens: int, step_sequences: int) -> StepStats:
+    def optimizer_step(self, step_response_tokens: int, step_sequences: int, *,
+                       num_micro_batches: int | None = None) -> StepStats:
         """Normalises the accumulated gradient, clips, steps and zeroes it.
 
         Args:
@@ -380,42 +501,71 @@ class AgentTrainer:
                 (the ``token-mean`` normaliser).
             step_sequences: experiences (sequences) of the whole step over all DP ranks
                 (the ``seq-mean`` normaliser; equals the step's episodes for one turn per episode).
+            num_micro_batches: micro-batches of the step's manifest (``OptimizerStepWork``): then
+                the indices given to :meth:`accumulate` over all DP ranks must be exactly
+                ``0 .. num_micro_batches - 1``, each on one rank. None: no check.
 
         Returns:
             Step statistics aggregated over the ranks.
+
+        Raises:
+            FailedPrecondition: a micro-batch of the manifest is missing or was accumulated on two
+                ranks, or an ``accumulate`` failed half-way (nothing is stepped; every rank raises).
         """
         started = time.perf_counter()
         normaliser = losses.step_normaliser(self.config.loss.loss_agg, step_response_tokens, step_sequences)
         acc = self._acc
-        totals = torch.tensor(
-            [acc.loss_sum, acc.tokens, acc.sequences, acc.clipped_tokens, acc.kl_sum, acc.ratio_sum],
-            dtype=torch.float64,
-        )
+        shares = [(acc.units, sorted(acc.indexed), acc.broken)]
         if self.world_size > 1:
-            totals_dev = totals.to(self.device)
-            dist.all_reduce(totals_dev, group=self.engine.data_parallel_group)
-            totals = totals_dev.cpu()
-        loss_sum, tokens, sequences, clipped, kl_sum, ratio_sum = totals.tolist()
-        if int(tokens) != step_response_tokens or int(sequences) != step_sequences:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, shares[0], group=self.engine.data_parallel_group)
+            shares = gathered
+        if any(broken for _, _, broken in shares):
+            raise FailedPrecondition(f"agent {self.config.agent}: a micro-batch of this step failed half-way; "
+                                     f"discard the gradients and replay the step")
+        if num_micro_batches is not None:
+            self._check_manifest(num_micro_batches, [indices for _, indices, _ in shares])
+        units: dict[tuple[str, ...], _UnitStats] = {}
+        for rank_units, _, _ in shares:
+            units.update(rank_units)
+        if len(units) != sum(len(rank_units) for rank_units, _, _ in shares):
+            raise FailedPrecondition(f"agent {self.config.agent}: a group of this step was accumulated on several "
+                                     f"ranks")
+        ordered = [units[key] for key in sorted(units)]
+        loss_sum = math.fsum(u.loss_sum for u in ordered)
+        tokens = sum(u.tokens for u in ordered)
+        sequences = sum(u.sequences for u in ordered)
+        clipped = math.fsum(u.clipped_tokens for u in ordered)
+        kl_sum = math.fsum(u.kl_sum for u in ordered)
+        ratio_sum = math.fsum(u.ratio_sum for u in ordered)
+        if tokens != step_response_tokens or sequences != step_sequences:
             logger.warning(
                 "agent %s: step sizes given (%d tokens, %d sequences) differ from accumulated (%d, %d)",
                 self.config.agent,
                 step_response_tokens,
                 step_sequences,
-                int(tokens),
-                int(sequences),
+                tokens,
+                sequences,
             )
-        # DeepSpeed averaged the gradients over the W ranks; the step wants sum / N.
-        self._pending_grad_scale = self.world_size / normaliser
+        exact_sum = self._exact_sum
+        if exact_sum is not None:
+            if self.world_size > 1:
+                exact_sum.all_reduce(self.engine.data_parallel_group)
+            self._load_exact_gradient(exact_sum)
+            # Every rank holds the whole step's sum. ZeRO 1/2 still average it over the ranks: the
+            # mean of W equal values (exactly the value when W is a power of two).
+            self._pending_grad_scale = 1.0 / normaliser
+        else:
+            # DeepSpeed averaged the gradients over the W ranks; the step wants sum / N.
+            self._pending_grad_scale = self.world_size / normaliser
         try:
             self.engine.step()
         finally:
             self._pending_grad_scale = None
-        self.engine.zero_grad()
-        self._acc = _StepAccumulator()
+        self._zero_gradients()
         if self.device_clock is not None:
             self.device_clock.optimizer_step(started)
-        token_count = max(tokens, 1.0)
+        token_count = float(max(tokens, 1))
         return StepStats(
             version=self.version,
             loss=loss_sum / normaliser,
@@ -423,18 +573,64 @@ class AgentTrainer:
             clip_fraction=clipped / token_count,
             kl=kl_sum / token_count,
             ratio_mean=ratio_sum / token_count,
-            response_tokens=int(tokens),
-            sequences=int(sequences),
+            response_tokens=tokens,
+            sequences=sequences,
             micro_batches=acc.micro_batches,
             seconds=time.perf_counter() - started,
         )
 
+    def _load_exact_gradient(self, exact_sum: ExactGradientSum) -> None:
+        """Puts the exact step sum where the engine's optimizer reads gradients."""
+        pairs = [(p, g) for p, g in zip(exact_sum.params, exact_sum.result(), strict=True) if g is not None]
+        if self.config.zero_stage == 0:
+            for param, grad in pairs:
+                param.grad = grad
+            return
+        # ZeRO 1/2 keep gradients in their own buckets, filled by backward hooks: one backward of
+        # sum(p * g), whose gradient is exactly g (g * 1.0), puts the sum there on every rank.
+        surrogate = torch.zeros((), dtype=torch.float32, device=self.device)
+        for param, grad in pairs:
+            surrogate = surrogate + (param * grad).sum()
+        self.engine.backward(surrogate, scale_wrt_gas=False)
+
+    def _check_manifest(self, num_micro_batches: int, indices_per_rank: Sequence[Sequence[int]]) -> None:
+        counts: dict[int, int] = {}
+        for indices in indices_per_rank:
+            for index in indices:
+                counts[index] = counts.get(index, 0) + 1
+        missing = sorted(set(range(num_micro_batches)) - counts.keys())
+        twice = sorted(i for i, n in counts.items() if n > 1)
+        unknown = sorted(i for i in counts if not 0 <= i < num_micro_batches)
+        if missing or twice or unknown:
+            raise FailedPrecondition(
+                f"agent {self.config.agent}: the step's {num_micro_batches} micro-batches were not each accumulated "
+                f"once (missing {missing}, on several ranks {twice}, outside the manifest {unknown})"
+            )
+
+    def _zero_gradients(self) -> None:
+        """Drops the step's gradient and statistics (the engine's buffers and the exact sums)."""
+        self.engine.zero_grad()
+        if self._exact_sum is not None:
+            self._exact_sum.reset()
+            for param in self._exact_sum.params:
+                param.grad = None
+        self._acc = _StepAccumulator()
+
     def discard_gradients(self) -> None:
         """Drops the accumulated (uncommitted) gradient, e.g. when a step is rolled back."""
-        self.engine.zero_grad()
+        self._zero_gradients()
         if self.config.zero_stage >= 1:
             self.engine.optimizer.zero_grad()
-        self._acc = _StepAccumulator()
+
+    def accumulated_gradients(self) -> list[torch.Tensor | None]:
+        """The step's un-normalised gradient so far, per trainable parameter (on this rank, before any reduction).
+
+        For inspection (tests, benchmarks); with exact accumulation it is a copy of the exact sum.
+        """
+        if self._exact_sum is not None:
+            return self._exact_sum.result()
+        return [None if p.grad is None else p.grad.detach().clone()
+                for p in self.engine.module.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------ weights out
 
@@ -479,7 +675,7 @@ class AgentTrainer:
 
         Every rank must call it. Returns the bytes this rank moved.
         """
-        if self._acc.micro_batches:
+        if self._acc.units:
             raise FailedPrecondition(f"agent {self.config.agent}: cannot save mid-step")
         with location.writable_dir() as state_dir:
             self.engine.save_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG)
@@ -506,7 +702,7 @@ class AgentTrainer:
             extra = torch.load(extra_path, weights_only=False)
             _restore_rng_state(extra["rng"])
             moved = directory_bytes(state_dir)
-        self._acc = _StepAccumulator()
+        self._zero_gradients()
         return moved
 
     def release(self) -> None:
@@ -516,6 +712,9 @@ class AgentTrainer:
             self._engine = None
         self._reference = None
         self._acc = _StepAccumulator()
+        if self._exact_sum is not None:
+            self._exact_sum.free()
+            self._exact_sum = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

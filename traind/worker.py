@@ -351,7 +351,7 @@ class TrainerWorker:
                 slot.step_id = work.step_id
             records = await self._store.read_experiences(work.job_id, work.experience_ids)
             stats = await self._on_device(
-                slot, lambda: trainer.accumulate(records))
+                slot, lambda: trainer.accumulate(records, micro_batch_index=work.micro_batch_index))
         await self._settle(trainer)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         await self._orchestrator.ack_micro_batch(slot.slot_id, work.lease_id, stats.sequences)
@@ -374,7 +374,7 @@ class TrainerWorker:
             return
         async with self._compute:
             stats = await self._on_device(slot, lambda: trainer.optimizer_step(
-                work.step_response_tokens, work.step_episodes))
+                work.step_response_tokens, work.step_episodes, num_micro_batches=work.num_micro_batches))
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
             weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
@@ -401,7 +401,7 @@ class TrainerWorker:
         try:
             async with self._compute:
                 stats = await self._on_device(slot, lambda: trainer.optimizer_step(
-                    work.step_response_tokens, work.step_episodes))
+                    work.step_response_tokens, work.step_episodes, num_micro_batches=work.num_micro_batches))
                 if trainer.version != work.new_version:
                     raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
                 # publish() gathers and barriers on every rank (rank 0 writes); save_state's

@@ -41,7 +41,9 @@ def trainer_config(
 
 
 def flat_grads(trainer: AgentTrainer) -> torch.Tensor:
-    return torch.cat([p.grad.detach().flatten().clone() for p in trainer.engine.module.parameters()])
+    grads = trainer.accumulated_gradients()
+    assert all(g is not None for g in grads)
+    return torch.cat([g.detach().flatten() for g in grads if g is not None])
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
