@@ -149,6 +149,7 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
                                      entropy_coef=algo.entropy_coef),
         advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
         temperature=a.sampling.temperature,
+        exact_accumulation=a.exact_accumulation,
     )
 
 

@@ -117,6 +117,11 @@ class AgentSpec(_SpecModel):
     """Parameter and compute dtype of the agent's training engine."""
     max_slots: Annotated[int, Field(ge=1, le=1024)] = 1
     """Trainer slots the agent may train on at once (data-parallel when > 1)."""
+    exact_accumulation: bool = True
+    """Sum each step's group gradients exactly (int64 fixed point), so the result does not depend on the
+    order micro-batches arrive in: strict async equals sync bit for bit. Costs 16 bytes per trainable
+    parameter while the agent is resident (docs/pipeline.md); fp32 with ZeRO 0-2 only (bf16 and ZeRO 3
+    keep DeepSpeed's arrival-order sum)."""
 
 
 class AlgorithmSpec(_SpecModel):
