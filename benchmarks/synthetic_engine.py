@@ -28,6 +28,14 @@ the next iteration boundary). Wall time = modelled time × ``time_scale``; when 
 falls behind, the replica's timeline slips and the slip is traced as ``overrun_s``. A weight
 update stops admission, waits for the running batch, then blocks the replica for
 ``devicemodel.weight_transfer_s``.
+
+Pauses (scheduler.py ``pause_generation``/``continue_generation``): ``in_place`` and
+``retract`` stop the replica at the next iteration boundary (``retract`` puts the running
+sequences at the end of the waiting queue; they re-prefill prompt plus output when admitted
+again). A weight update made while paused blocks the replica for the reload at once, under the
+paused sequences, which record the version change (``meta_info.weight_versions``). A running
+sequence aborted while paused answers at continue, with the tokens it had (no extra decode
+step: the synthetic engine advances whole iterations); one in the waiting queue answers at once.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from rolloutd.engines.sglang_server import (
     LoadSnapshot,
     SampleRequest,
     SGLangServer,
+    VersionChange,
     first_sample,
     queued_abort_output,
     running_abort_reason,
@@ -138,6 +147,7 @@ class _Sequence:
     target_tokens: int
     stops: bool  # ends with EOS (finish reason stop) rather than at max_new_tokens
     generated: int = 0
+    version_changes: list[VersionChange] = dataclasses.field(default_factory=list)
 
     @property
     def remaining(self) -> int:
@@ -151,8 +161,10 @@ class _Sequence:
 @dataclasses.dataclass
 class _WeightUpdate:
     model_path: str
-    weight_version: str
-    future: asyncio.Future[None]
+    weight_version: str | None  # None keeps the version
+    future: asyncio.Future[bool]  # whether the cache flush after it succeeded
+    paused: bool = False  # made while paused: applied at once, under whatever runs
+    flush_cache: bool = False
 
 
 class SyntheticReplica:
@@ -165,9 +177,12 @@ class SyntheticReplica:
         self.model_path = config.model_path
         self.weight_version = config.weight_version
         self.port = 0
-        self._waiting: list[_Request] = []
+        self._waiting: list[_Request | _Sequence] = []  # a _Sequence: retracted by a pause
         self._running: list[_Sequence] = []
         self._updates: list[_WeightUpdate] = []
+        self._paused_updates: list[_WeightUpdate] = []
+        self._pause_mode = ""  # "in_place" / "retract" while paused (scheduler.py _engine_paused)
+        self._pending_pause: tuple[str, asyncio.Future[None]] | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._seed_counter = 0
@@ -192,11 +207,19 @@ class SyntheticReplica:
     async def stop(self) -> None:
         """Fail everything pending and stop the scheduler (idempotent)."""
         self.ready = False
-        for request in self._waiting + [seq.request for seq in self._running]:
+        for item in self._waiting + self._running:
+            request = item.request if isinstance(item, _Sequence) else item
             if not request.future.done():
                 request.future.set_exception(FlexmarlError("engine stopped"))
+        for update in self._updates + self._paused_updates:
+            if not update.future.done():
+                update.future.set_exception(FlexmarlError("engine stopped"))
+        if self._pending_pause is not None and not self._pending_pause[1].done():
+            self._pending_pause[1].set_exception(FlexmarlError("engine stopped"))
         self._waiting.clear()
         self._running.clear()
+        self._updates.clear()
+        self._paused_updates.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -220,38 +243,100 @@ class SyntheticReplica:
         """Abort waiting and running requests whose rid starts with ``rid`` (scheduler.py semantics).
 
         The server passes only rids it knows exactly (tokenizer_manager.py ``abort_request``).
+        Waiting requests (and sequences a pause retracted) answer at once; running ones at the
+        next iteration boundary, so while paused in place, after continue.
         """
         count = 0
-        for request in self._waiting + [seq.request for seq in self._running]:
+        kept: list[_Request | _Sequence] = []
+        for item in self._waiting:
+            request = item.request if isinstance(item, _Sequence) else item
             if abort_all or (rid and request.rid.startswith(rid)):
                 request.aborted = True
+                count += 1
+                self._answer_queued_abort(item)
+            else:
+                kept.append(item)
+        self._waiting = kept
+        for seq in self._running:
+            if abort_all or (rid and seq.request.rid.startswith(rid)):
+                seq.request.aborted = True
                 count += 1
         self._wake.set()
         return count
 
-    async def update_weights(self, model_path: str, weight_version: str) -> None:
-        """Stop admission, let the running batch finish, then spend the modelled reload time."""
-        update = _WeightUpdate(model_path, weight_version, asyncio.get_running_loop().create_future())
-        self._updates.append(update)
+    def _answer_queued_abort(self, item: _Request | _Sequence) -> None:
+        if isinstance(item, _Request):
+            item.outputs = [None] * item.params.n
+            self._resolve_empty(item)
+            return
+        request = item.request
+        sample = request.sample_request()
+        if request.params.n > 1:
+            sample = dataclasses.replace(sample, rid=f"{request.rid}_{item.sample_index}")
+        tokens = self._tokens(item)
+        request.outputs[item.sample_index] = queued_abort_output(
+            sample,
+            self.weight_version,
+            output_ids=tokens,
+            logprobs=self._logprobs(len(tokens)),
+            version_changes=item.version_changes,
+        )
+        if all(output is not None for output in request.outputs):
+            _resolve(request)
+
+    async def update_weights(
+        self, model_path: str, weight_version: str | None, *, paused: bool = False, flush_cache: bool = False
+    ) -> bool:
+        """Spend the modelled reload time: after the running batch finished, or (``paused``) at once.
+
+        Returns whether the cache flush after it succeeded (refused while sequences run, or,
+        unless the scheduler is paused, wait; an update made unpaused finds the scheduler idle).
+        """
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        update = _WeightUpdate(model_path, weight_version, future, paused=paused, flush_cache=flush_cache)
+        (self._paused_updates if paused else self._updates).append(update)
         self._wake.set()
-        await update.future
+        return await update.future
+
+    async def pause(self, mode: str) -> None:
+        """Pause at the next iteration boundary (``in_place`` keeps the batch, ``retract`` re-queues it)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_pause = (mode, future)
+        self._wake.set()
+        await future
+
+    def resume(self) -> None:
+        """Un-pause (continue_generation)."""
+        self._pause_mode = ""
+        self._wake.set()
+
+    def change_version(self, new_version: str) -> None:
+        """scheduler.py ``record_weight_version_change``: live sequences with tokens note the old version."""
+        if new_version == self.weight_version:
+            return
+        for item in [*self._running, *self._waiting]:
+            if isinstance(item, _Sequence) and item.generated:
+                item.version_changes.append(VersionChange(self.weight_version, item.generated))
+        self.weight_version = new_version
 
     def load(self) -> LoadSnapshot:
         """Queue and batch sizes (``num_total_tokens`` = used + queued tokens, as load_inquirer.py)."""
         uptime_s = max(time.monotonic() - self._started_s, 1e-9)
         return LoadSnapshot(
             num_running_reqs=len(self._running),
-            num_waiting_reqs=sum(r.params.n for r in self._waiting),
+            num_waiting_reqs=sum(1 if isinstance(r, _Sequence) else r.params.n for r in self._waiting),
             num_used_tokens=sum(seq.context_tokens for seq in self._running),
-            num_waiting_tokens=sum(len(r.input_ids) * r.params.n for r in self._waiting),
+            num_waiting_tokens=sum(
+                r.context_tokens if isinstance(r, _Sequence) else len(r.input_ids) * r.params.n for r in self._waiting
+            ),
             max_total_num_tokens=int(devicemodel.kv_capacity_tokens(self.profile) / self.profile.token_scale),
             max_running_requests=self.config.max_running_requests,
             gen_throughput=self.generated_tokens / uptime_s,
         )
 
     def idle(self) -> bool:
-        """Nothing waiting, running or reloading."""
-        return not self._waiting and not self._running and not self._updates
+        """Nothing running or reloading, and (unless paused) nothing waiting."""
+        return (not self._waiting or bool(self._pause_mode)) and not self._running and not self._updates
 
     # ---- scheduling -------------------------------------------------------------------------------------
     def _target_length(self, request: _Request, sample_index: int) -> tuple[int, bool]:
@@ -267,7 +352,15 @@ class SyntheticReplica:
         """Move waiting requests into the batch; returns the prompt tokens to prefill."""
         prompt_tokens = 0
         while self._waiting and not self._updates:
-            request = self._waiting[0]
+            item = self._waiting[0]
+            if isinstance(item, _Sequence):  # retracted: re-prefill prompt plus output on the weights now served
+                if self._running and len(self._running) + 1 > self.config.max_running_requests:
+                    break
+                self._waiting.pop(0)
+                prompt_tokens += item.context_tokens
+                self._running.append(item)
+                continue
+            request = item
             if self._running and len(self._running) + request.params.n > self.config.max_running_requests:
                 break
             self._waiting.pop(0)
@@ -307,14 +400,22 @@ class SyntheticReplica:
         loop = asyncio.get_running_loop()
         timeline_s = loop.time()  # wall time at which this replica's modelled work reaches "now"
         while True:
+            self._take_pause()
+            if self._paused_updates:
+                timeline_s = await self._apply_update(max(timeline_s, loop.time()), self._paused_updates)
+                continue
+            if self._pause_mode:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
             self._drop_aborted()
             if not self._running and self._updates:
-                timeline_s = await self._apply_update(max(timeline_s, loop.time()))
+                timeline_s = await self._apply_update(max(timeline_s, loop.time()), self._updates)
                 continue
             prefill_tokens = self._admit()
             if not self._running:
                 self._wake.clear()
-                if not self._waiting and not self._updates:
+                if not self._waiting and not self._updates and not self._paused_updates and not self._pending_pause:
                     await self._wake.wait()
                 continue
             start_s = max(timeline_s, loop.time())
@@ -373,24 +474,46 @@ class SyntheticReplica:
                 kept.append(seq)
         self._running = kept
 
-    async def _apply_update(self, start_s: float) -> float:
+    def _take_pause(self) -> None:
+        """Apply a requested pause at this iteration boundary (scheduler.py ``pause_generation``)."""
+        if self._pending_pause is None:
+            return
+        mode, future = self._pending_pause
+        self._pending_pause = None
+        if mode == "retract":  # to the end of the waiting queue; they re-prefill on continue
+            self._waiting.extend(self._running)
+            self._running = []
+        self._pause_mode = mode
+        if not future.done():
+            future.set_result(None)
+
+    async def _apply_update(self, start_s: float, queue: list[_WeightUpdate]) -> float:
         loop = asyncio.get_running_loop()
         modelled_s = devicemodel.weight_transfer_s(self.profile)
         end_s = start_s + modelled_s * self.profile.time_scale
         await asyncio.sleep(max(0.0, end_s - loop.time()))
-        update = self._updates.pop(0)
-        self.model_path, self.weight_version = update.model_path, update.weight_version
+        if not queue:  # stopped meanwhile
+            return end_s
+        update = queue.pop(0)
+        self.model_path = update.model_path
+        if update.weight_version is not None:
+            self.change_version(update.weight_version)
         if self._trace is not None:
             wall_offset_s = time.time() - loop.time()
             self._trace.record("reload", start_s + wall_offset_s, end_s + wall_offset_s, modelled_s)
+        flushed = not (update.paused and update.flush_cache) or (
+            not self._running and (bool(self._pause_mode) or not self._waiting)
+        )
         if not update.future.done():
-            update.future.set_result(None)
+            update.future.set_result(flushed)
         return end_s
 
     # ---- outputs ----------------------------------------------------------------------------------------
     def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
         request = seq.request
-        request.outputs[seq.sample_index] = self._output(request, seq.sample_index, self._tokens(seq), reason)
+        request.outputs[seq.sample_index] = self._output(
+            request, seq.sample_index, self._tokens(seq), reason, seq.version_changes
+        )
         if all(output is not None for output in request.outputs):
             _resolve(request)
 
@@ -407,21 +530,29 @@ class SyntheticReplica:
             tokens.append(self.config.eos_token_id)
         return tokens[:count]
 
+    def _logprobs(self, count: int) -> list[float]:
+        return [-math.log(self.config.vocab_size)] * count
+
     def _output(
-        self, request: _Request, sample_index: int, output_ids: list[int], reason: dict[str, Any]
+        self,
+        request: _Request,
+        sample_index: int,
+        output_ids: list[int],
+        reason: dict[str, Any],
+        version_changes: Sequence[VersionChange] = (),
     ) -> dict[str, Any]:
         sample = request.sample_request()
         if request.params.n > 1:  # in-process callers only: the HTTP server sends one sample per request
             sample = dataclasses.replace(sample, rid=f"{request.rid}_{sample_index}")
-        logprobs = [-math.log(self.config.vocab_size)] * len(output_ids)
         return sample_output(
             sample,
             output_ids,
-            logprobs,
+            self._logprobs(len(output_ids)),
             reason,
             text="",
             weight_version=self.weight_version,
             model_path=self.model_path,
+            version_changes=version_changes,
         )
 
 
@@ -467,17 +598,33 @@ class SyntheticBackend(EngineBackend):
         """The scheduler's abort (prefix match)."""
         self.replica.abort(rid, abort_all)
 
-    async def update_weights_from_disk(self, model_path: str, load_format: str | None, weight_version: str) -> None:
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None,
+        weight_version: str | None,
+        *,
+        paused: bool,
+        flush_cache: bool,
+    ) -> bool:
         """Record the new path and version after the modelled reload (no weights are read)."""
         if not model_path:
             raise InvalidArgument("model_path is required")
         if self.replica.config.check_model_path and not Path(model_path).is_dir():
             raise InvalidArgument(f"{model_path} is not a directory")
-        await self.replica.update_weights(model_path, weight_version)
+        return await self.replica.update_weights(model_path, weight_version, paused=paused, flush_cache=flush_cache)
 
-    def set_weight_version(self, weight_version: str) -> None:
-        """Rename the modelled weights."""
-        self.replica.weight_version = weight_version
+    async def set_weight_version(self, weight_version: str) -> None:
+        """Rename the modelled weights (live sequences record the change)."""
+        self.replica.change_version(weight_version)
+
+    async def pause(self, mode: str) -> None:
+        """Pause the replica's scheduler at its next iteration boundary."""
+        await self.replica.pause(mode)
+
+    async def resume(self) -> None:
+        """Let the replica's scheduler run again."""
+        self.replica.resume()
 
     @property
     def weight_version(self) -> str:

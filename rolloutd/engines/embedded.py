@@ -16,7 +16,11 @@ running batch's cache (left-padded to a common length); then it samples one toke
 running sequence and returns each sequence as soon as it finishes. Only an idle replica waits
 ``batch_window_s`` for co-arriving jobs. Weight reloads are queued in the same FIFO: a queued
 reload stops admission, the running sequences finish on the old weights, then the new weights
-are applied (so no token is produced by a half-loaded model) and admission resumes.
+are applied (so no token is produced by a half-loaded model) and admission resumes. Pauses
+(``/pause_generation`` ``in_place``/``retract``, sglang/srt/managers/scheduler.py) stop the
+worker between iterations; a reload made while paused applies at once under the paused
+sequences, which then carry per-token weight-version spans (sglang/srt/utils/weight_versions.py);
+see :class:`EmbeddedEngine`.
 
 Modelled device time (``--modelled-device``): the real tiny-model tokens are computed as above,
 and every real iteration of b sequences stands for ``token_scale`` modelled decode iterations
@@ -84,8 +88,10 @@ from rolloutd.engines.sglang_server import (
     LoadSnapshot,
     SampleRequest,
     SGLangServer,
+    VersionChange,
     first_sample,
     queued_abort_output,
+    received_tokens,
     running_abort_reason,
     sample_output,
 )
@@ -170,21 +176,63 @@ class _GenerationJob:
 
 @dataclass
 class _WeightSwap:
-    """A fully loaded replacement model, applied by the worker once the running batch has drained."""
+    """A fully loaded replacement model.
+
+    Not ``paused`` (queued in the FIFO): applied once the running batch has drained, and it
+    stops admission until then (the tokenizer manager's model lock). ``paused`` (a control):
+    applied at the next iteration boundary under whatever runs. ``weight_version`` None keeps
+    the served version. The future resolves with whether the cache flush after it succeeded.
+    """
 
     loaded: _LoadedModel
+    weight_version: str | None
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[None]
+    future: asyncio.Future[bool]
+    paused: bool = False
+    flush_cache: bool = False
+
+
+@dataclass
+class _Control:
+    """A scheduler command applied by the worker between iterations: pause, resume or rename."""
+
+    kind: str  # "in_place" | "retract" | "resume" | "rename"
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[bool]
+    weight_version: str = ""
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """From output token ``start`` on, a sequence's logits came from ``loaded``.
+
+    ``fresh``: over a KV cache recomputed whole by ``loaded`` (admission, or the re-prefill of a
+    retracted sequence); else over the cache the sequence had (an in-place weight change: the
+    prefix keeps the old weights' keys and values). Deterministic inference rescores by these.
+    """
+
+    loaded: _LoadedModel
+    start: int
+    fresh: bool
 
 
 @dataclass
 class _Sequence:
-    """One sample being decoded."""
+    """One sample being decoded (or retracted to the waiting queue by a pause)."""
 
     job: _GenerationJob
     sample_index: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    version_changes: list[VersionChange] = field(default_factory=list)
+    segments: list[_Segment] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        """Prompt plus output so far."""
+        return [*self.job.input_ids, *self.output_ids]
+
+
+_QueueItem = _GenerationJob | _WeightSwap | _Sequence
 
 
 # ----- continuous batching: admission (pure) and the running batch ------------------------
@@ -374,13 +422,26 @@ def _compatible(current: _LoadedModel, new: _LoadedModel) -> str:
 
 
 class EmbeddedEngine:
-    """Continuously batched CPU generation behind a worker thread, plus weight swaps between busy periods."""
+    """Continuously batched CPU generation behind a worker thread, plus weight swaps and pauses.
+
+    Pauses mirror sglang/srt/managers/scheduler.py ``pause_generation`` (``in_place``: the
+    running batch stays, KV cache included; ``retract``: its sequences go to the end of the
+    waiting queue, their cache dropped, and re-prefill prompt plus output on admission) and
+    ``continue_generation``. While paused nothing is admitted or decoded; controls (a weight
+    swap made while paused, a rename) still apply at once. A weight change records a
+    :class:`VersionChange` on every live sequence with tokens (weight_versions.py). An
+    in-place change re-runs each running row's last token through the new weights, as
+    SGLang's next decode step runs it (its KV of that token and the logits of the next one
+    come from the new weights; the rest of the prefix keeps the old weights' KV).
+    """
 
     def __init__(self, config: EmbeddedEngineConfig) -> None:
         self.config = config
         self._loaded = load_model(config.model_path, config.weight_version)
         self._cond = threading.Condition()
-        self._queue: collections.deque[_GenerationJob | _WeightSwap] = collections.deque()
+        self._queue: collections.deque[_QueueItem] = collections.deque()
+        self._controls: collections.deque[_Control | _WeightSwap] = collections.deque()
+        self._paused = False  # scheduler.py _engine_paused; written by the worker under the lock
         self._running: list[_GenerationJob] = []
         self._running_tokens = 0
         self._batch: _Batch | None = None  # worker thread only
@@ -406,6 +467,12 @@ class EmbeddedEngine:
         """What bounds the running batch."""
         return self._limits
 
+    @property
+    def paused(self) -> bool:
+        """Whether the scheduler is paused (``in_place`` or ``retract``)."""
+        with self._cond:
+            return self._paused
+
     # ----- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         """Start the generation worker thread (idempotent)."""
@@ -417,12 +484,16 @@ class EmbeddedEngine:
         """Abort everything queued or running and stop the worker (idempotent)."""
         with self._cond:
             self._stopping = True
-            for item in self._queue:
+            stopped = FlexmarlError("engine stopped")
+            for item in [*self._queue, *self._controls]:
                 if isinstance(item, _GenerationJob):
-                    item.fail(FlexmarlError("engine stopped"))
+                    item.fail(stopped)
+                elif isinstance(item, _Sequence):
+                    item.job.fail(stopped)
                 else:
-                    item.loop.call_soon_threadsafe(_set_exception, item.future, FlexmarlError("engine stopped"))
+                    item.loop.call_soon_threadsafe(_set_exception, item.future, stopped)
             self._queue.clear()
+            self._controls.clear()
             for job in self._running:
                 job.aborted = True
             self._cond.notify_all()
@@ -444,12 +515,19 @@ class EmbeddedEngine:
             self._queue.append(job)
             self._cond.notify_all()
 
-    def set_weight_version(self, weight_version: str) -> None:
-        """Report ``weight_version`` for the served weights from now on (``/update_weight_version``)."""
-        self._loaded = dataclasses.replace(self._loaded, weight_version=weight_version)
+    def submit_control(self, control: _Control | _WeightSwap) -> None:
+        """Queue a pause, resume, rename or paused-time swap; the worker applies it between iterations."""
+        with self._cond:
+            if self._stopping:
+                raise FlexmarlError("engine stopped")
+            self._controls.append(control)
+            self._cond.notify_all()
 
     def submit_swap(self, swap: _WeightSwap) -> None:
-        """Queue a weight swap behind every job already queued."""
+        """Queue a weight swap: behind every job already queued, or (``swap.paused``) as a control."""
+        if swap.paused:
+            self.submit_control(swap)
+            return
         with self._cond:
             self._queue.append(swap)
             self._cond.notify_all()
@@ -458,71 +536,125 @@ class EmbeddedEngine:
         """Abort queued and running jobs whose rid starts with ``rid``.
 
         This is the scheduler's half of SGLang's abort (scheduler.py ``abort_request``, prefix
-        match); the server only passes rids it knows exactly (tokenizer_manager.py).
+        match); the server only passes rids it knows exactly (tokenizer_manager.py). Queued
+        jobs (and sequences a pause retracted) answer at once, paused or not; running ones
+        after their next decode step, so while paused in place, after continue.
         """
         count = 0
         with self._cond:
-            for item in [*self._queue, *self._running]:
-                if isinstance(item, _GenerationJob) and (abort_all or (rid and item.rid.startswith(rid))):
-                    item.aborted = True
+            kept: collections.deque[_QueueItem] = collections.deque()
+            for item in self._queue:
+                if isinstance(item, _WeightSwap):
+                    kept.append(item)
+                    continue
+                job = item.job if isinstance(item, _Sequence) else item
+                if abort_all or (rid and job.rid.startswith(rid)):
+                    job.aborted = True
+                    count += 1
+                    self._answer_queued_abort(item)
+                else:
+                    kept.append(item)
+            self._queue = kept
+            for job in self._running:
+                if abort_all or (rid and job.rid.startswith(rid)):
+                    job.aborted = True
                     count += 1
             self._cond.notify_all()
         return count
+
+    def _answer_queued_abort(self, item: _GenerationJob | _Sequence) -> None:
+        """Resolve an aborted waiting job, or a retracted sequence, with SGLang's waiting-queue answer."""
+        loaded = self._loaded
+        if isinstance(item, _GenerationJob):
+            item.outputs = [queued_abort_output(item.sample_request(), loaded.weight_version)] * item.params.n
+            item.resolve()
+            return
+        job = item.job
+        shown = item.output_ids[: received_tokens(len(item.output_ids))]
+        text = _output_text(loaded, shown, {"type": "abort"}, job.params)
+        request = job.sample_request()
+        if job.params.n > 1:
+            request = dataclasses.replace(request, rid=f"{job.rid}_{item.sample_index}")
+        job.outputs[item.sample_index] = queued_abort_output(
+            request,
+            loaded.weight_version,
+            output_ids=item.output_ids,
+            logprobs=item.logprobs,
+            text=text,
+            version_changes=item.version_changes,
+        )
+        if all(output is not None for output in job.outputs):
+            job.resolve()
 
     def load_snapshot(self) -> LoadSnapshot:
         """Queue and batch sizes; queued tokens count once per sample, as SGLang's waiting queue holds them."""
         with self._cond:
             waiting = [item for item in self._queue if isinstance(item, _GenerationJob)]
+            retracted = [item for item in self._queue if isinstance(item, _Sequence)]
             running = sum(job.params.n for job in self._running)
             used = self._running_tokens
         uptime_s = max(time.monotonic() - self._started_s, 1e-9)
         return LoadSnapshot(
             num_running_reqs=running,
-            num_waiting_reqs=sum(job.params.n for job in waiting),
+            num_waiting_reqs=sum(job.params.n for job in waiting) + len(retracted),
             num_used_tokens=used,
-            num_waiting_tokens=sum(len(job.input_ids) * job.params.n for job in waiting),
+            num_waiting_tokens=sum(len(job.input_ids) * job.params.n for job in waiting)
+            + sum(len(seq.job.input_ids) + len(seq.output_ids) for seq in retracted),
             max_total_num_tokens=_max_total_tokens(self),
             max_running_requests=self._limits.max_running,
             gen_throughput=self.generated_tokens / uptime_s,
         )
 
     def idle(self) -> bool:
-        """True when nothing is queued or running (SGLang's ``is_fully_idle``)."""
+        """SGLang's ``is_fully_idle(ignore_waiting=paused)``: nothing running, and unless paused nothing queued."""
         with self._cond:
-            return not self._queue and not self._running and self._batch is None
+            return self._idle_locked()
+
+    def _idle_locked(self) -> bool:
+        waiting = any(not isinstance(item, _WeightSwap) for item in self._queue)
+        return not self._running and self._batch is None and (self._paused or not waiting)
 
     # ----- worker thread -----------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return bool(self._controls) or (not self._paused and (bool(self._queue) or self._batch is not None))
+
     def _worker(self) -> None:
         torch.set_grad_enabled(False)
         while True:
             swap: _WeightSwap | None = None
-            admitted: list[_GenerationJob] = []
+            admitted: list[_GenerationJob | _Sequence] = []
+            controls: list[_Control | _WeightSwap] = []
             with self._cond:
-                while not self._queue and self._batch is None and not self._stopping:
+                while not self._has_work() and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     break
-                if (self._batch is None and isinstance(self._queue[0], _GenerationJob)
-                        and self.config.batch_window_s > 0):
-                    # Give requests that arrive together at an idle replica a moment to share a prefill.
-                    deadline = time.monotonic() + self.config.batch_window_s
-                    while (remaining := deadline - time.monotonic()) > 0 and not self._stopping:
-                        self._cond.wait(remaining)
-                    if self._stopping:
-                        break
-                head = self._queue[0] if self._queue else None
-                if self._batch is None and isinstance(head, _WeightSwap):
-                    self._queue.popleft()  # only between busy periods: the running batch finished
-                    swap = head
+                if self._controls:
+                    controls = list(self._controls)
+                    self._controls.clear()
                 else:
-                    admitted = self._take_admissible()
-            if swap is not None:
-                self._apply_swap(swap)
-                continue
+                    if (self._batch is None and isinstance(self._queue[0], _GenerationJob)
+                            and self.config.batch_window_s > 0):
+                        # Give requests that arrive together at an idle replica a moment to share a prefill.
+                        deadline = time.monotonic() + self.config.batch_window_s
+                        while (remaining := deadline - time.monotonic()) > 0 and not self._stopping:
+                            self._cond.wait(remaining)
+                        if self._stopping:
+                            break
+                    head = self._queue[0] if self._queue else None
+                    if self._batch is None and isinstance(head, _WeightSwap):
+                        self._queue.popleft()  # only between busy periods: the running batch finished
+                        swap = head
+                    else:
+                        admitted = self._take_admissible()
             try:
+                for control in controls:
+                    self._apply_control(control)
+                if swap is not None:
+                    self._apply_swap(swap)
                 if admitted:
                     self._admit(admitted)
-                if self._batch is not None:
+                if self._batch is not None and not controls and swap is None and not self.paused:
                     self._step()
             except SchedulerCrash as exc:
                 self._die(exc, admitted)
@@ -542,39 +674,49 @@ class EmbeddedEngine:
             self._batch = None
             self._publish_running()
 
-    def _die(self, exc: SchedulerCrash, admitted: list[_GenerationJob]) -> None:
+    def _die(self, exc: SchedulerCrash, admitted: list[_GenerationJob | _Sequence]) -> None:
         """Fail everything and stop, as SGLang's scheduler process does on an exception."""
         logger.error("Scheduler hit an exception: %s", exc)
         self.fatal = exc
+        died = Unavailable(f"engine died: {exc}")
         with self._cond:
             self._stopping = True
-            jobs = [item for item in self._queue if isinstance(item, _GenerationJob)]
-            swaps = [item for item in self._queue if isinstance(item, _WeightSwap)]
+            items = [*self._queue, *self._controls]
             self._queue.clear()
+            self._controls.clear()
         rows = self._batch.rows if self._batch is not None else []
-        for job in {id(j): j for j in [*jobs, *admitted, *(seq.job for seq in rows)]}.values():
-            job.fail(Unavailable(f"engine died: {exc}"))
-        for swap in swaps:
-            swap.loop.call_soon_threadsafe(_set_exception, swap.future, Unavailable(f"engine died: {exc}"))
+        jobs: list[_GenerationJob] = []
+        for item in [*items, *admitted, *rows]:
+            if isinstance(item, _GenerationJob):
+                jobs.append(item)
+            elif isinstance(item, _Sequence):
+                jobs.append(item.job)
+            else:
+                item.loop.call_soon_threadsafe(_set_exception, item.future, died)
+        for job in {id(j): j for j in jobs}.values():
+            job.fail(died)
         self._batch = None
         self._publish_running()
         if self.on_fatal is not None:
             self.on_fatal()
 
-    def _take_admissible(self) -> list[_GenerationJob]:
-        """Pop the queued jobs that join the running batch now (called with the lock held)."""
+    def _take_admissible(self) -> list[_GenerationJob | _Sequence]:
+        """Pop the queued jobs (and retracted sequences) that join the running batch now (lock held)."""
         if self._batch is not None and not self._batch.mergeable:
             return []  # a cache layout the engine cannot merge: wait for the batch to end
         demands: list[Demand] = []
         for item in self._queue:
-            if not isinstance(item, _GenerationJob) or len(demands) >= self._limits.max_running:
+            if isinstance(item, _WeightSwap) or len(demands) >= self._limits.max_running:
                 break
-            demands.append(self._limits.demand(len(item.input_ids), item.params.max_new_tokens, item.params.n))
+            if isinstance(item, _Sequence):
+                demands.append(self._limits.demand(len(item.job.input_ids), item.job.params.max_new_tokens, 1))
+            else:
+                demands.append(self._limits.demand(len(item.input_ids), item.params.max_new_tokens, item.params.n))
         rows = self._batch.rows if self._batch is not None else []
         reserved = sum(self._limits.sequence_kv_tokens(len(s.job.input_ids), s.job.params.max_new_tokens) for s in rows)
         count = plan_admission(demands, len(rows), reserved, self._limits)
-        jobs = [self._queue.popleft() for _ in range(count)]
-        return [job for job in jobs if isinstance(job, _GenerationJob)]
+        items = [self._queue.popleft() for _ in range(count)]
+        return [item for item in items if not isinstance(item, _WeightSwap)]
 
     def _publish_running(self) -> None:
         """Expose the running jobs and KV tokens to load_snapshot, abort and stop."""
@@ -585,6 +727,52 @@ class EmbeddedEngine:
             self._running = jobs
             self._running_tokens = tokens
 
+    # ----- controls and weight swaps (worker thread) ---------------------------------------
+    def _apply_control(self, control: _Control | _WeightSwap) -> None:
+        if isinstance(control, _WeightSwap):
+            self._apply_swap(control)
+            return
+        if control.kind in ("in_place", "retract"):
+            if control.kind == "retract" and self._batch is not None:
+                self._retract()
+            with self._cond:
+                self._paused = True
+        elif control.kind == "resume":
+            with self._cond:
+                self._paused = False
+        elif control.kind == "rename":
+            self._change_version(control.weight_version)
+        control.loop.call_soon_threadsafe(_set_result, control.future, True)
+
+    def _retract(self) -> None:
+        """Move the running sequences to the end of the waiting queue (scheduler.py retract): cache dropped."""
+        batch = self._batch
+        if batch is None:
+            return
+        self._batch = None
+        self._end_busy_period()
+        with self._cond:
+            self._queue.extend(batch.rows)
+        self._publish_running()  # before the pause answers: loads show them waiting
+
+    def _live_sequences(self) -> list[_Sequence]:
+        rows = self._batch.rows if self._batch is not None else []
+        with self._cond:
+            queued = [item for item in self._queue if isinstance(item, _Sequence)]
+        return [*rows, *queued]
+
+    def _change_version(self, new_version: str) -> None:
+        """scheduler.py ``record_weight_version_change``: serve ``new_version``; live sequences with tokens note it."""
+        old_version = self._loaded.weight_version
+        if new_version == old_version:
+            return
+        for seq in self._live_sequences():
+            if seq.output_ids:
+                seq.version_changes.append(VersionChange(old_version, len(seq.output_ids)))
+        self._loaded = dataclasses.replace(self._loaded, weight_version=new_version)
+        if self._batch is not None:
+            self._batch.loaded = dataclasses.replace(self._batch.loaded, weight_version=new_version)
+
     def _apply_swap(self, swap: _WeightSwap) -> None:
         if self.device is not None:  # the replica serves nothing while the modelled reload runs
             started_s, pacer = time.time(), devicemodel.Pacer(self.device)
@@ -592,15 +780,58 @@ class EmbeddedEngine:
             pacer.wait()
             if self._trace is not None:
                 self._trace.record("reload", started_s, time.time(), pacer.modelled_s)
-        self._loaded = swap.loaded
-        logger.info("serving %s (weight_version %s)", swap.loaded.model_path, swap.loaded.weight_version)
-        swap.loop.call_soon_threadsafe(_set_result, swap.future, None)
+        version = self._loaded.weight_version if swap.weight_version is None else swap.weight_version
+        self._loaded = dataclasses.replace(swap.loaded, weight_version=self._loaded.weight_version)
+        self._change_version(version)
+        if self._batch is not None:  # in place: the running rows go on from their cache on the new weights
+            self._rerun_last_tokens(self._batch, self._loaded)
+        logger.info("serving %s (weight_version %s)", self._loaded.model_path, self._loaded.weight_version)
+        # Not paused, the update ran once everything before it finished, and what came after waits
+        # at the model lock (not in the scheduler): the flush succeeds.
+        with self._cond:
+            flushed = not (swap.paused and swap.flush_cache) or self._idle_locked()
+        swap.loop.call_soon_threadsafe(_set_result, swap.future, flushed)
 
-    def _admit(self, jobs: list[_GenerationJob]) -> None:
-        """Prefill the admitted jobs' prompts together and add their samples to the running batch."""
+    def _rerun_last_tokens(self, batch: _Batch, loaded: _LoadedModel) -> None:
+        """Recompute every row's last-token KV and next-token logits with ``loaded`` (an in-place weight change).
+
+        SGLang's decode step runs a sequence's last sampled token through the model; here that
+        token was already run (by the old weights), so its cache column is dropped and run again.
+        """
+        batch.loaded = loaded
+        for seq in batch.rows:
+            seq.segments.append(_Segment(loaded, len(seq.output_ids), fresh=False))
+        if not batch.mergeable:  # no per-column cache edits: recompute the rows whole on the new weights
+            rows = batch.rows
+            self._batch = None
+            self._prefill(rows, loaded)
+            return
+        last_ids = torch.tensor([seq.tokens()[-1] for seq in batch.rows]).unsqueeze(1)
+        for layer in batch.cache.layers:
+            layer.keys = layer.keys[:, :, :-1, :]
+            layer.values = layer.values[:, :, :-1, :]
+        out = loaded.model(
+            input_ids=last_ids,
+            attention_mask=batch.mask,
+            position_ids=batch.last_position.unsqueeze(1),
+            use_cache=True,
+            **{loaded.cache_kwarg: batch.cache},
+        )
+        batch.logits = out.logits[:, -1, :].float()
+
+    # ----- admission and decoding (worker thread) -------------------------------------------
+    def _admit(self, items: list[_GenerationJob | _Sequence]) -> None:
+        """Prefill the admitted prompts (and retracted sequences) together and add them to the running batch."""
         loaded = self._batch.loaded if self._batch is not None else self._loaded
-        live: list[_GenerationJob] = []
-        for job in jobs:
+        rows: list[_Sequence] = []
+        for item in items:
+            if isinstance(item, _Sequence):
+                if item.job.aborted:  # aborted between leaving the queue and here
+                    self._answer_queued_abort(item)
+                else:
+                    rows.append(item)
+                continue
+            job = item
             job.outputs = [None] * job.params.n
             if job.aborted:  # still in the waiting queue: SGLang answers without running it
                 job.outputs = [queued_abort_output(job.sample_request(), loaded.weight_version)] * job.params.n
@@ -610,17 +841,23 @@ class EmbeddedEngine:
                     job.outputs[index] = self._output(job, index, [], [], {"type": "length", "length": 0}, loaded)
                 job.resolve()
             else:
-                live.append(job)
-        if not live:
-            return
-        self.batches_run += 1
+                rows += [_Sequence(job, index) for index in range(job.params.n)]
+        if rows:
+            self._prefill(rows, loaded)
 
-        # Prefill each distinct prompt once (the samples of an n > 1 request arrive as jobs of one
-        # prompt, like SGLang's radix cache sharing their prefix), left-padded, then repeat its
-        # cache rows for every sample.
+    def _prefill(self, rows: list[_Sequence], loaded: _LoadedModel) -> None:
+        """Prefill the rows' tokens (prompt, plus output for a retracted row) and append them to the batch.
+
+        Each distinct token sequence is prefilled once (the samples of an n > 1 request arrive
+        as rows of one prompt, like SGLang's radix cache sharing their prefix), left-padded, then
+        its cache rows are repeated for every row.
+        """
+        self.batches_run += 1
+        for seq in rows:
+            seq.segments.append(_Segment(loaded, len(seq.output_ids), fresh=True))
         prompt_rows: dict[tuple[int, ...], int] = {}
-        for job in live:
-            prompt_rows.setdefault(tuple(job.input_ids), len(prompt_rows))
+        for seq in rows:
+            prompt_rows.setdefault(tuple(seq.tokens()), len(prompt_rows))
         width = max(len(prompt) for prompt in prompt_rows)
         pad_id = int(loaded.model.config.pad_token_id or 0)
         input_ids = torch.full((len(prompt_rows), width), pad_id, dtype=torch.long)
@@ -640,9 +877,8 @@ class EmbeddedEngine:
             **{loaded.cache_kwarg: cache},
         )
         logits = out.logits[:, -1, :].float()
-        expand = torch.tensor([prompt_rows[tuple(job.input_ids)] for job in live for _ in range(job.params.n)])
+        expand = torch.tensor([prompt_rows[tuple(seq.tokens())] for seq in rows])
         cache.batch_select_indices(expand)
-        rows = [_Sequence(job, index) for job in live for index in range(job.params.n)]
         new = _Batch(
             loaded, cache, mask[expand], positions[expand, -1], logits[expand], rows, mergeable=_mergeable(cache)
         )
@@ -650,9 +886,8 @@ class EmbeddedEngine:
         self.max_batch_sequences = max(self.max_batch_sequences, len(self._batch.rows))
         device = self.device
         if device is not None:  # the running sequences stall while the new prompts prefill (no chunking)
-            self._busy_pacer().add(
-                devicemodel.prefill_s(device, sum(len(j.input_ids) for j in live) * device.token_scale)
-            )
+            prefill_tokens = sum({id(seq.job): len(seq.tokens()) for seq in rows}.values())  # once per job
+            self._busy_pacer().add(devicemodel.prefill_s(device, prefill_tokens * device.token_scale))
 
     def _step(self) -> None:
         """One decode iteration: a token for every running sequence; finished ones leave the batch."""
@@ -776,17 +1011,51 @@ class EmbeddedEngine:
         source = raw_logprobs if self.config.return_original_logprob else scaled_logprobs
         return token_id, max(float(source[token_id]), _LOGPROB_FLOOR)
 
-    def _rescore(self, job: _GenerationJob, output_ids: list[int], loaded: _LoadedModel) -> list[float]:
-        """Logprobs of ``output_ids`` after ``job.input_ids`` from one unpadded forward pass.
+    def _rescore(self, seq: _Sequence) -> list[float]:
+        """Logprobs of ``seq.output_ids`` from unpadded forward passes of the sequence alone.
 
-        Same convention as :meth:`_sample`: the temperature-scaled distribution, the raw one at
-        temperature 0 or with ``return_original_logprob``.
+        One pass of the weights that produced them, when one set did; after a weight change,
+        one pass per :class:`_Segment`, each over the KV cache the sequence then had (an in-place
+        change keeps the old weights' cache of the prefix; a re-prefill recomputes it whole), so
+        each token's logprob is that of the weights and cache that sampled it. Same convention as
+        :meth:`_sample`: the temperature-scaled distribution, the raw one at temperature 0 or
+        with ``return_original_logprob``.
         """
-        tokens = torch.tensor([list(job.input_ids) + list(output_ids)], dtype=torch.long)
+        job, output_ids = seq.job, seq.output_ids
+        prompt_length, count = len(job.input_ids), len(output_ids)
+        tokens = seq.tokens()
+        segments = seq.segments or [_Segment(self._loaded, 0, fresh=True)]
+        pieces: list[torch.Tensor] = []
         with torch.inference_mode():
-            logits = loaded.model(input_ids=tokens, use_cache=False).logits[0].float()
-        first = len(job.input_ids) - 1
-        logits = logits[first : first + len(output_ids)]
+            if len(segments) == 1:
+                model = segments[0].loaded.model
+                logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+                pieces.append(logits[prompt_length - 1 : prompt_length - 1 + count])
+            else:
+                from transformers import DynamicCache
+
+                cache: Any = None
+                for index, segment in enumerate(segments):
+                    end = segments[index + 1].start if index + 1 < len(segments) else count
+                    first = prompt_length - 1 + segment.start  # the fed token whose logits give token `start`
+                    if segment.fresh:
+                        cache = DynamicCache(config=segment.loaded.model.config)
+                        feed_from = 0
+                    elif end <= segment.start:
+                        continue
+                    else:
+                        feed_from = first
+                    feed = tokens[feed_from : prompt_length - 1 + end]
+                    if not feed:
+                        continue
+                    out = segment.loaded.model(
+                        input_ids=torch.tensor([feed]),
+                        position_ids=torch.arange(feed_from, feed_from + len(feed)).unsqueeze(0),
+                        use_cache=True,
+                        **{segment.loaded.cache_kwarg: cache},
+                    )
+                    pieces.append(out.logits[0, first - feed_from :].float())
+        logits = torch.cat(pieces)
         temperature = job.params.temperature
         if temperature != 0 and not self.config.return_original_logprob:
             logits = logits / temperature
@@ -812,9 +1081,9 @@ class EmbeddedEngine:
     def _finish(self, seq: _Sequence, reason: dict[str, Any], loaded: _LoadedModel) -> None:
         job = seq.job
         if job.return_logprob and self.config.enable_deterministic_inference and seq.output_ids:
-            seq.logprobs = self._rescore(job, seq.output_ids, loaded)
+            seq.logprobs = self._rescore(seq)
         job.outputs[seq.sample_index] = self._output(
-            job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded
+            job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded, seq.version_changes
         )
         self.last_output_s = time.monotonic()
         if all(output is not None for output in job.outputs):
@@ -828,6 +1097,7 @@ class EmbeddedEngine:
         logprobs: list[float],
         reason: dict[str, Any],
         loaded: _LoadedModel,
+        version_changes: Sequence[VersionChange] = (),
     ) -> dict[str, Any]:
         text = _output_text(loaded, output_ids, reason, job.params)
         request = job.sample_request()
@@ -841,6 +1111,7 @@ class EmbeddedEngine:
             text=text,
             weight_version=loaded.weight_version,
             model_path=loaded.model_path,
+            version_changes=version_changes,
         )
 
 
@@ -939,22 +1210,50 @@ class EmbeddedBackend(EngineBackend):
         """The scheduler's abort (prefix match)."""
         self.engine.abort(rid, abort_all)
 
-    async def update_weights_from_disk(self, model_path: str, load_format: str | None, weight_version: str) -> None:
-        """Load off to the side, then swap in once the running sequences finished."""
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None,
+        weight_version: str | None,
+        *,
+        paused: bool,
+        flush_cache: bool,
+    ) -> bool:
+        """Load off to the side, then swap in: once the running sequences finished, or (paused) at once."""
         if load_format not in (None, "auto", "safetensors"):
             raise InvalidArgument(f"load_format {load_format!r} is not supported (auto, safetensors)")
-        loaded = await asyncio.to_thread(load_model, model_path, weight_version)
+        loaded = await asyncio.to_thread(load_model, model_path, weight_version or "")
         reason = _compatible(self.engine.loaded, loaded)
         if reason:
             raise InvalidArgument(f"incompatible checkpoint: {reason}")
         loop = asyncio.get_running_loop()
-        swap = _WeightSwap(loaded, loop, loop.create_future())
-        self.engine.submit_swap(swap)
-        await swap.future
+        swap = _WeightSwap(loaded, weight_version, loop, loop.create_future(), paused=paused, flush_cache=flush_cache)
+        try:
+            self.engine.submit_swap(swap)
+        except FlexmarlError as exc:
+            raise Unavailable(str(exc)) from exc
+        return await swap.future
 
-    def set_weight_version(self, weight_version: str) -> None:
-        """Rename the served weights (the next tokens report the new version)."""
-        self.engine.set_weight_version(weight_version)
+    async def _control(self, kind: str, weight_version: str = "") -> None:
+        loop = asyncio.get_running_loop()
+        control = _Control(kind, loop, loop.create_future(), weight_version)
+        try:
+            self.engine.submit_control(control)
+        except FlexmarlError as exc:
+            raise Unavailable(str(exc)) from exc
+        await control.future
+
+    async def set_weight_version(self, weight_version: str) -> None:
+        """Rename the served weights at the next iteration boundary (later tokens report it)."""
+        await self._control("rename", weight_version)
+
+    async def pause(self, mode: str) -> None:
+        """Pause the worker between iterations (``in_place`` or ``retract``)."""
+        await self._control(mode)
+
+    async def resume(self) -> None:
+        """Let the worker admit and decode again."""
+        await self._control("resume")
 
     @property
     def weight_version(self) -> str:
@@ -971,7 +1270,7 @@ class EmbeddedBackend(EngineBackend):
         return self.engine.load_snapshot()
 
     def flush_cache(self) -> bool:
-        """Nothing is cached across requests; refused while anything runs or waits, as SGLang."""
+        """Nothing is cached across requests; refused while anything runs or (unless paused) waits, as SGLang."""
         return self.engine.idle()
 
     def model_info(self) -> dict[str, Any]:

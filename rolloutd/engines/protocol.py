@@ -298,13 +298,38 @@ class GenerationRequest:
         self.sampling.validate()
 
 
+class PauseMode(enum.StrEnum):
+    """``mode`` of SGLang's ``/pause_generation`` (io_struct.py ``PauseGenerationReqInput``)."""
+
+    ABORT = "abort"  # abort every running request (each answers its partial output), block new ones
+    RETRACT = "retract"  # stop decoding; running requests go back to the waiting queue (KV recomputed)
+    IN_PLACE = "in_place"  # stop decoding; running requests keep their KV cache
+
+
+@dataclass(frozen=True)
+class WeightVersionSpan:
+    """Output tokens ``[start, end)`` of a sample were produced while ``version`` was served.
+
+    SGLang 0.5.23's ``meta_info.weight_versions`` (sglang/srt/utils/weight_versions.py): a new
+    span starts where the served weight version changed under a running request (a weight
+    update or ``/update_weight_version`` while it was paused in place or retracted).
+    """
+
+    version: str
+    start: int
+    end: int
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     """One sample of a request.
 
     ``output_token_logprobs[i]`` is the log-probability of ``output_ids[i]`` under the behaviour
-    policy (empty when logprobs were not requested). ``weight_version`` and ``model_path`` name
-    the weights that produced every token of this sample.
+    policy (empty when logprobs were not requested). ``weight_versions`` are the spans of
+    output tokens by the weight version that produced them; ``weight_version`` is the last
+    span's (SGLang's ``meta_info.weight_version``). An ``ABORT`` sample carries the tokens and
+    logprobs it had when it was aborted. ``model_path`` is the checkpoint serving when the sample
+    finished (embedded and synthetic engines only).
     """
 
     output_ids: tuple[int, ...]
@@ -319,6 +344,14 @@ class GenerationResult:
     weight_version: str = ""
     model_path: str = ""
     e2e_latency_s: float = 0.0
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
+
+    def version_of_token(self, index: int) -> str:
+        """The weight version that produced ``output_ids[index]`` ("" when the engine reported no spans)."""
+        for span in self.weight_versions:
+            if span.start <= index < span.end:
+                return span.version
+        return ""
 
 
 @dataclass(frozen=True)
@@ -371,8 +404,17 @@ class EngineClient(abc.ABC):
         weight_version: str | None = None,
         load_format: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> WeightUpdateResult:
-        """Load new weights from a checkpoint directory between requests."""
+        """Load new weights from a checkpoint directory (between requests, or at once while paused)."""
+
+    @abc.abstractmethod
+    async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        """Pause generation (``/pause_generation``); new requests wait until :meth:`continue_generation`."""
+
+    @abc.abstractmethod
+    async def continue_generation(self) -> None:
+        """Resume generation (``/continue_generation``)."""
 
     @abc.abstractmethod
     async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:

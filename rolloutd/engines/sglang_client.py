@@ -3,7 +3,8 @@
 Paths and field names are SGLang's:
 
 - routes: sglang ``python/sglang/srt/entrypoints/http_server.py`` (``/generate``,
-  ``/update_weights_from_disk``, ``/abort_request``, ``/health``, ``/health_generate``,
+  ``/update_weights_from_disk``, ``/abort_request``, ``/pause_generation``,
+  ``/continue_generation``, ``/health``, ``/health_generate``,
   ``/get_model_info``, ``/get_server_info``, ``/flush_cache``) and
   ``python/sglang/srt/entrypoints/v1_loads.py`` (``/v1/loads``). Newer releases also serve
   ``/model_info`` and ``/server_info``; the client tries those first and falls back to the
@@ -11,15 +12,19 @@ Paths and field names are SGLang's:
 - request bodies: ``python/sglang/srt/managers/io_struct.py`` — ``GenerateReqInput``
   (``input_ids``, ``sampling_params``, ``return_logprob``, ``rid``, ``stream``),
   ``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``, ``abort_all_requests``,
-  ``weight_version``), ``AbortReq`` (``rid``, ``abort_all``); sampling fields from
+  ``weight_version``, ``flush_cache``), ``AbortReq`` (``rid``, ``abort_all``),
+  ``PauseGenerationReqInput`` (``mode``), ``ContinueGenerationReqInput`` (no field sent); sampling fields from
   ``python/sglang/srt/sampling/sampling_params.py`` (``temperature``, ``top_p``, ``top_k``,
   ``min_p``, ``max_new_tokens``, ``stop_token_ids``, ``ignore_eos``, ``n``, ``sampling_seed``).
 - response of ``/generate``: ``{"text", "output_ids", "meta_info"}`` per sample, where
   ``meta_info`` (built in ``tokenizer_manager.py``) holds ``id``, ``finish_reason``
   (``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` /
   ``{"type": "abort", ...}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``,
-  ``weight_version`` and, with ``return_logprob``, ``output_token_logprobs`` as
-  ``[logprob, token_id, text-or-null]`` triples. One prompt with ``n == 1`` answers one object;
+  ``weight_version``, ``weight_versions`` (``{"version", "start", "end"}`` spans of output
+  tokens, sglang/srt/utils/weight_versions.py) and, with ``return_logprob``,
+  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples. An aborted
+  request answers 200 with the tokens and logprobs it had and ``finish_reason``
+  ``{"type": "abort", ...}``. One prompt with ``n == 1`` answers one object;
   ``n > 1`` (or a batch of prompts) answers a list of such objects, one per sample, each under
   a fresh rid. SGLang's ``meta_info`` has no ``model_path`` (the embedded engine adds one):
   :attr:`GenerationResult.model_path` is empty from SGLang.
@@ -48,7 +53,9 @@ from rolloutd.engines.protocol import (
     GenerationRequest,
     GenerationResult,
     ModelInfo,
+    PauseMode,
     WeightUpdateResult,
+    WeightVersionSpan,
 )
 
 logger = logging.getLogger(__name__)
@@ -390,6 +397,11 @@ class SGLangClient(EngineClient):
         except ValueError as exc:
             raise FlexmarlError(f"engine {self.url}: unknown finish_reason {reason!r}") from exc
         matched = reason.get("matched") if isinstance(reason, dict) else None
+        spans = tuple(
+            WeightVersionSpan(str(span["version"]), int(span["start"]), int(span["end"]))
+            for span in meta.get("weight_versions") or []
+            if isinstance(span, dict)
+        )
         return GenerationResult(
             output_ids=output_ids,
             output_token_logprobs=logprobs,
@@ -403,6 +415,7 @@ class SGLangClient(EngineClient):
             weight_version=str(meta.get("weight_version", "")),
             model_path=str(meta.get("model_path", "")),
             e2e_latency_s=float(meta.get("e2e_latency", 0.0)),
+            weight_versions=spans,
         )
 
     async def abort(self, rid: str = "", *, abort_all: bool = False) -> None:
@@ -428,12 +441,16 @@ class SGLangClient(EngineClient):
         weight_version: str | None = None,
         load_format: str | None = None,
         abort_all_requests: bool = False,
+        flush_cache: bool = True,
     ) -> WeightUpdateResult:
         """POST ``/update_weights_from_disk``.
 
         SGLang answers ``{"success", "message", "num_paused_requests"}`` with 200 on success and
         400 on failure (``srt/entrypoints/http_server.py``); a body it cannot parse gets its
-        validation ``ErrorResponse`` with 400 instead.
+        validation ``ErrorResponse`` with 400 instead. While generation is paused the update
+        does not wait for running requests; after an ``in_place`` pause pass
+        ``flush_cache=False``, or SGLang answers 400 (the weights did change, the cache was not
+        flushed because requests still run: ``weight_updater.py``).
 
         Raises:
             FailedPrecondition: The engine tried and failed (its message, e.g. a missing file).
@@ -444,6 +461,8 @@ class SGLangClient(EngineClient):
             body["load_format"] = load_format
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if not flush_cache:
+            body["flush_cache"] = False
         status, payload = await self._request(
             "POST", "/update_weights_from_disk", body=body, timeout_s=self._request_timeout_s, allowed_statuses=(400,)
         )
@@ -461,6 +480,26 @@ class SGLangClient(EngineClient):
         if status != 200 or not result.success:
             raise FailedPrecondition(f"engine {self.url} refused weights {model_path}: {result.message}")
         return result
+
+    # ----- pause and continue --------------------------------------------------------------
+    async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        """POST ``/pause_generation`` ``{"mode"}`` (``srt/managers/tokenizer_manager.py``).
+
+        From then on new ``/generate`` requests wait in the server (no error) until
+        :meth:`continue_generation`. ``ABORT`` aborts every running request (each answers its
+        partial tokens and logprobs with finish reason abort) and returns once none is left,
+        polling once a second; ``IN_PLACE`` and ``RETRACT`` stop the scheduler, the running
+        requests staying in the batch or going back to the waiting queue. Weight updates made
+        while paused apply at once, under the paused requests, which record the new version in
+        their ``weight_versions`` spans. The call may take long (``request_timeout_s``).
+        """
+        await self._request(
+            "POST", "/pause_generation", body={"mode": PauseMode(mode).value}, timeout_s=self._request_timeout_s
+        )
+
+    async def continue_generation(self) -> None:
+        """POST ``/continue_generation`` ``{}``: the paused and waiting requests go on."""
+        await self._request("POST", "/continue_generation", body={}, timeout_s=self._control_timeout_s)
 
     # ----- health and info ---------------------------------------------------------------
     async def health(self) -> bool:

@@ -27,6 +27,31 @@ client sees: routes, methods, body parsing, validation, rids and error shapes, e
   without ``abort_all`` is ignored; a rid the server does not know exactly (an unknown rid,
   the rid of an ``n > 1`` request, a prefix) is a no-op; a known rid is passed to the
   scheduler, which aborts every request whose rid starts with it. ``abort_all`` aborts all.
+  A running request that is aborted answers 200 with the tokens (and logprobs) it has and
+  ``finish_reason`` ``{"type": "abort", "message": "Aborted", ...}``; one aborted in the
+  waiting queue answers ``"Abort in waiting queue"`` with what the tokenizer manager had
+  received of it (nothing, or for a request retracted by a pause, its tokens up to the last
+  multiple of ``SGLANG_FORCE_STREAM_INTERVAL``: output_streamer.py sends a non-streaming
+  request's tokens every 50).
+* pause (tokenizer_manager.py ``pause_generation``, ``continue_generation``; scheduler.py
+  ``pause_generation``, ``continue_generation``; io_struct.py ``PauseGenerationReqInput``,
+  ``ContinueGenerationReqInput``): ``/pause_generation`` ``{"mode"}`` (``"abort"`` by
+  default) and ``/continue_generation`` ``{}`` both need a JSON object body. While paused,
+  a new ``/generate`` is parsed and its rid registered, then it waits (no error) until
+  ``/continue_generation``. ``abort`` aborts every request every second until none is in
+  flight, then answers (the scheduler itself is not paused); ``in_place`` stops the
+  scheduler between iterations, the running requests keeping their KV cache; ``retract``
+  stops it and moves the running requests back to the waiting queue (their KV cache freed;
+  on continue each re-prefills its prompt plus the tokens it has, with the weights then
+  served). ``/update_weights_from_disk`` while paused does not wait for running requests:
+  the weights change under them, and with ``flush_cache`` (default true) it answers 400
+  ``success: false`` ("Weights were updated, but the cache was not flushed ...") when
+  requests still run (``in_place``), though the weights and the scheduler's version did
+  change; ``/model_info`` keeps the version of the last successful update.
+* weight versions (sglang/srt/utils/weight_versions.py): every answer carries
+  ``meta_info.weight_versions``, the ``{"version", "start", "end"}`` spans of output tokens by
+  the weight version serving when they were produced (a version change is recorded for every
+  live request that has tokens), and ``weight_version``, the version of the last span.
 
 The synthetic engine also serves ``/get_load`` (``serve_get_load``), which sglang-router's
 ``power_of_two`` policy polls; SGLang 0.5.23's own server does not.
@@ -62,6 +87,17 @@ FLUSH_CACHE_OK_TEXT = (
 )
 FLUSH_CACHE_FAILED_TEXT = "Flush cache failed.\n"
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
+#: io_struct.py PauseGenerationReqInput.mode.
+PAUSE_MODES = ("abort", "retract", "in_place")
+#: tokenizer_manager.py pause_generation(mode="abort"): abort all, then re-check every second.
+PAUSE_ABORT_POLL_S = 1.0
+#: output_streamer.py: a non-streaming request's tokens reach the tokenizer manager every
+#: SGLANG_FORCE_STREAM_INTERVAL (50) tokens and when it finishes.
+FORCE_STREAM_INTERVAL = 50
+FLUSH_AFTER_UPDATE_FAILED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +134,40 @@ class LoadSnapshot:
     def num_total_tokens(self) -> int:
         """Used KV tokens plus queued request tokens."""
         return self.num_used_tokens + self.num_waiting_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionChange:
+    """The weight version changed after a request's first ``output_tokens`` tokens (weight_versions.py).
+
+    ``old_version`` served those tokens (from the previous change on).
+    """
+
+    old_version: str
+    output_tokens: int
+
+
+def weight_version_spans(
+    changes: Sequence[VersionChange], current_version: str, output_tokens: int
+) -> list[dict[str, Any]]:
+    """The ``{"version", "start", "end"}`` spans of a request's tokens (``compute_weight_version_spans``)."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*((c.old_version, c.output_tokens) for c in changes), (current_version, output_tokens)]:
+        end = min(end, output_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
+def _add_weight_versions(meta_info: dict[str, Any], spans: list[dict[str, Any]], visible_tokens: int) -> None:
+    """``add_weight_versions_to_meta_info``: the spans of the tokens the answer carries, and the last version."""
+    visible = [span for span in spans if span["start"] < visible_tokens or span["start"] == 0]
+    meta_info["weight_versions"] = [{**span, "end": min(span["end"], visible_tokens)} for span in visible]
+    meta_info["weight_version"] = visible[-1]["version"]
 
 
 class EngineBackend(abc.ABC):
@@ -137,16 +207,45 @@ class EngineBackend(abc.ABC):
         """Abort queued and running samples whose rid starts with ``rid`` (or all): scheduler.py semantics."""
 
     @abc.abstractmethod
-    async def update_weights_from_disk(self, model_path: str, load_format: str | None, weight_version: str) -> None:
-        """Swap in the checkpoint at ``model_path`` once the running samples finished.
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        load_format: str | None,
+        weight_version: str | None,
+        *,
+        paused: bool,
+        flush_cache: bool,
+    ) -> bool:
+        """Swap in the checkpoint at ``model_path``; returns False when the cache flush after it was refused.
+
+        Not ``paused`` (tokenizer_manager.py: the update takes the model lock): the running and
+        queued samples finish on the old weights first, later ones wait. ``paused``: the weights
+        change at the next iteration boundary under whatever runs or was retracted, and a
+        version change is recorded for each of them. ``weight_version`` None keeps the version.
+        With ``flush_cache`` the cache is then flushed, which is refused (False) while samples
+        run, or, unless the scheduler is paused, wait (weight_updater.py).
 
         Raises:
             InvalidArgument: The checkpoint cannot be loaded or does not fit the served model.
         """
 
     @abc.abstractmethod
-    def set_weight_version(self, weight_version: str) -> None:
-        """Rename the weights being served (``/update_weight_version``)."""
+    async def set_weight_version(self, weight_version: str) -> None:
+        """Rename the weights being served (``/update_weight_version``); live samples record the change."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str) -> None:
+        """Pause the scheduler (scheduler.py ``pause_generation``), ``mode`` ``"in_place"`` or ``"retract"``.
+
+        Returns once the scheduler is between iterations and paused: ``in_place`` keeps the
+        running samples and their KV cache; ``retract`` moves them to the end of the waiting
+        queue (they re-prefill their prompt plus their tokens when generation continues).
+        Aborts still reach paused samples (a running one answers after continue).
+        """
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Un-pause the scheduler (scheduler.py ``continue_generation``; a no-op when not paused)."""
 
     @property
     @abc.abstractmethod
@@ -164,7 +263,7 @@ class EngineBackend(abc.ABC):
 
     @abc.abstractmethod
     def flush_cache(self) -> bool:
-        """Flush cached prefixes; False (refused) while samples run or wait, as SGLang's scheduler."""
+        """Flush cached prefixes; False (refused) while samples run or wait (waiting ignored while paused)."""
 
     @abc.abstractmethod
     def model_info(self) -> dict[str, Any]:
@@ -208,10 +307,13 @@ def sample_output(
     text: str,
     weight_version: str,
     model_path: str,
+    version_changes: Sequence[VersionChange] = (),
 ) -> dict[str, Any]:
     """The ``/generate`` object of a finished (or running-aborted) sample.
 
-    ``model_path`` in ``meta_info`` is a FlexMARL extension: the checkpoint that produced it.
+    ``weight_version`` is the version served now; ``version_changes`` the changes recorded
+    while the sample ran; ``meta_info`` carries their spans. ``model_path`` in ``meta_info`` is
+    a FlexMARL extension: the checkpoint serving when it finished.
     """
     meta_info: dict[str, Any] = {
         "id": request.rid,
@@ -223,28 +325,49 @@ def sample_output(
         "model_path": model_path,
         "e2e_latency": time.monotonic() - request.created_s,
     }
+    spans = weight_version_spans(version_changes, weight_version, len(output_ids))
+    _add_weight_versions(meta_info, spans, len(output_ids))
     if request.return_logprob:
         # SGLang's shape: one [logprob, token_id, text-or-null] triple per output token.
         meta_info["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, output_ids, strict=True)]
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
 
 
-def queued_abort_output(request: SampleRequest, weight_version: str) -> dict[str, Any]:
+def received_tokens(generated: int) -> int:
+    """How many of a running non-streaming request's tokens the tokenizer manager has (output_streamer.py)."""
+    return generated - generated % FORCE_STREAM_INTERVAL
+
+
+def queued_abort_output(
+    request: SampleRequest,
+    weight_version: str,
+    *,
+    output_ids: Sequence[int] = (),
+    logprobs: Sequence[float] = (),
+    text: str = "",
+    version_changes: Sequence[VersionChange] = (),
+) -> dict[str, Any]:
     """The object of a sample aborted in the waiting queue (tokenizer_manager.py ``_handle_abort_req``).
 
     SGLang answers it with fewer ``meta_info`` fields than a finished sample: no
-    ``prompt_tokens`` and no ``cached_tokens``.
+    ``prompt_tokens`` and no ``cached_tokens``. A sample retracted there by a pause has
+    ``output_ids``; the answer carries the :func:`received_tokens` of them (the tokenizer
+    manager's copy), the spans clipped to those.
     """
+    shown = received_tokens(len(output_ids))
     meta_info: dict[str, Any] = {
         "id": request.rid,
         "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
         "weight_version": weight_version,
         "e2e_latency": time.monotonic() - request.created_s,
-        "completion_tokens": 0,
     }
+    _add_weight_versions(meta_info, weight_version_spans(version_changes, weight_version, len(output_ids)), shown)
     if request.return_logprob:
-        meta_info["output_token_logprobs"] = []
-    return {"text": "", "output_ids": [], "meta_info": meta_info}
+        meta_info["output_token_logprobs"] = [
+            [lp, tid, None] for lp, tid in zip(logprobs[:shown], output_ids[:shown], strict=True)
+        ]
+    meta_info["completion_tokens"] = shown
+    return {"text": text, "output_ids": list(output_ids[:shown]), "meta_info": meta_info}
 
 
 # ----- error bodies (http_server.py) ------------------------------------------------------
@@ -339,6 +462,40 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A ``/generate`` body after normalisation: prompts, raw sampling objects, rids, samples per prompt."""
+
+    prompts: list[list[int]]
+    params: list[Mapping[str, Any]]
+    rids: list[str]
+    n: int
+    single: bool
+    created_s: float = dataclasses.field(default_factory=time.monotonic)  # e2e latency counts a pause wait
+
+
+def _lax_bool(value: Any, name: str) -> bool:
+    """A ``bool`` field as pydantic's lax mode reads it (FastAPI validates SGLang's request structs so)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _LAX_TRUE | _LAX_FALSE:
+        return value.strip().lower() in _LAX_TRUE
+    raise _ValidationFailure(f"{name}: Input should be a valid boolean")
+
+
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _check_base_req_fields(body: Mapping[str, Any]) -> None:
+    """io_struct.py ``BaseReq``: ``rid`` and ``http_worker_ipc`` are optional strings; unknown keys are dropped."""
+    for key in ("rid", "http_worker_ipc"):
+        if body.get(key) is not None and not isinstance(body[key], str):
+            raise _ValidationFailure(f"{key}: Input should be a valid string")
+
+
 class SGLangServer:
     """SGLang's native HTTP API around one :class:`EngineBackend` (one aiohttp app, one port)."""
 
@@ -348,7 +505,22 @@ class SGLangServer:
         self.port = 0
         self._runner: web.AppRunner | None = None
         self._ready = False
-        self._inflight: dict[str, SampleRequest] = {}  # the tokenizer manager's rid_to_state
+        self._inflight: dict[str, object] = {}  # the tokenizer manager's rid_to_state
+        # tokenizer_manager.py is_pause / is_pause_cond: pause and continue hold the condition's
+        # lock while they run; a /generate waits on it before it reaches the scheduler.
+        self._paused = False
+        self._pause_cond = asyncio.Condition()
+        # model_update_lock: readers are the /generate calls past the pause gate, the writer an
+        # update that is not made while paused.
+        self._generating = 0
+        self._updating = 0
+        # The tokenizer manager's weight_version (/model_info): set by a successful update only.
+        self._info_weight_version: str | None = None
+
+    @property
+    def paused(self) -> bool:
+        """Whether generation is paused (``/pause_generation`` without ``/continue_generation`` yet)."""
+        return self._paused
 
     # ----- lifecycle ------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -368,6 +540,8 @@ class SGLangServer:
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_post("/update_weight_version", self.update_weight_version)
+        app.router.add_post("/pause_generation", self.pause_generation)
+        app.router.add_post("/continue_generation", self.continue_generation)
         if self.serve_get_load:
             app.router.add_get("/get_load", self.get_load)
         return app
@@ -379,6 +553,7 @@ class SGLangServer:
         await web.TCPSite(self._runner, host, port, backlog=backlog).start()
         self.port = int(self._runner.addresses[0][1])
         await self.backend.start(self.port)
+        self._info_weight_version = self.backend.weight_version
         self._ready = True
         return self.port
 
@@ -392,7 +567,12 @@ class SGLangServer:
 
     # ----- /generate ------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """``/generate``: one object for one prompt with n == 1, else a list (prompt-major)."""
+        """``/generate``: one object for one prompt with n == 1, else a list (prompt-major).
+
+        The order of SGLang's checks: the body (FastAPI), the contract gate, the batch and rid
+        normalisation and the rid registry, then the pause gate (a paused server holds the
+        request here), then the sampling parameters and the engine's limits.
+        """
         try:
             body = await _json_object(request)
             _check_generate_fields(body)
@@ -403,19 +583,33 @@ class SGLangServer:
         except ContractViolation as exc:
             return contract_error(str(exc))
         try:
-            samples, single = self._normalize(body)
-            self._register(samples)
+            layout = self._layout(body)
+            self._register(layout.rids)
         except InvalidArgument as exc:
             return value_error(str(exc))
         try:
+            await self._pass_pause_gate()
+            self._generating += 1
+            try:
+                return await self._run(body, layout)
+            finally:
+                self._generating -= 1
+        finally:
+            self._unregister(layout.rids)
+
+    async def _pass_pause_gate(self) -> None:
+        async with self._pause_cond:
+            await self._pause_cond.wait_for(lambda: not self._paused)
+
+    async def _run(self, body: Mapping[str, Any], layout: _Layout) -> web.Response:
+        try:
+            samples = self._samples(body, layout)
             for sample in samples:
                 self.backend.check(sample)
             futures = [self.backend.submit(sample) for sample in samples]
         except InvalidArgument as exc:
-            self._unregister(samples)
             return value_error(str(exc))
         except FlexmarlError as exc:
-            self._unregister(samples)
             return value_error(str(exc), status=503)
         try:
             outputs = await asyncio.gather(*futures)
@@ -426,12 +620,10 @@ class SGLangServer:
             raise
         except FlexmarlError as exc:
             return value_error(str(exc), status=503)
-        finally:
-            self._unregister(samples)
-        return web.json_response(outputs[0] if single else list(outputs))
+        return web.json_response(outputs[0] if layout.single else list(outputs))
 
-    def _normalize(self, body: Mapping[str, Any]) -> tuple[list[SampleRequest], bool]:
-        """The samples of a ``/generate`` body (GenerateReqInput.normalize_batch_and_arguments)."""
+    def _layout(self, body: Mapping[str, Any]) -> _Layout:
+        """Prompts, rids and ``n`` of a ``/generate`` body (GenerateReqInput.normalize_batch_and_arguments)."""
         if body.get("stream"):
             raise InvalidArgument(f"stream is not supported by the {self.backend.name} engine")
         if body.get("input_ids") is None:
@@ -444,24 +636,34 @@ class SGLangServer:
         params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgument("The number of sampling_params does not match the number of prompts.")
-        engine = f"the {self.backend.name} engine"
-        parsed = [SamplingParams.from_wire(raw, engine=engine) for raw in params_list]
-        n = parsed[0].n
-        if any(p.n != n for p in parsed):
+        counts = [int(raw.get("n") or 1) for raw in params_list]
+        if any(count != counts[0] for count in counts):
             raise InvalidArgument("The parallel_sample_num should be the same for all samples in sample params.")
+        n = counts[0]
         logprob_field = body.get("return_logprob")
         if isinstance(logprob_field, list) and len(logprob_field) != len(prompts):
             raise InvalidArgument("return_logprob must have one entry per prompt")
-        rids = self._prompt_rids(body.get("rid"), len(prompts), batch or n > 1)
+        prompt_rids = self._prompt_rids(body.get("rid"), len(prompts), batch or n > 1)
+        if n == 1:
+            rids = prompt_rids
+        else:  # regenerate_rid: every sample of a parallel-sampling request gets a fresh rid
+            rids = [uuid.uuid4().hex for _ in range(len(prompts) * n)]
+        return _Layout(prompts, params_list, rids, max(n, 1), not batch and n == 1)
+
+    def _samples(self, body: Mapping[str, Any], layout: _Layout) -> list[SampleRequest]:
+        """The samples of a laid-out body, their sampling parameters parsed (after the pause gate)."""
+        engine = f"the {self.backend.name} engine"
+        parsed = [SamplingParams.from_wire(raw, engine=engine) for raw in layout.params]
+        logprob_field = body.get("return_logprob")
         samples: list[SampleRequest] = []
-        for index, (prompt, params) in enumerate(zip(prompts, parsed, strict=True)):
+        rids = iter(layout.rids)
+        for index, (prompt, params) in enumerate(zip(layout.prompts, parsed, strict=True)):
             wants = logprob_field[index] if isinstance(logprob_field, list) else bool(logprob_field)
             one = dataclasses.replace(params, n=1)
-            if n == 1:
-                samples.append(SampleRequest(rids[index], tuple(prompt), one, wants))
-            else:  # regenerate_rid: every sample of a parallel-sampling request gets a fresh rid
-                samples += [SampleRequest(uuid.uuid4().hex, tuple(prompt), one, wants) for _ in range(n)]
-        return samples, not batch and n == 1
+            samples += [
+                SampleRequest(next(rids), tuple(prompt), one, wants, layout.created_s) for _ in range(layout.n)
+            ]
+        return samples
 
     @staticmethod
     def _prompt_rids(rid: Any, count: int, batch: bool) -> list[str]:
@@ -476,18 +678,18 @@ class SGLangServer:
             raise InvalidArgument(f"Duplicate request IDs detected within the request: {sorted(set(rid))}")
         return [str(r) for r in rid]
 
-    def _register(self, samples: Sequence[SampleRequest]) -> None:
-        """Record the samples' rids as in flight; a rid already in flight is a 400 (``_init_req_state``)."""
-        for sample in samples:
-            if sample.rid in self._inflight:
-                raise InvalidArgument(f"Duplicate request ID detected: {sample.rid}")
-        for sample in samples:
-            self._inflight[sample.rid] = sample
+    def _register(self, rids: Sequence[str]) -> None:
+        """Record the rids as in flight; a rid already in flight is a 400 (``_init_req_state``)."""
+        for rid in rids:
+            if rid in self._inflight:
+                raise InvalidArgument(f"Duplicate request ID detected: {rid}")
+        for rid in rids:
+            self._inflight[rid] = rids
 
-    def _unregister(self, samples: Sequence[SampleRequest]) -> None:
-        for sample in samples:
-            if self._inflight.get(sample.rid) is sample:
-                del self._inflight[sample.rid]
+    def _unregister(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            if self._inflight.get(rid) is rids:
+                del self._inflight[rid]
 
     # ----- control routes --------------------------------------------------------------------
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -505,6 +707,44 @@ class SGLangServer:
             self.backend.abort(rid, abort_all)
         return web.Response(status=200)
 
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        """``/pause_generation`` ``{"mode": "abort" | "retract" | "in_place"}`` (tokenizer_manager.py)."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            mode = body.get("mode", "abort")
+            if mode not in PAUSE_MODES:
+                raise _ValidationFailure("mode: Input should be 'abort', 'retract' or 'in_place'")
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        async with self._pause_cond:
+            self._paused = True
+            if mode != "abort":
+                await self.backend.pause(str(mode))
+            else:
+                # Abort everything until no /generate (nor weight update) holds the model lock.
+                while True:
+                    self.backend.abort("", abort_all=True)
+                    if not self._generating and not self._updating:
+                        break
+                    await asyncio.sleep(PAUSE_ABORT_POLL_S)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        """``/continue_generation`` ``{}``: un-pause the scheduler, then release the waiting requests."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            if "torch_empty_cache" in body:
+                _lax_bool(body["torch_empty_cache"], "torch_empty_cache")
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        async with self._pause_cond:
+            self._paused = False
+            await self.backend.resume()
+            self._pause_cond.notify_all()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: ``{"success", "message", "num_paused_requests"}``, 400 on failure."""
         try:
@@ -517,18 +757,32 @@ class SGLangServer:
                 raise _ValidationFailure("load_format must be a string")
             if version is not None and not isinstance(version, str):
                 raise _ValidationFailure("weight_version must be a string")
+            flush = _lax_bool(body.get("flush_cache", True), "flush_cache")
+            abort_all = _lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
         except _ValidationFailure as exc:
             return validation_error(str(exc))
-        if body.get("abort_all_requests"):
+        if abort_all:
             self.backend.abort("", abort_all=True)
-        new_version = self.backend.weight_version if version is None else version
+        async with self._pause_cond:
+            paused = self._paused
+        if not paused:
+            self._updating += 1
         try:
-            await self.backend.update_weights_from_disk(model_path, load_format, new_version)
+            flushed = await self.backend.update_weights_from_disk(
+                model_path, load_format, version, paused=paused, flush_cache=flush
+            )
         except InvalidArgument as exc:
             failed = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
             return web.json_response(failed, status=400)
+        finally:
+            if not paused:
+                self._updating -= 1
+        if not flushed:
+            failed = {"success": False, "message": FLUSH_AFTER_UPDATE_FAILED, "num_paused_requests": 0}
+            return web.json_response(failed, status=400)
         message = "Succeeded to update model weights."
         if version is not None:
+            self._info_weight_version = version
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
@@ -543,7 +797,8 @@ class SGLangServer:
             return validation_error(str(exc))
         if body.get("abort_all_requests", True):
             self.backend.abort("", abort_all=True)
-        self.backend.set_weight_version(new_version)
+        await self.backend.set_weight_version(new_version)
+        self._info_weight_version = new_version
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {new_version}", "new_version": new_version}
         )
@@ -553,7 +808,9 @@ class SGLangServer:
 
         As http_server.py: a one-token greedy request is queued, and any scheduler output since
         the check began counts (a busy replica answers through its running batch); 503 while
-        starting or stopping, or after ``HEALTH_CHECK_TIMEOUT_S`` without an answer.
+        starting or stopping, or after ``HEALTH_CHECK_TIMEOUT_S`` without an answer. The probe
+        is a ``/generate`` like any other: while generation is paused it waits at the pause gate
+        (so a paused replica answers 503 unless it continues within the timeout).
         """
         if not self._ready:
             return web.Response(status=503)
@@ -564,25 +821,33 @@ class SGLangServer:
             SamplingParams(temperature=0.0, max_new_tokens=1),
             False,
         )
+        future: asyncio.Future[dict[str, Any]] | None = None
         try:
-            future = self.backend.submit(probe)
-        except FlexmarlError:
-            return web.Response(status=503)
-        try:
-            while time.monotonic() < started_s + HEALTH_CHECK_TIMEOUT_S:
+            while True:
+                if future is None and not self._paused:
+                    try:
+                        future = self.backend.submit(probe)
+                    except FlexmarlError:
+                        return web.Response(status=503)
+                if time.monotonic() >= started_s + HEALTH_CHECK_TIMEOUT_S:
+                    break
                 await asyncio.sleep(HEALTH_CHECK_POLL_S)
                 if self.backend.last_output_s > started_s and self._ready:
                     return web.Response(status=200)
             logger.error("health check failed: no scheduler output for %.0f s", HEALTH_CHECK_TIMEOUT_S)
             return web.Response(status=503)
         finally:
-            future.add_done_callback(_consume)
-            if not future.done():
-                self.backend.abort(probe.rid, abort_all=False)
+            if future is not None:
+                future.add_done_callback(_consume)
+                if not future.done():
+                    self.backend.abort(probe.rid, abort_all=False)
 
     async def model_info(self, request: web.Request) -> web.Response:
         """``/model_info`` (and the deprecated ``/get_model_info``)."""
-        return web.json_response(self.backend.model_info())
+        info = self.backend.model_info()
+        if self._info_weight_version is not None:
+            info["weight_version"] = self._info_weight_version
+        return web.json_response(info)
 
     async def server_info(self, request: web.Request) -> web.Response:
         """``/server_info`` (and the deprecated ``/get_server_info``)."""
@@ -638,11 +903,16 @@ class SGLangServer:
 
 
 __all__ = [
+    "FORCE_STREAM_INTERVAL",
+    "PAUSE_MODES",
     "EngineBackend",
     "LoadSnapshot",
     "SGLangServer",
     "SampleRequest",
+    "VersionChange",
     "queued_abort_output",
+    "received_tokens",
     "running_abort_reason",
     "sample_output",
+    "weight_version_spans",
 ]

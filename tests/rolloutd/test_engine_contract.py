@@ -261,6 +261,69 @@ async def test_abort_all_reaches_running_and_queued(engine_served: Any) -> None:
         assert sample["output_ids"] == []
 
 
+# ----- pause and continue (tokenizer_manager.py, scheduler.py pause_generation) --------------------
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/pause_generation", None),  # both routes need a JSON body (FastAPI Body())
+        ("/pause_generation", []),
+        ("/pause_generation", {"mode": "pause"}),  # PauseGenerationReqInput.mode is a Literal
+        ("/pause_generation", {"mode": 1}),
+        ("/pause_generation", {"mode": "in_place", "rid": 3}),  # BaseReq.rid: Optional[str]
+        ("/continue_generation", None),
+        ("/continue_generation", {"torch_empty_cache": "maybe"}),
+    ],
+)
+async def test_pause_and_continue_refuse_bad_bodies(engine_served: Any, path: str, body: Any) -> None:
+    url = engine_served.url
+    status, payload = await _call(url, "POST", path, body)
+    assert status == 400 and payload["object"] == "error" and payload["code"] == 400
+    # Nothing was paused: a request runs.
+    assert (await _generate(url, _long(tokens=2)))["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_pause_abort_answers_partial_outputs_and_continue_resumes(engine_served: Any) -> None:
+    url = engine_served.url
+    running = asyncio.create_task(_generate(url, {**_long(), "return_logprob": True}))
+    await _wait_running(url, 1)
+    status, payload = await _call(url, "POST", "/pause_generation", {})  # mode "abort" by default
+    try:
+        assert status == 200 and payload == {"message": "Generation paused successfully.", "status": "ok"}
+        out = await asyncio.wait_for(running, 10)  # answered (before the pause returned)
+        meta, count = out["meta_info"], len(out["output_ids"])
+        assert meta["finish_reason"]["type"] == "abort" and 0 < count < LONG_TOKENS
+        assert meta["completion_tokens"] == count == len(meta["output_token_logprobs"])
+        assert meta["weight_versions"] == [{"version": meta["weight_version"], "start": 0, "end": count}]
+    finally:
+        status, payload = await _call(url, "POST", "/continue_generation", {"torch_empty_cache": "false"})
+    assert status == 200 and payload == {"message": "Generation continued successfully.", "status": "ok"}
+    assert (await _generate(url, _long(tokens=2)))["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+async def test_an_update_while_paused_splits_the_weight_versions(
+    engine_served: Any, engine_checkpoint: Path, mode: str
+) -> None:
+    url = engine_served.url
+    running = asyncio.create_task(_generate(url, _long(tokens=200)))
+    await _wait_running(url, 1)
+    assert (await _call(url, "POST", "/pause_generation", {"mode": mode}))[0] == 200
+    try:  # the replica is shared: whatever fails, continue
+        load = await _loads(url)
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == ((1, 0) if mode == "in_place" else (0, 1))
+        body = {"model_path": str(engine_checkpoint), "weight_version": f"{mode}-v", "flush_cache": False}
+        status, payload = await _call(url, "POST", "/update_weights_from_disk", body)
+        assert status == 200 and payload["success"] is True, payload  # paused: no wait for the running request
+        assert not running.done()
+    finally:
+        assert (await _call(url, "POST", "/continue_generation", {}))[0] == 200
+    meta = (await asyncio.wait_for(running, 60))["meta_info"]
+    spans = meta["weight_versions"]
+    assert [span["version"] for span in spans] == [spans[0]["version"], f"{mode}-v"]
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < spans[1]["end"] == 200
+    assert meta["weight_version"] == f"{mode}-v" and meta["completion_tokens"] == 200
+
+
 # ----- loads, flush, health, info, weights --------------------------------------------------------
 async def test_loads_count_used_plus_queued_tokens(engine_served: Any) -> None:
     # load_inquirer.py: num_total_tokens = used KV tokens + the tokens of every queued request.

@@ -14,8 +14,9 @@ installed wheel (``pip install --no-deps sglang==0.5.23``, done by ``./dev.sh se
   ``.normalize(tokenizer)`` and ``.verify(vocab_size)`` (``tokenizer_manager.py``
   ``_create_tokenized_object``; the tiny byte-level tokenizer stands in for the model's, as
   ``stop`` strings need one: a server launched with ``--skip-tokenizer-init`` refuses them).
-- ``/update_weights_from_disk`` and ``/abort_request`` bodies: io_struct.py
-  ``UpdateWeightFromDiskReqInput`` / ``AbortReq``, validated the way FastAPI does it (a pydantic
+- ``/update_weights_from_disk``, ``/abort_request``, ``/pause_generation`` and
+  ``/continue_generation`` bodies: io_struct.py ``UpdateWeightFromDiskReqInput`` / ``AbortReq`` /
+  ``PauseGenerationReqInput`` / ``ContinueGenerationReqInput``, validated the way FastAPI does it (a pydantic
   ``TypeAdapter`` over the struct's own ``__get_pydantic_core_schema__``) and also built with
   ``**body``, which rejects keys SGLang would silently drop; abort bodies also pass api_types.py
   ``AbortRequest.from_json_value``.
@@ -55,7 +56,7 @@ import pytest
 from aiohttp import web
 
 from flexmarl.tiny import build_tiny_tokenizer
-from rolloutd.engines.protocol import GenerationRequest, SamplingParams
+from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams, WeightVersionSpan
 from rolloutd.engines.sglang_client import SGLangClient
 
 SGLANG_VERSION = "0.5.23"
@@ -99,6 +100,22 @@ class SGLangSchema:
     def cls(self, name: str) -> Any:
         """One class of io_struct.py."""
         return self.io_struct[name]
+
+
+# The request structs of the control routes the client calls (FastAPI validates their JSON bodies).
+_CONTROL_STRUCTS = (
+    "UpdateWeightFromDiskReqInput",
+    "AbortReq",
+    "PauseGenerationReqInput",
+    "ContinueGenerationReqInput",
+)
+# Route -> its body's struct.
+_BODY_STRUCTS = {
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/abort_request": "AbortReq",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+}
 
 
 def _sglang_package_root() -> Path:
@@ -209,11 +226,11 @@ def sglang_schema(tmp_path_factory: pytest.TempPathFactory) -> SGLangSchema:
         api_types = importlib.import_module("sglang.api.v1.api_types")
         sampling_params = importlib.import_module("sglang.srt.sampling.sampling_params")
         io_struct = _load_io_struct(root / "srt" / "managers" / "io_struct.py")
-        for name in ("GenerateReqInput", "UpdateWeightFromDiskReqInput", "AbortReq"):
+        for name in ("GenerateReqInput", *_CONTROL_STRUCTS):
             if name not in io_struct:
                 pytest.fail(f"io_struct.py of sglang {SGLANG_VERSION} did not define {name}", pytrace=False)
         # Built while the module is registered: the schema resolves the string annotations.
-        adapters = {name: TypeAdapter(io_struct[name]) for name in ("UpdateWeightFromDiskReqInput", "AbortReq")}
+        adapters = {name: TypeAdapter(io_struct[name]) for name in _CONTROL_STRUCTS}
     routes = _parse_routes(root)
     return SGLangSchema(root, api_contract, api_types, sampling_params, io_struct, adapters, routes, tokenizer)
 
@@ -251,6 +268,10 @@ class CaptureServer:
         if route == ("POST", "/update_weights_from_disk"):
             message = "Succeeded to update model weights."
             return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+        if route == ("POST", "/pause_generation"):
+            return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        if route == ("POST", "/continue_generation"):
+            return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
         if route == ("POST", "/abort_request") or route in (("GET", "/health"), ("GET", "/health_generate")):
             return web.Response(status=200)
         if route in (("GET", "/flush_cache"), ("POST", "/flush_cache")):
@@ -283,7 +304,11 @@ def _generate_answer(body: dict[str, Any]) -> Any:
             "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": length,
             "cached_tokens": 0,
-            "weight_version": "default",
+            "weight_version": "v1",
+            "weight_versions": [
+                {"version": "default", "start": 0, "end": 1},
+                {"version": "v1", "start": 1, "end": length},
+            ],
             "e2e_latency": 0.01,
         }
         if body.get("return_logprob"):
@@ -343,6 +368,12 @@ async def _drive_client(server: CaptureServer) -> None:
         assert await client.flush_cache()
         await client.abort(abort_all=True)
         await client.abort("episode-3-turn-0")
+        for mode in PauseMode:
+            await client.pause_generation(mode)
+            await client.continue_generation()
+        await client.pause_generation(PauseMode.IN_PLACE)
+        await client.update_weights_from_disk("/ckpt/step-4", weight_version="4", flush_cache=False)
+        await client.continue_generation()
 
 
 @pytest.fixture
@@ -421,8 +452,9 @@ async def test_generate_bodies_carry_what_was_asked(captured: CaptureServer) -> 
 
 async def test_weight_update_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
     bodies = captured.bodies("/update_weights_from_disk")
-    assert [body["model_path"] for body in bodies] == ["/ckpt/step-1", "/ckpt/step-2", "/ckpt/step-3"]
+    assert [body["model_path"] for body in bodies] == ["/ckpt/step-1", "/ckpt/step-2", "/ckpt/step-3", "/ckpt/step-4"]
     assert bodies[1]["weight_version"] == "2"
+    assert "flush_cache" not in bodies[0] and bodies[3]["flush_cache"] is False
     for body in bodies:
         _check_struct_body(sglang_schema, "UpdateWeightFromDiskReqInput", body)
 
@@ -435,10 +467,28 @@ async def test_abort_bodies_pass_sglang(captured: CaptureServer, sglang_schema: 
         sglang_schema.api_types.AbortRequest.from_json_value(body)
 
 
+async def test_pause_and_continue_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
+    pauses = captured.bodies("/pause_generation")
+    assert [body["mode"] for body in pauses] == ["abort", "retract", "in_place", "in_place"]
+    for body in pauses:
+        _check_struct_body(sglang_schema, "PauseGenerationReqInput", body)
+    continues = captured.bodies("/continue_generation")
+    assert continues == [{}] * 4  # a JSON object, as the route requires a body
+    for body in continues:
+        _check_struct_body(sglang_schema, "ContinueGenerationReqInput", body)
+
+
+async def test_generate_answers_carry_weight_version_spans(capture_server: CaptureServer) -> None:
+    async with SGLangClient(capture_server.url) as client:
+        [result] = await client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=3)))
+    assert result.weight_versions == (WeightVersionSpan("default", 0, 1), WeightVersionSpan("v1", 1, 3))
+    assert result.weight_version == "v1" and result.version_of_token(0) == "default"
+
+
 async def test_bodiless_calls_send_no_body(captured: CaptureServer) -> None:
     # /health, /flush_cache, /v1/loads, ... take no body in SGLang; /flush_cache reads only ?timeout=.
     for request in captured.requests:
-        if request.path not in ("/generate", "/update_weights_from_disk", "/abort_request"):
+        if request.path not in ("/generate", *_BODY_STRUCTS):
             assert request.body is None, request
             assert not request.query or (request.path == "/flush_cache" and set(request.query) <= {"timeout"})
 
@@ -473,6 +523,7 @@ async def test_router_bodies_pass_sglang(capture_server: CaptureServer, sglang_s
 def test_route_table_is_read_from_sglang(sglang_schema: SGLangSchema) -> None:
     # The parse is not vacuous: SGLang's RL routes are found, and a route 0.5.23 lacks is absent.
     assert {("POST", "/generate"), ("PUT", "/generate"), ("POST", "/update_weights_from_disk"),
+            ("POST", "/pause_generation"), ("POST", "/continue_generation"),
             ("POST", "/abort_request"), ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/v1/loads"),
             ("POST", "/flush_cache"), ("GET", "/model_info"), ("GET", "/server_info")} <= sglang_schema.routes
 
@@ -565,11 +616,39 @@ def test_unknown_top_level_key_is_flagged(sglang_schema: SGLangSchema) -> None:
         ("UpdateWeightFromDiskReqInput", {"model_path": "/ckpt", "version": "2"}),  # SGLang's key is weight_version
         ("AbortReq", {"rid": "r", "abort_all": [True]}),
         ("AbortReq", {"rid": "r", "all": True}),
+        # What rolloutd's engines refuse on /pause_generation and /continue_generation.
+        ("PauseGenerationReqInput", {"mode": "pause"}),
+        ("PauseGenerationReqInput", {"mode": 1}),
+        ("PauseGenerationReqInput", {"mode": "in_place", "rid": 3}),
+        ("ContinueGenerationReqInput", {"torch_empty_cache": "maybe"}),
     ],
 )
 def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, body: dict[str, Any]) -> None:
     with pytest.raises((ValueError, TypeError)):
         _check_struct_body(sglang_schema, name, body)
+
+
+@pytest.mark.parametrize(
+    ("name", "body"),
+    [
+        ("PauseGenerationReqInput", {}),  # mode "abort" by default
+        ("PauseGenerationReqInput", {"mode": "retract", "rid": "r"}),
+        ("ContinueGenerationReqInput", {}),
+        ("ContinueGenerationReqInput", {"torch_empty_cache": "false"}),  # FastAPI's lax booleans
+        ("UpdateWeightFromDiskReqInput", {"model_path": "/ckpt", "flush_cache": "no"}),
+    ],
+)
+def test_control_bodies_rolloutds_engines_accept_pass_sglang(
+    sglang_schema: SGLangSchema, name: str, body: dict[str, Any]
+) -> None:
+    sglang_schema.struct_adapters[name].validate_python(body)
+
+
+def test_pause_modes_are_sglangs(sglang_schema: SGLangSchema) -> None:
+    for mode in PauseMode:
+        sglang_schema.struct_adapters["PauseGenerationReqInput"].validate_python({"mode": mode.value})
+    with pytest.raises(ValueError):
+        sglang_schema.struct_adapters["PauseGenerationReqInput"].validate_python({"mode": "inplace"})
 
 
 def test_unserved_route_is_flagged(sglang_schema: SGLangSchema) -> None:
