@@ -1,0 +1,687 @@
+"""An OpenAI-compatible HTTP endpoint over the episodes rolloutd runs (bring your own agent program).
+
+A program written only against the official ``openai`` package (``AsyncOpenAI(base_url=...,
+api_key=...)``) plays an episode through a *session* of the :class:`Gateway`: every session has
+its own base URL ``http://<host>:<port>/sessions/<id>/v1`` and API key, both unguessable
+(:func:`secrets.token_urlsafe`), and lives exactly as long as its episode. Routes:
+
+* ``POST /sessions/<id>/v1/chat/completions`` (``stream`` too) and ``POST /sessions/<id>/v1/completions``:
+  ``model`` names the agent; one call is one :meth:`EpisodeContext.generate` of that agent, so the
+  native code path records the turn (prompt and response token ids, logprobs, behaviour version,
+  turn number) and the runner turns it into an experience.
+* ``GET /sessions/<id>/v1/models``: the episode's agents.
+* ``POST /sessions/<id>/reward`` ``{"agent", "value"}``: :meth:`EpisodeContext.reward`.
+* ``GET /metrics``: the gateway's Prometheus metrics (no session data).
+
+Token-in / token-out: a chat call is rendered with the agent's chat template and tokenized once.
+When its messages repeat an earlier turn of the same agent in the session (the same messages,
+then an assistant message whose content is exactly the text that turn returned), the recorded
+token ids of that turn (its prompt and its sampled response) are reused and only the new
+messages come from the template, so training sees exactly what was sampled rather than a
+re-tokenization of the text (:func:`resolve_chat_prompt`). An assistant message that matches no
+earlier turn is re-tokenized from its text; the response says so (``flexmarl.retokenized_messages``)
+and so does the ``flexmarl_gateway_retokenized_messages_total`` counter.
+
+Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 404 for an unknown
+session, route or model (agent), 400 for a malformed body or an unsupported parameter (``n`` > 1,
+``tools``, ``top_logprobs`` > 0, ``echo``, ...), 401 for a wrong API key. Every error carries
+``x-should-retry: false`` so the client never repeats a call that may have recorded a turn.
+
+Authentication: ``Authorization: Bearer <api_key>``. When the cluster has a bearer token the key
+handed to the program is ``<cluster token>.<session key>``, so the cluster token applies to every
+call although an unmodified program sends one key. The gateway binds to 127.0.0.1 unless
+configured otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.episode import EpisodeContext, Generation
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChatTurn",
+    "Gateway",
+    "GatewayConfig",
+    "GatewayMetrics",
+    "OpenAIError",
+    "ResolvedPrompt",
+    "Session",
+    "resolve_chat_prompt",
+]
+
+_CLIENT_MAX_SIZE = 16 << 20
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+# Request fields accepted and ignored: they do not change what is sampled here (``seed``: the
+# runner seeds every request from the job seed, the episode and the prompt).
+_IGNORED_FIELDS = frozenset(
+    {"user", "metadata", "store", "seed", "service_tier", "parallel_tool_calls", "stream_options",
+     "prompt_cache_key", "safety_identifier", "modalities", "reasoning_effort", "verbosity"}
+)
+_CHAT_FIELDS = frozenset(
+    {"model", "messages", "stream", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n",
+     "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "tools", "tool_choice", "functions",
+     "function_call", "response_format", "logit_bias"}
+)
+_COMPLETION_FIELDS = frozenset(
+    {"model", "prompt", "stream", "temperature", "top_p", "max_tokens", "stop", "n", "logprobs",
+     "frequency_penalty", "presence_penalty", "echo", "suffix", "best_of", "logit_bias"}
+)
+_TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    """Where the gateway listens and which cluster token applies (empty: none)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: The host put into session base URLs (default: ``host``, or 127.0.0.1 for a wildcard host).
+    advertise_host: str = ""
+    cluster_token: str = dataclasses.field(default="", repr=False)
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def response(self) -> web.Response:
+        """The HTTP response: ``{"error": {"message", "type", "param", "code"}}``."""
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status, headers={"x-should-retry": "false"})
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+class GatewayMetrics:
+    """Calls, reused prompt tokens and re-tokenized messages (registered on the registry given)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter("flexmarl_gateway_requests_total", "Gateway calls, by route and HTTP status.",
+                                ["route", "status"], registry=registry)
+        self.reused_tokens = Counter("flexmarl_gateway_reused_prompt_tokens_total",
+                                     "Prompt tokens taken from earlier turns' recorded ids, by agent.", ["agent"],
+                                     registry=registry)
+        self.retokenized = Counter("flexmarl_gateway_retokenized_messages_total",
+                                   "Assistant messages that matched no earlier turn and were re-tokenized from "
+                                   "their text, by agent.", ["agent"], registry=registry)
+        self.sessions = Gauge("flexmarl_gateway_open_sessions", "Sessions (episodes) open.", registry=registry)
+
+
+# ----- token-in / token-out ----------------------------------------------------------------------
+
+Message = tuple[str, str]
+"""A chat message as the template sees it: (role, content)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """A chat call of one agent, as later calls may repeat it."""
+
+    messages: tuple[Message, ...]
+    #: The messages rendered and tokenized from their text (what a later call's render starts with).
+    fresh_prompt_ids: tuple[int, ...]
+    #: What was sent (reused ids included) and what was sampled.
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    #: The text the program got back (the sampled ids decoded).
+    content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPrompt:
+    """The token ids a chat call is sent with, and how they were obtained."""
+
+    input_ids: tuple[int, ...]
+    fresh_ids: tuple[int, ...]
+    #: Leading ids taken from an earlier turn (its prompt and sampled response).
+    reused_tokens: int
+    #: Assistant messages matched to no earlier turn (re-tokenized from their text).
+    retokenized_messages: int
+
+
+def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in messages]
+
+
+def resolve_chat_prompt(ctx: EpisodeContext, agent: str, messages: Sequence[Message],
+                        history: Sequence[ChatTurn]) -> ResolvedPrompt:
+    """The prompt ids of a chat call, reusing the recorded ids of the longest earlier turn it repeats.
+
+    A turn T is repeated when ``messages`` starts with T's messages followed by an assistant
+    message whose content is T's returned text. The call's fresh render must then start with
+    T's fresh render, followed by the assistant content's own tokens (templates that rewrite
+    earlier turns fail this and fall back to the fresh render). The ids sent are T's prompt
+    ids, T's sampled ids, then the rest of the fresh render; a trailing sampled token the
+    template also writes (an end-of-turn token such as ``<|im_end|>``) is not repeated.
+    """
+    fresh = tuple(ctx.tokenize(agent, _as_dicts(messages)))
+    assistants = sum(1 for role, _ in messages if role == "assistant")
+    for turn in sorted(history, key=lambda t: len(t.messages), reverse=True):
+        n = len(turn.messages)
+        if len(messages) <= n or tuple(messages[:n]) != turn.messages or messages[n] != ("assistant", turn.content):
+            continue
+        spliced = _splice(ctx, agent, fresh, turn)
+        if spliced is None:
+            continue
+        covered = sum(1 for role, _ in messages[: n + 1] if role == "assistant")
+        reused = len(turn.prompt_ids) + len(turn.response_ids)
+        return ResolvedPrompt(spliced, fresh, reused, assistants - covered)
+    return ResolvedPrompt(fresh, fresh, 0, assistants)
+
+
+def _splice(ctx: EpisodeContext, agent: str, fresh: tuple[int, ...], turn: ChatTurn) -> tuple[int, ...] | None:
+    head = turn.fresh_prompt_ids
+    if fresh[: len(head)] != head:
+        return None
+    rest = fresh[len(head):]
+    content_ids = tuple(ctx.tokenize(agent, turn.content)) if turn.content else ()
+    if rest[: len(content_ids)] != content_ids:
+        return None
+    tail = rest[len(content_ids):]
+    sampled = turn.response_ids
+    overlap = 0
+    for k in range(min(len(sampled), len(tail)), 0, -1):
+        # Only tokens that decode to nothing (special tokens) may be shared by the sample and the template.
+        if sampled[-k:] == tail[:k] and ctx.decode(agent, sampled[:-k]) == turn.content:
+            overlap = k
+            break
+    return turn.prompt_ids + sampled + tail[overlap:]
+
+
+# ----- sessions ----------------------------------------------------------------------------------
+
+
+class Session:
+    """One episode's handle on the gateway: its id, key, context and the chat turns later calls may repeat."""
+
+    def __init__(self, session_id: str, api_key: str, ctx: EpisodeContext) -> None:
+        self.session_id = session_id
+        self.api_key = api_key
+        self.ctx = ctx
+        self.chat_history: dict[str, list[ChatTurn]] = {}
+        self.completion_history: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], str]]] = {}
+        self.closed = False
+        self.calls = 0
+        self.retokenized_messages = 0
+        self._inflight: set[asyncio.Task[Any]] = set()
+
+    async def run(self, call: Callable[[], Awaitable[Generation]]) -> Generation:
+        """Runs one generation as a task of this session (cancelled when the session closes)."""
+        if self.closed:
+            raise _session_not_found()
+        task: asyncio.Task[Generation] = asyncio.ensure_future(call())
+        self._inflight.add(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if self.closed and task.cancelled():
+                raise _session_not_found() from None
+            task.cancel()
+            raise
+        finally:
+            self._inflight.discard(task)
+
+    async def close(self) -> None:
+        """Refuses new calls and cancels those in flight (the episode ended)."""
+        self.closed = True
+        pending = list(self._inflight)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _session_not_found() -> OpenAIError:
+    return OpenAIError(404, "session not found (unknown, or its episode has ended)", code="session_not_found")
+
+
+# ----- request parsing -----------------------------------------------------------------------------
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"'{name}' must be a number", name)
+    if not low <= value <= high:
+        raise _bad(f"'{name}' must be in [{low}, {high}], got {value}", name)
+    return float(value)
+
+
+def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"'{name}' must be a positive integer", name)
+    return value
+
+
+def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """SGLang sampling overrides of an OpenAI body; ``max_tokens`` is bounded by the agent's ``max_new_tokens``.
+
+    Raises:
+        OpenAIError: 400 for a value of the wrong type or range, or ``n`` other than 1.
+    """
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise _bad("only n=1 is supported: one call is one turn of the agent (call again for another sample)", "n")
+    sampling: dict[str, Any] = {}
+    for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
+                            ("presence_penalty", -2.0, 2.0)):
+        value = _number(body, name, low, high)
+        if value is not None:
+            sampling[name] = value
+    if "top_p" in sampling and sampling["top_p"] <= 0.0:
+        raise _bad("'top_p' must be in (0, 1]", "top_p")
+    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    if max_tokens is not None:
+        limit = defaults.get("max_new_tokens")
+        sampling["max_new_tokens"] = min(max_tokens, int(limit)) if isinstance(limit, int) else max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise _bad("'stop' must be a string or a list of non-empty strings", "stop")
+        sampling["stop"] = list(stops)
+    if body.get("logit_bias"):
+        raise _bad("'logit_bias' is not supported", "logit_bias")
+    return sampling
+
+
+def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(body) - allowed - _IGNORED_FIELDS)
+    if unknown:
+        raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") not in _TEXT_PART_TYPES or not isinstance(
+                    part.get("text"), str):
+                raise _bad(f"messages[{index}].content: only text parts are supported", f"messages[{index}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _bad(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+
+
+def parse_messages(value: Any) -> tuple[Message, ...]:
+    """(role, content) pairs of an OpenAI ``messages`` list (text content only).
+
+    Raises:
+        OpenAIError: 400 when it is not a non-empty list of messages with a role and text content.
+    """
+    if not isinstance(value, list) or not value:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    messages: list[Message] = []
+    for index, message in enumerate(value):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise _bad(f"messages[{index}] must be an object with a string 'role'", f"messages[{index}]")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise _bad(f"messages[{index}]: tool calls are not supported", f"messages[{index}].tool_calls")
+        messages.append((message["role"], _content_text(message.get("content"), index)))
+    return tuple(messages)
+
+
+# ----- the server ----------------------------------------------------------------------------------
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _chat_logprobs(ctx: EpisodeContext, agent: str, generation: Generation) -> dict[str, Any]:
+    content = []
+    for token_id, logprob in zip(generation.token_ids, generation.logprobs, strict=True):
+        token = ctx.decode(agent, [token_id])
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+class Gateway:
+    """The OpenAI-compatible server; sessions are opened and closed by the episodes that own them."""
+
+    def __init__(self, config: GatewayConfig | None = None, registry: CollectorRegistry | None = None) -> None:
+        self.config = config or GatewayConfig()
+        self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
+        self._sessions: dict[str, Session] = {}
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes of the module docstring)."""
+        app = web.Application(client_max_size=_CLIENT_MAX_SIZE, middlewares=[self._errors])
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{sid}/v1/completions", self._completions)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
+        app.router.add_get("/sessions/{sid}/v1/models/{model}", self._model)
+        app.router.add_post("/sessions/{sid}/reward", self._reward)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def start(self) -> int:
+        """Listens on the configured host and port; returns the bound port."""
+        if self._runner is not None:
+            return self.port
+        runner = web.AppRunner(self.build_app(), access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.config.host, self.config.port).start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        logger.info("OpenAI-compatible gateway listening on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        """Closes every session and stops listening (idempotent)."""
+        for session in list(self._sessions.values()):
+            await self.close_session(session)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        """The gateway's root URL as programs reach it."""
+        if self._runner is None:
+            raise Unavailable("the gateway is not started")
+        host = self.config.advertise_host or (
+            "127.0.0.1" if self.config.host in _WILDCARD_HOSTS else self.config.host)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    # ---- sessions -----------------------------------------------------------------------------
+
+    def open_session(self, ctx: EpisodeContext) -> Session:
+        """A new session over ``ctx`` (one episode)."""
+        session = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), ctx)
+        self._sessions[session.session_id] = session
+        self.metrics.sessions.set(len(self._sessions))
+        return session
+
+    async def close_session(self, session: Session) -> None:
+        """Ends a session: its URL answers 404 from now on and calls in flight are cancelled."""
+        self._sessions.pop(session.session_id, None)
+        self.metrics.sessions.set(len(self._sessions))
+        await session.close()
+
+    def base_url(self, session: Session) -> str:
+        """The session's OpenAI base URL (``.../sessions/<id>/v1``)."""
+        return f"{self.url}/sessions/{session.session_id}/v1"
+
+    def api_key(self, session: Session) -> str:
+        """The key a program sends as its bearer token (with the cluster token in front when one applies)."""
+        token = self.config.cluster_token
+        return f"{token}.{session.api_key}" if token else session.api_key
+
+    # ---- request plumbing -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+        try:
+            response = await handler(request)
+        except OpenAIError as exc:
+            response = exc.response()
+        except web.HTTPNotFound:
+            response = OpenAIError(404, f"Invalid URL ({request.method} {request.path})", code="not_found").response()
+        except web.HTTPMethodNotAllowed:
+            response = OpenAIError(405, f"method {request.method} not allowed on {request.path}").response()
+        except web.HTTPRequestEntityTooLarge:
+            response = OpenAIError(413, f"request body over {_CLIENT_MAX_SIZE} bytes").response()
+        except InvalidArgument as exc:
+            response = _bad(str(exc)).response()
+        except FlexmarlError as exc:
+            logger.warning("gateway call %s failed: %s", request.path, exc)
+            response = OpenAIError(500, f"generation failed: {exc}", type_="server_error").response()
+        self.metrics.requests.labels(route, str(response.status)).inc()
+        return response
+
+    def _session(self, request: web.Request) -> Session:
+        header = request.headers.get("Authorization", "")
+        scheme, _, presented = header.partition(" ")
+        token = self.config.cluster_token
+        if token and not (scheme.lower() == "bearer" and hmac.compare_digest(
+                presented.strip().encode()[: len(token) + 1], f"{token}.".encode())):
+            raise OpenAIError(401, "missing or invalid bearer token", type_="invalid_request_error",
+                              code="invalid_api_key")
+        session = self._sessions.get(request.match_info["sid"])
+        if session is None or session.closed:
+            raise _session_not_found()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(),
+                                                                  self.api_key(session).encode()):
+            raise OpenAIError(401, "Incorrect API key provided.", type_="invalid_request_error",
+                              code="invalid_api_key")
+        return session
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object")
+        return body
+
+    @staticmethod
+    def _agent(session: Session, body: Mapping[str, Any]) -> str:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise _bad("'model' (the agent's name) is required", "model")
+        if model not in session.ctx.agents:
+            raise OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it "
+                                   f"(the agents are {sorted(session.ctx.agents)}).", code="model_not_found",
+                              param="model")
+        return model
+
+    # ---- handlers ---------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        return web.json_response({"object": "list", "data": [self._model_card(a) for a in session.ctx.agents]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        return web.json_response(self._model_card(self._agent(session, {"model": request.match_info["model"]})))
+
+    @staticmethod
+    def _model_card(agent: str) -> dict[str, Any]:
+        return {"id": agent, "object": "model", "created": 0, "owned_by": "flexmarl"}
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        body = await self._body(request)
+        agent = self._agent(session, {"model": body.get("agent")})
+        value = body.get("value")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise _bad("'value' must be a finite number", "value")
+        session.ctx.reward(agent, float(value))
+        return web.json_response({"agent": agent, "return": session.ctx.returns()[agent]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        body = await self._body(request)
+        _check_fields(body, _CHAT_FIELDS)
+        agent = self._agent(session, body)
+        ctx = session.ctx
+        messages = parse_messages(body.get("messages"))
+        if body.get("tools") or body.get("functions"):
+            raise _bad("'tools' are not supported: this gateway renders text-only chat templates", "tools")
+        if body.get("top_logprobs"):
+            raise _bad("only top_logprobs=0 is supported: engines return the sampled token's logprob", "top_logprobs")
+        response_format = body.get("response_format")
+        if response_format is not None and (not isinstance(response_format, Mapping)
+                                            or response_format.get("type") != "text"):
+            raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+        want_logprobs = body.get("logprobs") is True
+        sampling = sampling_of(body, ctx.sampling_defaults(agent))
+        history = session.chat_history.setdefault(agent, [])
+        prompt = resolve_chat_prompt(ctx, agent, messages, history)
+        generation = await session.run(lambda: ctx.generate(agent, list(prompt.input_ids), **sampling))
+        history.append(ChatTurn(messages, prompt.fresh_ids, prompt.input_ids, generation.token_ids, generation.text))
+        self._count(session, agent, prompt.reused_tokens, prompt.retokenized_messages)
+        extra = {"behavior_version": generation.version, "reused_prompt_tokens": prompt.reused_tokens,
+                 "retokenized_messages": prompt.retokenized_messages}
+        usage = {"prompt_tokens": len(prompt.input_ids), "completion_tokens": len(generation.token_ids),
+                 "total_tokens": len(prompt.input_ids) + len(generation.token_ids)}
+        logprobs = _chat_logprobs(ctx, agent, generation) if want_logprobs else None
+        completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        finish = _finish_reason(generation.finish_reason)
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            include_usage = isinstance(options, Mapping) and options.get("include_usage") is True
+            head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": agent,
+                    "system_fingerprint": f"flexmarl-v{generation.version}"}
+            chunks = [
+                {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]},
+                {**head, "choices": [{"index": 0, "delta": {"content": generation.text}, "logprobs": logprobs,
+                                      "finish_reason": None}]},
+                {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                 "flexmarl": extra},
+            ]
+            if include_usage:
+                chunks.append({**head, "choices": [], "usage": usage})
+            return await self._stream(request, chunks)
+        return web.json_response({
+            "id": completion_id, "object": "chat.completion", "created": created, "model": agent,
+            "system_fingerprint": f"flexmarl-v{generation.version}",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text, "refusal": None},
+                         "logprobs": logprobs, "finish_reason": finish}],
+            "usage": usage, "flexmarl": extra,
+        })
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        body = await self._body(request)
+        _check_fields(body, _COMPLETION_FIELDS)
+        agent = self._agent(session, body)
+        ctx = session.ctx
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise _bad("'prompt' must be a non-empty string (one prompt per call)", "prompt")
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise _bad(f"'{name}' is not supported", name)
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != 1:
+            raise _bad("only best_of=1 is supported", "best_of")
+        logprobs_n = body.get("logprobs")
+        if logprobs_n is not None and (isinstance(logprobs_n, bool) or logprobs_n not in (0, 1)):
+            raise _bad("'logprobs' must be 0 or 1: engines return the sampled token's logprob", "logprobs")
+        sampling = sampling_of(body, ctx.sampling_defaults(agent))
+        history = session.completion_history.setdefault(agent, [])
+        input_ids, reused = self._completion_prompt(ctx, agent, prompt, history)
+        generation = await session.run(lambda: ctx.generate(agent, list(input_ids), **sampling))
+        history.append((prompt, input_ids, generation.token_ids, generation.text))
+        self._count(session, agent, reused, 0)
+        logprobs = None
+        if logprobs_n is not None:
+            tokens = [ctx.decode(agent, [t]) for t in generation.token_ids]
+            offsets, offset = [], 0
+            for token in tokens:
+                offsets.append(offset)
+                offset += len(token)
+            logprobs = {"tokens": tokens, "token_logprobs": list(generation.logprobs),
+                        "top_logprobs": None, "text_offset": offsets}
+        usage = {"prompt_tokens": len(input_ids), "completion_tokens": len(generation.token_ids),
+                 "total_tokens": len(input_ids) + len(generation.token_ids)}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": agent, "system_fingerprint": f"flexmarl-v{generation.version}"}
+        choice = {"index": 0, "text": generation.text, "logprobs": logprobs,
+                  "finish_reason": _finish_reason(generation.finish_reason)}
+        extra = {"behavior_version": generation.version, "reused_prompt_tokens": reused, "retokenized_messages": 0}
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            chunks: list[dict[str, Any]] = [{**head, "choices": [choice], "flexmarl": extra}]
+            if isinstance(options, Mapping) and options.get("include_usage") is True:
+                chunks.append({**head, "choices": [], "usage": usage})
+            return await self._stream(request, chunks)
+        return web.json_response({**head, "choices": [choice], "usage": usage, "flexmarl": extra})
+
+    @staticmethod
+    def _completion_prompt(ctx: EpisodeContext, agent: str, prompt: str,
+                           history: Sequence[tuple[str, tuple[int, ...], tuple[int, ...], str]],
+                           ) -> tuple[tuple[int, ...], int]:
+        """The prompt's ids: an earlier call's prompt + sampled ids when the prompt continues that call's text."""
+        best = None
+        for earlier in history:
+            text = earlier[0] + earlier[3]
+            if prompt.startswith(text) and (best is None or len(text) > len(best[0] + best[3])):
+                best = earlier
+        if best is None:
+            return tuple(ctx.tokenize(agent, prompt)), 0
+        rest = prompt[len(best[0] + best[3]):]
+        reused = best[1] + best[2]
+        return reused + (tuple(ctx.tokenize(agent, rest)) if rest else ()), len(reused)
+
+    def _count(self, session: Session, agent: str, reused: int, retokenized: int) -> None:
+        session.calls += 1
+        session.retokenized_messages += retokenized
+        if reused:
+            self.metrics.reused_tokens.labels(agent).inc(reused)
+        if retokenized:
+            self.metrics.retokenized.labels(agent).inc(retokenized)
+            logger.info("agent %s: %d assistant message(s) matched no earlier turn; re-tokenized from text",
+                        agent, retokenized)
+
+    @staticmethod
+    async def _stream(request: web.Request, chunks: Sequence[Mapping[str, Any]]) -> web.StreamResponse:
+        """Server-sent events as OpenAI frames them: one ``data: <json>`` event per chunk, then ``data: [DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
