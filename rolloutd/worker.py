@@ -57,6 +57,7 @@ from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.episode import Environment, HFTokenizer, load_environment
+from rolloutd.external_env import ExternalAgents
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
@@ -218,6 +219,9 @@ class RolloutWorker:
             for replica in self.router.replicas():
                 with contextlib.suppress(Exception):
                     await replica.client.close()
+        for job in self._jobs.values():
+            with contextlib.suppress(Exception):
+                await job.env.aclose()
         for engine in self._engines:
             await asyncio.to_thread(engine.stop, 10.0)
         await self._link.close()
@@ -310,8 +314,11 @@ class RolloutWorker:
             return
         async with self._job_lock:
             for job_id in ended:
-                self._jobs.pop(job_id, None)
+                job = self._jobs.pop(job_id, None)
                 self._specs.forget(job_id)
+                if job is not None:
+                    with contextlib.suppress(Exception):
+                        await job.env.aclose()  # an ExternalAgents job's gateway stops listening
             await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                           for a in j.spec.agent_names])
         log.info("stopped serving finished jobs %s", ended)
@@ -445,6 +452,9 @@ class RolloutWorker:
         spec = await self._specs.get(task.job_id, task.spec_digest)
         router = await self._ensure_engines(spec)
         env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
+        if isinstance(env, ExternalAgents) and not env.gateway_config.cluster_token and self.settings.security.token:
+            # The agent program's calls carry the cluster's bearer token too (docs/gateway.md).
+            env.gateway_config = dataclasses.replace(env.gateway_config, cluster_token=self.settings.security.token)
         missing = [a for a in env.agents if a not in spec.agent_names]
         if missing:
             raise InvalidArgument(f"environment needs agents {missing} that the job spec lacks")
