@@ -355,7 +355,9 @@ class TrainerWorker:
                 slot, lambda: trainer.accumulate(records, micro_batch_index=work.micro_batch_index))
         await self._settle(trainer)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
-        await self._orchestrator.ack_micro_batch(slot.slot_id, work.lease_id, stats.sequences)
+        # Episodes, not experiences: an agent with several turns per episode has several experiences each.
+        episodes = len({(r.task_id, r.sample_index) for r in records})
+        await self._orchestrator.ack_micro_batch(slot.slot_id, work.lease_id, episodes)
 
     async def _optimizer_step(self, slot: Slot, work: OptimizerStepWork) -> None:
         group = work.group if work.group is not None and work.group.world_size > 1 else None
