@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.retry import RetryPolicy, retry
 from rolloutd.engines.protocol import (
     EngineClient,
     EngineLoad,
@@ -296,25 +297,26 @@ class SGLangClient(EngineClient):
         ``timeout_s`` is the request's total timeout; None sets none (the caller bounds it).
         """
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
-        attempt = 0
-        while True:
-            try:
-                async with self._get_session().request(method, self.url + path, json=body, timeout=timeout) as response:
-                    status = response.status
-                    text = await response.text()
-                    payload: Any = text
-                    if response.content_type == "application/json" and text:
-                        payload = json.loads(text)
-                break
-            except aiohttp.ClientConnectionError as exc:
-                if attempt >= self._retries:
-                    raise Unavailable(f"engine {self.url} unreachable ({method} {path}): {exc!r}") from exc
-                delay_s = self._retry_backoff_s * (2**attempt)
-                attempt += 1
-                logger.debug("retrying %s %s%s in %.2fs after %r", method, self.url, path, delay_s, exc)
-                await asyncio.sleep(delay_s)
-            except TimeoutError as exc:
-                raise Unavailable(f"engine {self.url} timed out ({method} {path})") from exc
+
+        async def send() -> tuple[int, Any]:
+            async with self._get_session().request(method, self.url + path, json=body, timeout=timeout) as response:
+                text = await response.text()
+                if response.content_type == "application/json" and text:
+                    return response.status, json.loads(text)
+                return response.status, text
+
+        def log_retry(exc: BaseException, attempt: int, delay_s: float) -> None:
+            logger.debug("retrying %s %s%s in %.2fs after %r", method, self.url, path, delay_s, exc)
+
+        policy = RetryPolicy(self._retry_backoff_s, self._retry_backoff_s * 2 ** max(self._retries - 1, 0),
+                             attempts=self._retries + 1)
+        try:
+            status, payload = await retry(send, retryable=lambda exc: isinstance(exc, aiohttp.ClientConnectionError),
+                                          policy=policy, on_retry=log_retry)
+        except aiohttp.ClientConnectionError as exc:
+            raise Unavailable(f"engine {self.url} unreachable ({method} {path}): {exc!r}") from exc
+        except TimeoutError as exc:
+            raise Unavailable(f"engine {self.url} timed out ({method} {path})") from exc
         if status in allowed_statuses or 200 <= status < 300:
             return status, payload
         detail = f"engine {self.url} {method} {path} -> HTTP {status}: {sglang_error_message(payload)}"
