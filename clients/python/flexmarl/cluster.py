@@ -117,8 +117,7 @@ class _Child:
 
     def kill(self) -> None:
         """SIGKILL, no cleanup (fault tests)."""
-        if self.alive():
-            assert self.proc is not None
+        if self.proc is not None and self.alive():
             self.proc.kill()
             self.proc.wait(timeout=10)
         self._close_log()
