@@ -147,7 +147,8 @@ def test_full_store_slows_rollouts_and_loses_nothing(etcd: EtcdServer, start_dae
     assert _metric(orch, "flexmarl_orchestratord_rollout_tasks_reported_total", 'outcome="failed"') == 0
     # A lease may still expire under a loaded machine and be re-issued; that costs time, never data.
     assert _metric(orch, "flexmarl_orchestratord_rollout_tasks_leased_total") >= PROMPTS
-    assert _metric(rolloutd, "flexmarl_rolloutd_backpressure") == 0.0
+    # Released once the lease loop sees no append waiting (it looks every BACKPRESSURE_POLL_S).
+    _wait("rolloutd to release backpressure", lambda: _metric(rolloutd, "flexmarl_rolloutd_backpressure") == 0.0, 30)
 
     async def stored_ids() -> dict[str, list[str]]:
         async with StoreClient(stored.address) as store:
