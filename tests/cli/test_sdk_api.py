@@ -218,3 +218,29 @@ def test_versions_list_what_the_policy_keeps_and_a_pruned_download_says_so(tmp_p
                 client.download_weights("job-1", "sender", 9, tmp_path / "v9")
     finally:
         server.stop(0)
+
+
+def test_history_and_versions_print_as_text_and_csv(capsys: pytest.CaptureFixture[str]) -> None:
+    from flexmarl import cli
+
+    servicer = VersionedOrchestrator()  # type: ignore[abstract]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        assert cli.main(["history", "job-1", "--csv", "--address", address]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split(",") == list(cli.HISTORY_FIELDS)
+        assert [line.split(",")[:4] for line in lines[1:]] == [
+            ["sender", str(v - 1), str(v), str(v / 10)] for v in range(1, 6)]
+        assert cli.main(["history", "job-1", "--agent", "receiver", "--csv", "--address", address]) == 0
+        assert capsys.readouterr().out.splitlines() == [",".join(cli.HISTORY_FIELDS)]
+        assert cli.main(["history", "job-1", "--address", address]) == 0
+        assert "0.500" in capsys.readouterr().out  # the table: v5's reward
+        assert cli.main(["versions", "job-1", "--json", "--address", address]) == 0
+        kept = [(v["agent"], v["version"]) for v in json.loads(capsys.readouterr().out) if v["retained"]]
+        assert kept == [("sender", 0), ("sender", 2), ("sender", 4), ("sender", 5), ("receiver", 0)]
+    finally:
+        server.stop(0)

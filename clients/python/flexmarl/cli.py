@@ -431,6 +431,36 @@ def cmd_versions(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+HISTORY_FIELDS = ("agent", "step", "version", "reward_mean", "loss", "grad_norm", "staleness_mean", "episodes",
+                  "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms")
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    """Every committed step of a job as text: a table, or CSV with --csv (one row per agent and step)."""
+    import csv
+
+    with _client(args) as client:
+        history = client.history(args.job_id)
+    rows = sorted(history, key=lambda r: (r.agent, r.step))
+    if args.agent:
+        rows = [r for r in rows if r.agent == args.agent]
+    if args.csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(HISTORY_FIELDS)
+        writer.writerows([getattr(r, f) for f in HISTORY_FIELDS] for r in rows)
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table("agent", "step", "version", "reward", "loss", "grad norm", "staleness", "episodes", "tokens/s",
+                  "step s")
+    for r in rows:
+        table.add_row(r.agent, str(r.step), str(r.version), f"{r.reward_mean:.3f}", f"{r.loss:.4f}",
+                      f"{r.grad_norm:.3f}", f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}",
+                      f"{r.step_seconds:.2f}")
+    _console().print(table)
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     """Prints the job file's JSON Schema (or, with --markdown, the field reference of docs/jobspec.md)."""
     from flexmarl.jobspec_reference import json_schema, markdown
@@ -560,6 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     versions.add_argument("--all", action="store_true", help="also list versions the checkpoint policy pruned")
     versions.add_argument("--json", action="store_true")
     versions.set_defaults(func=cmd_versions)
+    history = sub.add_parser("history", parents=[common], help="every committed step as text (--csv for CSV)")
+    history.add_argument("job_id")
+    history.add_argument("--agent", default="", help="only this agent")
+    history.add_argument("--csv", action="store_true")
+    history.set_defaults(func=cmd_history)
     schema = sub.add_parser("schema", help="the job file's JSON Schema (for editors); --markdown: the reference")
     schema.add_argument("--markdown", action="store_true")
     schema.set_defaults(func=cmd_schema)
