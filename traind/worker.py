@@ -153,6 +153,11 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
     )
 
 
+def _checkpoint_policy(spec: JobSpec | None) -> CheckpointSpec:
+    """The job's retention policy (the default one before its spec was fetched)."""
+    return spec.checkpoint if spec is not None else CheckpointSpec()
+
+
 class TrainerWorker:
     """The slots of one traind process, over a link to orchestratord and one to stored."""
 
@@ -450,12 +455,11 @@ class TrainerWorker:
     def _prune(self, job_id: str, agent: str, version: int, spec: JobSpec | None) -> None:
         """Deletes the local weights and states the job's checkpoint policy no longer retains.
 
-        ``version`` was just committed; the versions that fell out of the policy with it are the
-        ones deleted (a window, so a restarted traind also catches up on a few it missed).
+        ``version`` was just committed; of :meth:`CheckpointSpec.prune_candidates`, what the policy
+        no longer keeps is deleted.
         """
-        policy = spec.checkpoint if spec is not None else CheckpointSpec()
-        window = range(max(0, version - max(policy.keep_last, policy.keep_states) - 10), version)
-        for old in window:
+        policy = _checkpoint_policy(spec)
+        for old in policy.prune_candidates(version):
             if not policy.keeps_weights(old, version):
                 shutil.rmtree(self.settings.work_dir / "weights" / job_id / agent / f"v{old}", ignore_errors=True)
             if not policy.keeps_state(old, version):
@@ -467,10 +471,10 @@ class TrainerWorker:
         """:meth:`_prune` for what was published or saved to stored (best effort: logged, never raised)."""
         if "stored" not in (self.settings.publish_location, self.settings.state_location):
             return
-        policy = spec.checkpoint if spec is not None else CheckpointSpec()
+        policy = _checkpoint_policy(spec)
         try:
             store = await self._store.client()
-            for old in range(max(0, version - max(policy.keep_last, policy.keep_states) - 10), version):
+            for old in policy.prune_candidates(version):
                 if self.settings.publish_location == "stored" and not policy.keeps_weights(old, version):
                     with contextlib.suppress(NotFound):
                         await store.delete_blob(weights_blob_name(job_id, agent, old))

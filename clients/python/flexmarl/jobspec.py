@@ -253,6 +253,13 @@ class CheckpointSpec(_SpecModel):
         """Whether ``version``'s training state is retained once ``latest`` is committed."""
         return version > latest - self.keep_states or self._kept_forever(version)
 
+    def prune_candidates(self, latest: int) -> range:
+        """The versions below ``latest`` that may have fallen out of the policy with it.
+
+        A window past the kept ones, so a restarted traind also catches up on a few it missed.
+        """
+        return range(max(0, latest - max(self.keep_last, self.keep_states) - 10), latest)
+
     def _kept_forever(self, version: int) -> bool:
         return self.keep_every > 0 and version > 0 and version % self.keep_every == 0
 
