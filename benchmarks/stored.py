@@ -1,11 +1,16 @@
 """Throughput of stored: experience append/read and blob put/get vs raw loopback gRPC.
 
-Usage: python benchmarks/stored.py [--records 4096] [--batch 64] [--response-tokens 1024]
+Usage: python benchmarks/stored.py [--records 4096] [--batch 64] [--response-tokens 1024] [--blob-rounds 3]
 
 Starts etcd and a real stored subprocess (fsync on every commit, synchronous=FULL),
 plus a bare gRPC server subprocess that streams/accepts raw 1 MiB messages with no
-work: the ceiling any gRPC service can reach on this machine. Prints a table and
-writes benchmarks/results/stored.json.
+work: the ceiling any gRPC service can reach on this machine. Blob put/get (through
+StoreClient's put_blob_file/get_blob_file: file read, sha256, verified, fsynced) and
+the raw bound alternate for ``--blob-rounds`` rounds, so load from other work on the
+machine hits both alike; the table gives the medians and each blob figure's median
+ratio to the raw bound of its round, plus the CPU time client and server spent per MiB
+(a figure other work on a shared machine disturbs less than throughput). Prints a
+table and writes benchmarks/results/stored.json.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: benchmarks.report is foun
 import grpc  # noqa: E402
 import grpc.aio  # noqa: E402
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 
 from benchmarks.report import Column, percentile, render_table  # noqa: E402
 from flexmarl.cluster import DaemonProcess, EtcdServer, free_port, wait_until  # noqa: E402
@@ -88,27 +95,39 @@ def payload_bytes(r: ExperienceRecord) -> int:
     return int(r.prompt_token_ids.nbytes + r.response_token_ids.nbytes + r.response_logprobs.nbytes)
 
 
-async def bench_raw(address: str, total_mb: int) -> dict[str, float]:
+class CpuMeter:
+    """CPU seconds (user + system, every thread) of this process and a server process."""
+
+    def __init__(self, server_pid: int) -> None:
+        self._server = psutil.Process(server_pid)
+
+    def now(self) -> float:
+        server = self._server.cpu_times()
+        return time.process_time() + server.user + server.system
+
+
+async def bench_raw(address: str, total_mb: int, cpu: CpuMeter) -> dict[str, float]:
     opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=opts) as channel:
         await channel.channel_ready()
         down = channel.unary_stream("/raw.Raw/Down", request_serializer=lambda b: b, response_deserializer=lambda b: b)
         up = channel.stream_unary("/raw.Raw/Up", request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu.now()
         received = 0
         async for chunk in down(str(total_mb).encode()):
             received += len(chunk)
-        down_s = time.perf_counter() - start
+        down_s, down_cpu_s = time.perf_counter() - start, cpu.now() - cpu_start
         payload = b"y" * RAW_MESSAGE_BYTES
 
         async def chunks() -> AsyncIterator[bytes]:
             for _ in range(total_mb):
                 yield payload
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu.now()
         sent = int(await up(chunks()))
-        up_s = time.perf_counter() - start
-    return {"down_mb_per_s": received / 2**20 / down_s, "up_mb_per_s": sent / 2**20 / up_s}
+        up_s, up_cpu_s = time.perf_counter() - start, cpu.now() - cpu_start
+    return {"down_mb_per_s": received / 2**20 / down_s, "up_mb_per_s": sent / 2**20 / up_s,
+            "down_cpu_ms_per_mb": 1000 * down_cpu_s / total_mb, "up_cpu_ms_per_mb": 1000 * up_cpu_s / total_mb}
 
 
 async def bench_stored(address: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -129,14 +148,6 @@ async def bench_stored(address: str, args: argparse.Namespace, tmp: Path) -> dic
             got += len(await client.read("bench", ids[i : i + args.read_batch]))
         read_s = time.perf_counter() - start
         assert got == len(records)
-        blob = tmp / "blob.bin"
-        blob.write_bytes(os.urandom(args.blob_mb << 20))
-        start = time.perf_counter()
-        await client.put_blob_file("bench/blob", blob)
-        put_s = time.perf_counter() - start
-        start = time.perf_counter()
-        await client.get_blob_file("bench/blob", tmp / "blob.out")
-        get_s = time.perf_counter() - start
     return {
         "records": len(records),
         "payload_mb": total_mb,
@@ -148,10 +159,40 @@ async def bench_stored(address: str, args: argparse.Namespace, tmp: Path) -> dic
         "read_batch": args.read_batch,
         "read_experiences_per_s": len(records) / read_s,
         "read_mb_per_s": total_mb / read_s,
-        "blob_mb": args.blob_mb,
-        "blob_put_mb_per_s": args.blob_mb / put_s,
-        "blob_get_mb_per_s": args.blob_mb / get_s,
     }
+
+
+async def bench_blob(address: str, mb: int, tmp: Path, round_index: int, cpu: CpuMeter) -> dict[str, float]:
+    """One put and one get of a fresh random blob of mb MiB (no dedup with an earlier round)."""
+    blob = tmp / "blob.bin"
+    blob.write_bytes(os.urandom(mb << 20))
+    name = f"bench/blob-{round_index}"
+    async with StoreClient(address) as client:
+        start, cpu_start = time.perf_counter(), cpu.now()
+        await client.put_blob_file(name, blob)
+        put_s, put_cpu_s = time.perf_counter() - start, cpu.now() - cpu_start
+        start, cpu_start = time.perf_counter(), cpu.now()
+        await client.get_blob_file(name, tmp / "blob.out")
+        get_s, get_cpu_s = time.perf_counter() - start, cpu.now() - cpu_start
+        await client.delete_blob(name)
+    (tmp / "blob.out").unlink()
+    return {"put_mb_per_s": mb / put_s, "get_mb_per_s": mb / get_s,
+            "put_cpu_ms_per_mb": 1000 * put_cpu_s / mb, "get_cpu_ms_per_mb": 1000 * get_cpu_s / mb}
+
+
+def blob_rounds(
+    raw: tuple[str, int], stored: tuple[str, int], args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """Raw bound and stored blob put/get ((address, server pid) each), alternating; medians and ratios."""
+    rounds = []
+    for index in range(args.blob_rounds):
+        raw_result = asyncio.run(bench_raw(raw[0], args.blob_mb, CpuMeter(raw[1])))
+        blob = asyncio.run(bench_blob(stored[0], args.blob_mb, tmp, index, CpuMeter(stored[1])))
+        rounds.append({**{f"raw_{k}": v for k, v in raw_result.items()}, **blob,
+                       "put_vs_raw": blob["put_mb_per_s"] / raw_result["up_mb_per_s"],
+                       "get_vs_raw": blob["get_mb_per_s"] / raw_result["down_mb_per_s"]})
+    return {"blob_mb": args.blob_mb, "rounds": rounds,
+            **{f"median_{key}": statistics.median(r[key] for r in rounds) for key in rounds[0]}}
 
 
 def main() -> None:
@@ -162,6 +203,7 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=1024)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--blob-mb", type=int, default=128)
+    parser.add_argument("--blob-rounds", type=int, default=3, help="alternating raw / stored blob rounds")
     parser.add_argument("--synchronous", default="FULL")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -180,8 +222,8 @@ def main() -> None:
         try:
             stored.start()
             wait_until(lambda: raw.poll() is None, 5, "raw server")
-            raw_result = asyncio.run(bench_raw(f"127.0.0.1:{raw_port}", args.blob_mb))
             result = asyncio.run(bench_stored(stored.address, args, tmp))
+            blobs = blob_rounds((f"127.0.0.1:{raw_port}", raw.pid), (stored.address, stored.pid), args, tmp)
         finally:
             raw.terminate()
             raw.wait(10)
@@ -195,22 +237,33 @@ def main() -> None:
         "response_tokens": args.response_tokens,
         "prompt_tokens": args.prompt_tokens,
         "stored": result,
-        "raw_grpc": raw_result,
+        "blobs": blobs,
     }
+    nan = float("nan")
+    b = blobs
     rows = [
-        (f"append (batches of {args.batch})", result["append_experiences_per_s"], result["append_mb_per_s"]),
-        (f"read (batches of {args.read_batch})", result["read_experiences_per_s"], result["read_mb_per_s"]),
-        (f"blob put {args.blob_mb} MiB", float("nan"), result["blob_put_mb_per_s"]),
-        (f"blob get {args.blob_mb} MiB", float("nan"), result["blob_get_mb_per_s"]),
-        ("raw gRPC client-stream 1 MiB msgs", float("nan"), raw_result["up_mb_per_s"]),
-        ("raw gRPC server-stream 1 MiB msgs", float("nan"), raw_result["down_mb_per_s"]),
+        (f"append (batches of {args.batch})", result["append_experiences_per_s"], result["append_mb_per_s"], nan, nan),
+        (f"read (batches of {args.read_batch})", result["read_experiences_per_s"], result["read_mb_per_s"], nan, nan),
+        (f"blob put {args.blob_mb} MiB", nan, b["median_put_mb_per_s"], b["median_put_vs_raw"],
+         b["median_put_cpu_ms_per_mb"]),
+        (f"blob get {args.blob_mb} MiB", nan, b["median_get_mb_per_s"], b["median_get_vs_raw"],
+         b["median_get_cpu_ms_per_mb"]),
+        ("raw gRPC client-stream 1 MiB msgs", nan, b["median_raw_up_mb_per_s"], nan, b["median_raw_up_cpu_ms_per_mb"]),
+        ("raw gRPC server-stream 1 MiB msgs", nan, b["median_raw_down_mb_per_s"], nan,
+         b["median_raw_down_cpu_ms_per_mb"]),
     ]
     print(f"stored benchmark: {args.records} experiences, {args.response_tokens}-token responses + logprobs, "
-          f"{args.prompt_tokens}-token prompts, synchronous={args.synchronous}")
-    columns = [Column("operation", 36, "<"), Column("experiences/s", 15, fmt=",.0f"), Column("MiB/s", 10, fmt=".1f")]
-    table_rows = [(name, "-" if eps != eps else eps, mbs) for name, eps, mbs in rows]
+          f"{args.prompt_tokens}-token prompts, synchronous={args.synchronous}; blob figures: medians of "
+          f"{args.blob_rounds} alternating rounds (put vs client-stream, get vs server-stream)")
+    columns = [Column("operation", 36, "<"), Column("experiences/s", 15, fmt=",.0f"), Column("MiB/s", 10, fmt=".1f"),
+               Column("of raw", 8, fmt=".0%"), Column("CPU ms/MiB", 11, fmt=".2f")]
+    table_rows = [tuple("-" if v != v else v for v in row) for row in rows]
     print("\n".join(render_table(columns, table_rows, sep="")))
     print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms")
+    for index, r in enumerate(blobs["rounds"]):
+        print(f"blob round {index}: put {r['put_mb_per_s']:.0f} / raw up {r['raw_up_mb_per_s']:.0f} MiB/s "
+              f"({r['put_vs_raw']:.0%}), get {r['get_mb_per_s']:.0f} / raw down {r['raw_down_mb_per_s']:.0f} MiB/s "
+              f"({r['get_vs_raw']:.0%})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -14,17 +14,14 @@ import grpc.aio
 from prometheus_client import CollectorRegistry
 
 from flexmarl.daemon import DaemonApp, DaemonContext
-from flexmarl.v1 import store_pb2_grpc
 from stored.blobs import BlobStore
 from stored.config import StoredConfig
 from stored.database import Database
 from stored.experiences import ExperienceStore
 from stored.metrics import StoredMetrics
-from stored.servicer import StoreServicer
+from stored.servicer import SERVICE_NAME, StoreServicer, add_to_server
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = "flexmarl.v1.Store"
 
 
 class StoredApp(DaemonApp):
@@ -39,6 +36,7 @@ class StoredApp(DaemonApp):
         self.metrics = StoredMetrics(metrics_registry)
         self.servicer = StoreServicer(self.metrics, self._executor)
         self.db: Database | None = None
+        self._opened_blobs: BlobStore | None = None
         self._gc_task: asyncio.Task[None] | None = None
         self._stopped = False
 
@@ -53,12 +51,13 @@ class StoredApp(DaemonApp):
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Store service (it answers UNAVAILABLE until start() opened the stores)."""
-        store_pb2_grpc.add_StoreServicer_to_server(self.servicer, server)
+        add_to_server(self.servicer, server)
 
     async def start(self) -> None:
         """Opens the database (recovering blobs left by a crash) and starts the GC loop."""
         loop = asyncio.get_running_loop()
         self.experiences, self.blobs = await loop.run_in_executor(self._executor, self._open)
+        self._opened_blobs = self.blobs
         self.metrics.watch_contents(self.experiences, self.blobs)
         self.servicer.attach(self.experiences, self.blobs)
         if self.config.gc_interval_s > 0:
@@ -88,6 +87,8 @@ class StoredApp(DaemonApp):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_task
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+        if self._opened_blobs is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._opened_blobs.close)
         if self.db is not None:
             self.db.close()
         log.info("stored closed %s", self.data_dir)

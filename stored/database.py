@@ -9,11 +9,17 @@ Durability: with ``synchronous=FULL`` every commit fsyncs the WAL before it retu
 so a committed (acknowledged) transaction survives a process kill *and* an OS crash
 or power loss. ``NORMAL`` would still survive a process kill (the WAL is in the page
 cache) but may lose the last commits on power loss; it is allowed, not the default.
+
+A full disk: a write transaction that fails for want of space (SQLITE_FULL, ENOSPC,
+EDQUOT) is rolled back and raised as RESOURCE_EXHAUSTED with the reason DISK_FULL, and
+the writer connection is left outside any transaction, so the next request simply tries
+again: stored recovers by itself when space returns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import sqlite3
 import threading
@@ -26,6 +32,7 @@ from flexmarl.errors import ErrorReason, ResourceExhausted
 log = logging.getLogger(__name__)
 
 SYNCHRONOUS_MODES = ("FULL", "NORMAL", "EXTRA")
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 # auto_vacuum must be chosen before the first table exists; INCREMENTAL lets garbage
 # collection hand freed pages back to the file system without a full VACUUM.
@@ -61,6 +68,8 @@ CREATE TABLE IF NOT EXISTS experiences (
     response_token_ids BLOB NOT NULL,
     response_logprobs BLOB NOT NULL,
     content_sha256 BLOB NOT NULL,
+    -- int32 (start, version) pairs of an interrupted response; empty: every token has behavior_version.
+    response_version_spans BLOB NOT NULL DEFAULT x'',
     UNIQUE (job_id, experience_id)
 );
 CREATE INDEX IF NOT EXISTS exp_partition ON experiences (job_id, agent, state, behavior_version);
@@ -158,6 +167,32 @@ def check_quota(conn: sqlite3.Connection, quotas: JobQuotas, job_id: str, adding
         )
 
 
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in _DISK_FULL_ERRNOS
+    if isinstance(exc, sqlite3.Error):
+        # sqlite_errorcode is the extended code; its low byte is the primary one.
+        return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) == sqlite3.SQLITE_FULL
+    return False
+
+
+@contextlib.contextmanager
+def disk_full_errors(what: str) -> Iterator[None]:
+    """Raises a full disk (ENOSPC, EDQUOT, SQLITE_FULL) in the block as ResourceExhausted(DISK_FULL).
+
+    Other errors pass unchanged. ``what`` says what was being written, for the message.
+    """
+    try:
+        yield
+    except (OSError, sqlite3.Error) as exc:
+        if not _is_disk_full(exc):
+            raise
+        log.warning("%s: no space left on the device (%s)", what, exc)
+        raise ResourceExhausted(
+            f"{what}: stored's disk is full ({exc}); retry once space is freed", reason=ErrorReason.DISK_FULL
+        ) from exc
+
+
 class Database:
     """One SQLite file: a locked writer connection and per-thread reader connections.
 
@@ -179,7 +214,15 @@ class Database:
         self._writer = self._connect()
         self._writer.execute("PRAGMA auto_vacuum = INCREMENTAL")
         self._writer.executescript(_SCHEMA)
+        self._migrate()
         log.info("opened %s (journal WAL, synchronous %s)", path, self._synchronous)
+
+    def _migrate(self) -> None:
+        """Columns added after a database was created (CREATE TABLE IF NOT EXISTS leaves old tables as they are)."""
+        columns = {str(row[1]) for row in self._writer.execute("PRAGMA table_info(experiences)")}
+        if "response_version_spans" not in columns:
+            self._writer.execute("ALTER TABLE experiences ADD COLUMN response_version_spans BLOB NOT NULL DEFAULT x''")
+            log.info("%s: added experiences.response_version_spans", self.path)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -194,18 +237,26 @@ class Database:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: commits when the block ends, rolls back on an exception."""
-        with self._write_lock:
+        """One write transaction: commits when the block ends, rolls back on an exception.
+
+        A failed COMMIT rolls back too (SQLite may already have): the writer never stays
+        inside a transaction, so one failure (a full disk) cannot block every later write.
+
+        Raises:
+            ResourceExhausted: no space left for the transaction (reason DISK_FULL).
+        """
+        with self._write_lock, disk_full_errors(f"{self.path.name}: write transaction"):
             if self._closed:
                 raise RuntimeError("database is closed")
             conn = self._writer
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

@@ -28,7 +28,14 @@ import numpy as np
 import numpy.typing as npt
 
 from flexmarl.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from flexmarl.experience import LOGPROB_DTYPE, TOKEN_DTYPE, ExperienceRecord, ExperienceState
+from flexmarl.experience import (
+    LOGPROB_DTYPE,
+    SPAN_DTYPE,
+    TOKEN_DTYPE,
+    ExperienceRecord,
+    ExperienceState,
+    check_version_spans,
+)
 from flexmarl.ids import AGENT_NAME_PATTERN, JOB_ID_PATTERN, ExperienceKey, GroupRef, is_job_id
 from flexmarl.store_client import ExperienceRef, ExperienceStats
 from stored.database import Database, JobQuotas, check_quota
@@ -105,11 +112,12 @@ class _PackedRecord:
     prompt: bytes
     response: bytes
     logprobs: bytes
+    spans: bytes
     digest: bytes
 
     @property
     def payload_bytes(self) -> int:
-        return len(self.prompt) + len(self.response) + len(self.logprobs)
+        return len(self.prompt) + len(self.response) + len(self.logprobs) + len(self.spans)
 
 
 def validate_job_id(job_id: str) -> None:
@@ -131,9 +139,13 @@ def validate_step_id(step_id: str) -> None:
 
 
 def content_digest(
-    record: ExperienceRecord, prompt: bytes, response: bytes, logprobs: bytes
+    record: ExperienceRecord, prompt: bytes, response: bytes, logprobs: bytes, spans: bytes = b""
 ) -> bytes:
-    """sha256 over every immutable field of a record (not state, step or times)."""
+    """sha256 over every immutable field of a record (not state, step or times).
+
+    The version spans of an interrupted response are hashed only when there are any, so the
+    digest of every record without them is what it was before they existed.
+    """
     h = hashlib.sha256()
     for text in (
         record.experience_id, record.job_id, record.agent, record.task_id, record.group_id, record.episode_id
@@ -150,6 +162,9 @@ def content_digest(
     h.update(prompt)
     h.update(response)
     h.update(logprobs)
+    if spans:
+        h.update(struct.pack("<Q", len(spans)))
+        h.update(spans)
     return h.digest()
 
 
@@ -201,7 +216,13 @@ def validate_record(record: ExperienceRecord, limits: ExperienceLimits) -> _Pack
         raise InvalidArgument(
             f"experience {exp_id!r}: {len(logprobs) // 4} logprobs for {len(response) // 4} response tokens"
         )
-    packed = _PackedRecord(record, prompt, response, logprobs, content_digest(record, prompt, response, logprobs))
+    spans = check_version_spans(
+        np.asarray(record.response_version_spans).reshape(-1), record.behavior_version,
+        len(response) // TOKEN_DTYPE.itemsize, f"experience {exp_id!r}",
+    )
+    packed_spans = np.ascontiguousarray(spans, dtype=SPAN_DTYPE).tobytes() if spans.size else b""
+    packed = _PackedRecord(record, prompt, response, logprobs, packed_spans,
+                           content_digest(record, prompt, response, logprobs, packed_spans))
     if packed.payload_bytes > limits.max_record_bytes:
         raise ResourceExhausted(
             f"experience {exp_id!r}: {packed.payload_bytes} payload bytes > limit {limits.max_record_bytes}"
@@ -236,7 +257,7 @@ def _bump_stats(
 _RECORD_COLUMNS = (
     "experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, turn, behavior_version, "
     "reward, group_size, state, step_id, created_unix_ms, prompt_token_ids, response_token_ids, "
-    "response_logprobs, content_sha256"
+    "response_logprobs, content_sha256, response_version_spans"
 )
 _REF_COLUMNS = (
     "seq, experience_id, group_id, task_id, sample_index, behavior_version, response_tokens, prompt_tokens, "
@@ -246,7 +267,15 @@ _REF_COLUMNS = (
 
 def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
     (exp_id, job_id, agent, task_id, group, sample, episode, turn, version, reward, group_size, state, step_id,
-     created, prompt, response, logprobs, digest) = row
+     created, prompt, response, logprobs, digest, spans) = row
+    try:
+        version_spans = check_version_spans(
+            np.frombuffer(spans, dtype=SPAN_DTYPE), int(version), len(response) // TOKEN_DTYPE.itemsize,
+            f"experience {exp_id!r}",
+        )
+    except InvalidArgument as exc:
+        log.error("experience %r of job %r has malformed version spans: %s", exp_id, job_id, exc)
+        raise DataLoss(f"experience {exp_id!r} of job {job_id!r} is corrupt (version spans)") from exc
     record = ExperienceRecord(
         experience_id=str(exp_id),
         job_id=str(job_id),
@@ -265,8 +294,9 @@ def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
         state=ExperienceState(int(state)),
         step_id=str(step_id),
         created_unix_ms=int(created),
+        response_version_spans=version_spans,
     )
-    actual = content_digest(record, prompt, response, logprobs)
+    actual = content_digest(record, prompt, response, logprobs, bytes(spans))
     if actual != digest:
         log.error("experience %r of job %r fails its content digest", exp_id, job_id)
         raise DataLoss(f"experience {exp_id!r} of job {job_id!r} is corrupt (content digest mismatch)")
@@ -386,15 +416,15 @@ class ExperienceStore:
             "INSERT INTO experiences (experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, "
             "turn, behavior_version, reward, group_size, state, step_id, created_unix_ms, state_unix_ms, "
             "prompt_tokens, response_tokens, payload_bytes, prompt_token_ids, response_token_ids, "
-            "response_logprobs, content_sha256) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "response_logprobs, content_sha256, response_version_spans) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     p.record.experience_id, p.record.job_id, p.record.agent, p.record.task_id, p.record.group_id,
                     p.record.sample_index, p.record.episode_id, p.record.turn, p.record.behavior_version,
                     p.record.reward, p.record.group_size, int(ExperienceState.READY), now_ms, now_ms,
                     len(p.prompt) // 4, len(p.response) // 4, p.payload_bytes, p.prompt, p.response,
-                    p.logprobs, p.digest,
+                    p.logprobs, p.digest, p.spans,
                 )
                 for p in rows
             ],

@@ -3,6 +3,13 @@
 Domain errors (flexmarl.errors) propagate to the server's error-mapping interceptor,
 which turns them into status codes. Every SQLite or file operation runs in the
 daemon's I/O executor, never on the event loop.
+
+Blob streams keep one chunk of file work in flight beside the network: PutBlob
+receives the next message while the previous chunk is written and hashed, and GetBlob
+reads and verifies the next segment while the current one is sent. Order is kept (one
+operation at a time per stream) and memory stays bounded by two chunks. Their chunk
+messages go through :mod:`flexmarl.blob_wire` (same wire format, without protobuf's
+copies of the bytes under the GIL): see :func:`add_to_server`.
 """
 
 from __future__ import annotations
@@ -15,17 +22,72 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+import grpc
 import grpc.aio
 
+from flexmarl import blob_wire
 from flexmarl.errors import InvalidArgument, Unavailable
 from flexmarl.v1 import store_pb2, store_pb2_grpc
 from stored import serde
-from stored.blobs import BlobStore, BlobUpload
+from stored.blobs import BlobReader, BlobStore, BlobUpload
 from stored.experiences import ExperienceStore
 from stored.metrics import StoredMetrics
 
 _T = TypeVar("_T")
 log = logging.getLogger(__name__)
+SERVICE_NAME = "flexmarl.v1.Store"
+
+
+class _HandlerTable:
+    """Stands for a server to the generated add function: keeps the method handlers it registers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        """The generated function registers the same table here too; one copy is kept."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        """Keeps the table."""
+        self.handlers.update(handlers)
+
+
+def add_to_server(servicer: StoreServicer, server: grpc.aio.Server) -> None:
+    """Registers the Store service as the generated function does, blob chunks with flexmarl.blob_wire codecs."""
+    table = _HandlerTable()
+    store_pb2_grpc.add_StoreServicer_to_server(servicer, table)
+    handlers = dict(table.handlers)
+    handlers["PutBlob"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PutBlob, request_deserializer=blob_wire.decode_put_request,
+        response_serializer=store_pb2.BlobInfo.SerializeToString,
+    )
+    handlers["GetBlob"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetBlob, request_deserializer=store_pb2.GetBlobRequest.FromString,
+        response_serializer=blob_wire.encode_get_response,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+#: GetBlob reads, verifies and encodes this much per hand-off to the I/O executor: fewer thread
+#: switches per byte (each can wait a scheduler time slice on a busy machine); messages stay one
+#: segment each.
+_GET_BATCH_BYTES = 4 << 20
+
+
+def _next_messages(reader: BlobReader, info: store_pb2.BlobInfo | None) -> tuple[list[bytes], int]:
+    """The next verified chunks of reader (up to _GET_BATCH_BYTES) as GetBlobResponse wire bytes.
+
+    Returns the messages (none at the end) and their payload bytes; info rides on the first.
+    """
+    messages: list[bytes] = []
+    size = 0
+    while size < _GET_BATCH_BYTES and (item := reader.next_chunk()) is not None:
+        offset, chunk = item
+        messages.append(blob_wire.encode_get_chunk(offset, chunk, info))
+        info = None
+        size += len(chunk)
+    return messages, size
 
 
 class StoreServicer(store_pb2_grpc.StoreServicer):
@@ -55,6 +117,10 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _start(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        """Starts fn in the I/O executor without waiting for it."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     # ---- experiences --------------------------------------------------------------
 
@@ -157,52 +223,70 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     # ---- blobs --------------------------------------------------------------------
 
     async def PutBlob(  # noqa: N802
-        self, request_iterator: AsyncIterator[store_pb2.PutBlobRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[store_pb2.PutBlobRequest | memoryview],
+        context: grpc.aio.ServicerContext,
     ) -> store_pb2.BlobInfo:
-        """Receives a header then chunks; verifies and stores the content."""
+        """Receives a header then chunks; verifies and stores the content (durable before the reply)."""
         upload: BlobUpload | None = None
+        writing: asyncio.Future[None] | None = None  # the previous chunk's write, beside the next receive
         committed = False
         try:
             async for request in request_iterator:
-                part = request.WhichOneof("part")
+                # A chunk arrives as a view of its message (blob_wire), anything else as a message.
+                part: str | None = "chunk" if isinstance(request, memoryview) else request.WhichOneof("part")
+                chunk: bytes | memoryview = request if isinstance(request, memoryview) else request.chunk
                 if upload is None:
-                    if part != "header":
+                    if part != "header" or isinstance(request, memoryview):
                         raise InvalidArgument("PutBlob: the first message must carry the header")
                     h = request.header
                     upload = await self._run(self._blobs.begin_upload, h.name, h.size_bytes, h.sha256, h.job_id)
                 elif part == "chunk":
-                    await self._run(upload.write, request.chunk)
-                    self._metrics.blob_bytes_in.inc(len(request.chunk))
+                    if writing is not None:
+                        await writing
+                    writing = self._start(upload.write, chunk)
+                    self._metrics.blob_bytes_in.inc(len(chunk))
                 else:
                     raise InvalidArgument("PutBlob: only the first message may carry a header")
             if upload is None:
                 raise InvalidArgument("PutBlob: empty stream (no header)")
+            if writing is not None:
+                await writing
             info = await self._run(upload.commit)
             committed = True
             return serde.blob_info_to_proto(info)
         finally:
+            if writing is not None and not writing.done():
+                await asyncio.wait([writing])  # the file must not close under a running write
+            if writing is not None and writing.done() and not writing.cancelled():
+                writing.exception()  # retrieved: the error that matters is already propagating
             if upload is not None and not committed:
                 await self._run(upload.abort)
 
-    async def GetBlob(  # noqa: N802
+    async def GetBlob(  # type: ignore[override]  # noqa: N802 - chunks leave as blob_wire-encoded bytes
         self, request: store_pb2.GetBlobRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[store_pb2.GetBlobResponse]:
+    ) -> AsyncIterator[store_pb2.GetBlobResponse | bytes]:
         """Streams a verified byte range; the first message carries the blob's info."""
         reader = await self._run(self._blobs.open_reader, request.name, request.offset, request.length)
+        info = serde.blob_info_to_proto(reader.info)
+        # The next segments are read, verified and encoded beside the send of the current ones.
+        reading = self._start(_next_messages, reader, info)
         try:
-            info = serde.blob_info_to_proto(reader.info)
             first = True
-            while (item := await self._run(reader.next_chunk)) is not None:
-                offset, chunk = item
-                self._metrics.blob_bytes_out.inc(len(chunk))
-                message = store_pb2.GetBlobResponse(offset=offset, chunk=chunk)
-                if first:
-                    message.info.CopyFrom(info)
-                    first = False
-                yield message
+            while (batch := await reading)[0]:
+                reading = self._start(_next_messages, reader, None)
+                messages, size = batch
+                self._metrics.blob_bytes_out.inc(size)
+                first = False
+                for message in messages:
+                    yield message
             if first:
                 yield store_pb2.GetBlobResponse(info=info, offset=request.offset)
         finally:
+            if not reading.done():
+                await asyncio.wait([reading])  # the file must not close under a running read
+            if not reading.cancelled():
+                reading.exception()  # retrieved: a client that went away never sees it
             reader.close()
 
     async def StatBlob(  # noqa: N802

@@ -253,3 +253,50 @@ def test_data_survives_reopen(tmp_path: Path, record_factory: RecordFactory) -> 
         assert_same(ExperienceStore(db2).read("job1", ["t0/0/alice/0"])[0], record_factory())
     finally:
         db2.close()
+
+
+def test_version_spans_round_trip_and_old_databases_gain_the_column(
+    tmp_path: Path, record_factory: RecordFactory
+) -> None:
+    """An interrupted response keeps its per-token versions; a database made before the column is migrated."""
+    from flexmarl.experience import version_spans_array
+    from stored.experiences import content_digest, validate_record
+
+    plain = record_factory("t0", 0, version=2)
+    spans = version_spans_array([(0, 2), (5, 3), (11, 4)])
+    interrupted = dataclasses.replace(record_factory("t0", 1, version=2), response_version_spans=spans)
+    # no spans: the digest is the one every record had before spans existed
+    packed = validate_record(plain, ExperienceLimits())
+    assert packed.spans == b"" and packed.digest == content_digest(plain, packed.prompt, packed.response,
+                                                                   packed.logprobs)
+    with pytest.raises(InvalidArgument, match="malformed response_version_spans"):
+        validate_record(dataclasses.replace(interrupted, response_version_spans=version_spans_array([(0, 1)])),
+                        ExperienceLimits())
+
+    path = tmp_path / "old.db"
+    old = sqlite3.connect(path)  # the experiences table as it was before response_version_spans
+    old.executescript(
+        "CREATE TABLE experiences (seq INTEGER PRIMARY KEY, job_id TEXT NOT NULL, experience_id TEXT NOT NULL, "
+        "agent TEXT NOT NULL, task_id TEXT NOT NULL, group_id TEXT NOT NULL, sample_index INTEGER NOT NULL, "
+        "episode_id TEXT NOT NULL, turn INTEGER NOT NULL, behavior_version INTEGER NOT NULL, reward REAL NOT NULL, "
+        "group_size INTEGER NOT NULL, state INTEGER NOT NULL, step_id TEXT NOT NULL, "
+        "created_unix_ms INTEGER NOT NULL, state_unix_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
+        "response_tokens INTEGER NOT NULL, payload_bytes INTEGER NOT NULL, prompt_token_ids BLOB NOT NULL, "
+        "response_token_ids BLOB NOT NULL, response_logprobs BLOB NOT NULL, content_sha256 BLOB NOT NULL, "
+        "UNIQUE (job_id, experience_id));")
+    old.close()
+    db = Database(path)
+    try:
+        store = ExperienceStore(db)
+        assert store.append([plain, interrupted]).appended == 2
+        got = {r.experience_id: r for r in store.read("job1", [plain.experience_id, interrupted.experience_id])}
+        assert_same(got[interrupted.experience_id], interrupted)
+        assert got[interrupted.experience_id].token_versions().tolist() == [2] * 5 + [3] * 6 + [4] * 5
+        assert got[plain.experience_id].response_version_spans.shape == (0, 2)
+        with db.write() as conn:  # a corrupt span blob is data loss, not a client error
+            conn.execute("UPDATE experiences SET response_version_spans = ? WHERE experience_id = ?",
+                         (np.array([0, 9], dtype="<i4").tobytes(), interrupted.experience_id))
+        with pytest.raises(DataLoss):
+            store.read("job1", [interrupted.experience_id])
+    finally:
+        db.close()

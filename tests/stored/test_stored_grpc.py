@@ -245,7 +245,7 @@ async def test_get_blob_file_resumes_a_broken_stream(stored: Served, tmp_path: P
     client = stored.client
     data = os.urandom(5 << 20)
     await client.put_blob_bytes("big", data)
-    real = client._stub.GetBlob
+    real = client._get_blob
     calls: list[int] = []
 
     def flaky(request: store_pb2.GetBlobRequest) -> Any:
@@ -265,7 +265,7 @@ async def test_get_blob_file_resumes_a_broken_stream(stored: Served, tmp_path: P
                                                "connection reset")
         return broken()
 
-    client._stub.GetBlob = flaky  # type: ignore[method-assign]
+    client._get_blob = flaky  # type: ignore[assignment]
     await client.get_blob_file("big", tmp_path / "big.bin")
     assert calls == [0, 2 << 20]
     assert (tmp_path / "big.bin").read_bytes() == data

@@ -29,6 +29,9 @@ class ErrorReason(enum.StrEnum):
     #: A job cannot run at all (its environment does not load, its agents do not match the
     #: environment's): a rollout task failing so fails the job at once instead of being retried.
     JOB_UNRUNNABLE = "JOB_UNRUNNABLE"
+    #: stored's disk (or its file-system quota) is full: nothing of the request was acknowledged,
+    #: and stored serves it once space returns (GC, an operator), so retry with back-off.
+    DISK_FULL = "DISK_FULL"
 
     @classmethod
     def parse(cls, text: str) -> ErrorReason:

@@ -4,7 +4,8 @@ Three shapes, each carrying different data, with one conversion between each pai
 
 - :class:`ExperienceRecord`: the whole experience (token ids, logprobs, reward), written to and read
   from stored. Token ids and logprobs are numpy arrays in memory and packed little-endian bytes on
-  the wire (int32 ids, float32 logprobs).
+  the wire (int32 ids, float32 logprobs), as are the per-token versions (int32 ``(start, version)``
+  spans, :func:`version_spans_array`).
 - :class:`flexmarl.store_client.ExperienceRef`: stored's query result (ids, group metadata and
   lifecycle state, no arrays).
 - :class:`ExperienceSummary`: what orchestratord plans with (ids, group, version, length, reward),
@@ -28,6 +29,7 @@ from flexmarl.v1 import common_pb2
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+SPAN_DTYPE = np.dtype("<i4")
 
 
 class ExperienceState(enum.IntEnum):
@@ -117,11 +119,21 @@ class ExperienceRecord:
     state: ExperienceState = ExperienceState.READY
     step_id: str = ""
     created_unix_ms: int = 0
+    #: ``[S, 2]`` int32 ``(start, version)`` spans of the response tokens, ascending in start, the first at
+    #: 0 (:func:`version_spans_array`); empty: every token has ``behavior_version``, the oldest token's.
+    response_version_spans: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: _NO_SPANS)
 
     @property
     def response_tokens(self) -> int:
         """Number of generated tokens."""
         return int(self.response_token_ids.shape[0])
+
+    def token_versions(self) -> npt.NDArray[np.int64]:
+        """The policy version each response token was sampled with (``[response_tokens]``)."""
+        versions = np.full(self.response_tokens, self.behavior_version, dtype=np.int64)
+        for start, version in self.response_version_spans.tolist():
+            versions[start:] = version
+        return versions
 
     def to_proto(self) -> common_pb2.Experience:
         """Encodes the record, packing the arrays."""
@@ -143,6 +155,7 @@ class ExperienceRecord:
             step_id=self.step_id,
             created_unix_ms=self.created_unix_ms,
             group_size=self.group_size,
+            response_version_spans=np.ascontiguousarray(self.response_version_spans, dtype=SPAN_DTYPE).tobytes(),
         )
 
     @classmethod
@@ -156,6 +169,10 @@ class ExperienceRecord:
                 f"experience {msg.experience_id!r}: {logprobs.shape[0]} logprobs for "
                 f"{response.shape[0]} response tokens"
             )
+        spans = check_version_spans(
+            unpack(msg.response_version_spans, SPAN_DTYPE, "response_version_spans"), msg.behavior_version,
+            int(response.shape[0]), f"experience {msg.experience_id!r}",
+        )
         state = ExperienceState(msg.state) if msg.state else ExperienceState.READY
         return cls(
             experience_id=msg.experience_id,
@@ -175,7 +192,41 @@ class ExperienceRecord:
             state=state,
             step_id=msg.step_id,
             created_unix_ms=msg.created_unix_ms,
+            response_version_spans=spans,
         )
+
+
+_NO_SPANS: npt.NDArray[np.int32] = np.zeros((0, 2), dtype=SPAN_DTYPE)
+_NO_SPANS.setflags(write=False)
+
+
+def version_spans_array(spans: typing.Sequence[tuple[int, int]]) -> npt.NDArray[np.int32]:
+    """``(start, version)`` spans as the ``[S, 2]`` int32 array of :attr:`ExperienceRecord.response_version_spans`."""
+    if not spans:
+        return _NO_SPANS
+    return np.asarray(spans, dtype=SPAN_DTYPE).reshape(-1, 2)
+
+
+def check_version_spans(
+    packed: npt.NDArray[np.generic], behavior_version: int, response_tokens: int, where: str
+) -> npt.NDArray[np.int32]:
+    """Flat ``start, version, ...`` int32 values as spans; raises InvalidArgument unless they are well formed.
+
+    Well formed: none, or pairs whose starts ascend strictly from 0 within the response, whose
+    versions never decrease, and whose first version is ``behavior_version`` (the oldest token's).
+    """
+    if packed.shape[0] % 2:
+        raise InvalidArgument(f"{where}: response_version_spans holds {packed.shape[0]} values, not pairs")
+    spans = packed.reshape(-1, 2)
+    if not spans.shape[0]:
+        return _NO_SPANS
+    starts, versions = spans[:, 0].tolist(), spans[:, 1].tolist()
+    if (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+            or starts[-1] >= max(response_tokens, 1)
+            or any(b < a for a, b in zip(versions, versions[1:], strict=False)) or versions[0] != behavior_version):
+        raise InvalidArgument(f"{where}: malformed response_version_spans {spans.tolist()} for {response_tokens} "
+                              f"tokens of behavior_version {behavior_version}")
+    return typing.cast(npt.NDArray[np.int32], spans)
 
 
 def unpack(data: bytes, dtype: np.dtype[np.generic], what: str) -> npt.NDArray[np.generic]:

@@ -8,18 +8,19 @@ CANCELLED, INTERNAL, ...) are re-raised as ``grpc.aio.AioRpcError``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import grpc
 import grpc.aio
 
-from flexmarl import errors
+from flexmarl import blob_wire, errors
 from flexmarl.experience import ExperienceRecord, ExperienceState
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
@@ -31,6 +32,8 @@ BLOB_CHUNK_BYTES = 1 << 20
 _APPEND_MAX_RECORDS = 4096
 _READ_MAX_IDS = 16384
 _MESSAGE_MARGIN_BYTES = 64 << 10
+#: A download hands its received chunks to the writer thread this many bytes at a time.
+_PART_BATCH_BYTES = 4 << 20
 #: A broken GetBlob stream resumes at once from the byte it broke at, five streams in all.
 _GET_RESUME = RetryPolicy(initial_s=0.0, max_s=0.0, attempts=5)
 
@@ -130,6 +133,83 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _read_encoded(f: BinaryIO) -> bytes:
+    """The file's next chunk as a PutBlobRequest message; b"" at the end."""
+    chunk = f.read(BLOB_CHUNK_BYTES)
+    return blob_wire.encode_put_chunk(chunk) if chunk else b""
+
+
+class _PartFile:
+    """A download's ``.part`` file, hashed as it grows: no second pass over the file at the end.
+
+    Appends are gathered into batches of ``_PART_BATCH_BYTES`` written in a worker thread, one
+    batch at a time and in order, beside the receipt of the next chunks (hashlib and file writes
+    release the GIL); ``size`` counts the bytes handed to :meth:`append`, ``written`` waits until
+    they are on the file.
+    """
+
+    def __init__(self, path: Path, size_limit: int) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: BinaryIO = path.open("ab")
+        self._hash = hashlib.sha256()
+        if self._file.tell() > size_limit:
+            self._file.truncate(0)
+            self._file.seek(0)
+        with path.open("rb") as existing:  # a resumed download: the bytes already there
+            while chunk := existing.read(BLOB_CHUNK_BYTES):
+                self._hash.update(chunk)
+        self.size = self._file.tell()
+        self._batch: list[bytes | memoryview] = []
+        self._batch_bytes = 0
+        self._pending: asyncio.Future[None] | None = None
+
+    def _write(self, chunks: list[bytes | memoryview]) -> None:
+        for chunk in chunks:
+            self._file.write(chunk)
+            self._hash.update(chunk)
+
+    async def append(self, chunk: bytes | memoryview) -> None:
+        """Adds chunk to the file (written with its batch, after the previous batch)."""
+        self._batch.append(chunk)
+        self._batch_bytes += len(chunk)
+        self.size += len(chunk)
+        if self._batch_bytes >= _PART_BATCH_BYTES:
+            await self._flush_batch()
+
+    async def _flush_batch(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+        if self._batch:
+            batch, self._batch, self._batch_bytes = self._batch, [], 0
+            self._pending = asyncio.ensure_future(asyncio.to_thread(self._write, batch))
+
+    async def written(self) -> None:
+        """Writes what is gathered and waits for it; raises what a write raised."""
+        await self._flush_batch()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            await pending
+
+    def hexdigest(self) -> str:
+        """The sha256 of the whole file (after :meth:`written`)."""
+        return self._hash.hexdigest()
+
+    async def close(self) -> None:
+        """Waits for the write in flight (its error is the caller's only if it awaited it), then closes.
+
+        Chunks gathered but not yet written are dropped: the caller that wants them calls :meth:`written`.
+        """
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                await asyncio.wait([pending])  # the file must not close under a running write
+                if not pending.cancelled():
+                    pending.exception()
+        finally:
+            self._file.close()
+
+
 class StoreClient:
     """Asyncio client of one stored daemon."""
 
@@ -147,6 +227,21 @@ class StoreClient:
             ],
         )
         self._stub = store_pb2_grpc.StoreStub(self._channel)
+        # PutBlob and GetBlob through flexmarl.blob_wire codecs: the same wire format, with chunks
+        # encoded in a worker thread and decoded as views of the received message, so the event
+        # loop makes no copy of them beyond gRPC's own.
+        self._put_blob: grpc.aio.StreamUnaryMultiCallable[store_pb2.PutBlobRequest | bytes, store_pb2.BlobInfo] = (
+            self._channel.stream_unary(
+                "/flexmarl.v1.Store/PutBlob", request_serializer=blob_wire.encode_put_request,
+                response_deserializer=store_pb2.BlobInfo.FromString,
+            )
+        )
+        self._get_blob: grpc.aio.UnaryStreamMultiCallable[store_pb2.GetBlobRequest, blob_wire.BlobChunk] = (
+            self._channel.unary_stream(
+                "/flexmarl.v1.Store/GetBlob", request_serializer=store_pb2.GetBlobRequest.SerializeToString,
+                response_deserializer=blob_wire.decode_get_response,
+            )
+        )
 
     async def close(self, grace_s: float | None = None) -> None:
         """Closes the channel; with ``grace_s``, calls in flight get that long to finish first."""
@@ -274,23 +369,23 @@ class StoreClient:
     async def _put(
         self, header: store_pb2.PutBlobHeader, chunks: Callable[[], AsyncIterator[bytes]]
     ) -> BlobInfo:
-        async def requests() -> AsyncIterator[store_pb2.PutBlobRequest]:
+        """Streams the header, then chunks (each already encoded by blob_wire.encode_put_chunk)."""
+        async def requests() -> AsyncIterator[store_pb2.PutBlobRequest | bytes]:
             yield store_pb2.PutBlobRequest(header=header)
             async for chunk in chunks():
-                yield store_pb2.PutBlobRequest(chunk=chunk)
+                yield chunk
 
-        return blob_info_from_proto(await _call(self._stub.PutBlob(requests())))
+        return blob_info_from_proto(await _call(self._put_blob(requests())))
 
     async def put_blob_bytes(self, name: str, data: bytes, *, job_id: str = "") -> BlobInfo:
         """Stores data under name (replacing what the name pointed to)."""
-        header = store_pb2.PutBlobHeader(
-            name=name, size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), job_id=job_id
-        )
+        sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        header = store_pb2.PutBlobHeader(name=name, size_bytes=len(data), sha256=sha256, job_id=job_id)
         view = memoryview(data)
 
         async def chunks() -> AsyncIterator[bytes]:
             for start in range(0, len(data), BLOB_CHUNK_BYTES):
-                yield bytes(view[start : start + BLOB_CHUNK_BYTES])
+                yield blob_wire.encode_put_chunk(view[start : start + BLOB_CHUNK_BYTES])
 
         return await self._put(header, chunks)
 
@@ -298,24 +393,32 @@ class StoreClient:
         """Streams a file into stored under name; stored checks the sha256 computed here."""
         path = Path(path)
         size = path.stat().st_size
-        header = store_pb2.PutBlobHeader(name=name, size_bytes=size, sha256=_file_sha256(path), job_id=job_id)
+        sha256 = await asyncio.to_thread(_file_sha256, path)
+        header = store_pb2.PutBlobHeader(name=name, size_bytes=size, sha256=sha256, job_id=job_id)
 
         async def chunks() -> AsyncIterator[bytes]:
             with path.open("rb") as f:
-                while chunk := f.read(BLOB_CHUNK_BYTES):
-                    yield chunk
+                # Read and encoded in a worker thread: the event loop keeps feeding gRPC meanwhile.
+                next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f))
+                try:
+                    while chunk := await next_chunk:
+                        next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f))
+                        yield chunk
+                finally:
+                    if not next_chunk.done():
+                        await asyncio.wait([next_chunk])  # the file must not close under a running read
 
         return await self._put(header, chunks)
 
     async def get_blob_bytes(self, name: str) -> bytes:
         """Reads a whole blob ("name" or "sha256:<hex>") and verifies its sha256."""
-        parts: list[bytes] = []
+        parts: list[bytes | memoryview] = []
         info: BlobInfo | None = None
         try:
-            async for reply in self._stub.GetBlob(store_pb2.GetBlobRequest(name=name)):
-                if reply.HasField("info"):
+            async for reply in self._get_blob(store_pb2.GetBlobRequest(name=name)):
+                if reply.info is not None:
                     info = blob_info_from_proto(reply.info)
-                parts.append(reply.chunk)
+                parts.append(reply.data)
         except grpc.aio.AioRpcError as exc:
             raise _mapped(exc) from exc
         data = b"".join(parts)
@@ -344,8 +447,7 @@ class StoreClient:
             raise errors.NotFound(f"blob {name!r} not found")
         resumed = part.exists() and part.stat().st_size > 0
         for attempt in range(2):
-            await self._download(info, part)
-            if _file_sha256(part) == info.sha256:
+            if await self._download(info, part) == info.sha256:
                 os.replace(part, path)
                 return info
             part.unlink()
@@ -355,35 +457,36 @@ class StoreClient:
             break
         raise errors.DataLoss(f"blob {name!r}: downloaded content does not match sha256 {info.sha256}")
 
-    async def _download(self, info: BlobInfo, part: Path) -> None:
-        """Appends the blob's missing bytes to ``part``; a broken stream resumes at once from where it broke."""
-        part.parent.mkdir(parents=True, exist_ok=True)
-        with part.open("ab") as f:
-            if f.tell() > info.size_bytes:
-                f.truncate(0)
-                f.seek(0)
+    async def _download(self, info: BlobInfo, part: Path) -> str:
+        """Appends the blob's missing bytes to ``part``; returns the sha256 of the whole file.
+
+        A broken stream resumes at once from where it broke.
+        """
+        f = await asyncio.to_thread(_PartFile, part, info.size_bytes)
+        try:
 
             async def fetch_rest() -> None:
-                while f.tell() < info.size_bytes:
-                    request = store_pb2.GetBlobRequest(name=f"sha256:{info.sha256}", offset=f.tell())
-                    try:
-                        async for reply in self._stub.GetBlob(request):
-                            if reply.offset != f.tell():
-                                raise errors.DataLoss(
-                                    f"blob {info.name!r}: chunk at byte {reply.offset}, expected {f.tell()}"
-                                )
-                            f.write(reply.chunk)
-                    finally:
-                        f.flush()
+                while f.size < info.size_bytes:
+                    request = store_pb2.GetBlobRequest(name=f"sha256:{info.sha256}", offset=f.size)
+                    async for reply in self._get_blob(request):
+                        if reply.offset != f.size:
+                            raise errors.DataLoss(
+                                f"blob {info.name!r}: chunk at byte {reply.offset}, expected {f.size}"
+                            )
+                        await f.append(reply.data)
 
             def log_resume(exc: BaseException, attempt: int, delay_s: float) -> None:
                 code = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__
-                log.warning("blob %r: stream broke at byte %d (%s); resuming", info.name, f.tell(), code)
+                log.warning("blob %r: stream broke at byte %d (%s); resuming", info.name, f.size, code)
 
             try:
                 await retry(fetch_rest, retryable=_resumable, policy=_GET_RESUME, on_retry=log_resume)
             except grpc.aio.AioRpcError as exc:
                 raise _mapped(exc) from exc
+            await f.written()
+            return f.hexdigest()
+        finally:
+            await f.close()
 
     async def stat_blob(self, name: str) -> BlobInfo | None:
         """The blob a name (or "sha256:<hex>") refers to, or None when there is none."""

@@ -71,6 +71,7 @@ class Experience(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_MS_FIELD_NUMBER: _builtins.int
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
+    RESPONSE_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     experience_id: _builtins.str
     """Globally unique, deterministic: "<task_id>/<sample_index>/<agent>/<turn>"."""
     job_id: _builtins.str
@@ -96,6 +97,11 @@ class Experience(_message.Message):
     created_unix_ms: _builtins.int
     group_size: _builtins.int
     """Number of experiences the group is complete with (the task's group size)."""
+    response_version_spans: _builtins.bytes
+    """Per-token provenance: packed little-endian int32 (start, version) pairs, ascending in start
+    (the first at 0); response token i was sampled with the version of the last span starting at
+    or before i. Empty: every token has behavior_version (an uninterrupted generation).
+    """
     def __init__(
         self,
         *,
@@ -116,10 +122,11 @@ class Experience(_message.Message):
         step_id: _builtins.str = ...,
         created_unix_ms: _builtins.int = ...,
         group_size: _builtins.int = ...,
+        response_version_spans: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "response_version_spans", b"response_version_spans", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
