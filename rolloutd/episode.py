@@ -101,6 +101,8 @@ class TurnRecord:
     response_token_ids: tuple[int, ...]
     response_logprobs: tuple[float, ...]
     behavior_version: int
+    #: (start, version) spans of the response tokens (see :class:`GenerationOutput`); empty: all behavior_version.
+    version_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +119,17 @@ class GenerationOutput:
     """One sampled response as a generation backend returns it.
 
     ``logprobs[i]`` is the behaviour policy's log-probability of ``token_ids[i]``; ``version``
-    is the policy version of the agent that produced every token.
+    is the policy version of the agent that produced the oldest token. ``version_spans`` are
+    ``(start, version)`` pairs, ascending in ``start`` (the first at 0): token ``i`` was
+    sampled with the version of the last span starting at or before ``i``. Empty: every
+    token has ``version`` (a generation that no new version interrupted).
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     version: int
+    version_spans: tuple[tuple[int, int], ...] = ()
 
 
 class AgentTokenizer(Protocol):
@@ -251,7 +257,8 @@ class EpisodeContext:
         if len(response.logprobs) != len(response.token_ids):
             raise DataLoss(f"{agent}: {len(response.logprobs)} logprobs for {len(response.token_ids)} response tokens")
         self._turns.append(
-            TurnRecord(agent, turn, request.input_ids, response.token_ids, response.logprobs, response.version)
+            TurnRecord(agent, turn, request.input_ids, response.token_ids, response.logprobs, response.version,
+                       response.version_spans)
         )
         return Generation(
             text=self._tokenizer(agent).decode(response.token_ids),

@@ -18,17 +18,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
 
 from flexmarl.client import JobState
 from flexmarl.connections import PeerConnections, cancelled_from_outside, describe_error
-from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable, error_for_rpc
+from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable, error_for_rpc
 from flexmarl.v1 import orchestrator_pb2_grpc
 from rolloutd import serde
-from rolloutd.types import RenewResult, RolloutTask, TaskReport
+from rolloutd.types import PublishedVersion, RenewResult, RolloutTask, TaskReport
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,18 @@ class OrchestratorLink(abc.ABC):
             NotFound: orchestratord does not know the job (it ended and was deleted).
         """
 
+    def watch_versions(self, job_id: str) -> AsyncIterator[PublishedVersion]:
+        """Every committed version of a job's agents: the current ones, then each new one as it is committed.
+
+        The stream ends or raises ``Unavailable`` when orchestratord goes away (watch again);
+        ``NotFound`` when it does not know the job.
+
+        Raises:
+            FailedPrecondition: this link cannot watch versions (the worker then learns them from
+                leased tasks only).
+        """
+        raise FailedPrecondition(f"{type(self).__name__} does not stream agent versions")
+
     async def close(self) -> None:  # noqa: B027 (a link may hold nothing to close)
         """Closes what the link holds."""
 
@@ -130,6 +142,31 @@ class GrpcOrchestratorLink(OrchestratorLink):
         status = await self._call(f"asking for job {job_id}",
                                   lambda stub: stub.GetJob(request, timeout=JOB_STATE_TIMEOUT_S))
         return serde.job_state(status)
+
+    async def watch_versions(self, job_id: str) -> AsyncIterator[PublishedVersion]:
+        """See :meth:`OrchestratorLink.watch_versions` (one WatchAgentVersions stream, no deadline)."""
+        what = f"watching the versions of job {job_id}"
+        try:
+            async with asyncio.timeout(CALL_DEADLINE_S):
+                stub = await self._peers.orchestrator()
+            async for msg in stub.WatchAgentVersions(serde.watch_versions_request(job_id)):
+                yield serde.published_version(msg)
+            return
+        except grpc.RpcError as exc:
+            mapped = error_for_rpc(exc) if _status_code(exc) not in _TRANSPORT_CODES else None
+            if mapped is not None:
+                raise mapped from exc
+            error = _unavailable(what, exc)
+        except FlexmarlError as exc:  # discovery, or a malformed version (an orchestratord bug)
+            error = _unavailable(what, exc)
+        except TimeoutError as exc:
+            error = _unavailable(what, exc, f"no orchestratord within {CALL_DEADLINE_S:g} s")
+        except asyncio.CancelledError as exc:
+            if cancelled_from_outside():
+                raise
+            error = _unavailable(what, exc, "the stream was cancelled with its channel")
+        await self._peers.reset_orchestrator()
+        raise error
 
     async def _call(self, what: str, call: Callable[[orchestrator_pb2_grpc.OrchestratorStub], Awaitable[_T]]) -> _T:
         """One call, discovery included, bounded by :data:`CALL_DEADLINE_S`; errors as the module doc says."""

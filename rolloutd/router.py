@@ -11,6 +11,19 @@ re-admits it once its ``/health`` answers 200 again (its weights are then loaded
 replica that answers 503 (SGLang: alive but unable to serve the request now) is kept and the
 request retried after a backoff. Seeded ``n > 1`` requests are sent as one request per sample
 (see :meth:`RolloutRouter.generate`).
+
+Interruptible (partial) rollouts, for the agents of jobs with ``rollout.partial_rollout``
+(:meth:`RolloutRouter.set_partial_rollout`): a version published for such an agent
+(:meth:`RolloutRouter.publish`) interrupts the generations running on its replicas. Each
+replica is paused (``/pause_generation``, :class:`PauseMode` of the router), loads the new
+weights and continues. In ``in_place`` and ``retract`` mode the engine keeps the requests and
+records the version change in their ``weight_versions`` spans; in ``abort`` mode they come back
+with their partial tokens (finish reason abort) and the router resubmits prompt + partial
+tokens with the **remaining** budget and the same sampling parameters once the reload is done
+(:meth:`RolloutRouter.generate`). Either way each token of a sample carries the version that
+sampled it (:attr:`GenerationOutput.version_spans`), and ``version`` is the oldest token's. The
+paused engine applies the new weights between two iterations, so even then no token comes from
+a half-loaded model.
 """
 
 from __future__ import annotations
@@ -35,7 +48,14 @@ from rolloutd.balancer import (
     TokenEstimator,
     equal_split,
 )
-from rolloutd.engines.protocol import EngineClient, GenerationRequest, GenerationResult, SamplingParams
+from rolloutd.engines.protocol import (
+    EngineClient,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+    SamplingParams,
+)
 from rolloutd.engines.sglang_client import EngineBusy
 from rolloutd.episode import GenerationOutput
 
@@ -45,6 +65,8 @@ log = logging.getLogger(__name__)
 WeightsResolver = Callable[[str], Awaitable[str]]
 
 MAX_ATTEMPTS = 3
+#: Most resubmissions of one interrupted sample (each follows an interruption that aborted it).
+MAX_RESUMES = 64
 
 
 def agent_key(job_id: str, agent: str) -> str:
@@ -79,6 +101,11 @@ class _ReadWriteLock:
                 self._readers -= 1
                 self._cond.notify_all()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a generation holds the lock now."""
+        return self._readers > 0
+
     @contextlib.asynccontextmanager
     async def write(self) -> Any:
         async with self._cond:
@@ -107,6 +134,8 @@ class Replica:
     # each other's generations for the write lock.
     reload_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     reloads: int = 0
+    #: Reloads that paused running generations (partial rollouts).
+    interruptions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +158,7 @@ class RolloutRouter:
         *,
         health_probe_interval_s: float = 5.0,
         busy_backoff_s: float = 1.0,
+        interrupt_mode: PauseMode = PauseMode.IN_PLACE,
     ) -> None:
         """Routes over ``replicas``.
 
@@ -141,6 +171,9 @@ class RolloutRouter:
                 it may serve again.
             busy_backoff_s: First wait before retrying a request a replica answered 503
                 (doubled per attempt).
+            interrupt_mode: How a published version interrupts the generations of a
+                partial-rollout agent (see the module doc): ``in_place`` keeps their KV cache,
+                ``retract`` recomputes it, ``abort`` returns them for resubmission.
         """
         if health_probe_interval_s <= 0 or busy_backoff_s < 0:
             raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")
@@ -161,6 +194,8 @@ class RolloutRouter:
         self._rebuilding = False
         self._on_reload = on_reload
         self._loads: set[asyncio.Task[None]] = set()
+        self._interrupt_mode = PauseMode(interrupt_mode)
+        self._interruptible: set[str] = set()
 
     # ---- agents and versions -------------------------------------------------------------------
 
@@ -182,6 +217,62 @@ class RolloutRouter:
         current = self._wanted.get(key)
         if current is None or version > current.version:
             self._wanted[key] = WantedWeights(version, uri)
+
+    def set_partial_rollout(self, key: str, enabled: bool) -> None:
+        """Whether a version published for agent key interrupts its running generations."""
+        if enabled:
+            self._interruptible.add(key)
+        else:
+            self._interruptible.discard(key)
+
+    def publish(self, key: str, version: int, uri: str) -> None:
+        """A new version of agent key was published (weights at uri).
+
+        For a partial-rollout agent, every healthy replica serving an older version is reloaded
+        now, its running generations interrupted (see the module doc); for any other agent
+        nothing happens (its requests keep the versions their tasks require).
+        """
+        if key not in self._interruptible:
+            return
+        self.require(key, version, uri)
+        for replica in self._replicas.values():
+            if replica.healthy and replica.loaded_agent == key and replica.loaded_version < version:
+                self._spawn(self._interrupt(replica, key))
+
+    async def _interrupt(self, replica: Replica, key: str) -> None:
+        """Brings a replica of key to the wanted version, pausing its running generations if any."""
+        async with replica.reload_lock:
+            wanted = self._wanted[key]
+            if not replica.healthy or replica.loaded_agent != key or replica.loaded_version >= wanted.version:
+                return
+            try:
+                if not replica.lock.busy:  # nothing to interrupt: an ordinary reload
+                    await self._reload(replica, key)
+                    return
+                start = time.perf_counter()
+                path = await self._resolve(wanted.uri)  # before the pause: keep it short
+                mode = self._interrupt_mode
+                await replica.client.pause_generation(mode)
+                try:
+                    # After an in-place pause the running requests keep their KV: SGLang refuses the flush.
+                    await replica.client.update_weights_from_disk(path, weight_version=str(wanted.version),
+                                                                  flush_cache=mode is not PauseMode.IN_PLACE)
+                    replica.loaded_version = wanted.version
+                    replica.reloads += 1
+                    replica.interruptions += 1
+                finally:
+                    await replica.client.continue_generation()
+            except Unavailable as exc:
+                self._drop_replica(replica, str(exc))
+                return
+            except FlexmarlError as exc:  # the next request reloads through the write lock
+                log.error("interrupting %s on %s for v%d failed: %s", key, replica.replica_id, wanted.version, exc)
+                return
+            seconds = time.perf_counter() - start
+            log.info("replica %s interrupted (%s) to serve %s v%d (%.2fs)", replica.replica_id, mode.value, key,
+                     wanted.version, seconds)
+            if self._on_reload is not None:
+                self._on_reload(key, seconds)
 
     async def set_agents(self, keys: Sequence[str]) -> None:
         """Serves exactly these agents; rebuilds the balancer after in-flight requests drain."""
@@ -248,11 +339,23 @@ class RolloutRouter:
         Unseeded ``n > 1`` requests stay one request. Samples come back in sample order, each
         with the version that generated it; samples a failed replica did not deliver are retried
         on another.
+
+        For a partial-rollout agent each sample carries its tokens' versions (the engine's
+        ``weight_versions`` spans), and a sample an interruption aborted is resubmitted as
+        prompt + its tokens so far, one sample, with the same sampling parameters (stop strings,
+        stop token ids, seed) and ``max_new_tokens`` minus the tokens it has; tokens, logprobs and
+        version spans of the pieces are concatenated, however many interruptions it meets. A
+        resumed sample is not the one an uninterrupted run would have drawn, seeded or not: the
+        new weights change it, and the resubmission samples from output position 0 again.
         """
         wire = {**sampling, "n": n}
         if seed is not None and wire.get("sampling_seed") is None:
             wire["sampling_seed"] = request_seed(seed, key, affinity_key, input_ids)
-        params = SamplingParams.from_wire(wire)
+        return await self._generate(key, input_ids, SamplingParams.from_wire(wire), affinity_key, MAX_RESUMES)
+
+    async def _generate(
+        self, key: str, input_ids: list[int], params: SamplingParams, affinity_key: str, resumes_left: int
+    ) -> list[GenerationOutput]:
         parts = _sample_parts(params)
         done: dict[int, list[GenerationOutput]] = {}
         last_error: FlexmarlError | None = None
@@ -276,13 +379,9 @@ class RolloutRouter:
                         continue
                     for result in outcome:
                         self._estimator.observe(key, result.completion_tokens)
-                    done[index] = [
-                        GenerationOutput(tuple(r.output_ids), tuple(r.output_token_logprobs), str(r.finish_reason),
-                                         version)
-                        for r in outcome
-                    ]
+                    done[index] = [self._output(key, r, version) for r in outcome]
                 if not failures:
-                    return [output for index in range(len(parts)) for output in done[index]]
+                    break
                 raise next((f for f in failures if not isinstance(f, EngineBusy)), failures[0])
             except _Reroute:
                 continue
@@ -296,7 +395,50 @@ class RolloutRouter:
                 self._release(ticket)
             if isinstance(last_error, EngineBusy) and attempt + 1 < MAX_ATTEMPTS:
                 await busy.sleep()
-        raise last_error or Unavailable(f"{key}: no replica could serve the request")
+        else:
+            raise last_error or Unavailable(f"{key}: no replica could serve the request")
+        outputs = [(parts[index], output) for index in range(len(parts)) for output in done[index]]
+        if key not in self._interruptible:
+            return [output for _, output in outputs]
+        if all(output.finish_reason != FinishReason.ABORT for _, output in outputs):
+            return [output for _, output in outputs]
+        try:
+            async with asyncio.TaskGroup() as group:  # a failed resumption cancels the others
+                resumed = [group.create_task(self._resume(key, input_ids, part, output, affinity_key, resumes_left))
+                           for part, output in outputs]
+        except ExceptionGroup as failed:  # callers handle the domain error, not the group
+            raise failed.exceptions[0] from None
+        return [task.result() for task in resumed]
+
+    def _output(self, key: str, result: GenerationResult, version: int) -> GenerationOutput:
+        """One sample; a partial-rollout agent's carries the versions its tokens were sampled with."""
+        output = GenerationOutput(tuple(result.output_ids), tuple(result.output_token_logprobs),
+                                  str(result.finish_reason), version)
+        if key not in self._interruptible:
+            return output
+        spans = _engine_spans(result)
+        if not spans:
+            return output
+        return dataclasses.replace(output, version=spans[0][1], version_spans=spans if len(spans) > 1 else ())
+
+    async def _resume(
+        self, key: str, input_ids: list[int], params: SamplingParams, output: GenerationOutput, affinity_key: str,
+        resumes_left: int,
+    ) -> GenerationOutput:
+        """An aborted sample completed on the weights now served (see :meth:`generate`)."""
+        if output.finish_reason != FinishReason.ABORT:
+            return output
+        remaining = params.max_new_tokens - len(output.token_ids)
+        if remaining <= 0:
+            return dataclasses.replace(output, finish_reason=str(FinishReason.LENGTH))
+        if output.token_ids and output.token_ids[-1] in params.stop_token_ids:
+            return dataclasses.replace(output, finish_reason=str(FinishReason.STOP))
+        if resumes_left <= 0:
+            raise Unavailable(f"{key}: a sample was interrupted more than {MAX_RESUMES} times")
+        rest_params = dataclasses.replace(params, n=1, max_new_tokens=remaining)
+        (rest,) = await self._generate(key, [*input_ids, *output.token_ids], rest_params, affinity_key,
+                                       resumes_left - 1)
+        return _joined(output, rest)
 
     async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:
         async with self._quiet:
@@ -496,6 +638,44 @@ class JobBackend:
             episode = affinity_key.removeprefix(f"{self._job_id}/")
             sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
         return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)
+
+
+def _engine_spans(result: GenerationResult) -> tuple[tuple[int, int], ...]:
+    """``(start, version)`` spans of a result's tokens from its ``weight_versions``; () when unusable.
+
+    The router names every version it loads by its number, so the spans' versions parse as ints;
+    spans that do not (an engine that reports none, or other names) leave the router's own record.
+    """
+    spans: list[tuple[int, int]] = []
+    for span in result.weight_versions:
+        if span.end <= span.start:
+            continue
+        try:
+            version = int(span.version)
+        except ValueError:
+            return ()
+        if spans and version == spans[-1][1]:
+            continue
+        if spans and version < spans[-1][1]:
+            return ()
+        spans.append((span.start, version))
+    if not spans or spans[0][0] != 0:
+        return ()
+    return tuple(spans)
+
+
+def _joined(head: GenerationOutput, tail: GenerationOutput) -> GenerationOutput:
+    """A sample interrupted after ``head`` and resumed as ``tail``: tokens, logprobs and spans concatenated."""
+    offset = len(head.token_ids)
+    spans: list[tuple[int, int]] = list(head.version_spans or ((0, head.version),)) if head.token_ids else []
+    for start, version in (tail.version_spans or ((0, tail.version),)) if tail.token_ids else ():
+        if not spans or spans[-1][1] != version:
+            spans.append((start + offset, version))
+    return GenerationOutput(
+        token_ids=head.token_ids + tail.token_ids, logprobs=head.logprobs + tail.logprobs,
+        finish_reason=tail.finish_reason, version=spans[0][1] if spans else tail.version,
+        version_spans=tuple(spans) if len(spans) > 1 else (),
+    )
 
 
 def _sample_parts(params: SamplingParams) -> list[SamplingParams]:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flexmarl.errors import DataLoss, InvalidArgument
-from flexmarl.experience import ExperienceRecord, experience_id, group_id
+from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
 from rolloutd.episode import (
     AgentTokenizer,
@@ -346,6 +346,7 @@ class RolloutRunner:
                         prompt_token_ids=np.asarray(turn.prompt_token_ids, dtype=np.int32),
                         response_token_ids=np.asarray(turn.response_token_ids, dtype=np.int32),
                         response_logprobs=np.asarray(turn.response_logprobs, dtype=np.float32),
+                        response_version_spans=version_spans_array(turn.version_spans),
                         group_size=task_input.group_size,
                         created_unix_ms=created_ms,
                     )

@@ -8,8 +8,16 @@ from flexmarl.client import JobState
 from flexmarl.errors import InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
-from flexmarl.v1 import orchestrator_pb2, rollout_pb2
-from rolloutd.types import AgentDemand, AgentVersion, RenewResult, RolloutStatus, RolloutTask, TaskReport
+from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
+from rolloutd.types import (
+    AgentDemand,
+    AgentVersion,
+    PublishedVersion,
+    RenewResult,
+    RolloutStatus,
+    RolloutTask,
+    TaskReport,
+)
 
 #: Most demand hints one SetAgentDemand may carry.
 MAX_DEMAND_ENTRIES = 4096
@@ -44,6 +52,18 @@ def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.
 def renew_result(msg: orchestrator_pb2.RenewLeasesResponse) -> RenewResult:
     """The leases a renewal says are lost."""
     return RenewResult(frozenset(msg.lost_lease_ids))
+
+
+def watch_versions_request(job_id: str) -> orchestrator_pb2.WatchAgentVersionsRequest:
+    """A WatchAgentVersions request for one job."""
+    return orchestrator_pb2.WatchAgentVersionsRequest(job_id=job_id)
+
+
+def published_version(msg: common_pb2.AgentVersion) -> PublishedVersion:
+    """A streamed agent version; raises InvalidArgument on a negative one."""
+    if msg.version < 0:
+        raise InvalidArgument(f"agent {msg.agent!r} of job {msg.job_id!r}: negative version {msg.version}")
+    return PublishedVersion(msg.job_id, msg.agent, msg.version, msg.weights_uri)
 
 
 def experience_summary(summary: ExperienceSummary) -> orchestrator_pb2.ExperienceSummary:

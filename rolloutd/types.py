@@ -24,6 +24,17 @@ class AgentVersion:
 
 
 @dataclasses.dataclass(frozen=True)
+class PublishedVersion:
+    """A committed version of a job's agent, as orchestratord's WatchAgentVersions streams it."""
+
+    job_id: str
+    agent: str
+    version: int
+    #: A checkpoint URI; "": the agent's base model from the job spec (version 0).
+    weights_uri: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutTask:
     """A rollout task leased to this worker: one environment prompt, ``group_size`` episodes."""
 

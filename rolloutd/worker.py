@@ -5,8 +5,8 @@ whose lease is lost (renewal says so, or the orchestrator rejects the report) is
 abandoned, and the experiences it may already have written are kept by stored and
 deduplicated by id when the re-issued task writes them again.
 
-Backpressure: when stored is full (its per-job quota: RESOURCE_EXHAUSTED, reason
-QUOTA_EXCEEDED), down or slow, a finished task keeps its experiences and retries the append with
+Backpressure: when stored is full (its per-job quota or its disk: RESOURCE_EXHAUSTED, reason
+QUOTA_EXCEEDED or DISK_FULL), down or slow, a finished task keeps its experiences and retries the append with
 exponential backoff for as long as its lease lives (the renew loop keeps renewing it, and cancels the task
 only when the orchestrator says the lease is lost). Meanwhile the lease loop leases nothing new:
 while appends are failing, or while half of ``max_tasks`` or more tasks wait on their append.
@@ -16,6 +16,12 @@ The worker speaks dataclasses (:mod:`rolloutd.types`): to orchestratord through 
 :class:`~rolloutd.link.OrchestratorLink` (gRPC in :mod:`rolloutd.link`, protos in
 :mod:`rolloutd.serde`), to stored through :class:`flexmarl.store_client.StoreClient`; every retry
 is :mod:`flexmarl.retry`'s.
+
+Partial rollouts (``rollout.partial_rollout``): for each such job the worker keeps one
+WatchAgentVersions stream open (:meth:`~rolloutd.link.OrchestratorLink.watch_versions`) and
+hands every committed version to the router at once (:meth:`RolloutRouter.publish`), which
+interrupts the agent's running generations and reloads its replicas. Other jobs learn versions
+only from their leased tasks' minimum versions, as before.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ LEASE_POLL_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
 REPORT_RETRY = RetryPolicy(initial_s=0.2, max_s=2.0, attempts=12)
 #: Appends retry without a deadline: the task's lease bounds the wait (see the module doc).
 APPEND_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
+#: Between WatchAgentVersions streams that failed or ended: 0.2 s doubling to 5 s.
+VERSION_WATCH_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
 BACKPRESSURE_POLL_S = 0.1
 _RETRIED_APPEND_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -89,6 +97,8 @@ class _ServedJob:
     env: Environment
     runner: RolloutRunner
     router: RolloutRouter
+    #: The WatchAgentVersions loop of a partial-rollout job (None: the job does not interrupt).
+    version_watch: asyncio.Task[None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +216,8 @@ class RolloutWorker:
     async def stop(self) -> None:
         """Stops leasing, cancels running tasks (their leases expire and are re-issued), stops engines."""
         self._stopping = True
-        running = [*self._loops, *(entry.runner for entry in self._in_flight.values())]
+        running = [*self._loops, *(entry.runner for entry in self._in_flight.values()),
+                   *(job.version_watch for job in self._jobs.values() if job.version_watch is not None)]
         for task in running:
             task.cancel()
         for task in running:
@@ -316,6 +327,10 @@ class RolloutWorker:
             for job_id in ended:
                 job = self._jobs.pop(job_id, None)
                 self._specs.forget(job_id)
+                if job is not None and job.version_watch is not None:
+                    job.version_watch.cancel()
+                    for name in job.spec.agent_names:
+                        self.router.set_partial_rollout(agent_key(job_id, name), False)
                 if job is not None:
                     with contextlib.suppress(Exception):
                         await job.env.aclose()  # an ExternalAgents job's gateway stops listening
@@ -466,8 +481,32 @@ class RolloutWorker:
         job = _ServedJob(task.job_id, spec, env, runner, router)
         self._jobs[task.job_id] = job
         await router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values() for a in j.spec.agent_names])
+        if spec.rollout.partial_rollout:
+            for name in spec.agent_names:
+                router.set_partial_rollout(agent_key(task.job_id, name), True)
+            job.version_watch = asyncio.get_running_loop().create_task(
+                self._watch_versions(job), name=f"versions of {task.job_id}")
         log.info("serving job %s (%s)", task.job_id, spec.name)
         return job
+
+    async def _watch_versions(self, job: _ServedJob) -> None:
+        """Hands each committed version of a partial-rollout job's agents to the router as it is published."""
+        backoff = VERSION_WATCH_RETRY.backoff()
+        while not self._stopping:
+            try:
+                async for published in self._link.watch_versions(job.job_id):
+                    backoff.reset()
+                    if published.agent not in job.spec.agent_names:
+                        continue
+                    uri = published.weights_uri or job.spec.agent(published.agent).model
+                    job.router.publish(agent_key(job.job_id, published.agent), published.version, uri)
+            except (NotFound, FailedPrecondition) as exc:  # the job is gone, or the link cannot watch
+                log.info("not watching the versions of job %s: %s", job.job_id, describe_error(exc))
+                return
+            except FlexmarlError as exc:
+                log.warning("watching the versions of job %s failed (%s); watching again", job.job_id,
+                            describe_error(exc))
+            await backoff.sleep()
 
     async def _ensure_engines(self, spec: JobSpec) -> RolloutRouter:
         """The router over this worker's engines, launching or attaching them for the first job."""
@@ -544,14 +583,16 @@ def _report_retryable(exc: BaseException) -> bool:
 def _append_retry_code(exc: BaseException) -> grpc.StatusCode | None:
     """The status code of an append failure worth retrying, or None.
 
-    stored answers RESOURCE_EXHAUSTED both for a full job quota (retried: GC or an operator
-    frees room) and for a record or request over its size limits (never fits: not retried);
-    the error's reason (sent in the status's trailing metadata) tells them apart. A call that
-    ended with a status :mod:`flexmarl.errors` has no error for (DEADLINE_EXCEEDED: stored is
-    slow) reaches here as the ``grpc.aio.AioRpcError`` itself, which is no ``grpc.Call``.
+    stored answers RESOURCE_EXHAUSTED both for a full job quota or a full disk (reasons
+    QUOTA_EXCEEDED, DISK_FULL; retried: GC or an operator frees room) and for a record or
+    request over its size limits (never fits: not retried); the error's reason (sent in the
+    status's trailing metadata) tells them apart. A call that ended with a status
+    :mod:`flexmarl.errors` has no error for (DEADLINE_EXCEEDED: stored is slow) reaches here as
+    the ``grpc.aio.AioRpcError`` itself, which is no ``grpc.Call``.
     """
     if isinstance(exc, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED if exc.reason is ErrorReason.QUOTA_EXCEEDED else None
+        retried = (ErrorReason.QUOTA_EXCEEDED, ErrorReason.DISK_FULL)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED if exc.reason in retried else None
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, grpc.aio.AioRpcError | grpc.Call) and exc.code() in _RETRIED_APPEND_CODES:

@@ -26,9 +26,11 @@ class PackedMicroBatch:
 
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
-    response_mask: torch.Tensor  # [B, L-1], 1 where logits[:, t] predicts a response token
-    behavior_logprobs: torch.Tensor  # [B, L-1]
+    response_mask: torch.Tensor  # [B, L-1], 1 where logits[:, t] predicts a response token that trains
+    behavior_logprobs: torch.Tensor  # [B, L-1], each token's own behaviour logprob (resumed samples included)
     advantages: torch.Tensor  # [B]
+    #: Response tokens left out of ``response_mask`` as too stale (``min_token_version``).
+    stale_tokens: int = 0
 
 
 def micro_batch_advantages(records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float) -> list[float]:
@@ -62,8 +64,18 @@ def micro_batch_advantages(records: Sequence[ExperienceRecord], norm: losses.Adv
     return [advs[(rec.group_id, rec.sample_index)] for rec in records]
 
 
-def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[float]) -> PackedMicroBatch:
-    """Concatenates prompt + response per record and right-pads to one tensor."""
+def pack_micro_batch(
+    records: Sequence[ExperienceRecord], advantages: Sequence[float], *, min_token_version: int | None = None,
+) -> PackedMicroBatch:
+    """Concatenates prompt + response per record and right-pads to one tensor.
+
+    ``behavior_logprobs`` holds each response token's own behaviour logprob, whatever version
+    sampled it (a sample resumed after an interruption mixes versions; decoupled PPO takes the
+    ratio per token). ``min_token_version`` (``rollout.mask_stale_tokens``: the trained version
+    minus ``pipeline.max_staleness``) leaves every token sampled with an older version out of
+    ``response_mask``, so it adds nothing to the loss, the gradient or the token count
+    (:func:`traind.losses.stale_token_mask`).
+    """
     if not records:
         raise InvalidArgument("empty micro-batch")
     lengths = [len(r.prompt_token_ids) + len(r.response_token_ids) for r in records]
@@ -75,6 +87,7 @@ def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[f
     attention = torch.zeros((batch, width), dtype=torch.long)
     response_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
     behavior = torch.zeros((batch, width - 1), dtype=torch.float32)
+    stale = 0
     for i, rec in enumerate(records):
         prompt_len = len(rec.prompt_token_ids)
         resp_len = len(rec.response_token_ids)
@@ -83,7 +96,11 @@ def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[f
         input_ids[i, :prompt_len] = torch.from_numpy(rec.prompt_token_ids.astype(np.int64))
         input_ids[i, prompt_len : prompt_len + resp_len] = torch.from_numpy(rec.response_token_ids.astype(np.int64))
         attention[i, : lengths[i]] = 1
-        response_mask[i, prompt_len - 1 : prompt_len - 1 + resp_len] = 1.0
+        keep = torch.ones(resp_len, dtype=torch.float32)
+        if min_token_version is not None:
+            keep = losses.stale_token_mask(torch.from_numpy(rec.token_versions()), min_token_version)
+            stale += resp_len - int(keep.sum().item())
+        response_mask[i, prompt_len - 1 : prompt_len - 1 + resp_len] = keep
         behavior[i, prompt_len - 1 : prompt_len - 1 + resp_len] = torch.from_numpy(
             rec.response_logprobs.astype(np.float32)
         )
@@ -93,6 +110,7 @@ def pack_micro_batch(records: Sequence[ExperienceRecord], advantages: Sequence[f
         response_mask=response_mask,
         behavior_logprobs=behavior,
         advantages=torch.tensor(list(advantages), dtype=torch.float32),
+        stale_tokens=stale,
     )
 
 

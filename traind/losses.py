@@ -207,6 +207,17 @@ def policy_loss_per_token(
     )
 
 
+def stale_token_mask(token_versions: torch.Tensor, min_token_version: int) -> torch.Tensor:
+    """1.0 for each token sampled with ``min_token_version`` or newer, 0.0 for the older (too stale) ones.
+
+    ``rollout.mask_stale_tokens`` (slime's ``--mask-offpolicy-in-partial-rollout``): with
+    ``min_token_version`` = trained version - ``pipeline.max_staleness``, a sample resumed across
+    interruptions trains only on its tokens within the staleness bound. A masked token adds
+    nothing to the loss and is not counted by the token-mean normaliser (docs/training.md).
+    """
+    return (token_versions >= min_token_version).to(torch.float32)
+
+
 def aggregate_sum(per_token: torch.Tensor, mask: torch.Tensor, loss_agg: LossAggregation) -> torch.Tensor:
     """Sums a masked per-token loss for a micro-batch, before the step normaliser.
 

@@ -91,6 +91,8 @@ class AgentTrainerConfig:
         exact_accumulation: sum the step's group gradients exactly, independent of their order,
             cut and data-parallel split (fp32 with ZeRO 0/1 only; ignored otherwise). Costs 16 bytes
             per parameter and one forward/backward per group (docs/pipeline.md).
+        stale_token_bound: ``rollout.mask_stale_tokens``: tokens sampled more than this many
+            versions before the version being trained get zero weight; None masks nothing.
     """
 
     agent: str
@@ -108,6 +110,7 @@ class AgentTrainerConfig:
     advantage_eps: float = 1e-6
     temperature: float = 1.0
     exact_accumulation: bool = True
+    stale_token_bound: int | None = None
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -430,7 +433,9 @@ class AgentTrainer:
         """Forward + backward of complete groups; returns their statistics and real (attended) tokens."""
         cfg = self.config
         advantages = micro_batch_advantages(records, cfg.advantage_norm, cfg.advantage_eps)
-        packed = pack_micro_batch(records, advantages)
+        bound = cfg.stale_token_bound
+        packed = pack_micro_batch(records, advantages,
+                                  min_token_version=None if bound is None else self.version - bound)
         device = self.device
         input_ids = packed.input_ids.to(device)
         attention = packed.attention_mask.to(device)

@@ -218,6 +218,13 @@ class RolloutSpec(_SpecModel):
 
     balancing: BalancingPolicy | None = None
     """`hierarchical`, `static` or `round-robin`; default `static` in mode static, else `hierarchical`."""
+    partial_rollout: bool = False
+    """A new published version of an agent interrupts that agent's in-flight generations: its replicas pause,
+    load the new version and the sequences go on from the tokens they have (needs mode async and
+    `pipeline.max_staleness` >= 1; docs/rollout.md)."""
+    mask_stale_tokens: bool = False
+    """Tokens sampled more than `pipeline.max_staleness` versions before the version being trained get zero
+    weight in the loss (slime's --mask-offpolicy-in-partial-rollout; needs `partial_rollout`)."""
 
 
 class LeaseSpec(_SpecModel):
@@ -269,6 +276,39 @@ class CheckpointSpec(_SpecModel):
         return f"the job keeps the last {self.keep_last} versions{every} (checkpoint.keep_last/keep_every)"
 
 
+TrackerKind = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+#: The Python package each tracker needs beyond FlexMARL's own (imported only when the job uses it).
+TRACKER_PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+class TrackingSpec(_SpecModel):
+    """Experiment trackers orchestratord writes each committed step to (docs/tracking.md).
+
+    Every tracker writes under ``<dir>/<job id>/``, on orchestratord's host, with one namespace
+    per agent (``<agent>/reward_mean``, ``<agent>/loss``, ...).
+    """
+
+    trackers: list[TrackerKind] = Field(default_factory=list)
+    """Where each committed step goes: `jsonl` (metrics.jsonl), `tensorboard` (event files), `wandb` (offline
+    run) and/or `mlflow` (a file store); tensorboard, wandb and mlflow need their package on orchestratord's host."""
+    dir: Annotated[str, Field(min_length=1)] = "runs/tracking"
+    """Directory of the job's tracker output on orchestratord's host; relative to orchestratord's working directory
+    (the directory `flexmarl up` ran in)."""
+    samples: Annotated[int, Field(ge=0, le=1024)] = 0
+    """Decoded episodes (prompt and response text per turn, with rewards) each agent's committed step dumps to its
+    trackers (samples.jsonl, tensorboard text, a wandb table, mlflow artifacts); 0 dumps none."""
+    project: str = ""
+    """The wandb project or mlflow experiment the job's run goes to; empty: the job's name."""
+
+    @field_validator("trackers")
+    @classmethod
+    def _no_duplicates(cls, value: list[str]) -> list[str]:
+        duplicates = sorted({kind for kind in value if value.count(kind) > 1})
+        if duplicates:
+            raise ValueError(f"each tracker at most once, got {duplicates} twice")
+        return value
+
+
 class JobSpec(_SpecModel):
     """A whole FlexMARL job."""
 
@@ -294,6 +334,8 @@ class JobSpec(_SpecModel):
     """Lease timeouts of rollout tasks and trainer work."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """What traind keeps of each agent's versions."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment trackers and sample dumps written each committed step."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
@@ -344,6 +386,9 @@ CROSS_FIELD_RULES = (
     "`pipeline.mode: static` fixes slots and replicas: `pipeline.binding: dynamic` and "
     "`rollout.balancing: hierarchical` contradict it.",
     "Agent names are unique.",
+    "`rollout.partial_rollout` needs `pipeline.mode: async` and `pipeline.max_staleness` >= 1 "
+    "(strict and barrier modes never interrupt a generation).",
+    "`rollout.mask_stale_tokens` needs `rollout.partial_rollout`.",
 )
 
 
@@ -364,6 +409,11 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
         problems.append("pipeline.binding: mode 'static' fixes each agent's slots; 'dynamic' contradicts it")
     if pipeline.mode == "static" and spec.rollout.balancing == "hierarchical":
         problems.append("rollout.balancing: mode 'static' fixes each agent's replicas; 'hierarchical' contradicts it")
+    if spec.rollout.partial_rollout and (pipeline.barrier or pipeline.max_staleness == 0):
+        problems.append(f"rollout.partial_rollout: needs pipeline.mode async and pipeline.max_staleness >= 1 "
+                        f"(mode {pipeline.mode!r}, max_staleness {pipeline.max_staleness} never interrupts)")
+    if spec.rollout.mask_stale_tokens and not spec.rollout.partial_rollout:
+        problems.append("rollout.mask_stale_tokens: needs rollout.partial_rollout")
     seen: dict[str, int] = {}
     for index, agent in enumerate(spec.agents):
         if agent.name in seen:
