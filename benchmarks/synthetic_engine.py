@@ -33,9 +33,12 @@ Pauses (scheduler.py ``pause_generation``/``continue_generation``): ``in_place``
 ``retract`` stop the replica at the next iteration boundary (``retract`` puts the running
 sequences at the end of the waiting queue; they re-prefill prompt plus output when admitted
 again). A weight update made while paused blocks the replica for the reload at once, under the
-paused sequences, which record the version change (``meta_info.weight_versions``). A running
-sequence aborted while paused answers at continue, with the tokens it had (no extra decode
-step: the synthetic engine advances whole iterations); one in the waiting queue answers at once.
+paused sequences, which record the version change (``meta_info.weight_versions``). Pause,
+continue and ``/update_weight_version`` are commands applied in order at the next iteration
+boundary, as embedded.py's controls (a command wakes the replica, which finishes the iteration in
+progress first). A running sequence that is aborted runs one more decode step and then answers
+with the tokens it has (scheduler.py; while paused in place, that step comes after continue); one
+in the waiting queue (a retracted one included) answers at once.
 """
 
 from __future__ import annotations
@@ -60,9 +63,12 @@ from typing import Any
 
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines import weight_messages
 from rolloutd.engines.launcher import stop_process
 from rolloutd.engines.protocol import SamplingParams
 from rolloutd.engines.sglang_server import (
+    FLUSH_AFTER_UPDATE_FAILED,
+    DistributedUpdate,
     EngineBackend,
     LoadSnapshot,
     SampleRequest,
@@ -165,6 +171,16 @@ class _WeightUpdate:
     future: asyncio.Future[bool]  # whether the cache flush after it succeeded
     paused: bool = False  # made while paused: applied at once, under whatever runs
     flush_cache: bool = False
+    modelled_s: float | None = None  # None: a reload (weight_transfer_s); else a broadcast's modelled time
+
+
+@dataclasses.dataclass
+class _Control:
+    """A scheduler command applied between iterations (embedded.py ``_Control``): pause, resume or rename."""
+
+    kind: str  # "in_place" | "retract" | "resume" | "rename"
+    future: asyncio.Future[None]
+    weight_version: str = ""
 
 
 class SyntheticReplica:
@@ -182,7 +198,8 @@ class SyntheticReplica:
         self._updates: list[_WeightUpdate] = []
         self._paused_updates: list[_WeightUpdate] = []
         self._pause_mode = ""  # "in_place" / "retract" while paused (scheduler.py _engine_paused)
-        self._pending_pause: tuple[str, asyncio.Future[None]] | None = None
+        # Pause, resume and rename commands, applied in order at the next iteration boundary.
+        self._controls: list[_Control] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._seed_counter = 0
@@ -214,8 +231,10 @@ class SyntheticReplica:
         for update in self._updates + self._paused_updates:
             if not update.future.done():
                 update.future.set_exception(FlexmarlError("engine stopped"))
-        if self._pending_pause is not None and not self._pending_pause[1].done():
-            self._pending_pause[1].set_exception(FlexmarlError("engine stopped"))
+        for control in self._controls:
+            if not control.future.done():
+                control.future.set_exception(FlexmarlError("engine stopped"))
+        self._controls.clear()
         self._waiting.clear()
         self._running.clear()
         self._updates.clear()
@@ -285,30 +304,50 @@ class SyntheticReplica:
             _resolve(request)
 
     async def update_weights(
-        self, model_path: str, weight_version: str | None, *, paused: bool = False, flush_cache: bool = False
+        self,
+        model_path: str,
+        weight_version: str | None,
+        *,
+        paused: bool = False,
+        flush_cache: bool = False,
+        modelled_s: float | None = None,
     ) -> bool:
         """Spend the modelled reload time: after the running batch finished, or (``paused``) at once.
+
+        ``modelled_s`` None is a reload (``devicemodel.weight_transfer_s``); else the modelled
+        seconds of a broadcast bucket.
 
         Returns whether the cache flush after it succeeded (refused while sequences run, or,
         unless the scheduler is paused, wait; an update made unpaused finds the scheduler idle).
         """
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        update = _WeightUpdate(model_path, weight_version, future, paused=paused, flush_cache=flush_cache)
+        update = _WeightUpdate(
+            model_path, weight_version, future, paused=paused, flush_cache=flush_cache, modelled_s=modelled_s
+        )
         (self._paused_updates if paused else self._updates).append(update)
         self._wake.set()
         return await update.future
 
     async def pause(self, mode: str) -> None:
         """Pause at the next iteration boundary (``in_place`` keeps the batch, ``retract`` re-queues it)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending_pause = (mode, future)
-        self._wake.set()
-        await future
+        await self._control(mode)
 
-    def resume(self) -> None:
-        """Un-pause (continue_generation)."""
-        self._pause_mode = ""
+    async def resume(self) -> None:
+        """Un-pause (continue_generation) at the next iteration boundary, after the commands queued before."""
+        await self._control("resume")
+
+    async def rename(self, weight_version: str) -> None:
+        """Serve the weights under ``weight_version`` from the next iteration boundary (``/update_weight_version``)."""
+        await self._control("rename", weight_version)
+
+    async def _control(self, kind: str, weight_version: str = "") -> None:
+        """Queue a command for the scheduler (embedded.py's control FIFO) and wait until it is applied."""
+        if not self.ready:
+            raise Unavailable("engine stopped")
+        control = _Control(kind, asyncio.get_running_loop().create_future(), weight_version)
+        self._controls.append(control)
         self._wake.set()
+        await control.future
 
     def change_version(self, new_version: str) -> None:
         """scheduler.py ``record_weight_version_change``: live sequences with tokens note the old version."""
@@ -389,6 +428,8 @@ class SyntheticReplica:
         batch = len(self._running)
         context = sum(seq.context_tokens for seq in self._running)
         steps = min(seq.remaining for seq in self._running)
+        if any(seq.request.aborted for seq in self._running):
+            steps = 1  # an aborted sequence runs one more decode step, then answers (see _advance)
         elapsed_s = devicemodel.prefill_s(profile, prefill_tokens * profile.token_scale) if prefill_tokens else 0.0
         cumulative: list[float] = []
         for step in range(steps):
@@ -400,7 +441,7 @@ class SyntheticReplica:
         loop = asyncio.get_running_loop()
         timeline_s = loop.time()  # wall time at which this replica's modelled work reaches "now"
         while True:
-            self._take_pause()
+            self._apply_controls()
             if self._paused_updates:
                 timeline_s = await self._apply_update(max(timeline_s, loop.time()), self._paused_updates)
                 continue
@@ -408,14 +449,13 @@ class SyntheticReplica:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._drop_aborted()
             if not self._running and self._updates:
                 timeline_s = await self._apply_update(max(timeline_s, loop.time()), self._updates)
                 continue
             prefill_tokens = self._admit()
             if not self._running:
                 self._wake.clear()
-                if not self._waiting and not self._updates and not self._paused_updates and not self._pending_pause:
+                if not self._waiting and not self._updates and not self._paused_updates and not self._controls:
                     await self._wake.wait()
                 continue
             start_s = max(timeline_s, loop.time())
@@ -454,6 +494,11 @@ class SyntheticReplica:
         still: list[_Sequence] = []
         for seq in self._running:
             seq.generated += steps
+            if seq.request.aborted:
+                # scheduler.py (embedded.py ``_step``): a running request aborted by /abort_request runs
+                # one more decode step, then finishes with FINISH_ABORT and the tokens it has.
+                self._finish(seq, running_abort_reason())
+                continue
             if seq.remaining > 0:
                 still.append(seq)
                 continue
@@ -465,31 +510,32 @@ class SyntheticReplica:
             self._finish(seq, reason)
         self._running = still
 
-    def _drop_aborted(self) -> None:
-        kept = []
-        for seq in self._running:
-            if seq.request.aborted:
-                self._finish(seq, running_abort_reason())
-            else:
-                kept.append(seq)
-        self._running = kept
+    def _apply_controls(self) -> None:
+        """Apply the queued pause, continue and rename commands in order at this iteration boundary.
 
-    def _take_pause(self) -> None:
-        """Apply a requested pause at this iteration boundary (scheduler.py ``pause_generation``)."""
-        if self._pending_pause is None:
-            return
-        mode, future = self._pending_pause
-        self._pending_pause = None
-        if mode == "retract":  # to the end of the waiting queue; they re-prefill on continue
-            self._waiting.extend(self._running)
-            self._running = []
-        self._pause_mode = mode
-        if not future.done():
-            future.set_result(None)
+        scheduler.py ``pause_generation``, ``continue_generation`` and the version rename, in the
+        order they came (embedded.py's control FIFO): a continue sent right behind a pause ends
+        unpaused, and a rename splits the weight-version spans where the batch stands now.
+        """
+        while self._controls:
+            control = self._controls.pop(0)
+            if control.kind == "retract":  # to the end of the waiting queue; they re-prefill on continue
+                self._waiting.extend(self._running)
+                self._running = []
+            if control.kind in ("in_place", "retract"):
+                self._pause_mode = control.kind
+            elif control.kind == "resume":
+                self._pause_mode = ""
+            elif control.kind == "rename":
+                self.change_version(control.weight_version)
+            if not control.future.done():
+                control.future.set_result(None)
 
     async def _apply_update(self, start_s: float, queue: list[_WeightUpdate]) -> float:
         loop = asyncio.get_running_loop()
-        modelled_s = devicemodel.weight_transfer_s(self.profile)
+        modelled_s = queue[0].modelled_s if queue and queue[0].modelled_s is not None else None
+        if modelled_s is None:
+            modelled_s = devicemodel.weight_transfer_s(self.profile)
         end_s = start_s + modelled_s * self.profile.time_scale
         await asyncio.sleep(max(0.0, end_s - loop.time()))
         if not queue:  # stopped meanwhile
@@ -569,6 +615,8 @@ class SyntheticBackend(EngineBackend):
 
     def __init__(self, replica: SyntheticReplica) -> None:
         self.replica = replica
+        self._weight_groups: dict[str, int] = {}  # group name -> world size (no real group: modelled)
+        self._weight_session = False
 
     async def start(self, port: int) -> None:
         """Start the replica's scheduler."""
@@ -615,8 +663,68 @@ class SyntheticBackend(EngineBackend):
         return await self.replica.update_weights(model_path, weight_version, paused=paused, flush_cache=flush_cache)
 
     async def set_weight_version(self, weight_version: str) -> None:
-        """Rename the modelled weights (live sequences record the change)."""
-        self.replica.change_version(weight_version)
+        """Rename the modelled weights at the next iteration boundary (live sequences record the change)."""
+        await self.replica.rename(weight_version)
+
+    # ----- weight-update groups, modelled (answers as rolloutd/engines/weight_messages.py) --------------
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]:
+        """Record the membership (the synthetic engine has no weights: nothing connects)."""
+        if not group_name:
+            return False, "Failed to initialize custom process group: Group name cannot be empty."
+        if group_name in self._weight_groups or not 0 < rank_offset < world_size:
+            reason = "The specified group name has already been created" if group_name in self._weight_groups else (
+                f"rank {rank_offset} is not a replica rank of a world of {world_size}"
+            )
+            return False, f"Failed to initialize custom process group: {reason}."
+        self._weight_groups[group_name] = world_size
+        return True, weight_messages.INIT_OK
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Forget the membership."""
+        if self._weight_groups.pop(group_name, None) is None:
+            return False, weight_messages.DESTROY_MISSING
+        return True, weight_messages.DESTROY_OK
+
+    async def begin_weight_update(self, selector: str, *, paused: bool) -> tuple[bool, str]:
+        """Open the session."""
+        if self._weight_session:
+            return False, weight_messages.SESSION_OPEN
+        self._weight_session = True
+        return True, "Success"
+
+    async def end_weight_update(self, *, paused: bool) -> tuple[bool, str]:
+        """Close the session."""
+        if not self._weight_session:
+            return False, weight_messages.SESSION_MISSING
+        self._weight_session = False
+        return True, "Success"
+
+    async def update_weights_from_distributed(
+        self, update: DistributedUpdate, weight_version: str | None, *, paused: bool, flush_cache: bool
+    ) -> tuple[bool, str]:
+        """Spend the bucket's modelled broadcast time (its bytes over the profile's link), placed as a reload."""
+        if not self._weight_session:
+            return False, weight_messages.NO_SESSION
+        if update.group_name not in self._weight_groups:
+            return False, (
+                f"Failed to receive weights: Group {update.group_name} not in {list(self._weight_groups)}. "
+                "Please call `init_weights_update_group` first."
+            )
+        nbytes = 0
+        for dtype, shape in zip(update.dtypes, update.shapes, strict=False):
+            if dtype not in weight_messages.DTYPE_BYTES:
+                return False, f"Failed to receive weights: module 'torch' has no attribute '{dtype}'"
+            nbytes += math.prod(shape) * weight_messages.DTYPE_BYTES[dtype]
+        replica = self.replica
+        flushed = await replica.update_weights(
+            replica.model_path, weight_version, paused=paused, flush_cache=flush_cache,
+            modelled_s=nbytes / replica.profile.link_bytes_per_s,
+        )
+        if not flushed:
+            return False, FLUSH_AFTER_UPDATE_FAILED
+        return True, weight_messages.UPDATE_OK
 
     async def pause(self, mode: str) -> None:
         """Pause the replica's scheduler at its next iteration boundary."""
@@ -624,7 +732,7 @@ class SyntheticBackend(EngineBackend):
 
     async def resume(self) -> None:
         """Let the replica's scheduler run again."""
-        self.replica.resume()
+        await self.replica.resume()
 
     @property
     def weight_version(self) -> str:

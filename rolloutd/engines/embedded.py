@@ -20,7 +20,12 @@ are applied (so no token is produced by a half-loaded model) and admission resum
 (``/pause_generation`` ``in_place``/``retract``, sglang/srt/managers/scheduler.py) stop the
 worker between iterations; a reload made while paused applies at once under the paused
 sequences, which then carry per-token weight-version spans (sglang/srt/utils/weight_versions.py);
-see :class:`EmbeddedEngine`.
+see :class:`EmbeddedEngine`. Weight-update groups (``/init_weights_update_group``,
+``/update_weights_from_distributed``, ...; :mod:`rolloutd.engines.weight_receiver`, mirroring
+sglang/srt/model_executor/model_runner_components/weight_updater.py) run on the worker thread
+as SGLang's scheduler runs them: joining blocks it until every rank joined, and an update is
+placed as a reload (in the FIFO, or at once while paused), receives its tensors by broadcast
+there and loads them into the served model at once.
 
 Modelled device time (``--modelled-device``): the real tiny-model tokens are computed as above,
 and every real iteration of b sequences stands for ``token_scale`` modelled decode iterations
@@ -84,6 +89,8 @@ from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.engines.protocol import SamplingParams
 from rolloutd.engines.sglang_server import (
+    FLUSH_AFTER_UPDATE_FAILED,
+    DistributedUpdate,
     EngineBackend,
     LoadSnapshot,
     SampleRequest,
@@ -95,6 +102,7 @@ from rolloutd.engines.sglang_server import (
     running_abort_reason,
     sample_output,
 )
+from rolloutd.engines.weight_receiver import UpdateOutcome, WeightUpdateGroups
 
 logger = logging.getLogger(__name__)
 
@@ -193,13 +201,28 @@ class _WeightSwap:
 
 
 @dataclass
-class _Control:
-    """A scheduler command applied by the worker between iterations: pause, resume or rename."""
+class _WeightCall(_WeightSwap):
+    """A step of a weight update from a trainer's group (session, or one call's tensors), placed as a swap.
 
-    kind: str  # "in_place" | "retract" | "resume" | "rename"
+    ``run`` executes on the worker thread with the served model (the broadcast is received
+    there, blocking the scheduler as SGLang's does); ``outcome`` is its ``(success, message)``,
+    set before the future resolves. ``loaded`` is the model served when the call was queued.
+    """
+
+    run: Callable[[torch.nn.Module], UpdateOutcome] | None = None
+    outcome: tuple[bool, str] = (False, "not run")
+
+
+@dataclass
+class _Control:
+    """A scheduler command applied by the worker between iterations: pause, resume, rename or call."""
+
+    kind: str  # "in_place" | "retract" | "resume" | "rename" | "call"
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[bool]
     weight_version: str = ""
+    call: Callable[[], tuple[bool, str]] | None = None  # kind "call": run on the worker thread
+    outcome: tuple[bool, str] = (False, "not run")
 
 
 @dataclass(frozen=True)
@@ -460,6 +483,7 @@ class EmbeddedEngine:
         self._trace = devicemodel.TraceWriter(self.device, f"engine-{os.getpid()}") if self.device else None
         self._limits = BatchLimits.for_engine(config.max_batch_size, self.device)
         self._pacer: devicemodel.Pacer | None = None  # modelled time of the current busy period
+        self.weight_groups = WeightUpdateGroups()  # the trainers' groups joined (worker thread only)
         self._span_started_s, self._span_modelled_s, self._span_tokens = 0.0, 0.0, 0
 
     @property
@@ -500,6 +524,7 @@ class EmbeddedEngine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        self.weight_groups.close()
 
     # ----- requests (called on the event loop) -------------------------------------------
     @property
@@ -742,6 +767,8 @@ class EmbeddedEngine:
                 self._paused = False
         elif control.kind == "rename":
             self._change_version(control.weight_version)
+        elif control.kind == "call" and control.call is not None:
+            control.outcome = control.call()
         control.loop.call_soon_threadsafe(_set_result, control.future, True)
 
     def _retract(self) -> None:
@@ -774,6 +801,9 @@ class EmbeddedEngine:
             self._batch.loaded = dataclasses.replace(self._batch.loaded, weight_version=new_version)
 
     def _apply_swap(self, swap: _WeightSwap) -> None:
+        if isinstance(swap, _WeightCall):
+            self._apply_weight_call(swap)
+            return
         if self.device is not None:  # the replica serves nothing while the modelled reload runs
             started_s, pacer = time.time(), devicemodel.Pacer(self.device)
             pacer.add(devicemodel.weight_transfer_s(self.device))
@@ -791,6 +821,29 @@ class EmbeddedEngine:
         with self._cond:
             flushed = not (swap.paused and swap.flush_cache) or self._idle_locked()
         swap.loop.call_soon_threadsafe(_set_result, swap.future, flushed)
+
+    def _apply_weight_call(self, call: _WeightCall) -> None:
+        """Run a weight-update step on the served model (scheduler_components/weight_updater.py).
+
+        Tensors that were loaded change the weights in place at once, under whatever runs
+        (paused); a successful call then records its version and checks the cache flush.
+        """
+        if call.run is None:
+            outcome = UpdateOutcome(False, "nothing to run", weights_changed=False)
+        else:
+            outcome = call.run(self._loaded.model)
+        if outcome.weights_changed and self._batch is not None:
+            self._rerun_last_tokens(self._batch, self._loaded)
+        success, message = outcome.success, outcome.message
+        if success and call.weight_version is not None:
+            self._change_version(call.weight_version)
+        if success and call.flush_cache:
+            with self._cond:
+                refused = call.paused and not self._idle_locked()
+            if refused:
+                success, message = False, FLUSH_AFTER_UPDATE_FAILED
+        call.outcome = (success, message)
+        call.loop.call_soon_threadsafe(_set_result, call.future, success)
 
     def _rerun_last_tokens(self, batch: _Batch, loaded: _LoadedModel) -> None:
         """Recompute every row's last-token KV and next-token logits with ``loaded`` (an in-place weight change).
@@ -1246,6 +1299,87 @@ class EmbeddedBackend(EngineBackend):
     async def set_weight_version(self, weight_version: str) -> None:
         """Rename the served weights at the next iteration boundary (later tokens report it)."""
         await self._control("rename", weight_version)
+
+    # ----- weight-update groups (sglang/srt/model_executor/model_runner_components/weight_updater.py)
+    async def _scheduler_call(self, call: Callable[[], tuple[bool, str]]) -> tuple[bool, str]:
+        """Run ``call`` on the worker between iterations (SGLang's scheduler handles these requests so)."""
+        loop = asyncio.get_running_loop()
+        control = _Control("call", loop, loop.create_future(), call=call)
+        try:
+            self.engine.submit_control(control)
+            await control.future
+        except FlexmarlError as exc:
+            return False, f"engine stopped: {exc}"
+        return control.outcome
+
+    async def _weight_call(
+        self,
+        run: Callable[[torch.nn.Module], UpdateOutcome],
+        weight_version: str | None,
+        *,
+        paused: bool,
+        flush_cache: bool,
+    ) -> tuple[bool, str]:
+        """Run ``run`` placed as a disk update: after the running samples, or (paused) at once."""
+        loop = asyncio.get_running_loop()
+        call = _WeightCall(
+            self.engine.loaded, weight_version, loop, loop.create_future(), paused=paused, flush_cache=flush_cache,
+            run=run,
+        )
+        try:
+            self.engine.submit_swap(call)
+            await call.future
+        except FlexmarlError as exc:
+            return False, f"engine stopped: {exc}"
+        return call.outcome
+
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]:
+        """Join the trainer's group on the worker thread (it blocks until every rank joined)."""
+        groups = self.engine.weight_groups
+        return await self._scheduler_call(
+            lambda: groups.init_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+        )
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave the group on the worker thread."""
+        groups = self.engine.weight_groups
+        return await self._scheduler_call(lambda: groups.destroy_group(group_name))
+
+    async def begin_weight_update(self, selector: str, *, paused: bool) -> tuple[bool, str]:
+        """Open the update session."""
+        groups = self.engine.weight_groups
+
+        def run(model: torch.nn.Module) -> UpdateOutcome:
+            return UpdateOutcome(*groups.begin(selector), weights_changed=False)
+
+        return await self._weight_call(run, None, paused=paused, flush_cache=False)
+
+    async def end_weight_update(self, *, paused: bool) -> tuple[bool, str]:
+        """Close the update session."""
+        groups = self.engine.weight_groups
+
+        def run(model: torch.nn.Module) -> UpdateOutcome:
+            return UpdateOutcome(*groups.end(), weights_changed=False)
+
+        return await self._weight_call(run, None, paused=paused, flush_cache=False)
+
+    async def update_weights_from_distributed(
+        self, update: DistributedUpdate, weight_version: str | None, *, paused: bool, flush_cache: bool
+    ) -> tuple[bool, str]:
+        """Receive the call's tensors on the worker thread and load them into the served model at once."""
+        groups = self.engine.weight_groups
+        return await self._weight_call(
+            lambda model: groups.update(model, update), weight_version, paused=paused, flush_cache=flush_cache
+        )
 
     async def pause(self, mode: str) -> None:
         """Pause the worker between iterations (``in_place`` or ``retract``)."""

@@ -5,7 +5,9 @@ Paths and field names are SGLang's:
 - routes: sglang ``python/sglang/srt/entrypoints/http_server.py`` (``/generate``,
   ``/update_weights_from_disk``, ``/abort_request``, ``/pause_generation``,
   ``/continue_generation``, ``/health``, ``/health_generate``,
-  ``/get_model_info``, ``/get_server_info``, ``/flush_cache``) and
+  ``/get_model_info``, ``/get_server_info``, ``/flush_cache``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+  ``/begin_weight_update``, ``/end_weight_update``) and
   ``python/sglang/srt/entrypoints/v1_loads.py`` (``/v1/loads``). Newer releases also serve
   ``/model_info`` and ``/server_info``; the client tries those first and falls back to the
   ``get_`` spellings on 404.
@@ -482,6 +484,101 @@ class SGLangClient(EngineClient):
         if status != 200 or not result.success:
             raise FailedPrecondition(f"engine {self.url} refused weights {model_path}: {result.message}")
         return result
+
+    # ----- weight-update groups -----------------------------------------------------------
+    async def _group_call(self, path: str, body: dict[str, Any], timeout_s: float | None) -> WeightUpdateResult:
+        """POST one weight-update-group route; SGLang answers ``{"success", "message"}``, 200 or 400."""
+        status, payload = await self._request(
+            "POST", path, body=body, timeout_s=self._request_timeout_s if timeout_s is None else timeout_s,
+            allowed_statuses=(400,),
+        )
+        if status == 400 and not (isinstance(payload, dict) and "success" in payload):
+            raise InvalidArgument(f"engine {self.url} rejected {path}: {sglang_error_message(payload)}")
+        if not isinstance(payload, dict):
+            raise FlexmarlError(f"engine {self.url}: malformed {path} answer {str(payload)[:200]}")
+        result = WeightUpdateResult(success=bool(payload.get("success")), message=str(payload.get("message", "")))
+        if status != 200 or not result.success:
+            raise FailedPrecondition(f"engine {self.url} {path} failed: {result.message}")
+        return result
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """POST ``/init_weights_update_group`` (io_struct.py ``InitWeightsUpdateGroupReqInput``).
+
+        The engine joins the group hosted by rank 0 (the trainer) as rank ``rank_offset`` (plus
+        its tensor-parallel rank); the call returns once every rank joined. SGLang's default
+        ``backend`` is ``nccl``: a CPU engine needs ``gloo``.
+
+        Raises:
+            FailedPrecondition: The group could not be formed (SGLang's message).
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._group_call("/init_weights_update_group", body, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> WeightUpdateResult:
+        """POST ``/destroy_weights_update_group`` (FailedPrecondition when the engine is not in the group)."""
+        return await self._group_call("/destroy_weights_update_group", {"group_name": group_name}, None)
+
+    async def begin_weight_update(self) -> WeightUpdateResult:
+        """POST ``/begin_weight_update`` ``{}``: SGLang 0.5.23 loads distributed weights only inside a session."""
+        return await self._group_call("/begin_weight_update", {}, None)
+
+    async def end_weight_update(self) -> WeightUpdateResult:
+        """POST ``/end_weight_update`` ``{}``: close the session (FailedPrecondition when none is open)."""
+        return await self._group_call("/end_weight_update", {}, None)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+        timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """POST ``/update_weights_from_distributed``: the engine receives these tensors by broadcast from rank 0.
+
+        The engine loads them as soon as they arrive (each call on its own), so pause generation
+        around an update of several calls and give ``weight_version`` only with the last one
+        (io_struct.py ``UpdateWeightsFromDistributedReqInput``). The call returns after the
+        broadcast, so rank 0 must broadcast concurrently.
+
+        Raises:
+            FailedPrecondition: The engine failed to receive or load them (SGLang's message).
+        """
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._group_call("/update_weights_from_distributed", body, timeout_s)
 
     # ----- pause and continue --------------------------------------------------------------
     async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:

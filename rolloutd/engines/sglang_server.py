@@ -53,6 +53,18 @@ client sees: routes, methods, body parsing, validation, rids and error shapes, e
   the weight version serving when they were produced (a version change is recorded for every
   live request that has tokens), and ``weight_version``, the version of the last span.
 
+* weight-update groups (http_server.py ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``, ``/begin_weight_update``,
+  ``/end_weight_update``; io_struct.py ``InitWeightsUpdateGroupReqInput``,
+  ``UpdateWeightsFromDistributedReqInput``, ``DestroyWeightsUpdateGroupReqInput``,
+  ``BeginWeightUpdateReqInput``, ``EndWeightUpdateReqInput``; tokenizer_control_mixin.py): every
+  answer is ``{"success", "message"}``, 200 or 400. An update runs only between begin and end
+  (a session, scheduler_components/weight_updater.py); ``abort_all_requests`` aborts first; not
+  paused, it waits for running requests (the model lock), paused it applies at once under them;
+  each call's tensors are loaded as soon as they are received (a multi-call update is torn
+  unless the caller pauses around it); ``weight_version`` is recorded only by a successful call
+  and ``flush_cache`` is checked as for ``/update_weights_from_disk``.
+
 The synthetic engine also serves ``/get_load`` (``serve_get_load``), which sglang-router's
 ``power_of_two`` policy polls; SGLang 0.5.23's own server does not.
 """
@@ -61,12 +73,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -145,6 +158,20 @@ class VersionChange:
 
     old_version: str
     output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedUpdate:
+    """The tensors of one ``/update_weights_from_distributed`` call (io_struct.py field names).
+
+    Zipped as SGLang zips them: lists of different lengths are not refused.
+    """
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = "weight_update_group"
+    load_format: str | None = None
 
 
 def weight_version_spans(
@@ -232,6 +259,35 @@ class EngineBackend(abc.ABC):
     @abc.abstractmethod
     async def set_weight_version(self, weight_version: str) -> None:
         """Rename the weights being served (``/update_weight_version``); live samples record the change."""
+
+    @abc.abstractmethod
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> tuple[bool, str]:
+        """Join a trainer's weight-update group as rank ``rank_offset`` (blocks until all ranks joined)."""
+
+    @abc.abstractmethod
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        """Leave the group (``(False, "The group to be destroyed does not exist.")`` when not in it)."""
+
+    @abc.abstractmethod
+    async def begin_weight_update(self, selector: str, *, paused: bool) -> tuple[bool, str]:
+        """Open the update session (not ``paused``: after the running samples, like a disk update)."""
+
+    @abc.abstractmethod
+    async def end_weight_update(self, *, paused: bool) -> tuple[bool, str]:
+        """Close the update session."""
+
+    @abc.abstractmethod
+    async def update_weights_from_distributed(
+        self, update: DistributedUpdate, weight_version: str | None, *, paused: bool, flush_cache: bool
+    ) -> tuple[bool, str]:
+        """Receive ``update`` from rank 0 of its group and load it at once; SGLang's ``(success, message)``.
+
+        Placed as :meth:`update_weights_from_disk` (``paused`` or not). On success the version
+        changes when ``weight_version`` is given, then the cache flush is checked (refused: the
+        flush message, success False).
+        """
 
     @abc.abstractmethod
     async def pause(self, mode: str) -> None:
@@ -496,6 +552,60 @@ def _check_base_req_fields(body: Mapping[str, Any]) -> None:
             raise _ValidationFailure(f"{key}: Input should be a valid string")
 
 
+#: io_struct.py ``selector`` of the weight-update requests.
+WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")
+
+
+def _outcome(success: bool, message: str) -> web.Response:
+    """The ``{"success", "message"}`` answer of SGLang's weight-update routes: 200, or 400 on failure."""
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _required_str(body: Mapping[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise _ValidationFailure(f"{name}: Field required (a string)")
+    return value
+
+
+def _optional_str(body: Mapping[str, Any], name: str, default: str | None) -> Any:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise _ValidationFailure(f"{name}: Input should be a valid string")
+    return value
+
+
+def _lax_int(body: Mapping[str, Any], name: str) -> int:
+    """A required ``int`` field as pydantic's lax mode reads it (integral floats and numeric strings too)."""
+    if name not in body:
+        raise _ValidationFailure(f"{name}: Field required")
+    value = body[name]
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value.strip())
+    raise _ValidationFailure(f"{name}: Input should be a valid integer")
+
+
+def _str_list(body: Mapping[str, Any], name: str) -> list[str]:
+    value = body.get(name)
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise _ValidationFailure(f"{name}: Field required (a list of strings)")
+    return list(value)
+
+
+def _shape_list(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    value = body.get("shapes")
+    if not isinstance(value, list) or not all(
+        isinstance(shape, list) and all(_is_int(dim) for dim in shape) for shape in value
+    ):
+        raise _ValidationFailure("shapes: Field required (a list of lists of integers)")
+    return [tuple(int(dim) for dim in shape) for shape in value]
+
+
 class SGLangServer:
     """SGLang's native HTTP API around one :class:`EngineBackend` (one aiohttp app, one port)."""
 
@@ -542,6 +652,11 @@ class SGLangServer:
         app.router.add_post("/update_weight_version", self.update_weight_version)
         app.router.add_post("/pause_generation", self.pause_generation)
         app.router.add_post("/continue_generation", self.continue_generation)
+        app.router.add_post("/init_weights_update_group", self.init_weights_update_group)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        app.router.add_post("/begin_weight_update", self.begin_weight_update)
+        app.router.add_post("/end_weight_update", self.end_weight_update)
+        app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         if self.serve_get_load:
             app.router.add_get("/get_load", self.get_load)
         return app
@@ -786,6 +901,108 @@ class SGLangServer:
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
+    # ----- weight-update groups (http_server.py, tokenizer_control_mixin.py) -------------------
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/init_weights_update_group``: join the trainer's group; 400 when the group cannot be formed."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            fields = {
+                "master_address": _required_str(body, "master_address"),
+                "master_port": _lax_int(body, "master_port"),
+                "rank_offset": _lax_int(body, "rank_offset"),
+                "world_size": _lax_int(body, "world_size"),
+                "group_name": _optional_str(body, "group_name", "weight_update_group"),
+                "backend": _optional_str(body, "backend", "nccl"),
+            }
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        success, message = await self.backend.init_weights_update_group(**fields)
+        return _outcome(success, message)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        """``/destroy_weights_update_group`` ``{"group_name"}``."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            group_name = _optional_str(body, "group_name", "weight_update_group")
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        return _outcome(*await self.backend.destroy_weights_update_group(group_name))
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """``/begin_weight_update`` ``{"selector"}``: open the session (under the model lock unless paused)."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            selector = _optional_str(body, "selector", "all")
+            if selector not in WEIGHT_UPDATE_SELECTORS:
+                raise _ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        return _outcome(
+            *await self._locked_update(lambda paused: self.backend.begin_weight_update(selector, paused=paused))
+        )
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        """``/end_weight_update`` ``{}``: close the session."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        return _outcome(*await self._locked_update(lambda paused: self.backend.end_weight_update(paused=paused)))
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """``/update_weights_from_distributed``: receive one call's tensors from rank 0 and load them."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            update = DistributedUpdate(
+                names=tuple(_str_list(body, "names")),
+                dtypes=tuple(_str_list(body, "dtypes")),
+                shapes=tuple(_shape_list(body)),
+                group_name=_optional_str(body, "group_name", "weight_update_group"),
+                load_format=_optional_str(body, "load_format", None),
+            )
+            version = _optional_str(body, "weight_version", None)
+            selector = _optional_str(body, "selector", "all")
+            if selector not in WEIGHT_UPDATE_SELECTORS:
+                raise _ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
+            flush = _lax_bool(body.get("flush_cache", True), "flush_cache")
+            abort_all = _lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            _lax_bool(body.get("torch_empty_cache", False), "torch_empty_cache")
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        if abort_all:
+            self.backend.abort("", abort_all=True)
+        success, message = await self._locked_update(
+            lambda paused: self.backend.update_weights_from_distributed(
+                update, version, paused=paused, flush_cache=flush
+            )
+        )
+        if success and version is not None:
+            self._info_weight_version = version
+            message += f" Weight version updated to {version}."
+        return _outcome(success, message)
+
+    async def _locked_update(
+        self, call: Callable[[bool], Awaitable[tuple[bool, str]]]
+    ) -> tuple[bool, str]:
+        """Run a weight-update step as the tokenizer manager does.
+
+        Paused: at once, holding the pause condition so a continue waits for it to end. Not
+        paused: as the model lock's writer (after the running samples; later ones wait).
+        """
+        async with self._pause_cond:
+            if self._paused:
+                return await call(True)
+        self._updating += 1
+        try:
+            return await call(False)
+        finally:
+            self._updating -= 1
+
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version`` ``{"new_version", "abort_all_requests" = true}``."""
         try:
@@ -905,6 +1122,8 @@ class SGLangServer:
 __all__ = [
     "FORCE_STREAM_INTERVAL",
     "PAUSE_MODES",
+    "WEIGHT_UPDATE_SELECTORS",
+    "DistributedUpdate",
     "EngineBackend",
     "LoadSnapshot",
     "SGLangServer",

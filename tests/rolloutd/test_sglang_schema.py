@@ -108,6 +108,11 @@ _CONTROL_STRUCTS = (
     "AbortReq",
     "PauseGenerationReqInput",
     "ContinueGenerationReqInput",
+    "InitWeightsUpdateGroupReqInput",
+    "UpdateWeightsFromDistributedReqInput",
+    "DestroyWeightsUpdateGroupReqInput",
+    "BeginWeightUpdateReqInput",
+    "EndWeightUpdateReqInput",
 )
 # Route -> its body's struct.
 _BODY_STRUCTS = {
@@ -115,7 +120,20 @@ _BODY_STRUCTS = {
     "/abort_request": "AbortReq",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
 }
+# Weight-update-group routes: SGLang answers {"success", "message"} (http_server.py).
+_GROUP_ROUTES = (
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+    "/destroy_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+)
 
 
 def _sglang_package_root() -> Path:
@@ -268,6 +286,8 @@ class CaptureServer:
         if route == ("POST", "/update_weights_from_disk"):
             message = "Succeeded to update model weights."
             return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+        if request.method == "POST" and request.path in _GROUP_ROUTES:
+            return web.json_response({"success": True, "message": "Success"})
         if route == ("POST", "/pause_generation"):
             return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
         if route == ("POST", "/continue_generation"):
@@ -374,6 +394,21 @@ async def _drive_client(server: CaptureServer) -> None:
         await client.pause_generation(PauseMode.IN_PLACE)
         await client.update_weights_from_disk("/ckpt/step-4", weight_version="4", flush_cache=False)
         await client.continue_generation()
+        # A version over a weight-update group, as traind.weight_sync drives it (gloo on CPU).
+        await client.init_weights_update_group(
+            master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=3, backend="gloo"
+        )
+        await client.begin_weight_update()
+        await client.update_weights_from_distributed(["model.embed_tokens.weight"], ["bfloat16"], [[320, 256]])
+        await client.update_weights_from_distributed(
+            ["model.norm.weight", "lm_head.weight"], ["float32", "float32"], [[256], [320, 256]],
+            weight_version="5", flush_cache=True,
+        )
+        await client.update_weights_from_distributed(
+            ["model.norm.weight"], ["float32"], [[256]], load_format="flattened_bucket", group_name="g2"
+        )
+        await client.end_weight_update()
+        await client.destroy_weights_update_group()
 
 
 @pytest.fixture
@@ -457,6 +492,19 @@ async def test_weight_update_bodies_pass_sglang(captured: CaptureServer, sglang_
     assert "flush_cache" not in bodies[0] and bodies[3]["flush_cache"] is False
     for body in bodies:
         _check_struct_body(sglang_schema, "UpdateWeightFromDiskReqInput", body)
+
+
+async def test_weight_group_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
+    for path in _GROUP_ROUTES:
+        bodies = captured.bodies(path)
+        assert bodies, path
+        for body in bodies:
+            _check_struct_body(sglang_schema, _BODY_STRUCTS[path], body)
+    [init] = captured.bodies("/init_weights_update_group")
+    assert (init["rank_offset"], init["world_size"], init["backend"]) == (1, 3, "gloo")
+    updates = captured.bodies("/update_weights_from_distributed")
+    assert "weight_version" not in updates[0] and updates[1]["weight_version"] == "5"  # the last bucket only
+    assert updates[2]["load_format"] == "flattened_bucket" and updates[2]["group_name"] == "g2"
 
 
 async def test_abort_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
@@ -621,6 +669,14 @@ def test_unknown_top_level_key_is_flagged(sglang_schema: SGLangSchema) -> None:
         ("PauseGenerationReqInput", {"mode": 1}),
         ("PauseGenerationReqInput", {"mode": "in_place", "rid": 3}),
         ("ContinueGenerationReqInput", {"torch_empty_cache": "maybe"}),
+        # What rolloutd's engines refuse on the weight-update-group routes.
+        ("InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": 1, "rank_offset": 1}),  # world_size
+        ("InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": "x", "rank_offset": 1,
+                                            "world_size": 2}),
+        ("UpdateWeightsFromDistributedReqInput", {"names": ["a"], "dtypes": ["float32"]}),  # shapes required
+        ("UpdateWeightsFromDistributedReqInput", {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]],
+                                                  "selector": "both"}),
+        ("DestroyWeightsUpdateGroupReqInput", {"group_name": 3}),
     ],
 )
 def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, body: dict[str, Any]) -> None:
@@ -636,6 +692,11 @@ def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, 
         ("ContinueGenerationReqInput", {}),
         ("ContinueGenerationReqInput", {"torch_empty_cache": "false"}),  # FastAPI's lax booleans
         ("UpdateWeightFromDiskReqInput", {"model_path": "/ckpt", "flush_cache": "no"}),
+        ("InitWeightsUpdateGroupReqInput", {"master_address": "h", "master_port": "29500", "rank_offset": 1.0,
+                                            "world_size": 2}),  # lax integers
+        ("UpdateWeightsFromDistributedReqInput", {"names": [], "dtypes": [], "shapes": [], "flush_cache": "off"}),
+        ("BeginWeightUpdateReqInput", {"selector": "target"}),
+        ("EndWeightUpdateReqInput", {}),
     ],
 )
 def test_control_bodies_rolloutds_engines_accept_pass_sglang(

@@ -1,0 +1,277 @@
+"""Version-change-to-serving latency: disk sync vs distributed sync (broadcast over a weight-update group).
+
+Usage: python benchmarks/weight_sync.py [--rounds 3] [--layers 12] [--hidden 768] [--intermediate 3072]
+
+On CPU, with a config-only Qwen2 model of about 100 M parameters (random init, no download) served
+by 2 embedded engine replicas (subprocesses, the real HTTP server), each round times, from "the
+optimizer step is done" (the trainer holds the new parameters) to "every replica serves the new
+version" (``/model_info`` reports it):
+
+* disk: publish a safetensors checkpoint as traind does (``save_pretrained`` beside the target,
+  tokenizer copied, renamed into place; a ``file://`` location), then ``/update_weights_from_disk``
+  on both replicas at once;
+* distributed (fp32 and bf16 on the wire): pause both replicas in place, rank 0
+  (:class:`traind.weight_sync.WeightBroadcaster`, gloo) broadcasts the parameters in 256 MiB
+  buckets through ``/begin_weight_update``, ``/update_weights_from_distributed`` per bucket,
+  ``/end_weight_update``, continue. The group is formed once beforehand (membership changes only
+  at version boundaries); the durable copy is still written, after the replicas serve (off the
+  critical path): its time is reported beside.
+
+After the last distributed round, a greedy generation's logprobs on each replica are checked
+against the trainer's forward pass (the broadcast delivered the right weights).
+
+The same comparison at 14.7 B parameters comes from :mod:`flexmarl.devicemodel` (H100 profile:
+bf16 weights, 50 GB/s link): distributed = weights over the link once (a pipelined broadcast
+reaches every replica in about the time of one copy); disk = written once at the storage's write
+bandwidth, then read by every replica at its read bandwidth (concurrently) and moved over the link
+into device memory. Storage figures are assumptions, given in the table: stored's measured blob
+path (benchmarks/stored.py: 286 MiB/s put, 316 MiB/s get) and a local NVMe (2 GB/s write, 3 GB/s
+read).
+
+Prints a table and writes benchmarks/results/weight_sync.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.report import Column, render_table  # noqa: E402
+from flexmarl import devicemodel  # noqa: E402
+from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
+from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch  # noqa: E402
+from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams  # noqa: E402
+from rolloutd.engines.sglang_client import SGLangClient  # noqa: E402
+from traind.weight_sync import ReplicaGroup, WeightBroadcaster  # noqa: E402
+
+RESULTS = REPO_ROOT / "benchmarks" / "results" / "weight_sync.json"
+REPLICAS = 2
+BUCKET_BYTES = 256 * 1024 * 1024
+MIB = 1024 * 1024
+# Storage assumptions of the modelled rows (bytes/s): (label, write, read).
+STORAGE = (
+    ("stored blobs (measured)", 286 * MIB, 316 * MIB),
+    ("local NVMe (assumed)", 2.0e9, 3.0e9),
+)
+
+
+def _publish(model: Any, checkpoint: Path, target: Path) -> None:
+    """traind's publish (model.py ``AgentTrainer.publish``): save beside the target, copy the tokenizer, rename."""
+    staging = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (checkpoint / name).is_file():
+            shutil.copy(checkpoint / name, staging / name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+
+
+def _next_version(model: Any, seed: int) -> None:
+    """Stand in for an optimizer step: move every parameter a little (in place)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
+
+
+async def _serving(clients: list[SGLangClient], version: str) -> None:
+    infos = await asyncio.gather(*(client.model_info() for client in clients))
+    wrong = [info.weight_version for info in infos if info.weight_version != version]
+    if wrong:
+        raise RuntimeError(f"replicas serve {wrong}, expected {version}")
+
+
+async def _disk_round(model: Any, checkpoint: Path, clients: list[SGLangClient], out: Path, version: str) -> float:
+    started_s = time.perf_counter()
+    target = out / version
+    await asyncio.to_thread(_publish, model, checkpoint, target)
+    await asyncio.gather(*(client.update_weights_from_disk(str(target), weight_version=version) for client in clients))
+    await _serving(clients, version)
+    seconds = time.perf_counter() - started_s
+    shutil.rmtree(target, ignore_errors=True)
+    return seconds
+
+
+async def _distributed_round(
+    model: Any, checkpoint: Path, group: ReplicaGroup, clients: list[SGLangClient], out: Path, version: str,
+    send_dtype: torch.dtype | None,
+) -> tuple[float, float]:
+    """Seconds to serving, and seconds of the durable write after it."""
+    started_s = time.perf_counter()
+    await asyncio.gather(*(client.pause_generation(PauseMode.IN_PLACE) for client in clients))
+    params = dict(model.named_parameters())
+    await group.push_version(params, version, bucket_bytes=BUCKET_BYTES, send_dtype=send_dtype)
+    await asyncio.gather(*(client.continue_generation() for client in clients))
+    await _serving(clients, version)
+    serving_s = time.perf_counter() - started_s
+    durable_started_s = time.perf_counter()
+    target = out / version
+    await asyncio.to_thread(_publish, model, checkpoint, target)  # off the critical path: replicas already serve
+    durable_s = time.perf_counter() - durable_started_s
+    shutil.rmtree(target, ignore_errors=True)
+    return serving_s, durable_s
+
+
+async def _check_logprobs(model: Any, clients: list[SGLangClient]) -> float:
+    """Largest |served - trainer| logprob over a greedy generation on each replica."""
+    prompt = (104, 101, 108, 108, 111)
+    worst = 0.0
+    for client in clients:
+        [result] = await client.generate(GenerationRequest(prompt, SamplingParams(temperature=0.0, max_new_tokens=4)))
+        ids = torch.tensor([[*prompt, *result.output_ids]])
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+        for i, (token, served) in enumerate(zip(result.output_ids, result.output_token_logprobs, strict=True)):
+            worst = max(worst, abs(float(logprobs[len(prompt) - 1 + i, token]) - served))
+    return worst
+
+
+def _modelled_rows(profile: devicemodel.DeviceProfile) -> list[dict[str, Any]]:
+    weight_bytes = profile.weight_bytes
+    link_s = devicemodel.weight_transfer_s(profile)
+    rows = [{"path": "distributed (broadcast over the link)", "seconds": link_s, "assumed": "link 50 GB/s"}]
+    for label, write_bps, read_bps in STORAGE:
+        seconds = weight_bytes / write_bps + weight_bytes / read_bps + link_s
+        rows.append({"path": f"disk via {label}", "seconds": seconds,
+                     "assumed": f"write {write_bps / 1e9:.2f} GB/s, read {read_bps / 1e9:.2f} GB/s"})
+    return rows
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="flexmarl-weight-sync-"))
+    replicas: list[EngineReplica] = []
+    try:
+        checkpoint = build_tiny_checkpoint(
+            work / "v0", seed=0, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.hidden // 64,
+            num_kv_heads=max(1, args.hidden // 256), head_dim=64, intermediate_size=args.intermediate,
+        )
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        model.eval()  # type: ignore[no-untyped-call]
+        params = sum(p.numel() for p in model.parameters())
+        print(f"model: {params / 1e6:.1f} M parameters ({params * 4 / 1e6:.0f} MB fp32); "
+              f"launching {REPLICAS} embedded replicas", flush=True)
+        replicas = list(await asyncio.gather(*(
+            launch(ReplicaSpec("embedded", str(checkpoint), seed=0), work / f"run{i}", timeout_s=600)
+            for i in range(REPLICAS)
+        )))
+        clients = [SGLangClient(replica.url, request_timeout_s=900) for replica in replicas]
+        out = work / "published"
+        out.mkdir()
+        group = ReplicaGroup(WeightBroadcaster(world_size=REPLICAS + 1, timeout_s=600), clients)
+        formed_s = time.perf_counter()
+        await group.open()
+        formed_s = time.perf_counter() - formed_s
+        disk: list[float] = []
+        fp32: list[float] = []
+        bf16: list[float] = []
+        durable: list[float] = []
+        version = 0
+        for round_index in range(args.rounds):  # interleaved, so load from other work hits all alike
+            for kind in ("disk", "fp32", "bf16"):
+                version += 1
+                _next_version(model, version)
+                name = f"v{version}"
+                if kind == "disk":
+                    disk.append(await _disk_round(model, checkpoint, clients, out, name))
+                else:
+                    dtype = torch.bfloat16 if kind == "bf16" else None
+                    serving_s, durable_s = await _distributed_round(model, checkpoint, group, clients, out, name,
+                                                                    dtype)
+                    (bf16 if kind == "bf16" else fp32).append(serving_s)
+                    durable.append(durable_s)
+            print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, distributed fp32 {fp32[-1]:.2f}s, "
+                  f"bf16 {bf16[-1]:.2f}s", flush=True)
+        # The last round was bf16: push fp32 once more so the engines hold exactly the trainer's weights.
+        version += 1
+        await _distributed_round(model, checkpoint, group, clients, out, f"v{version}", None)
+        max_logprob_error = await _check_logprobs(model, clients)
+        await group.close()
+        for client in clients:
+            await client.close()
+    finally:
+        for replica in replicas:
+            replica.stop(grace_s=10)
+        shutil.rmtree(work, ignore_errors=True)
+    profile = devicemodel.DeviceProfile()
+    return {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "model_params": params,
+        "replicas": REPLICAS,
+        "rounds": args.rounds,
+        "bucket_bytes": BUCKET_BYTES,
+        "group_formation_s": formed_s,
+        "cpu_seconds": {"disk": disk, "distributed_fp32": fp32, "distributed_bf16": bf16, "durable_write": durable},
+        "cpu_median_s": {
+            "disk": statistics.median(disk),
+            "distributed_fp32": statistics.median(fp32),
+            "distributed_bf16": statistics.median(bf16),
+            "durable_write": statistics.median(durable),
+        },
+        "speedup_fp32": statistics.median(disk) / statistics.median(fp32),
+        "speedup_bf16": statistics.median(disk) / statistics.median(bf16),
+        "max_logprob_error": max_logprob_error,
+        "modelled": {"profile": profile.name, "model_params": profile.model_params,
+                     "weight_bytes": profile.weight_bytes, "rows": _modelled_rows(profile)},
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    med = result["cpu_median_s"]
+    disk_s = med["disk"]
+    lines = [f"CPU, {result['model_params'] / 1e6:.0f} M parameters, {result['replicas']} embedded replicas, "
+             f"median of {result['rounds']} rounds (optimizer step done -> every replica serves the version)"]
+    columns = [Column("path", 56, "<"), Column("seconds", 8, fmt=".2f"), Column("vs disk", 8, fmt=".1f", suffix="x")]
+    rows = [
+        ("disk (publish safetensors + /update_weights_from_disk)", disk_s, 1.0),
+        ("distributed, fp32 on the wire", med["distributed_fp32"], disk_s / med["distributed_fp32"]),
+        ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"]),
+        ("  durable copy after (off the critical path)", med["durable_write"], None),
+    ]
+    lines += render_table(columns, rows, sep="  ")
+    lines.append(f"group formed once in {result['group_formation_s']:.2f}s; served logprobs vs the trainer's "
+                 f"forward pass: max |diff| {result['max_logprob_error']:.1e}")
+    modelled = result["modelled"]
+    lines.append("")
+    lines.append(f"modelled ({modelled['profile']}, {modelled['model_params'] / 1e9:.1f} B parameters, "
+                 f"{modelled['weight_bytes'] / 1e9:.1f} GB bf16)")
+    mcols = [Column("path", 56, "<"), Column("seconds", 8, fmt=".1f"), Column("assumed", 34, "<")]
+    lines += render_table(mcols, [(row["path"], row["seconds"], row["assumed"]) for row in modelled["rows"]],
+                          sep="  ")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    print(render(result))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS.relative_to(REPO_ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
