@@ -12,7 +12,17 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
   t - 1 and step t, over steps 1..N-1 (step 0 includes engine start-up and is left out);
 * tokens/s (modelled): response tokens of those steps x token_scale / their modelled seconds;
 * busy fractions: union of the engines' (trainers') modelled-time intervals in that window,
-  over replicas (slots) x window.
+  over replicas (slots) x window;
+* the device-work bound of a step (``benchmarks/bound.py``): the larger of the rollout
+  replica-seconds of the tokens those steps generated (at the best batching the engine allows)
+  over the replicas and the training slot-seconds of the tokens they trained over the slots,
+  from the device model and the step records; printed beside the step with the ratio;
+* orchestration overhead: server-side handler seconds of orchestratord's lease, report, ack,
+  commit and slot-event RPCs and of every stored RPC (the daemons' ``flexmarl_<daemon>_rpc_seconds``
+  histograms, scraped before the job is submitted and after it finished), per step, as a share
+  of the step's wall seconds (``step s x time_scale``).
+
+``--eta 1 2 4`` runs every async configuration at each ``max_staleness`` (barrier ones once).
 
 Writes ``<out>/modelled.json`` and ``<out>/modelled.png`` (other workloads:
 ``modelled-<agents>-agent-<variant>.*``) and prints the table, plus the analytic estimate of a
@@ -36,6 +46,16 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from benchmarks.bound import (  # noqa: E402
+    AgentStepWork,
+    DeviceWorkBound,
+    RpcTime,
+    device_work_bound,
+    mean_bound,
+    rpc_overhead,
+    rpc_times,
+    scrape,
+)
 from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.workloads import Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
@@ -65,8 +85,18 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"balancing": "hierarchical"},
         "FlexMARL with each agent on a fixed slot set",
     ),
+    "flexmarl-partial": (
+        {"mode": "async", "max_staleness": 1},
+        {"balancing": "hierarchical", "partial_rollout": True},
+        "FlexMARL with interruptible rollouts: a new version interrupts the agent's generations, which continue",
+    ),
 }
-TARGETS = {"sequential": 8.0, "static": 1.6}
+# Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
+# (flexmarl-partial), with issue 15's bound, busy and overhead targets.
+TARGETS = {"flexmarl": {"sequential": 8.0, "static": 1.6}, "flexmarl-partial": {"sequential": 5.0, "static": 3.0}}
+BOUND_TARGET = 1.3  # step within 1.3x of the device-work bound
+BUSY_TARGET = 0.8  # the busier of rollout/train busy
+OVERHEAD_TARGET = 0.01  # orchestration overhead, share of the step
 
 
 @dataclasses.dataclass
@@ -83,6 +113,25 @@ class RunResult:
     wall_s: float
     steps_measured: int
     model_overrun_s: float
+    eta: int | None = None  # max_staleness of an async configuration run by --eta (None: the config's)
+    bound_s: float = float("nan")
+    bound_rollout_s: float = float("nan")
+    bound_train_s: float = float("nan")
+    bound_by: str = ""
+    overhead_s_per_step: float = float("nan")  # wall handler seconds of the counted RPCs per step
+    overhead_share: float = float("nan")  # of the step's wall seconds
+    overhead_rpcs: dict[str, float] = dataclasses.field(default_factory=dict)  # "daemon/method" -> seconds
+    long_polls_left_out: int = 0
+
+    @property
+    def label(self) -> str:
+        """The configuration's name in tables (with its eta when swept)."""
+        return self.config if self.eta is None else f"{self.config} eta={self.eta}"
+
+    @property
+    def over_bound(self) -> float:
+        """The step's ratio to its device-work bound."""
+        return self.step_s / self.bound_s if self.bound_s > 0 else float("nan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +204,35 @@ def timeshared_sequential_estimate(
     return TimeSharedEstimate(devices, rollout / samples, reload, train / samples)
 
 
+def workload_bound(
+    workload: Workload,
+    profile: devicemodel.DeviceProfile,
+    replicas: int,
+    slots: int,
+    episodes: int,
+    samples: int = 8,
+    seed: int = 0,
+) -> DeviceWorkBound:
+    """The device-work bound of a step of ``workload`` from the device model alone (no run).
+
+    The same bound as a run's (:func:`benchmarks.bound.device_work_bound`), over response
+    lengths drawn from the workload as the environment draws them (rounded up to whole real
+    tokens), averaged over ``samples`` draws of a step: what to expect before measuring.
+    """
+    rng = random.Random(seed)
+    scale = profile.token_scale
+    bounds = []
+    for _ in range(samples):
+        work = []
+        for name, dist in workload.agents:
+            tokens = sum(math.ceil(dist.sample(rng) / scale) * scale for _ in range(episodes))
+            work.append(AgentStepWork(name, episodes, tokens))
+        bounds.append(
+            device_work_bound(profile, work, prompt_tokens=workload.prompt_tokens, replicas=replicas, slots=slots)
+        )
+    return mean_bound(bounds)
+
+
 def _daemon_pythonpath() -> str:
     """The repository (benchmarks.workloads) and its client package, ahead of the caller's path."""
     root = Path(__file__).resolve().parents[1]
@@ -162,9 +240,13 @@ def _daemon_pythonpath() -> str:
     return os.pathsep.join(part for part in parts if part)
 
 
-def job_spec(workload: Workload, config: str, model_dir: Path, steps: int, token_scale: float) -> dict[str, Any]:
-    """The job of one configuration."""
+def job_spec(
+    workload: Workload, config: str, model_dir: Path, steps: int, token_scale: float, eta: int | None = None
+) -> dict[str, Any]:
+    """The job of one configuration (``eta``: its ``max_staleness`` instead of the config's, async only)."""
     pipeline, rollout, _ = CONFIGS[config]
+    if eta is not None:
+        pipeline = {**pipeline, "max_staleness": eta}
     max_new = workload.max_real_tokens(token_scale)
     return {
         "name": f"bench-{config}",
@@ -191,9 +273,25 @@ def job_spec(workload: Workload, config: str, model_dir: Path, steps: int, token
     }
 
 
-def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir: Path, root: Path) -> RunResult:
+def is_async(config: str) -> bool:
+    """Whether the configuration pipelines rollout and training (the ones ``--eta`` sweeps)."""
+    return CONFIGS[config][0].get("mode") == "async"
+
+
+def scrape_rpc_times(cluster: LocalCluster) -> list[RpcTime]:
+    """The overhead-counted RPC seconds of the cluster's orchestratord and stored, now."""
+    times: list[RpcTime] = []
+    for name in ("orchestratord", "stored"):
+        daemon = cluster.daemon(name)
+        times += rpc_times(name, daemon.kind, scrape(daemon.metrics_port))
+    return times
+
+
+def run_one(
+    config: str, workload: Workload, args: argparse.Namespace, model_dir: Path, root: Path, eta: int | None = None
+) -> RunResult:
     """One configuration on a fresh local cluster."""
-    run_dir = root / config.replace(" ", "_")
+    run_dir = root / (config if eta is None else f"{config}-eta{eta}")
     trace_dir = run_dir / "traces"
     profile = devicemodel.PRESETS[args.device].with_changes(
         token_scale=args.token_scale,
@@ -213,7 +311,8 @@ def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:
-            job_id = client.submit(job_spec(workload, config, model_dir, args.steps, args.token_scale))
+            before = scrape_rpc_times(cluster)
+            job_id = client.submit(job_spec(workload, config, model_dir, args.steps, args.token_scale, eta))
             deadline = time.monotonic() + args.run_timeout_s
             info = client.status(job_id)
             while not info.state.finished and time.monotonic() < deadline:
@@ -221,9 +320,23 @@ def run_one(config: str, workload: Workload, args: argparse.Namespace, model_dir
                 info = client.status(job_id)
             if not info.state.finished:
                 client.cancel(job_id)
+            overhead = rpc_overhead(before, scrape_rpc_times(cluster))
             history = client.history(job_id)
     wall_s = time.monotonic() - started
-    return measure(config, workload, info.state.name, history, profile, trace_dir, args, wall_s)
+    result = measure(config, workload, info.state.name, history, profile, trace_dir, args, wall_s)
+    result.eta = eta
+    add_overhead(result, overhead, args.steps, profile.time_scale)
+    return result
+
+
+def add_overhead(result: RunResult, overhead: list[RpcTime], steps: int, time_scale: float) -> None:
+    """Fills the result's overhead figures from the RPC seconds the whole job took (``steps`` steps)."""
+    total_s = sum(t.seconds for t in overhead)
+    result.overhead_rpcs = {f"{t.daemon}/{t.method}": round(t.seconds, 4) for t in overhead if t.calls > 0}
+    result.long_polls_left_out = sum(t.left_out_calls for t in overhead)
+    result.overhead_s_per_step = total_s / max(1, steps)
+    step_wall_s = result.step_s * time_scale
+    result.overhead_share = result.overhead_s_per_step / step_wall_s if step_wall_s > 0 else float("nan")
 
 
 def measure(
@@ -264,6 +377,7 @@ def measure(
         args.slots * window_s
     )
     overrun = sum(float(rec.get("overrun_s", 0.0)) for r in [*engines, *trainers] for rec in r)
+    bound = step_bound(history, complete[1:], profile, workload.prompt_tokens, args.replicas, args.slots)
     return RunResult(
         config,
         workload.name,
@@ -275,44 +389,130 @@ def measure(
         wall_s,
         measured,
         overrun,
+        bound_s=bound.step_s,
+        bound_rollout_s=bound.rollout_s,
+        bound_train_s=bound.train_s,
+        bound_by=bound.bound_by,
     )
 
 
+def step_bound(
+    history: list[Any],
+    steps: list[int],
+    profile: devicemodel.DeviceProfile,
+    prompt_tokens: int,
+    replicas: int,
+    slots: int,
+) -> DeviceWorkBound:
+    """The mean device-work bound of ``steps``, from what their step records say was generated and trained."""
+    work: dict[int, list[AgentStepWork]] = {step: [] for step in steps}
+    for record in history:
+        if record.step in work:
+            tokens = record.response_tokens * profile.token_scale
+            work[record.step].append(AgentStepWork(record.agent, record.episodes, tokens))
+    return mean_bound(
+        [
+            device_work_bound(profile, work[step], prompt_tokens=prompt_tokens, replicas=replicas, slots=slots)
+            for step in steps
+        ]
+    )
+
+
+def reference(results: list[RunResult]) -> RunResult | None:
+    """The FlexMARL run speedups are taken against: interruptible rollouts when run, else ``flexmarl`` (default eta)."""
+    for name in ("flexmarl-partial", "flexmarl"):
+        runs = [r for r in results if r.config == name]
+        if runs:
+            return next((r for r in runs if r.eta is None or r.eta == 1), runs[0])
+    return None
+
+
 def table(results: list[RunResult]) -> str:
-    """The printed table: figures and speedups of FlexMARL over each baseline."""
-    by_name = {r.config: r for r in results}
-    flex = by_name.get("flexmarl")
+    """The printed table: figures, the bound beside the step, and the reference's speedup over each run."""
+    ref = reference(results)
+    targets = TARGETS.get(ref.config, {}) if ref is not None else {}
     columns = [
-        Column("config", 12, "<"),
+        Column("config", 22, "<"),
         Column("state", 10, "<"),
-        Column("step s", 8, fmt=".1f"),
-        Column("tok/s", 9, fmt=".0f"),
+        Column("step s", 7, fmt=".1f"),
+        Column("bound s", 7, fmt=".1f"),
+        Column("bound by", 8, "<"),
+        Column("step/bound", 10, fmt=".2f", suffix="x"),
+        Column("tok/s", 6, fmt=".0f"),
         Column("roll busy", 9, fmt=".2f"),
         Column("train busy", 10, fmt=".2f"),
-        Column("flexmarl speedup", 16, fmt=".2f", suffix="x"),
+        Column("overhead", 8, fmt=".2%"),
+        Column("ref speedup", 11, fmt=".2f", suffix="x"),
         Column("target", 0, "<", gap="  "),
     ]
     rows = []
     for r in results:
-        over = r.step_s / flex.step_s if flex and flex.step_s > 0 else float("nan")
-        target = TARGETS.get(r.config)
+        over = r.step_s / ref.step_s if ref is not None and ref.step_s > 0 else float("nan")
+        target = targets.get(r.config)
         verdict = ""
-        if target is not None:
+        if math.isnan(over):
+            verdict = "not measured" if r is not ref else ""
+        elif target is not None:
             verdict = f">= {target}x: {'met' if over >= target else 'MISSED'}"
-        elif r.config != "flexmarl":
-            verdict = f"ablation costs {over:.2f}x"
-        rows.append([r.config, r.state, r.step_s, r.tokens_per_s, r.rollout_busy, r.train_busy, over, verdict])
-    return "\n".join(render_table(columns, rows))
+        elif r is not ref:
+            verdict = f"{ref.label if ref else '-'} is {over:.2f}x faster"
+        rows.append(
+            [r.label, r.state, r.step_s, r.bound_s, r.bound_by, r.over_bound, r.tokens_per_s, r.rollout_busy,
+             r.train_busy, r.overhead_share, over, verdict]
+        )
+    lines = render_table(columns, rows)
+    lines.append(
+        "modelled seconds; bound = max(rollout replica-s / replicas, train slot-s / slots) of the tokens generated "
+        "and trained (benchmarks/bound.py); overhead = orchestratord + stored RPC handler s per step / step wall s"
+    )
+    if ref is not None:
+        lines.append(target_line(ref))
+    return "\n".join(lines)
+
+
+def target_line(ref: RunResult) -> str:
+    """Issue 15's bound, busy and overhead targets for the reference run."""
+    busier = max(ref.rollout_busy, ref.train_busy)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    return (
+        f"{ref.label}: step {ref.over_bound:.2f}x its bound (target <= {BOUND_TARGET}x: "
+        f"{verdict(ref.over_bound <= BOUND_TARGET)}); busier busy {busier:.2f} (target >= {BUSY_TARGET}: "
+        f"{verdict(busier >= BUSY_TARGET)}); overhead {ref.overhead_share:.2%} of the step, "
+        f"{ref.overhead_s_per_step:.3f} wall s (target < {OVERHEAD_TARGET:.0%}: "
+        f"{verdict(ref.overhead_share < OVERHEAD_TARGET)})"
+    )
 
 
 def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str:
-    """The analytic time-shared sequential baseline, against FlexMARL's measured step."""
-    flex = next((r for r in results if r.config == "flexmarl"), None)
-    over = estimate.step_s / flex.step_s if flex is not None and flex.step_s > 0 else float("nan")
+    """The analytic time-shared sequential baseline, against the reference's measured step."""
+    ref = reference(results)
+    over = estimate.step_s / ref.step_s if ref is not None and ref.step_s > 0 else float("nan")
     return (
         f"time-shared sequential on all {estimate.devices} devices (device model only, not run): "
         f"{estimate.step_s:.1f} s/step (rollout phases {estimate.rollout_s:.1f}, reloads {estimate.reload_s:.1f}, "
-        f"training {estimate.train_s:.1f}) = {over:.2f}x FlexMARL's step"
+        f"training {estimate.train_s:.1f}) = {over:.2f}x {ref.label if ref else 'FlexMARL'}'s step"
+    )
+
+
+def analytic_lines(workload: Workload, args: argparse.Namespace, results: list[RunResult]) -> str:
+    """The device-model-only figures of the run's shape: the expected bound and the time-shared baseline."""
+    profile = devicemodel.PRESETS[args.device].with_changes(token_scale=args.token_scale)
+    bound = workload_bound(
+        workload,
+        profile.with_changes(train_devices_per_slot=args.train_devices_per_slot),
+        args.replicas,
+        args.slots,
+        episodes=64,
+    )
+    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
+    return (
+        f"device-work bound of a step from the workload's draws (device model only, not run): {bound.step_s:.1f} s "
+        f"(rollout {bound.rollout_s:.1f} s on {bound.replicas} replicas, training {bound.train_s:.1f} s on "
+        f"{bound.slots} slots; {BOUND_TARGET}x of it: {BOUND_TARGET * bound.step_s:.1f} s)\n"
+        + estimate_line(estimate, results)
     )
 
 
@@ -320,7 +520,7 @@ def chart(results: list[RunResult], path: Path) -> None:
     """A bar chart of modelled step seconds."""
     bar_chart(
         path,
-        [r.config for r in results],
+        [r.label for r in results],
         [r.step_s for r in results],
         ylabel="modelled step seconds",
         title=f"{results[0].workload}: step time (lower is better)",
@@ -344,33 +544,44 @@ def main(argv: list[str] | None = None) -> int:
     # DeepSpeed on CPU, checkpoint writes and reloads: ~1-3 wall s) stay small next to device time.
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument("--run-timeout-s", type=float, default=900.0)
+    parser.add_argument(
+        "--eta", type=int, nargs="+", default=None, help="run every async configuration at each max_staleness"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--stem", default="", help="output file stem (default: modelled[-<agents>-agent-<variant>])")
+    parser.add_argument(
+        "--estimate-only", action="store_true", help="print the device-model bound and time-shared estimate only"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workload = make_workload(args.agents, args.variant)
+    if args.estimate_only:
+        print(analytic_lines(workload, args, []))  # noqa: T201 (a CLI report)
+        return 0
     results: list[RunResult] = []
     with tempfile.TemporaryDirectory(prefix="flexmarl-bench-") as tmp:
         root = Path(tmp)
         model_dir = build_tiny_checkpoint(root / "tiny", seed=1)
         for config in args.configs:
-            log.info("running %s on %s", config, workload.name)
-            result = run_one(config, workload, args, model_dir, root)
-            log.info("%s", result)
-            results.append(result)
+            for eta in args.eta if args.eta and is_async(config) else [None]:
+                log.info("running %s (eta %s) on %s", config, eta, workload.name)
+                result = run_one(config, workload, args, model_dir, root, eta)
+                log.info("%s", result)
+                results.append(result)
     profile = devicemodel.PRESETS[args.device].with_changes(token_scale=args.token_scale)
     estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
-    report = table(results) + "\n" + estimate_line(estimate, results)
+    report = table(results) + "\n" + analytic_lines(workload, args, results)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "workload": workload.name,
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "results": [dataclasses.asdict(r) for r in results],
+        "results": [{**dataclasses.asdict(r), "label": r.label, "step_over_bound": r.over_bound} for r in results],
         "timeshared_sequential_estimate": {**dataclasses.asdict(estimate), "step_s": estimate.step_s},
         "table": report,
     }
     default_workload = args.agents == 3 and args.variant == "long-tail"
-    stem = "modelled" if default_workload else f"modelled-{args.agents}-agent-{args.variant}"
+    stem = args.stem or ("modelled" if default_workload else f"modelled-{args.agents}-agent-{args.variant}")
     (args.out / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     chart(results, args.out / f"{stem}.png")
     return 0 if all(r.state == "SUCCEEDED" for r in results) else 1

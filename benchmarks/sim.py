@@ -42,6 +42,9 @@ scaling, ``--episodes-per-replica`` episodes per replica and step). Configuratio
 ``static`` (MARTI-like barrier, fixed slots and replica shares), ``sequential``
 (MAS-RL-like: batch, then each agent trains in turn, fixed replica shares).
 
+Every outcome carries the step's device-work bound (:mod:`benchmarks.bound`, over the tokens
+the simulated steps generated and trained), printed beside the step.
+
 Writes ``<out>/sim.json`` and ``<out>/sim.png`` and prints the table.
 """
 
@@ -59,6 +62,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bound import AgentStepWork, device_work_bound, mean_bound
 from benchmarks.report import Column, line_chart, render_table
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
@@ -161,6 +165,8 @@ class SimOutcome:
     events: int
     sim_wall_s: float
     max_group_size: int = 1
+    bound_s: float = math.nan  # device-work bound of a step (benchmarks/bound.py), modelled seconds
+    bound_by: str = ""
 
 
 @dataclasses.dataclass
@@ -295,6 +301,7 @@ class Simulation:
         self.experience_tokens: dict[str, int] = {}
         self.commits: dict[tuple[str, int], float] = {}
         self.response_tokens: dict[int, int] = {}
+        self.agent_work: dict[tuple[int, str], list[int]] = {}  # (batch, agent) -> [episodes, response tokens]
         self.wanted: dict[str, int] = dict.fromkeys(self.agents, 0)
         self.loads: set[str] = set()
         self.event_count = 0
@@ -414,6 +421,9 @@ class Simulation:
                 experience_id = f"{task_id}/{agent}/{episode.sample_index}"
                 tokens = episode.lengths[index]
                 self.experience_tokens[experience_id] = tokens + self.workload.prompt_tokens
+                work = self.agent_work.setdefault((task.batch_index, agent), [0, 0])
+                work[0] += 1
+                work[1] += tokens
                 experiences.append(
                     ExperienceSummary(
                         experience_id,
@@ -631,6 +641,18 @@ class Simulation:
         total_s = self.now_s
         rollout_busy = sum(r.busy_s for r in self.replicas.values()) / (len(self.replicas) * total_s)
         train_busy = sum(slot.busy_s for slot in self.slots) / (len(self.slots) * total_s)
+        bound = mean_bound(
+            [
+                device_work_bound(
+                    self.profile,
+                    [AgentStepWork(a, *self.agent_work.get((b, a), [0, 0])) for a in self.agents],
+                    prompt_tokens=self.workload.prompt_tokens,
+                    replicas=len(self.replicas),
+                    slots=len(self.slots),
+                )
+                for b in steps[1:]
+            ]
+        )
         return SimOutcome(
             self.config,
             s.devices,
@@ -646,6 +668,8 @@ class Simulation:
             self.event_count,
             sim_wall_s,
             self.max_group_size,
+            bound.step_s,
+            bound.bound_by,
         )
 
 
@@ -676,6 +700,8 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
         Column("config", 11, "<"),
         Column("state", 10, "<"),
         Column("step s", 8, fmt=".1f"),
+        Column("bound s", 7, fmt=".1f"),
+        Column("step/bound", 10, fmt=".2f", suffix="x"),
         Column("tok/s", 9, fmt=".0f"),
         Column("roll busy", 9, fmt=".2f"),
         Column("train busy", 10, fmt=".2f"),
@@ -688,13 +714,14 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
         ref = flex.get(o.devices)
         over = o.step_s / ref.step_s if ref is not None and ref.step_s > 0 else math.nan
         rows.append(
-            [o.devices, o.replicas, o.slots, o.episodes_per_step, o.config, o.state, o.step_s, o.tokens_per_s,
-             o.rollout_busy, o.train_busy, o.max_group_size, o.reassignments, over]
+            [o.devices, o.replicas, o.slots, o.episodes_per_step, o.config, o.state, o.step_s, o.bound_s,
+             o.step_s / o.bound_s if o.bound_s > 0 else math.nan, o.tokens_per_s, o.rollout_busy, o.train_busy,
+             o.max_group_size, o.reassignments, over]
         )
     lines = render_table(columns, rows)
     lines.append(
-        "modelled seconds (H100/Qwen2.5-14B roofline); dp max = largest data-parallel group (slots); "
-        "speedup = config step s / flexmarl step s"
+        "modelled seconds (H100/Qwen2.5-14B roofline); bound = device-work bound of a step (benchmarks/bound.py); "
+        "dp max = largest data-parallel group (slots); speedup = config step s / flexmarl step s"
     )
     return "\n".join(lines)
 
