@@ -23,9 +23,11 @@ earlier turn is re-tokenized from its text; the response says so (``flexmarl.ret
 and so does the ``flexmarl_gateway_retokenized_messages_total`` counter.
 
 Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 404 for an unknown
-session, route or model (agent), 400 for a malformed body or an unsupported parameter (``n`` > 1,
-``tools``, ``top_logprobs`` > 0, ``echo``, ...), 401 for a wrong API key. Every error carries
-``x-should-retry: false`` so the client never repeats a call that may have recorded a turn.
+session, route or model (agent), 400 for a malformed body (validated as the official API does:
+``invalid_type``, ``missing_required_parameter``, ``invalid_value``, range codes, with ``param``
+naming the field) or an unsupported parameter (``n`` > 1, ``tools``, ``top_logprobs`` > 0,
+``echo``, ...; docs/gateway.md says why each is refused), 401 for a wrong API key. Every error
+carries ``x-should-retry: false`` so the client never repeats a call that may have recorded a turn.
 
 Authentication: ``Authorization: Bearer <api_key>``. When the cluster has a bearer token the key
 handed to the program is ``<cluster token>.<session key>``, so the cluster token applies to every
@@ -264,26 +266,109 @@ def _session_not_found() -> OpenAIError:
 
 
 # ----- request parsing -----------------------------------------------------------------------------
+# Validation follows the official API's answers: a wrong JSON type is 400 ``invalid_type``
+# ("Invalid type for 'temperature': expected a decimal, but got a string instead."), a value out
+# of range ``decimal_above_max_value`` / ``integer_below_min_value`` ..., a missing field
+# ``missing_required_parameter``, a value outside an enumeration ``invalid_value``; ``param``
+# names the field (``messages[1].content``). Then come the refusals of what this gateway cannot
+# serve (``n`` > 1, ``tools``, ``top_logprobs`` > 0, ...), also 400 with ``param``.
+
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs range is [0, 20]
+_MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs range is [0, 5]
+_MAX_N = 128
 
 
-def _number(body: Mapping[str, Any], name: str, low: float, high: float) -> float | None:
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "an object"
+    return type(value).__name__
+
+
+def _invalid_type(name: str, expected: str, value: Any) -> OpenAIError:
+    return _bad(f"Invalid type for '{name}': expected {expected}, but got {_type_name(value)} instead.", name,
+                "invalid_type")
+
+
+def _missing(name: str) -> OpenAIError:
+    return _bad(f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+
+
+def _invalid_value(name: str, value: Any, supported: Sequence[str]) -> OpenAIError:
+    listed = ", ".join(f"'{s}'" for s in supported)
+    return _bad(f"Invalid value: '{value}'. Supported values are: {listed}.", name, "invalid_value")
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, integer: bool = False) -> float | None:
+    """An optional number field (null: absent), type- and range-checked as the official API does."""
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"'{name}' must be a number", name)
-    if not low <= value <= high:
-        raise _bad(f"'{name}' must be in [{low}, {high}], got {value}", name)
+    kind = "integer" if integer else "decimal"
+    valid = isinstance(value, int) if integer else isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(value, bool) or not valid:
+        raise _invalid_type(name, f"an {kind}" if integer else f"a {kind}", value)
+    if value < low:
+        raise _bad(f"Invalid '{name}': {kind} below minimum value. Expected a value >= {low:g}, but got {value} "
+                   "instead.", name, f"{kind}_below_min_value")
+    if value > high:
+        raise _bad(f"Invalid '{name}': {kind} above maximum value. Expected a value <= {high:g}, but got {value} "
+                   "instead.", name, f"{kind}_above_max_value")
     return float(value)
 
 
-def _positive_int(body: Mapping[str, Any], name: str) -> int | None:
+def _integer(body: Mapping[str, Any], name: str, low: int, high: float = math.inf) -> int | None:
+    value = _number(body, name, low, high, integer=True)
+    return None if value is None else int(value)
+
+
+def _boolean(body: Mapping[str, Any], name: str) -> bool:
+    """An optional boolean field (absent or null: False)."""
     value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"'{name}' must be a positive integer", name)
+    if value is not None and not isinstance(value, bool):
+        raise _invalid_type(name, "a boolean", value)
+    return value is True
+
+
+def _object(body: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, Mapping):
+        raise _invalid_type(name, "an object", value)
     return value
+
+
+def check_common_fields(body: Mapping[str, Any]) -> None:
+    """Types of the fields both endpoints accept and ignore or read later (``seed``, ``user``, ``stream_options``...).
+
+    Raises:
+        OpenAIError: 400 ``invalid_type`` (or ``invalid_value``) naming the field.
+    """
+    _integer(body, "seed", -(2**63), 2**63 - 1)
+    for name in ("user", "prompt_cache_key", "safety_identifier", "service_tier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _invalid_type(name, "a string", body[name])
+    for name in ("metadata", "logit_bias"):
+        _object(body, name)
+    for name in ("store", "parallel_tool_calls"):
+        _boolean(body, name)
+    stream = _boolean(body, "stream")
+    options = _object(body, "stream_options")
+    if options is not None:
+        if not stream:
+            raise _bad("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        _boolean(options, "include_usage")
 
 
 def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -292,8 +377,10 @@ def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[st
     Raises:
         OpenAIError: 400 for a value of the wrong type or range, or ``n`` other than 1.
     """
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+    n = _integer(body, "n", 1, _MAX_N)
+    if n is not None and n != 1:
+        # One call is one ctx.generate, and the runner seeds a request from (episode, prompt ids): n
+        # calls of one episode with the same prompt would sample the same tokens (docs/gateway.md).
         raise _bad("only n=1 is supported: one call is one turn of the agent (call again for another sample)", "n")
     sampling: dict[str, Any] = {}
     for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
@@ -303,14 +390,16 @@ def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[st
             sampling[name] = value
     if "top_p" in sampling and sampling["top_p"] <= 0.0:
         raise _bad("'top_p' must be in (0, 1]", "top_p")
-    max_tokens = _positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens")
+    max_tokens = _integer(body, "max_completion_tokens", 1) or _integer(body, "max_tokens", 1)
     if max_tokens is not None:
         limit = defaults.get("max_new_tokens")
         sampling["max_new_tokens"] = min(max_tokens, int(limit)) if isinstance(limit, int) else max_tokens
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise _invalid_type("stop", "a string or an array of strings", stop)
+        if not all(stops):
             raise _bad("'stop' must be a string or a list of non-empty strings", "stop")
         sampling["stop"] = list(stops)
     if body.get("logit_bias"):
@@ -322,40 +411,132 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     unknown = sorted(set(body) - allowed - _IGNORED_FIELDS)
     if unknown:
         raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    check_common_fields(body)
 
 
 def _content_text(content: Any, index: int) -> str:
-    if content is None:
-        return ""
+    name = f"messages[{index}].content"
+    if content is None:  # only an assistant message with tool calls (refused here) may have none
+        raise _invalid_type(name, "a string or an array of content parts", content)
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") not in _TEXT_PART_TYPES or not isinstance(
-                    part.get("text"), str):
-                raise _bad(f"messages[{index}].content: only text parts are supported", f"messages[{index}].content")
+        for part_index, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                raise _invalid_type(f"{name}[{part_index}]", "an object", part)
+            if not isinstance(part.get("type"), str):
+                raise _missing(f"{name}[{part_index}].type")
+            if part["type"] not in _TEXT_PART_TYPES:
+                raise _bad(f"{name}: only text parts are supported", name)
+            if not isinstance(part.get("text"), str):
+                raise _invalid_type(f"{name}[{part_index}].text", "a string", part.get("text"))
             parts.append(part["text"])
         return "".join(parts)
-    raise _bad(f"messages[{index}].content must be a string or a list of text parts", f"messages[{index}].content")
+    raise _invalid_type(name, "a string or an array of content parts", content)
 
 
 def parse_messages(value: Any) -> tuple[Message, ...]:
     """(role, content) pairs of an OpenAI ``messages`` list (text content only).
 
+    A ``tool`` message must answer a preceding assistant message's ``tool_calls``, as the
+    official API requires; tool calls themselves are refused (no chat template here renders
+    them, docs/gateway.md), so a well-formed ``tool`` message is refused with the API's own error.
+
     Raises:
-        OpenAIError: 400 when it is not a non-empty list of messages with a role and text content.
+        OpenAIError: 400 when it is not a non-empty list of messages with a known role and text content.
     """
-    if not isinstance(value, list) or not value:
-        raise _bad("'messages' must be a non-empty list", "messages")
+    if value is None:
+        raise _missing("messages")
+    if not isinstance(value, list):
+        raise _invalid_type("messages", "an array", value)
+    if not value:
+        raise _bad("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
+                   "array instead.", "messages", "empty_array")
     messages: list[Message] = []
     for index, message in enumerate(value):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or not message["role"]:
-            raise _bad(f"messages[{index}] must be an object with a string 'role'", f"messages[{index}]")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise _bad(f"messages[{index}]: tool calls are not supported", f"messages[{index}].tool_calls")
-        messages.append((message["role"], _content_text(message.get("content"), index)))
+        if not isinstance(message, Mapping):
+            raise _invalid_type(f"messages[{index}]", "an object", message)
+        role = message.get("role")
+        if role is None:
+            raise _missing(f"messages[{index}].role")
+        if role not in _ROLES:
+            raise _invalid_value(f"messages[{index}].role", role, _ROLES)
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise _invalid_type(f"messages[{index}].name", "a string", message["name"])
+        if role == "function" or message.get("function_call") is not None:
+            raise _bad(f"messages[{index}]: function calls are not supported", f"messages[{index}].role")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant" or not isinstance(tool_calls, list):
+                raise _invalid_type(f"messages[{index}].tool_calls", "an array", tool_calls)
+            if tool_calls:
+                raise _bad(f"messages[{index}]: tool calls are not supported (the agent's chat template is not "
+                           "given tools; docs/gateway.md)", f"messages[{index}].tool_calls")
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise _missing(f"messages[{index}].tool_call_id")
+            # No tool_calls are accepted above, so no tool message answers one (the official API's rule).
+            raise _bad("Invalid parameter: messages with role 'tool' must be a response to a preceding message "
+                       "with 'tool_calls'.", f"messages.[{index}].role")
+        messages.append((role, _content_text(message.get("content"), index)))
     return tuple(messages)
+
+
+def check_tools(body: Mapping[str, Any]) -> None:
+    """Validates ``tools`` / ``tool_choice`` / ``functions`` as the API does, then refuses tools.
+
+    Raises:
+        OpenAIError: 400 for a malformed definition, for ``tool_choice`` without tools, and for
+            any tool (the agent's chat template is not given tools; docs/gateway.md).
+    """
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _invalid_type("tools", "an array", tools)
+        for index, tool in enumerate(tools):
+            name = f"tools[{index}]"
+            if not isinstance(tool, Mapping):
+                raise _invalid_type(name, "an object", tool)
+            if tool.get("type") != "function":
+                raise _invalid_value(f"{name}.type", tool.get("type"), ("function",))
+            function = tool.get("function")
+            if not isinstance(function, Mapping):
+                raise _missing(f"{name}.function")
+            if not isinstance(function.get("name"), str):
+                raise _missing(f"{name}.function.name")
+            _object(function, "parameters")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, str | Mapping):
+            raise _invalid_type("tool_choice", "a string or an object", choice)
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise _invalid_value("tool_choice", choice, ("none", "auto", "required"))
+        if not tools:
+            raise _bad("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                       "tool_choice")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise _bad("'functions' are not supported: this gateway renders text-only chat templates", "functions")
+    if tools:
+        raise _bad("'tools' are not supported: this gateway renders text-only chat templates (the agent's "
+                   "tokenizer is not given tools; docs/gateway.md)", "tools")
+
+
+def chat_logprobs_request(body: Mapping[str, Any]) -> bool:
+    """Whether a chat call asks for logprobs; ``top_logprobs`` is checked (0-20, needs ``logprobs``) and refused > 0.
+
+    Raises:
+        OpenAIError: 400 for a wrong type or range, ``top_logprobs`` without ``logprobs``, or ``top_logprobs`` > 0.
+    """
+    logprobs = _boolean(body, "logprobs")
+    top = _integer(body, "top_logprobs", 0, _MAX_TOP_LOGPROBS)
+    if top is not None and not logprobs:
+        raise _bad("Invalid value for 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used.",
+                   "top_logprobs")
+    if top:
+        raise _bad("only top_logprobs=0 is supported: the episode API returns the sampled token's logprob only "
+                   "(docs/gateway.md)", "top_logprobs")
+    return logprobs
 
 
 # ----- the server ----------------------------------------------------------------------------------
@@ -507,14 +688,16 @@ class Gateway:
         return body
 
     @staticmethod
-    def _agent(session: Session, body: Mapping[str, Any]) -> str:
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise _bad("'model' (the agent's name) is required", "model")
+    def _agent(session: Session, body: Mapping[str, Any], param: str = "model") -> str:
+        model = body.get(param)
+        if model is None or model == "":
+            raise _missing(param)
+        if not isinstance(model, str):
+            raise _invalid_type(param, "a string", model)
         if model not in session.ctx.agents:
             raise OpenAIError(404, f"The model `{model}` does not exist or you do not have access to it "
                                    f"(the agents are {sorted(session.ctx.agents)}).", code="model_not_found",
-                              param="model")
+                              param=param)
         return model
 
     # ---- handlers ---------------------------------------------------------------------------------
@@ -534,7 +717,7 @@ class Gateway:
     async def _reward(self, request: web.Request) -> web.Response:
         session = self._session(request)
         body = await self._body(request)
-        agent = self._agent(session, {"model": body.get("agent")})
+        agent = self._agent(session, body, "agent")
         value = body.get("value")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise _bad("'value' must be a finite number", "value")
@@ -553,15 +736,11 @@ class Gateway:
         agent = self._agent(session, body)
         ctx = session.ctx
         messages = parse_messages(body.get("messages"))
-        if body.get("tools") or body.get("functions"):
-            raise _bad("'tools' are not supported: this gateway renders text-only chat templates", "tools")
-        if body.get("top_logprobs"):
-            raise _bad("only top_logprobs=0 is supported: engines return the sampled token's logprob", "top_logprobs")
-        response_format = body.get("response_format")
-        if response_format is not None and (not isinstance(response_format, Mapping)
-                                            or response_format.get("type") != "text"):
+        check_tools(body)
+        want_logprobs = chat_logprobs_request(body)
+        response_format = _object(body, "response_format")
+        if response_format is not None and response_format.get("type") != "text":
             raise _bad("only response_format {'type': 'text'} is supported", "response_format")
-        want_logprobs = body.get("logprobs") is True
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.chat_history.setdefault(agent, [])
         prompt = resolve_chat_prompt(ctx, agent, messages, history)
@@ -606,19 +785,26 @@ class Gateway:
         agent = self._agent(session, body)
         ctx = session.ctx
         prompt = body.get("prompt")
+        if prompt is None:
+            raise _missing("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise _bad("'prompt' must be a non-empty string (one prompt per call)", "prompt")
-        for name in ("echo", "suffix"):
-            if body.get(name):
-                raise _bad(f"'{name}' is not supported", name)
-        best_of = body.get("best_of")
+        if _boolean(body, "echo"):
+            raise _bad("'echo' is not supported", "echo")
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise _invalid_type("suffix", "a string", suffix)
+        if suffix:
+            raise _bad("'suffix' is not supported", "suffix")
+        best_of = _integer(body, "best_of", 1, 20)
         if best_of is not None and best_of != 1:
             raise _bad("only best_of=1 is supported", "best_of")
-        logprobs_n = body.get("logprobs")
-        if logprobs_n is not None and (isinstance(logprobs_n, bool) or logprobs_n not in (0, 1)):
-            raise _bad("'logprobs' must be 0 or 1: engines return the sampled token's logprob", "logprobs")
+        logprobs_n = _integer(body, "logprobs", 0, _MAX_COMPLETION_LOGPROBS)
+        if logprobs_n is not None and logprobs_n > 1:
+            raise _bad("'logprobs' must be 0 or 1: the episode API returns the sampled token's logprob only "
+                       "(docs/gateway.md)", "logprobs")
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.completion_history.setdefault(agent, [])
         input_ids, reused = self._completion_prompt(ctx, agent, prompt, history)

@@ -317,6 +317,73 @@ async def test_errors_have_openai_shapes_and_codes(tokenizer: HFTokenizer) -> No
     assert [e.agent for e in result.experiences] == []  # no call got through: no turns
 
 
+USER = {"role": "user", "content": "x"}
+# (body fields, expected param, expected code): each answered 400 as the official API answers it.
+MALFORMED: list[tuple[str, dict[str, Any], str, str | None]] = [
+    ("chat", {"temperature": "hot"}, "temperature", "invalid_type"),
+    ("chat", {"temperature": 2.5}, "temperature", "decimal_above_max_value"),
+    ("chat", {"max_tokens": 0}, "max_tokens", "integer_below_min_value"),
+    ("chat", {"max_tokens": 1.5}, "max_tokens", "invalid_type"),
+    ("chat", {"n": "2"}, "n", "invalid_type"),
+    ("chat", {"stream": "yes"}, "stream", "invalid_type"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options", None),
+    ("chat", {"logprobs": 1}, "logprobs", "invalid_type"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", None),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs", None),
+    ("chat", {"seed": "s"}, "seed", "invalid_type"),
+    ("chat", {"user": 3}, "user", "invalid_type"),
+    ("chat", {"stop": 3}, "stop", "invalid_type"),
+    ("chat", {"model": 3}, "model", "invalid_type"),
+    ("chat", {"model": None}, "model", "missing_required_parameter"),
+    ("chat", {"messages": None}, "messages", "missing_required_parameter"),
+    ("chat", {"messages": "x"}, "messages", "invalid_type"),
+    ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ("chat", {"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_type"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages[0].content[0].text", "invalid_type"),
+    ("chat", {"messages": [USER, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id",
+     "missing_required_parameter"),
+    ("chat", {"messages": [USER, {"role": "tool", "content": "42", "tool_call_id": "c1"}]}, "messages.[1].role",
+     None),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[1].tool_calls", None),
+    ("chat", {"tools": {"type": "function"}}, "tools", "invalid_type"),
+    ("chat", {"tools": [{"type": "web"}]}, "tools[0].type", "invalid_value"),
+    ("chat", {"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name",
+     "missing_required_parameter"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", None),
+    ("chat", {"response_format": "json"}, "response_format", "invalid_type"),
+    ("completions", {"logprobs": True}, "logprobs", "invalid_type"),
+    ("completions", {"logprobs": 6}, "logprobs", "integer_above_max_value"),
+    ("completions", {"logprobs": 3}, "logprobs", None),
+    ("completions", {"echo": "no"}, "echo", "invalid_type"),
+    ("completions", {"best_of": 2}, "best_of", None),
+]
+
+
+async def test_malformed_fields_are_answered_as_the_official_api_answers(tokenizer: HFTokenizer) -> None:
+    answers: list[tuple[int, dict[str, Any]]] = []
+
+    async def program(base_url: str, api_key: str, task: dict[str, Any]) -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as http:
+            for route, fields, _, _ in MALFORMED:
+                base: dict[str, Any] = ({"model": "a", "messages": [USER]} if route == "chat"
+                                        else {"model": "a", "prompt": "x"})
+                async with http.post(f"{base_url}/{'chat/' if route == 'chat' else ''}completions",
+                                     json={**base, **fields}) as response:
+                    answers.append((response.status, (await response.json())["error"]))
+
+    result, _ = await run_program(tokenizer, program, group_size=1)
+    assert result.ok and result.experiences == ()  # nothing got through
+    for (_, fields, param, code), (status, error) in zip(MALFORMED, answers, strict=True):
+        assert (status, error["param"], error["type"]) == (400, param, "invalid_request_error"), (fields, error)
+        if code is not None:
+            assert error["code"] == code, (fields, error)
+
+
 async def test_a_session_expires_with_its_episode(tokenizer: HFTokenizer) -> None:
     handed_out: list[tuple[str, str]] = []
 
