@@ -89,9 +89,9 @@ class LeaseTable:
             raise FailedPrecondition(f"lease {lease_id!r} expired")
         return lease
 
-    def renew(self, lease: Lease) -> float:
-        """Extends an active lease by its timeout from now; returns the new deadline."""
-        lease.deadline_s = self._now_s() + lease.timeout_s
+    def renew(self, lease: Lease, now_s: float | None = None) -> float:
+        """Extends an active lease by its timeout from now (``now_s``: the caller's reading of this clock)."""
+        lease.deadline_s = (self._now_s() if now_s is None else now_s) + lease.timeout_s
         heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
         return lease.deadline_s
 

@@ -1,5 +1,6 @@
 """Every daemon starts, registers, serves health and metrics, and stops cleanly."""
 
+import concurrent.futures
 import shutil
 import socket
 import subprocess
@@ -44,10 +45,11 @@ def _health(address: str, service: str = "") -> int:
 
 def test_all_daemons_register_serve_and_survive_faults(etcd, start_daemon, tmp_path) -> None:
     args = {"stored": ("--data-dir", str(tmp_path / "stored-data"))}
-    procs = {
-        kind: start_daemon(kind, *args.get(kind, ()), "--registry-ttl-s", "2")
-        for kind in KINDS
-    }
+    # Started together: their imports overlap (each finds its peers through etcd when it needs them).
+    with concurrent.futures.ThreadPoolExecutor(len(KINDS)) as pool:
+        starting = {kind: pool.submit(start_daemon, kind, *args.get(kind, ()), "--registry-ttl-s", "2", name=kind)
+                    for kind in KINDS}
+        procs = {kind: started.result() for kind, started in starting.items()}
     services = _services(etcd)
     assert sorted(services.values()) == sorted(KINDS)
     for kind, proc in procs.items():

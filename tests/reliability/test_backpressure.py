@@ -11,6 +11,7 @@ experience of the job exactly once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 import urllib.request
 from collections.abc import Callable
@@ -107,11 +108,17 @@ async def _train(orch_address: str, job_id: str, timeout_s: float) -> None:
 def test_full_store_slows_rollouts_and_loses_nothing(etcd: EtcdServer, start_daemon: Callable[..., DaemonProcess],
                                                      tmp_path: Path) -> None:
     data_dir = str(tmp_path / "stored")
-    stored = start_daemon("stored", "--data-dir", data_dir, "--job-quota-bytes", "1")
-    orch = start_daemon("orchestratord")
-    rolloutd = start_daemon("rolloutd", "--engine-replicas", "1", "--max-tasks", str(MAX_TASKS),
-                            "--work-dir", str(tmp_path / "rolloutd"))
-    spec = _spec(tmp_path / "models")
+    # Started together (their imports overlap) while the models are built.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        starting = [
+            pool.submit(start_daemon, "stored", "--data-dir", data_dir, "--job-quota-bytes", "1", name="stored"),
+            pool.submit(start_daemon, "orchestratord", name="orchestratord"),
+            pool.submit(start_daemon, "rolloutd", "--engine-replicas", "1", "--max-tasks", str(MAX_TASKS),
+                        "--work-dir", str(tmp_path / "rolloutd"), name="rolloutd"),
+        ]
+        built = pool.submit(_spec, tmp_path / "models")
+        stored, orch, rolloutd = (started.result() for started in starting)
+        spec = built.result()
 
     async def submit() -> str:
         async with AsyncClient(etcd_endpoints=etcd.endpoint) as client:

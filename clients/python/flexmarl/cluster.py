@@ -338,9 +338,17 @@ class DaemonProcess(_Child):
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Starts it and waits for its ready file; raises LaunchError with its output if it dies."""
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Starts the process without waiting (several daemons then import in parallel); see wait_ready."""
         with contextlib.suppress(FileNotFoundError):
             self.ready_file.unlink()
         self._spawn(self.command(), env=self.env)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Waits for the ready file of a spawned daemon; raises LaunchError with its output if it dies."""
         try:
             wait_until(self._ready, timeout_s, f"{self.name} to become ready")
         except TimeoutError as exc:

@@ -23,14 +23,17 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from flexmarl.cluster import DaemonProcess, EtcdServer, LaunchError
+from flexmarl.cluster import DaemonProcess, EtcdServer, EtcdTls, LaunchError
 from flexmarl.devcerts import DevCerts
+
+if TYPE_CHECKING:
+    from flexmarl.registry import EtcdSecurity
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,9 @@ class LocalClusterConfig:
     traind_args: Sequence[str] = ()
     orchestratord_args: Sequence[str] = ()
     stored_args: Sequence[str] = ()
-    #: Generate dev TLS material and a token into ``<run_dir>/tls`` and start every daemon with them.
+    #: Generate dev TLS material and a token into ``<run_dir>/tls`` and start every daemon with them;
+    #: etcd then serves mutual TLS (server cert; clients need a certificate of the dev CA) with auth
+    #: on (user ``root``, a random password in ``etcd/etcd-root-password``, mode 0600).
     secure: bool = False
     #: Keep etcd's data when the cluster stops (``flexmarl up``), so that the next start restores the jobs.
     #: A throwaway cluster (tests, the demo) deletes the etcd data it created; data it found is always kept.
@@ -100,14 +105,14 @@ class LocalCluster:
             **self.config.env, **(env or {}),
         }
         if self.certs is not None:
-            args = [*self.certs.daemon_args(), *args]
+            args = [*self.certs.daemon_args(), *self.etcd.client_args(), *args]
         proc = DaemonProcess(kind, args, etcd_endpoint=self.etcd.endpoint, run_dir=self.run_dir, env=full_env,
                              name=name, etcd_prefix=self.config.etcd_prefix)
         self.daemons[name] = proc
         return proc
 
     def start(self, timeout_s: float = 120.0) -> None:
-        """Starts etcd, stored, orchestratord, traind workers, rolloutd workers (in that order)."""
+        """Starts etcd, then stored, orchestratord, traind and rolloutd workers together; waits until all serve."""
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         running = running_etcd_pid(self.run_dir)
@@ -116,9 +121,7 @@ class LocalCluster:
                               "stop it with `flexmarl down`")
         self.restored = (self.etcd.data_dir / "member").exists()
         if cfg.secure and self.certs is None:
-            from flexmarl.devcerts import generate
-
-            self.certs = generate(self.run_dir / "tls")
+            self._secure_etcd()
         try:
             self.etcd.start()
             # Fixed registry ids (as the workers have): a restarted daemon overwrites its own record
@@ -136,12 +139,40 @@ class LocalCluster:
                     "--engine-replicas", str(cfg.engine_replicas), "--work-dir", str(self.run_dir / f"rolloutd-{i}"),
                     "--service-id", f"rolloutd-{i}", *cfg.rolloutd_args,
                 ])
+            # All at once: each waits for its peers through etcd, and their imports (torch in the
+            # workers) overlap instead of adding up.
             for proc in self.daemons.values():
-                proc.start(timeout_s)
+                proc.spawn()
+            for proc in self.daemons.values():
+                proc.wait_ready(timeout_s)
         except BaseException:
             self.stop()
             raise
         self.write_cluster_file()
+
+    def _secure_etcd(self) -> None:
+        """Generates the dev TLS material and makes etcd serve mutual TLS with auth (see ``secure``).
+
+        The daemons present the server certificate (it is also a client certificate) and log in
+        as ``root``; a restarted cluster keeps its etcd data, whose root password is the one
+        already in the password file (auth is enabled only on a fresh data dir).
+        """
+        from flexmarl.devcerts import generate
+
+        self.certs = generate(self.run_dir / "tls")
+        tls = EtcdTls(cert=self.certs.server_cert, key=self.certs.server_key, ca=self.certs.ca, client_cert_auth=True)
+        self.etcd = EtcdServer(self.run_dir / ETCD_DIR, self.etcd.binary, tls=tls, auth=True,
+                               extra_hosts=self.etcd.extra_hosts)
+
+    def etcd_security(self) -> EtcdSecurity:
+        """How a client reaches this cluster's etcd: plaintext, or (secure) the dev CA, client cert and root user."""
+        from flexmarl.registry import EtcdSecurity
+
+        if self.certs is None or self.etcd.password_file is None:
+            return EtcdSecurity()
+        return EtcdSecurity.from_files(ca=str(self.certs.ca), cert=str(self.certs.client_cert),
+                                       key=str(self.certs.client_key), username=self.etcd.username,
+                                       password_file=str(self.etcd.password_file))
 
     def write_cluster_file(self) -> None:
         """Records addresses and pids so `flexmarl down` and clients can find the cluster."""
@@ -152,6 +183,11 @@ class LocalCluster:
             "etcd_data_dir": str(self.etcd.data_dir),
             "started_unix_s": time.time(),
             "tls": {f.name: str(getattr(self.certs, f.name)) for f in dataclasses.fields(self.certs)}
+            if self.certs is not None else {},
+            # The CLI's --etcd-* settings that reach a secure cluster's etcd (paths, never the password).
+            "etcd_tls": {"etcd_ca": str(self.certs.ca), "etcd_cert": str(self.certs.client_cert),
+                         "etcd_key": str(self.certs.client_key), "etcd_username": self.etcd.username,
+                         "etcd_password_file": str(self.etcd.password_file)}
             if self.certs is not None else {},
             "daemons": {
                 name: {"kind": p.kind, "pid": p.pid, "address": p.address, "metrics_port": p.metrics_port,
@@ -269,3 +305,89 @@ def _alive(pid: int) -> bool:
         if done == pid:
             return False
     return True
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When a crashed daemon of a local cluster is started again: systemd's ``Restart=on-failure``.
+
+    A daemon that exits with a non-zero code or a signal is restarted after a back-off that doubles
+    from ``initial_delay_s`` up to ``max_delay_s`` (``RestartSec``, with steps); more than
+    ``max_restarts`` restarts within ``window_s`` (``StartLimitBurst`` in ``StartLimitIntervalSec``)
+    give up. A daemon that exits with code 0 stopped on purpose and is not restarted.
+    """
+
+    initial_delay_s: float = 1.0
+    max_delay_s: float = 30.0
+    max_restarts: int = 5
+    window_s: float = 300.0
+
+    def delay_s(self, recent_restarts: int) -> float:
+        """The back-off before the next restart, after ``recent_restarts`` within the window."""
+        return float(min(self.max_delay_s, self.initial_delay_s * 2 ** recent_restarts))
+
+
+class GaveUp(LaunchError):
+    """A daemon exited and is not restarted (exit code 0, or its restart limit was reached)."""
+
+
+class DaemonSupervisor:
+    """Restarts the crashed daemons of a local cluster by a :class:`RestartPolicy`; ``flexmarl up`` polls it.
+
+    :meth:`check` never sleeps: it notes a death, and restarts the daemon on the first check
+    after its back-off. ``on_restart`` runs after each successful restart (the local cluster
+    rewrites its cluster file: a restarted daemon has a new pid and new ports).
+    """
+
+    def __init__(self, daemons: Mapping[str, DaemonProcess], policy: RestartPolicy = RestartPolicy(), *,
+                 on_restart: Callable[[str], None] = lambda name: None,
+                 now_s: Callable[[], float] = time.monotonic, start_timeout_s: float = 120.0) -> None:
+        self._daemons = daemons
+        self._policy = policy
+        self._on_restart = on_restart
+        self._now_s = now_s
+        self._start_timeout_s = start_timeout_s
+        self._restarts: dict[str, list[float]] = {}
+        self._due_s: dict[str, float] = {}
+
+    def check(self) -> list[str]:
+        """Restarts what is due; returns one line per death noticed or restart done.
+
+        Raises:
+            GaveUp: a daemon exited with code 0, or crashed once more than its restart limit allows.
+        """
+        lines: list[str] = []
+        now = self._now_s()
+        for name, proc in self._daemons.items():
+            if proc.alive():
+                continue
+            if name not in self._due_s:
+                lines.append(self._noticed(name, proc, now))
+            elif now >= self._due_s[name]:
+                lines.append(self._restart(name, proc))
+        return lines
+
+    def _noticed(self, name: str, proc: DaemonProcess, now: float) -> str:
+        code = proc.proc.returncode if proc.proc is not None else None
+        if code == 0:
+            raise GaveUp(f"{name} exited (code 0) and is not restarted; see {proc.log_path}")
+        recent = [t for t in self._restarts.get(name, []) if now - t < self._policy.window_s]
+        self._restarts[name] = recent
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        if len(recent) >= self._policy.max_restarts:
+            raise GaveUp(f"{name} {how}; restarted {len(recent)} times in {self._policy.window_s:.0f}s, "
+                         f"giving up; see {proc.log_path}")
+        delay = self._policy.delay_s(len(recent))
+        self._due_s[name] = now + delay
+        return (f"{name} {how}; restarting it in {delay:.1f}s "
+                f"(restart {len(recent) + 1} of at most {self._policy.max_restarts}); log {proc.log_path}")
+
+    def _restart(self, name: str, proc: DaemonProcess) -> str:
+        del self._due_s[name]
+        self._restarts[name].append(self._now_s())
+        try:
+            proc.restart(self._start_timeout_s)
+        except LaunchError as exc:  # counted; the next check notices it dead again and backs off further
+            return f"{name} did not start again: {str(exc).splitlines()[0]}"
+        self._on_restart(name)
+        return f"{name} restarted (pid {proc.pid}, {proc.address})"
