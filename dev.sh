@@ -40,6 +40,8 @@ setup() {
   command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
   command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
+  # Prometheus for tests/cli's scrape of the cluster through deploy/prometheus (48 MB, ~30 s once).
+  command -v prometheus >/dev/null 2>&1 || apt_install --no-install-recommends prometheus
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e '.[train,dev]'
   # SGLang's own request definitions, for tests/rolloutd/test_sglang_schema.py: the wheel alone

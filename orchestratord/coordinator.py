@@ -22,12 +22,13 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.errors import ErrorReason, InvalidArgument, Unavailable
-from flexmarl.experience import ExperienceState, ExperienceSummary
+from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
+from flexmarl.tracking import StepTracking
 from flexmarl.v1 import rollout_pb2_grpc
 from orchestratord import serde
 from orchestratord.etcd_state import EtcdStateStore
@@ -43,6 +44,7 @@ from orchestratord.planner import (
     SlotEventKind,
     TrainerWork,
 )
+from orchestratord.resume import ResumePlan, plan_resume
 from orchestratord.state import JobState, JobStateChanged, StateChange, StepCommit, StepCommitted, apply_changes
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,9 @@ class JobCoordinator:
         self._rollout_channels: dict[str, grpc.aio.Channel] = {}
         #: Generated tokens per second of each agent's last step (JobStatus, progress bars).
         self.tokens_per_s: dict[tuple[str, str], float] = {}
+        #: The job's experiment trackers (``tracking:``), written once a commit is durable.
+        self._tracking = StepTracking(self._read_experiences)
+        self._step_records: dict[tuple[str, str, int], dict[str, Any]] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -158,6 +163,7 @@ class JobCoordinator:
             task.cancel()
         for channel in self._rollout_channels.values():
             await channel.close()
+        await self._tracking.close()
         await self._peers.reset_store()
 
     async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
@@ -288,6 +294,7 @@ class JobCoordinator:
                 self._observe_commit(change.commit)
             elif isinstance(change, JobStateChanged) and change.state.terminal:
                 self._spawn(self._finish_in_store(change.job_id, change.state))
+                self._spawn(self._tracking.job_ended(change.job_id))
 
     def _history_record(self, commit: StepCommit) -> dict[str, Any]:
         """The step's figures for `flexmarl plot`, stored atomically with its commit."""
@@ -308,16 +315,27 @@ class JobCoordinator:
             "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
         }
         self.tokens_per_s[key] = record["tokens_per_s"]
+        self._step_records[(commit.job_id, commit.agent, commit.step)] = record
         self._metrics.step_seconds.labels(commit.agent).observe(record["step_seconds"])
         self._metrics.staleness.observe(record["staleness_mean"])
         return record
 
     def _observe_commit(self, commit: StepCommit) -> None:
-        """After a commit is durable: count it and mark its experiences consumed in stored."""
+        """After a commit is durable: count it, mark its experiences consumed in stored, write its trackers."""
         self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
-        manifest = self.planner.job(commit.job_id).manifest(commit.agent, commit.step)
+        job = self.planner.job(commit.job_id)
+        manifest = job.manifest(commit.agent, commit.step)
         if manifest is not None:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
+        record = self._step_records.pop((commit.job_id, commit.agent, commit.step), None)
+        if record is not None and job.spec.tracking.trackers:
+            self._spawn(self._tracking.step_committed(commit.job_id, job.spec, record,
+                                                      manifest.experience_ids if manifest is not None else ()))
+
+    async def _read_experiences(self, job_id: str, ids: Sequence[str]) -> list[ExperienceRecord]:
+        """Whole experiences from stored (the trackers' sample dumps)."""
+        store = await self._peers.store()
+        return await store.read(job_id, ids)
 
     async def _mark_consumed(self, job_id: str, agent: str, step: int, ids: Sequence[str]) -> None:
         """Marks a committed step's experiences consumed in stored, then drops its pending mark.
@@ -397,12 +415,28 @@ class JobCoordinator:
 
     # ---- jobs --------------------------------------------------------------------------------------------
 
-    async def submit_job(self, spec_json: str, job_id: str) -> str:
-        """Validates and creates a job (idempotent for the same id and spec)."""
-        spec: JobSpec = _spec_from_json(spec_json) if spec_json.strip() else _empty_spec()
+    async def submit_job(self, spec_json: str, job_id: str, resume_from: str = "") -> str:
+        """Validates and creates a job (idempotent for the same id and spec).
+
+        With ``resume_from`` (:mod:`orchestratord.resume`) the job continues the checkpoints of an
+        earlier job under a new id, each agent from its checkpoint's version; an empty spec then
+        means the earlier job's.
+        """
+        plan: ResumePlan | None = None
+        if resume_from:
+            given = _spec_from_json(spec_json) if spec_json.strip() else None
+            plan = await plan_resume(resume_from, given, self._peers.store)
+            spec = plan.spec
+        else:
+            spec = _spec_from_json(spec_json) if spec_json.strip() else _empty_spec()
         if not job_id:
             job_id = f"{spec.name}-{int(self._now_s() * 1000):x}"
-        job = await self.mutate(lambda: self.planner.submit_job(job_id, spec))
+        if plan is not None and job_id == plan.source.job_id:
+            raise InvalidArgument(f"job_id: a resumed job needs a new id, not its source's ({job_id!r})")
+        initial = plan.initial_versions() if plan is not None else None
+        job = await self.mutate(lambda: self.planner.submit_job(job_id, spec, initial))
+        if plan is not None:
+            log.info("job %s resumes %s from %s", job_id, plan.source, plan.describe())
         for agent in job.spec.agent_names:
             self._last_commit_s.setdefault((job_id, agent), self._now_s())
         self._metrics.jobs_submitted.inc()

@@ -88,7 +88,8 @@ class EtcdStateStore(StateStore):
         return job_key(self._prefix, job_id, *parts)
 
     @_retrying
-    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float,
+                         initial: Mapping[str, AgentVersionRecord] | None = None) -> bool:
         """See :meth:`StateStore.create_job`."""
         spec_key = self._key(job_id, "spec")
         puts = {
@@ -99,7 +100,7 @@ class EtcdStateStore(StateStore):
         }
         for agent in agents:
             puts[agent_version_key(self._prefix, job_id, agent)] = _dump(
-                dataclasses.asdict(AgentVersionRecord(updated_s=created_s))
+                dataclasses.asdict((initial or {}).get(agent, AgentVersionRecord(updated_s=created_s)))
             )
         if await self._registry.transact({spec_key: None}, puts):
             return True

@@ -15,6 +15,7 @@ MAX_SPEC_BYTES = 1 << 20
 MAX_TASKS_PER_LEASE = 256
 MAX_REPORTED_EXPERIENCES = 1 << 16
 MAX_DP_ADDRESS_LENGTH = 256
+MAX_RESUME_SOURCE_LENGTH = 4096
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -28,12 +29,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def SubmitJob(  # noqa: N802
         self, request: orchestrator_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.SubmitJobResponse:
-        """Validates and creates a job."""
+        """Validates and creates a job (resumed from checkpoints when ``resume_from`` is set)."""
         if len(request.spec_json.encode()) > MAX_SPEC_BYTES:
             raise InvalidArgument(f"spec_json: larger than {MAX_SPEC_BYTES} bytes")
         if request.job_id:
             require_id("job_id", request.job_id)
-        job_id = await self._coordinator.submit_job(request.spec_json, request.job_id)
+        if len(request.resume_from) > MAX_RESUME_SOURCE_LENGTH:
+            raise InvalidArgument(f"resume_from: longer than {MAX_RESUME_SOURCE_LENGTH} characters")
+        job_id = await self._coordinator.submit_job(request.spec_json, request.job_id, request.resume_from)
         return orchestrator_pb2.SubmitJobResponse(job_id=job_id)
 
     async def GetJob(  # noqa: N802

@@ -150,6 +150,8 @@ class JobCreated:
     spec_json: str
     agents: tuple[str, ...]
     created_s: float
+    #: Agents that start past version 0 (a job resumed from checkpoints): agent -> its first version.
+    initial: tuple[tuple[str, AgentVersionRecord], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +227,9 @@ class StateStore(abc.ABC):
     """Durable job state. Every method is atomic (one etcd transaction in the etcd implementation)."""
 
     @abc.abstractmethod
-    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
-        """Creates a job in state RUNNING with every agent at version 0.
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float,
+                         initial: Mapping[str, AgentVersionRecord] | None = None) -> bool:
+        """Creates a job in state RUNNING with every agent at version 0, or at its ``initial`` record.
 
         Returns:
             True when created, False when the same job with the same spec exists (idempotent resubmit).
@@ -296,7 +299,8 @@ class InMemoryStateStore(StateStore):
             raise NotFound(f"job {job_id!r} not found")
         return job
 
-    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float) -> bool:
+    async def create_job(self, job_id: str, spec_json: str, agents: Iterable[str], created_s: float,
+                         initial: Mapping[str, AgentVersionRecord] | None = None) -> bool:
         """See :meth:`StateStore.create_job`."""
         existing = self._jobs.get(job_id)
         if existing is not None:
@@ -309,7 +313,7 @@ class InMemoryStateStore(StateStore):
             "error": "",
             "created_s": created_s,
             "updated_s": created_s,
-            "agents": {agent: AgentVersionRecord(updated_s=created_s) for agent in agents},
+            "agents": {agent: (initial or {}).get(agent, AgentVersionRecord(updated_s=created_s)) for agent in agents},
             "manifests": {},
             "commits": {},
             "pending_marks": set(),
@@ -403,7 +407,11 @@ async def apply_changes(
     """
     for change in changes:
         if isinstance(change, JobCreated):
-            await store.create_job(change.job_id, change.spec_json, change.agents, change.created_s)
+            if change.initial:  # a resumed job; a new one is created with the plain call
+                await store.create_job(change.job_id, change.spec_json, change.agents, change.created_s,
+                                       dict(change.initial))
+            else:
+                await store.create_job(change.job_id, change.spec_json, change.agents, change.created_s)
         elif isinstance(change, JobStateChanged):
             await store.set_job_state(change.job_id, change.state, change.error, change.updated_s)
         elif isinstance(change, ManifestFixed):

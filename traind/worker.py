@@ -7,6 +7,9 @@ commit the agent's full training state is saved to the configured location
 (``file://`` under the work dir by default, ``stored://`` for clusters without shared
 storage, ``mem://`` to keep it in this process), so a step of a dead slot replays from
 the last committed state on any slot that can read that location.
+Beside each committed durable state a small manifest names the version (job, agent, weights,
+state, spec; :mod:`flexmarl.checkpoints`), so another cluster can resume the job from it alone;
+it is pruned with the state.
 
 Data parallelism: a traind process with one slot (the GPU deployment: one process per
 device) whose states are durable (``state_location`` file or stored) advertises a
@@ -45,6 +48,7 @@ from typing import TypeVar
 
 from flexmarl import devicemodel
 from flexmarl.artifacts import file_uri, publish_dir, weights_blob_name
+from flexmarl.checkpoints import CheckpointManifest, manifest_blob_name, manifest_path, model_signature
 from flexmarl.connections import cancelled_from_outside
 from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound
 from flexmarl.jobspec import CheckpointSpec, JobSpec, JobSpecCache
@@ -150,6 +154,7 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
         advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
         temperature=a.sampling.temperature,
         exact_accumulation=a.exact_accumulation,
+        stale_token_bound=spec.pipeline.max_staleness if spec.rollout.mask_stale_tokens else None,
     )
 
 
@@ -398,6 +403,7 @@ class TrainerWorker:
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
         spec = self._specs.cached_spec(work.job_id)
+        await self._write_manifest(trainer, work, weights_uri, state_uri, spec)
         self._prune(work.job_id, work.agent, work.new_version, spec)
         await self._prune_stored(work.job_id, work.agent, work.new_version, spec)
 
@@ -452,6 +458,37 @@ class TrainerWorker:
             return f"stored://states/{job_id}/{agent}/v{version}"
         return file_uri(self.settings.work_dir / "states" / job_id / agent / f"v{version}")
 
+    async def _write_manifest(self, trainer: AgentTrainer, work: OptimizerStepWork, weights_uri: str, state_uri: str,
+                              spec: JobSpec | None) -> None:
+        """Writes the committed version's manifest beside its durable state (:mod:`flexmarl.checkpoints`).
+
+        After the commit, so a manifest only ever names a committed version; best effort (a version
+        without one is just not offered to a resume). States in ``mem://`` get none: no other
+        cluster can read them.
+        """
+        kind = self.settings.state_location
+        if spec is None or kind not in ("file", "stored"):
+            return
+        manifest = CheckpointManifest(
+            job_id=work.job_id, agent=work.agent, version=work.new_version, weights_uri=weights_uri,
+            state_uri=state_uri, spec_digest=work.spec_digest, spec_json=spec.to_json(),
+            model_signature=model_signature(trainer.engine.module.config.to_dict()),
+            committed_unix_ms=int(time.time() * 1000))
+        data = manifest.to_json().encode()
+        try:
+            if kind == "stored":
+                store = await self._store.client()
+                await store.put_blob_bytes(manifest_blob_name(work.job_id, work.agent, work.new_version), data,
+                                           job_id=work.job_id)
+            else:
+                path = manifest_path(self.settings.work_dir, work.job_id, work.agent, work.new_version)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                staging = path.with_name(path.name + ".tmp")
+                staging.write_bytes(data)
+                os.replace(staging, path)
+        except Exception as exc:  # after the commit: a failure here must not fail the slot
+            log.warning("no checkpoint manifest for %s/%s v%d: %s", work.job_id, work.agent, work.new_version, exc)
+
     def _prune(self, job_id: str, agent: str, version: int, spec: JobSpec | None) -> None:
         """Deletes the local weights and states the job's checkpoint policy no longer retains.
 
@@ -462,6 +499,9 @@ class TrainerWorker:
         for old in policy.prune_candidates(version):
             if not policy.keeps_weights(old, version):
                 shutil.rmtree(self.settings.work_dir / "weights" / job_id / agent / f"v{old}", ignore_errors=True)
+            if not (policy.keeps_state(old, version) and policy.keeps_weights(old, version)):
+                # Not resumable any more: its manifest goes first.
+                manifest_path(self.settings.work_dir, job_id, agent, old).unlink(missing_ok=True)
             if not policy.keeps_state(old, version):
                 shutil.rmtree(self.settings.work_dir / "states" / job_id / agent / f"v{old}", ignore_errors=True)
                 with contextlib.suppress(FlexmarlError, KeyError):
@@ -478,6 +518,10 @@ class TrainerWorker:
                 if self.settings.publish_location == "stored" and not policy.keeps_weights(old, version):
                     with contextlib.suppress(NotFound):
                         await store.delete_blob(weights_blob_name(job_id, agent, old))
+                if self.settings.state_location == "stored" and not (policy.keeps_state(old, version)
+                                                                      and policy.keeps_weights(old, version)):
+                    with contextlib.suppress(NotFound):
+                        await store.delete_blob(manifest_blob_name(job_id, agent, old))
                 if self.settings.state_location == "stored" and not policy.keeps_state(old, version):
                     for blob in await store.list_blobs(f"states/{job_id}/{agent}/v{old}/"):
                         with contextlib.suppress(NotFound):

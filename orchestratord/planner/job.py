@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -77,12 +78,20 @@ class JobPlanner:
 
     @classmethod
     def create(cls, job_id: str, spec: JobSpec, now_s: Callable[[], float],
-               options: PlannerOptions | None = None) -> JobPlanner:
-        """A new job at version 0 of every agent; emits JobCreated."""
+               options: PlannerOptions | None = None,
+               initial: Mapping[str, AgentVersionRecord] | None = None) -> JobPlanner:
+        """A new job at version 0 of every agent, or at ``initial`` (a resume); emits JobCreated.
+
+        A resumed job starts like a restored one: rollout batch ``min(version)`` comes first, so
+        the step counters continue where the checkpoints left them.
+        """
         validate_job_id(job_id)
         created_s = now_s()
-        planner = cls(job_id, spec, now_s, options or PlannerOptions(), created_s=created_s, agents={})
-        planner._job.changes.append(JobCreated(job_id, planner.spec_json, spec.agent_names, created_s))
+        records = {agent: dataclasses.replace(record, updated_s=created_s)
+                   for agent, record in (initial or {}).items() if agent in spec.agent_names}
+        planner = cls(job_id, spec, now_s, options or PlannerOptions(), created_s=created_s, agents=records)
+        planner._job.changes.append(JobCreated(job_id, planner.spec_json, spec.agent_names, created_s,
+                                               tuple(sorted(records.items()))))
         return planner
 
     @classmethod

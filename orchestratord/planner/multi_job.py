@@ -22,7 +22,7 @@ from orchestratord.planner.types import (
     SwapOutWork,
     TrainerWork,
 )
-from orchestratord.state import PersistedJob, StateChange
+from orchestratord.state import AgentVersionRecord, PersistedJob, StateChange
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,9 @@ class Planner:
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
-    def submit_job(self, job_id: str, spec: JobSpec) -> JobPlanner:
-        """Adds a job; resubmitting the same id with the same spec returns the existing job.
+    def submit_job(self, job_id: str, spec: JobSpec,
+                   initial: Mapping[str, AgentVersionRecord] | None = None) -> JobPlanner:
+        """Adds a job (at ``initial`` versions when resumed); the same id with the same spec returns the existing job.
 
         Raises:
             AlreadyExists: the id is taken by a different spec.
@@ -55,7 +56,7 @@ class Planner:
             if existing.spec_json != spec.to_json():
                 raise AlreadyExists(f"job {job_id!r} exists with a different spec")
             return existing
-        job = JobPlanner.create(job_id, spec, self._now_s, self._options)
+        job = JobPlanner.create(job_id, spec, self._now_s, self._options, initial)
         self._jobs[job_id] = job
         self._register_binding(job)
         return job
@@ -169,6 +170,11 @@ class Planner:
     def renew_leases(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
         """Renews task or micro-batch leases across jobs."""
         self.tick()
+        job_ids = {job_id_of_lease(lease_id) for lease_id in lease_ids}
+        if len(job_ids) == 1:  # the common call (a rolloutd's leases of one job): no regrouping
+            only = self._jobs.get(job_ids.pop())
+            if only is not None:
+                return only.renew(worker_id, lease_ids)
         by_job: dict[str, list[str]] = defaultdict(list)
         lost: list[str] = []
         for lease_id in lease_ids:

@@ -247,6 +247,16 @@ def test_prometheus_sd_lists_every_daemon_and_dashboard_metrics_are_served(
     assert not missing, f"dashboard queries metrics no running daemon serves: {sorted(missing)}"
 
 
+def test_prometheus_scrapes_every_daemon_and_every_dashboard_query_has_data(
+    etcd_endpoint: str, finished_job: tuple[str, CliResult], tmp_path: Path
+) -> None:
+    """Debian's prometheus reads deploy/prometheus's etcd file_sd; each Grafana query, via its HTTP API, has data."""
+    from prometheus_check import PROMETHEUS_BINARY, assert_dashboard_has_data
+
+    assert Path(PROMETHEUS_BINARY).exists(), "prometheus is not installed (./dev.sh setup installs it)"
+    assert_dashboard_has_data(etcd_endpoint, tmp_path / "prometheus")
+
+
 def test_down_stops_every_process_and_removes_cluster_file(run_dir: Path) -> None:
     processes = cluster_processes(run_dir)
     assert len(processes) >= 5  # etcd + 4 daemons (+ the engine replica)

@@ -184,13 +184,36 @@ def _connection(args: argparse.Namespace) -> tuple[str, str, str]:
     return address, etcd, prefix
 
 
+def _local_security(args: argparse.Namespace) -> dict[str, str]:
+    """A secure local cluster's TLS, token and etcd settings from its cluster file (`flexmarl up --secure`).
+
+    Used only when the cluster is found through the run dir (no --address/--etcd given);
+    flags and FLEXMARL_* variables still win. Empty for a plaintext cluster.
+    """
+    from flexmarl.localcluster import read_cluster_file
+
+    if args.address or args.etcd or os.environ.get("FLEXMARL_ORCHESTRATOR") or os.environ.get(
+            "FLEXMARL_ETCD_ENDPOINTS"):
+        return {}
+    try:
+        data = read_cluster_file(Path(args.run_dir))
+    except LaunchError:
+        return {}
+    tls = data.get("tls") or {}
+    out = {str(k): str(v) for k, v in (data.get("etcd_tls") or {}).items()}
+    if tls:
+        out.update(tls_ca=str(tls["ca"]), token_file=str(tls["token_file"]))
+    return out
+
+
 def _client(args: argparse.Namespace) -> Any:
     from flexmarl.client import Client
 
     address, etcd, prefix = _connection(args)
+    local = _local_security(args)
 
     def option(name: str) -> str:
-        return str(getattr(args, name, "") or os.environ.get(f"FLEXMARL_{name.upper()}", ""))
+        return str(getattr(args, name, "") or os.environ.get(f"FLEXMARL_{name.upper()}", "") or local.get(name, ""))
 
     from flexmarl.config import ConfigError
     from flexmarl.registry import EtcdSecurity
@@ -297,12 +320,13 @@ def plot_history(history: Sequence[Any], out: Path, title: str) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Starts a local cluster; stays in the foreground until Ctrl-C unless --detach."""
-    from flexmarl.localcluster import LocalCluster, LocalClusterConfig
+    """Starts a local cluster; stays in the foreground until Ctrl-C unless --detach, restarting crashed daemons."""
+    from flexmarl.localcluster import DaemonSupervisor, GaveUp, LocalCluster, LocalClusterConfig, RestartPolicy
 
     cluster = LocalCluster(LocalClusterConfig(
         run_dir=Path(args.run_dir), rollout_workers=args.rollout_workers, engine_replicas=args.engine_replicas,
         trainer_workers=args.trainer_workers, trainer_slots=args.trainer_slots, persistent=True,
+        secure=args.secure,
     ))
     try:
         cluster.start()
@@ -314,15 +338,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     for name, proc in cluster.daemons.items():
         print(f"  {name:<14} {proc.address:<22} metrics :{proc.metrics_port}  log {proc.log_path}")
     if args.detach:
-        print("detached; stop it with `flexmarl down`")
+        print("detached (a crashed daemon is not restarted); stop it with `flexmarl down`")
         return EXIT_OK
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    supervisor = DaemonSupervisor(cluster.daemons, RestartPolicy(max_restarts=args.max_restarts),
+                                  on_restart=lambda name: cluster.write_cluster_file())
     try:
         while not stop.wait(0.5):
-            dead = [n for n, p in cluster.daemons.items() if not p.alive()]
-            if dead:
-                raise CliError(f"{dead[0]} exited; see {cluster.daemons[dead[0]].log_path}")
+            for line in supervisor.check():
+                print(line, flush=True)
+    except GaveUp as exc:
+        raise CliError(str(exc)) from None
     except KeyboardInterrupt:
         pass
     finally:
@@ -362,7 +389,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if tiny_models(raw, models_dir):
             client.list_jobs()  # reach the cluster before spending seconds on building models
         job_id = client.submit(_materialize_spec(args.job_file, raw, models_dir, args.verbose), job_id=args.job_id,
-                               preflight=False)  # checked above (or skipped with --no-preflight)
+                               preflight=False,  # checked above (or skipped with --no-preflight)
+                               resume_from=args.resume_from)
+        print(job_id)
+        if args.watch:
+            return _outcome(job_id, watch_job(client, job_id))
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Starts a job from the retained checkpoints of an earlier one (its own spec, or --spec FILE)."""
+    if args.spec:
+        args.job_file, args.resume_from = args.spec, args.source
+        return cmd_submit(args)
+    with _client(args) as client:
+        job_id = client.resume(args.source, job_id=args.job_id)
         print(job_id)
         if args.watch:
             return _outcome(job_id, watch_job(client, job_id))
@@ -458,6 +499,29 @@ def cmd_history(args: argparse.Namespace) -> int:
                       f"{r.grad_norm:.3f}", f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}",
                       f"{r.step_seconds:.2f}")
     _console().print(table)
+    return EXIT_OK
+
+
+def cmd_samples(args: argparse.Namespace) -> int:
+    """What an agent said in a committed step: decoded prompt and response per episode and turn, with rewards."""
+    if args.count < 1:
+        raise CliError(f"--count: must be >= 1, got {args.count}", EXIT_USAGE)
+    with _client(args) as client:
+        samples = client.samples(args.job_id, args.agent, args.step, args.count)
+    if args.json:
+        print(json.dumps([s.as_dict() for s in samples], indent=2))
+        return EXIT_OK
+    from rich.markup import escape
+
+    console = _console()
+    if not samples:
+        console.print(f"no stored experiences of that step of {args.agent} (collected as garbage?)")
+    for s in samples:
+        console.print(f"[bold]{s.agent} step {s.step}[/]  task {escape(s.task_id)}  episode {s.sample_index}  "
+                      f"turn {s.turn}  reward {s.reward:.3f}  (v{s.behavior_version}, "
+                      f"{s.prompt_tokens}+{s.response_tokens} tokens)", soft_wrap=True)
+        console.print(f"[dim]prompt:[/]   {escape(s.prompt)}", soft_wrap=True)
+        console.print(f"[dim]response:[/] {escape(s.response)}", soft_wrap=True)
     return EXIT_OK
 
 
@@ -558,6 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--trainer-workers", type=int, default=1)
     up.add_argument("--trainer-slots", type=int, default=1)
     up.add_argument("--detach", action="store_true", help="leave it running in the background")
+    up.add_argument("--secure", action="store_true",
+                    help="TLS + bearer token on every daemon, etcd with mutual TLS and auth (dev certificates in the "
+                         "run dir; the CLI finds them through the cluster file); pass it again to restart the cluster")
+    from flexmarl.localcluster import RestartPolicy
+
+    up.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                    help="restarts of a crashed daemon within 5 minutes before `up` gives up (0: never restart)")
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", parents=[common], help="stop a detached local cluster (its jobs stay)")
@@ -572,7 +643,22 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-preflight", action="store_true",
                         help="skip loading environment.entrypoint here (when only the cluster's hosts have it)")
     submit.add_argument("--verbose", action="store_true", help="show progress while building tiny:// models")
+    submit.add_argument("--resume-from", default="", metavar="SRC",
+                        help="continue an earlier job's retained checkpoints (see `flexmarl resume`)")
     submit.set_defaults(func=cmd_submit)
+
+    resume = sub.add_parser(
+        "resume", parents=[common],
+        help="start a job from the last retained checkpoint of each agent of an earlier job (its cluster may be gone)")
+    resume.add_argument("source", help="the earlier job's id (its checkpoints in stored), stored://checkpoints/JOB "
+                                       "or file:///TRAIND_WORK_DIR/checkpoints/JOB")
+    resume.add_argument("--spec", default="", metavar="FILE",
+                        help="a job file to run instead of the earlier job's spec (same agents and model shapes)")
+    resume.add_argument("--job-id", default="")
+    resume.add_argument("--watch", action="store_true", help="watch it until it ends")
+    resume.add_argument("--no-preflight", action="store_true", help="with --spec: skip loading the environment here")
+    resume.add_argument("--verbose", action="store_true", help="with --spec: show progress while building models")
+    resume.set_defaults(func=cmd_resume)
 
     for name, func, text in (("watch", cmd_watch, "progress bars until the job ends"),
                              ("cancel", cmd_cancel, "cancel a job")):
@@ -595,6 +681,14 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("--agent", default="", help="only this agent")
     history.add_argument("--csv", action="store_true")
     history.set_defaults(func=cmd_history)
+    samples = sub.add_parser("samples", parents=[common],
+                             help="an agent's episodes of a committed step as text (prompt, response, reward)")
+    samples.add_argument("job_id")
+    samples.add_argument("--agent", required=True, help="the agent whose turns to show")
+    samples.add_argument("--step", type=int, default=None, help="the committed step (default: the latest)")
+    samples.add_argument("--count", type=int, default=4, help="how many experiences (agent turns) to show")
+    samples.add_argument("--json", action="store_true")
+    samples.set_defaults(func=cmd_samples)
     schema = sub.add_parser("schema", help="the job file's JSON Schema (for editors); --markdown: the reference")
     schema.add_argument("--markdown", action="store_true")
     schema.set_defaults(func=cmd_schema)

@@ -25,6 +25,7 @@ from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailabl
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import PLAINTEXT_ETCD, EtcdSecurity, Registry
 from flexmarl.retry import Backoff
+from flexmarl.samples import Sample
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import channel_options
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -270,12 +271,14 @@ class AsyncClient:
         await self.close()
 
     async def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "", *,
-                     preflight: bool = True) -> str:
+                     preflight: bool = True, resume_from: str = "") -> str:
         """Validates and submits a job; returns its id.
 
         With ``preflight`` (the default) the job's environment is imported here first and its
         agents checked against the spec (:func:`flexmarl.preflight.check_job`), so a typo in
         ``environment.entrypoint`` fails now with one line naming the field, not on rolloutd.
+        With ``resume_from`` the job continues an earlier job's retained checkpoints (see
+        :meth:`resume`); ``spec`` must then have the same agents and model shapes.
         """
         valid = to_spec(spec)
         if preflight:
@@ -284,8 +287,27 @@ class AsyncClient:
             await asyncio.to_thread(check_job, valid)
         stub = await self._connect()
         reply = await _call(stub.SubmitJob(
-                orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id), timeout=self._timeout_s
-            ))
+                orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id, resume_from=resume_from),
+                timeout=self._timeout_s))
+        return str(reply.job_id)
+
+    async def resume(self, source: str, spec: JobSpec | Mapping[str, Any] | str | Path | None = None,
+                     job_id: str = "") -> str:
+        """Starts a job from the last retained checkpoint of each agent of an earlier job; returns its id.
+
+        ``source`` names the earlier job's checkpoint manifests (:mod:`flexmarl.checkpoints`):
+        ``stored://checkpoints/<job>`` or the bare ``<job>`` (in this cluster's stored), or
+        ``file:///<traind work dir>/checkpoints/<job>``. Nothing of the earlier job's etcd is read,
+        so its cluster may be gone. The new job (a new id) starts at each checkpoint's version,
+        weights, optimizer state and RNG, so its first step is the earlier job's next one.
+        ``spec`` defaults to the earlier job's; a given one must keep its agents and model
+        shapes (e.g. raise ``total_steps``). Raises InvalidArgument before anything is created.
+        """
+        if spec is not None:
+            return await self.submit(spec, job_id, resume_from=source)
+        stub = await self._connect()
+        reply = await _call(stub.SubmitJob(
+            orchestrator_pb2.SubmitJobRequest(job_id=job_id, resume_from=source), timeout=self._timeout_s))
         return str(reply.job_id)
 
     async def status(self, job_id: str) -> JobInfo:
@@ -377,6 +399,37 @@ class AsyncClient:
             if store is not None:
                 await store.close()
         return target
+
+    async def samples(self, job_id: str, agent: str, step: int | None = None, count: int = 4) -> list[Sample]:
+        """The first ``count`` episodes of an agent's committed step as text (default: its latest step).
+
+        Reads the token ids from stored (found through etcd) and decodes them with the agent's
+        tokenizer, which must load on this host (:mod:`flexmarl.samples`).
+
+        Raises:
+            NotFound: no such agent, or it has not committed that step.
+        """
+        from flexmarl.samples import TokenizerCache, read_step_samples
+        from flexmarl.store_client import StoreClient
+
+        info = await self.status(job_id)
+        spec = parse_job_spec(json.loads(info.spec_json))  # JSON text from orchestratord, never a path
+        if agent not in spec.agent_names:
+            raise NotFound(f"job {job_id} has no agent {agent!r} (agents: {', '.join(spec.agent_names)})")
+        steps = sorted(r.step for r in await self.history(job_id) if r.agent == agent)
+        if not steps:
+            raise NotFound(f"job {job_id}: agent {agent!r} has committed no step yet")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise NotFound(f"job {job_id}: agent {agent!r} has no committed step {step} "
+                           f"(steps {steps[0]}..{steps[-1]})")
+        if not self._etcd_endpoints:
+            raise InvalidArgument("reading samples from stored needs etcd endpoints to discover it")
+        tokenizer = await asyncio.to_thread(TokenizerCache().get, spec.agent(agent).model)
+        address = await discover("stored", self._etcd_endpoints, self._etcd_prefix, etcd_security=self._etcd_security)
+        async with StoreClient(address, security=self._security) as store:
+            return await read_step_samples(store, job_id, agent, step, count, tokenizer)
 
     async def watch(self, job_id: str, reconnect_s: float = 60.0) -> AsyncGenerator[JobInfo, None]:
         """Yields a snapshot on every change until the job finishes.
@@ -516,9 +569,14 @@ class Client:
         return self._async.address
 
     def submit(self, spec: JobSpec | Mapping[str, Any] | str | Path, job_id: str = "", *,
-               preflight: bool = True) -> str:
+               preflight: bool = True, resume_from: str = "") -> str:
         """Validates and submits a job; returns its id (see :meth:`AsyncClient.submit`)."""
-        return self._run(self._async.submit(spec, job_id, preflight=preflight))
+        return self._run(self._async.submit(spec, job_id, preflight=preflight, resume_from=resume_from))
+
+    def resume(self, source: str, spec: JobSpec | Mapping[str, Any] | str | Path | None = None,
+               job_id: str = "") -> str:
+        """Starts a job from an earlier job's retained checkpoints; returns its id (see :meth:`AsyncClient.resume`)."""
+        return self._run(self._async.resume(source, spec, job_id))
 
     def status(self, job_id: str) -> JobInfo:
         """The current snapshot of a job."""
@@ -547,6 +605,10 @@ class Client:
     def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
         """Copies the HF checkpoint dir of one agent version into dest."""
         return self._run(self._async.download_weights(job_id, agent, version, dest))
+
+    def samples(self, job_id: str, agent: str, step: int | None = None, count: int = 4) -> list[Sample]:
+        """See :meth:`AsyncClient.samples`."""
+        return self._run(self._async.samples(job_id, agent, step, count))
 
     def watch(self, job_id: str, reconnect_s: float = 60.0) -> Iterator[JobInfo]:
         """Yields a snapshot on every change until the job finishes (see AsyncClient.watch)."""

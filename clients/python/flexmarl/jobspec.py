@@ -242,7 +242,9 @@ class CheckpointSpec(_SpecModel):
     A version's weights are kept while it is one of the ``keep_last`` newest, or a multiple of
     ``keep_every``; its training state while it is one of the ``keep_states`` newest, or a
     multiple of ``keep_every`` (so every long-kept version can also be resumed from). The latest
-    committed version is never pruned, and version 0 is the spec's own model.
+    committed version is never pruned, and version 0 is the spec's own model. Each version kept
+    with both its weights and its state has a manifest beside it and can be resumed from, on
+    this cluster or a new one (`flexmarl resume`).
     """
 
     keep_last: Annotated[int, Field(ge=1, le=1_000_000)] = 3

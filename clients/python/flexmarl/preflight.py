@@ -16,9 +16,12 @@ whose hosts have modules this machine lacks is submitted to with the check skipp
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import JobSpec
@@ -67,21 +70,64 @@ def _agent_problems(spec: JobSpec, env_agents: tuple[str, ...]) -> list[str]:
     return problems
 
 
+def _resolve(entrypoint: str) -> Any:
+    """The object ``module:attr`` names, or None when it does not import (load_environment then says why)."""
+    module_name, _, attr = entrypoint.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except Exception:
+        return None
+    return target
+
+
+def config_problems(entrypoint: str, target: Any, config: Mapping[str, Any]) -> list[str]:
+    """``environment.config`` against the constructor's signature: one line per unknown or missing key.
+
+    [] when the signature cannot be read (a C extension) or takes ``**kwargs`` (any key may be fine).
+    """
+    try:
+        parameters = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return []
+    by_keyword = [p for p in parameters
+                  if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    names = [p.name for p in by_keyword]
+    takes = f"it takes {', '.join(names)}" if names else "it takes no config"
+    problems = [f"environment.config.{key}: not a parameter of {entrypoint!r} ({takes})"
+                for key in config if key not in names]
+    problems += [f"environment.config: {entrypoint!r} needs {p.name!r} (no default)" for p in by_keyword
+                 if p.default is inspect.Parameter.empty and p.name not in config]
+    return problems
+
+
 def preflight_problems(spec: JobSpec) -> list[str]:
     """What would fail the job at run time, one line per problem naming the field; [] when none.
 
-    Loads the environment (importing the user's module and running its constructor with
-    ``environment.config``) and checks that its agents are exactly the job's agents.
+    Checks ``environment.config``'s keys against the environment's constructor, loads the
+    environment (importing the user's module and running its constructor with
+    ``environment.config``) and checks that its agents are exactly the job's agents; and that
+    the packages of the job's trackers (``tracking.trackers``) import here.
     """
+    from flexmarl.tracking import missing_packages
     from rolloutd.episode import load_environment
 
+    trackers = missing_packages(spec.tracking)
     entrypoint = spec.environment.entrypoint
-    try:
-        with _current_dir_importable():
+    with _current_dir_importable():
+        target = _resolve(entrypoint)
+        if isinstance(target, type):
+            problems = config_problems(entrypoint, target, spec.environment.config)
+            if problems:
+                return problems + trackers
+        try:
             env = load_environment(entrypoint, spec.environment.config)
-    except Exception as exc:  # user code may raise anything; it becomes one line
-        return [_load_problem(entrypoint, exc)]
-    return _agent_problems(spec, tuple(env.agents))
+        except Exception as exc:  # user code may raise anything; it becomes one line
+            return [_load_problem(entrypoint, exc), *trackers]
+    return _agent_problems(spec, tuple(env.agents)) + trackers
 
 
 def check_job(spec: JobSpec) -> None:

@@ -51,21 +51,31 @@ class SubmitJobRequest(_message.Message):
 
     SPEC_JSON_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     spec_json: _builtins.str
     """The job spec as JSON (the SDK validates YAML/JSON and sends JSON)."""
     job_id: _builtins.str
     """Optional caller-chosen id; generated when empty. Resubmitting the same
     id with the same spec is idempotent.
     """
+    resume_from: _builtins.str
+    """Optional: continue the retained checkpoints of an earlier job (its cluster
+    and etcd may be gone): "stored://checkpoints/<job>", a bare "<job>" (the
+    same) or "file:///<traind work dir>/checkpoints/<job>". Each agent starts
+    at its checkpoint's version, weights and training state; the job gets a
+    new id. An empty spec_json then means the earlier job's spec; a given one
+    must have the same agents and model shapes (else INVALID_ARGUMENT).
+    """
     def __init__(
         self,
         *,
         spec_json: _builtins.str = ...,
         job_id: _builtins.str = ...,
+        resume_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "spec_json", b"spec_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "resume_from", b"resume_from", "spec_json", b"spec_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
