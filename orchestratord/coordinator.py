@@ -13,8 +13,10 @@ import contextlib
 import functools
 import json
 import logging
+import math
+import re
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -74,6 +76,30 @@ def require_id(name: str, value: str) -> str:
     if not value.isprintable() or value.split() != [value]:  # split() splits on exactly str.isspace
         raise InvalidArgument(f"{name}: must be printable without whitespace, got {value!r}")
     return value
+
+
+#: The history record's own fields (:meth:`JobCoordinator._history_record`); a trainer figure may not reuse one.
+HISTORY_FIELDS = frozenset({
+    "agent", "step", "version", "reward_mean", "loss", "grad_norm", "step_seconds", "tokens_per_s", "staleness_mean",
+    "episodes", "response_tokens", "committed_unix_ms", "weights_uri",
+})
+MAX_STEP_FIGURES = 16
+_FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def step_figures(figures: Mapping[str, float]) -> dict[str, float]:
+    """Validates a commit's extra per-step figures (``CommitStepRequest.figures``)."""
+    if len(figures) > MAX_STEP_FIGURES:
+        raise InvalidArgument(f"figures: at most {MAX_STEP_FIGURES}, got {len(figures)}")
+    out: dict[str, float] = {}
+    for name, value in figures.items():
+        if not _FIGURE_NAME.fullmatch(name) or name in HISTORY_FIELDS:
+            raise InvalidArgument(f"figures: bad name {name!r} (expected [a-z][a-z0-9_]{{0,31}}, not one of the "
+                                  f"history record's own fields)")
+        if not math.isfinite(value):
+            raise InvalidArgument(f"figures: {name} must be finite, got {value}")
+        out[name] = float(value)
+    return out
 
 
 class JobCoordinator:
@@ -313,6 +339,7 @@ class JobCoordinator:
             "tokens_per_s": tokens / since_s, "staleness_mean": progress.staleness_mean if progress else 0.0,
             "episodes": manifest.step_episodes if manifest is not None else 0, "response_tokens": tokens,
             "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
+            **dict(commit.figures),
         }
         self.tokens_per_s[key] = record["tokens_per_s"]
         self._step_records[(commit.job_id, commit.agent, commit.step)] = record
@@ -538,10 +565,12 @@ class JobCoordinator:
         self._metrics.micro_batches_acked.inc()
 
     async def commit_step(self, worker_id: str, slot_id: str, job_id: str, agent: str, step: int, new_version: int,
-                          weights_uri: str, state_uri: str, loss: float, grad_norm: float, step_seconds: float) -> None:
+                          weights_uri: str, state_uri: str, loss: float, grad_norm: float, step_seconds: float,
+                          figures: Mapping[str, float] | None = None) -> None:
         """An optimizer step ran and its weights are published: durable before returning."""
         await self.mutate(lambda: self.planner.commit_step(worker_id, slot_id, job_id, agent, step, new_version,
-                                                           weights_uri, state_uri, loss, grad_norm, step_seconds))
+                                                           weights_uri, state_uri, loss, grad_norm, step_seconds,
+                                                           figures))
 
     async def slot_event(self, worker_id: str, slot_id: str, job_id: str, agent: str, kind: SlotEventKind,
                          state_uri: str, error: str) -> None:

@@ -160,4 +160,7 @@ def agent_demand_request(demand: Mapping[tuple[str, str], int]) -> rollout_pb2.S
 def step_record(row: dict[str, Any]) -> orchestrator_pb2.StepRecord:
     """A stored history row as a StepRecord."""
     fields = orchestrator_pb2.StepRecord.DESCRIPTOR.fields_by_name
-    return orchestrator_pb2.StepRecord(**{k: v for k, v in row.items() if k in fields})
+    figures = {k: float(v) for k, v in row.items()
+               if k not in fields and isinstance(v, int | float) and not isinstance(v, bool)}
+    return orchestrator_pb2.StepRecord(**{k: v for k, v in row.items() if k in fields and k != "figures"},
+                                       figures=figures)

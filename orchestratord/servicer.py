@@ -9,7 +9,7 @@ import grpc.aio
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
-from orchestratord.coordinator import JobCoordinator, require_id
+from orchestratord.coordinator import JobCoordinator, require_id, step_figures
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_TASKS_PER_LEASE = 256
@@ -171,7 +171,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             require_id("worker_id", request.worker_id), require_id("slot_id", request.slot_id),
             require_id("job_id", request.job_id), require_id("agent", request.agent), request.step,
             request.new_version, request.weights_uri, request.state_uri, request.loss, request.grad_norm,
-            request.step_seconds,
+            request.step_seconds, step_figures(request.figures),
         )
         return orchestrator_pb2.CommitStepResponse()
 

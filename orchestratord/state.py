@@ -96,6 +96,8 @@ class StepCommit:
     loss: float = 0.0
     grad_norm: float = 0.0
     step_seconds: float = 0.0
+    #: The trainer's other per-step figures (``CommitStepRequest.figures``), sorted by name.
+    figures: tuple[tuple[str, float], ...] = ()
 
     @property
     def new_version(self) -> int:
@@ -109,7 +111,9 @@ class StepCommit:
     @classmethod
     def from_json(cls, text: str) -> StepCommit:
         """Decodes :meth:`to_json`."""
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["figures"] = tuple((str(name), float(value)) for name, value in fields.get("figures", ()))
+        return cls(**fields)
 
 
 @dataclasses.dataclass(frozen=True)

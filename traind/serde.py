@@ -82,7 +82,7 @@ def commit_request(worker_id: str, commit: StepCommit) -> orchestrator_pb2.Commi
     return orchestrator_pb2.CommitStepRequest(
         worker_id=worker_id, slot_id=commit.slot_id, job_id=commit.job_id, agent=commit.agent, step=commit.step,
         new_version=commit.new_version, weights_uri=commit.weights_uri, state_uri=commit.state_uri,
-        loss=commit.loss, grad_norm=commit.grad_norm, step_seconds=commit.step_seconds)
+        loss=commit.loss, grad_norm=commit.grad_norm, step_seconds=commit.step_seconds, figures=dict(commit.figures))
 
 
 def slot_event_request(worker_id: str, event: SlotEvent) -> orchestrator_pb2.ReportSlotEventRequest:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,8 @@ class StepCommit:
     loss: float
     grad_norm: float
     step_seconds: float
+    #: Other per-step figures for the step's history record (``kl``, ``clip_fraction``, ``ratio_mean``).
+    figures: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class SlotEventKind(enum.Enum):

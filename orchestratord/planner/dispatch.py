@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.ids import MicroBatchRef, StepAttemptRef
 from orchestratord.binding import DataParallelGroup
@@ -155,8 +157,11 @@ def ack_micro_batch(job: JobPlan, lease_id: str, worker_id: str, slot_id: str, e
 
 def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
                 weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
-                step_seconds: float = 0.0) -> None:
+                step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
     """The optimizer step of ``step`` ran on the slot and version ``new_version`` is published.
+
+    ``figures`` are the trainer's other per-step figures (checked by the servicer), kept with
+    the commit for its history record.
 
     Emits StepCommitted; the step's plan and, once every agent committed it, its batch are forgotten.
 
@@ -182,7 +187,8 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
         raise InvalidArgument("weights_uri: must not be empty")
     commit = StepCommit(job_id=job.job_id, agent=agent, step=step, weights_uri=weights_uri,
                         state_uri=state_uri, slot_id=slot_id, committed_s=job.now_s(), loss=loss,
-                        grad_norm=grad_norm, step_seconds=step_seconds)
+                        grad_norm=grad_norm, step_seconds=step_seconds,
+                        figures=tuple(sorted((figures or {}).items())))
     job.commits[(agent, step)] = commit
     job.changes.append(StepCommitted(commit))
     episodes = sum(group.episodes for group in plan.groups) or 1

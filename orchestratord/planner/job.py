@@ -267,10 +267,10 @@ class JobPlanner:
 
     def commit_step(self, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
                     weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
-                    step_seconds: float = 0.0) -> None:
+                    step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
         """Version ``new_version`` of the agent is published; see :func:`.dispatch.commit_step`."""
         dispatch.commit_step(self._job, worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
-                             loss, grad_norm, step_seconds)
+                             loss, grad_norm, step_seconds, figures)
 
     def release_slot(self, agent: str) -> None:
         """The agent leaves its slot between steps (binding change)."""

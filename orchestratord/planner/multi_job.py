@@ -277,12 +277,12 @@ class Planner:
 
     def commit_step(self, worker_id: str, slot_id: str, job_id: str, agent: str, step: int, new_version: int,
                     weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
-                    step_seconds: float = 0.0) -> None:
+                    step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
         """See :meth:`JobPlanner.commit_step`."""
         self.tick()
         try:
             self.job(job_id).commit_step(worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
-                                         loss, grad_norm, step_seconds)
+                                         loss, grad_norm, step_seconds, figures)
         finally:
             self._sweep()
 

@@ -486,18 +486,21 @@ def cmd_history(args: argparse.Namespace) -> int:
     if args.agent:
         rows = [r for r in rows if r.agent == args.agent]
     if args.csv:
+        figures = sorted({name for r in rows for name in r.figures})
         writer = csv.writer(sys.stdout, lineterminator="\n")
-        writer.writerow(HISTORY_FIELDS)
-        writer.writerows([getattr(r, f) for f in HISTORY_FIELDS] for r in rows)
+        writer.writerow([*HISTORY_FIELDS, *figures])
+        writer.writerows([*(getattr(r, f) for f in HISTORY_FIELDS), *(r.figures.get(n, "") for n in figures)]
+                         for r in rows)
         return EXIT_OK
     from rich.table import Table
 
-    table = Table("agent", "step", "version", "reward", "loss", "grad norm", "staleness", "episodes", "tokens/s",
-                  "step s")
+    table = Table("agent", "step", "version", "reward", "loss", "grad norm", "kl", "clip", "staleness", "episodes",
+                  "tokens/s", "step s")
     for r in rows:
         table.add_row(r.agent, str(r.step), str(r.version), f"{r.reward_mean:.3f}", f"{r.loss:.4f}",
-                      f"{r.grad_norm:.3f}", f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}",
-                      f"{r.step_seconds:.2f}")
+                      f"{r.grad_norm:.3f}", f"{r.figures.get('kl', 0.0):.4f}",
+                      f"{r.figures.get('clip_fraction', 0.0):.3f}",
+                      f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}", f"{r.step_seconds:.2f}")
     _console().print(table)
     return EXIT_OK
 

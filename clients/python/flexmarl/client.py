@@ -122,11 +122,14 @@ class StepRecord:
     response_tokens: int
     committed_unix_ms: int
     weights_uri: str
+    #: The trainer's other figures of the step (``kl``, ``clip_fraction``, ``ratio_mean``), by name.
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.StepRecord) -> StepRecord:
         """Decodes a StepRecord message."""
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "figures"},
+                   figures=dict(msg.figures))
 
 
 def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:

@@ -333,6 +333,26 @@ class StepRecord(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FiguresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     AGENT_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
@@ -346,6 +366,7 @@ class StepRecord(_message.Message):
     RESPONSE_TOKENS_FIELD_NUMBER: _builtins.int
     COMMITTED_UNIX_MS_FIELD_NUMBER: _builtins.int
     WEIGHTS_URI_FIELD_NUMBER: _builtins.int
+    FIGURES_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     version: _builtins.int
@@ -359,6 +380,10 @@ class StepRecord(_message.Message):
     response_tokens: _builtins.int
     committed_unix_ms: _builtins.int
     weights_uri: _builtins.str
+    @_builtins.property
+    def figures(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """The trainer's other per-step figures (CommitStepRequest.figures: kl, clip_fraction, ratio_mean)."""
+
     def __init__(
         self,
         *,
@@ -375,10 +400,11 @@ class StepRecord(_message.Message):
         response_tokens: _builtins.int = ...,
         committed_unix_ms: _builtins.int = ...,
         weights_uri: _builtins.str = ...,
+        figures: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "figures", b"figures", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -981,6 +1007,26 @@ Global___AckMicroBatchResponse: _TypeAlias = AckMicroBatchResponse  # noqa: Y015
 class CommitStepRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class FiguresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     WORKER_ID_FIELD_NUMBER: _builtins.int
     SLOT_ID_FIELD_NUMBER: _builtins.int
     JOB_ID_FIELD_NUMBER: _builtins.int
@@ -992,6 +1038,7 @@ class CommitStepRequest(_message.Message):
     LOSS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    FIGURES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     slot_id: _builtins.str
     job_id: _builtins.str
@@ -1004,6 +1051,12 @@ class CommitStepRequest(_message.Message):
     loss: _builtins.float
     grad_norm: _builtins.float
     step_seconds: _builtins.float
+    @_builtins.property
+    def figures(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """More per-step figures of the trainer (kl, clip_fraction, ratio_mean, ...), written into the
+        step's history record beside the ones above: names [a-z][a-z0-9_]{0,31}, finite values, at most 16.
+        """
+
     def __init__(
         self,
         *,
@@ -1018,10 +1071,11 @@ class CommitStepRequest(_message.Message):
         loss: _builtins.float = ...,
         grad_norm: _builtins.float = ...,
         step_seconds: _builtins.float = ...,
+        figures: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "grad_norm", b"grad_norm", "job_id", b"job_id", "loss", b"loss", "new_version", b"new_version", "slot_id", b"slot_id", "state_uri", b"state_uri", "step", b"step", "step_seconds", b"step_seconds", "weights_uri", b"weights_uri", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "figures", b"figures", "grad_norm", b"grad_norm", "job_id", b"job_id", "loss", b"loss", "new_version", b"new_version", "slot_id", b"slot_id", "state_uri", b"state_uri", "step", b"step", "step_seconds", b"step_seconds", "weights_uri", b"weights_uri", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
