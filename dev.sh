@@ -49,8 +49,17 @@ setup() {
   # msgspec, in the dev extra). About 6 s and 130 MB the first time; skipped once installed.
   "$PY" -c 'import importlib.metadata as m; raise SystemExit(m.version("sglang") != "0.5.23")' 2>/dev/null \
     || "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile sglang==0.5.23
-  # DeepSpeed JIT-compiles its CPU ops once per machine; keep them in one place.
-  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/flexmarl/torch_extensions}
+  # DeepSpeed JIT-compiles its CPU communication op (deepspeed_shm_comm) on first use. Its build
+  # names this interpreter's paths, so each interpreter gets a folder of its own (two sharing one
+  # rebuild it in turn, and a build killed half-way leaves a lock every traind waits on); and it is
+  # built here, once, rather than inside the first test's or job's timeout.
+  local prefix_id
+  prefix_id=$("$PY" -c 'import hashlib, sys; print(hashlib.sha1(sys.prefix.encode()).hexdigest()[:12])')
+  export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/flexmarl/torch_extensions/$prefix_id}
+  if [ "${DS_ACCELERATOR:-cpu}" = cpu ]; then
+    DS_ACCELERATOR=cpu "$PY" -c 'from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)' \
+      >/dev/null 2>&1 || echo "dev.sh: DeepSpeed's CPU comm op did not build now; traind builds it on first use" >&2
+  fi
 }
 
 cmd=${1:-help}

@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             driver.check_outcome()
     except ChaosFailure as exc:
         failure = str(exc)
+    except Exception as exc:  # a timeout or a daemon that did not come back is a failed run, still reported
+        failure = f"{type(exc).__name__}: {exc}"
     result = driver.result
     print(_table(result, failure))
     data: dict[str, Any] = {
