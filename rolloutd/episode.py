@@ -17,7 +17,10 @@ one episode at a time::
 
 ``ctx.generate`` takes chat messages (rendered with the agent's tokenizer's chat template and
 a generation prompt), a plain string (tokenized without a template) or token ids. Every call
-is one *turn* of that agent and becomes one training experience. Rewards given with
+is one *turn* of that agent and becomes one training experience. ``ctx.generate_n`` samples
+``n`` responses to one prompt in one backend request (SGLang's ``n``; seeded sampling gives
+sample ``i`` the seed ``seed + i``, so the samples differ and stay reproducible); each is a
+turn of its own (turns ``t .. t + n - 1``, one prompt). Rewards given with
 ``ctx.reward`` are summed per agent over the episode; that sum (the agent's episode return)
 is the reward of **every** turn of that agent in the episode (GRPO normalises it within the
 task's group). An exception raised by user code fails the episode (recorded, never raised
@@ -57,7 +60,7 @@ SAMPLING_KEYS = frozenset(
         "presence_penalty",
     }
 )
-"""Sampling parameters an episode may override (SGLang's names; ``n`` belongs to the runner)."""
+"""Sampling parameters an episode may override (SGLang's names; ``n`` is ``generate_n``'s argument)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +142,14 @@ class AgentTokenizer(Protocol):
         """Token ids of plain text, without special tokens."""
         ...
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of messages under the chat template, with the generation prompt."""
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None,
+                    ) -> list[int]:
+        """Token ids of messages under the chat template, with the generation prompt.
+
+        ``tools`` (OpenAI function definitions) are handed to the template; a tokenizer whose
+        template cannot render them raises ``InvalidArgument``. Callers pass ``tools`` only when
+        there are some, so a tokenizer without tool support may omit the parameter.
+        """
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -161,11 +170,27 @@ class HFTokenizer:
         """Token ids of plain text, without special tokens."""
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def render_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of messages under the chat template, with the generation prompt."""
-        text = self._tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+    def render_chat(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]] | None = None,
+                    ) -> list[int]:
+        """Token ids of messages under the chat template, with the generation prompt.
+
+        Raises:
+            InvalidArgument: ``tools`` given and the chat template never mentions ``tools`` (it
+                would silently drop them; the tiny byte-level tokenizer's ChatML template is one).
+        """
+        if tools:
+            template = self._tokenizer.chat_template
+            texts = template.values() if isinstance(template, Mapping) else [template]
+            if not any(isinstance(t, str) and "tools" in t for t in texts):
+                raise InvalidArgument(f"the chat template of the tokenizer at {self.path!r} does not render tools")
+            text = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tools=[dict(t) for t in tools], tokenize=False,
+                add_generation_prompt=True,
+            )
+        else:
+            text = self._tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
         if not isinstance(text, str):
             raise InvalidArgument(f"tokenizer at {self.path!r}: chat template did not render text")
         return self.encode(text)
@@ -189,6 +214,9 @@ def load_tokenizers(model_paths: Mapping[str, str]) -> dict[str, AgentTokenizer]
 Sampler = Callable[[int, TurnRequest], Awaitable[GenerationOutput]]
 """The runner's hook: (sample_index, request) -> response."""
 
+MultiSampler = Callable[[int, TurnRequest, int], Awaitable[Sequence[GenerationOutput]]]
+"""The runner's hook for ``generate_n``: (sample_index, request, n) -> n responses, in sample order."""
+
 
 class EpisodeContext:
     """The handle an episode uses to generate and to reward; one per episode."""
@@ -201,10 +229,12 @@ class EpisodeContext:
         sample_index: int,
         rng: random.Random,
         sampler: Sampler,
+        multi_sampler: MultiSampler | None = None,
     ) -> None:
         self._tokenizers = agents
         self._sampling_defaults = sampling_defaults
         self._sampler = sampler
+        self._multi_sampler = multi_sampler
         self.sample_index = sample_index
         self.rng = rng
         self._turns: list[TurnRecord] = []
@@ -216,8 +246,9 @@ class EpisodeContext:
         """The agents of this episode."""
         return tuple(self._tokenizers)
 
-    def tokenize(self, agent: str, prompt: PromptInput) -> list[int]:
-        """Token ids of a prompt as ``generate`` would send it."""
+    def tokenize(self, agent: str, prompt: PromptInput, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                 ) -> list[int]:
+        """Token ids of a prompt as ``generate`` would send it (``tools``: given to the chat template)."""
         tokenizer = self._tokenizer(agent)
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
@@ -229,7 +260,9 @@ class EpisodeContext:
             for message in messages:
                 if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                     raise InvalidArgument("a chat message needs string 'role' and 'content'")
-            return tokenizer.render_chat(messages)
+            return tokenizer.render_chat(messages, tools=tools) if tools else tokenizer.render_chat(messages)
+        if tools:
+            raise InvalidArgument("tools apply to chat messages only")
         raise InvalidArgument("prompt must be a string, chat messages or token ids")
 
     async def generate(self, agent: str, prompt: PromptInput, **sampling_overrides: Any) -> Generation:
@@ -243,23 +276,75 @@ class EpisodeContext:
         Returns:
             The response text, token ids, logprobs and the policy version that produced it.
         """
+        request = self._request(agent, prompt, sampling_overrides)
+        turn = self._next_turn[agent]
+        self._next_turn[agent] = turn + 1
+        response = await self._sampler(self.sample_index, request)
+        self._check(agent, response)
+        self._record(agent, turn, request, response)
+        return self._generation(agent, request, response)
+
+    async def generate_n(self, agent: str, prompt: PromptInput, n: int, **sampling_overrides: Any,
+                         ) -> list[Generation]:
+        """Samples ``n`` responses of ``agent`` to one prompt in one backend request; records ``n`` turns.
+
+        The samples are turns ``t .. t + n - 1`` of the agent, in sample order, all with the
+        prompt's ids (and, like every turn, the agent's episode return as reward). Seeded
+        sampling gives sample ``i`` the request's seed plus ``i`` (rolloutd/router.py), so the
+        samples differ and a rerun draws the same ones. The request never joins the runner's
+        first-turn coalescing. ``n == 1`` is :meth:`generate`.
+
+        Args:
+            agent: one of the environment's agents.
+            prompt: chat messages (chat template applied), a string (no template) or token ids.
+            n: how many samples (>= 1).
+            **sampling_overrides: SGLang sampling parameters overriding the job's defaults.
+
+        Returns:
+            The ``n`` generations, in sample order.
+
+        Raises:
+            InvalidArgument: ``n`` is not a positive integer, or this context cannot sample ``n`` > 1.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"n must be a positive integer, got {n!r}")
+        if n == 1:
+            return [await self.generate(agent, prompt, **sampling_overrides)]
+        if self._multi_sampler is None:
+            raise InvalidArgument("this episode context cannot sample n > 1 in one request")
+        request = self._request(agent, prompt, sampling_overrides)
+        first = self._next_turn[agent]
+        self._next_turn[agent] = first + n
+        responses = list(await self._multi_sampler(self.sample_index, request, n))
+        if len(responses) != n:
+            raise DataLoss(f"{agent}: {len(responses)} samples for n={n}")
+        for response in responses:
+            self._check(agent, response)
+        for i, response in enumerate(responses):
+            self._record(agent, first + i, request, response)
+        return [self._generation(agent, request, response) for response in responses]
+
+    def _request(self, agent: str, prompt: PromptInput, sampling_overrides: Mapping[str, Any]) -> TurnRequest:
         unknown = set(sampling_overrides) - SAMPLING_KEYS
         if unknown:
             raise InvalidArgument(f"unknown sampling parameters {sorted(unknown)}")
         input_ids = self.tokenize(agent, prompt)
         if not input_ids:
             raise InvalidArgument(f"empty prompt for agent {agent!r}")
-        sampling = {**self._sampling_defaults.get(agent, {}), **sampling_overrides}
-        turn = self._next_turn[agent]
-        self._next_turn[agent] = turn + 1
-        request = TurnRequest(agent, tuple(input_ids), sampling)
-        response = await self._sampler(self.sample_index, request)
+        return TurnRequest(agent, tuple(input_ids), {**self._sampling_defaults.get(agent, {}), **sampling_overrides})
+
+    @staticmethod
+    def _check(agent: str, response: GenerationOutput) -> None:
         if len(response.logprobs) != len(response.token_ids):
             raise DataLoss(f"{agent}: {len(response.logprobs)} logprobs for {len(response.token_ids)} response tokens")
+
+    def _record(self, agent: str, turn: int, request: TurnRequest, response: GenerationOutput) -> None:
         self._turns.append(
             TurnRecord(agent, turn, request.input_ids, response.token_ids, response.logprobs, response.version,
                        response.version_spans)
         )
+
+    def _generation(self, agent: str, request: TurnRequest, response: GenerationOutput) -> Generation:
         return Generation(
             text=self._tokenizer(agent).decode(response.token_ids),
             token_ids=response.token_ids,

@@ -6,9 +6,10 @@ its own base URL ``http://<host>:<port>/sessions/<id>/v1`` and API key, both ung
 (:func:`secrets.token_urlsafe`), and lives exactly as long as its episode. Routes:
 
 * ``POST /sessions/<id>/v1/chat/completions`` (``stream`` too) and ``POST /sessions/<id>/v1/completions``:
-  ``model`` names the agent; one call is one :meth:`EpisodeContext.generate` of that agent, so the
-  native code path records the turn (prompt and response token ids, logprobs, behaviour version,
-  turn number) and the runner turns it into an experience.
+  ``model`` names the agent; one call is one :meth:`EpisodeContext.generate` of that agent (with
+  ``n`` > 1 one :meth:`EpisodeContext.generate_n`: one backend request, ``n`` turns, ``choices[i]``
+  is sample ``i``), so the native code path records the turns (prompt and response token ids,
+  logprobs, behaviour version, turn number) and the runner turns each into an experience.
 * ``GET /sessions/<id>/v1/models``: the episode's agents.
 * ``POST /sessions/<id>/reward`` ``{"agent", "value"}``: :meth:`EpisodeContext.reward`.
 * ``GET /metrics``: the gateway's Prometheus metrics (no session data).
@@ -25,7 +26,7 @@ and so does the ``flexmarl_gateway_retokenized_messages_total`` counter.
 Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 404 for an unknown
 session, route or model (agent), 400 for a malformed body (validated as the official API does:
 ``invalid_type``, ``missing_required_parameter``, ``invalid_value``, range codes, with ``param``
-naming the field) or an unsupported parameter (``n`` > 1, ``tools``, ``top_logprobs`` > 0,
+naming the field) or an unsupported parameter (``tool_choice`` "required", ``top_logprobs`` > 0,
 ``echo``, ...; docs/gateway.md says why each is refused), 401 for a wrong API key. Every error
 carries ``x-should-retry: false`` so the client never repeats a call that may have recorded a turn.
 
@@ -175,7 +176,8 @@ def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
 
 
 def resolve_chat_prompt(ctx: EpisodeContext, agent: str, messages: Sequence[Message],
-                        history: Sequence[ChatTurn]) -> ResolvedPrompt:
+                        history: Sequence[ChatTurn], tools: Sequence[Mapping[str, Any]] | None = None,
+                        ) -> ResolvedPrompt:
     """The prompt ids of a chat call, reusing the recorded ids of the longest earlier turn it repeats.
 
     A turn T is repeated when ``messages`` starts with T's messages followed by an assistant
@@ -184,8 +186,10 @@ def resolve_chat_prompt(ctx: EpisodeContext, agent: str, messages: Sequence[Mess
     earlier turns fail this and fall back to the fresh render). The ids sent are T's prompt
     ids, T's sampled ids, then the rest of the fresh render; a trailing sampled token the
     template also writes (an end-of-turn token such as ``<|im_end|>``) is not repeated.
+    ``tools`` go to the template with the messages (a turn rendered with other tools then
+    rarely repeats: its render is no prefix of this one).
     """
-    fresh = tuple(ctx.tokenize(agent, _as_dicts(messages)))
+    fresh = tuple(ctx.tokenize(agent, _as_dicts(messages), tools=tools))
     assistants = sum(1 for role, _ in messages if role == "assistant")
     for turn in sorted(history, key=lambda t: len(t.messages), reverse=True):
         n = len(turn.messages)
@@ -236,11 +240,11 @@ class Session:
         self.retokenized_messages = 0
         self._inflight: set[asyncio.Task[Any]] = set()
 
-    async def run(self, call: Callable[[], Awaitable[Generation]]) -> Generation:
-        """Runs one generation as a task of this session (cancelled when the session closes)."""
+    async def run(self, call: Callable[[], Awaitable[list[Generation]]]) -> list[Generation]:
+        """Runs one call's generations as a task of this session (cancelled when the session closes)."""
         if self.closed:
             raise _session_not_found()
-        task: asyncio.Task[Generation] = asyncio.ensure_future(call())
+        task: asyncio.Task[list[Generation]] = asyncio.ensure_future(call())
         self._inflight.add(task)
         try:
             return await asyncio.shield(task)
@@ -271,7 +275,7 @@ def _session_not_found() -> OpenAIError:
 # of range ``decimal_above_max_value`` / ``integer_below_min_value`` ..., a missing field
 # ``missing_required_parameter``, a value outside an enumeration ``invalid_value``; ``param``
 # names the field (``messages[1].content``). Then come the refusals of what this gateway cannot
-# serve (``n`` > 1, ``tools``, ``top_logprobs`` > 0, ...), also 400 with ``param``.
+# serve (tool calls in messages, ``tool_choice`` "required", ``top_logprobs`` > 0, ...), also 400 with ``param``.
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs range is [0, 20]
@@ -375,13 +379,9 @@ def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[st
     """SGLang sampling overrides of an OpenAI body; ``max_tokens`` is bounded by the agent's ``max_new_tokens``.
 
     Raises:
-        OpenAIError: 400 for a value of the wrong type or range, or ``n`` other than 1.
+        OpenAIError: 400 for a value of the wrong type or range (``n`` is read by :func:`samples_of`).
     """
-    n = _integer(body, "n", 1, _MAX_N)
-    if n is not None and n != 1:
-        # One call is one ctx.generate, and the runner seeds a request from (episode, prompt ids): n
-        # calls of one episode with the same prompt would sample the same tokens (docs/gateway.md).
-        raise _bad("only n=1 is supported: one call is one turn of the agent (call again for another sample)", "n")
+    samples_of(body)
     sampling: dict[str, Any] = {}
     for name, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("frequency_penalty", -2.0, 2.0),
                             ("presence_penalty", -2.0, 2.0)):
@@ -405,6 +405,16 @@ def sampling_of(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[st
     if body.get("logit_bias"):
         raise _bad("'logit_bias' is not supported", "logit_bias")
     return sampling
+
+
+def samples_of(body: Mapping[str, Any]) -> int:
+    """The ``n`` of a call (1 to 128; absent or null: 1): one ``generate_n`` with that many samples.
+
+    Raises:
+        OpenAIError: 400 for a wrong type or a value out of range.
+    """
+    n = _integer(body, "n", 1, _MAX_N)
+    return 1 if n is None else n
 
 
 def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
@@ -483,12 +493,20 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def check_tools(body: Mapping[str, Any]) -> None:
-    """Validates ``tools`` / ``tool_choice`` / ``functions`` as the API does, then refuses tools.
+def check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """Validates ``tools`` / ``tool_choice`` / ``functions`` as the API does; the tools for the chat template.
+
+    The tools go to the agent's chat template (``tokenizer.apply_chat_template(..., tools=...)``,
+    as with ``tool_choice`` "none" too). Tool calls are not parsed out of the response (its
+    text is returned as content), so ``tool_choice`` "required" or a named function, which
+    promise a tool call, are refused, and so are the legacy ``functions``.
+
+    Returns:
+        The tool definitions, or None when the call has none.
 
     Raises:
         OpenAIError: 400 for a malformed definition, for ``tool_choice`` without tools, and for
-            any tool (the agent's chat template is not given tools; docs/gateway.md).
+            ``tool_choice`` other than "none" / "auto" (docs/gateway.md).
     """
     tools = body.get("tools")
     if tools is not None:
@@ -517,9 +535,10 @@ def check_tools(body: Mapping[str, Any]) -> None:
                        "tool_choice")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise _bad("'functions' are not supported: this gateway renders text-only chat templates", "functions")
-    if tools:
-        raise _bad("'tools' are not supported: this gateway renders text-only chat templates (the agent's "
-                   "tokenizer is not given tools; docs/gateway.md)", "tools")
+    if choice is not None and choice not in ("none", "auto"):
+        raise _bad("only tool_choice 'none' or 'auto' is supported: tool calls are not parsed out of the response "
+                   "(docs/gateway.md)", "tool_choice")
+    return [dict(tool) for tool in tools] if tools else None
 
 
 def chat_logprobs_request(body: Mapping[str, Any]) -> bool:
@@ -544,6 +563,12 @@ def chat_logprobs_request(body: Mapping[str, Any]) -> bool:
 
 def _finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
+
+
+def _usage(prompt_tokens: int, generations: Sequence[Generation]) -> dict[str, int]:
+    """OpenAI's usage of one call: the prompt once, the completion tokens of every choice."""
+    completion = sum(len(g.token_ids) for g in generations)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
 def _chat_logprobs(ctx: EpisodeContext, agent: str, generation: Generation) -> dict[str, Any]:
@@ -736,45 +761,59 @@ class Gateway:
         agent = self._agent(session, body)
         ctx = session.ctx
         messages = parse_messages(body.get("messages"))
-        check_tools(body)
+        tools = check_tools(body)
         want_logprobs = chat_logprobs_request(body)
         response_format = _object(body, "response_format")
         if response_format is not None and response_format.get("type") != "text":
             raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+        n = samples_of(body)
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.chat_history.setdefault(agent, [])
-        prompt = resolve_chat_prompt(ctx, agent, messages, history)
-        generation = await session.run(lambda: ctx.generate(agent, list(prompt.input_ids), **sampling))
-        history.append(ChatTurn(messages, prompt.fresh_ids, prompt.input_ids, generation.token_ids, generation.text))
+        try:
+            prompt = resolve_chat_prompt(ctx, agent, messages, history, tools)
+        except InvalidArgument as exc:
+            if tools:
+                raise _bad(f"'tools' cannot be rendered for model {agent!r}: {exc}", "tools") from exc
+            raise
+        generations = await session.run(lambda: ctx.generate_n(agent, list(prompt.input_ids), n, **sampling))
+        for generation in generations:
+            history.append(ChatTurn(messages, prompt.fresh_ids, prompt.input_ids, generation.token_ids,
+                                    generation.text))
         self._count(session, agent, prompt.reused_tokens, prompt.retokenized_messages)
-        extra = {"behavior_version": generation.version, "reused_prompt_tokens": prompt.reused_tokens,
+        version = min(g.version for g in generations)
+        extra = {"behavior_version": version, "reused_prompt_tokens": prompt.reused_tokens,
                  "retokenized_messages": prompt.retokenized_messages}
-        usage = {"prompt_tokens": len(prompt.input_ids), "completion_tokens": len(generation.token_ids),
-                 "total_tokens": len(prompt.input_ids) + len(generation.token_ids)}
-        logprobs = _chat_logprobs(ctx, agent, generation) if want_logprobs else None
+        usage = _usage(len(prompt.input_ids), generations)
+        logprobs = [_chat_logprobs(ctx, agent, g) if want_logprobs else None for g in generations]
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        finish = _finish_reason(generation.finish_reason)
+        finishes = [_finish_reason(g.finish_reason) for g in generations]
         if body.get("stream") is True:
             options = body.get("stream_options")
             include_usage = isinstance(options, Mapping) and options.get("include_usage") is True
             head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": agent,
-                    "system_fingerprint": f"flexmarl-v{generation.version}"}
-            chunks = [
-                {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]},
-                {**head, "choices": [{"index": 0, "delta": {"content": generation.text}, "logprobs": logprobs,
-                                      "finish_reason": None}]},
-                {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
-                 "flexmarl": extra},
-            ]
+                    "system_fingerprint": f"flexmarl-v{version}"}
+            chunks: list[dict[str, Any]] = []
+            for i, generation in enumerate(generations):  # as OpenAI streams n > 1: each chunk names its choice
+                chunks += [
+                    {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]},
+                    {**head, "choices": [{"index": i, "delta": {"content": generation.text},
+                                          "logprobs": logprobs[i], "finish_reason": None}]},
+                ]
+            for i, finish in enumerate(finishes):
+                chunk: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                              "finish_reason": finish}]}
+                if i == len(finishes) - 1:
+                    chunk["flexmarl"] = extra
+                chunks.append(chunk)
             if include_usage:
                 chunks.append({**head, "choices": [], "usage": usage})
             return await self._stream(request, chunks)
         return web.json_response({
             "id": completion_id, "object": "chat.completion", "created": created, "model": agent,
-            "system_fingerprint": f"flexmarl-v{generation.version}",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text, "refusal": None},
-                         "logprobs": logprobs, "finish_reason": finish}],
+            "system_fingerprint": f"flexmarl-v{version}",
+            "choices": [{"index": i, "message": {"role": "assistant", "content": g.text, "refusal": None},
+                         "logprobs": logprobs[i], "finish_reason": finishes[i]} for i, g in enumerate(generations)],
             "usage": usage, "flexmarl": extra,
         })
 
@@ -805,35 +844,40 @@ class Gateway:
         if logprobs_n is not None and logprobs_n > 1:
             raise _bad("'logprobs' must be 0 or 1: the episode API returns the sampled token's logprob only "
                        "(docs/gateway.md)", "logprobs")
+        n = samples_of(body)
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.completion_history.setdefault(agent, [])
         input_ids, reused = self._completion_prompt(ctx, agent, prompt, history)
-        generation = await session.run(lambda: ctx.generate(agent, list(input_ids), **sampling))
-        history.append((prompt, input_ids, generation.token_ids, generation.text))
+        generations = await session.run(lambda: ctx.generate_n(agent, list(input_ids), n, **sampling))
+        for generation in generations:
+            history.append((prompt, input_ids, generation.token_ids, generation.text))
         self._count(session, agent, reused, 0)
-        logprobs = None
-        if logprobs_n is not None:
-            tokens = [ctx.decode(agent, [t]) for t in generation.token_ids]
-            offsets, offset = [], 0
-            for token in tokens:
-                offsets.append(offset)
-                offset += len(token)
-            logprobs = {"tokens": tokens, "token_logprobs": list(generation.logprobs),
-                        "top_logprobs": None, "text_offset": offsets}
-        usage = {"prompt_tokens": len(input_ids), "completion_tokens": len(generation.token_ids),
-                 "total_tokens": len(input_ids) + len(generation.token_ids)}
+        choices = []
+        for i, generation in enumerate(generations):
+            logprobs = None
+            if logprobs_n is not None:
+                tokens = [ctx.decode(agent, [t]) for t in generation.token_ids]
+                offsets, offset = [], 0
+                for token in tokens:
+                    offsets.append(offset)
+                    offset += len(token)
+                logprobs = {"tokens": tokens, "token_logprobs": list(generation.logprobs),
+                            "top_logprobs": None, "text_offset": offsets}
+            choices.append({"index": i, "text": generation.text, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(generation.finish_reason)})
+        usage = _usage(len(input_ids), generations)
+        version = min(g.version for g in generations)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": agent, "system_fingerprint": f"flexmarl-v{generation.version}"}
-        choice = {"index": 0, "text": generation.text, "logprobs": logprobs,
-                  "finish_reason": _finish_reason(generation.finish_reason)}
-        extra = {"behavior_version": generation.version, "reused_prompt_tokens": reused, "retokenized_messages": 0}
+                "model": agent, "system_fingerprint": f"flexmarl-v{version}"}
+        extra = {"behavior_version": version, "reused_prompt_tokens": reused, "retokenized_messages": 0}
         if body.get("stream") is True:
             options = body.get("stream_options")
-            chunks: list[dict[str, Any]] = [{**head, "choices": [choice], "flexmarl": extra}]
+            chunks: list[dict[str, Any]] = [{**head, "choices": [choice]} for choice in choices]
+            chunks[-1]["flexmarl"] = extra
             if isinstance(options, Mapping) and options.get("include_usage") is True:
                 chunks.append({**head, "choices": [], "usage": usage})
             return await self._stream(request, chunks)
-        return web.json_response({**head, "choices": [choice], "usage": usage, "flexmarl": extra})
+        return web.json_response({**head, "choices": choices, "usage": usage, "flexmarl": extra})
 
     @staticmethod
     def _completion_prompt(ctx: EpisodeContext, agent: str, prompt: str,

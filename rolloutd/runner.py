@@ -6,7 +6,9 @@ one, then sends each set of identical requests (same agent, prompt ids and sampl
 parameters) once with SGLang's ``n`` so the shared prefix is computed once. The grouping
 and the order in which samples are handed back (sample index order) are deterministic. Only
 an episode's *first* request waits, so the barrier cannot deadlock: nothing else is pending
-in an episode before its first request. Later turns go straight to the backend.
+in an episode before its first request. Later turns go straight to the backend, and so does
+an episode's ``generate_n`` (n > 1) call, even a first one: that episode leaves the barrier
+(as one that ended without a request) and its n-request is sent as the episode asked.
 
 Every request carries an affinity key (:func:`rolloutd.balancer.episode_affinity_key`, or
 the group key for a coalesced request) so the balancer keeps an episode's turns on the
@@ -105,7 +107,8 @@ class RolloutResult:
     """Outcome of one task: experiences when every episode succeeded, else the errors.
 
     ``returns[i][agent]`` is the episode return of ``agent`` in sample i (successful
-    episodes only); ``coalesced_requests`` counts backend calls made with n > 1.
+    episodes only); ``coalesced_requests`` counts backend calls that coalesced first turns of
+    several episodes (an episode's own ``generate_n`` call is not one).
     """
 
     task_id: str
@@ -131,9 +134,10 @@ class _CountingBackend:
         self.calls = 0
         self.coalesced = 0
 
-    async def generate(self, request: TurnRequest, n: int, affinity_key: str) -> list[GenerationOutput]:
+    async def generate(self, request: TurnRequest, n: int, affinity_key: str, *,
+                       coalesced: bool = True) -> list[GenerationOutput]:
         self.calls += 1
-        if n > 1:
+        if n > 1 and coalesced:
             self.coalesced += 1
         outputs = await self._backend.generate(
             request.agent, list(request.input_ids), dict(request.sampling), n, affinity_key
@@ -306,12 +310,20 @@ class RolloutRunner:
             outputs = await backend.generate(request, 1, episode_affinity_key(task_input.task_id, index))
             return outputs[0]
 
+        async def multi_sampler(index: int, request: TurnRequest, n: int) -> list[GenerationOutput]:
+            nonlocal first_request_made
+            if self._coalesce and not first_request_made:
+                coalescer.withdraw(index)  # an n-request is never merged with other episodes' first turns
+            first_request_made = True
+            return await backend.generate(request, n, episode_affinity_key(task_input.task_id, index), coalesced=False)
+
         ctx = EpisodeContext(
             agents={name: runtime.tokenizer for name, runtime in self._agents.items()},
             sampling_defaults={name: runtime.sampling for name, runtime in self._agents.items()},
             sample_index=sample_index,
             rng=episode_rng(task_input.seed, task_input.task_index, sample_index),
             sampler=sampler,
+            multi_sampler=multi_sampler,
         )
         try:
             await self._env.episode(ctx, task)

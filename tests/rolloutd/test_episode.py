@@ -85,6 +85,46 @@ async def test_generate_records_turns_and_merges_sampling() -> None:
     assert ctx.turns()[0].behavior_version == 3
 
 
+async def test_generate_n_is_one_request_recorded_as_n_turns() -> None:
+    calls: list[tuple[TurnRequest, int]] = []
+
+    async def sampler(index: int, request: TurnRequest) -> GenerationOutput:
+        return GenerationOutput(tuple(b"one"), (-0.5,) * 3, "stop", 3)
+
+    async def multi_sampler(index: int, request: TurnRequest, n: int) -> list[GenerationOutput]:
+        calls.append((request, n))
+        return [GenerationOutput((97 + i, 98 + i), (-0.25, -0.5), "stop", 4 + i) for i in range(n)]
+
+    ctx = EpisodeContext(agents={"a": ByteTokenizer()}, sampling_defaults={"a": {"max_new_tokens": 4}},
+                         sample_index=0, rng=random.Random(0), sampler=sampler, multi_sampler=multi_sampler)
+    first = await ctx.generate("a", "x")
+    pair = await ctx.generate_n("a", "q=", 2, temperature=0.5)
+    assert [g.text for g in pair] == ["ab", "bc"] and [g.version for g in pair] == [4, 5]
+    assert calls == [(TurnRequest("a", tuple(b"q="), {"max_new_tokens": 4, "temperature": 0.5}), 2)]
+    turns = ctx.turns()
+    assert [t.turn for t in turns] == [0, 1, 2] and first.text == "one"
+    assert turns[1].prompt_token_ids == turns[2].prompt_token_ids == tuple(b"q=")
+    assert [t.response_token_ids for t in turns[1:]] == [(97, 98), (98, 99)]
+    assert (await ctx.generate_n("a", "y", 1))[0].text == "one" and len(calls) == 1  # n=1 is generate
+    with pytest.raises(InvalidArgument):
+        await ctx.generate_n("a", "y", 0)
+    no_multi, _ = scripted_ctx({"a": []})
+    with pytest.raises(InvalidArgument):
+        await no_multi.generate_n("a", "y", 2)
+
+
+def test_hf_tokenizer_renders_tools_only_with_a_template_that_does(tokenizer_dir: Path) -> None:
+    tok = HFTokenizer(str(tokenizer_dir))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    with pytest.raises(InvalidArgument, match="does not render tools"):
+        tok.render_chat([{"role": "user", "content": "hi"}], tools=tools)
+    tok._tokenizer.chat_template = (  # a template that renders tools
+        "{% for t in tools or [] %}tool:{{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}\n{% endfor %}")
+    assert tok.decode(tok.render_chat([{"role": "user", "content": "hi"}], tools=tools)) == "tool:lookup\nuser:hi\n"
+    assert tok.decode(tok.render_chat([{"role": "user", "content": "hi"}])) == "user:hi\n"
+
+
 async def test_rewards_sum_into_the_episode_return() -> None:
     ctx, _ = scripted_ctx({})
     ctx.reward("a", 1)

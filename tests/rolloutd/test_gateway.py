@@ -264,6 +264,58 @@ async def test_streamed_chat_and_completions_carry_the_same_turns(tokenizer: HFT
     assert ids(records["job/0/1/0/a/1"]) == ids(a)
 
 
+async def test_n_samples_are_one_request_and_n_turns(tokenizer: HFTokenizer) -> None:
+    seen: dict[int, Any] = {}
+
+    async def program(base_url: str, api_key: str, task: dict[str, Any]) -> None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            chat = await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}], n=2)
+            stream = await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "yo"}],
+                                                          n=2, stream=True)
+            chunks = [chunk async for chunk in stream]
+            text = await client.completions.create(model="b", prompt="p>", n=3, max_tokens=2)
+        seen[task["sample_index"]] = (chat, chunks, text)
+
+    backend = PromptBackend()
+    result, _ = await run_program(tokenizer, program, backend=backend)
+    records = by_id(result)
+    # one backend request per call (n=2, n=2, n=3) per episode; none joins the first-turn coalescing
+    assert len(backend.requests) == 6 and result.coalesced_requests == 0
+    chat, chunks, text = seen[1]
+    a0, a1 = records["job/0/1/1/a/0"], records["job/0/1/1/a/1"]
+    assert ids(a0) == ids(a1) == tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    answers = [c.message.content for c in chat.choices]
+    assert [c.index for c in chat.choices] == [0, 1] and answers[0] != answers[1]
+    assert answers == [tokenizer.decode([int(t) for t in r.response_token_ids]) for r in (a0, a1)]
+    assert chat.usage.prompt_tokens == len(ids(a0))
+    assert chat.usage.completion_tokens == len(a0.response_token_ids) + len(a1.response_token_ids)
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in (0, 1)]
+    assert streamed == [tokenizer.decode([int(t) for t in records[f"job/0/1/1/a/{turn}"].response_token_ids])
+                        for turn in (2, 3)]
+    assert [c.index for c in text.choices] == [0, 1, 2]
+    assert [c.text for c in text.choices] == [
+        tokenizer.decode([int(t) for t in records[f"job/0/1/1/b/{turn}"].response_token_ids]) for turn in range(3)]
+    assert {records[f"job/0/1/1/b/{turn}"].turn for turn in range(3)} == {0, 1, 2}
+
+
+async def test_tools_reach_a_chat_template_that_renders_them(tmp_path: Path) -> None:
+    build_tiny_tokenizer(tmp_path)
+    tooled = HFTokenizer(str(tmp_path))
+    tooled._tokenizer.chat_template = (  # ChatML with a tool list in front
+        "{% for t in tools or [] %}<tool>{{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}\n{{ m.content }}\n{% endfor %}assistant")
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+    async def program(base_url: str, api_key: str, task: dict[str, Any]) -> None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "q"}],
+                                                 tools=tools, tool_choice="auto")
+
+    records = by_id((await run_program(tooled, program, agents=("a",), group_size=1))[0])
+    assert tooled.decode(ids(records["job/0/1/0/a/0"])) == "<tool>lookup\nuser\nq\nassistant"
+
+
 # ----- errors and security ---------------------------------------------------------------------------
 
 
@@ -276,8 +328,8 @@ async def test_errors_have_openai_shapes_and_codes(tokenizer: HFTokenizer) -> No
                 await client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
             assert missing.value.code == "model_not_found" and missing.value.param == "model"
             with pytest.raises(openai.BadRequestError) as many:
-                await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "x"}], n=2)
-            assert many.value.param == "n" and "n=1" in many.value.message
+                await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "x"}], n=129)
+            assert many.value.param == "n" and many.value.code == "integer_above_max_value"
             with pytest.raises(openai.BadRequestError) as empty:
                 await client.chat.completions.create(model="a", messages=[])
             assert empty.value.param == "messages"
@@ -285,7 +337,13 @@ async def test_errors_have_openai_shapes_and_codes(tokenizer: HFTokenizer) -> No
                 await client.chat.completions.create(
                     model="a", messages=[{"role": "user", "content": "x"}],
                     tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-            assert tools.value.param == "tools"
+            # the tiny tokenizer's ChatML template never mentions tools: refused, never silently dropped
+            assert tools.value.param == "tools" and "does not render tools" in tools.value.message
+            with pytest.raises(openai.BadRequestError) as required:
+                await client.chat.completions.create(
+                    model="a", messages=[{"role": "user", "content": "x"}], tool_choice="required",
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+            assert required.value.param == "tool_choice"
             with pytest.raises(openai.BadRequestError):
                 await client.chat.completions.create(model="a", messages=[{"role": "user", "content": "x"}],
                                                      temperature=7)
