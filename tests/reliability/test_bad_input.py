@@ -219,7 +219,16 @@ def _build(cls: type[pb_message.Message], values: dict[str, Any],
         msg.CopyFrom(base)
     for name, value in values.items():
         field = cls.DESCRIPTOR.fields_by_name[name]
-        if field.is_repeated:
+        if field.type == FD.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            mapping = getattr(msg, name)  # a map field: its generated entries become keys and values
+            mapping.clear()
+            value_field = field.message_type.fields_by_name["value"]
+            for entry in value:
+                if value_field.type == FD.TYPE_MESSAGE:
+                    mapping[entry.key].CopyFrom(entry.value)
+                else:
+                    mapping[entry.key] = entry.value
+        elif field.is_repeated:
             target = getattr(msg, name)
             del target[:]
             if field.type == FD.TYPE_MESSAGE:
