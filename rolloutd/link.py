@@ -152,19 +152,10 @@ class GrpcOrchestratorLink(OrchestratorLink):
             async for msg in stub.WatchAgentVersions(serde.watch_versions_request(job_id)):
                 yield serde.published_version(msg)
             return
-        except grpc.RpcError as exc:
-            mapped = error_for_rpc(exc) if _status_code(exc) not in _TRANSPORT_CODES else None
-            if mapped is not None:
-                raise mapped from exc
-            error = _unavailable(what, exc)
-        except FlexmarlError as exc:  # discovery, or a malformed version (an orchestratord bug)
-            error = _unavailable(what, exc)
-        except TimeoutError as exc:
-            error = _unavailable(what, exc, f"no orchestratord within {CALL_DEADLINE_S:g} s")
-        except asyncio.CancelledError as exc:
-            if cancelled_from_outside():
-                raise
-            error = _unavailable(what, exc, "the stream was cancelled with its channel")
+        except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
+            # FlexmarlError: discovery, or a malformed version (an orchestratord bug)
+            error = _failure(what, exc, timed_out=f"no orchestratord within {CALL_DEADLINE_S:g} s",
+                             cancelled="the stream was cancelled with its channel")
         await self._peers.reset_orchestrator()
         raise error
 
@@ -174,20 +165,10 @@ class GrpcOrchestratorLink(OrchestratorLink):
             async with asyncio.timeout(CALL_DEADLINE_S):
                 stub = await self._peers.orchestrator()
                 return await call(stub)
-        except grpc.RpcError as exc:
-            mapped = error_for_rpc(exc) if _status_code(exc) not in _TRANSPORT_CODES else None
-            if mapped is not None:
-                raise mapped from exc
-            error = _unavailable(what, exc)
-        except FlexmarlError as exc:  # discovery: none registered, etcd unreachable
-            error = _unavailable(what, exc)
-        except TimeoutError as exc:
-            error = _unavailable(what, exc, f"no answer within {CALL_DEADLINE_S:g} s")
-        except asyncio.CancelledError as exc:
-            if cancelled_from_outside():
-                raise
-            # grpc.aio cancels the calls of a channel closed under them: a failed call, not ours to end.
-            error = _unavailable(what, exc, "the call was cancelled with its channel")
+        except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:
+            # FlexmarlError: discovery (none registered, etcd unreachable)
+            error = _failure(what, exc, timed_out=f"no answer within {CALL_DEADLINE_S:g} s",
+                             cancelled="the call was cancelled with its channel")
         await self._peers.reset_orchestrator()
         raise error
 
@@ -195,6 +176,27 @@ class GrpcOrchestratorLink(OrchestratorLink):
 def _status_code(exc: grpc.RpcError) -> grpc.StatusCode | None:
     code = getattr(exc, "code", None)  # grpc.aio.AioRpcError has one, but is no grpc.Call
     return code() if callable(code) else None
+
+
+def _failure(what: str, exc: BaseException, *, timed_out: str, cancelled: str) -> Unavailable:
+    """How a failed call or stream is reported: the Unavailable to raise after rediscovery.
+
+    Raises instead the definite error a non-transport status maps to (the orchestrator answered),
+    and re-raises a cancellation that came from outside. grpc.aio cancels the calls of a channel
+    closed under them: that is a failed call, not ours to end.
+    """
+    if isinstance(exc, grpc.RpcError):
+        mapped = error_for_rpc(exc) if _status_code(exc) not in _TRANSPORT_CODES else None
+        if mapped is not None:
+            raise mapped from exc
+        return _unavailable(what, exc)
+    if isinstance(exc, TimeoutError):
+        return _unavailable(what, exc, timed_out)
+    if isinstance(exc, asyncio.CancelledError):
+        if cancelled_from_outside():
+            raise exc
+        return _unavailable(what, exc, cancelled)
+    return _unavailable(what, exc)
 
 
 def _unavailable(what: str, cause: BaseException, description: str = "") -> Unavailable:
