@@ -21,13 +21,13 @@ import pytest
 import yaml
 from cli_support import EXAMPLE_JOB
 from prometheus_client import CollectorRegistry
+from stored_support import inprocess_stored
 
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import parse_job_spec
 from flexmarl.preflight import preflight_problems
 from flexmarl.samples import TokenizerCache, read_step_samples
-from flexmarl.server import GrpcServer
 from flexmarl.store_client import StoreClient
 from flexmarl.tiny import build_tiny_tokenizer
 from flexmarl.tracking import JobTrackers, StepFigures, StepTracking
@@ -35,8 +35,6 @@ from orchestratord.coordinator import JobCoordinator
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, SlotEventKind, SwapOutWork
 from orchestratord.state import InMemoryStateStore
-from stored.app import StoredApp
-from stored.config import StoredConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,21 +217,8 @@ async def test_step_tracking_writes_the_figures_when_samples_cannot_be_read(toke
 @pytest.fixture
 async def store(tmp_path: Path) -> AsyncIterator[StoreClient]:
     """A real stored, in process on port 0."""
-    config = StoredConfig(data_dir=str(tmp_path / "stored"), gc_interval_s=0)
-    config.validate()
-    app = StoredApp(config, CollectorRegistry())
-    server = GrpcServer(app.service_names, config.max_message_bytes)
-    app.add_to_server(server.server)
-    port = server.bind("127.0.0.1", 0)
-    await app.start()
-    await server.server.start()
-    client = StoreClient(f"127.0.0.1:{port}")
-    try:
+    async with inprocess_stored(tmp_path / "stored") as (_, client, _):
         yield client
-    finally:
-        await client.close()
-        await server.server.stop(0)
-        await app.stop()
 
 
 async def test_samples_of_a_step_are_its_consumed_experiences_decoded(store: StoreClient,

@@ -11,18 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from stored_support import inprocess_stored
 
 from flexmarl.checkpoints import CheckpointManifest, ResumeSource, manifest_blob_name, manifest_path
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import JobSpec, spec_digest
-from flexmarl.server import GrpcServer
 from flexmarl.store_client import StoreClient
 from orchestratord.planner import Planner, PlannerOptions
 from orchestratord.resume import plan_resume
 from orchestratord.state import InMemoryStateStore, apply_changes
-from stored.app import StoredApp
-from stored.config import StoredConfig
 
 from .helpers import FakeClock, experiences_for, make_spec
 
@@ -98,15 +95,7 @@ def test_incompatible_sources_and_specs_are_refused_in_one_line(tmp_path: Path) 
 
 
 async def test_a_stored_source_is_read_from_its_manifest_blobs(tmp_path: Path) -> None:
-    config = StoredConfig(data_dir=str(tmp_path / "data"), gc_interval_s=0)
-    app = StoredApp(config, CollectorRegistry())
-    server = GrpcServer(app.service_names, config.max_message_bytes)
-    app.add_to_server(server.server)
-    port = server.bind("127.0.0.1", 0)
-    await app.start()
-    await server.server.start()
-    client = StoreClient(f"127.0.0.1:{port}")
-    try:
+    async with inprocess_stored(tmp_path / "data") as (_, client, _):
         spec = make_spec(total_steps=4)
         for agent in ("sender", "receiver"):
             for version in (1, 2):
@@ -122,10 +111,6 @@ async def test_a_stored_source_is_read_from_its_manifest_blobs(tmp_path: Path) -
         assert {a: m.version for a, m in plan.checkpoints.items()} == {"sender": 2, "receiver": 2}
         with pytest.raises(InvalidArgument, match="no retained checkpoint"):
             await plan_resume("stored://checkpoints/gone", None, store)
-    finally:
-        await client.close()
-        await server.server.stop(0)
-        await app.stop()
 
 
 def test_resume_source_forms() -> None:

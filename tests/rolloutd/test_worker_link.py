@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
+from stored_support import inprocess_stored
 
 from flexmarl.client import JobState
 from flexmarl.connections import PeerConnections
@@ -26,7 +27,6 @@ from flexmarl.experience import ExperienceRecord, ExperienceSummary
 from flexmarl.ids import TaskRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry
-from flexmarl.server import GrpcServer
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2
 from rolloutd import worker as worker_module
@@ -35,8 +35,6 @@ from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.types import AgentVersion, RenewResult, RolloutTask, TaskReport
 from rolloutd.worker import RolloutWorker, WorkerSettings, _append_retry_code
-from stored.app import StoredApp
-from stored.config import StoredConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,19 +109,8 @@ def _task(spec: JobSpec, position: int, *, attempt: int = 1) -> RolloutTask:
 
 @pytest.fixture
 async def stored_address(tmp_path: Path) -> AsyncIterator[str]:
-    config = StoredConfig(data_dir=str(tmp_path / "stored"), gc_interval_s=0)
-    config.validate()
-    app = StoredApp(config, CollectorRegistry())
-    server = GrpcServer(app.service_names, config.max_message_bytes)
-    app.add_to_server(server.server)
-    port = server.bind("127.0.0.1", 0)
-    await app.start()
-    await server.server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.server.stop(0)
-        await app.stop()
+    async with inprocess_stored(tmp_path / "stored") as (_, _, address):
+        yield address
 
 
 @pytest.fixture

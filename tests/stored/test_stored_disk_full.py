@@ -17,14 +17,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from stored_support import inprocess_stored
 
 from flexmarl.errors import ErrorReason, ResourceExhausted
 from flexmarl.experience import ExperienceRecord
-from flexmarl.server import GrpcServer
 from flexmarl.store_client import StoreClient
 from stored.app import StoredApp
-from stored.config import StoredConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,21 +49,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 async def stored_on_small_disk(small_disk: Path) -> AsyncIterator[tuple[StoredApp, StoreClient]]:
-    config = StoredConfig(data_dir=str(small_disk / "data"), gc_interval_s=0)
-    config.validate()
-    app = StoredApp(config, CollectorRegistry())
-    server = GrpcServer(app.service_names, config.max_message_bytes)
-    app.add_to_server(server.server)
-    port = server.bind("127.0.0.1", 0)
-    await app.start()
-    await server.server.start()
-    client = StoreClient(f"127.0.0.1:{port}")
-    try:
+    async with inprocess_stored(small_disk / "data") as (app, client, _):
         yield app, client
-    finally:
-        await client.close()
-        await server.server.stop(0)
-        await app.stop()
 
 
 def fill(path: Path) -> None:
