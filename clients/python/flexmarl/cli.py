@@ -165,13 +165,19 @@ def _preflight(path: str, spec: JobSpec) -> None:
         raise CliError("\n".join(f"{path}: {line}" for line in problems), EXIT_USAGE)
 
 
-def _connection(args: argparse.Namespace) -> tuple[str, str, str]:
-    """(address, etcd endpoints, prefix) from flags, env, or the local cluster file."""
+def _connection(args: argparse.Namespace) -> tuple[str, str, str, dict[str, str]]:
+    """(address, etcd endpoints, prefix, local settings) from flags, env, or the local cluster file.
+
+    The local settings are a secure local cluster's TLS, token and etcd options from its cluster
+    file (`flexmarl up --secure`), when the cluster is found through the run dir (no --address or
+    --etcd given); flags and FLEXMARL_* variables still win over them. Empty otherwise.
+    """
     from flexmarl.localcluster import read_cluster_file
 
     address = args.address or os.environ.get("FLEXMARL_ORCHESTRATOR", "")
     etcd = args.etcd or os.environ.get("FLEXMARL_ETCD_ENDPOINTS", "")
     prefix = args.etcd_prefix
+    local: dict[str, str] = {}
     if not address and not etcd:
         try:
             data = read_cluster_file(Path(args.run_dir))
@@ -181,36 +187,16 @@ def _connection(args: argparse.Namespace) -> tuple[str, str, str]:
                 EXIT_UNREACHABLE,
             ) from None
         etcd, prefix = str(data["etcd_endpoint"]), str(data.get("etcd_prefix", prefix))
-    return address, etcd, prefix
-
-
-def _local_security(args: argparse.Namespace) -> dict[str, str]:
-    """A secure local cluster's TLS, token and etcd settings from its cluster file (`flexmarl up --secure`).
-
-    Used only when the cluster is found through the run dir (no --address/--etcd given);
-    flags and FLEXMARL_* variables still win. Empty for a plaintext cluster.
-    """
-    from flexmarl.localcluster import read_cluster_file
-
-    if args.address or args.etcd or os.environ.get("FLEXMARL_ORCHESTRATOR") or os.environ.get(
-            "FLEXMARL_ETCD_ENDPOINTS"):
-        return {}
-    try:
-        data = read_cluster_file(Path(args.run_dir))
-    except LaunchError:
-        return {}
-    tls = data.get("tls") or {}
-    out = {str(k): str(v) for k, v in (data.get("etcd_tls") or {}).items()}
-    if tls:
-        out.update(tls_ca=str(tls["ca"]), token_file=str(tls["token_file"]))
-    return out
+        local = {str(k): str(v) for k, v in (data.get("etcd_tls") or {}).items()}
+        if tls := data.get("tls") or {}:
+            local.update(tls_ca=str(tls["ca"]), token_file=str(tls["token_file"]))
+    return address, etcd, prefix, local
 
 
 def _client(args: argparse.Namespace) -> Any:
     from flexmarl.client import Client
 
-    address, etcd, prefix = _connection(args)
-    local = _local_security(args)
+    address, etcd, prefix, local = _connection(args)
 
     def option(name: str) -> str:
         return str(getattr(args, name, "") or os.environ.get(f"FLEXMARL_{name.upper()}", "") or local.get(name, ""))
