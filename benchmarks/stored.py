@@ -207,6 +207,7 @@ def main() -> None:
     parser.add_argument("--synchronous", default="FULL")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    load_at_start = os.getloadavg()
 
     with tempfile.TemporaryDirectory(prefix="stored-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -232,7 +233,8 @@ def main() -> None:
 
     report = {
         "command": "python benchmarks/stored.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
         "sqlite_synchronous": args.synchronous,
         "response_tokens": args.response_tokens,
         "prompt_tokens": args.prompt_tokens,
@@ -259,7 +261,9 @@ def main() -> None:
                Column("of raw", 8, fmt=".0%"), Column("CPU ms/MiB", 11, fmt=".2f")]
     table_rows = [tuple("-" if v != v else v for v in row) for row in rows]
     print("\n".join(render_table(columns, table_rows, sep="")))
-    print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms")
+    print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms; load average "
+          f"{report['machine']['load_avg_at_start'][0]:.1f} at start, {report['machine']['load_avg_at_end'][0]:.1f} "
+          f"at end on {os.cpu_count()} CPUs (a loaded machine makes blob throughput follow CPU ms/MiB)")
     for index, r in enumerate(blobs["rounds"]):
         print(f"blob round {index}: put {r['put_mb_per_s']:.0f} / raw up {r['raw_up_mb_per_s']:.0f} MiB/s "
               f"({r['put_vs_raw']:.0%}), get {r['get_mb_per_s']:.0f} / raw down {r['raw_down_mb_per_s']:.0f} MiB/s "

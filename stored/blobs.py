@@ -176,6 +176,23 @@ class BlobUpload:
             if limits.sync_every_bytes and self._unsynced_bytes >= limits.sync_every_bytes:
                 self._sync_behind()
 
+    def expect(self, name: str, size_bytes: int, sha256: str, job_id: str) -> None:
+        """Takes the expected sha256 from a closing header (PutBlob's trailer; see ``StoreServicer.PutBlob``).
+
+        A client that hashes while it streams announces the hash after the content. Only an upload
+        opened without a hash takes one, once, and only from a header that repeats the opening one.
+
+        Raises:
+            InvalidArgument: the upload already has a hash, the header differs, or the hash is malformed.
+        """
+        if self.expected_sha256 or (name, size_bytes, job_id) != (self.name, self.size_bytes, self.job_id):
+            raise InvalidArgument("PutBlob: only the first message may carry a header, or the last one the sha256 "
+                                  "of an upload opened without it (same name, size and job)")
+        sha256 = sha256.lower()
+        if not SHA256_RE.fullmatch(sha256):
+            raise InvalidArgument(f"bad sha256 {sha256!r}: expected 64 hex digits")
+        self.expected_sha256 = sha256
+
     def _sync_behind(self) -> None:
         """Starts an fdatasync of what is written so far, unless one is still running.
 

@@ -227,8 +227,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         request_iterator: AsyncIterator[store_pb2.PutBlobRequest | memoryview],
         context: grpc.aio.ServicerContext,
     ) -> store_pb2.BlobInfo:
-        """Receives a header then chunks; verifies and stores the content (durable before the reply)."""
+        """Receives a header then chunks; verifies and stores the content (durable before the reply).
+
+        The expected sha256 rides on the opening header, or, when that has none, on a closing header
+        after the last chunk that repeats the opening one's name, size and job with the hash set: a
+        client that hashes while it streams (``StoreClient.put_blob_file``) then needs no pass over
+        the file before the first byte leaves. Either way nothing is acknowledged unverified when a
+        hash was given, and no chunk may follow a closing header.
+        """
         upload: BlobUpload | None = None
+        closed = False  # a closing header arrived: the stream must end here
         writing: asyncio.Future[None] | None = None  # the previous chunk's write, beside the next receive
         committed = False
         try:
@@ -241,13 +249,19 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                         raise InvalidArgument("PutBlob: the first message must carry the header")
                     h = request.header
                     upload = await self._run(self._blobs.begin_upload, h.name, h.size_bytes, h.sha256, h.job_id)
-                elif part == "chunk":
+                elif closed:
+                    raise InvalidArgument("PutBlob: nothing may follow the closing header")
+                elif isinstance(request, memoryview) or part == "chunk":
                     if writing is not None:
                         await writing
                     writing = self._start(upload.write, chunk)
                     self._metrics.blob_bytes_in.inc(len(chunk))
+                elif part == "header":
+                    h = request.header
+                    upload.expect(h.name, h.size_bytes, h.sha256, h.job_id)
+                    closed = True
                 else:
-                    raise InvalidArgument("PutBlob: only the first message may carry a header")
+                    raise InvalidArgument("PutBlob: a message with neither a header nor a chunk")
             if upload is None:
                 raise InvalidArgument("PutBlob: empty stream (no header)")
             if writing is not None:

@@ -201,6 +201,43 @@ async def test_bad_inputs_get_clear_statuses(stored: Served, record_factory: Rec
     assert list((stored.app.data_dir / "blobs" / "tmp").iterdir()) == []
 
 
+async def test_put_blob_hash_on_a_closing_header(stored: Served) -> None:
+    """An upload opened without a hash takes it from a closing header; nothing unverified is acknowledged."""
+    code = grpc.StatusCode
+    data = os.urandom((1 << 20) + 5)
+    sha = hashlib.sha256(data).hexdigest()
+    opening = store_pb2.PutBlobRequest(header=store_pb2.PutBlobHeader(name="c/x", size_bytes=len(data), job_id="job1"))
+    chunk = store_pb2.PutBlobRequest(chunk=data)
+
+    def closing(sha256: str, name: str = "c/x", size: int = len(data)) -> store_pb2.PutBlobRequest:
+        return store_pb2.PutBlobRequest(header=store_pb2.PutBlobHeader(name=name, size_bytes=size, sha256=sha256,
+                                                                       job_id="job1"))
+
+    async with grpc.aio.insecure_channel(stored.address) as channel:
+        stub = store_pb2_grpc.StoreStub(channel)
+
+        async def put(*messages: store_pb2.PutBlobRequest) -> store_pb2.BlobInfo:
+            async def gen() -> AsyncIterator[store_pb2.PutBlobRequest]:
+                for m in messages:
+                    yield m
+            return await stub.PutBlob(gen())
+
+        await expect_code(code.DATA_LOSS, put(opening, chunk, closing("ab" * 32)))
+        await expect_code(code.INVALID_ARGUMENT, put(opening, chunk, closing("xyz")))
+        await expect_code(code.INVALID_ARGUMENT, put(opening, chunk, closing(sha, name="c/y")))
+        await expect_code(code.INVALID_ARGUMENT, put(opening, chunk, closing(sha, size=len(data) + 1)))
+        await expect_code(code.INVALID_ARGUMENT, put(opening, chunk, closing(sha), chunk))
+        await expect_code(code.INVALID_ARGUMENT, put(opening, chunk, closing(sha), closing(sha)))
+        with_hash = store_pb2.PutBlobRequest(header=store_pb2.PutBlobHeader(
+            name="c/x", size_bytes=len(data), sha256=sha, job_id="job1"))
+        await expect_code(code.INVALID_ARGUMENT, put(with_hash, chunk, closing(sha)))
+        await expect_code(code.NOT_FOUND, stub.StatBlob(store_pb2.StatBlobRequest(name="c/x")))
+        info = await put(opening, chunk, closing(sha.upper()))
+        assert info.sha256 == sha and info.size_bytes == len(data)
+    assert await stored.client.get_blob_bytes("c/x") == data
+    assert list((stored.app.data_dir / "blobs" / "tmp").iterdir()) == []
+
+
 async def test_blob_round_trips(stored: Served, tmp_path: Path) -> None:
     client = stored.client
     data = os.urandom(3 * (1 << 20) + 17)

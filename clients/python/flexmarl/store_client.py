@@ -125,18 +125,13 @@ def blob_info_from_proto(msg: store_pb2.BlobInfo) -> BlobInfo:
     return BlobInfo(name=msg.name, sha256=msg.sha256, size_bytes=msg.size_bytes, created_unix_ms=msg.created_unix_ms)
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(BLOB_CHUNK_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _read_encoded(f: BinaryIO) -> bytes:
-    """The file's next chunk as a PutBlobRequest message; b"" at the end."""
+def _read_encoded(f: BinaryIO, hasher: hashlib._Hash) -> bytes:
+    """The file's next chunk as a PutBlobRequest message, fed to hasher on the way; b"" at the end."""
     chunk = f.read(BLOB_CHUNK_BYTES)
-    return blob_wire.encode_put_chunk(chunk) if chunk else b""
+    if not chunk:
+        return b""
+    hasher.update(chunk)
+    return blob_wire.encode_put_chunk(chunk)
 
 
 class _PartFile:
@@ -390,23 +385,31 @@ class StoreClient:
         return await self._put(header, chunks)
 
     async def put_blob_file(self, name: str, path: Path, *, job_id: str = "") -> BlobInfo:
-        """Streams a file into stored under name; stored checks the sha256 computed here."""
+        """Streams a file into stored under name; stored checks the sha256 computed here.
+
+        The file is hashed as it is read for sending, in one pass, and the hash closes the stream
+        (a closing header, see ``StoreServicer.PutBlob``): no pass over the file before the first
+        byte leaves. Stored acknowledges only content that matches it.
+        """
         path = Path(path)
         size = path.stat().st_size
-        sha256 = await asyncio.to_thread(_file_sha256, path)
-        header = store_pb2.PutBlobHeader(name=name, size_bytes=size, sha256=sha256, job_id=job_id)
+        header = store_pb2.PutBlobHeader(name=name, size_bytes=size, job_id=job_id)
+        hasher = hashlib.sha256()
 
         async def chunks() -> AsyncIterator[bytes]:
             with path.open("rb") as f:
-                # Read and encoded in a worker thread: the event loop keeps feeding gRPC meanwhile.
-                next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f))
+                # Read, hashed and encoded in a worker thread, one chunk at a time and in order: the
+                # event loop keeps feeding gRPC meanwhile.
+                next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f, hasher))
                 try:
                     while chunk := await next_chunk:
-                        next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f))
+                        next_chunk = asyncio.ensure_future(asyncio.to_thread(_read_encoded, f, hasher))
                         yield chunk
                 finally:
                     if not next_chunk.done():
                         await asyncio.wait([next_chunk])  # the file must not close under a running read
+            closing = store_pb2.PutBlobHeader(name=name, size_bytes=size, sha256=hasher.hexdigest(), job_id=job_id)
+            yield store_pb2.PutBlobRequest(header=closing).SerializeToString()
 
         return await self._put(header, chunks)
 
