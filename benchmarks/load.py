@@ -24,18 +24,23 @@ Starts etcd, a real stored (fsync on every commit) and a real orchestratord as s
    --renew-s; the rest of the rate is task turnover: ReportRolloutTask of a held task, then a
    LeaseRolloutTasks for its replacement, at Poisson times. Sends are scheduled ahead and never wait
    for earlier replies; latency counts from the scheduled send time (no coordinated omission).
+   Each client process sends from one dispatcher with a done callback per call (no coroutine per
+   simulated worker or per send), so the clients cost little CPU per RPC.
 
 Lease operations are counted per lease: a RenewLeases of k leases is k operations, a task leased is
 one, a task reported is one. RPCs per second are reported next to them.
 
 Prints a table and writes benchmarks/results/load.json. The client shares the machine's cores with
-the daemons, so the numbers are a lower bound of what orchestratord alone can serve.
+the daemons, so the numbers are a lower bound of what orchestratord alone can serve: each phase
+prints the CPU each side spent per RPC (inside the measured window only), the load average, and
+whether server + client cores exceeded the cores available (then latency measures the box).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -375,7 +380,8 @@ def _summaries(task_id: str, group_size: int) -> list[orchestrator_pb2.Experienc
         for sample in range(group_size) for agent in AGENTS]
 
 
-async def _closed_callers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any]) -> None:
+async def _closed_callers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any],
+                          started: Callable[[], Awaitable[None]]) -> None:
     """Closed loop: each caller renews one held lease, then polls for a task without waiting, back to back."""
     leases: list[str] = cfg["lease_ids"]
 
@@ -391,68 +397,124 @@ async def _closed_callers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[A
             if got is not None:
                 rec.lease_ops["LeaseRolloutTasks"] += len(got.tasks)
 
+    await started()
     await asyncio.sleep(max(0.0, cfg["start_at"] - time.time()))
     await asyncio.gather(*(one(i) for i in range(cfg["callers"])))
 
 
-async def _open_workers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any]) -> None:
-    """Open loop: simulated rolloutds renewing their leases in batches and turning tasks over at Poisson times."""
+def _schedule(cfg: dict[str, Any]) -> list[tuple[float, int, int]]:
+    """Every send of one client process, in time order: (due, 0 = renew / 1 = turnover, worker).
+
+    Each worker renews every --renew-s from a random phase and turns tasks over at Poisson times.
+    Drawn before the clock starts, so the sends depend on no reply (open loop).
+    """
     rng = random.Random(cfg["proc"])
+    rate, events = cfg["task_rate_per_worker"], []
+    for index in range(cfg["workers"]):
+        due = cfg["start_at"] + rng.uniform(0, cfg["renew_s"])
+        while due < cfg["end_at"]:
+            events.append((due, 0, index))
+            due += cfg["renew_s"]
+        due = cfg["start_at"] + rng.expovariate(rate) if rate > 0 else float("inf")
+        while due < cfg["end_at"]:
+            events.append((due, 1, index))
+            due += rng.expovariate(rate)
+    events.sort()
+    return events
+
+
+async def _open_workers(cfg: dict[str, Any], rec: _ProcRecorder, stubs: list[Any],
+                        started: Callable[[], Awaitable[None]]) -> None:
+    """Open loop: simulated rolloutds renewing their leases in batches and turning tasks over at Poisson times.
+
+    One dispatcher sends every call of the process at its scheduled time and never waits for a reply:
+    a reply is recorded by a done callback of its call (a turnover's lease is sent from its report's).
+    One timer for the process and no coroutine per send (not one sleeping coroutine per simulated
+    worker) keeps the client's CPU per RPC low, so the box measures the server more than the client.
+    """
     held: list[deque[Any]] = []
     for index in range(cfg["workers"]):  # each worker leases its tasks before the clock starts
-        worker_id = f"open-{cfg['proc']}-{index}"
         reply = await stubs[index % len(stubs)].LeaseRolloutTasks(orchestrator_pb2.LeaseRolloutTasksRequest(
-            worker_id=worker_id, max_tasks=cfg["leases"], wait_ms=0), timeout=30)
+            worker_id=f"open-{cfg['proc']}-{index}", max_tasks=cfg["leases"], wait_ms=0), timeout=30)
         held.append(deque(reply.tasks))
-    pending: set[asyncio.Task[Any]] = set()
+    await started()
+    events = _schedule(cfg)
+    in_flight: set[Any] = set()
+    finished = asyncio.get_running_loop().create_future()
 
-    async def turn_over(index: int, worker_id: str, since: float) -> None:
-        orch = stubs[index % len(stubs)]
+    def send(rpc: str, method: Any, request: Any, since: float, ops: int,
+             then: Callable[[Any], None] | None = None) -> None:
+        call = asyncio.ensure_future(method(request, timeout=30))
+        in_flight.add(call)
+
+        def done(call: asyncio.Future[Any]) -> None:
+            in_flight.discard(call)
+            try:
+                reply = call.result() if not call.cancelled() else None
+            except grpc.aio.AioRpcError as exc:
+                rec.errors[rpc][exc.code().name] += 1
+            else:
+                if reply is None:
+                    rec.errors[rpc]["CANCELLED"] += 1
+                else:
+                    rec.seconds[rpc].append(time.perf_counter() - since)
+                    rec.lease_ops[rpc] += ops
+                    if then is not None:
+                        then(reply)
+            if not in_flight and not events and not finished.done():
+                finished.set_result(None)
+
+        call.add_done_callback(done)
+
+    def turn_over(index: int, since: float) -> None:
         if not held[index]:
             return
-        task = held[index].popleft()
-        await rec.call("ReportRolloutTask", orch.ReportRolloutTask, orchestrator_pb2.ReportRolloutTaskRequest(
-            lease_id=task.lease_id, worker_id=worker_id, task_id=task.task_id, succeeded=True,
-            experiences=_summaries(task.task_id, task.group_size)), since)
-        got = await rec.call("LeaseRolloutTasks", orch.LeaseRolloutTasks, orchestrator_pb2.LeaseRolloutTasksRequest(
-            worker_id=worker_id, max_tasks=1, wait_ms=0), time.perf_counter(), 0)
-        if got is not None:
+        task, worker_id, orch = held[index].popleft(), f"open-{cfg['proc']}-{index}", stubs[index % len(stubs)]
+
+        def leased(got: Any) -> None:
             rec.lease_ops["LeaseRolloutTasks"] += len(got.tasks)
             held[index].extend(got.tasks)
 
-    async def worker(index: int) -> None:
-        worker_id = f"open-{cfg['proc']}-{index}"
-        orch = stubs[index % len(stubs)]
-        next_renew = cfg["start_at"] + rng.uniform(0, cfg["renew_s"])
-        rate = cfg["task_rate_per_worker"]
-        next_task = cfg["start_at"] + rng.expovariate(rate) if rate > 0 else float("inf")
-        while True:
-            due = min(next_renew, next_task)
-            if due >= cfg["end_at"]:
-                return
-            await asyncio.sleep(max(0.0, due - time.time()))
-            now = time.time()
-            rec.lag_s.append(now - due)
-            since = time.perf_counter() - (now - due)  # latency counts from the scheduled time
-            job: asyncio.Task[Any]
-            if due == next_renew:
-                ids = [t.lease_id for t in held[index]]
-                request = orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=ids)
-                job = asyncio.create_task(rec.call("RenewLeases", orch.RenewLeases, request, since, len(ids)))
-                next_renew += cfg["renew_s"]
-            else:
-                job = asyncio.create_task(turn_over(index, worker_id, since))
-                next_task += rng.expovariate(rate)
-            pending.add(job)
-            job.add_done_callback(pending.discard)
+        def reported(_: Any) -> None:
+            send("LeaseRolloutTasks", orch.LeaseRolloutTasks, orchestrator_pb2.LeaseRolloutTasksRequest(
+                worker_id=worker_id, max_tasks=1, wait_ms=0), time.perf_counter(), 0, leased)
 
-    await asyncio.gather(*(worker(i) for i in range(cfg["workers"])))
-    if pending:
-        await asyncio.wait(pending, timeout=35)
+        send("ReportRolloutTask", orch.ReportRolloutTask, orchestrator_pb2.ReportRolloutTaskRequest(
+            lease_id=task.lease_id, worker_id=worker_id, task_id=task.task_id, succeeded=True,
+            experiences=_summaries(task.task_id, task.group_size)), since, 1, reported)
+
+    events.reverse()  # popped from the end: earliest first
+    while events:
+        due, kind, index = events[-1]
+        wait_s = due - time.time()
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        events.pop()
+        now = time.time()
+        rec.lag_s.append(now - due)
+        since = time.perf_counter() - (now - due)  # latency counts from the scheduled time
+        if kind == 0:
+            ids = [t.lease_id for t in held[index]]
+            send("RenewLeases", stubs[index % len(stubs)].RenewLeases,
+                 orchestrator_pb2.RenewLeasesRequest(worker_id=f"open-{cfg['proc']}-{index}", lease_ids=ids),
+                 since, len(ids))
+        else:
+            turn_over(index, since)
+    if in_flight:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(finished), timeout=35)
+
+
+async def _window_cpu(cfg: dict[str, Any], out: dict[str, float]) -> None:
+    """CPU seconds this process spends inside the measured window (set-up and drain excluded)."""
+    await asyncio.sleep(max(0.0, cfg["start_at"] - time.time()))
+    before = sum(os.times()[:2])
+    await asyncio.sleep(max(0.0, cfg["end_at"] - time.time()))
+    out["cpu_s"] = sum(os.times()[:2]) - before
 
 
 def _client_main(cfg: dict[str, Any], conn: multiprocessing.connection.Connection) -> None:
-    """Entry point of one client process: runs its callers and sends back what it measured."""
+    """Entry point of one client process: sets up, waits for the common start, runs its callers, reports."""
 
     async def main() -> dict[str, Any]:
         channels = [grpc.aio.insecure_channel(cfg["address"]) for _ in range(cfg["channels"])]
@@ -460,44 +522,61 @@ def _client_main(cfg: dict[str, Any], conn: multiprocessing.connection.Connectio
         for channel in channels:
             await channel.channel_ready()
         rec = _ProcRecorder()
+        window: dict[str, float] = {}
+        meters: list[asyncio.Task[None]] = []
+
+        async def started() -> None:
+            """Tells the parent this process is set up; the parent answers the window once all are."""
+            conn.send("ready")
+            cfg["start_at"], cfg["end_at"] = await asyncio.to_thread(conn.recv)
+            meters.append(asyncio.create_task(_window_cpu(cfg, window)))
+
         if cfg["mode"] == "open":
-            await _open_workers(cfg, rec, stubs)
+            await _open_workers(cfg, rec, stubs, started)
         else:
-            await _closed_callers(cfg, rec, stubs)
+            await _closed_callers(cfg, rec, stubs, started)
+        await asyncio.gather(*meters)
         for channel in channels:
             await channel.close()
-        return rec.result()
+        return {**rec.result(), **window}
 
-    cpu_before = sum(os.times()[:2])
-    result = asyncio.run(main())
-    result["cpu_s"] = sum(os.times()[:2]) - cpu_before
-    conn.send(result)
+    conn.send(asyncio.run(main()))
     conn.close()
 
 
 def run_clients(address: str, configs: list[dict[str, Any]], pids: dict[str, int], wall_s: float,
                 setup_s: float) -> dict[str, Any]:
-    """Runs one client process per config; merges their samples; measures server CPU and peak RSS."""
+    """Runs one client process per config; merges their samples; measures server CPU and peak RSS.
+
+    The clock starts once every client process is set up (connected, its leases taken), so a slow
+    start on a loaded machine shortens no window; ``setup_s`` bounds how long that may take.
+    """
     ctx = multiprocessing.get_context("spawn")
     procs, conns = [], []
-    start_at = time.time() + setup_s
     for index, cfg in enumerate(configs):
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_main, daemon=True, args=(
-            {**cfg, "proc": index, "address": address, "start_at": start_at, "end_at": start_at + wall_s}, child))
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=_client_main, daemon=True, args=({**cfg, "proc": index, "address": address}, child))
         proc.start()
         procs.append(proc)
         conns.append(parent)
+    for conn in conns:
+        if not conn.poll(setup_s) or conn.recv() != "ready":
+            raise SystemExit(f"a client process was not set up within {setup_s:.0f} s")
+    start_at = time.time() + 0.2
+    for conn in conns:
+        conn.send((start_at, start_at + wall_s))
     watched = {name: psutil.Process(pid) for name, pid in pids.items()}
     while time.time() < start_at:
         time.sleep(0.01)
     cpu_before = {name: sum(p.cpu_times()[:2]) for name, p in watched.items()}
+    load_at_start = os.getloadavg()
     peak = dict.fromkeys(watched, 0)
     while time.time() < start_at + wall_s:
         for name, p in watched.items():
             peak[name] = max(peak[name], p.memory_info().rss)
         time.sleep(0.25)
     cpu_cores = {name: (sum(p.cpu_times()[:2]) - cpu_before[name]) / wall_s for name, p in watched.items()}
+    load_at_end = os.getloadavg()
     results = [conn.recv() for conn in conns]
     for proc in procs:
         proc.join(timeout=30)
@@ -518,8 +597,14 @@ def run_clients(address: str, configs: list[dict[str, Any]], pids: dict[str, int
     cpu_cores["clients"] = sum(r["cpu_s"] for r in results) / wall_s
     rpcs_per_s = sum(len(v) for v in seconds.values()) / wall_s
     ops_per_s = sum(lease_ops.values()) / wall_s
+    available = len(os.sched_getaffinity(0))
+    busy = cpu_cores[server] + cpu_cores["clients"]
     return {"wall_s": wall_s, "client_procs": len(configs), "rpcs": _summary(seconds, errors, lease_ops, wall_s),
             "rpcs_per_s": rpcs_per_s, "lease_ops_per_s": ops_per_s, "cpu_cores_used": cpu_cores,
+            "load_avg_at_start": load_at_start, "load_avg_at_end": load_at_end,
+            "box": {"available_cores": available, "server_plus_client_cores": busy,
+                    "oversubscribed": busy > available},
+            "client_cpu_us_per_rpc": cpu_cores["clients"] * 1e6 / max(1.0, rpcs_per_s),
             "server_cpu_us_per_rpc": cpu_cores[server] * 1e6 / max(1.0, rpcs_per_s),
             "server_cpu_us_per_lease_op": cpu_cores[server] * 1e6 / max(1.0, ops_per_s),
             **latency_ms([v for values in seconds.values() for v in values]),
@@ -536,7 +621,7 @@ def storm(address: str, leased: list[str], pids: dict[str, int], args: argparse.
     """Closed loop from --client-procs processes: the ceiling (and queueing latency) of RenewLeases + polls."""
     configs = [{"mode": "closed", "callers": n, "lease_ids": leased, "holder": holder, "channels": args.channels}
                for n in _split(args.rollout_workers, args.client_procs)]
-    return run_clients(address, configs, pids, args.storm_s, setup_s=3.0)
+    return run_clients(address, configs, pids, args.storm_s, setup_s=120.0)
 
 
 def open_loop(address: str, rate: float, pids: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
@@ -549,7 +634,7 @@ def open_loop(address: str, rate: float, pids: dict[str, int], args: argparse.Na
     configs = [{"mode": "open", "workers": n, "leases": args.open_leases, "renew_s": args.renew_s,
                 "task_rate_per_worker": task_rate / args.open_workers, "channels": args.channels}
                for n in _split(args.open_workers, args.client_procs)]
-    result = run_clients(address, configs, pids, args.open_s, setup_s=3.0 + args.open_workers / 300)
+    result = run_clients(address, configs, pids, args.open_s, setup_s=120.0 + args.open_workers / 30)
     result["offered"] = {"lease_ops_per_s": rate, "renewal_lease_ops_per_s": renew_ops,
                          "renew_rpcs_per_s": args.open_workers / args.renew_s, "task_turnovers_per_s": task_rate,
                          "rpcs_per_s": args.open_workers / args.renew_s + 2 * task_rate,
@@ -668,8 +753,15 @@ def print_report(report: dict[str, Any]) -> None:
         cores = ", ".join(f"{k} {v:.2f}" for k, v in phase["cpu_cores_used"].items())
         print(f"{name:<12} {phase['rpcs_per_s']:>7,.0f} RPC/s {phase['lease_ops_per_s']:>7,.0f} lease ops/s  "
               f"p50 {phase['p50_ms']:6.2f} p99 {phase['p99_ms']:7.2f} max {phase['max_ms']:7.1f} ms  "
-              f"server {phase['server_cpu_us_per_rpc']:.0f} us CPU/RPC; cores busy: {cores}; "
-              f"client lag p99 {phase['client_lag_p99_ms']:.1f} ms")
+              f"server {phase['server_cpu_us_per_rpc']:.0f} us CPU/RPC, clients {phase['client_cpu_us_per_rpc']:.0f}; "
+              f"cores busy: {cores}; client lag p99 {phase['client_lag_p99_ms']:.1f} ms")
+        box = phase["box"]
+        verdict = ("OVERSUBSCRIBED (latency measures the box, not the server)" if box["oversubscribed"]
+                   else "not oversubscribed")
+        print(f"{'':<12} box: server + clients = {box['server_plus_client_cores']:.2f} of "
+              f"{box['available_cores']} cores: {verdict}; "
+              f"load average {phase['load_avg_at_start'][0]:.2f} -> {phase['load_avg_at_end'][0]:.2f} "
+              f"(other work on the machine counts there too)")
     print(f"storm / bare grpc.aio RPC/s: {s['rpcs_per_s'] / b['rpcs_per_s']:.2f}")
     for run, met in zip(report["open"], report["targets"]["open"], strict=True):
         o = run["offered"]
