@@ -123,6 +123,23 @@ def main(
         return EXIT_STARTUP
 
 
+def exit_process(code: int) -> None:
+    """Ends a daemon's process with ``code`` once :func:`main` has returned, skipping interpreter teardown.
+
+    By then the daemon has stopped: its server, registry lease, engines and files are closed and
+    everything durable was written before it was acknowledged. What is left is the interpreter's
+    own teardown (garbage collection of torch's and DeepSpeed's module graphs), which took ~4 s of
+    CPU per traind exit on the 2-core CI machine and held up every cluster stop that waits on it.
+    Log handlers and the standard streams are flushed first. Only the console entry points call
+    this; :func:`main` itself returns, so in-process callers (tests) keep their interpreter.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 class DaemonRunner:
     """Starts, serves and stops one daemon inside an event loop."""
 
