@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,8 +15,10 @@ from flexmarl.cluster import DaemonProcess, EtcdServer
 # DeepSpeed must pick its CPU accelerator on machines without a GPU; harmless with one
 # for the tests, which train on CPU.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# One JIT cache for DeepSpeed's CPU ops, shared with dev.sh and `flexmarl up` (built once per machine).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/flexmarl/torch_extensions"))
+# DeepSpeed's JIT cache for its CPU ops: the per-interpreter folder dev.sh builds it in (the build
+# names the interpreter's paths, so interpreters sharing one folder rebuild it in turn, for minutes).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(
+    f"~/.cache/flexmarl/torch_extensions/{hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]}"))
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ what rolloutd produced; their logprobs are checked against a forward pass of the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from pathlib import Path
 
 import grpc
@@ -41,8 +42,7 @@ def _spec(models_dir: Path) -> dict[str, object]:
     return materialize_models(raw, models_dir)
 
 
-def _forward_logprobs(model_dir: str, prompt: list[int], response: list[int]) -> list[float]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def _forward_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> list[float]:
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
@@ -52,10 +52,17 @@ def _forward_logprobs(model_dir: str, prompt: list[int], response: list[int]) ->
 
 
 def test_two_agent_episodes_reach_stored_with_true_logprobs(etcd, start_daemon, tmp_path: Path) -> None:
-    stored = start_daemon("stored", "--data-dir", str(tmp_path / "stored"))
-    start_daemon("orchestratord")
-    rolloutd = start_daemon("rolloutd", "--engine-replicas", "2", "--work-dir", str(tmp_path / "rolloutd"))
-    spec = _spec(tmp_path / "models")
+    # Started together (their imports overlap) while the models are built.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        starting = [
+            pool.submit(start_daemon, "stored", "--data-dir", str(tmp_path / "stored"), name="stored"),
+            pool.submit(start_daemon, "orchestratord", name="orchestratord"),
+            pool.submit(start_daemon, "rolloutd", "--engine-replicas", "2", "--work-dir", str(tmp_path / "rolloutd"),
+                        name="rolloutd"),
+        ]
+        built = pool.submit(_spec, tmp_path / "models")
+        stored, _, rolloutd = (started.result() for started in starting)
+        spec = built.result()
     expected = 3 * 4  # prompts x group size, one turn per agent per episode
 
     async def scenario() -> None:
@@ -71,7 +78,9 @@ def test_two_agent_episodes_reach_stored_with_true_logprobs(etcd, start_daemon, 
                     break
                 assert asyncio.get_running_loop().time() < deadline, f"rollouts incomplete: {refs}"
                 await asyncio.sleep(0.5)
-            models = {a["name"]: a["model"] for a in spec["agents"]}  # type: ignore[index,union-attr]
+            # Each agent's checkpoint, loaded once for all of its records.
+            models = {a["name"]: AutoModelForCausalLM.from_pretrained(a["model"], dtype=torch.float32)
+                      for a in spec["agents"]}  # type: ignore[index,union-attr]
             worst = 0.0
             for agent, agent_refs in refs.items():
                 records = await store.read(job_id, [r.experience_id for r in agent_refs])

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-# CI only: DeepSpeed's CPU accelerator and a private JIT cache (traind itself never sets these).
+# Tests only: DeepSpeed's CPU accelerator (traind itself never sets it); tests/conftest.py, loaded
+# first, sets it too and picks DeepSpeed's JIT cache (TORCH_EXTENSIONS_DIR).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "flexmarl-torch-ext"))
 
 from flexmarl.experience import ExperienceRecord, experience_id, group_id  # noqa: E402
 

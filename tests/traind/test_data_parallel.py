@@ -24,9 +24,14 @@ ADAM_EPS = 1e-4
 WORKER = Path(__file__).with_name("dp_worker.py")
 
 
-def run_ranks(model_dir: Path, out: Path, zero_stage: int, timeout_s: float = 240.0) -> None:
+ZERO_STAGES = (0, 2)
+
+
+def run_ranks(model_dir: Path, out: Path, zero_stages: tuple[int, ...], timeout_s: float = 240.0) -> None:
+    """Two ranks train ``STEPS`` steps at each ZeRO stage in turn; writes ``zero<stage>-rank<r>.pt`` to out."""
     spec = json.dumps(
-        {"model": str(model_dir), "zero_stage": zero_stage, "steps": STEPS, "out": str(out), "adam_eps": ADAM_EPS}
+        {"model": str(model_dir), "zero_stages": list(zero_stages), "steps": STEPS, "out": str(out),
+         "adam_eps": ADAM_EPS}
     )
     port = free_loopback_port()
     procs = []
@@ -65,11 +70,18 @@ def run_ranks(model_dir: Path, out: Path, zero_stage: int, timeout_s: float = 24
             pytest.fail(f"rank exited with {proc.returncode}:\n{output[-4000:]}")
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_two_ranks_equal_one_process_on_the_union_batch(tiny_model_dir: Path, tmp_path: Path, zero_stage: int) -> None:
-    run_ranks(tiny_model_dir, tmp_path, zero_stage)
-    rank0 = torch.load(tmp_path / "rank0.pt")
-    rank1 = torch.load(tmp_path / "rank1.pt")
+@pytest.fixture(scope="module")
+def ranks_out(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both ranks' results at every ZeRO stage, from one pair of rank processes."""
+    out = tmp_path_factory.mktemp("dp-ranks")
+    run_ranks(tiny_model_dir, out, ZERO_STAGES)
+    return out
+
+
+@pytest.mark.parametrize("zero_stage", ZERO_STAGES)
+def test_two_ranks_equal_one_process_on_the_union_batch(tiny_model_dir: Path, ranks_out: Path, zero_stage: int) -> None:
+    rank0 = torch.load(ranks_out / f"zero{zero_stage}-rank0.pt")
+    rank1 = torch.load(ranks_out / f"zero{zero_stage}-rank1.pt")
     assert rank0["world"] == 2
     assert torch.equal(rank0["params"], rank1["params"])  # replicas never diverge
 
