@@ -124,15 +124,23 @@ class _Child:
 
     def terminate(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        self.signal_stop()
+        return self.wait_stopped(timeout_s)
+
+    def signal_stop(self) -> None:
+        """Sends SIGTERM if the process runs; :meth:`wait_stopped` waits for it (several stop together)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout_s: float = 10.0) -> int:
+        """Waits for an exit after :meth:`signal_stop`, SIGKILL after ``timeout_s``; returns the exit code."""
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
         self._close_log()
         return int(self.proc.returncode)
 

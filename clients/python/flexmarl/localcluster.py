@@ -203,11 +203,17 @@ class LocalCluster:
         Removes etcd's data only when the cluster is not ``persistent`` and created that data
         (found none at start): stopping never deletes the jobs of an earlier run.
         """
-        order = sorted(self.daemons.values(), key=lambda p: ("stored", "orchestratord").index(p.kind)
-                       if p.kind in ("stored", "orchestratord") else -1)
-        for proc in order:
-            with contextlib.suppress(Exception):
-                proc.terminate(timeout_s)
+        # Tiers in order (workers, then orchestratord, then stored: what they flush into); the
+        # daemons of one tier stop together.
+        for tier in ([p for p in self.daemons.values() if p.kind not in ("orchestratord", "stored")],
+                     [p for p in self.daemons.values() if p.kind == "orchestratord"],
+                     [p for p in self.daemons.values() if p.kind == "stored"]):
+            for proc in tier:
+                with contextlib.suppress(Exception):
+                    proc.signal_stop()
+            for proc in tier:
+                with contextlib.suppress(Exception):
+                    proc.wait_stopped(timeout_s)
         with contextlib.suppress(Exception):
             self.etcd.stop(keep_data=self.config.persistent or self.restored)
         with contextlib.suppress(FileNotFoundError):
@@ -273,20 +279,26 @@ def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
     data = read_cluster_file(run_dir)
     # Workers first, then orchestratord, then stored (what they flush into), then etcd.
     order = {"rolloutd": 0, "traind": 0, "orchestratord": 1, "stored": 2}
-    daemons = sorted(data.get("daemons", {}).values(), key=lambda d: order.get(str(d.get("kind")), 0))
-    pids = [int(d["pid"]) for d in daemons]
+    tiers: list[list[int]] = [[], [], [], [int(data.get("etcd_pid", -1))]]
+    for d in data.get("daemons", {}).values():
+        tiers[order.get(str(d.get("kind")), 0)].append(int(d["pid"]))
     signalled = 0
-    for pid in [*pids, int(data.get("etcd_pid", -1))]:
-        if pid <= 0:
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-            signalled += 1
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and _alive(pid):
-                time.sleep(0.05)
+    for tier in tiers:  # the processes of one tier stop together
+        sent = []
+        for pid in tier:
+            if pid <= 0:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+                signalled += 1
+                sent.append(pid)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in sent):
+            time.sleep(0.05)
+        for pid in sent:
             if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(FileNotFoundError):
         (run_dir / CLUSTER_FILE).unlink()
     return signalled
