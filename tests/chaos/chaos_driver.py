@@ -530,6 +530,8 @@ class ChaosDriver:
             self._compare_with_reference(agents)
         self._check_exactly_once(res.job_id, spec, agents)
         res.checks["exactly_once"] = "ok"
+        self._check_history(res.job_id, agents)
+        res.checks["history"] = "ok"
         self._check_nothing_lost(res.job_id, agents)
         res.checks["nothing_lost"] = "ok"
         self._check_weights_load()
@@ -600,6 +602,19 @@ class ChaosDriver:
                 on_timeout=difference,
             )
             self.result.experiences_consumed += len(expected)
+
+    def _check_history(self, job_id: str, agents: list[str]) -> None:
+        """The job's history holds one record per agent-step, versions 1..T, whatever was killed on the way."""
+        steps = self.config.steps
+        history = self._client().history(job_id)
+        for agent in agents:
+            rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
+            if [r.step for r in rows] != list(range(steps)) or [r.version for r in rows] != list(range(1, steps + 1)):
+                raise ChaosFailure(
+                    f"{agent}: history steps {[r.step for r in rows]}, versions {[r.version for r in rows]}"
+                )
+        if len(history) != steps * len(agents):
+            raise ChaosFailure(f"{len(history)} history records for {steps * len(agents)} agent-steps")
 
     def _check_nothing_lost(self, job_id: str, agents: list[str]) -> None:
         async def check() -> int:

@@ -1,5 +1,8 @@
 """DESIGN §9 failure model on a whole local cluster: SIGKILL a daemon or an engine mid-job.
 
+orchestratord's SIGKILL and restart from etcd is tests/chaos's (one fault of every kind, with the same
+checks and the history); this module keeps the faults that need a second worker or a job of their own.
+
 The tests share one cluster (two traind workers, two engine replicas, short registry TTLs
 so a dead worker is noticed within seconds); each submits its own job, and ``heal``
 restarts the previous test's victims first.
@@ -56,25 +59,6 @@ def _spec(e2e: E2ECluster, rollout_timeout_s: int = 60, train_timeout_s: int = 1
 
 def _total_commits(e2e: E2ECluster, job_id: str, agents: list[str]) -> int:
     return sum(len(e2e.commits(job_id, agent)) for agent in agents)
-
-
-@pytest.mark.timeout(240)
-def test_orchestratord_sigkill_restarts_from_etcd(cluster: E2ECluster) -> None:
-    spec = _spec(cluster)
-    agents = [a["name"] for a in spec["agents"]]
-    job_id = cluster.client.submit(spec)
-    cluster.wait_for_commits(job_id, at_least=1)
-
-    cluster.cluster.daemon("orchestratord").kill()
-    committed_at_kill = _total_commits(cluster, job_id, agents)
-    assert committed_at_kill < STEPS * len(agents), "the job finished before orchestratord was killed"
-    cluster.cluster.daemon("orchestratord").restart()
-    cluster.reconnect()
-
-    info = cluster.wait_job(job_id)
-    assert_succeeded(cluster, info, STEPS)
-    assert_one_commit_per_step(cluster, job_id, spec)
-    assert_exactly_once(cluster, job_id, spec)
 
 
 @pytest.mark.timeout(240)
