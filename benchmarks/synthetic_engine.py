@@ -63,8 +63,9 @@ from typing import Any
 
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
-from rolloutd.engines import weight_messages
+from rolloutd.engines import lora, weight_messages
 from rolloutd.engines.launcher import stop_process
+from rolloutd.engines.lora import AdapterPool, LoraRef, LoraSettings, LoraUpdate
 from rolloutd.engines.protocol import SamplingParams
 from rolloutd.engines.sglang_server import (
     FLUSH_AFTER_UPDATE_FAILED,
@@ -106,9 +107,13 @@ class SyntheticEngineConfig:
     modelled_device: str = ""
     check_model_path: bool = True  # weight updates need an existing directory
     ready_file: str = ""
+    # SGLang's LoRA flags (rolloutd/engines/lora.py): adapter configs are validated as SGLang
+    # does, their weights are not read; a load costs the adapter's modelled transfer time.
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
 
     def validate(self) -> None:
-        """Raise :class:`InvalidArgument` on an out-of-range setting."""
+        """Raise :class:`InvalidArgument` on an out-of-range setting (the LoRA flags as SGLang checks them)."""
+        self.lora.check()
         if self.replicas < 1:
             raise InvalidArgument("replicas must be >= 1")
         if self.ports and len(self.ports) != self.replicas:
@@ -138,10 +143,13 @@ class _Request:
     created_s: float = dataclasses.field(default_factory=time.monotonic)
     aborted: bool = False
     outputs: list[dict[str, Any] | None] = dataclasses.field(default_factory=list)
+    lora_id: str | None = None  # its LoRA adapter; None: the base
 
     def sample_request(self) -> SampleRequest:
         """The request as the HTTP server's sample request."""
-        return SampleRequest(self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s)
+        return SampleRequest(
+            self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s, self.lora_id
+        )
 
 
 @dataclasses.dataclass
@@ -212,6 +220,60 @@ class SyntheticReplica:
         self.overrun_s = 0.0
         self.last_output_s = 0.0
         self.ready = False
+        self.lora_pool: AdapterPool | None = None
+        if config.lora.enabled:
+            self._init_lora(config.lora)
+
+    # ---- LoRA adapters (lora_manager.py; configs only, no weights) ------------------------------------------
+    def _init_lora(self, settings: LoraSettings) -> None:
+        """Resolve targets and max rank, then load the ``--lora-paths`` adapters (as embedded.py).
+
+        Raises:
+            InvalidArgument: A ``--lora-paths`` adapter cannot be loaded.
+        """
+        settings.check()
+        refs = settings.initial_refs()
+        configs: list[tuple[str, lora.AdapterConfig]] = []
+        try:
+            for ref in refs:
+                configs.append((ref.lora_name, lora.read_adapter_config(ref.lora_path, self.config.vocab_size)))
+            targets, max_rank = AdapterPool.resolve_shapes(settings, configs, None)
+        except ValueError as exc:
+            raise InvalidArgument(f"Failed to load LoRA adapters: {exc}") from exc
+        self.lora_pool = AdapterPool(settings, targets, max_rank)
+        for ref, (_, config) in zip(refs, configs, strict=True):
+            try:
+                self.lora_pool.validate_new(config, ref)
+                lora.adapter_num_params(ref.lora_path)
+            except (ValueError, OSError) as exc:
+                raise InvalidArgument(f"Failed to load LoRA adapter {ref.lora_name}: {exc}") from exc
+            self.lora_pool.add(ref, config)
+
+    async def load_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Validate the adapter's config and weights file, then block the replica for its modelled transfer."""
+        pool = self.lora_pool
+        if pool is None:
+            return LoraUpdate(False, lora.NOT_ENABLED_MESSAGE)
+        try:
+            config = lora.read_adapter_config(ref.lora_path, self.config.vocab_size)
+            pool.validate_new(config, ref)
+            params = lora.adapter_num_params(ref.lora_path)
+        except (ValueError, OSError) as exc:
+            return pool.result(False, str(exc))
+        profile = self.profile
+        # Its parameters (the adapter file's, as served: bytes_per_param each) over the profile's link,
+        # spent at the next iteration boundary under whatever runs, as SGLang's scheduler loads it.
+        modelled_s = lora.adapter_transfer_s(profile.link_bytes_per_s, params, profile.bytes_per_param)
+        await self.update_weights(self.model_path, None, paused=True, modelled_s=modelled_s)
+        pool.add(ref, config)
+        return pool.result(True)
+
+    def unload_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Forget the adapter (no request uses it: the server waited)."""
+        if self.lora_pool is None:
+            return LoraUpdate(False, lora.NOT_ENABLED_MESSAGE)
+        self.lora_pool.remove(ref.lora_id)
+        return self.lora_pool.result(True)
 
     # ---- lifecycle --------------------------------------------------------------------------------------
     def start(self, port: int) -> None:
@@ -390,19 +452,28 @@ class SyntheticReplica:
     def _admit(self) -> int:
         """Move waiting requests into the batch; returns the prompt tokens to prefill."""
         prompt_tokens = 0
-        while self._waiting and not self._updates:
-            item = self._waiting[0]
+        index = 0
+        # scheduler.py can_schedule_lora_req: a request whose adapter does not fit the batch's
+        # --max-loras-per-batch is skipped, later ones still join (embedded.py admitted_indices).
+        adapters = {seq.request.lora_id for seq in self._running}
+        while index < len(self._waiting) and not self._updates:
+            item = self._waiting[index]
+            adapter = item.request.lora_id if isinstance(item, _Sequence) else item.lora_id
+            if not lora.can_schedule(self.lora_pool, adapter, adapters):
+                index += 1
+                continue
+            adapters.add(adapter)
             if isinstance(item, _Sequence):  # retracted: re-prefill prompt plus output on the weights now served
                 if self._running and len(self._running) + 1 > self.config.max_running_requests:
                     break
-                self._waiting.pop(0)
+                self._waiting.pop(index)
                 prompt_tokens += item.context_tokens
                 self._running.append(item)
                 continue
             request = item
             if self._running and len(self._running) + request.params.n > self.config.max_running_requests:
                 break
-            self._waiting.pop(0)
+            self._waiting.pop(index)
             request.outputs = [None] * request.params.n
             if request.aborted or request.params.max_new_tokens == 0:
                 self._resolve_empty(request)
@@ -639,6 +710,7 @@ class SyntheticBackend(EngineBackend):
         seed = request.params.seed if request.params.seed is not None else replica.new_seed()
         job = _Request(request.rid, list(request.input_ids), request.params, request.return_logprob, seed, inner)
         job.created_s = request.created_s
+        job.lora_id = request.lora_id
         replica.submit(job)
         return first_sample(inner)
 
@@ -730,6 +802,19 @@ class SyntheticBackend(EngineBackend):
         """Pause the replica's scheduler at its next iteration boundary."""
         await self.replica.pause(mode)
 
+    @property
+    def lora_settings(self) -> LoraSettings:
+        """The replica's LoRA flags."""
+        return self.replica.config.lora
+
+    async def load_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Validate and load (modelled transfer time) the adapter."""
+        return await self.replica.load_adapter(ref)
+
+    async def unload_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Forget the adapter."""
+        return self.replica.unload_adapter(ref)
+
     async def resume(self) -> None:
         """Let the replica's scheduler run again."""
         await self.replica.resume()
@@ -768,6 +853,7 @@ class SyntheticBackend(EngineBackend):
         """Server arguments and state (``dp_size`` for sglang-router)."""
         replica = self.replica
         info: dict[str, Any] = {k: v for k, v in dataclasses.asdict(replica.config).items() if k != "ports"}
+        info.update(info.pop("lora"))
         info.update(
             {
                 "model_path": replica.model_path,
@@ -910,7 +996,7 @@ def to_args(config: SyntheticEngineConfig) -> list[str]:
         args += ["--modelled-device", config.modelled_device]
     if not config.check_model_path:
         args.append("--no-check-model-path")
-    return args
+    return args + config.lora.cli_args()
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[SyntheticEngineConfig, str]:
@@ -937,6 +1023,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[SyntheticEngineConfig, str]
     parser.add_argument("--modelled-device", default="", help="device profile (default: $FLEXMARL_MODELLED_DEVICE)")
     parser.add_argument("--no-check-model-path", action="store_true", help="accept weight updates of any path")
     parser.add_argument("--ready-file", default="", help='write {"ports", "pid"} JSON here once listening')
+    lora.add_lora_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -956,6 +1043,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[SyntheticEngineConfig, str]
         # The environment is read here, once: the engine itself only sees its config.
         modelled_device=args.modelled_device or os.environ.get(devicemodel.PROFILE_ENV, ""),
         check_model_path=not args.no_check_model_path,
+        lora=lora.settings_from_args(args),
     )
     return config, args.ready_file
 

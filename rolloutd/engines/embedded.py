@@ -54,6 +54,13 @@ unpadded forward pass, so they are batch-invariant too. SGLang's seeded sampler 
 a batch needs min-p sampling, and a failed assertion in its scheduler takes the server down:
 with the flag, a request with ``min_p > 0`` stops this engine the same way.
 
+LoRA adapters (``--enable-lora`` and SGLang's other LoRA flags; sglang/srt/lora/lora_manager.py,
+sglang/srt/managers/scheduler.py ``can_schedule_lora_req``): adapters load and unload on the
+worker thread between iterations; every forward pass (prefill, decode, the in-place rerun of a
+weight change, the deterministic rescoring) adds each row's own adapter delta in the target
+``Linear`` modules (:class:`rolloutd.engines.lora.LoraLayers`), so one batch mixes adapters and
+the base; admission skips a job whose adapter would take the batch past ``--max-loras-per-batch``.
+
 Stop conditions (sglang/srt/managers/schedule_batch.py ``update_finish_state``): stop strings
 first (the decoded output contains one: ``{"type": "stop", "matched": "<str>"}``), then stop
 token ids and EOS (both off under ``ignore_eos``), then ``max_new_tokens``. ``output_ids``
@@ -87,6 +94,8 @@ import torch
 
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines import lora
+from rolloutd.engines.lora import AdapterPool, LoraLayers, LoraRef, LoraSettings, LoraUpdate
 from rolloutd.engines.protocol import SamplingParams
 from rolloutd.engines.sglang_server import (
     FLUSH_AFTER_UPDATE_FAILED,
@@ -141,6 +150,9 @@ class EmbeddedEngineConfig:
     # accelerator; "" = real time only. The command line falls back to FLEXMARL_MODELLED_DEVICE
     # (read once, in _parse_args), so the engine itself never reads the environment.
     modelled_device: str = ""
+    # SGLang's LoRA flags (--enable-lora, --max-lora-rank, --lora-target-modules, --lora-paths,
+    # --max-loras-per-batch, --max-loaded-loras): adapters over the served model, see lora.py.
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass(frozen=True)
@@ -169,10 +181,15 @@ class _GenerationJob:
     created_s: float = field(default_factory=time.monotonic)
     aborted: bool = False
     outputs: list[dict[str, Any] | None] = field(default_factory=list)
+    lora_id: str | None = None  # the LoRA adapter it runs with; None: the base model
+    top_logprobs_num: int = 0  # SGLang's top_logprobs_num: k alternatives per output token (with return_logprob)
 
     def sample_request(self) -> SampleRequest:
         """The job as the HTTP server's sample request (what output objects are built from)."""
-        return SampleRequest(self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s)
+        return SampleRequest(
+            self.rid, tuple(self.input_ids), self.params, self.return_logprob, self.created_s, self.lora_id,
+            self.top_logprobs_num,
+        )
 
     def resolve(self) -> None:
         results = [output for output in self.outputs if output is not None]
@@ -247,6 +264,8 @@ class _Sequence:
     sample_index: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    #: Per output token, the job's ``top_logprobs_num`` most likely (logprob, token id), when it asked for them.
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     version_changes: list[VersionChange] = field(default_factory=list)
     segments: list[_Segment] = field(default_factory=list)
 
@@ -312,19 +331,46 @@ def plan_admission(
     smaller jobs do not overtake it. A job larger than the limits on its own is admitted into an
     empty batch (it could otherwise never run).
     """
-    count = 0
+    return len(admitted_indices(waiting, running_sequences, reserved_kv_tokens, limits))
+
+
+def admitted_indices(
+    waiting: Sequence[Demand],
+    running_sequences: int,
+    reserved_kv_tokens: float,
+    limits: BatchLimits,
+    *,
+    adapters: Sequence[str | None] = (),
+    running_adapters: frozenset[str | None] = frozenset(),
+    pool: AdapterPool | None = None,
+) -> list[int]:
+    """The queue positions of the jobs that join the running batch: :func:`plan_admission` plus LoRA.
+
+    With ``pool``, ``adapters[i]`` is job ``i``'s adapter (None: the base): a job whose adapter
+    would take the batch's distinct adapters past what the pool allows
+    (scheduler.py ``can_schedule_lora_req``, lora_manager.py ``validate_lora_batch``:
+    ``--max-loras-per-batch``, the base counted as one) is skipped and later jobs are still
+    considered, as SGLang's scheduler skips it (``continue``); the capacity limits still stop
+    admission at the first job that does not fit.
+    """
+    admitted: list[int] = []
     sequences, reserved = running_sequences, reserved_kv_tokens
-    for demand in waiting:
+    in_batch = set(running_adapters)
+    for index, demand in enumerate(waiting):
+        adapter = adapters[index] if pool is not None else None
+        if not lora.can_schedule(pool, adapter, in_batch):
+            continue
         fits = (
             sequences + demand.sequences <= limits.max_running
             and reserved + demand.kv_tokens <= limits.kv_capacity_tokens
         )
-        if not fits and not (sequences == 0 and count == 0):
+        if not fits and not (sequences == 0 and not admitted):
             break
-        count += 1
+        admitted.append(index)
+        in_batch.add(adapter)
         sequences += demand.sequences
         reserved += demand.kv_tokens
-    return count
+    return admitted
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -477,6 +523,7 @@ class EmbeddedEngine:
         self.on_fatal: Callable[[], None] | None = None  # called from the worker thread once the engine died
         self.batches_run = 0
         self.max_batch_sequences = 0
+        self.max_batch_adapters = 0  # most distinct adapters (the base counted) in the running batch
         self.generated_tokens = 0
         self._started_s = time.monotonic()
         self.device = devicemodel.load_profile(config.modelled_device) if config.modelled_device else None
@@ -485,6 +532,79 @@ class EmbeddedEngine:
         self._pacer: devicemodel.Pacer | None = None  # modelled time of the current busy period
         self.weight_groups = WeightUpdateGroups()  # the trainers' groups joined (worker thread only)
         self._span_started_s, self._span_modelled_s, self._span_tokens = 0.0, 0.0, 0
+        # LoRA (lora_manager.py): the adapters held and their per-row deltas; worker thread only after start.
+        self.lora_pool: AdapterPool | None = None
+        self._lora_layers: LoraLayers | None = None
+        if config.lora.enabled:
+            self._init_lora(config.lora)
+
+    # ----- LoRA adapters (sglang/srt/lora/lora_manager.py) ---------------------------------
+    def _init_lora(self, settings: LoraSettings) -> None:
+        """lora_manager.py ``init_state``: resolve targets and max rank, then load the ``--lora-paths`` adapters.
+
+        Raises:
+            InvalidArgument: A ``--lora-paths`` adapter cannot be loaded (SGLang does not start).
+        """
+        settings.check()
+        model = self._loaded.model
+        vocab = int(model.config.vocab_size)
+        refs = settings.initial_refs()
+        configs: list[tuple[str, lora.AdapterConfig]] = []
+        for ref in refs:
+            try:
+                configs.append((ref.lora_name, lora.read_adapter_config(ref.lora_path, vocab)))
+            except ValueError as exc:
+                raise InvalidArgument(f"Failed to load LoRA adapter {ref.lora_name}: {exc}") from exc
+        try:
+            targets, max_rank = AdapterPool.resolve_shapes(settings, configs, lora.model_target_modules(model))
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        self.lora_pool = AdapterPool(settings, targets, max_rank)
+        self._lora_layers = LoraLayers(max_rank)
+        for ref in refs:
+            result = self.load_adapter(ref)
+            if not result.success:
+                raise InvalidArgument(f"Failed to load LoRA adapter {ref.lora_name}: {result.error_message}")
+
+    def load_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """lora_manager.py ``load_lora_adapter``: read the config, validate, read the weights (worker thread)."""
+        pool, layers = self.lora_pool, self._lora_layers
+        if pool is None or layers is None:
+            return LoraUpdate(False, lora.NOT_ENABLED_MESSAGE)
+        model = self._loaded.model
+        try:
+            config = lora.read_adapter_config(ref.lora_path, int(model.config.vocab_size))
+            pool.validate_new(config, ref)
+            weights = lora.load_adapter_weights(ref.lora_path, config, model, pool.max_rank)
+        except (ValueError, OSError) as exc:
+            return pool.result(False, str(exc))
+        if self.device is not None:  # modelled: the adapter's share of the modelled model, over the link
+            started_s, pacer = time.time(), devicemodel.Pacer(self.device)
+            real_params = sum(int(p.numel()) for p in model.parameters())
+            params = lora.adapter_num_params(ref.lora_path) * self.device.model_params / max(real_params, 1)
+            pacer.add(lora.adapter_transfer_s(self.device.link_bytes_per_s, int(params), self.device.bytes_per_param))
+            pacer.wait()
+            if self._trace is not None:
+                self._trace.record("lora_load", started_s, time.time(), pacer.modelled_s)
+        pool.add(ref, config)
+        layers.adapters[ref.lora_id] = weights
+        logger.info("LoRA adapter loaded: %s (rank %d, %d modules)", ref.lora_name, config.r, len(weights.modules))
+        return pool.result(True)
+
+    def unload_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """lora_manager.py ``unload_lora_adapter`` (worker thread; no running row uses it)."""
+        pool, layers = self.lora_pool, self._lora_layers
+        if pool is None or layers is None:
+            return LoraUpdate(False, lora.NOT_ENABLED_MESSAGE)
+        pool.remove(ref.lora_id)
+        layers.adapters.pop(ref.lora_id, None)
+        return pool.result(True)
+
+    def _adapter_rows(self, model: Any, lora_ids: Sequence[str | None]) -> contextlib.AbstractContextManager[None]:
+        """The forward passes of ``model`` in the block add each row's adapter delta."""
+        if self._lora_layers is None:
+            return contextlib.nullcontext()
+        return self._lora_layers.rows(model, lora_ids)
 
     @property
     def limits(self) -> BatchLimits:
@@ -605,6 +725,7 @@ class EmbeddedEngine:
             loaded.weight_version,
             output_ids=item.output_ids,
             logprobs=item.logprobs,
+            top_logprobs=item.top_logprobs,
             text=text,
             version_changes=item.version_changes,
         )
@@ -730,18 +851,24 @@ class EmbeddedEngine:
         if self._batch is not None and not self._batch.mergeable:
             return []  # a cache layout the engine cannot merge: wait for the batch to end
         demands: list[Demand] = []
+        adapters: list[str | None] = []
         for item in self._queue:
             if isinstance(item, _WeightSwap) or len(demands) >= self._limits.max_running:
                 break
-            if isinstance(item, _Sequence):
-                demands.append(self._limits.demand(len(item.job.input_ids), item.job.params.max_new_tokens, 1))
-            else:
-                demands.append(self._limits.demand(len(item.input_ids), item.params.max_new_tokens, item.params.n))
+            job = item.job if isinstance(item, _Sequence) else item
+            samples = 1 if isinstance(item, _Sequence) else job.params.n
+            demands.append(self._limits.demand(len(job.input_ids), job.params.max_new_tokens, samples))
+            adapters.append(job.lora_id)
         rows = self._batch.rows if self._batch is not None else []
         reserved = sum(self._limits.sequence_kv_tokens(len(s.job.input_ids), s.job.params.max_new_tokens) for s in rows)
-        count = plan_admission(demands, len(rows), reserved, self._limits)
-        items = [self._queue.popleft() for _ in range(count)]
-        return [item for item in items if not isinstance(item, _WeightSwap)]
+        chosen = admitted_indices(
+            demands, len(rows), reserved, self._limits,
+            adapters=adapters, running_adapters=frozenset(s.job.lora_id for s in rows), pool=self.lora_pool,
+        )
+        queued = list(self._queue)
+        picked = set(chosen)
+        self._queue = collections.deque(item for index, item in enumerate(queued) if index not in picked)
+        return [item for index, item in enumerate(queued) if index in picked and not isinstance(item, _WeightSwap)]
 
     def _publish_running(self) -> None:
         """Expose the running jobs and KV tokens to load_snapshot, abort and stop."""
@@ -863,13 +990,14 @@ class EmbeddedEngine:
         for layer in batch.cache.layers:
             layer.keys = layer.keys[:, :, :-1, :]
             layer.values = layer.values[:, :, :-1, :]
-        out = loaded.model(
-            input_ids=last_ids,
-            attention_mask=batch.mask,
-            position_ids=batch.last_position.unsqueeze(1),
-            use_cache=True,
-            **{loaded.cache_kwarg: batch.cache},
-        )
+        with self._adapter_rows(loaded.model, [seq.job.lora_id for seq in batch.rows]):
+            out = loaded.model(
+                input_ids=last_ids,
+                attention_mask=batch.mask,
+                position_ids=batch.last_position.unsqueeze(1),
+                use_cache=True,
+                **{loaded.cache_kwarg: batch.cache},
+            )
         batch.logits = out.logits[:, -1, :].float()
 
     # ----- admission and decoding (worker thread) -------------------------------------------
@@ -901,42 +1029,45 @@ class EmbeddedEngine:
     def _prefill(self, rows: list[_Sequence], loaded: _LoadedModel) -> None:
         """Prefill the rows' tokens (prompt, plus output for a retracted row) and append them to the batch.
 
-        Each distinct token sequence is prefilled once (the samples of an n > 1 request arrive
-        as rows of one prompt, like SGLang's radix cache sharing their prefix), left-padded, then
-        its cache rows are repeated for every row.
+        Each distinct token sequence (of one adapter) is prefilled once (the samples of an n > 1
+        request arrive as rows of one prompt, like SGLang's radix cache sharing their prefix; the
+        radix cache keys prefixes by adapter too), left-padded, then its cache rows are repeated
+        for every row.
         """
         self.batches_run += 1
         for seq in rows:
             seq.segments.append(_Segment(loaded, len(seq.output_ids), fresh=True))
-        prompt_rows: dict[tuple[int, ...], int] = {}
+        prompt_rows: dict[tuple[tuple[int, ...], str | None], int] = {}
         for seq in rows:
-            prompt_rows.setdefault(tuple(seq.tokens()), len(prompt_rows))
-        width = max(len(prompt) for prompt in prompt_rows)
+            prompt_rows.setdefault((tuple(seq.tokens()), seq.job.lora_id), len(prompt_rows))
+        width = max(len(prompt) for prompt, _ in prompt_rows)
         pad_id = int(loaded.model.config.pad_token_id or 0)
         input_ids = torch.full((len(prompt_rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompt_rows), width), dtype=torch.long)
-        for prompt, row in prompt_rows.items():
+        for (prompt, _), row in prompt_rows.items():
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=loaded.model.config)
-        out = loaded.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{loaded.cache_kwarg: cache},
-        )
+        with self._adapter_rows(loaded.model, [adapter for _, adapter in prompt_rows]):
+            out = loaded.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{loaded.cache_kwarg: cache},
+            )
         logits = out.logits[:, -1, :].float()
-        expand = torch.tensor([prompt_rows[tuple(seq.tokens())] for seq in rows])
+        expand = torch.tensor([prompt_rows[(tuple(seq.tokens()), seq.job.lora_id)] for seq in rows])
         cache.batch_select_indices(expand)
         new = _Batch(
             loaded, cache, mask[expand], positions[expand, -1], logits[expand], rows, mergeable=_mergeable(cache)
         )
         self._batch = new if self._batch is None else _merge_batches(self._batch, new)
         self.max_batch_sequences = max(self.max_batch_sequences, len(self._batch.rows))
+        self.max_batch_adapters = max(self.max_batch_adapters, len({seq.job.lora_id for seq in self._batch.rows}))
         device = self.device
         if device is not None:  # the running sequences stall while the new prompts prefill (no chunking)
             prefill_tokens = sum({id(seq.job): len(seq.tokens()) for seq in rows}.values())  # once per job
@@ -961,6 +1092,8 @@ class EmbeddedEngine:
             token_id, logprob = self._sample(batch.logits[row], seq)
             seq.output_ids.append(token_id)
             seq.logprobs.append(logprob)
+            if seq.job.return_logprob and seq.job.top_logprobs_num:
+                seq.top_logprobs.append(self._top_logprobs(batch.logits[row], seq.job.params, seq.job.top_logprobs_num))
             self.generated_tokens += 1
             sampled += 1
             if seq.job.aborted:
@@ -979,13 +1112,14 @@ class EmbeddedEngine:
                 batch.select(keep)
             batch.mask = torch.cat([batch.mask, torch.ones((len(keep), 1), dtype=torch.long)], dim=1)
             batch.last_position = batch.last_position + 1
-            out = loaded.model(
-                input_ids=torch.tensor(next_ids).unsqueeze(1),
-                attention_mask=batch.mask,
-                position_ids=batch.last_position.unsqueeze(1),
-                use_cache=True,
-                **{loaded.cache_kwarg: batch.cache},
-            )
+            with self._adapter_rows(loaded.model, [seq.job.lora_id for seq in batch.rows]):
+                out = loaded.model(
+                    input_ids=torch.tensor(next_ids).unsqueeze(1),
+                    attention_mask=batch.mask,
+                    position_ids=batch.last_position.unsqueeze(1),
+                    use_cache=True,
+                    **{loaded.cache_kwarg: batch.cache},
+                )
             batch.logits = out.logits[:, -1, :].float()
         else:
             self._batch = None
@@ -1064,6 +1198,18 @@ class EmbeddedEngine:
         source = raw_logprobs if self.config.return_original_logprob else scaled_logprobs
         return token_id, max(float(source[token_id]), _LOGPROB_FLOOR)
 
+    def _top_logprobs(self, logits: torch.Tensor, params: SamplingParams, k: int) -> list[tuple[float, int]]:
+        """The ``k`` most likely tokens of the distribution :meth:`_sample` takes the logprob from.
+
+        SGLang's sampler.py hands that same ``logprobs`` tensor to ``compute_logprobs`` with
+        ``top_logprobs_nums``, and logprob_processor.py ``get_top_logprobs`` takes its ``topk``.
+        """
+        if params.greedy or params.temperature == 0 or self.config.return_original_logprob:
+            source = torch.log_softmax(logits, dim=-1)
+        else:
+            source = torch.log_softmax(logits / params.temperature, dim=-1)
+        return _topk(source, k)
+
     def _rescore(self, seq: _Sequence) -> list[float]:
         """Logprobs of ``seq.output_ids`` from unpadded forward passes of the sequence alone.
 
@@ -1079,10 +1225,12 @@ class EmbeddedEngine:
         tokens = seq.tokens()
         segments = seq.segments or [_Segment(self._loaded, 0, fresh=True)]
         pieces: list[torch.Tensor] = []
+        adapter = [job.lora_id]
         with torch.inference_mode():
             if len(segments) == 1:
                 model = segments[0].loaded.model
-                logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
+                with self._adapter_rows(model, adapter):
+                    logits = model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0].float()
                 pieces.append(logits[prompt_length - 1 : prompt_length - 1 + count])
             else:
                 from transformers import DynamicCache
@@ -1101,18 +1249,22 @@ class EmbeddedEngine:
                     feed = tokens[feed_from : prompt_length - 1 + end]
                     if not feed:
                         continue
-                    out = segment.loaded.model(
-                        input_ids=torch.tensor([feed]),
-                        position_ids=torch.arange(feed_from, feed_from + len(feed)).unsqueeze(0),
-                        use_cache=True,
-                        **{segment.loaded.cache_kwarg: cache},
-                    )
+                    with self._adapter_rows(segment.loaded.model, adapter):
+                        out = segment.loaded.model(
+                            input_ids=torch.tensor([feed]),
+                            position_ids=torch.arange(feed_from, feed_from + len(feed)).unsqueeze(0),
+                            use_cache=True,
+                            **{segment.loaded.cache_kwarg: cache},
+                        )
                     pieces.append(out.logits[0, first - feed_from :].float())
         logits = torch.cat(pieces)
         temperature = job.params.temperature
         if temperature != 0 and not self.config.return_original_logprob:
             logits = logits / temperature
-        chosen = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1)
+        scores = torch.log_softmax(logits, dim=-1)
+        chosen = scores.gather(1, torch.tensor(output_ids).unsqueeze(1)).squeeze(1)
+        if job.top_logprobs_num:  # the alternatives of the same passes, so they agree with the sampled logprobs
+            seq.top_logprobs = [_topk(row, job.top_logprobs_num) for row in scores]
         return [max(float(value), _LOGPROB_FLOOR) for value in chosen]
 
     @staticmethod
@@ -1136,7 +1288,7 @@ class EmbeddedEngine:
         if job.return_logprob and self.config.enable_deterministic_inference and seq.output_ids:
             seq.logprobs = self._rescore(seq)
         job.outputs[seq.sample_index] = self._output(
-            job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded, seq.version_changes
+            job, seq.sample_index, seq.output_ids, seq.logprobs, reason, loaded, seq.version_changes, seq.top_logprobs
         )
         self.last_output_s = time.monotonic()
         if all(output is not None for output in job.outputs):
@@ -1151,6 +1303,7 @@ class EmbeddedEngine:
         reason: dict[str, Any],
         loaded: _LoadedModel,
         version_changes: Sequence[VersionChange] = (),
+        top_logprobs: Sequence[Sequence[tuple[float, int]]] = (),
     ) -> dict[str, Any]:
         text = _output_text(loaded, output_ids, reason, job.params)
         request = job.sample_request()
@@ -1165,7 +1318,14 @@ class EmbeddedEngine:
             weight_version=loaded.weight_version,
             model_path=loaded.model_path,
             version_changes=version_changes,
+            top_logprobs=top_logprobs,
         )
+
+
+def _topk(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
+    """(logprob, token id) of the ``k`` largest entries, largest first (floored as sampled logprobs are)."""
+    values, indices = torch.topk(logprobs, min(k, logprobs.numel()))
+    return [(max(float(v), _LOGPROB_FLOOR), int(i)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
 
 
 def _output_text(loaded: _LoadedModel, output_ids: list[int], reason: dict[str, Any], params: SamplingParams) -> str:
@@ -1253,6 +1413,8 @@ class EmbeddedBackend(EngineBackend):
         inner: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
         job = _GenerationJob(request.rid, list(request.input_ids), request.params, request.return_logprob, loop, inner)
         job.created_s = request.created_s
+        job.lora_id = request.lora_id
+        job.top_logprobs_num = request.top_logprobs_num
         try:
             self.engine.submit(job)
         except FlexmarlError as exc:
@@ -1385,6 +1547,31 @@ class EmbeddedBackend(EngineBackend):
         """Pause the worker between iterations (``in_place`` or ``retract``)."""
         await self._control(mode)
 
+    # ----- LoRA adapters ---------------------------------------------------------------
+    @property
+    def lora_settings(self) -> LoraSettings:
+        """The engine's LoRA flags."""
+        return self.engine.config.lora
+
+    async def _adapter_call(self, call: Callable[[], LoraUpdate]) -> LoraUpdate:
+        """Run ``call`` on the worker between iterations (SGLang's scheduler loads and unloads adapters so)."""
+        result: list[LoraUpdate] = []
+
+        def run() -> tuple[bool, str]:
+            result.append(call())
+            return result[-1].success, result[-1].error_message or ""
+
+        success, message = await self._scheduler_call(run)
+        return result[0] if result else LoraUpdate(success, message)
+
+    async def load_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Load the adapter on the worker thread."""
+        return await self._adapter_call(lambda: self.engine.load_adapter(ref))
+
+    async def unload_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Drop the adapter on the worker thread."""
+        return await self._adapter_call(lambda: self.engine.unload_adapter(ref))
+
     async def resume(self) -> None:
         """Let the worker admit and decode again."""
         await self._control("resume")
@@ -1427,6 +1614,7 @@ class EmbeddedBackend(EngineBackend):
         """Server arguments plus internal state, like SGLang's ``/server_info``."""
         engine = self.engine
         info: dict[str, Any] = dataclasses.asdict(engine.config)
+        info.update(info.pop("lora"))  # SGLang's server_info lists the LoRA flags among the others
         info.update(
             {
                 "model_path": engine.loaded.model_path,
@@ -1438,6 +1626,7 @@ class EmbeddedBackend(EngineBackend):
                     {
                         "batches_run": engine.batches_run,
                         "max_batch_sequences": engine.max_batch_sequences,
+                        "max_batch_adapters": engine.max_batch_adapters,
                         "generated_tokens": engine.generated_tokens,
                     }
                 ],
@@ -1488,11 +1677,17 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         help="device profile (JSON/YAML, flexmarl.devicemodel): take that accelerator's time; "
         "default: $FLEXMARL_MODELLED_DEVICE",
     )
+    lora.add_lora_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads < 1 or args.max_batch_size < 1 or args.batch_window_s < 0:
         parser.error("--num-threads and --max-batch-size must be >= 1, --batch-window-s >= 0")
+    lora_settings = lora.settings_from_args(args)
+    try:
+        lora_settings.check()
+    except InvalidArgument as exc:
+        parser.error(str(exc))
     return EmbeddedEngineConfig(
         model_path=args.model_path,
         host=args.host,
@@ -1506,6 +1701,7 @@ def _parse_args(argv: Sequence[str] | None) -> EmbeddedEngineConfig:
         seed=args.seed,
         ready_file=args.ready_file,
         modelled_device=args.modelled_device or os.environ.get(devicemodel.PROFILE_ENV, ""),
+        lora=lora_settings,
     )
 
 

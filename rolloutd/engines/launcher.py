@@ -13,6 +13,10 @@ The flags used here and the file of each:
 * ``--enable-deterministic-inference``: ``fields/exec_.py`` (without it SGLang ignores
   ``sampling_seed``; with it, the sampling backend is forced to pytorch and batch-invariant
   kernels are used, see ``arg_groups/attention_hook.py`` and ``arg_groups/overrides.py``)
+* ``--enable-lora``, ``--max-lora-rank``, ``--lora-target-modules``, ``--lora-paths``,
+  ``--max-loras-per-batch``, ``--max-loaded-loras``: ``fields/lora.py`` (checked at start by
+  ``arg_groups/lora_hook.py``; the embedded engine takes the same flags,
+  :class:`~rolloutd.engines.lora.LoraSettings`)
 
 Devices: a replica with a :class:`~flexmarl.devices.DeviceSet` gets
 ``CUDA_VISIBLE_DEVICES`` = that set, and SGLang ``--base-gpu-id 0``: SGLang's scheduler
@@ -45,6 +49,7 @@ from typing import Literal
 
 from flexmarl.devices import CUDA_VISIBLE_DEVICES, DeviceSet
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from rolloutd.engines.lora import LoraSettings
 from rolloutd.engines.sglang_client import SGLangClient
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,8 @@ class ReplicaSpec:
     deterministic_inference: bool = False
     # The replica's devices (CUDA_VISIBLE_DEVICES of the child); None: it inherits rolloutd's view.
     devices: DeviceSet | None = None
+    # LoRA adapters over the base (both backends take SGLang's flags); off by default.
+    lora: LoraSettings = field(default_factory=LoraSettings)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -116,7 +123,7 @@ def embedded_command(spec: ReplicaSpec, ready_file: Path) -> list[str]:
         command += ["--seed", str(spec.seed)]
     if spec.deterministic_inference:
         command.append("--enable-deterministic-inference")
-    return command + list(spec.extra_args)
+    return command + spec.lora.cli_args() + list(spec.extra_args)
 
 
 def sglang_command(spec: ReplicaSpec, port: int) -> list[str]:
@@ -146,7 +153,7 @@ def sglang_command(spec: ReplicaSpec, port: int) -> list[str]:
         command += ["--base-gpu-id", "0"]  # an index into CUDA_VISIBLE_DEVICES, which is the set
     if spec.deterministic_inference:
         command.append("--enable-deterministic-inference")
-    return command + list(spec.extra_args)
+    return command + spec.lora.cli_args() + list(spec.extra_args)
 
 
 def replica_env(spec: ReplicaSpec, base_env: Mapping[str, str]) -> dict[str, str]:

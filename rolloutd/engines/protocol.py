@@ -171,6 +171,24 @@ def check_sampling_contract(wire: Any) -> None:
         _check_wire_type(key, value)
 
 
+def check_lora_path_contract(value: Any) -> None:
+    """Raise :class:`ContractViolation` unless ``lora_path`` has SGLang's JSON type.
+
+    sglang/api/v1/api_types.py ``decode_OptionalStringOrList``: null, a string, or an array of
+    strings and nulls (a null entry runs its prompt on the base model).
+    """
+    if value is None or isinstance(value, str):
+        return
+    if not isinstance(value, list):
+        raise ContractViolation(
+            f"invalid type: {_describe(value)}, expected a value or an array of values for OptionalStringOrList "
+            "(lora_path)"
+        )
+    for entry in value:
+        if entry is not None and not isinstance(entry, str):
+            raise ContractViolation(f"invalid type: {_describe(entry)}, expected a string (lora_path)")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (SGLang ``sampling_params`` field names).
@@ -282,12 +300,20 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt (token ids) to complete ``sampling.n`` times."""
+    """One prompt (token ids) to complete ``sampling.n`` times.
+
+    ``lora_path`` names a LoRA adapter loaded on the replica (``/load_lora_adapter``'s
+    ``lora_name``: SGLang's ``GenerateReqInput.lora_path`` takes the name, not a path); None
+    serves the base model.
+    """
 
     input_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_logprob: bool = True
     rid: str | None = None
+    lora_path: str | None = None
+    #: SGLang's ``top_logprobs_num``: with ``return_logprob``, the k most likely tokens at every output position.
+    top_logprobs_num: int = 0
 
     def validate(self) -> None:
         """Raise :class:`InvalidArgument` on an empty prompt or bad sampling parameters."""
@@ -295,6 +321,10 @@ class GenerationRequest:
             raise InvalidArgument("input_ids must not be empty")
         if any(token_id < 0 for token_id in self.input_ids):
             raise InvalidArgument("input_ids must be non-negative")
+        if self.lora_path is not None and not self.lora_path:
+            raise InvalidArgument("lora_path must name an adapter (None serves the base model)")
+        if self.top_logprobs_num < 0:
+            raise InvalidArgument("top_logprobs_num must be >= 0")
         self.sampling.validate()
 
 
@@ -345,6 +375,9 @@ class GenerationResult:
     model_path: str = ""
     e2e_latency_s: float = 0.0
     weight_versions: tuple[WeightVersionSpan, ...] = ()
+    #: ``meta_info.output_top_logprobs``: per output token, its (logprob, token_id) alternatives, most likely first
+    #: (empty unless the request asked ``top_logprobs_num``).
+    output_top_logprobs: tuple[tuple[tuple[float, int], ...], ...] = ()
 
     def version_of_token(self, index: int) -> str:
         """The weight version that produced ``output_ids[index]`` ("" when the engine reported no spans)."""
@@ -361,6 +394,18 @@ class WeightUpdateResult:
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+@dataclass(frozen=True)
+class LoraAdapterResult:
+    """Outcome of ``/load_lora_adapter`` or ``/unload_lora_adapter`` (io_struct.py ``LoRAUpdateOutput``).
+
+    ``loaded_adapters`` maps each adapter name the replica holds afterwards to its path.
+    """
+
+    success: bool
+    error_message: str
+    loaded_adapters: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -407,6 +452,14 @@ class EngineClient(abc.ABC):
         flush_cache: bool = True,
     ) -> WeightUpdateResult:
         """Load new weights from a checkpoint directory (between requests, or at once while paused)."""
+
+    @abc.abstractmethod
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> LoraAdapterResult:
+        """Load the PEFT adapter directory ``lora_path`` as ``lora_name`` (``/load_lora_adapter``)."""
+
+    @abc.abstractmethod
+    async def unload_lora_adapter(self, lora_name: str) -> LoraAdapterResult:
+        """Unload ``lora_name`` once no request uses it (``/unload_lora_adapter``)."""
 
     @abc.abstractmethod
     async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:

@@ -55,6 +55,7 @@ from rolloutd.engines.protocol import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    LoraAdapterResult,
     ModelInfo,
     PauseMode,
     WeightUpdateResult,
@@ -346,6 +347,10 @@ class SGLangClient(EngineClient):
             "rid": rid,
             "stream": False,
         }
+        if request.lora_path is not None:
+            body["lora_path"] = request.lora_path
+        if request.top_logprobs_num:
+            body["top_logprobs_num"] = request.top_logprobs_num
         await self._learn_capacity()
         deadline_s = self.generate_timeout_s(request.sampling.max_new_tokens)
         async with self._slots.hold(request.sampling.n):
@@ -414,6 +419,8 @@ class SGLangClient(EngineClient):
             completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
             rid=str(meta.get("id", rid)),
             text=str(output.get("text", "")),
+            output_top_logprobs=tuple(tuple((float(top[0]), int(top[1])) for top in position or ())
+                                      for position in meta.get("output_top_logprobs") or ()),
             matched_stop=matched if isinstance(matched, int) else None,
             cached_tokens=int(meta.get("cached_tokens", 0)),
             weight_version=str(meta.get("weight_version", "")),
@@ -484,6 +491,50 @@ class SGLangClient(EngineClient):
         if status != 200 or not result.success:
             raise FailedPrecondition(f"engine {self.url} refused weights {model_path}: {result.message}")
         return result
+
+    # ----- LoRA adapters -------------------------------------------------------------------
+    async def _lora_call(self, path: str, body: dict[str, Any], what: str) -> LoraAdapterResult:
+        """POST a LoRA route: SGLang answers ``LoRAUpdateOutput`` with 200, or 400 on failure."""
+        status, payload = await self._request(
+            "POST", path, body=body, timeout_s=self._request_timeout_s, allowed_statuses=(400,)
+        )
+        if status == 400 and not (isinstance(payload, dict) and "success" in payload):
+            raise InvalidArgument(f"engine {self.url} rejected {path}: {sglang_error_message(payload)}")
+        if not isinstance(payload, dict):
+            raise FlexmarlError(f"engine {self.url}: malformed {path} answer {str(payload)[:200]}")
+        loaded = payload.get("loaded_adapters") or {}
+        result = LoraAdapterResult(
+            success=bool(payload.get("success")),
+            error_message=str(payload.get("error_message") or ""),
+            loaded_adapters={str(name): str(path) for name, path in loaded.items()} if isinstance(loaded, dict) else {},
+        )
+        if status != 200 or not result.success:
+            raise FailedPrecondition(f"engine {self.url} refused to {what}: {result.error_message}")
+        return result
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> LoraAdapterResult:
+        """POST ``/load_lora_adapter`` ``{"lora_name", "lora_path", "pinned"}``.
+
+        SGLang loads the adapter between scheduler iterations; with ``--max-loaded-loras`` it then
+        unloads least recently used unpinned adapters beyond the cap
+        (``srt/managers/tokenizer_control_mixin.py``).
+
+        Raises:
+            FailedPrecondition: The engine refused (LoRA off, name taken, rank or modules not
+                served, bad path, too many pinned): SGLang's ``error_message``.
+            InvalidArgument: The engine rejected the request body.
+        """
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return await self._lora_call("/load_lora_adapter", body, f"load LoRA adapter {lora_name!r} from {lora_path}")
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoraAdapterResult:
+        """POST ``/unload_lora_adapter`` ``{"lora_name"}``; answers once no request uses the adapter.
+
+        Raises:
+            FailedPrecondition: LoRA off, or no adapter of that name (SGLang's ``error_message``).
+            InvalidArgument: The engine rejected the request body.
+        """
+        return await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name}, f"unload {lora_name!r}")
 
     # ----- weight-update groups -----------------------------------------------------------
     async def _group_call(self, path: str, body: dict[str, Any], timeout_s: float | None) -> WeightUpdateResult:

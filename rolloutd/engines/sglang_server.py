@@ -65,6 +65,14 @@ client sees: routes, methods, body parsing, validation, rids and error shapes, e
   unless the caller pauses around it); ``weight_version`` is recorded only by a successful call
   and ``flush_cache`` is checked as for ``/update_weights_from_disk``.
 
+* LoRA adapters (http_server.py ``/load_lora_adapter``, ``/unload_lora_adapter``, ``/v1/models``;
+  io_struct.py ``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``, ``LoRAUpdateOutput``,
+  ``GenerateReqInput.lora_path``): the tokenizer manager's half lives here (lora_registry.py and
+  tokenizer_control_mixin.py, see :mod:`rolloutd.engines.lora`): names, LRU eviction past
+  ``--max-loaded-loras``, unloads that wait for the requests using an adapter, implicit reloads;
+  the backend loads, validates and applies the adapters (lora_manager.py). A request's adapters
+  are resolved after the pause gate, before its sampling parameters are parsed.
+
 The synthetic engine also serves ``/get_load`` (``serve_get_load``), which sglang-router's
 ``power_of_two`` policy polls; SGLang 0.5.23's own server does not.
 """
@@ -85,7 +93,14 @@ from typing import Any
 from aiohttp import web
 
 from flexmarl.errors import FlexmarlError, InvalidArgument
-from rolloutd.engines.protocol import ContractViolation, SamplingParams, check_sampling_contract, parse_input_ids
+from rolloutd.engines.lora import NOT_ENABLED_MESSAGE, LoraRef, LoraRegistry, LoraSettings, LoraUpdate
+from rolloutd.engines.protocol import (
+    ContractViolation,
+    SamplingParams,
+    check_lora_path_contract,
+    check_sampling_contract,
+    parse_input_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +140,8 @@ class SampleRequest:
     params: SamplingParams
     return_logprob: bool
     created_s: float = dataclasses.field(default_factory=time.monotonic)
+    lora_id: str | None = None  # the adapter the sample runs with (the registry's id); None: the base
+    top_logprobs_num: int = 0  # io_struct.py GenerateReqInput.top_logprobs_num (read with return_logprob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +346,20 @@ class EngineBackend(abc.ABC):
     def server_info(self) -> dict[str, Any]:
         """``/server_info`` fields (server arguments and internal state)."""
 
+    # ----- LoRA adapters (the scheduler's half: sglang/srt/lora/lora_manager.py) -----------------
+    @property
+    @abc.abstractmethod
+    def lora_settings(self) -> LoraSettings:
+        """The server's LoRA flags (its ``--lora-paths`` adapters are loaded before :meth:`start`)."""
+
+    @abc.abstractmethod
+    async def load_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Load ``ref``'s adapter between iterations; SGLang's result (``validate_new_adapter`` errors included)."""
+
+    @abc.abstractmethod
+    async def unload_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
+        """Drop adapter ``ref.lora_id`` (no request uses it any more: the server waited)."""
+
 
 # ----- output objects shared by the backends --------------------------------------------
 def first_sample(job: asyncio.Future[list[dict[str, Any]]]) -> asyncio.Future[dict[str, Any]]:
@@ -364,6 +395,7 @@ def sample_output(
     weight_version: str,
     model_path: str,
     version_changes: Sequence[VersionChange] = (),
+    top_logprobs: Sequence[Sequence[tuple[float, int]]] = (),
 ) -> dict[str, Any]:
     """The ``/generate`` object of a finished (or running-aborted) sample.
 
@@ -386,6 +418,8 @@ def sample_output(
     if request.return_logprob:
         # SGLang's shape: one [logprob, token_id, text-or-null] triple per output token.
         meta_info["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, output_ids, strict=True)]
+        if request.top_logprobs_num:  # tokenizer_manager.py detokenize_top_logprobs_tokens: per token, k triples
+            meta_info["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in top] for top in top_logprobs]
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
 
 
@@ -402,6 +436,7 @@ def queued_abort_output(
     logprobs: Sequence[float] = (),
     text: str = "",
     version_changes: Sequence[VersionChange] = (),
+    top_logprobs: Sequence[Sequence[tuple[float, int]]] = (),
 ) -> dict[str, Any]:
     """The object of a sample aborted in the waiting queue (tokenizer_manager.py ``_handle_abort_req``).
 
@@ -422,6 +457,8 @@ def queued_abort_output(
         meta_info["output_token_logprobs"] = [
             [lp, tid, None] for lp, tid in zip(logprobs[:shown], output_ids[:shown], strict=True)
         ]
+        if request.top_logprobs_num:
+            meta_info["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in top] for top in top_logprobs[:shown]]
     meta_info["completion_tokens"] = shown
     return {"text": text, "output_ids": list(output_ids[:shown]), "meta_info": meta_info}
 
@@ -491,6 +528,9 @@ def _check_generate_fields(body: Mapping[str, Any]) -> None:
         isinstance(logprob, bool) or (isinstance(logprob, list) and all(isinstance(v, bool) for v in logprob))
     ):
         raise _ValidationFailure("return_logprob: Input should be a valid boolean or a list of booleans")
+    top = body.get("top_logprobs_num")
+    if top is not None and not (_is_int(top) or (isinstance(top, list) and all(_is_int(k) for k in top))):
+        raise _ValidationFailure("top_logprobs_num: Input should be a valid integer or a list of integers")
     input_ids = body.get("input_ids")
     if input_ids is not None:
         flat = isinstance(input_ids, list) and all(_is_int(t) for t in input_ids)
@@ -502,10 +542,17 @@ def _check_generate_fields(body: Mapping[str, Any]) -> None:
     sampling = body.get("sampling_params")
     if sampling is not None and not isinstance(sampling, (dict, list)):
         raise _ValidationFailure("sampling_params: Input should be a valid dictionary or list")
+    lora_path = body.get("lora_path")
+    if lora_path is not None and not (
+        isinstance(lora_path, str)
+        or (isinstance(lora_path, list) and all(name is None or isinstance(name, str) for name in lora_path))
+    ):
+        raise _ValidationFailure("lora_path: Input should be a valid string or a list of strings or nulls")
 
 
 def _check_sampling_contracts(body: Mapping[str, Any]) -> None:
-    """The contract gate on every ``sampling_params`` object (raises :class:`ContractViolation`)."""
+    """The contract gate on every ``sampling_params`` object and ``lora_path`` (raises :class:`ContractViolation`)."""
+    check_lora_path_contract(body.get("lora_path"))
     sampling = body.get("sampling_params")
     if sampling is not None:
         for wire in sampling if isinstance(sampling, list) else [sampling]:
@@ -606,6 +653,19 @@ def _shape_list(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
     return [tuple(int(dim) for dim in shape) for shape in value]
 
 
+def _model_card(model_id: str, root: str, parent: str | None, max_model_len: Any, created: int) -> dict[str, Any]:
+    """sglang/srt/entrypoints/openai/protocol.py ``ModelCard``."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "sglang",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+    }
+
+
 class SGLangServer:
     """SGLang's native HTTP API around one :class:`EngineBackend` (one aiohttp app, one port)."""
 
@@ -626,6 +686,7 @@ class SGLangServer:
         self._updating = 0
         # The tokenizer manager's weight_version (/model_info): set by a successful update only.
         self._info_weight_version: str | None = None
+        self._lora = LoraRegistry(backend.lora_settings)
 
     @property
     def paused(self) -> bool:
@@ -657,6 +718,9 @@ class SGLangServer:
         app.router.add_post("/begin_weight_update", self.begin_weight_update)
         app.router.add_post("/end_weight_update", self.end_weight_update)
         app.router.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
+        app.router.add_get("/v1/models", self.available_models)
         if self.serve_get_load:
             app.router.add_get("/get_load", self.get_load)
         return app
@@ -718,13 +782,22 @@ class SGLangServer:
 
     async def _run(self, body: Mapping[str, Any], layout: _Layout) -> web.Response:
         try:
-            samples = self._samples(body, layout)
+            lora_ids = await self._resolve_lora(body, layout)
+        except ValueError as exc:
+            return value_error(str(exc))
+        futures: list[asyncio.Future[dict[str, Any]]] = []
+        try:
+            samples = self._samples(body, layout, lora_ids)
             for sample in samples:
                 self.backend.check(sample)
-            futures = [self.backend.submit(sample) for sample in samples]
+            for sample in samples:
+                futures.append(self.backend.submit(sample))
+                futures[-1].add_done_callback(self._lora_releaser(sample.lora_id))
         except InvalidArgument as exc:
+            self._release_unsubmitted(lora_ids, len(futures))
             return value_error(str(exc))
         except FlexmarlError as exc:
+            self._release_unsubmitted(lora_ids, len(futures))
             return value_error(str(exc), status=503)
         try:
             outputs = await asyncio.gather(*futures)
@@ -765,20 +838,175 @@ class SGLangServer:
             rids = [uuid.uuid4().hex for _ in range(len(prompts) * n)]
         return _Layout(prompts, params_list, rids, max(n, 1), not batch and n == 1)
 
-    def _samples(self, body: Mapping[str, Any], layout: _Layout) -> list[SampleRequest]:
+    def _samples(self, body: Mapping[str, Any], layout: _Layout, lora_ids: Sequence[str | None]) -> list[SampleRequest]:
         """The samples of a laid-out body, their sampling parameters parsed (after the pause gate)."""
         engine = f"the {self.backend.name} engine"
         parsed = [SamplingParams.from_wire(raw, engine=engine) for raw in layout.params]
         logprob_field = body.get("return_logprob")
+        top_field = body.get("top_logprobs_num") or 0
+        if isinstance(top_field, list) and len(top_field) != len(layout.prompts):
+            raise InvalidArgument("top_logprobs_num must have one entry per prompt")
         samples: list[SampleRequest] = []
-        rids = iter(layout.rids)
+        rids, adapters = iter(layout.rids), iter(lora_ids)
         for index, (prompt, params) in enumerate(zip(layout.prompts, parsed, strict=True)):
             wants = logprob_field[index] if isinstance(logprob_field, list) else bool(logprob_field)
+            top = int(top_field[index] if isinstance(top_field, list) else top_field)
             one = dataclasses.replace(params, n=1)
             samples += [
-                SampleRequest(next(rids), tuple(prompt), one, wants, layout.created_s) for _ in range(layout.n)
+                SampleRequest(next(rids), tuple(prompt), one, wants, layout.created_s, next(adapters),
+                              top_logprobs_num=max(top, 0))
+                for _ in range(layout.n)
             ]
         return samples
+
+    # ----- LoRA adapters (tokenizer_manager.py, tokenizer_control_mixin.py, lora_registry.py) --------
+    @staticmethod
+    def _lora_names(body: Mapping[str, Any], layout: _Layout) -> list[str | None] | None:
+        """The adapter name of every sample (prompt-major, as :meth:`_samples`); None without ``lora_path``.
+
+        io_struct.py ``_normalize_lora_paths``: a string names the adapter of every prompt; a list
+        names one per prompt (an entry null: the base) and must have one entry per prompt.
+        """
+        lora_path = body.get("lora_path")
+        if not lora_path:  # _validate_and_resolve_lora: None, "" or [] run on the base
+            return None
+        count = len(layout.prompts)
+        if isinstance(lora_path, str):
+            per_prompt: list[str | None] = [lora_path] * count
+        else:
+            if len(lora_path) != count:
+                raise ValueError(f"lora_path list length ({len(lora_path)}) must match batch size ({count})")
+            per_prompt = list(lora_path)
+        return [name for name in per_prompt for _ in range(layout.n)]
+
+    async def _resolve_lora(self, body: Mapping[str, Any], layout: _Layout) -> list[str | None]:
+        """tokenizer_manager.py ``_validate_and_resolve_lora``: each sample's adapter id, counted as in use.
+
+        An adapter that was loaded once and unloaded since is loaded again from its path (SGLang's
+        "Reloading evicted adapter"); a name never loaded is an error.
+
+        Raises:
+            ValueError: LoRA off, too many adapters, an unknown name, or a failed implicit reload.
+        """
+        names = self._lora_names(body, layout)
+        if names is None:
+            return [None] * (len(layout.prompts) * layout.n)
+        registry = self._lora
+        registry.check_request(names)
+        for name in registry.unregistered(dict.fromkeys(names)):
+            if name is None:
+                continue
+            ref = registry.ref_cache.get(name)
+            if ref is None:
+                raise registry.never_loaded(name)
+            logger.info("Reloading evicted adapter: %s", name)
+            result = await self._load_lora(ref.lora_name, ref.lora_path, ref.pinned)
+            if not result.success and "already loaded" not in (result.error_message or ""):
+                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {result.error_message}")
+        return registry.acquire(names)
+
+    def _lora_releaser(self, lora_id: str | None) -> Callable[[asyncio.Future[dict[str, Any]]], None]:
+        """A done-callback that releases a finished sample's adapter (``_release_lora_once``)."""
+
+        def release(_: asyncio.Future[dict[str, Any]]) -> None:
+            self._lora.release(lora_id)
+
+        return release
+
+    def _release_unsubmitted(self, lora_ids: Sequence[str | None], submitted: int) -> None:
+        for lora_id in lora_ids[submitted:]:
+            self._lora.release(lora_id)
+
+    async def _load_lora(self, lora_name: str, lora_path: str, pinned: bool) -> LoraUpdate:
+        """tokenizer_control_mixin.py ``load_lora_adapter``: load, register, then evict LRU adapters past the cap."""
+        registry = self._lora
+        if not registry.enabled:
+            return LoraUpdate(False, NOT_ENABLED_MESSAGE)
+        try:
+            async with registry.lock:
+                if lora_name in registry.pending_unloads:
+                    raise ValueError(
+                        f"LoRA adapter '{lora_name}' has an incomplete unload. "
+                        "Retry the unload before loading it again."
+                    )
+                ref = LoraRef.new(lora_name, lora_path, pinned)
+                result = await self.backend.load_lora_adapter(ref)
+                if result.success:
+                    registry.register(ref)
+                limit = registry.settings.max_loaded_loras
+                loaded = dict(result.loaded_adapters or {})
+                while limit is not None and len(registry.adapters()) > limit:
+                    lru = registry.lru_name(exclude_pinned=True)
+                    if lru is None:
+                        raise ValueError(
+                            "Didn't find any LoRA adapters when trying to evict LRU LoRA adapter. "
+                            f"LoRA registry is: {registry.adapters()}"
+                        )
+                    logger.info("Unloading least recently used LoRA adapter '%s'", lru)
+                    unloaded = await self._unload_lora_locked(lru)
+                    if not unloaded.success:
+                        raise ValueError(f"Error while unloading LRU LoRA adapter '{lru}': {unloaded.error_message}")
+                    loaded.pop(lru, None)
+                return dataclasses.replace(result, loaded_adapters=None if result.loaded_adapters is None else loaded)
+        except ValueError as exc:
+            return LoraUpdate(False, str(exc))
+
+    async def _unload_lora_locked(self, lora_name: str) -> LoraUpdate:
+        """``_unload_lora_adapter_locked``: unregister, wait until no request uses it, then unload."""
+        registry = self._lora
+        lora_id = registry.pending_unloads.get(lora_name)
+        if lora_id is None:
+            lora_id = registry.unregister(lora_name)
+            registry.pending_unloads[lora_name] = lora_id
+        await registry.wait_for_unload(lora_id)
+        result = await self.backend.unload_lora_adapter(LoraRef(lora_id, lora_name, ""))
+        if result.success:
+            registry.pending_unloads.pop(lora_name, None)
+        return result
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """``/load_lora_adapter`` ``{"lora_name", "lora_path", "pinned"}``: LoRAUpdateOutput, 200 or 400."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            lora_name, lora_path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
+            pinned = _lax_bool(body.get("pinned", False), "pinned")
+            _optional_str(body, "lora_id", None)
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        result = await self._load_lora(lora_name, lora_path, pinned)
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """``/unload_lora_adapter`` ``{"lora_name"}``: waits for the requests using it; 200 or 400."""
+        try:
+            body = await _json_object(request)
+            _check_base_req_fields(body)
+            lora_name = _required_str(body, "lora_name")
+            _optional_str(body, "lora_id", None)
+        except _ValidationFailure as exc:
+            return validation_error(str(exc))
+        if not self._lora.enabled:
+            result = LoraUpdate(False, NOT_ENABLED_MESSAGE)
+        else:
+            try:
+                async with self._lora.lock:
+                    result = await self._unload_lora_locked(lora_name)
+            except ValueError as exc:
+                result = LoraUpdate(False, str(exc))
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def available_models(self, request: web.Request) -> web.Response:
+        """``/v1/models``: the base model, then every loaded adapter with the base as its parent."""
+        info = self.backend.model_info()
+        served = str(info.get("served_model_name") or info.get("model_path") or "")
+        context = self.backend.server_info().get("context_length")
+        created = int(time.time())
+        cards: list[dict[str, Any]] = [_model_card(served, served, None, context, created)]
+        if self._lora.enabled:
+            for ref in self._lora.adapters().values():
+                cards.append(_model_card(ref.lora_name, ref.lora_path, served, None, created))
+        return web.json_response({"object": "list", "data": cards})
 
     @staticmethod
     def _prompt_rids(rid: Any, count: int, batch: bool) -> list[str]:

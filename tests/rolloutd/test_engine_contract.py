@@ -370,6 +370,24 @@ async def test_health_info_and_weight_versions(engine_served: Any, tmp_path: Pat
 
 
 # ----- sampling and seeds (sampling_batch_info.py, sampler.py): embedded only -------------------
+async def test_lora_routes_without_enable_lora(engine_served: Any) -> None:
+    # tokenizer_control_mixin.py / tokenizer_manager.py: a server launched without --enable-lora
+    # serves the LoRA routes and refuses with LoRAUpdateOutput (400); /generate names the adapter.
+    not_enabled = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    url = engine_served.url
+    for path, body in (("/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}),
+                       ("/unload_lora_adapter", {"lora_name": "a"})):
+        status, payload = await _call(url, "POST", path, body)
+        assert (status, payload) == (400, {"rid": None, "http_worker_ipc": None, "success": False,
+                                           "error_message": not_enabled, "loaded_adapters": None})
+    status, payload = await _call(url, "POST", "/load_lora_adapter", {"lora_path": "/p"})
+    assert status == 400 and payload["object"] == "error"  # lora_name is required (FastAPI validation)
+    status, payload = await _call(url, "POST", "/generate", {"input_ids": list(PROMPT), "lora_path": "a"})
+    assert status == 400 and "LoRA adapter 'a' was requested, but LoRA is not enabled" in payload["error"]["message"]
+    status, payload = await _call(url, "GET", "/v1/models")
+    assert status == 200 and len(payload["data"]) == 1 and payload["data"][0]["object"] == "model"
+
+
 async def test_seeds_are_ignored_without_deterministic_inference_embedded(engine_replica: EngineReplica) -> None:
     body = {"input_ids": list(PROMPT), "sampling_params": {"max_new_tokens": 8, "sampling_seed": 11, "n": 4}}
     first, second = await _generate(engine_replica.url, body), await _generate(engine_replica.url, body)

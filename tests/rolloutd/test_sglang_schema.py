@@ -19,7 +19,9 @@ installed wheel (``pip install --no-deps sglang==0.5.23``, done by ``./dev.sh se
   ``PauseGenerationReqInput`` / ``ContinueGenerationReqInput``, validated the way FastAPI does it (a pydantic
   ``TypeAdapter`` over the struct's own ``__get_pydantic_core_schema__``) and also built with
   ``**body``, which rejects keys SGLang would silently drop; abort bodies also pass api_types.py
-  ``AbortRequest.from_json_value``.
+  ``AbortRequest.from_json_value``. So are the ``/load_lora_adapter`` and ``/unload_lora_adapter``
+  bodies (``LoadLoRAAdapterReqInput``, ``UnloadLoRAAdapterReqInput``); ``/generate`` bodies with
+  ``lora_path`` (a string, or one entry per prompt) go through ``GenerateReqInput`` as above.
 - every (method, path): a route of ``sglang/srt/entrypoints/http_server.py`` (or the ``/v1/loads``
   router of ``v1_loads.py`` it includes), read from the decorators in the installed source.
 
@@ -113,6 +115,8 @@ _CONTROL_STRUCTS = (
     "DestroyWeightsUpdateGroupReqInput",
     "BeginWeightUpdateReqInput",
     "EndWeightUpdateReqInput",
+    "LoadLoRAAdapterReqInput",
+    "UnloadLoRAAdapterReqInput",
 )
 # Route -> its body's struct.
 _BODY_STRUCTS = {
@@ -125,6 +129,8 @@ _BODY_STRUCTS = {
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/begin_weight_update": "BeginWeightUpdateReqInput",
     "/end_weight_update": "EndWeightUpdateReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
 }
 # Weight-update-group routes: SGLang answers {"success", "message"} (http_server.py).
 _GROUP_ROUTES = (
@@ -288,6 +294,13 @@ class CaptureServer:
             return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
         if request.method == "POST" and request.path in _GROUP_ROUTES:
             return web.json_response({"success": True, "message": "Success"})
+        if route in (("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter")):
+            # LoRAUpdateOutput as msgspec_to_builtins writes it (http_server.py).
+            loaded = {body["lora_name"]: body["lora_path"]} if request.path == "/load_lora_adapter" else {}
+            return web.json_response(
+                {"rid": None, "http_worker_ipc": None, "success": True, "error_message": None,
+                 "loaded_adapters": loaded}
+            )
         if route == ("POST", "/pause_generation"):
             return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
         if route == ("POST", "/continue_generation"):
@@ -368,6 +381,8 @@ GENERATE_CASES: dict[str, GenerationRequest] = {
     "stop-strings": GenerationRequest(PROMPT, SamplingParams(stop=("\n\n", "</answer>"), no_stop_trim=True)),
     "explicit-rid": GenerationRequest(PROMPT, SamplingParams(max_new_tokens=2), rid="episode-3-turn-0"),
     "zero-new-tokens": GenerationRequest(PROMPT, SamplingParams(max_new_tokens=0), return_logprob=False),
+    "lora": GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4), lora_path="job/agent@v1"),
+    "lora-n4": GenerationRequest(PROMPT, SamplingParams(n=4, max_new_tokens=4), lora_path="job/agent@v1"),
 }
 
 
@@ -409,6 +424,11 @@ async def _drive_client(server: CaptureServer) -> None:
         )
         await client.end_weight_update()
         await client.destroy_weights_update_group()
+        # An adapter version, as rolloutd publishes one (a PEFT directory under a versioned name).
+        loaded = await client.load_lora_adapter("job/agent@v1", "/ckpt/agent/v1")
+        assert loaded.loaded_adapters == {"job/agent@v1": "/ckpt/agent/v1"}
+        await client.load_lora_adapter("job/agent@v2", "/ckpt/agent/v2", pinned=True)
+        await client.unload_lora_adapter("job/agent@v1")
 
 
 @pytest.fixture
@@ -482,6 +502,8 @@ async def test_generate_bodies_carry_what_was_asked(captured: CaptureServer) -> 
     assert by_case["greedy"]["return_logprob"] is False
     assert by_case["greedy-logprobs"]["return_logprob"] is True
     assert by_case["explicit-rid"]["rid"] == "episode-3-turn-0"
+    assert by_case["lora"]["lora_path"] == by_case["lora-n4"]["lora_path"] == "job/agent@v1"
+    assert not any("lora_path" in body for case, body in by_case.items() if not case.startswith("lora"))
     assert all(body["stream"] is False and "input_ids" in body and "text" not in body for body in by_case.values())
 
 
@@ -505,6 +527,31 @@ async def test_weight_group_bodies_pass_sglang(captured: CaptureServer, sglang_s
     updates = captured.bodies("/update_weights_from_distributed")
     assert "weight_version" not in updates[0] and updates[1]["weight_version"] == "5"  # the last bucket only
     assert updates[2]["load_format"] == "flattened_bucket" and updates[2]["group_name"] == "g2"
+
+
+async def test_lora_adapter_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
+    loads = captured.bodies("/load_lora_adapter")
+    assert loads == [
+        {"lora_name": "job/agent@v1", "lora_path": "/ckpt/agent/v1", "pinned": False},
+        {"lora_name": "job/agent@v2", "lora_path": "/ckpt/agent/v2", "pinned": True},
+    ]
+    for body in loads:
+        _check_struct_body(sglang_schema, "LoadLoRAAdapterReqInput", body)
+    unloads = captured.bodies("/unload_lora_adapter")
+    assert unloads == [{"lora_name": "job/agent@v1"}]
+    for body in unloads:
+        _check_struct_body(sglang_schema, "UnloadLoRAAdapterReqInput", body)
+
+
+def test_lora_path_forms_the_engines_accept_pass_sglang(sglang_schema: SGLangSchema) -> None:
+    # A batch naming one adapter (or the base: null) per prompt, as rolloutd's engines take it.
+    batch = {**_valid_body(), "input_ids": [list(PROMPT), list(PROMPT)], "rid": ["x", "y"]}
+    _check_generate_body(sglang_schema, {**batch, "lora_path": ["job/a@v1", None]})
+    _check_generate_body(sglang_schema, {**batch, "lora_path": "job/a@v1"})
+    with pytest.raises((ValueError, TypeError)):
+        _check_generate_body(sglang_schema, {**_valid_body(), "lora_path": 3})  # the contract gate
+    with pytest.raises((ValueError, TypeError)):
+        _check_generate_body(sglang_schema, {**batch, "lora_path": {"a": 1}})
 
 
 async def test_abort_bodies_pass_sglang(captured: CaptureServer, sglang_schema: SGLangSchema) -> None:
@@ -573,7 +620,9 @@ def test_route_table_is_read_from_sglang(sglang_schema: SGLangSchema) -> None:
     assert {("POST", "/generate"), ("PUT", "/generate"), ("POST", "/update_weights_from_disk"),
             ("POST", "/pause_generation"), ("POST", "/continue_generation"),
             ("POST", "/abort_request"), ("GET", "/health"), ("GET", "/health_generate"), ("GET", "/v1/loads"),
-            ("POST", "/flush_cache"), ("GET", "/model_info"), ("GET", "/server_info")} <= sglang_schema.routes
+            ("POST", "/flush_cache"), ("GET", "/model_info"), ("GET", "/server_info"),
+            ("POST", "/load_lora_adapter"), ("POST", "/unload_lora_adapter"),
+            ("GET", "/v1/models")} <= sglang_schema.routes
 
 
 def test_fake_generate_answers_are_sglang_shaped(sglang_schema: SGLangSchema) -> None:
@@ -677,6 +726,12 @@ def test_unknown_top_level_key_is_flagged(sglang_schema: SGLangSchema) -> None:
         ("UpdateWeightsFromDistributedReqInput", {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]],
                                                   "selector": "both"}),
         ("DestroyWeightsUpdateGroupReqInput", {"group_name": 3}),
+        # What rolloutd's engines refuse on the LoRA routes.
+        ("LoadLoRAAdapterReqInput", {"lora_name": "a"}),  # lora_path is required
+        ("LoadLoRAAdapterReqInput", {"lora_name": "a", "lora_path": "/p", "pinned": "maybe"}),
+        ("LoadLoRAAdapterReqInput", {"name": "a", "lora_path": "/p"}),
+        ("UnloadLoRAAdapterReqInput", {}),
+        ("UnloadLoRAAdapterReqInput", {"lora_name": 3}),
     ],
 )
 def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, body: dict[str, Any]) -> None:
@@ -697,6 +752,8 @@ def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, 
         ("UpdateWeightsFromDistributedReqInput", {"names": [], "dtypes": [], "shapes": [], "flush_cache": "off"}),
         ("BeginWeightUpdateReqInput", {"selector": "target"}),
         ("EndWeightUpdateReqInput", {}),
+        ("LoadLoRAAdapterReqInput", {"lora_name": "a", "lora_path": "/p", "pinned": "yes"}),  # lax booleans
+        ("UnloadLoRAAdapterReqInput", {"lora_name": "a", "rid": "r"}),
     ],
 )
 def test_control_bodies_rolloutds_engines_accept_pass_sglang(
