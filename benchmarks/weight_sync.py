@@ -1,4 +1,4 @@
-"""Version-change-to-serving latency: disk sync vs distributed sync (broadcast over a weight-update group).
+"""Version-change-to-serving latency: disk sync vs distributed sync (the integration of issue 16).
 
 Usage: python benchmarks/weight_sync.py [--rounds 3] [--layers 12] [--hidden 768] [--intermediate 3072]
 
@@ -10,12 +10,17 @@ version" (``/model_info`` reports it):
 * disk: publish a safetensors checkpoint as traind does (``save_pretrained`` beside the target,
   tokenizer copied, renamed into place; a ``file://`` location), then ``/update_weights_from_disk``
   on both replicas at once;
-* distributed (fp32 and bf16 on the wire): pause both replicas in place, rank 0
-  (:class:`traind.weight_sync.WeightBroadcaster`, gloo) broadcasts the parameters in 256 MiB
-  buckets through ``/begin_weight_update``, ``/update_weights_from_distributed`` per bucket,
-  ``/end_weight_update``, continue. The group is formed once beforehand (membership changes only
-  at version boundaries); the durable copy is still written, after the replicas serve (off the
-  critical path): its time is reported beside.
+* distributed (fp32 and bf16 on the wire): the production path of ``rollout.weight_sync:
+  distributed`` minus the two RPC hops (AnnounceWeights, the WatchAgentVersions event): traind's
+  :class:`traind.weight_sync.AgentBroadcast` announces the version (bucket plan, 256 MiB
+  buckets) and pushes it on a thread while the durable copy is written on another (as
+  ``traind/worker.py`` does: the commit waits for both), and rolloutd's router
+  (:meth:`rolloutd.router.RolloutRouter.receive_broadcast`: drain the replicas, answer rank 0 on
+  its store, replay the plan with ``/begin_weight_update``, ``/update_weights_from_distributed``
+  per bucket, ``/end_weight_update``, verify ``/model_info``) brings both replicas to the version.
+  The group is formed by a first version before the timed rounds (membership changes only at
+  version boundaries; the formation time is reported). The time until the durable copy is
+  written too (the commit could go out) is reported beside.
 
 After the last distributed round, a greedy generation's logprobs on each replica are checked
 against the trainer's forward pass (the broadcast delivered the right weights).
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -56,12 +62,14 @@ from benchmarks.report import Column, render_table  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch  # noqa: E402
-from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams  # noqa: E402
+from rolloutd.engines.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from rolloutd.engines.sglang_client import SGLangClient  # noqa: E402
-from traind.weight_sync import ReplicaGroup, WeightBroadcaster  # noqa: E402
+from rolloutd.router import Replica, RolloutRouter  # noqa: E402
+from traind.weight_sync import AgentBroadcast, distinct_tensors  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "weight_sync.json"
 REPLICAS = 2
+AGENT = "bench/agent"
 BUCKET_BYTES = 256 * 1024 * 1024
 MIB = 1024 * 1024
 # Storage assumptions of the modelled rows (bytes/s): (label, write, read).
@@ -109,24 +117,37 @@ async def _disk_round(model: Any, checkpoint: Path, clients: list[SGLangClient],
     return seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedRound:
+    """One distributed version: to serving, to commit-ready (durable copy written too), rank 0's broadcast."""
+
+    serving_s: float
+    commit_s: float
+    broadcast_s: float
+
+
 async def _distributed_round(
-    model: Any, checkpoint: Path, group: ReplicaGroup, clients: list[SGLangClient], out: Path, version: str,
-    send_dtype: torch.dtype | None,
-) -> tuple[float, float]:
-    """Seconds to serving, and seconds of the durable write after it."""
+    model: Any, checkpoint: Path, router: RolloutRouter, broadcast: AgentBroadcast, clients: list[SGLangClient],
+    out: Path, version: int, send_dtype: torch.dtype | None,
+) -> DistributedRound:
+    """traind's side (announce, push beside the durable write) and rolloutd's (receive_broadcast), concurrently."""
     started_s = time.perf_counter()
-    await asyncio.gather(*(client.pause_generation(PauseMode.IN_PLACE) for client in clients))
-    params = dict(model.named_parameters())
-    await group.push_version(params, version, bucket_bytes=BUCKET_BYTES, send_dtype=send_dtype)
-    await asyncio.gather(*(client.continue_generation() for client in clients))
-    await _serving(clients, version)
+    params = distinct_tensors({name: t.detach() for name, t in model.state_dict().items()})
+    broadcast.send_dtype = send_dtype
+    record = await asyncio.to_thread(broadcast.announce, params)
+    push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, version, record))
+    target = out / f"v{version}"
+    durable = asyncio.ensure_future(asyncio.to_thread(_publish, model, checkpoint, target))
+    outcome = await router.receive_broadcast(AGENT, version, record)
+    if outcome is None or outcome.failed or len(outcome.served) != len(clients):
+        raise RuntimeError(f"v{version} did not reach every replica: {outcome}")
+    await _serving(clients, str(version))
     serving_s = time.perf_counter() - started_s
-    durable_started_s = time.perf_counter()
-    target = out / version
-    await asyncio.to_thread(_publish, model, checkpoint, target)  # off the critical path: replicas already serve
-    durable_s = time.perf_counter() - durable_started_s
+    report = await push
+    await durable
+    commit_s = time.perf_counter() - started_s
     shutil.rmtree(target, ignore_errors=True)
-    return serving_s, durable_s
+    return DistributedRound(serving_s, commit_s, report.seconds if report is not None else float("nan"))
 
 
 async def _check_logprobs(model: Any, clients: list[SGLangClient]) -> float:
@@ -176,35 +197,42 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         clients = [SGLangClient(replica.url, request_timeout_s=900) for replica in replicas]
         out = work / "published"
         out.mkdir()
-        group = ReplicaGroup(WeightBroadcaster(world_size=REPLICAS + 1, timeout_s=600), clients)
-        formed_s = time.perf_counter()
-        await group.open()
-        formed_s = time.perf_counter() - formed_s
+
+        async def resolve(uri: str) -> str:
+            return uri
+
+        router = RolloutRouter([Replica(f"r{i}", client, AGENT, 0) for i, client in enumerate(clients)], resolve)
+        await router.set_agents([AGENT])
+        router.require(AGENT, 0, str(checkpoint))
+        router.set_distributed_sync(AGENT, True)
+        broadcast = AgentBroadcast("bench", "agent", timeout_s=600, bucket_bytes=BUCKET_BYTES)
+        version = 1  # the first version forms the group (a new epoch); the timed ones keep it
+        formed = await _distributed_round(model, checkpoint, router, broadcast, clients, out, version, None)
         disk: list[float] = []
-        fp32: list[float] = []
-        bf16: list[float] = []
-        durable: list[float] = []
-        version = 0
+        fp32: list[DistributedRound] = []
+        bf16: list[DistributedRound] = []
         for round_index in range(args.rounds):  # interleaved, so load from other work hits all alike
             for kind in ("disk", "fp32", "bf16"):
                 version += 1
                 _next_version(model, version)
-                name = f"v{version}"
                 if kind == "disk":
-                    disk.append(await _disk_round(model, checkpoint, clients, out, name))
+                    disk.append(await _disk_round(model, checkpoint, clients, out, str(version)))
+                    router.require(AGENT, version, str(out / str(version)))
+                    for routed in router.replicas():  # what the router's own disk reload records
+                        routed.loaded_version = version
                 else:
                     dtype = torch.bfloat16 if kind == "bf16" else None
-                    serving_s, durable_s = await _distributed_round(model, checkpoint, group, clients, out, name,
-                                                                    dtype)
-                    (bf16 if kind == "bf16" else fp32).append(serving_s)
-                    durable.append(durable_s)
-            print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, distributed fp32 {fp32[-1]:.2f}s, "
-                  f"bf16 {bf16[-1]:.2f}s", flush=True)
+                    done = await _distributed_round(model, checkpoint, router, broadcast, clients, out, version,
+                                                    dtype)
+                    (bf16 if kind == "bf16" else fp32).append(done)
+            print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, distributed fp32 {fp32[-1].serving_s:.2f}s, "
+                  f"bf16 {bf16[-1].serving_s:.2f}s", flush=True)
         # The last round was bf16: push fp32 once more so the engines hold exactly the trainer's weights.
         version += 1
-        await _distributed_round(model, checkpoint, group, clients, out, f"v{version}", None)
+        await _distributed_round(model, checkpoint, router, broadcast, clients, out, version, None)
         max_logprob_error = await _check_logprobs(model, clients)
-        await group.close()
+        broadcast.close()
+        await router.close()
         for client in clients:
             await client.close()
     finally:
@@ -218,16 +246,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "replicas": REPLICAS,
         "rounds": args.rounds,
         "bucket_bytes": BUCKET_BYTES,
-        "group_formation_s": formed_s,
-        "cpu_seconds": {"disk": disk, "distributed_fp32": fp32, "distributed_bf16": bf16, "durable_write": durable},
+        "first_version_with_group_formation_s": formed.serving_s,
+        "cpu_seconds": {
+            "disk": disk,
+            "distributed_fp32": [r.serving_s for r in fp32], "distributed_bf16": [r.serving_s for r in bf16],
+            "commit_ready_fp32": [r.commit_s for r in fp32], "commit_ready_bf16": [r.commit_s for r in bf16],
+            "broadcast_fp32": [r.broadcast_s for r in fp32], "broadcast_bf16": [r.broadcast_s for r in bf16],
+        },
         "cpu_median_s": {
             "disk": statistics.median(disk),
-            "distributed_fp32": statistics.median(fp32),
-            "distributed_bf16": statistics.median(bf16),
-            "durable_write": statistics.median(durable),
+            "distributed_fp32": statistics.median(r.serving_s for r in fp32),
+            "distributed_bf16": statistics.median(r.serving_s for r in bf16),
+            "commit_ready_fp32": statistics.median(r.commit_s for r in fp32),
+            "commit_ready_bf16": statistics.median(r.commit_s for r in bf16),
+            "broadcast_fp32": statistics.median(r.broadcast_s for r in fp32),
+            "broadcast_bf16": statistics.median(r.broadcast_s for r in bf16),
         },
-        "speedup_fp32": statistics.median(disk) / statistics.median(fp32),
-        "speedup_bf16": statistics.median(disk) / statistics.median(bf16),
+        "speedup_fp32": statistics.median(disk) / statistics.median(r.serving_s for r in fp32),
+        "speedup_bf16": statistics.median(disk) / statistics.median(r.serving_s for r in bf16),
         "max_logprob_error": max_logprob_error,
         "modelled": {"profile": profile.name, "model_params": profile.model_params,
                      "weight_bytes": profile.weight_bytes, "rows": _modelled_rows(profile)},
@@ -243,12 +279,15 @@ def render(result: dict[str, Any]) -> str:
     rows = [
         ("disk (publish safetensors + /update_weights_from_disk)", disk_s, 1.0),
         ("distributed, fp32 on the wire", med["distributed_fp32"], disk_s / med["distributed_fp32"]),
+        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_fp32"], None),
+        ("  commit ready (durable copy written beside)", med["commit_ready_fp32"], None),
         ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"]),
-        ("  durable copy after (off the critical path)", med["durable_write"], None),
+        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_bf16"], None),
+        ("  commit ready (durable copy written beside)", med["commit_ready_bf16"], None),
     ]
     lines += render_table(columns, rows, sep="  ")
-    lines.append(f"group formed once in {result['group_formation_s']:.2f}s; served logprobs vs the trainer's "
-                 f"forward pass: max |diff| {result['max_logprob_error']:.1e}")
+    lines.append(f"first version (forms the group) {result['first_version_with_group_formation_s']:.2f}s; served "
+                 f"logprobs vs the trainer's forward pass: max |diff| {result['max_logprob_error']:.1e}")
     modelled = result["modelled"]
     lines.append("")
     lines.append(f"modelled ({modelled['profile']}, {modelled['model_params'] / 1e9:.1f} B parameters, "

@@ -23,7 +23,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.connections import PeerConnections
-from flexmarl.errors import ErrorReason, InvalidArgument, Unavailable
+from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
@@ -32,6 +32,7 @@ from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.tracking import StepTracking
 from flexmarl.v1 import rollout_pb2_grpc
+from flexmarl.weight_group import WeightGroupRecord
 from orchestratord import serde
 from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.metrics import OrchestratorMetrics
@@ -138,6 +139,8 @@ class JobCoordinator:
         self._directories: list[ServiceDirectory] = []
         self._known_workers: dict[str, set[str]] = {"rolloutd": set(), "traind": set()}
         self._last_commit_s: dict[tuple[str, str], float] = {}
+        #: (job, agent) -> the version being broadcast and its weight-update group (announce_weights).
+        self._weight_groups: dict[tuple[str, str], tuple[int, WeightGroupRecord]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._rollout_channels: dict[str, grpc.aio.Channel] = {}
         #: Generated tokens per second of each agent's last step (JobStatus, progress bars).
@@ -496,6 +499,38 @@ class JobCoordinator:
         """Committed versions of a job's agents ([] for all jobs when job_id is empty)."""
         jobs = [self.planner.job(job_id)] if job_id else self.planner.jobs()
         return [v for job in jobs for v in job.versions()]
+
+    def announced_weights(self, job_id: str) -> list[tuple[AgentVersion, WeightGroupRecord]]:
+        """Versions being broadcast and not committed yet, with their groups ([] for all jobs when job_id is empty)."""
+        out = []
+        for (job, agent), (version, record) in list(self._weight_groups.items()):
+            if job_id and job != job_id:
+                continue
+            try:
+                committed = self.planner.job(job).version(agent)
+            except FlexmarlError:  # the job ended and was deleted
+                self._weight_groups.pop((job, agent), None)
+                continue
+            if version > committed:
+                out.append((AgentVersion(job, agent, version, ""), record))
+        return out
+
+    async def announce_weights(self, job_id: str, agent: str, version: int, record: WeightGroupRecord) -> None:
+        """Rank 0 of an agent is about to broadcast ``version`` over ``record``'s group (weight_sync: distributed).
+
+        Kept in memory only, never in etcd: the record names a socket of a live trainer process,
+        worthless after either restarts; the next version announces again (and a replica that
+        missed one loads the committed checkpoint).
+
+        Raises:
+            NotFound: No such job or agent.
+            FailedPrecondition: ``version`` is not newer than the agent's committed version.
+        """
+        committed = self.planner.job(job_id).version(agent)
+        if version <= committed:
+            raise FailedPrecondition(f"{job_id}/{agent}: v{version} is not newer than the committed v{committed}")
+        self._weight_groups[(job_id, agent)] = (version, record)
+        await self._notify()
 
     async def history(self, job_id: str) -> list[dict[str, Any]]:
         """Per-step records of a job."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from flexmarl import weight_group
 from flexmarl.errors import InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
+from flexmarl.weight_group import WeightGroupRecord
 from orchestratord.binding import DataParallelGroup
 from orchestratord.planner import (
     AgentVersion,
@@ -65,6 +67,19 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
 def agent_version(v: AgentVersion) -> common_pb2.AgentVersion:
     """An agent version message."""
     return common_pb2.AgentVersion(job_id=v.job_id, agent=v.agent, version=v.version, weights_uri=v.weights_uri)
+
+
+def announced_version(v: AgentVersion, record: WeightGroupRecord) -> common_pb2.AgentVersion:
+    """A version being broadcast: no weights_uri yet, its weight-update group."""
+    return common_pb2.AgentVersion(job_id=v.job_id, agent=v.agent, version=v.version,
+                                   weight_group=weight_group.to_message(record))
+
+
+def weight_group_record(msg: orchestrator_pb2.AnnounceWeightsRequest) -> WeightGroupRecord:
+    """The group an AnnounceWeights request names; raises InvalidArgument for a malformed one."""
+    if not msg.HasField("weight_group"):
+        raise InvalidArgument("weight_group: required")
+    return weight_group.from_message(msg.weight_group)
 
 
 def rollout_task(task: RolloutTaskLease, spec_digest: str) -> orchestrator_pb2.RolloutTask:
@@ -125,6 +140,13 @@ def dp_group(group: DataParallelGroup | None, rank: int) -> orchestrator_pb2.Dat
         member_slot_ids=list(group.members), timeout_s=group.timeout_s)
 
 
+def _step_returns(stats: tuple[int, float, float] | None) -> dict[str, Any]:
+    """MicroBatchWork's step_return_* fields (none set when the agent needs no step statistics)."""
+    if stats is None:
+        return {}
+    return {"step_return_count": stats[0], "step_return_mean": stats[1], "step_return_std": stats[2]}
+
+
 def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2.PollTrainerWorkResponse:
     """Trainer work as the oneof of PollTrainerWorkResponse (empty when None)."""
     if isinstance(work, MicroBatchWork):
@@ -133,6 +155,7 @@ def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2
             micro_batch_index=work.micro_batch_index, experience_ids=list(work.experience_ids),
             base_version=work.base_version, state_uri=work.state_uri, step_episodes=work.step_episodes,
             deadline_unix_ms=_ms(work.deadline_s), spec_digest=spec_digest, group=dp_group(work.group, work.rank),
+            **_step_returns(work.step_returns),
         ))
     if isinstance(work, OptimizerStepWork):
         return orchestrator_pb2.PollTrainerWorkResponse(optimizer_step=orchestrator_pb2.OptimizerStepWork(
@@ -140,7 +163,7 @@ def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2
             new_version=work.new_version, step_response_tokens=work.step_response_tokens,
             step_episodes=work.step_episodes, num_micro_batches=work.num_micro_batches,
             group=dp_group(work.group, work.rank), base_version=work.base_version, state_uri=work.state_uri,
-            spec_digest=spec_digest,
+            spec_digest=spec_digest, step_sequences=work.step_sequences,
         ))
     if isinstance(work, SwapOutWork):
         return orchestrator_pb2.PollTrainerWorkResponse(swap_out=orchestrator_pb2.SwapOutWork(

@@ -92,10 +92,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if job_id:
             require_id("job_id", job_id)
             self._coordinator.snapshot(job_id)  # NotFound for an unknown job
-        sent: set[tuple[str, str, int]] = set()
+        # (job, agent, version, "" once committed, else the group that announced it: a replayed step announces anew)
+        sent: set[tuple[str, str, int, str]] = set()
         async for _ in _prepend(self._coordinator.changes()):
+            # A version being broadcast (weight_sync: distributed) first, with its group, then once committed.
+            for version, record in self._coordinator.announced_weights(job_id):
+                group = f"{record.master_address}:{record.master_port}/{record.epoch}"
+                key = (version.job_id, version.agent, version.version, group)
+                if key not in sent:
+                    sent.add(key)
+                    yield serde.announced_version(version, record)
             for version in self._coordinator.versions(job_id):
-                key = (version.job_id, version.agent, version.version)
+                key = (version.job_id, version.agent, version.version, "")
                 if key not in sent:
                     sent.add(key)
                     yield serde.agent_version(version)
@@ -174,6 +182,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             request.step_seconds, step_figures(request.figures),
         )
         return orchestrator_pb2.CommitStepResponse()
+
+    async def AnnounceWeights(  # noqa: N802
+        self, request: orchestrator_pb2.AnnounceWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.AnnounceWeightsResponse:
+        """Rank 0 of an agent is about to broadcast a version to the replicas (CommitStep follows)."""
+        require_id("worker_id", request.worker_id)
+        require_id("slot_id", request.slot_id)
+        await self._coordinator.announce_weights(require_id("job_id", request.job_id),
+                                                 require_id("agent", request.agent), request.version,
+                                                 serde.weight_group_record(request))
+        return orchestrator_pb2.AnnounceWeightsResponse()
 
     async def ReportSlotEvent(  # noqa: N802
         self, request: orchestrator_pb2.ReportSlotEventRequest, context: grpc.aio.ServicerContext

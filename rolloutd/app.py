@@ -34,6 +34,8 @@ class RolloutApp(DaemonApp):
             deterministic_inference=config.engine_deterministic_inference,
             engine_launch_timeout_s=config.engine_launch_timeout_s, engine_extra_args=config.engine_arg_list(),
             engine_path_map=config.path_map(),
+            engine_max_loras_per_batch=config.engine_max_loras_per_batch,
+            engine_max_loaded_loras=config.engine_max_loaded_loras or None,
             weights_cache_dir=Path(config.weights_cache_dir).resolve() if config.weights_cache_dir else None,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))

@@ -22,6 +22,16 @@ Two levels (DESIGN.md §4):
   in-flight requests; we measure it in outstanding estimated tokens, so the absolute
   threshold is in tokens here.
 
+LoRA agents (``AgentSpec.adapter``) over one base form one model group, the base's replica pool:
+any replica of the pool serves each of them without a weight load, so no replica moves between
+them; what they share is adapter residency. A replica runs at most ``adapter_slots[group]``
+distinct adapters at once (SGLang's ``--max-loras-per-batch``: the scheduler admits no request
+whose adapter would exceed it, sglang/srt/lora/lora_manager.py ``validate_lora_batch``), so a
+request goes to a pool replica already running its adapter or with a slot free, and otherwise
+waits; a waiting request of one adapter does not hold up the others of its pool (FIFO per agent).
+Full-model agents keep their groups and replica moves; the pools take part in those moves as one
+group each.
+
 The caller (the async rollout router, or the simulator in ``benchmarks.balancer_sim``) owns time and
 I/O: it calls :meth:`HierarchicalBalancer.submit` per request, :meth:`~HierarchicalBalancer.finish`
 when a request ends, :meth:`~HierarchicalBalancer.maybe_rebalance` periodically, performs
@@ -125,10 +135,15 @@ class ReplicaAssignment:
 
 @dataclasses.dataclass(frozen=True)
 class AgentSpec:
-    """An agent (rolloutd uses "job/agent") and its model group."""
+    """An agent (rolloutd uses "job/agent") and its model group.
+
+    ``adapter``: the agent is a LoRA adapter over its group's base (the group is the base's
+    replica pool; each request takes one of its replica's adapter slots).
+    """
 
     agent: str
     model_key: str
+    adapter: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +176,8 @@ class ReplicaView:
     target_model_key: str
     outstanding_tokens: int
     in_flight_requests: int
+    #: LoRA agents with requests running on the replica (each holds one adapter slot), sorted.
+    adapters: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -172,6 +189,8 @@ class _Replica:
     outstanding_tokens: int = 0
     in_flight_requests: int = 0
     last_move_s: float = -math.inf
+    #: LoRA agent -> its requests in flight here.
+    adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     def view(self) -> ReplicaView:
         return ReplicaView(
@@ -181,6 +200,7 @@ class _Replica:
             target_model_key=self.target_model_key,
             outstanding_tokens=self.outstanding_tokens,
             in_flight_requests=self.in_flight_requests,
+            adapters=tuple(sorted(self.adapter_requests)),
         )
 
 
@@ -225,14 +245,36 @@ class HierarchicalBalancer:
         replicas: Sequence[ReplicaAssignment],
         agents: Sequence[AgentSpec],
         config: BalancerConfig | None = None,
+        adapter_slots: Mapping[str, int] | None = None,
     ) -> None:
+        """Balances ``agents`` over ``replicas``.
+
+        Args:
+            replicas: The replicas and the model group each serves at start.
+            agents: The agents and their model groups.
+            config: Tunables of both levels.
+            adapter_slots: Per model group of LoRA agents, the most distinct adapters one replica
+                runs at once (the engines' ``--max-loras-per-batch``); a group of adapters without
+                an entry has no bound.
+        """
         self._config = config or BalancerConfig()
         self._agent_model: dict[str, str] = {}
+        self._adapters: set[str] = set()
         for agent in agents:
             if agent.agent in self._agent_model:
                 raise InvalidArgument(f"agent {agent.agent!r} listed twice")
             self._agent_model[agent.agent] = agent.model_key
+            if agent.adapter:
+                self._adapters.add(agent.agent)
         self._model_keys: tuple[str, ...] = tuple(sorted(set(self._agent_model.values())))
+        full = {self._agent_model[a] for a in self._agent_model if a not in self._adapters}
+        mixed = sorted(full & {self._agent_model[a] for a in self._adapters})
+        if mixed:
+            raise InvalidArgument(f"model groups {mixed} hold both LoRA agents and full-model agents")
+        self._adapter_slots = dict(adapter_slots or {})
+        for key, slots in self._adapter_slots.items():
+            if slots < 1:
+                raise InvalidArgument(f"adapter_slots[{key!r}] must be >= 1, got {slots}")
         self._replicas: dict[str, _Replica] = {}
         for spec in replicas:
             if spec.replica_id in self._replicas:
@@ -269,6 +311,14 @@ class HierarchicalBalancer:
             if replica.target_model_key in counts:
                 counts[replica.target_model_key] += 1
         return counts
+
+    def model_key_of(self, agent: str) -> str:
+        """The model group of an agent (a LoRA agent's: its base's pool).
+
+        Raises:
+            NotFound: the agent is not balanced here.
+        """
+        return self._model_of(agent)
 
     def demand_tokens(self, agent: str) -> int:
         """Outstanding demand of an agent: hint + queued + in-flight estimated tokens."""
@@ -319,17 +369,30 @@ class HierarchicalBalancer:
         return placed
 
     def place_queued(self) -> list[Ticket]:
-        """Places waiting tickets on replicas that can now serve them (FIFO per group)."""
+        """Places waiting tickets on replicas that can now serve them (FIFO per group; per agent in a LoRA pool)."""
         placed: list[Ticket] = []
         for model_key in self._model_keys:
             queue = self._queued[model_key]
-            while queue:
-                ticket = self._try_place(self._tickets[queue[0]])
-                if ticket is None:
-                    break
-                queue.popleft()
-                placed.append(ticket)
+            blocked: set[str] = set()  # agents whose oldest waiting ticket found no slot
+            for request_id in list(queue):
+                ticket = self._tickets[request_id]
+                if ticket.agent in blocked:
+                    continue
+                done = self._try_place(ticket)
+                if done is None:
+                    if ticket.agent not in self._adapters:
+                        break
+                    blocked.add(ticket.agent)
+                    continue
+                queue.remove(request_id)
+                placed.append(done)
         return placed
+
+    def adapter_slots_free(self, replica_id: str) -> int | None:
+        """Adapter slots of a replica no running LoRA agent holds (None: its group has no bound)."""
+        replica = self._replica(replica_id)
+        slots = self._adapter_slots.get(replica.model_key)
+        return None if slots is None else slots - len(replica.adapter_requests)
 
     def finish(self, request_id: int) -> Ticket:
         """Ends an in-flight request (success or failure); returns its ticket."""
@@ -347,6 +410,10 @@ class HierarchicalBalancer:
             return ticket
         replica.outstanding_tokens -= ticket.estimated_tokens
         replica.in_flight_requests -= 1
+        if ticket.agent in self._adapters:
+            replica.adapter_requests[ticket.agent] -= 1
+            if replica.adapter_requests[ticket.agent] <= 0:
+                del replica.adapter_requests[ticket.agent]
         if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
             replica.phase = ReplicaPhase.AWAITING_LOAD
         return ticket
@@ -357,6 +424,7 @@ class HierarchicalBalancer:
             self._replicas[r]
             for r in self._replica_order
             if self._replicas[r].phase is ReplicaPhase.SERVING and self._replicas[r].model_key == model_key
+            and self._has_adapter_slot(self._replicas[r], ticket.agent)
         ]
         if not candidates:
             return None
@@ -369,10 +437,19 @@ class HierarchicalBalancer:
         placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
         chosen.outstanding_tokens += ticket.estimated_tokens
         chosen.in_flight_requests += 1
+        if ticket.agent in self._adapters:
+            chosen.adapter_requests[ticket.agent] += 1
         self._tickets[ticket.request_id] = placed
         if ticket.affinity_key:
             self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
         return placed
+
+    def _has_adapter_slot(self, replica: _Replica, agent: str) -> bool:
+        """Whether a request of ``agent`` may run on ``replica`` now (always, unless a bounded LoRA pool is full)."""
+        if agent not in self._adapters or agent in replica.adapter_requests:
+            return True
+        slots = self._adapter_slots.get(replica.model_key)
+        return slots is None or len(replica.adapter_requests) < slots
 
     def _least_tokens_with_affinity(self, candidates: list[_Replica], affinity_key: str) -> _Replica:
         least = min(candidates, key=lambda r: r.outstanding_tokens)  # first in id order on ties

@@ -93,10 +93,21 @@ class RolloutConfig(DaemonConfig):
     engine_path_map: str = dataclasses.field(
         default="", metadata=_help("LOCAL_PREFIX=ENGINE_PREFIX[,...]: how attached engines (engine_urls) "
                                    "name rolloutd's checkpoint paths on a shared filesystem"))
+    engine_max_loras_per_batch: int = dataclasses.field(
+        default=8, metadata=_help("LoRA agents' replicas: most distinct adapters in one batch "
+                                  "(SGLang's --max-loras-per-batch; the router keeps each replica within it)"))
+    engine_max_loaded_loras: int = dataclasses.field(
+        default=0, metadata=_help("LoRA agents' replicas: most adapters loaded at once "
+                                  "(SGLang's --max-loaded-loras; 0: no bound)"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
         super().validate()
+        if not 1 <= self.engine_max_loras_per_batch <= 1024:
+            raise ConfigError(f"engine_max_loras_per_batch: must be in 1..1024, got {self.engine_max_loras_per_batch}")
+        if self.engine_max_loaded_loras and self.engine_max_loaded_loras < self.engine_max_loras_per_batch:
+            raise ConfigError(f"engine_max_loaded_loras: must be 0 or >= engine_max_loras_per_batch "
+                              f"({self.engine_max_loras_per_batch}), got {self.engine_max_loaded_loras}")
         if not 1 <= self.max_tasks <= 4096:
             raise ConfigError(f"max_tasks: must be in 1..4096, got {self.max_tasks}")
         if self.engine_backend not in ("embedded", "sglang"):

@@ -20,11 +20,17 @@ a generation prompt), a plain string (tokenized without a template) or token ids
 is one *turn* of that agent and becomes one training experience. ``ctx.generate_n`` samples
 ``n`` responses to one prompt in one backend request (SGLang's ``n``; seeded sampling gives
 sample ``i`` the seed ``seed + i``, so the samples differ and stay reproducible); each is a
-turn of its own (turns ``t .. t + n - 1``, one prompt). Rewards given with
-``ctx.reward`` are summed per agent over the episode; that sum (the agent's episode return)
-is the reward of **every** turn of that agent in the episode (GRPO normalises it within the
-task's group). An exception raised by user code fails the episode (recorded, never raised
-out of the runner); the runner then fails the whole group.
+turn of its own (turns ``t .. t + n - 1``, one prompt).
+
+Rewards: ``ctx.reward(agent, value)`` is an episode-level reward, counted at the agent's last
+turn; ``ctx.reward(agent, value, turn=k)`` rewards the agent's turn ``k`` (``-1``: its latest
+turn so far). The runner gives each turn of an agent its *return*: the agent's rewards from
+that turn on, the one ``j`` turns later discounted by ``gamma**j`` (the agent's
+``algorithm.gamma``, default 1), after :meth:`Environment.shape_reward` has seen each turn's
+reward. With episode-level rewards and ``gamma: 1`` every turn of the agent gets the sum of its
+rewards (the episode return), and GRPO normalises it within the task's group. An exception
+raised by user code fails the episode (recorded, never raised out of the runner); the runner
+then fails the whole group.
 """
 
 from __future__ import annotations
@@ -62,6 +68,15 @@ SAMPLING_KEYS = frozenset(
 )
 """Sampling parameters an episode may override (SGLang's names; ``n`` is ``generate_n``'s argument)."""
 
+TOP_LOGPROBS_KEY = "top_logprobs_num"
+"""The one request option the sampling dict carries besides sampling parameters: SGLang's
+``top_logprobs_num`` (a /generate field, not a sampling parameter), set by ``generate``'s
+``top_logprobs_num`` and taken out again by rolloutd/router.py before the sampling parameters
+go to the engine."""
+
+TopLogprobs: TypeAlias = tuple[tuple[tuple[float, int], ...], ...]
+"""Per response token, its most likely alternatives as (logprob, token id), most likely first."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -92,6 +107,8 @@ class Generation:
     prompt_token_ids: tuple[int, ...]
     finish_reason: str
     version: int
+    #: With ``generate``'s ``top_logprobs_num`` k: the k most likely tokens at every response position.
+    top_logprobs: TopLogprobs = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +123,8 @@ class TurnRecord:
     behavior_version: int
     #: (start, version) spans of the response tokens (see :class:`GenerationOutput`); empty: all behavior_version.
     version_spans: tuple[tuple[int, int], ...] = ()
+    #: Assistant messages of the prompt re-tokenized from text (``generate``'s ``retokenized_messages``).
+    retokenized_messages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +152,8 @@ class GenerationOutput:
     finish_reason: str
     version: int
     version_spans: tuple[tuple[int, int], ...] = ()
+    #: The engine's ``output_top_logprobs`` when the request asked for them (never trained on).
+    top_logprobs: TopLogprobs = ()
 
 
 class AgentTokenizer(Protocol):
@@ -175,12 +196,16 @@ class HFTokenizer:
         """Token ids of messages under the chat template, with the generation prompt.
 
         Raises:
-            InvalidArgument: ``tools`` given and the chat template never mentions ``tools`` (it
-                would silently drop them; the tiny byte-level tokenizer's ChatML template is one).
+            InvalidArgument: ``tools`` given and the chat template never mentions ``tools``, or a
+                message carries ``tool_calls`` and it never mentions ``tool_calls`` (it would
+                silently drop them; the tiny byte-level tokenizer's ChatML template is one).
         """
+        template = self._tokenizer.chat_template
+        texts = template.values() if isinstance(template, Mapping) else [template]
+        if any(m.get("tool_calls") for m in messages) and not any(isinstance(t, str) and "tool_calls" in t
+                                                                  for t in texts):
+            raise InvalidArgument(f"the chat template of the tokenizer at {self.path!r} does not render tool_calls")
         if tools:
-            template = self._tokenizer.chat_template
-            texts = template.values() if isinstance(template, Mapping) else [template]
             if not any(isinstance(t, str) and "tools" in t for t in texts):
                 raise InvalidArgument(f"the chat template of the tokenizer at {self.path!r} does not render tools")
             text = self._tokenizer.apply_chat_template(
@@ -240,6 +265,8 @@ class EpisodeContext:
         self._turns: list[TurnRecord] = []
         self._next_turn: dict[str, int] = dict.fromkeys(agents, 0)
         self._returns: dict[str, float] = dict.fromkeys(agents, 0.0)
+        self._turn_rewards: dict[str, dict[int, float]] = {agent: {} for agent in agents}
+        self._episode_rewards: dict[str, float] = dict.fromkeys(agents, 0.0)
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -265,27 +292,34 @@ class EpisodeContext:
             raise InvalidArgument("tools apply to chat messages only")
         raise InvalidArgument("prompt must be a string, chat messages or token ids")
 
-    async def generate(self, agent: str, prompt: PromptInput, **sampling_overrides: Any) -> Generation:
+    async def generate(self, agent: str, prompt: PromptInput, *, retokenized_messages: int = 0,
+                       top_logprobs_num: int = 0, **sampling_overrides: Any) -> Generation:
         """Samples one response of ``agent``; records the turn.
 
         Args:
             agent: one of the environment's agents.
             prompt: chat messages (chat template applied), a string (no template) or token ids.
+            retokenized_messages: recorded with the turn: how many earlier assistant messages in
+                ``prompt`` are a re-tokenization of their text rather than the sampled ids (the
+                OpenAI gateway says so; native episodes leave it 0).
+            top_logprobs_num: SGLang's ``top_logprobs_num``: the k most likely tokens at every
+                response position come back in ``Generation.top_logprobs`` (not recorded: the
+                sampled token's logprob is what trains).
             **sampling_overrides: SGLang sampling parameters overriding the job's defaults.
 
         Returns:
             The response text, token ids, logprobs and the policy version that produced it.
         """
-        request = self._request(agent, prompt, sampling_overrides)
+        request = self._request(agent, prompt, sampling_overrides, top_logprobs_num)
         turn = self._next_turn[agent]
         self._next_turn[agent] = turn + 1
         response = await self._sampler(self.sample_index, request)
-        self._check(agent, response)
-        self._record(agent, turn, request, response)
+        self._check(agent, response, request)
+        self._record(agent, turn, request, response, retokenized_messages)
         return self._generation(agent, request, response)
 
-    async def generate_n(self, agent: str, prompt: PromptInput, n: int, **sampling_overrides: Any,
-                         ) -> list[Generation]:
+    async def generate_n(self, agent: str, prompt: PromptInput, n: int, *, retokenized_messages: int = 0,
+                         top_logprobs_num: int = 0, **sampling_overrides: Any) -> list[Generation]:
         """Samples ``n`` responses of ``agent`` to one prompt in one backend request; records ``n`` turns.
 
         The samples are turns ``t .. t + n - 1`` of the agent, in sample order, all with the
@@ -298,6 +332,8 @@ class EpisodeContext:
             agent: one of the environment's agents.
             prompt: chat messages (chat template applied), a string (no template) or token ids.
             n: how many samples (>= 1).
+            retokenized_messages: recorded with every sample's turn (see :meth:`generate`).
+            top_logprobs_num: top logprobs of every sample (see :meth:`generate`).
             **sampling_overrides: SGLang sampling parameters overriding the job's defaults.
 
         Returns:
@@ -309,39 +345,50 @@ class EpisodeContext:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"n must be a positive integer, got {n!r}")
         if n == 1:
-            return [await self.generate(agent, prompt, **sampling_overrides)]
+            return [await self.generate(agent, prompt, retokenized_messages=retokenized_messages,
+                                        top_logprobs_num=top_logprobs_num, **sampling_overrides)]
         if self._multi_sampler is None:
             raise InvalidArgument("this episode context cannot sample n > 1 in one request")
-        request = self._request(agent, prompt, sampling_overrides)
+        request = self._request(agent, prompt, sampling_overrides, top_logprobs_num)
         first = self._next_turn[agent]
         self._next_turn[agent] = first + n
         responses = list(await self._multi_sampler(self.sample_index, request, n))
         if len(responses) != n:
             raise DataLoss(f"{agent}: {len(responses)} samples for n={n}")
         for response in responses:
-            self._check(agent, response)
+            self._check(agent, response, request)
         for i, response in enumerate(responses):
-            self._record(agent, first + i, request, response)
+            self._record(agent, first + i, request, response, retokenized_messages)
         return [self._generation(agent, request, response) for response in responses]
 
-    def _request(self, agent: str, prompt: PromptInput, sampling_overrides: Mapping[str, Any]) -> TurnRequest:
+    def _request(self, agent: str, prompt: PromptInput, sampling_overrides: Mapping[str, Any],
+                 top_logprobs_num: int = 0) -> TurnRequest:
         unknown = set(sampling_overrides) - SAMPLING_KEYS
         if unknown:
             raise InvalidArgument(f"unknown sampling parameters {sorted(unknown)}")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) or top_logprobs_num < 0:
+            raise InvalidArgument(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+        if top_logprobs_num:
+            sampling_overrides = {**sampling_overrides, TOP_LOGPROBS_KEY: top_logprobs_num}
         input_ids = self.tokenize(agent, prompt)
         if not input_ids:
             raise InvalidArgument(f"empty prompt for agent {agent!r}")
         return TurnRequest(agent, tuple(input_ids), {**self._sampling_defaults.get(agent, {}), **sampling_overrides})
 
     @staticmethod
-    def _check(agent: str, response: GenerationOutput) -> None:
+    def _check(agent: str, response: GenerationOutput, request: TurnRequest | None = None) -> None:
         if len(response.logprobs) != len(response.token_ids):
             raise DataLoss(f"{agent}: {len(response.logprobs)} logprobs for {len(response.token_ids)} response tokens")
+        if request is not None and request.sampling.get(TOP_LOGPROBS_KEY) and len(response.top_logprobs) != len(
+                response.token_ids):
+            raise DataLoss(f"{agent}: top logprobs for {len(response.top_logprobs)} of {len(response.token_ids)} "
+                           "response tokens (the backend did not serve top_logprobs_num)")
 
-    def _record(self, agent: str, turn: int, request: TurnRequest, response: GenerationOutput) -> None:
+    def _record(self, agent: str, turn: int, request: TurnRequest, response: GenerationOutput,
+                retokenized_messages: int = 0) -> None:
         self._turns.append(
             TurnRecord(agent, turn, request.input_ids, response.token_ids, response.logprobs, response.version,
-                       response.version_spans)
+                       response.version_spans, retokenized_messages)
         )
 
     def _generation(self, agent: str, request: TurnRequest, response: GenerationOutput) -> Generation:
@@ -352,6 +399,7 @@ class EpisodeContext:
             prompt_token_ids=request.input_ids,
             finish_reason=response.finish_reason,
             version=response.version,
+            top_logprobs=response.top_logprobs,
         )
 
     def decode(self, agent: str, token_ids: Sequence[int]) -> str:
@@ -363,17 +411,44 @@ class EpisodeContext:
         self._tokenizer(agent)
         return dict(self._sampling_defaults.get(agent, {}))
 
-    def reward(self, agent: str, value: float) -> None:
-        """Adds ``value`` to ``agent``'s episode return (call per turn or once per episode)."""
+    def reward(self, agent: str, value: float, *, turn: int | None = None) -> None:
+        """Rewards ``agent``: the episode (``turn`` None: counted at its last turn) or its turn ``turn``.
+
+        Args:
+            agent: one of the environment's agents.
+            value: a finite number; rewards add up.
+            turn: the agent's turn index (``0`` its first), negative counting back from its latest
+                turn so far (``-1``); None: an episode-level reward.
+
+        Raises:
+            InvalidArgument: unknown agent, a non-finite value, or a turn the agent has not taken.
+        """
         self._tokenizer(agent)
         reward = float(value)
         if not math.isfinite(reward):
             raise InvalidArgument(f"reward for {agent!r} must be finite, got {value!r}")
+        if turn is not None:
+            taken = self._next_turn[agent]
+            index = turn + taken if turn < 0 else turn
+            if isinstance(turn, bool) or not 0 <= index < taken:
+                raise InvalidArgument(f"reward for {agent!r}: turn {turn!r} not taken ({taken} turns so far)")
+            by_turn = self._turn_rewards[agent]
+            by_turn[index] = by_turn.get(index, 0.0) + reward
+        else:
+            self._episode_rewards[agent] += reward
         self._returns[agent] += reward
 
     def returns(self) -> dict[str, float]:
-        """Each agent's episode return so far."""
+        """Each agent's episode return so far (the undiscounted sum of all its rewards)."""
         return dict(self._returns)
+
+    def turn_rewards(self) -> dict[str, dict[int, float]]:
+        """Each agent's turn-level rewards so far: turn index -> sum of the rewards given to that turn."""
+        return {agent: dict(by_turn) for agent, by_turn in self._turn_rewards.items()}
+
+    def episode_rewards(self) -> dict[str, float]:
+        """Each agent's episode-level rewards so far (``reward`` without ``turn``), summed."""
+        return dict(self._episode_rewards)
 
     def turns(self) -> list[TurnRecord]:
         """The turns recorded so far, in completion order."""
@@ -405,6 +480,18 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """Plays one episode: ``await ctx.generate(...)`` and ``ctx.reward(...)``."""
+
+    def shape_reward(self, task: Task, turn: TurnRecord, reward: float) -> float:
+        """Reward shaping: the reward ``turn`` is trained with, given the reward the episode gave it.
+
+        Called by rolloutd for every agent turn of a successful episode, before the returns are
+        discounted and the experiences stored; ``reward`` is the turn's own reward plus, at the
+        agent's last turn, its episode-level rewards. The default changes nothing. A
+        potential-based shaping (``reward + gamma * phi(next) - phi(this)``) keeps the optimal
+        policies; anything else changes what is learned. What the orchestrator reports as the
+        episode return stays the unshaped sum.
+        """
+        return reward
 
     async def aclose(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Releases what the environment holds across episodes (a server, say); the default holds nothing."""

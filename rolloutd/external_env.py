@@ -10,6 +10,7 @@ its environment; no job-spec schema change is involved::
         program: "examples.openai_agents.agents:run" # a Python callable (base_url, api_key, task)
         # or: command: ["python", "my_agents.py"]    # a command line, given the URLs as env vars
         tasks: "examples.openai_agents.agents:make_task"  # (index, seed) -> JSON-like task data
+        tool_call_parser: qwen25                    # or {agent: parser}: tool calls parsed out of answers
         episode_timeout_s: 600
         gateway: {host: 127.0.0.1, port: 0, advertise_host: "", token_file: ""}
 
@@ -134,22 +135,40 @@ class ExternalAgents(Environment):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError("config 'episode_timeout_s' must be a positive number")
         self.episode_timeout_s = float(timeout)
-        self.gateway_config = self._gateway_config(config.get("gateway") or {})
+        self.gateway_config = self._gateway_config(config.get("gateway") or {},
+                                                   self._tool_call_parsers(config.get("tool_call_parser")))
         self.gateway: Gateway | None = None
         self._gateway_lock: asyncio.Lock | None = None
         self._gateway_loop: asyncio.AbstractEventLoop | None = None
 
+    def _tool_call_parsers(self, raw: Any) -> dict[str, str]:
+        """``tool_call_parser``: one parser name for every agent, or ``{agent: name}``."""
+        if raw is None:
+            return {}
+        if isinstance(raw, str):
+            return dict.fromkeys(self.agents, raw)
+        if not isinstance(raw, Mapping) or not all(isinstance(v, str) for v in raw.values()):
+            raise ValueError("config 'tool_call_parser' must be a parser name or {agent: parser name}")
+        unknown = sorted(set(raw) - set(self.agents))
+        if unknown:
+            raise ValueError(f"config 'tool_call_parser' names unknown agents {unknown}")
+        return dict(raw)
+
     @staticmethod
-    def _gateway_config(raw: Any) -> GatewayConfig:
+    def _gateway_config(raw: Any, tool_call_parsers: Mapping[str, str]) -> GatewayConfig:
         if not isinstance(raw, Mapping):
             raise ValueError("config 'gateway' must be a mapping")
         unknown = set(raw) - {"host", "port", "advertise_host", "token_file"}
         if unknown:
             raise ValueError(f"unknown gateway settings {sorted(unknown)}")
         token_file = str(raw.get("token_file") or os.environ.get("FLEXMARL_AUTH_TOKEN_FILE", ""))
-        return GatewayConfig(host=str(raw.get("host", "127.0.0.1")), port=int(raw.get("port", 0)),
-                             advertise_host=str(raw.get("advertise_host", "")),
-                             cluster_token=read_token(token_file) if token_file else "")
+        try:
+            return GatewayConfig(host=str(raw.get("host", "127.0.0.1")), port=int(raw.get("port", 0)),
+                                 advertise_host=str(raw.get("advertise_host", "")),
+                                 cluster_token=read_token(token_file) if token_file else "",
+                                 tool_call_parsers=dict(tool_call_parsers))
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from exc
 
     def task(self, index: int, seed: int) -> Task:
         """The task factory's data for (index, seed), or no data without a factory."""

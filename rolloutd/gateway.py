@@ -20,14 +20,21 @@ then an assistant message whose content is exactly the text that turn returned),
 token ids of that turn (its prompt and its sampled response) are reused and only the new
 messages come from the template, so training sees exactly what was sampled rather than a
 re-tokenization of the text (:func:`resolve_chat_prompt`). An assistant message that matches no
-earlier turn is re-tokenized from its text; the response says so (``flexmarl.retokenized_messages``)
-and so does the ``flexmarl_gateway_retokenized_messages_total`` counter.
+earlier turn is re-tokenized from its text; the response says so (``flexmarl.retokenized_messages``),
+so do the ``flexmarl_gateway_retokenized_messages_total`` counter and the experience
+(``ExperienceRecord.retokenized_messages``).
+
+Tool calls: assistant ``tool_calls`` and ``tool`` messages go to the chat template; with the
+agent's ``tool_call_parser`` (SGLang's qwen25 / hermes detectors) calls are parsed out of the
+sampled text into ``tool_calls`` (finish ``"tool_calls"``), and a call sent back is matched to
+its recorded ids on the parsed call. Top logprobs (``top_logprobs`` / completions ``logprobs``)
+are the engine's (SGLang's ``top_logprobs_num``).
 
 Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 404 for an unknown
 session, route or model (agent), 400 for a malformed body (validated as the official API does:
 ``invalid_type``, ``missing_required_parameter``, ``invalid_value``, range codes, with ``param``
-naming the field) or an unsupported parameter (``tool_choice`` "required", ``top_logprobs`` > 0,
-``echo``, ...; docs/gateway.md says why each is refused), 401 for a wrong API key. Every error
+naming the field) or an unsupported parameter (``tool_choice`` "required", ``echo``, ...;
+docs/gateway.md says why each is refused), 401 for a wrong API key. Every error
 carries ``x-should-retry: false`` so the client never repeats a call that may have recorded a turn.
 
 Authentication: ``Authorization: Bearer <api_key>``. When the cluster has a bearer token the key
@@ -44,6 +51,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import secrets
 import time
 import uuid
@@ -99,6 +107,13 @@ class GatewayConfig:
     #: The host put into session base URLs (default: ``host``, or 127.0.0.1 for a wildcard host).
     advertise_host: str = ""
     cluster_token: str = dataclasses.field(default="", repr=False)
+    #: agent -> the parser of tool calls in its answers (a name of :data:`TOOL_CALL_PARSERS`); none: answers are text.
+    tool_call_parsers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tool_call_parsers.values()) - set(TOOL_CALL_PARSERS))
+        if unknown:
+            raise InvalidArgument(f"unknown tool_call_parser {unknown[0]!r}; known: {sorted(TOOL_CALL_PARSERS)}")
 
 
 class OpenAIError(Exception):
@@ -141,8 +156,52 @@ class GatewayMetrics:
 
 # ----- token-in / token-out ----------------------------------------------------------------------
 
-Message = tuple[str, str]
-"""A chat message as the template sees it: (role, content)."""
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A function call of an assistant message: its id, the function's name and its arguments (JSON text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def same_call(self, other: ToolCall) -> bool:
+        """The same function with equal arguments (ids and JSON spacing aside): how a returned call is recognised."""
+        return self.name == other.name and _json_or_text(self.arguments) == _json_or_text(other.arguments)
+
+    def to_api(self) -> dict[str, Any]:
+        """The call as the API returns it."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A chat message as the template sees it (text content; an assistant's tool calls; a tool result's call id)."""
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message for ``apply_chat_template``: tool-call arguments parsed into a mapping, as HF templates expect.
+
+        (SGLang's ``normalize_assistant_tool_call_arguments``, srt/entrypoints/openai/serving_chat.py.)
+        """
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +214,20 @@ class ChatTurn:
     #: What was sent (reused ids included) and what was sampled.
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
-    #: The text the program got back (the sampled ids decoded).
+    #: The sampled ids decoded.
+    text: str
+    #: What the program got back: the content (the text before the first tool call when calls were parsed out
+    #: of the text, else the text) and the parsed calls.
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def answered_by(self, message: Message) -> bool:
+        """Whether ``message`` is this turn's answer as the program got it (a call matches on name and arguments)."""
+        if message.role != "assistant" or message.content != self.content:
+            return False
+        if len(message.tool_calls) != len(self.tool_calls):
+            return False
+        return all(a.same_call(b) for a, b in zip(message.tool_calls, self.tool_calls, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,35 +242,51 @@ class ResolvedPrompt:
     retokenized_messages: int
 
 
-def _as_dicts(messages: Sequence[Message]) -> list[dict[str, str]]:
-    return [{"role": role, "content": content} for role, content in messages]
+def _as_dicts(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    return [message.to_template() for message in messages]
 
 
 def resolve_chat_prompt(ctx: EpisodeContext, agent: str, messages: Sequence[Message],
                         history: Sequence[ChatTurn], tools: Sequence[Mapping[str, Any]] | None = None,
                         ) -> ResolvedPrompt:
-    """The prompt ids of a chat call, reusing the recorded ids of the longest earlier turn it repeats.
+    r"""The prompt ids of a chat call, reusing the recorded ids of the longest earlier turn it repeats.
 
-    A turn T is repeated when ``messages`` starts with T's messages followed by an assistant
-    message whose content is T's returned text. The call's fresh render must then start with
-    T's fresh render, followed by the assistant content's own tokens (templates that rewrite
-    earlier turns fail this and fall back to the fresh render). The ids sent are T's prompt
-    ids, T's sampled ids, then the rest of the fresh render; a trailing sampled token the
-    template also writes (an end-of-turn token such as ``<|im_end|>``) is not repeated.
-    ``tools`` go to the template with the messages (a turn rendered with other tools then
-    rarely repeats: its render is no prefix of this one).
+    A turn T is repeated when ``messages`` starts with T's messages followed by T's answer
+    (:meth:`ChatTurn.answered_by`: the content the program got back, and the same tool calls).
+    The call's fresh render must then start with T's fresh render, followed by the sampled
+    text's own tokens (templates that rewrite earlier turns fail this and fall back to the fresh
+    render). The ids sent are T's prompt ids, T's sampled ids, then the rest of the fresh
+    render; a trailing sampled token the template also writes (an end-of-turn token such as
+    ``<|im_end|>``) is not repeated.
+
+    When T's answer carried tool calls (or its content is not the whole sampled text, the
+    calls having been parsed out of it), the template renders them its own way (Qwen's
+    ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>``, not the sampled spacing),
+    so the rest is taken from a render in which T's answer is the sampled text itself, and it
+    is used only when the true render ends with that same rest (the later messages render
+    alike either way); otherwise the answer counts as re-tokenized. ``tools`` go to the
+    template with the messages (a turn rendered with other tools then rarely repeats: its
+    render is no prefix of this one).
     """
     fresh = tuple(ctx.tokenize(agent, _as_dicts(messages), tools=tools))
-    assistants = sum(1 for role, _ in messages if role == "assistant")
+    assistants = sum(1 for m in messages if m.role == "assistant")
     for turn in sorted(history, key=lambda t: len(t.messages), reverse=True):
         n = len(turn.messages)
-        if len(messages) <= n or tuple(messages[:n]) != turn.messages or messages[n] != ("assistant", turn.content):
+        if len(messages) <= n or tuple(messages[:n]) != turn.messages or not turn.answered_by(messages[n]):
             continue
-        spliced = _splice(ctx, agent, fresh, turn)
+        rewritten = bool(turn.tool_calls) or turn.content != turn.text
+        if rewritten:
+            as_sampled = [*messages[:n], Message("assistant", turn.text), *messages[n + 1:]]
+            render = tuple(ctx.tokenize(agent, _as_dicts(as_sampled), tools=tools))
+        else:
+            render = fresh
+        spliced = _splice(ctx, agent, render, turn)
         if spliced is None:
             continue
-        covered = sum(1 for role, _ in messages[: n + 1] if role == "assistant")
         reused = len(turn.prompt_ids) + len(turn.response_ids)
+        if rewritten and fresh[len(fresh) - (len(spliced) - reused):] != spliced[reused:]:
+            continue
+        covered = sum(1 for m in messages[: n + 1] if m.role == "assistant")
         return ResolvedPrompt(spliced, fresh, reused, assistants - covered)
     return ResolvedPrompt(fresh, fresh, 0, assistants)
 
@@ -209,7 +296,7 @@ def _splice(ctx: EpisodeContext, agent: str, fresh: tuple[int, ...], turn: ChatT
     if fresh[: len(head)] != head:
         return None
     rest = fresh[len(head):]
-    content_ids = tuple(ctx.tokenize(agent, turn.content)) if turn.content else ()
+    content_ids = tuple(ctx.tokenize(agent, turn.text)) if turn.text else ()
     if rest[: len(content_ids)] != content_ids:
         return None
     tail = rest[len(content_ids):]
@@ -217,10 +304,83 @@ def _splice(ctx: EpisodeContext, agent: str, fresh: tuple[int, ...], turn: ChatT
     overlap = 0
     for k in range(min(len(sampled), len(tail)), 0, -1):
         # Only tokens that decode to nothing (special tokens) may be shared by the sample and the template.
-        if sampled[-k:] == tail[:k] and ctx.decode(agent, sampled[:-k]) == turn.content:
+        if sampled[-k:] == tail[:k] and ctx.decode(agent, sampled[:-k]) == turn.text:
             overlap = k
             break
     return turn.prompt_ids + sampled + tail[overlap:]
+
+
+# ----- tool calls in the sampled text ----------------------------------------------------------------
+# SGLang parses tool calls out of the generated text with the detector its server was started
+# with (``--tool-call-parser``; srt/function_call/function_call_parser.py); here the job chooses
+# one per agent (``tool_call_parser``). Both detectors below follow SGLang's one-shot
+# ``detect_and_parse`` and ``BaseFormatDetector.parse_base_json``: the content is the text before
+# the first call marker (stripped), a call naming no declared tool is dropped, its arguments are
+# the JSON of ``parameters`` or ``arguments``.
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedToolCalls:
+    """What a tool-call parser found in a sampled text: the normal text and the calls (name, JSON arguments)."""
+
+    normal_text: str
+    calls: tuple[tuple[str, str], ...]
+
+
+ToolCallParser = Callable[[str, Sequence[Mapping[str, Any]]], ParsedToolCalls]
+
+
+def _calls_of(action: Any, tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """SGLang's ``parse_base_json``: one call per object naming a declared tool."""
+    names = {tool["function"]["name"] for tool in tools}
+    calls = []
+    for act in action if isinstance(action, list) else [action]:
+        if not isinstance(act, Mapping):
+            raise ValueError(f"a tool call must be a JSON object, got {type(act).__name__}")
+        name = act.get("name")
+        if not (name and name in names):
+            logger.warning("model attempted to call undefined function: %s", name)
+            continue
+        calls.append((str(name), json.dumps(act.get("parameters") or act.get("arguments", {}), ensure_ascii=False)))
+    return calls
+
+
+def parse_qwen25(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedToolCalls:
+    r"""``<tool_call>\n{json}\n</tool_call>`` blocks (SGLang srt/function_call/qwen25_detector.py, Qwen25Detector)."""
+    bot, eot = "<tool_call>\n", "\n</tool_call>"
+    index = text.find(bot)
+    if index == -1:
+        return ParsedToolCalls(text, ())
+    calls: list[tuple[str, str]] = []
+    for block in re.findall(rf"{re.escape(bot)}(.*?){re.escape(eot)}", text, re.DOTALL):
+        try:
+            calls += _calls_of(json.loads(block.strip()), tools)
+        except ValueError as exc:  # a malformed block is skipped, as SGLang does
+            logger.warning("failed to parse tool call %r: %s", block, exc)
+    return ParsedToolCalls(text[:index].strip(), tuple(calls))
+
+
+def parse_hermes(text: str, tools: Sequence[Mapping[str, Any]]) -> ParsedToolCalls:
+    """``<tool_call>{json}</tool_call>`` (an unclosed last one too; SGLang srt/function_call/hermes_detector.py)."""
+    index = text.find("<tool_call>")
+    if index == -1:
+        return ParsedToolCalls(text, ())
+    calls: list[tuple[str, str]] = []
+    try:
+        for closed, unclosed in re.findall(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL):
+            raw = closed or unclosed
+            if raw:
+                calls += _calls_of(json.loads(raw.strip()), tools)
+    except ValueError as exc:  # any failure: the whole text is the content, as in SGLang
+        logger.warning("failed to parse tool calls: %s", exc)
+        return ParsedToolCalls(text, ())
+    return ParsedToolCalls(text[:index].strip(), tuple(calls))
+
+
+TOOL_CALL_PARSERS: Mapping[str, ToolCallParser] = {
+    "qwen25": parse_qwen25, "qwen": parse_qwen25, "hermes": parse_hermes,
+}
+"""The tool-call parsers by SGLang's ``--tool-call-parser`` names."""
 
 
 # ----- sessions ----------------------------------------------------------------------------------
@@ -275,7 +435,7 @@ def _session_not_found() -> OpenAIError:
 # of range ``decimal_above_max_value`` / ``integer_below_min_value`` ..., a missing field
 # ``missing_required_parameter``, a value outside an enumeration ``invalid_value``; ``param``
 # names the field (``messages[1].content``). Then come the refusals of what this gateway cannot
-# serve (tool calls in messages, ``tool_choice`` "required", ``top_logprobs`` > 0, ...), also 400 with ``param``.
+# serve (``tool_choice`` "required", ``echo``, ...), also 400 with ``param``.
 
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _MAX_TOP_LOGPROBS = 20  # chat completions' top_logprobs range is [0, 20]
@@ -424,9 +584,11 @@ def _check_fields(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
     check_common_fields(body)
 
 
-def _content_text(content: Any, index: int) -> str:
+def _content_text(content: Any, index: int, *, optional: bool = False) -> str:
     name = f"messages[{index}].content"
-    if content is None:  # only an assistant message with tool calls (refused here) may have none
+    if content is None:
+        if optional:  # an assistant message with tool calls may have none
+            return ""
         raise _invalid_type(name, "a string or an array of content parts", content)
     if isinstance(content, str):
         return content
@@ -446,15 +608,50 @@ def _content_text(content: Any, index: int) -> str:
     raise _invalid_type(name, "a string or an array of content parts", content)
 
 
-def parse_messages(value: Any) -> tuple[Message, ...]:
-    """(role, content) pairs of an OpenAI ``messages`` list (text content only).
+def _tool_calls(value: Any, index: int) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``; the arguments must be a JSON object (SGLang's rule for templates)."""
+    name = f"messages[{index}].tool_calls"
+    if not isinstance(value, list):
+        raise _invalid_type(name, "an array", value)
+    calls = []
+    for call_index, call in enumerate(value):
+        where = f"{name}[{call_index}]"
+        if not isinstance(call, Mapping):
+            raise _invalid_type(where, "an object", call)
+        if not isinstance(call.get("id"), str):
+            raise _missing(f"{where}.id")
+        if call.get("type", "function") != "function":
+            raise _invalid_value(f"{where}.type", call.get("type"), ("function",))
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise _missing(f"{where}.function")
+        for field in ("name", "arguments"):
+            if not isinstance(function.get(field), str):
+                raise _missing(f"{where}.function.{field}")
+        # SGLang (srt/entrypoints/openai/serving_chat.py parse_tool_call_arguments) refuses what a template cannot
+        # take as a mapping.
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            raise _bad("Assistant tool call function.arguments must be valid JSON.",
+                       f"{where}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise _bad("Assistant tool call function.arguments must be a JSON object.", f"{where}.function.arguments")
+        calls.append(ToolCall(call["id"], function["name"], function["arguments"]))
+    return tuple(calls)
 
-    A ``tool`` message must answer a preceding assistant message's ``tool_calls``, as the
-    official API requires; tool calls themselves are refused (no chat template here renders
-    them, docs/gateway.md), so a well-formed ``tool`` message is refused with the API's own error.
+
+def parse_messages(value: Any) -> tuple[Message, ...]:
+    """The :class:`Message` list of an OpenAI ``messages`` array (text content, assistant tool calls, tool results).
+
+    Tool results pair with calls as SGLang (``_tool_call_pairing_error``) and the official API
+    require: a ``tool`` message answers an unanswered call of the assistant message before it
+    (directly or after other tool messages), and every call of an assistant message that is
+    followed by anything is answered before the next non-tool message.
 
     Raises:
-        OpenAIError: 400 when it is not a non-empty list of messages with a known role and text content.
+        OpenAIError: 400 when it is not a non-empty list of messages with a known role and text content, a
+            malformed tool call, or a tool message answering no call.
     """
     if value is None:
         raise _missing("messages")
@@ -464,6 +661,7 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
         raise _bad("Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
                    "array instead.", "messages", "empty_array")
     messages: list[Message] = []
+    pending: set[str] | None = None
     for index, message in enumerate(value):
         if not isinstance(message, Mapping):
             raise _invalid_type(f"messages[{index}]", "an object", message)
@@ -475,38 +673,56 @@ def parse_messages(value: Any) -> tuple[Message, ...]:
         if message.get("name") is not None and not isinstance(message["name"], str):
             raise _invalid_type(f"messages[{index}].name", "a string", message["name"])
         if role == "function" or message.get("function_call") is not None:
-            raise _bad(f"messages[{index}]: function calls are not supported", f"messages[{index}].role")
-        tool_calls = message.get("tool_calls")
-        if tool_calls is not None:
-            if role != "assistant" or not isinstance(tool_calls, list):
-                raise _invalid_type(f"messages[{index}].tool_calls", "an array", tool_calls)
-            if tool_calls:
-                raise _bad(f"messages[{index}]: tool calls are not supported (the agent's chat template is not "
-                           "given tools; docs/gateway.md)", f"messages[{index}].tool_calls")
+            raise _bad(f"messages[{index}]: function calls are not supported (use tools)", f"messages[{index}].role")
+        raw_calls = message.get("tool_calls")
+        if raw_calls is not None and role != "assistant":
+            raise _bad(f"messages[{index}]: only assistant messages carry tool_calls", f"messages[{index}].tool_calls")
+        calls = _tool_calls(raw_calls, index) if raw_calls is not None else ()
         if role == "tool":
-            if not isinstance(message.get("tool_call_id"), str):
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
                 raise _missing(f"messages[{index}].tool_call_id")
-            # No tool_calls are accepted above, so no tool message answers one (the official API's rule).
-            raise _bad("Invalid parameter: messages with role 'tool' must be a response to a preceding message "
-                       "with 'tool_calls'.", f"messages.[{index}].role")
-        messages.append((role, _content_text(message.get("content"), index)))
+            if pending is None:
+                raise _bad("Invalid parameter: messages with role 'tool' must be a response to a preceding message "
+                           "with 'tool_calls'.", f"messages.[{index}].role")
+            if call_id not in pending:
+                raise _bad(f"tool_call_id {call_id!r} does not match an unanswered tool call.",
+                           f"messages[{index}].tool_call_id")
+            pending.discard(call_id)
+            messages.append(Message(role, _content_text(message.get("content"), index), tool_call_id=call_id))
+            continue
+        if pending:
+            raise _unanswered(pending, index - 1)
+        pending = {c.id for c in calls} if calls else None
+        content = _content_text(message.get("content"), index, optional=bool(calls))
+        messages.append(Message(role, content, calls))
+    if pending and messages[-1].role == "tool":
+        raise _unanswered(pending, len(messages) - 1)
     return tuple(messages)
+
+
+def _unanswered(pending: set[str], index: int) -> OpenAIError:
+    return _bad("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+                f"'tool_call_id'. The following tool_call_ids did not have response messages: "
+                f"{', '.join(sorted(pending))}", f"messages.[{index}].role")
 
 
 def check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """Validates ``tools`` / ``tool_choice`` / ``functions`` as the API does; the tools for the chat template.
 
     The tools go to the agent's chat template (``tokenizer.apply_chat_template(..., tools=...)``,
-    as with ``tool_choice`` "none" too). Tool calls are not parsed out of the response (its
-    text is returned as content), so ``tool_choice`` "required" or a named function, which
-    promise a tool call, are refused, and so are the legacy ``functions``.
+    as with ``tool_choice`` "none" too); calls are parsed out of the answer by the agent's
+    ``tool_call_parser`` unless ``tool_choice`` is "none". ``tool_choice`` "required" or a named
+    function are refused: SGLang serves them by constraining decoding to a JSON schema or
+    structural tag of the tools (srt/entrypoints/openai/serving_chat.py, ``tool_call_constraint``),
+    and the episode API carries no grammar to the engine. The legacy ``functions`` are refused too.
 
     Returns:
         The tool definitions, or None when the call has none.
 
     Raises:
-        OpenAIError: 400 for a malformed definition, for ``tool_choice`` without tools, and for
-            ``tool_choice`` other than "none" / "auto" (docs/gateway.md).
+        OpenAIError: 400 for a malformed definition, for ``tool_choice`` without tools or naming an undeclared
+            function, and for ``tool_choice`` other than "none" / "auto" (docs/gateway.md).
     """
     tools = body.get("tools")
     if tools is not None:
@@ -533,29 +749,35 @@ def check_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         if not tools:
             raise _bad("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
                        "tool_choice")
+        if isinstance(choice, Mapping):
+            function = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(function, Mapping) or not isinstance(
+                    function.get("name"), str):
+                raise _missing("tool_choice.function.name")
+            if function["name"] not in {t["function"]["name"] for t in tools}:
+                raise _bad(f"Invalid value for 'tool_choice': function {function['name']!r} is not one of the "
+                           "'tools'.", "tool_choice")
     if body.get("functions") is not None or body.get("function_call") is not None:
-        raise _bad("'functions' are not supported: this gateway renders text-only chat templates", "functions")
+        raise _bad("'functions' are not supported: use 'tools'", "functions")
     if choice is not None and choice not in ("none", "auto"):
-        raise _bad("only tool_choice 'none' or 'auto' is supported: tool calls are not parsed out of the response "
+        raise _bad("only tool_choice 'none' or 'auto' is supported: SGLang forces a tool call by constraining "
+                   "decoding to the tools' JSON schema, and the episode API passes no grammar to the engine "
                    "(docs/gateway.md)", "tool_choice")
     return [dict(tool) for tool in tools] if tools else None
 
 
-def chat_logprobs_request(body: Mapping[str, Any]) -> bool:
-    """Whether a chat call asks for logprobs; ``top_logprobs`` is checked (0-20, needs ``logprobs``) and refused > 0.
+def chat_logprobs_request(body: Mapping[str, Any]) -> tuple[bool, int]:
+    """Whether a chat call asks for logprobs, and how many top logprobs (``top_logprobs``: 0-20, needs ``logprobs``).
 
     Raises:
-        OpenAIError: 400 for a wrong type or range, ``top_logprobs`` without ``logprobs``, or ``top_logprobs`` > 0.
+        OpenAIError: 400 for a wrong type or range, or ``top_logprobs`` without ``logprobs``.
     """
     logprobs = _boolean(body, "logprobs")
     top = _integer(body, "top_logprobs", 0, _MAX_TOP_LOGPROBS)
     if top is not None and not logprobs:
         raise _bad("Invalid value for 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is used.",
                    "top_logprobs")
-    if top:
-        raise _bad("only top_logprobs=0 is supported: the episode API returns the sampled token's logprob only "
-                   "(docs/gateway.md)", "top_logprobs")
-    return logprobs
+    return logprobs, top or 0
 
 
 # ----- the server ----------------------------------------------------------------------------------
@@ -565,6 +787,23 @@ def _finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def _answer(text: str, parse: ToolCallParser | None, tools: Sequence[Mapping[str, Any]],
+            ) -> tuple[str, tuple[ToolCall, ...]]:
+    """The content and tool calls of a sampled text (ids ``call_<24 hex>``, as SGLang's ``_process_tool_call_id``)."""
+    if parse is None:
+        return text, ()
+    parsed = parse(text, tools)
+    return parsed.normal_text, tuple(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+                                     for name, arguments in parsed.calls)
+
+
+def _message_body(content: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [call.to_api() for call in calls]
+    return message
+
+
 def _usage(prompt_tokens: int, generations: Sequence[Generation]) -> dict[str, int]:
     """OpenAI's usage of one call: the prompt once, the completion tokens of every choice."""
     completion = sum(len(g.token_ids) for g in generations)
@@ -572,10 +811,17 @@ def _usage(prompt_tokens: int, generations: Sequence[Generation]) -> dict[str, i
 
 
 def _chat_logprobs(ctx: EpisodeContext, agent: str, generation: Generation) -> dict[str, Any]:
+    """OpenAI's ``choices[i].logprobs``: the sampled tokens' logprobs, each with its top alternatives (if asked)."""
     content = []
-    for token_id, logprob in zip(generation.token_ids, generation.logprobs, strict=True):
+    tops = generation.top_logprobs or ((),) * len(generation.token_ids)
+    for token_id, logprob, top in zip(generation.token_ids, generation.logprobs, tops, strict=True):
         token = ctx.decode(agent, [token_id])
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": []})
+        alternatives = []
+        for top_logprob, top_id in top:
+            text = ctx.decode(agent, [top_id])
+            alternatives.append({"token": text, "logprob": top_logprob, "bytes": list(text.encode())})
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                        "top_logprobs": alternatives})
     return {"content": content, "refusal": None}
 
 
@@ -762,23 +1008,32 @@ class Gateway:
         ctx = session.ctx
         messages = parse_messages(body.get("messages"))
         tools = check_tools(body)
-        want_logprobs = chat_logprobs_request(body)
+        want_logprobs, top_logprobs = chat_logprobs_request(body)
         response_format = _object(body, "response_format")
         if response_format is not None and response_format.get("type") != "text":
             raise _bad("only response_format {'type': 'text'} is supported", "response_format")
         n = samples_of(body)
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.chat_history.setdefault(agent, [])
+        parser = self.config.tool_call_parsers.get(agent)
+        parse = TOOL_CALL_PARSERS[parser] if parser and tools and body.get("tool_choice") != "none" else None
         try:
             prompt = resolve_chat_prompt(ctx, agent, messages, history, tools)
         except InvalidArgument as exc:
             if tools:
                 raise _bad(f"'tools' cannot be rendered for model {agent!r}: {exc}", "tools") from exc
+            with_calls = [i for i, m in enumerate(messages) if m.tool_calls]
+            if with_calls:
+                raise _bad(f"tool calls cannot be rendered for model {agent!r}: {exc}",
+                           f"messages[{with_calls[0]}].tool_calls") from exc
             raise
-        generations = await session.run(lambda: ctx.generate_n(agent, list(prompt.input_ids), n, **sampling))
-        for generation in generations:
+        generations = await session.run(lambda: ctx.generate_n(
+            agent, list(prompt.input_ids), n, retokenized_messages=prompt.retokenized_messages,
+            top_logprobs_num=top_logprobs, **sampling))
+        answers = [_answer(g.text, parse, tools or ()) for g in generations]
+        for generation, (content, calls) in zip(generations, answers, strict=True):
             history.append(ChatTurn(messages, prompt.fresh_ids, prompt.input_ids, generation.token_ids,
-                                    generation.text))
+                                    generation.text, content, calls))
         self._count(session, agent, prompt.reused_tokens, prompt.retokenized_messages)
         version = min(g.version for g in generations)
         extra = {"behavior_version": version, "reused_prompt_tokens": prompt.reused_tokens,
@@ -787,19 +1042,26 @@ class Gateway:
         logprobs = [_chat_logprobs(ctx, agent, g) if want_logprobs else None for g in generations]
         completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         finishes = [_finish_reason(g.finish_reason) for g in generations]
+        # SGLang (serving_chat.py _process_tool_calls): a stop with parsed calls finishes as "tool_calls".
+        finishes = ["tool_calls" if calls and finish == "stop" else finish
+                    for finish, (_, calls) in zip(finishes, answers, strict=True)]
         if body.get("stream") is True:
             options = body.get("stream_options")
             include_usage = isinstance(options, Mapping) and options.get("include_usage") is True
             head = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": agent,
                     "system_fingerprint": f"flexmarl-v{version}"}
             chunks: list[dict[str, Any]] = []
-            for i, generation in enumerate(generations):  # as OpenAI streams n > 1: each chunk names its choice
+            for i, (content, calls) in enumerate(answers):  # as OpenAI streams n > 1: each chunk names its choice
                 chunks += [
                     {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]},
-                    {**head, "choices": [{"index": i, "delta": {"content": generation.text},
+                    {**head, "choices": [{"index": i, "delta": {"content": content},
                                           "logprobs": logprobs[i], "finish_reason": None}]},
                 ]
+                if calls:
+                    deltas = [{"index": k, **call.to_api()} for k, call in enumerate(calls)]
+                    chunks.append({**head, "choices": [{"index": i, "delta": {"tool_calls": deltas},
+                                                        "logprobs": None, "finish_reason": None}]})
             for i, finish in enumerate(finishes):
                 chunk: dict[str, Any] = {**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
                                                               "finish_reason": finish}]}
@@ -812,8 +1074,8 @@ class Gateway:
         return web.json_response({
             "id": completion_id, "object": "chat.completion", "created": created, "model": agent,
             "system_fingerprint": f"flexmarl-v{version}",
-            "choices": [{"index": i, "message": {"role": "assistant", "content": g.text, "refusal": None},
-                         "logprobs": logprobs[i], "finish_reason": finishes[i]} for i, g in enumerate(generations)],
+            "choices": [{"index": i, "message": _message_body(*answers[i]), "logprobs": logprobs[i],
+                         "finish_reason": finishes[i]} for i in range(len(generations))],
             "usage": usage, "flexmarl": extra,
         })
 
@@ -841,14 +1103,12 @@ class Gateway:
         if best_of is not None and best_of != 1:
             raise _bad("only best_of=1 is supported", "best_of")
         logprobs_n = _integer(body, "logprobs", 0, _MAX_COMPLETION_LOGPROBS)
-        if logprobs_n is not None and logprobs_n > 1:
-            raise _bad("'logprobs' must be 0 or 1: the episode API returns the sampled token's logprob only "
-                       "(docs/gateway.md)", "logprobs")
         n = samples_of(body)
         sampling = sampling_of(body, ctx.sampling_defaults(agent))
         history = session.completion_history.setdefault(agent, [])
         input_ids, reused = self._completion_prompt(ctx, agent, prompt, history)
-        generations = await session.run(lambda: ctx.generate_n(agent, list(input_ids), n, **sampling))
+        generations = await session.run(lambda: ctx.generate_n(agent, list(input_ids), n,
+                                                               top_logprobs_num=logprobs_n or 0, **sampling))
         for generation in generations:
             history.append((prompt, input_ids, generation.token_ids, generation.text))
         self._count(session, agent, reused, 0)
@@ -861,8 +1121,10 @@ class Gateway:
                 for token in tokens:
                     offsets.append(offset)
                     offset += len(token)
+                # as SGLang's serving_completions.py (and the legacy API): per token, {token text: logprob}
+                top = [{ctx.decode(agent, [t]): lp for lp, t in position} for position in generation.top_logprobs]
                 logprobs = {"tokens": tokens, "token_logprobs": list(generation.logprobs),
-                            "top_logprobs": None, "text_offset": offsets}
+                            "top_logprobs": top if logprobs_n else None, "text_offset": offsets}
             choices.append({"index": i, "text": generation.text, "logprobs": logprobs,
                             "finish_reason": _finish_reason(generation.finish_reason)})
         usage = _usage(len(input_ids), generations)

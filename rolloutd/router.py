@@ -24,6 +24,20 @@ tokens with the **remaining** budget and the same sampling parameters once the r
 sampled it (:attr:`GenerationOutput.version_spans`), and ``version`` is the oldest token's. The
 paused engine applies the new weights between two iterations, so even then no token comes from
 a half-loaded model.
+
+LoRA agents (:meth:`RolloutRouter.set_lora_agents`): the agents that are adapters of one base
+share the base's replica pool (one balancer group, ``lora-base:<base>``; :mod:`rolloutd.balancer`),
+whose replicas hold the base's weights and never reload them for a version: a request of such an
+agent runs inside :meth:`LoraResidency.use <rolloutd.lora_residency.LoraResidency.use>` of its
+replica, which loads the required version as the adapter ``<agent>@v<k>`` beside older ones, and
+is sent with ``lora_path`` set to that name. A published version therefore needs no drain or
+interruption. Version 0 is the base alone (traind's fresh adapter has ``lora_B = 0``, PEFT's
+default init, and publishes no adapter for it): its requests carry no ``lora_path``.
+
+Distributed weight sync (``rollout.weight_sync: distributed``,
+:meth:`RolloutRouter.set_distributed_sync`): a version the agent's trainer announces is received
+by its replicas over the trainer's weight-update group (:meth:`RolloutRouter.receive_broadcast`,
+:mod:`rolloutd.weight_sync`) under their write locks; a replica that misses it reloads from disk.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ from typing import Any
 
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.retry import Backoff
+from flexmarl.weight_group import WeightGroupRecord
 from rolloutd.balancer import (
     AgentSpec,
     BalancerConfig,
@@ -57,7 +72,9 @@ from rolloutd.engines.protocol import (
     SamplingParams,
 )
 from rolloutd.engines.sglang_client import EngineBusy
-from rolloutd.episode import GenerationOutput
+from rolloutd.episode import TOP_LOGPROBS_KEY, GenerationOutput
+from rolloutd.lora_residency import LoraResidency
+from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +89,11 @@ MAX_RESUMES = 64
 def agent_key(job_id: str, agent: str) -> str:
     """The router's name of an agent of a job."""
     return f"{job_id}/{agent}"
+
+
+def lora_pool_key(base: str) -> str:
+    """The balancer group (and ``loaded_agent``) of the replicas that serve base model ``base`` to LoRA agents."""
+    return f"lora-base:{base}"
 
 
 def request_seed(job_seed: int, key: str, affinity_key: str, input_ids: Sequence[int]) -> int:
@@ -136,6 +158,8 @@ class Replica:
     reloads: int = 0
     #: Reloads that paused running generations (partial rollouts).
     interruptions: int = 0
+    #: The LoRA adapters it holds while it serves a base's pool (made on its first adapter request).
+    lora: LoraResidency | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +183,7 @@ class RolloutRouter:
         health_probe_interval_s: float = 5.0,
         busy_backoff_s: float = 1.0,
         interrupt_mode: PauseMode = PauseMode.IN_PLACE,
+        owner: str = "rolloutd",
     ) -> None:
         """Routes over ``replicas``.
 
@@ -174,6 +199,7 @@ class RolloutRouter:
             interrupt_mode: How a published version interrupts the generations of a
                 partial-rollout agent (see the module doc): ``in_place`` keeps their KV cache,
                 ``retract`` recomputes it, ``abort`` returns them for resubmission.
+            owner: This rolloutd's worker id (what it answers a trainer's weight-update group with).
         """
         if health_probe_interval_s <= 0 or busy_backoff_s < 0:
             raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")
@@ -196,6 +222,13 @@ class RolloutRouter:
         self._loads: set[asyncio.Task[None]] = set()
         self._interrupt_mode = PauseMode(interrupt_mode)
         self._interruptible: set[str] = set()
+        self._owner = owner
+        #: Agents with rollout.weight_sync distributed -> their weight-update groups here.
+        self._weight_groups: dict[str, AgentWeightGroup] = {}
+        self._broadcast_locks: dict[str, asyncio.Lock] = {}
+        #: LoRA agent key -> its base model (set_lora_agents); the adapter slots of a pool replica.
+        self._lora_bases: dict[str, str] = {}
+        self._adapter_slots: int | None = None
 
     # ---- agents and versions -------------------------------------------------------------------
 
@@ -218,6 +251,85 @@ class RolloutRouter:
         if current is None or version > current.version:
             self._wanted[key] = WantedWeights(version, uri)
 
+    def set_distributed_sync(self, key: str, enabled: bool) -> None:
+        """Whether agent key's versions arrive by its trainer's broadcast (:meth:`announce`) besides the disk."""
+        if enabled:
+            self._weight_groups.setdefault(key, AgentWeightGroup(self._owner))
+        else:
+            self._weight_groups.pop(key, None)
+
+    def announce(self, key: str, version: int, record: WeightGroupRecord) -> None:
+        """Agent key's trainer is about to broadcast ``version`` over ``record``: its replicas receive it."""
+        if key in self._weight_groups:
+            self._spawn(self._announced(key, version, record))
+
+    async def _announced(self, key: str, version: int, record: WeightGroupRecord) -> None:
+        await self.receive_broadcast(key, version, record)
+
+    async def receive_broadcast(self, key: str, version: int, record: WeightGroupRecord) -> SyncOutcome | None:
+        """Drains the agent's replicas and has them receive the broadcast (:mod:`rolloutd.weight_sync`).
+
+        The replicas serving the agent now are the group's members; each is drained (its write
+        lock: running generations end, new ones wait) for at most half the group's timeout, so rank
+        0 still finds an answer in time. A replica that received the whole version serves it at
+        once (before the trainer's commit, which only adds the durable copy); one that failed may
+        hold torn weights and is reloaded from the durable copy before it serves again
+        (``loaded_version`` -1: the next request reloads the agent's required version).
+
+        Returns:
+            What the version did (None: the agent does not sync over a group here).
+        """
+        group = self._weight_groups.get(key)
+        if group is None:
+            return None
+        lock = self._broadcast_locks.setdefault(key, asyncio.Lock())
+        async with lock, contextlib.AsyncExitStack() as held:
+            start = time.perf_counter()
+            members: list[Replica] = []
+            try:
+                async with asyncio.timeout(record.timeout_s / 2):
+                    for replica in sorted(self._replicas.values(), key=lambda r: r.replica_id):
+                        if not (replica.healthy and replica.loaded_agent == key
+                                and isinstance(replica.client, GroupMember)):
+                            continue
+                        await held.enter_async_context(replica.reload_lock)
+                        await held.enter_async_context(replica.lock.write())
+                        if replica.healthy and replica.loaded_agent == key:  # not moved meanwhile
+                            members.append(replica)
+            except TimeoutError:
+                log.warning("%s v%d: only %d replicas drained in %.0fs; the others load it from disk", key,
+                            version, len(members), record.timeout_s / 2)
+            clients = {r.replica_id: r.client for r in self._replicas.values() if isinstance(r.client, GroupMember)}
+            outcome = await group.receive(version, record, [(r.replica_id, clients[r.replica_id]) for r in members],
+                                          clients)
+            for replica in members:
+                if replica.replica_id in outcome.served:
+                    replica.loaded_version = version
+                    replica.reloads += 1
+                elif replica.replica_id in outcome.failed:
+                    replica.loaded_version = -1  # torn: reloaded from the durable copy before it serves
+                    log.warning("replica %s missed %s v%d (%s); it reloads from the durable copy",
+                                replica.replica_id, key, version, outcome.failed[replica.replica_id])
+            if outcome.served and self._on_reload is not None:
+                self._on_reload(key, time.perf_counter() - start)
+            return outcome
+
+    def set_lora_agents(self, bases: Mapping[str, str], adapter_slots: int | None = None) -> None:
+        """Which agent keys are LoRA adapters, each of its base model; call before :meth:`set_agents`.
+
+        ``adapter_slots`` is the engines' ``--max-loras-per-batch`` (None: no bound here). Keys
+        not in ``bases`` are full-model agents. Takes effect at the next balancer rebuild.
+        """
+        self._lora_bases = dict(bases)
+        self._adapter_slots = adapter_slots
+        for base in set(bases.values()):
+            self._wanted[lora_pool_key(base)] = WantedWeights(0, base)  # the pool serves the base itself
+
+    def model_key(self, key: str) -> str:
+        """What a replica must hold to serve agent key: the agent's own weights, or its base's pool."""
+        base = self._lora_bases.get(key)
+        return key if base is None else lora_pool_key(base)
+
     def set_partial_rollout(self, key: str, enabled: bool) -> None:
         """Whether a version published for agent key interrupts its running generations."""
         if enabled:
@@ -230,9 +342,10 @@ class RolloutRouter:
 
         For a partial-rollout agent, every healthy replica serving an older version is reloaded
         now, its running generations interrupted (see the module doc); for any other agent
-        nothing happens (its requests keep the versions their tasks require).
+        nothing happens (its requests keep the versions their tasks require), nor for a LoRA
+        agent (a version is an adapter loaded beside the old one: nothing to drain or interrupt).
         """
-        if key not in self._interruptible:
+        if key not in self._interruptible or key in self._lora_bases:
             return
         self.require(key, version, uri)
         for replica in self._replicas.values():
@@ -252,6 +365,8 @@ class RolloutRouter:
                 start = time.perf_counter()
                 path = await self._resolve(wanted.uri)  # before the pause: keep it short
                 mode = self._interrupt_mode
+                # The start is logged too: benchmarks.chaos --partial SIGKILLs rolloutd right after it.
+                log.info("replica %s pausing (%s) to serve %s v%d", replica.replica_id, mode.value, key, wanted.version)
                 await replica.client.pause_generation(mode)
                 try:
                     # After an in-place pause the running requests keep their KV: SGLang refuses the flush.
@@ -286,17 +401,36 @@ class RolloutRouter:
                 healthy = [r for r in self._replicas.values() if r.healthy]
                 if not healthy:
                     raise Unavailable("no healthy engine replica")
+                await self._release_adapters(healthy, wanted)
                 self._agents = wanted
                 if not wanted:
                     self._balancer = None
                     return
-                specs = self._initial_assignment(healthy, wanted)
-                self._balancer = HierarchicalBalancer(specs, [AgentSpec(k, k) for k in wanted], self._config)
+                groups = tuple(sorted({self.model_key(k) for k in wanted}))
+                specs = self._initial_assignment(healthy, groups)
+                pools = {lora_pool_key(b) for k, b in self._lora_bases.items() if k in wanted}
+                slots = {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots)
+                self._balancer = HierarchicalBalancer(
+                    specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
+                    self._config, adapter_slots=slots)
                 log.info("serving agents %s on %d replicas: %s", list(wanted), len(specs),
                          {s.replica_id: s.model_key for s in specs})
             finally:
                 self._rebuilding = False
                 self._quiet.notify_all()
+
+    @staticmethod
+    async def _release_adapters(replicas: Sequence[Replica], served: Sequence[str]) -> None:
+        """Unloads the adapters of LoRA agents no longer served (their job ended); no request uses them now."""
+        for replica in replicas:
+            if replica.lora is None:
+                continue
+            for agent in replica.lora.agents():
+                if agent not in served:
+                    try:
+                        await replica.lora.release_agent(agent)
+                    except FlexmarlError as exc:  # the replica's problem shows at its next request
+                        log.warning("unloading %s's adapters on %s failed: %s", agent, replica.replica_id, exc)
 
     def _initial_assignment(self, healthy: Sequence[Replica], agents: Sequence[str]) -> list[ReplicaAssignment]:
         """Keeps replicas on the agent they already hold where possible (no reload), else deals them out."""
@@ -348,13 +482,17 @@ class RolloutRouter:
         resumed sample is not the one an uninterrupted run would have drawn, seeded or not: the
         new weights change it, and the resubmission samples from output position 0 again.
         """
-        wire = {**sampling, "n": n}
+        # top_logprobs_num rides in the sampling dict (rolloutd/episode.py TOP_LOGPROBS_KEY) but is a /generate field.
+        wire = {**{k: v for k, v in sampling.items() if k != TOP_LOGPROBS_KEY}, "n": n}
+        top_logprobs_num = int(sampling.get(TOP_LOGPROBS_KEY) or 0)
         if seed is not None and wire.get("sampling_seed") is None:
             wire["sampling_seed"] = request_seed(seed, key, affinity_key, input_ids)
-        return await self._generate(key, input_ids, SamplingParams.from_wire(wire), affinity_key, MAX_RESUMES)
+        return await self._generate(key, input_ids, SamplingParams.from_wire(wire), affinity_key, MAX_RESUMES,
+                                    top_logprobs_num)
 
     async def _generate(
-        self, key: str, input_ids: list[int], params: SamplingParams, affinity_key: str, resumes_left: int
+        self, key: str, input_ids: list[int], params: SamplingParams, affinity_key: str, resumes_left: int,
+        top_logprobs_num: int = 0,
     ) -> list[GenerationOutput]:
         parts = _sample_parts(params)
         done: dict[int, list[GenerationOutput]] = {}
@@ -365,13 +503,19 @@ class RolloutRouter:
             samples = sum(parts[index].n for index in todo)
             ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, samples, affinity_key)
             replica = self._replicas[str(ticket.replica_id)]
+            model_key = self.model_key(key)
             try:
-                await self._ensure_weights(replica, key)
+                await self._ensure_weights(replica, model_key)
                 async with replica.lock.read():
-                    if replica.loaded_agent != key:  # a concurrent load won; route again
+                    if replica.loaded_agent != model_key:  # a concurrent load won; route again
                         raise _Reroute
-                    version = replica.loaded_version
-                    outcomes = await _run_parts(replica.client, input_ids, [parts[index] for index in todo])
+                    todo_parts = [parts[index] for index in todo]
+                    if model_key == key:
+                        version = replica.loaded_version
+                        outcomes = await _run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
+                    else:
+                        version, outcomes = await self._run_adapter(replica, key, input_ids, todo_parts,
+                                                                    top_logprobs_num)
                 failures: list[Unavailable] = []
                 for index, outcome in zip(todo, outcomes, strict=True):
                     if isinstance(outcome, Unavailable):
@@ -404,17 +548,35 @@ class RolloutRouter:
             return [output for _, output in outputs]
         try:
             async with asyncio.TaskGroup() as group:  # a failed resumption cancels the others
-                resumed = [group.create_task(self._resume(key, input_ids, part, output, affinity_key, resumes_left))
+                resumed = [group.create_task(self._resume(key, input_ids, part, output, affinity_key, resumes_left,
+                                                          top_logprobs_num))
                            for part, output in outputs]
         except ExceptionGroup as failed:  # callers handle the domain error, not the group
             raise failed.exceptions[0] from None
         return [task.result() for task in resumed]
 
+    async def _run_adapter(
+        self, replica: Replica, key: str, input_ids: list[int], parts: Sequence[SamplingParams], top_logprobs_num: int,
+    ) -> tuple[int, list[list[GenerationResult] | Unavailable]]:
+        """The parts of a LoRA agent's request on a pool replica, with the agent's required version as adapter.
+
+        Returns the version served and the parts' outcomes (see :func:`_run_parts`).
+        """
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            raise Unavailable(f"no weights known for {key}")
+        if wanted.uri == self._lora_bases[key]:  # the initial version: the base alone (see the module doc)
+            return wanted.version, await _run_parts(replica.client, input_ids, parts, top_logprobs_num)
+        if replica.lora is None:
+            replica.lora = LoraResidency(replica.client, self._resolve)
+        async with replica.lora.use(key, wanted.version, wanted.uri) as name:
+            return wanted.version, await _run_parts(replica.client, input_ids, parts, top_logprobs_num, name)
+
     def _output(self, key: str, result: GenerationResult, version: int) -> GenerationOutput:
         """One sample; a partial-rollout agent's carries the versions its tokens were sampled with."""
         output = GenerationOutput(tuple(result.output_ids), tuple(result.output_token_logprobs),
-                                  str(result.finish_reason), version)
-        if key not in self._interruptible:
+                                  str(result.finish_reason), version, top_logprobs=result.output_top_logprobs)
+        if key not in self._interruptible or key in self._lora_bases:  # an adapter's engine spans name the base
             return output
         spans = _engine_spans(result)
         if not spans:
@@ -423,7 +585,7 @@ class RolloutRouter:
 
     async def _resume(
         self, key: str, input_ids: list[int], params: SamplingParams, output: GenerationOutput, affinity_key: str,
-        resumes_left: int,
+        resumes_left: int, top_logprobs_num: int = 0,
     ) -> GenerationOutput:
         """An aborted sample completed on the weights now served (see :meth:`generate`)."""
         if output.finish_reason != FinishReason.ABORT:
@@ -437,7 +599,7 @@ class RolloutRouter:
             raise Unavailable(f"{key}: a sample was interrupted more than {MAX_RESUMES} times")
         rest_params = dataclasses.replace(params, n=1, max_new_tokens=remaining)
         (rest,) = await self._generate(key, [*input_ids, *output.token_ids], rest_params, affinity_key,
-                                       resumes_left - 1)
+                                       resumes_left - 1, top_logprobs_num)
         return _joined(output, rest)
 
     async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:
@@ -484,7 +646,8 @@ class RolloutRouter:
         if balancer is None:
             return
         counts = balancer.replica_counts()
-        starved = {ticket.agent for ticket in balancer.queued() if counts.get(ticket.agent, 0) == 0}
+        starved = {ticket.agent for ticket in balancer.queued()
+                   if counts.get(balancer.model_key_of(ticket.agent), 0) == 0}
         if starved:
             # A queued agent has no replica: decide now. The balancer's own urgency flag is
             # cleared by a rebalance that found no donor yet (the donor's last requests were
@@ -542,6 +705,10 @@ class RolloutRouter:
                 return
             start = time.perf_counter()
             path = await self._resolve(wanted.uri)
+            if replica.lora is not None:  # leaving a base's pool: its adapters go (no request uses them now)
+                for agent in replica.lora.agents():
+                    await replica.lora.release_agent(agent)
+                replica.lora = None
             await replica.client.update_weights_from_disk(path, weight_version=str(wanted.version))
             replica.loaded_agent, replica.loaded_version = key, wanted.version
             replica.reloads += 1
@@ -589,6 +756,7 @@ class RolloutRouter:
             return
         replica.healthy = True
         replica.loaded_agent, replica.loaded_version = "", -1
+        replica.lora = None  # it may have restarted without its adapters
         log.warning("replica %s re-admitted: /health answers 200", replica.replica_id)
         balancer = self._balancer
         if balancer is None:
@@ -675,6 +843,7 @@ def _joined(head: GenerationOutput, tail: GenerationOutput) -> GenerationOutput:
         token_ids=head.token_ids + tail.token_ids, logprobs=head.logprobs + tail.logprobs,
         finish_reason=tail.finish_reason, version=spans[0][1] if spans else tail.version,
         version_spans=tuple(spans) if len(spans) > 1 else (),
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
     )
 
 
@@ -686,9 +855,12 @@ def _sample_parts(params: SamplingParams) -> list[SamplingParams]:
 
 
 async def _run_parts(
-    client: EngineClient, input_ids: Sequence[int], parts: Sequence[SamplingParams]
+    client: EngineClient, input_ids: Sequence[int], parts: Sequence[SamplingParams], top_logprobs_num: int = 0,
+    lora_path: str | None = None,
 ) -> list[list[GenerationResult] | Unavailable]:
     """Sends the parts concurrently; each outcome is its results or the Unavailable it met.
+
+    ``lora_path`` names the adapter loaded on the replica that serves them (None: the model itself).
 
     Any other error cancels the parts still running and propagates. Every part has ended when
     this returns or raises, so none outlives the replica's read lock.
@@ -696,7 +868,8 @@ async def _run_parts(
 
     async def one(part: SamplingParams) -> list[GenerationResult] | Unavailable:
         try:
-            return await client.generate(GenerationRequest(input_ids=tuple(input_ids), sampling=part))
+            return await client.generate(GenerationRequest(input_ids=tuple(input_ids), sampling=part,
+                                                           top_logprobs_num=top_logprobs_num, lora_path=lora_path))
         except Unavailable as exc:
             return exc
 

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -75,10 +76,12 @@ class GenerationBackend(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class AgentRuntime:
-    """What the runner needs per agent: its tokenizer and default sampling parameters."""
+    """What the runner needs per agent: its tokenizer, default sampling parameters and return discount."""
 
     tokenizer: AgentTokenizer
     sampling: Mapping[str, Any]
+    #: ``algorithm.gamma`` of the agent: a turn's return discounts the reward j turns later by gamma**j.
+    gamma: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +224,18 @@ class _EpisodeOutcome:
     turns: list[TurnRecord]
     returns: dict[str, float]
     error: EpisodeError | None
+    turn_rewards: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    episode_rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def turn_returns(rewards: Sequence[float], gamma: float) -> list[float]:
+    """Discounted returns of an agent's turns: ``G_k = r_k + gamma * G_{k+1}`` (the last turn's is its reward)."""
+    out = [0.0] * len(rewards)
+    following = 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        following = rewards[k] + gamma * following
+        out[k] = following
+    return out
 
 
 class RolloutRunner:
@@ -288,7 +303,12 @@ class RolloutRunner:
         if errors:
             logger.warning("task %s failed: %s", task_input.task_id, errors[0].message)
             return RolloutResult(task_input.task_id, (), errors, returns, backend.calls, backend.coalesced)
-        experiences = self._experiences(task_input, outcomes)
+        try:
+            experiences = self._experiences(task_input, task, outcomes)
+        except Exception as exc:  # the environment's shape_reward is user code too
+            error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
+            logger.warning("task %s failed: %s", task_input.task_id, error.message)
+            return RolloutResult(task_input.task_id, (), (error,), returns, backend.calls, backend.coalesced)
         return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced)
 
     async def _play(
@@ -333,15 +353,38 @@ class RolloutRunner:
         finally:
             if self._coalesce and not first_request_made:
                 coalescer.withdraw(sample_index)
-        return _EpisodeOutcome(ctx.turns(), ctx.returns(), None)
+        return _EpisodeOutcome(ctx.turns(), ctx.returns(), None, ctx.turn_rewards(), ctx.episode_rewards())
+
+    def _turn_returns(self, task: Any, outcome: _EpisodeOutcome) -> dict[tuple[str, int], float]:
+        """(agent, turn) -> the turn's return: its reward (shaped by the environment) plus the discounted later ones."""
+        out: dict[tuple[str, int], float] = {}
+        for agent in self._env.agents:
+            turns = sorted((t for t in outcome.turns if t.agent == agent), key=lambda t: t.turn)
+            if not turns:
+                continue
+            by_turn = outcome.turn_rewards.get(agent, {})
+            rewards = []
+            for i, turn in enumerate(turns):
+                reward = by_turn.get(turn.turn, 0.0)
+                if i == len(turns) - 1:
+                    reward += outcome.episode_rewards.get(agent, 0.0)
+                shaped = float(self._env.shape_reward(task, turn, reward))
+                if not math.isfinite(shaped):
+                    raise InvalidArgument(f"shape_reward gave {shaped!r} for {agent!r} turn {turn.turn}")
+                rewards.append(shaped)
+            gamma = self._agents[agent].gamma
+            for turn, value in zip(turns, turn_returns(rewards, gamma), strict=True):
+                out[(agent, turn.turn)] = value
+        return out
 
     def _experiences(
-        self, task_input: RolloutTaskInput, outcomes: Mapping[int, _EpisodeOutcome]
+        self, task_input: RolloutTaskInput, task: Any, outcomes: Mapping[int, _EpisodeOutcome]
     ) -> tuple[ExperienceRecord, ...]:
         created_ms = self._clock_ms()
         records: list[ExperienceRecord] = []
         for sample_index in sorted(outcomes):
             outcome = outcomes[sample_index]
+            returns = self._turn_returns(task, outcome)
             for turn in sorted(outcome.turns, key=lambda t: (self._env.agents.index(t.agent), t.turn)):
                 records.append(
                     ExperienceRecord(
@@ -354,11 +397,12 @@ class RolloutRunner:
                         episode_id=f"{task_input.task_id}/{sample_index}",
                         turn=turn.turn,
                         behavior_version=turn.behavior_version,
-                        reward=outcome.returns.get(turn.agent, 0.0),
+                        reward=returns[(turn.agent, turn.turn)],
                         prompt_token_ids=np.asarray(turn.prompt_token_ids, dtype=np.int32),
                         response_token_ids=np.asarray(turn.response_token_ids, dtype=np.int32),
                         response_logprobs=np.asarray(turn.response_logprobs, dtype=np.float32),
                         response_version_spans=version_spans_array(turn.version_spans),
+                        retokenized_messages=turn.retokenized_messages,
                         group_size=task_input.group_size,
                         created_unix_ms=created_ms,
                     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flexmarl import weight_group
 from flexmarl.client import JobState
 from flexmarl.errors import InvalidArgument
 from flexmarl.experience import ExperienceSummary
@@ -60,10 +61,15 @@ def watch_versions_request(job_id: str) -> orchestrator_pb2.WatchAgentVersionsRe
 
 
 def published_version(msg: common_pb2.AgentVersion) -> PublishedVersion:
-    """A streamed agent version; raises InvalidArgument on a negative one."""
+    """A streamed agent version, announced (with its weight-update group) or committed.
+
+    Raises:
+        InvalidArgument: A negative version or a malformed group.
+    """
     if msg.version < 0:
         raise InvalidArgument(f"agent {msg.agent!r} of job {msg.job_id!r}: negative version {msg.version}")
-    return PublishedVersion(msg.job_id, msg.agent, msg.version, msg.weights_uri)
+    group = weight_group.from_message(msg.weight_group) if msg.HasField("weight_group") else None
+    return PublishedVersion(msg.job_id, msg.agent, msg.version, msg.weights_uri, group)
 
 
 def experience_summary(summary: ExperienceSummary) -> orchestrator_pb2.ExperienceSummary:

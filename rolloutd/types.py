@@ -11,6 +11,7 @@ import dataclasses
 from flexmarl.errors import ErrorReason
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
+from flexmarl.weight_group import WeightGroupRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +26,18 @@ class AgentVersion:
 
 @dataclasses.dataclass(frozen=True)
 class PublishedVersion:
-    """A committed version of a job's agent, as orchestratord's WatchAgentVersions streams it."""
+    """A committed version of a job's agent, as orchestratord's WatchAgentVersions streams it.
+
+    With ``weight_group`` set, the version is not committed yet: its trainer is about to broadcast
+    it over that group (``rollout.weight_sync: distributed``); the committed one follows.
+    """
 
     job_id: str
     agent: str
     version: int
     #: A checkpoint URI; "": the agent's base model from the job spec (version 0).
     weights_uri: str = ""
+    weight_group: WeightGroupRecord | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,13 @@ The worker speaks dataclasses (:mod:`rolloutd.types`): to orchestratord through 
 :mod:`rolloutd.serde`), to stored through :class:`flexmarl.store_client.StoreClient`; every retry
 is :mod:`flexmarl.retry`'s.
 
-Partial rollouts (``rollout.partial_rollout``): for each such job the worker keeps one
+Partial rollouts (``rollout.partial_rollout``) and distributed weight sync (``rollout.weight_sync:
+distributed``, :mod:`rolloutd.weight_sync`): for each such job the worker keeps one
 WatchAgentVersions stream open (:meth:`~rolloutd.link.OrchestratorLink.watch_versions`) and
 hands every committed version to the router at once (:meth:`RolloutRouter.publish`), which
-interrupts the agent's running generations and reloads its replicas. Other jobs learn versions
-only from their leased tasks' minimum versions, as before.
+interrupts a partial-rollout agent's running generations and reloads its replicas, and every
+version its trainer announces before broadcasting it to :meth:`RolloutRouter.announce`. Other jobs
+learn versions only from their leased tasks' minimum versions, as before.
 """
 
 from __future__ import annotations
@@ -61,10 +63,12 @@ from flexmarl.store_client import StoreClient
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
+from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH, LoraSettings
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.episode import Environment, HFTokenizer, load_environment
 from rolloutd.external_env import ExternalAgents
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
+from rolloutd.lora_launch import engine_lora_settings, launch_model, lora_bases
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
@@ -134,6 +138,9 @@ class WorkerSettings:
     engine_path_map: EnginePathMap = dataclasses.field(default_factory=EnginePathMap)
     #: Where stored:// checkpoints are unpacked (None: <work_dir>/weights).
     weights_cache_dir: Path | None = None
+    #: LoRA agents' replicas: --max-loras-per-batch and --max-loaded-loras (None: no bound).
+    engine_max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
+    engine_max_loaded_loras: int | None = None
 
     @property
     def weights_cache(self) -> Path:
@@ -141,8 +148,8 @@ class WorkerSettings:
         return self.weights_cache_dir or self.work_dir / "weights"
 
 
-def replica_specs(settings: WorkerSettings, model_path: str) -> list[ReplicaSpec]:
-    """What each replica rolloutd launches runs: its backend, model, devices and flags."""
+def replica_specs(settings: WorkerSettings, model_path: str, lora: LoraSettings | None = None) -> list[ReplicaSpec]:
+    """What each replica rolloutd launches runs: its backend, model, devices and flags (``lora``: LoRA flags)."""
     devices = settings.engine_device_sets
     if devices is not None and len(devices) != settings.engine_replicas:
         raise InvalidArgument(f"{len(devices)} device sets for {settings.engine_replicas} replicas")
@@ -150,7 +157,8 @@ def replica_specs(settings: WorkerSettings, model_path: str) -> list[ReplicaSpec
         ReplicaSpec(backend=settings.engine_backend, model_path=model_path,  # type: ignore[arg-type]
                     num_threads=settings.engine_threads, tp_size=settings.engine_tp_size,
                     deterministic_inference=settings.deterministic_inference,
-                    devices=None if devices is None else devices[index], extra_args=settings.engine_extra_args)
+                    devices=None if devices is None else devices[index], extra_args=settings.engine_extra_args,
+                    lora=lora or LoraSettings())
         for index in range(settings.engine_replicas)
     ]
 
@@ -331,9 +339,11 @@ class RolloutWorker:
                     job.version_watch.cancel()
                     for name in job.spec.agent_names:
                         self.router.set_partial_rollout(agent_key(job_id, name), False)
+                        self.router.set_distributed_sync(agent_key(job_id, name), False)
                 if job is not None:
                     with contextlib.suppress(Exception):
                         await job.env.aclose()  # an ExternalAgents job's gateway stops listening
+            self._set_lora_agents(self.router)
             await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                           for a in j.spec.agent_names])
         log.info("stopped serving finished jobs %s", ended)
@@ -476,21 +486,29 @@ class RolloutWorker:
         runtimes = {}
         for agent in spec.agents:
             tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
-            runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()))
+            runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()),
+                                                gamma=spec.algorithm_of(agent.name).gamma)
         runner = RolloutRunner(env, runtimes, router.backend(task.job_id, spec.seed))
         job = _ServedJob(task.job_id, spec, env, runner, router)
         self._jobs[task.job_id] = job
+        self._set_lora_agents(router)
         await router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values() for a in j.spec.agent_names])
-        if spec.rollout.partial_rollout:
+        distributed = spec.rollout.weight_sync == "distributed"
+        if spec.rollout.partial_rollout or distributed:
             for name in spec.agent_names:
-                router.set_partial_rollout(agent_key(task.job_id, name), True)
+                router.set_partial_rollout(agent_key(task.job_id, name), spec.rollout.partial_rollout)
+                router.set_distributed_sync(agent_key(task.job_id, name), distributed)
             job.version_watch = asyncio.get_running_loop().create_task(
                 self._watch_versions(job), name=f"versions of {task.job_id}")
         log.info("serving job %s (%s)", task.job_id, spec.name)
         return job
 
     async def _watch_versions(self, job: _ServedJob) -> None:
-        """Hands each committed version of a partial-rollout job's agents to the router as it is published."""
+        """Hands each version of a partial-rollout or distributed-sync job's agents to the router as it comes.
+
+        A version announced with its weight-update group goes to :meth:`RolloutRouter.announce`
+        (the replicas receive the broadcast), a committed one to :meth:`RolloutRouter.publish`.
+        """
         backoff = VERSION_WATCH_RETRY.backoff()
         while not self._stopping:
             try:
@@ -498,8 +516,12 @@ class RolloutWorker:
                     backoff.reset()
                     if published.agent not in job.spec.agent_names:
                         continue
+                    key = agent_key(job.job_id, published.agent)
+                    if published.weight_group is not None:  # being broadcast (weight_sync: distributed)
+                        job.router.announce(key, published.version, published.weight_group)
+                        continue
                     uri = published.weights_uri or job.spec.agent(published.agent).model
-                    job.router.publish(agent_key(job.job_id, published.agent), published.version, uri)
+                    job.router.publish(key, published.version, uri)
             except (NotFound, FailedPrecondition) as exc:  # the job is gone, or the link cannot watch
                 log.info("not watching the versions of job %s: %s", job.job_id, describe_error(exc))
                 return
@@ -507,6 +529,11 @@ class RolloutWorker:
                 log.warning("watching the versions of job %s failed (%s); watching again", job.job_id,
                             describe_error(exc))
             await backoff.sleep()
+
+    def _set_lora_agents(self, router: RolloutRouter) -> None:
+        """Tells the router which agents of the served jobs are LoRA adapters (:mod:`rolloutd.lora_launch`)."""
+        router.set_lora_agents({agent_key(j.job_id, a): base for j in self._jobs.values()
+                                for a, base in lora_bases(j.spec).items()}, self.settings.engine_max_loras_per_batch)
 
     async def _ensure_engines(self, spec: JobSpec) -> RolloutRouter:
         """The router over this worker's engines, launching or attaching them for the first job."""
@@ -520,7 +547,8 @@ class RolloutWorker:
             else:
                 engines = []
                 launched = []
-                for index, replica_spec in enumerate(replica_specs(s, spec.agents[0].model)):
+                lora = engine_lora_settings(spec, s.engine_max_loras_per_batch, s.engine_max_loaded_loras)
+                for index, replica_spec in enumerate(replica_specs(s, launch_model(spec), lora)):
                     engine = await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}",
                                           timeout_s=s.engine_launch_timeout_s)
                     engines.append(engine)
@@ -541,7 +569,8 @@ class RolloutWorker:
             balancing = spec.balancing
             config = BalancerConfig(rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.ROUND_ROBIN
                                     if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS)
-            self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload)
+            self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
+                                        owner=s.worker_id)
             return self.router
 
     # ---- rolloutd's own API --------------------------------------------------------------------------

@@ -70,6 +70,8 @@ CREATE TABLE IF NOT EXISTS experiences (
     content_sha256 BLOB NOT NULL,
     -- int32 (start, version) pairs of an interrupted response; empty: every token has behavior_version.
     response_version_spans BLOB NOT NULL DEFAULT x'',
+    -- assistant messages of the prompt re-tokenized from text (OpenAI gateway); 0: none.
+    retokenized_messages INTEGER NOT NULL DEFAULT 0,
     UNIQUE (job_id, experience_id)
 );
 CREATE INDEX IF NOT EXISTS exp_partition ON experiences (job_id, agent, state, behavior_version);
@@ -223,6 +225,9 @@ class Database:
         if "response_version_spans" not in columns:
             self._writer.execute("ALTER TABLE experiences ADD COLUMN response_version_spans BLOB NOT NULL DEFAULT x''")
             log.info("%s: added experiences.response_version_spans", self.path)
+        if "retokenized_messages" not in columns:
+            self._writer.execute("ALTER TABLE experiences ADD COLUMN retokenized_messages INTEGER NOT NULL DEFAULT 0")
+            log.info("%s: added experiences.retokenized_messages", self.path)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(

@@ -143,8 +143,9 @@ def content_digest(
 ) -> bytes:
     """sha256 over every immutable field of a record (not state, step or times).
 
-    The version spans of an interrupted response are hashed only when there are any, so the
-    digest of every record without them is what it was before they existed.
+    The version spans of an interrupted response and a re-tokenized message count are hashed
+    only when there are any, so the digest of every record without them is what it was before
+    they existed.
     """
     h = hashlib.sha256()
     for text in (
@@ -165,6 +166,9 @@ def content_digest(
     if spans:
         h.update(struct.pack("<Q", len(spans)))
         h.update(spans)
+    if record.retokenized_messages:
+        h.update(b"retokenized")
+        h.update(struct.pack("<Q", record.retokenized_messages))
     return h.digest()
 
 
@@ -199,6 +203,8 @@ def validate_record(record: ExperienceRecord, limits: ExperienceLimits) -> _Pack
         raise InvalidArgument(f"experience {exp_id!r}: bad turn {record.turn}")
     if not 0 <= record.behavior_version <= _INT64_MAX:
         raise InvalidArgument(f"experience {exp_id!r}: behavior_version must be >= 0")
+    if not 0 <= record.retokenized_messages < (1 << 31):
+        raise InvalidArgument(f"experience {exp_id!r}: bad retokenized_messages {record.retokenized_messages}")
     expected_id = str(ExperienceKey(record.task_id, record.sample_index, record.agent, record.turn))
     if exp_id != expected_id:
         raise InvalidArgument(f"bad experience_id {exp_id!r}: expected {expected_id!r} (task/sample/agent/turn)")
@@ -257,7 +263,7 @@ def _bump_stats(
 _RECORD_COLUMNS = (
     "experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, turn, behavior_version, "
     "reward, group_size, state, step_id, created_unix_ms, prompt_token_ids, response_token_ids, "
-    "response_logprobs, content_sha256, response_version_spans"
+    "response_logprobs, content_sha256, response_version_spans, retokenized_messages"
 )
 _REF_COLUMNS = (
     "seq, experience_id, group_id, task_id, sample_index, behavior_version, response_tokens, prompt_tokens, "
@@ -267,7 +273,7 @@ _REF_COLUMNS = (
 
 def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
     (exp_id, job_id, agent, task_id, group, sample, episode, turn, version, reward, group_size, state, step_id,
-     created, prompt, response, logprobs, digest, spans) = row
+     created, prompt, response, logprobs, digest, spans, retokenized) = row
     try:
         version_spans = check_version_spans(
             np.frombuffer(spans, dtype=SPAN_DTYPE), int(version), len(response) // TOKEN_DTYPE.itemsize,
@@ -295,6 +301,7 @@ def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
         step_id=str(step_id),
         created_unix_ms=int(created),
         response_version_spans=version_spans,
+        retokenized_messages=int(retokenized),
     )
     actual = content_digest(record, prompt, response, logprobs, bytes(spans))
     if actual != digest:
@@ -416,15 +423,15 @@ class ExperienceStore:
             "INSERT INTO experiences (experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, "
             "turn, behavior_version, reward, group_size, state, step_id, created_unix_ms, state_unix_ms, "
             "prompt_tokens, response_tokens, payload_bytes, prompt_token_ids, response_token_ids, "
-            "response_logprobs, content_sha256, response_version_spans) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "response_logprobs, content_sha256, response_version_spans, retokenized_messages) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     p.record.experience_id, p.record.job_id, p.record.agent, p.record.task_id, p.record.group_id,
                     p.record.sample_index, p.record.episode_id, p.record.turn, p.record.behavior_version,
                     p.record.reward, p.record.group_size, int(ExperienceState.READY), now_ms, now_ms,
                     len(p.prompt) // 4, len(p.response) // 4, p.payload_bytes, p.prompt, p.response,
-                    p.logprobs, p.digest, p.spans,
+                    p.logprobs, p.digest, p.spans, p.record.retokenized_messages,
                 )
                 for p in rows
             ],

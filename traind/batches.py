@@ -33,35 +33,32 @@ class PackedMicroBatch:
     stale_tokens: int = 0
 
 
-def micro_batch_advantages(records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float) -> list[float]:
-    """GRPO advantage of every record; the micro-batch must hold complete groups.
+def micro_batch_advantages(
+    records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float, *,
+    baseline: losses.TurnBaseline = losses.TurnBaseline.EPISODE, step_stats: losses.ReturnStats | None = None,
+) -> list[float]:
+    """The advantage of every record (:func:`traind.losses.turn_advantages`); the micro-batch must hold complete groups.
 
-    rolloutd writes the agent's episode return (the sum of its ``ctx.reward`` calls in
-    that episode) as the ``reward`` of every one of its turns, so the return of an
-    episode (``sample_index``) is that shared value; every turn of the episode gets the
-    episode's advantage.
+    rolloutd writes each turn's return (the agent's rewards from that turn on, discounted by the
+    agent's ``gamma``; for episode-level rewards the episode return on every turn) as the
+    record's ``reward``.
 
     Raises:
-        InvalidArgument: a group is incomplete (fewer distinct samples than ``group_size``),
-            or the turns of one episode disagree on its return.
+        InvalidArgument: a group is incomplete (fewer distinct samples than ``group_size``), a turn
+            is there twice, or ``agent`` normalisation without ``step_stats``.
     """
-    returns: dict[str, dict[int, float]] = defaultdict(dict)
+    samples: dict[str, set[int]] = defaultdict(set)
     sizes: dict[str, int] = {}
     for rec in records:
-        previous = returns[rec.group_id].setdefault(rec.sample_index, float(rec.reward))
-        if previous != float(rec.reward):
-            raise InvalidArgument(
-                f"group {rec.group_id!r} episode {rec.sample_index}: turns disagree on the episode return "
-                f"({previous} vs {rec.reward})"
-            )
+        samples[rec.group_id].add(rec.sample_index)
         sizes[rec.group_id] = rec.group_size
-    for gid, by_sample in returns.items():
+    for gid, by_sample in samples.items():
         if len(by_sample) != sizes[gid]:
             raise InvalidArgument(
                 f"group {gid!r} is incomplete in the micro-batch: {len(by_sample)} of {sizes[gid]} episodes"
             )
-    advs = losses.grouped_advantages(returns, norm, eps)
-    return [advs[(rec.group_id, rec.sample_index)] for rec in records]
+    returns = [losses.TurnReturn(rec.group_id, rec.sample_index, rec.turn, float(rec.reward)) for rec in records]
+    return losses.turn_advantages(returns, norm, eps, baseline=baseline, step_stats=step_stats)
 
 
 def pack_micro_batch(

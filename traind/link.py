@@ -25,6 +25,7 @@ from flexmarl.experience import ExperienceRecord
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+from flexmarl.weight_group import WeightGroupRecord
 from traind import serde
 from traind.work import ResidentAgent, SlotEvent, SlotEventKind, StepCommit, TrainerWork
 
@@ -68,6 +69,10 @@ class OrchestratorLink(Protocol):
 
     async def commit_step(self, commit: StepCommit) -> None:
         """Commits an optimizer step (raises OrchestratorCallError)."""
+
+    async def announce_weights(self, slot_id: str, job_id: str, agent: str, version: int,
+                               record: WeightGroupRecord) -> None:
+        """Announces the version rank 0 is about to broadcast over ``record`` (raises OrchestratorCallError)."""
 
     async def report_slot_event(self, event: SlotEvent) -> None:
         """Reports a swap-out or a failure of a slot (raises OrchestratorCallError)."""
@@ -144,6 +149,12 @@ class GrpcOrchestratorLink:
         """CommitStep."""
         request = serde.commit_request(self._worker_id, commit)
         await self._call("CommitStep", lambda stub: stub.CommitStep(request, timeout=60))
+
+    async def announce_weights(self, slot_id: str, job_id: str, agent: str, version: int,
+                               record: WeightGroupRecord) -> None:
+        """AnnounceWeights."""
+        request = serde.announce_request(self._worker_id, slot_id, job_id, agent, version, record)
+        await self._call("AnnounceWeights", lambda stub: stub.AnnounceWeights(request, timeout=30))
 
     async def report_slot_event(self, event: SlotEvent) -> None:
         """ReportSlotEvent (a failure report waits less: the slot is already giving up)."""

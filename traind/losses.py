@@ -32,10 +32,80 @@ class LossAggregation(enum.StrEnum):
 
 
 class AdvantageNorm(enum.StrEnum):
-    """How GRPO normalises returns within a group."""
+    """How returns become advantages (docs/training.md, "Credit assignment").
+
+    ``std`` / ``mean``: GRPO within the task's group (against the group's baseline set, see
+    :class:`TurnBaseline`); ``agent``: Dr. MAS, ``(G - mean) / std`` over every experience of the
+    agent's step (the statistics come with the work, :class:`ReturnStats`); ``none``: the raw
+    return, no baseline and no scaling.
+    """
 
     STD = "std"
     MEAN = "mean"
+    AGENT = "agent"
+    NONE = "none"
+
+
+class TurnBaseline(enum.StrEnum):
+    """Which returns of a group a turn's ``std`` / ``mean`` advantage is measured against.
+
+    ``episode``: each episode of the group once, with its return from the agent's first turn
+    (its whole, discounted return); for episode-level rewards every turn of an episode has that
+    return, so this is plain GRPO. ``turn``: the returns of the group's turns with the same
+    turn index (the agent's k-th turn against the other episodes' k-th turns).
+    """
+
+    EPISODE = "episode"
+    TURN = "turn"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnStats:
+    """Mean and unbiased standard deviation of the returns of every experience of an agent's step.
+
+    Computed once by orchestratord's planner when the step's manifest is fixed (exactly rounded
+    sums, so they do not depend on the order rewards were reported in) and sent with every
+    micro-batch of the step: ``agent`` normalisation is then a fixed affine map of each
+    return, the same for every cut of the step into micro-batches.
+    """
+
+    count: int
+    mean: float
+    std: float
+
+    @classmethod
+    def of(cls, returns: Sequence[float]) -> ReturnStats:
+        """The statistics of a step's returns (``std`` 0 for fewer than two)."""
+        count = len(returns)
+        if count == 0:
+            return cls(0, 0.0, 0.0)
+        mean = math.fsum(returns) / count
+        std = math.sqrt(math.fsum((r - mean) * (r - mean) for r in returns) / (count - 1)) if count > 1 else 0.0
+        return cls(count, mean, std)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropySchedule:
+    """Entropy-bonus coefficient per trained version: linear from ``start`` to ``end`` over ``steps`` steps.
+
+    ``steps`` 0 (or ``end`` None) keeps ``start`` for the whole job. Step ``t`` (the version being
+    trained) uses ``start + (end - start) * min(t, steps) / steps``.
+    """
+
+    start: float = 0.0
+    end: float | None = None
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.start < 0.0 or (self.end is not None and self.end < 0.0) or self.steps < 0:
+            raise InvalidArgument(f"entropy schedule must be non-negative, got {self}")
+
+    def at(self, step: int) -> float:
+        """The coefficient of the step that trains version ``step``."""
+        if self.end is None or self.steps == 0:
+            return self.start
+        frac = min(max(step, 0), self.steps) / self.steps
+        return self.start + (self.end - self.start) * frac
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +189,82 @@ def grouped_advantages(
         samples = sorted(by_sample)
         advs = group_advantages([by_sample[s] for s in samples], norm, eps)
         out.update({(gid, s): a for s, a in zip(samples, advs, strict=True)})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnReturn:
+    """The return of one experience: one turn ``turn`` of episode ``sample_index`` in group ``group_id``."""
+
+    group_id: str
+    sample_index: int
+    turn: int
+    value: float
+
+
+def turn_advantages(
+    returns: Sequence[TurnReturn],
+    norm: AdvantageNorm = AdvantageNorm.STD,
+    eps: float = 1e-6,
+    *,
+    baseline: TurnBaseline = TurnBaseline.EPISODE,
+    step_stats: ReturnStats | None = None,
+) -> list[float]:
+    """Advantage of every experience of complete groups (see :class:`AdvantageNorm`).
+
+    ``std`` / ``mean`` with the ``episode`` baseline: ``G_{e,k} - mean`` (over ``std``) where
+    mean and std are over the group's episodes' first-turn returns ``G_{e,0}``; for one turn per
+    episode (or every turn sharing the episode's return) this is :func:`group_advantages`
+    exactly. With the ``turn`` baseline the statistics are over the group's returns of turn
+    index ``k``. ``agent`` uses ``step_stats`` (the whole step's), ``none`` the return itself.
+
+    Raises:
+        InvalidArgument: ``agent`` without ``step_stats``; an experience twice.
+    """
+    if norm is AdvantageNorm.NONE:
+        return [r.value for r in returns]
+    if norm is AdvantageNorm.AGENT:
+        if step_stats is None:
+            raise InvalidArgument("advantage_norm agent needs the step's return statistics")
+        if step_stats.count < 2:
+            return [0.0 for _ in returns]
+        return [(r.value - step_stats.mean) / (step_stats.std + eps) for r in returns]
+    seen: set[tuple[str, int, int]] = set()
+    first: dict[str, dict[int, TurnReturn]] = {}
+    by_turn: dict[tuple[str, int], dict[int, float]] = {}
+    for r in returns:
+        key = (r.group_id, r.sample_index, r.turn)
+        if key in seen:
+            raise InvalidArgument(f"group {r.group_id!r} episode {r.sample_index} turn {r.turn} given twice")
+        seen.add(key)
+        episodes = first.setdefault(r.group_id, {})
+        if r.sample_index not in episodes or r.turn < episodes[r.sample_index].turn:
+            episodes[r.sample_index] = r
+        by_turn.setdefault((r.group_id, r.turn), {})[r.sample_index] = r.value
+    stats: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def baseline_of(r: TurnReturn) -> tuple[float, float]:
+        key = (r.group_id, r.turn if baseline is TurnBaseline.TURN else -1)
+        if key not in stats:
+            if baseline is TurnBaseline.TURN:
+                values = [by_turn[key][s] for s in sorted(by_turn[key])]
+            else:
+                values = [first[r.group_id][s].value for s in sorted(first[r.group_id])]
+            mean = math.fsum(values) / len(values)
+            std = math.sqrt(math.fsum((v - mean) * (v - mean) for v in values) / (len(values) - 1)) if len(values) > 1 \
+                else math.inf
+            stats[key] = (mean, std)
+        return stats[key]
+
+    out: list[float] = []
+    for r in returns:
+        mean, std = baseline_of(r)
+        if math.isinf(std):  # nothing to compare against
+            out.append(0.0)
+        elif norm is AdvantageNorm.MEAN:
+            out.append(r.value - mean)
+        else:
+            out.append((r.value - mean) / (std + eps))
     return out
 
 

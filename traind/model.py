@@ -35,7 +35,7 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceRecord
-from traind import losses
+from traind import lora, losses
 from traind.accumulation import ExactGradientSum
 from traind.batches import micro_batch_advantages, pack_micro_batch, token_logprobs, token_logprobs_and_entropy
 from traind.distributed import ensure_distributed
 from traind.locations import StateLocation
+from traind.lora import LoraBaseCache, LoraSettings
 from traind.pacing import ModelledDeviceClock
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class AgentTrainerConfig:
         grad_clip: max global L2 norm of the normalised step gradient; ``0`` disables.
         optimizer_impl: ``torch`` (default) or ``deepspeed``.
         loss: clip/KL/aggregation settings.
-        advantage_norm: GRPO ``std`` or ``mean``.
+        advantage_norm: ``std`` / ``mean`` (GRPO in the group), ``agent`` (over the step: the
+            statistics come with each micro-batch) or ``none`` (:class:`traind.losses.AdvantageNorm`).
         advantage_eps: added to the group std.
+        turn_baseline: the group statistics of ``std`` / ``mean`` (:class:`traind.losses.TurnBaseline`).
+        entropy_schedule: the entropy-bonus coefficient per trained version; None: ``loss.entropy_coef``.
         temperature: the agent's sampling temperature; logprobs are computed from logits / T
             to match the behaviour logprobs the engine reported (T <= 0, greedy, uses raw logits).
         exact_accumulation: sum the step's group gradients exactly, independent of their order,
@@ -93,6 +97,8 @@ class AgentTrainerConfig:
             per parameter and one forward/backward per group (docs/pipeline.md).
         stale_token_bound: ``rollout.mask_stale_tokens``: tokens sampled more than this many
             versions before the version being trained get zero weight; None masks nothing.
+        lora: train only a LoRA adapter over ``model_path`` (its frozen base; :mod:`traind.lora`);
+            None trains the whole model.
     """
 
     agent: str
@@ -108,9 +114,12 @@ class AgentTrainerConfig:
     loss: losses.PolicyLossConfig = dataclasses.field(default_factory=losses.PolicyLossConfig)
     advantage_norm: losses.AdvantageNorm = losses.AdvantageNorm.STD
     advantage_eps: float = 1e-6
+    turn_baseline: losses.TurnBaseline = losses.TurnBaseline.EPISODE
+    entropy_schedule: losses.EntropySchedule | None = None
     temperature: float = 1.0
     exact_accumulation: bool = True
     stale_token_bound: int | None = None
+    lora: LoraSettings | None = None
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
@@ -119,6 +128,8 @@ class AgentTrainerConfig:
             raise InvalidArgument(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.grad_clip < 0.0 or self.lr < 0.0:
             raise InvalidArgument("grad_clip and lr must be >= 0")
+        if self.lora is not None and self.zero_stage != 0:
+            raise InvalidArgument(f"a LoRA agent trains with ZeRO 0, got zero_stage {self.zero_stage}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -242,17 +253,22 @@ class AgentTrainer:
     Not thread-safe: call it from one thread at a time.
     """
 
-    def __init__(self, config: AgentTrainerConfig, device_clock: ModelledDeviceClock | None = None) -> None:
+    def __init__(self, config: AgentTrainerConfig, device_clock: ModelledDeviceClock | None = None, *,
+                 lora_bases: LoraBaseCache | None = None) -> None:
         """Loads the agent's checkpoint and builds its engine (initialises the process group if needed).
 
         Args:
             config: the agent's engine settings.
             device_clock: modelled device time (benchmarks): every micro-batch and optimizer step
                 is charged to it and its owner settles it (real math still runs); None = real time only.
+            lora_bases: the slot's base cache: a LoRA agent borrows its base from it (and gives it back
+                on :meth:`release`); a full-model agent empties it (the memory is its own now). None:
+                a LoRA agent loads a base of its own.
         """
         ensure_distributed()
         self.config = config
         self.device_clock = device_clock
+        self._lora_bases = lora_bases
         self._engine: Any = None
         self._reference: PreTrainedModel | None = None
         self._acc = _StepAccumulator()
@@ -288,22 +304,46 @@ class AgentTrainer:
             }
         return cfg
 
+    def _load_model(self) -> Any:
+        """The module to train: the checkpoint, or the slot's frozen base with the agent's adapter in it."""
+        cfg = self.config
+        bases = self._lora_bases
+        if cfg.lora is None:
+            if bases is not None:
+                bases.clear()
+            model: Any = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=cfg.torch_dtype)
+            model.config.use_cache = False
+            return model
+        base = (bases.acquire(cfg.model_path, cfg.torch_dtype) if bases is not None
+                else LoraBaseCache().acquire(cfg.model_path, cfg.torch_dtype))
+        try:
+            return lora.attach_adapter(base, cfg.lora, cfg.agent)
+        except BaseException:
+            if bases is not None:
+                bases.give_back(base)
+            raise
+
     def _build_engine(self) -> None:
         cfg = self.config
-        model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=cfg.torch_dtype)
-        model.config.use_cache = False
+        model = self._load_model()
+        # Only what trains: all of a full model, the adapter of a LoRA agent (its optimizer state too).
+        trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer: torch.optim.Optimizer | None = None
         if cfg.optimizer_impl is OptimizerImpl.TORCH:
             # One param group: ZeRO steps group by group and the clip norm must span all of them.
             optimizer = torch.optim.AdamW(
-                model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+                trainable, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
             )
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            model_parameters=None if optimizer is not None else model.parameters(),
-            config=self._ds_config(),
-        )
+        try:
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                model_parameters=None if optimizer is not None else trainable,
+                config=self._ds_config(),
+            )
+        except BaseException:
+            self._return_base(model)
+            raise
         self._engine = engine
         engine.basic_optimizer.register_step_pre_hook(self._normalise_and_clip_hook)
         if cfg.exact:
@@ -350,6 +390,13 @@ class AgentTrainer:
         """Device of the engine's module."""
         return torch.device(self.engine.device)
 
+    def _reference_logprobs(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """Token logprobs of the KL reference: the initial policy, or a LoRA agent's base (adapter disabled)."""
+        if self.config.lora is not None:
+            with lora.adapter_disabled(self.engine.module):
+                return token_logprobs(self.engine.module, input_ids, attention, self.config.temperature)
+        return token_logprobs(self._reference_model(), input_ids, attention, self.config.temperature)
+
     def _reference_model(self) -> PreTrainedModel:
         """The frozen initial policy for the KL term, rebuilt from the checkpoint dir on demand."""
         if self._reference is None:
@@ -361,7 +408,8 @@ class AgentTrainer:
     # --------------------------------------------------------------- training
 
     def accumulate(self, micro_batch: Sequence[ExperienceRecord], *,
-                   micro_batch_index: int | None = None) -> MicroBatchStats:
+                   micro_batch_index: int | None = None,
+                   step_stats: losses.ReturnStats | None = None) -> MicroBatchStats:
         """Forward + backward of one micro-batch of complete groups; adds its loss *sum* to the step gradient.
 
         With exact accumulation the result of the step does not depend on the order of the
@@ -372,6 +420,8 @@ class AgentTrainer:
             micro_batch_index: the micro-batch's index in the step's manifest (``MicroBatchWork``);
                 with it, the same micro-batch delivered again (same index, same experiences) is
                 not added twice: the call returns the first call's statistics. None: no check.
+            step_stats: the return statistics of the agent's whole step (``MicroBatchWork``), needed
+                by ``advantage_norm: agent``.
 
         Returns:
             Sizes and the un-normalised loss sum of this micro-batch.
@@ -404,11 +454,11 @@ class AgentTrainer:
         else:
             units = [(tuple(sorted(groups)), list(micro_batch))]
         # Incomplete groups fail here, before any gradient of this micro-batch is added.
-        micro_batch_advantages(micro_batch, self.config.advantage_norm, self.config.advantage_eps)
+        self._advantages(micro_batch, step_stats)
         computed = []
         try:
             for key, records in units:
-                computed.append((key, self._backward(records)))
+                computed.append((key, self._backward(records, step_stats)))
         except BaseException:
             if computed:  # part of the micro-batch is in the gradient: the step cannot be completed
                 acc.broken = True
@@ -429,10 +479,24 @@ class AgentTrainer:
             acc.indexed[micro_batch_index] = _MicroBatchSeen(experience_ids, stats)
         return stats
 
-    def _backward(self, records: Sequence[ExperienceRecord]) -> tuple[_UnitStats, float]:
+    def _advantages(self, records: Sequence[ExperienceRecord], step_stats: losses.ReturnStats | None) -> list[float]:
+        cfg = self.config
+        return micro_batch_advantages(records, cfg.advantage_norm, cfg.advantage_eps, baseline=cfg.turn_baseline,
+                                      step_stats=step_stats)
+
+    def _loss_config(self) -> losses.PolicyLossConfig:
+        """The loss settings of the version being trained (the entropy schedule's coefficient)."""
+        schedule = self.config.entropy_schedule
+        if schedule is None:
+            return self.config.loss
+        return dataclasses.replace(self.config.loss, entropy_coef=schedule.at(self.version))
+
+    def _backward(self, records: Sequence[ExperienceRecord],
+                  step_stats: losses.ReturnStats | None = None) -> tuple[_UnitStats, float]:
         """Forward + backward of complete groups; returns their statistics and real (attended) tokens."""
         cfg = self.config
-        advantages = micro_batch_advantages(records, cfg.advantage_norm, cfg.advantage_eps)
+        loss_cfg = self._loss_config()
+        advantages = self._advantages(records, step_stats)
         bound = cfg.stale_token_bound
         packed = pack_micro_batch(records, advantages,
                                   min_token_version=None if bound is None else self.version - bound)
@@ -441,26 +505,25 @@ class AgentTrainer:
         attention = packed.attention_mask.to(device)
         mask = packed.response_mask.to(device)
         ref_logprobs = None
-        if cfg.loss.kl_coef > 0.0:
+        if loss_cfg.kl_coef > 0.0:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self._reference_model(), input_ids, attention,
-                                              self.config.temperature)
+                ref_logprobs = self._reference_logprobs(input_ids, attention)
         exact_sum = self._exact_sum
         # Exact: the bare module (ZeRO 0/1 need no engine forward), so that torch.autograd.grad
         # returns the group's gradient without DeepSpeed's backward hooks or its grad buffers.
         model = self.engine.module if exact_sum is not None else self.engine
         logprobs, entropy = token_logprobs_and_entropy(model, input_ids, attention, self.config.temperature,
-                                                       entropy=cfg.loss.entropy_coef > 0.0)
+                                                       entropy=loss_cfg.entropy_coef > 0.0)
         terms = losses.policy_loss_per_token(
             logprobs,
             packed.behavior_logprobs.to(device),
             packed.advantages.to(device),
             mask,
-            cfg.loss,
+            loss_cfg,
             ref_logprobs,
             entropy,
         )
-        loss_sum = losses.aggregate_sum(terms.loss, mask, cfg.loss.loss_agg)
+        loss_sum = losses.aggregate_sum(terms.loss, mask, loss_cfg.loss_agg)
         if exact_sum is not None:
             params = exact_sum.params
             grads = torch.autograd.grad(loss_sum, params, allow_unused=True)
@@ -476,6 +539,40 @@ class AgentTrainer:
             ratio_sum=float(terms.ratio.sum().item()),
         )
         return unit, float(attention.sum().item())
+
+    def accumulate_loss(self, unit_key: tuple[str, ...], sequences: int,
+                        compute: Callable[[Any], tuple[torch.Tensor, int]]) -> tuple[float, int]:
+        """Adds one accumulation unit of another loss (a warm start's SFT loss, :mod:`traind.sft`).
+
+        ``compute(model)`` returns the unit's loss *sum* and its token count. The gradient goes
+        where :meth:`accumulate` puts it (the exact sum, or DeepSpeed's buffers), so
+        :meth:`optimizer_step` normalises, clips and steps it the same way.
+
+        Returns:
+            The unit's loss sum and tokens.
+
+        Raises:
+            InvalidArgument: ``unit_key`` was accumulated already in this step.
+        """
+        acc = self._acc
+        if unit_key in acc.units:
+            raise InvalidArgument(f"agent {self.config.agent}: unit {unit_key} was accumulated already in this step")
+        exact_sum = self._exact_sum
+        model = self.engine.module if exact_sum is not None else self.engine
+        loss_sum, tokens = compute(model)
+        try:
+            if exact_sum is not None:
+                exact_sum.add(torch.autograd.grad(loss_sum, exact_sum.params, allow_unused=True))
+            else:
+                self.engine.backward(loss_sum, scale_wrt_gas=False)
+        except BaseException:
+            acc.broken = True
+            raise
+        value = float(loss_sum.detach().item())
+        acc.units[unit_key] = _UnitStats(loss_sum=value, tokens=tokens, sequences=sequences, clipped_tokens=0.0,
+                                         kl_sum=0.0, ratio_sum=0.0)
+        acc.micro_batches += 1
+        return value, tokens
 
     def _normalise_and_clip_hook(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         scale = self._pending_grad_scale
@@ -651,6 +748,8 @@ class AgentTrainer:
     def publish(self, out_dir: str | os.PathLike[str]) -> Path:
         """Writes the weights as a Hugging Face safetensors checkpoint dir (config + tokenizer copied).
 
+        A LoRA agent writes its adapter directory instead (``PeftModel.save_pretrained``:
+        ``adapter_config.json`` + ``adapter_model.safetensors``, :mod:`traind.lora`).
         Every rank must call it (ZeRO 3 gathers); rank 0 writes. The directory appears
         atomically (written beside it, then renamed).
 
@@ -658,14 +757,17 @@ class AgentTrainer:
             The checkpoint directory.
         """
         target = Path(out_dir)
-        state = self.full_state_dict()
+        state = self.full_state_dict() if self.config.lora is None else {}
         if self.rank == 0:
             staging = target.with_name(target.name + f".tmp-{os.getpid()}")
             if staging.exists():
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
-            self.engine.module.save_pretrained(staging, state_dict=state)
-            copy_tokenizer_files(Path(self.config.model_path), staging)
+            if self.config.lora is not None:
+                self.engine.module.save_pretrained(staging)
+            else:
+                self.engine.module.save_pretrained(staging, state_dict=state)
+                copy_tokenizer_files(Path(self.config.model_path), staging)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(staging, target)
@@ -678,12 +780,14 @@ class AgentTrainer:
     def save_state(self, location: StateLocation) -> int:
         """Writes the full training state (params, optimizer, step, RNG) to a location.
 
-        Every rank must call it. Returns the bytes this rank moved.
+        A LoRA agent's state holds its adapter, not the frozen base. Every rank must call it.
+        Returns the bytes this rank moved.
         """
         if self._acc.units:
             raise FailedPrecondition(f"agent {self.config.agent}: cannot save mid-step")
         with location.writable_dir() as state_dir:
-            self.engine.save_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG)
+            self.engine.save_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG,
+                                        exclude_frozen_parameters=self.config.lora is not None)
             torch.save(
                 {"rng": _capture_rng_state(), "version": self.version},
                 state_dir / f"trainer-rank{self.rank:05d}.pt",
@@ -696,7 +800,9 @@ class AgentTrainer:
         if self._engine is None:
             self._build_engine()
         with location.readable_dir() as state_dir:
-            path, _ = self.engine.load_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG, load_optimizer_states=True)
+            # A LoRA state is the adapter alone (traind.lora checks that it is this agent's adapter).
+            path, _ = self.engine.load_checkpoint(str(state_dir / "ds"), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                                  load_module_strict=self.config.lora is None)
             if path is None:
                 raise FailedPrecondition(f"no DeepSpeed checkpoint in {location.uri}")
             extra_path = state_dir / f"trainer-rank{self.rank:05d}.pt"
@@ -711,10 +817,15 @@ class AgentTrainer:
         return moved
 
     def release(self) -> None:
-        """Frees the engine (and the reference model); the slot's memory goes back."""
+        """Frees the engine (and the reference model); the slot's memory goes back.
+
+        A LoRA agent's base goes back to the slot's cache, its adapter taken out.
+        """
         if self._engine is not None:
+            module = self._engine.module
             self._engine.destroy()
             self._engine = None
+            self._return_base(module)
         self._reference = None
         self._acc = _StepAccumulator()
         if self._exact_sum is not None:
@@ -722,6 +833,14 @@ class AgentTrainer:
             self._exact_sum = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _return_base(self, module: Any) -> None:
+        """A LoRA agent's base, its adapter taken out, back to the slot's cache (nothing for a full model)."""
+        if self.config.lora is None:
+            return
+        base = lora.detach_adapter(module)
+        if self._lora_bases is not None:
+            self._lora_bases.give_back(base)
 
     @property
     def resident(self) -> bool:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flexmarl import weight_group
 from flexmarl.v1 import orchestrator_pb2, train_pb2
+from flexmarl.weight_group import WeightGroupRecord
 from traind.work import (
     DataParallelGroup,
     MicroBatchWork,
@@ -47,7 +49,9 @@ def micro_batch_work(msg: orchestrator_pb2.MicroBatchWork) -> MicroBatchWork:
         lease_id=msg.lease_id, job_id=msg.job_id, agent=msg.agent, step=msg.step, step_id=msg.step_id,
         micro_batch_index=msg.micro_batch_index, experience_ids=tuple(msg.experience_ids),
         base_version=msg.base_version, state_uri=msg.state_uri, step_episodes=msg.step_episodes,
-        spec_digest=msg.spec_digest, group=data_parallel_group(msg.group) if msg.HasField("group") else None)
+        spec_digest=msg.spec_digest, group=data_parallel_group(msg.group) if msg.HasField("group") else None,
+        step_return_count=msg.step_return_count, step_return_mean=msg.step_return_mean,
+        step_return_std=msg.step_return_std)
 
 
 def optimizer_step_work(msg: orchestrator_pb2.OptimizerStepWork) -> OptimizerStepWork:
@@ -56,7 +60,8 @@ def optimizer_step_work(msg: orchestrator_pb2.OptimizerStepWork) -> OptimizerSte
         job_id=msg.job_id, agent=msg.agent, step=msg.step, step_id=msg.step_id, new_version=msg.new_version,
         step_response_tokens=msg.step_response_tokens, step_episodes=msg.step_episodes,
         num_micro_batches=msg.num_micro_batches, base_version=msg.base_version, state_uri=msg.state_uri,
-        spec_digest=msg.spec_digest, group=data_parallel_group(msg.group) if msg.HasField("group") else None)
+        spec_digest=msg.spec_digest, group=data_parallel_group(msg.group) if msg.HasField("group") else None,
+        step_sequences=msg.step_sequences)
 
 
 def trainer_work(reply: orchestrator_pb2.PollTrainerWorkResponse) -> TrainerWork | None:
@@ -83,6 +88,13 @@ def commit_request(worker_id: str, commit: StepCommit) -> orchestrator_pb2.Commi
         worker_id=worker_id, slot_id=commit.slot_id, job_id=commit.job_id, agent=commit.agent, step=commit.step,
         new_version=commit.new_version, weights_uri=commit.weights_uri, state_uri=commit.state_uri,
         loss=commit.loss, grad_norm=commit.grad_norm, step_seconds=commit.step_seconds, figures=dict(commit.figures))
+
+
+def announce_request(worker_id: str, slot_id: str, job_id: str, agent: str, version: int,
+                     record: WeightGroupRecord) -> orchestrator_pb2.AnnounceWeightsRequest:
+    """A version about to be broadcast over a weight-update group."""
+    return orchestrator_pb2.AnnounceWeightsRequest(worker_id=worker_id, slot_id=slot_id, job_id=job_id, agent=agent,
+                                                   version=version, weight_group=weight_group.to_message(record))
 
 
 def slot_event_request(worker_id: str, event: SlotEvent) -> orchestrator_pb2.ReportSlotEventRequest:

@@ -2,7 +2,9 @@
 
 The checkpoint path works at every ZeRO stage (DESIGN §5). The engine is
 destroyed on swap-out and rebuilt on swap-in, so the slot's memory is free in
-between. Locations (``mem://``, ``file://``, ``stored://``) are :mod:`traind.locations`.
+between. LoRA agents (:mod:`traind.lora`) leave their frozen base in the slot's
+:class:`traind.lora.LoraBaseCache`: their state, and what a swap moves, is the
+adapter and its optimizer state. Locations (``mem://``, ``file://``, ``stored://``) are :mod:`traind.locations`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import time
 
 from traind.locations import StateLocation
+from traind.lora import LoraBaseCache
 from traind.model import AgentTrainer, AgentTrainerConfig
 from traind.pacing import ModelledDeviceClock
 
@@ -40,12 +43,21 @@ def swap_out(trainer: AgentTrainer, location: StateLocation) -> SwapStats:
 
 
 def swap_in(
-    config: AgentTrainerConfig, location: StateLocation, device_clock: ModelledDeviceClock | None = None,
+    config: AgentTrainerConfig, location: StateLocation, device_clock: ModelledDeviceClock | None = None, *,
+    lora_bases: LoraBaseCache | None = None,
 ) -> tuple[AgentTrainer, SwapStats]:
-    """Builds the agent's engine (with ``device_clock``, see :class:`AgentTrainer`) and restores its state."""
+    """Builds the agent's engine (with ``device_clock``, see :class:`AgentTrainer`) and restores its state.
+
+    A LoRA agent borrows the slot's base from ``lora_bases`` (read from disk only when the cache
+    holds another one), so what moves is its adapter and optimizer state.
+    """
     started = time.perf_counter()
-    trainer = AgentTrainer(config, device_clock)
-    moved = trainer.load_state(location)
+    trainer = AgentTrainer(config, device_clock, lora_bases=lora_bases)
+    try:
+        moved = trainer.load_state(location)
+    except BaseException:
+        trainer.release()  # a LoRA agent's base goes back to the slot's cache
+        raise
     stats = SwapStats(location.uri, moved, time.perf_counter() - started)
     logger.info("agent %s swapped in from %s: %d bytes in %.3f s", config.agent, location.uri, moved, stats.seconds)
     return trainer, stats

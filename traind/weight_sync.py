@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -45,12 +46,15 @@ import torch.distributed as dist
 
 from flexmarl import collective
 from flexmarl.errors import FlexmarlError
+from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor, join_key
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # io_struct.py's default group_name
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 60.0
+#: What rank 0 sets a version's answer key to when it stops waiting for rolloutd.
+GAVE_UP = b"rank0-gave-up"
 
 
 class WeightSyncError(FlexmarlError):
@@ -191,7 +195,9 @@ class WeightBroadcaster:
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        store: Any = None,
     ) -> None:
+        """A group of ``world_size`` ranks; ``store``: a rendezvous store someone else hosts (and keeps)."""
         if world_size < 2:
             raise ValueError(f"a weight-update group needs rank 0 and a replica, got world_size {world_size}")
         self.world_size = world_size
@@ -199,8 +205,9 @@ class WeightBroadcaster:
         self.backend = backend
         self.host = host
         self.timeout_s = timeout_s
-        self._port = port
-        self._store: Any = None
+        self._owns_store = store is None
+        self._store: Any = store
+        self._port = port if store is None else int(store.port)
         self._group: Any = None
 
     @property
@@ -260,7 +267,8 @@ class WeightBroadcaster:
                 collective.destroy_group(group)
             except Exception as exc:  # already broken: nothing left to release
                 logger.warning("destroying weight-update group %s: %s", self.group_name, exc)
-        self._store = None
+        if self._owns_store:
+            self._store = None
 
 
 def _wire_tensors(params: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor]:
@@ -409,10 +417,153 @@ def _describe(failures: dict[str, BaseException]) -> str:
     return "; ".join(f"{name}: {exc}" for name, exc in failures.items())
 
 
+def distinct_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without the second name of a tied tensor (``lm_head.weight`` = the embedding).
+
+    The engine loads by parameter name with the tied names included (a tied parameter is one
+    tensor), so sending it once is enough; ``save_pretrained`` drops it the same way.
+    """
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+class AgentBroadcast:
+    """rank 0 of one agent across versions: its rendezvous store, its open group (epoch), each version's push.
+
+    Per version (:mod:`flexmarl.weight_group`): :meth:`announce` plans the buckets and names the
+    group (host, port, open epoch); rolloutd answers on the store (``keep`` or ``open`` with the
+    world size) and joins its replicas; :meth:`push` (blocking: run it on a thread) waits for the
+    answer, keeps or reopens the group and broadcasts the buckets. Every wait is bounded by
+    ``timeout_s``; any failure closes the group (the store stays: the next version opens a new
+    epoch) and raises :class:`WeightSyncError`, after which the version reaches the replicas
+    from its durable copy.
+    """
+
+    def __init__(self, job_id: str, agent: str, *, host: str = "127.0.0.1", backend: str = "gloo",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 send_dtype: torch.dtype | None = None) -> None:
+        self.base_name = f"flexmarl-weights-{job_id}-{agent}"
+        self.host = host
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.send_dtype = send_dtype
+        self._store: Any = None
+        self._group: WeightBroadcaster | None = None
+        self.epoch = 0  # the epoch open now (0: none)
+        self._last_epoch = 0  # the highest epoch ever opened on this store
+
+    def announce(self, params: dict[str, torch.Tensor]) -> WeightGroupRecord:
+        """Opens the store (once) and plans the version's buckets; what AnnounceWeights carries."""
+        if self._store is None:
+            self._store = collective.host_store(self.host, 0, 2, self.timeout_s)
+        buckets = plan_buckets(params.items(), self.bucket_bytes, send_dtype=self.send_dtype)
+        if not buckets:
+            raise ValueError("no parameters to broadcast")
+        plan = tuple(tuple(WeightTensor(t.name, t.dtype, t.shape) for t in b.tensors) for b in buckets)
+        return WeightGroupRecord(self.host, int(self._store.port), self.base_name,
+                                 self.epoch if self._group is not None else 0, self.backend, self.timeout_s, plan)
+
+    def push(self, params: dict[str, torch.Tensor], version: int, record: WeightGroupRecord) -> PushReport | None:
+        """Broadcasts ``params`` as ``version`` along ``record``'s plan once rolloutd answered (blocking).
+
+        Returns None when rolloutd answered that no replica serves the agent now.
+
+        Raises:
+            WeightSyncError: No answer within ``timeout_s``, the group did not form, or a
+                broadcast failed (the group is closed then).
+        """
+        started_s = time.monotonic()
+        answer = self._answer(version)
+        group = self._group
+        if answer.kind == "skip":
+            self._close_group()
+            logger.info("%s v%d: no replica serves the agent now; nothing broadcast", self.base_name, version)
+            return None
+        if answer.kind == "keep":
+            if group is None or answer.epoch != self.epoch:
+                self._close_group()
+                raise WeightSyncError(f"{self.base_name} v{version}: asked to keep epoch {answer.epoch}, "
+                                      f"but epoch {self.epoch if group else 0} is open")
+        else:
+            if answer.epoch <= self._last_epoch:
+                self._close_group()
+                raise WeightSyncError(f"{self.base_name} v{version}: epoch {answer.epoch} was used already")
+            self._close_group()
+            self._last_epoch = self.epoch = answer.epoch
+            group = WeightBroadcaster(world_size=answer.world_size, group_name=record.group_name(answer.epoch),
+                                      backend=self.backend, host=self.host, timeout_s=self.timeout_s,
+                                      store=self._store)
+            group.connect()  # raises WeightSyncError (and closes) when the replicas do not join
+            self._group = group
+        total = 0
+        try:
+            for bucket in record.buckets:
+                tensors = [_wire(params[t.name], t.dtype, self.backend) for t in bucket]
+                group.broadcast(tensors)
+                total += sum(t.numel() * t.element_size() for t in tensors)
+        except WeightSyncError:
+            self._group, self.epoch = None, 0  # broadcast() closed it
+            raise
+        seconds = time.monotonic() - started_s
+        logger.info("broadcast %s v%d: epoch %d, %d ranks, %d buckets, %.1f MB in %.2fs", self.base_name, version,
+                    self.epoch, group.world_size, len(record.buckets), total / 1e6, seconds)
+        return PushReport(str(version), len(record.buckets), total, seconds)
+
+    def _answer(self, version: int) -> JoinAnswer:
+        """The version's answer from rolloutd (blocking, at most ``timeout_s``).
+
+        Past the timeout rank 0 claims the key itself, so a late rolloutd finds it taken and
+        leaves its replicas to the durable copy instead of waiting for a rank 0 that went on.
+        """
+        key = join_key(version)
+        try:
+            try:
+                self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+                raw = self._store.get(key)
+            except Exception:  # the store's timeout is a DistStoreError
+                raw = self._store.compare_set(key, "", GAVE_UP)
+                if bytes(raw) == GAVE_UP:
+                    raise
+            return JoinAnswer.decode(raw)
+        except Exception as exc:  # no answer in time, or a garbled one (InvalidArgument)
+            self._close_group()
+            raise WeightSyncError(f"{self.base_name} v{version}: no replica group answered within "
+                                  f"{self.timeout_s:.0f}s ({exc})") from exc
+
+    def _close_group(self) -> None:
+        group, self._group, self.epoch = self._group, None, 0
+        if group is not None:
+            group.close()
+
+    def close(self) -> None:
+        """Closes the group and the store (idempotent)."""
+        self._close_group()
+        self._store = None
+
+
+def _wire(tensor: torch.Tensor, dtype_name: str, backend: str) -> torch.Tensor:
+    """The tensor as the bucket announces it, where the backend sends from (NCCL: the current CUDA device)."""
+    dtype = getattr(torch, dtype_name)
+    tensor = tensor.detach()
+    if backend == "nccl" and not tensor.is_cuda:
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    return tensor.to(dtype).contiguous() if tensor.dtype != dtype else tensor.contiguous()
+
+
 __all__ = [
+    "AgentBroadcast",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_GROUP_NAME",
     "DEFAULT_TIMEOUT_S",
+    "GAVE_UP",
     "Bucket",
     "GroupAddress",
     "PushReport",
@@ -421,6 +572,7 @@ __all__ = [
     "WeightBroadcaster",
     "WeightReceiver",
     "WeightSyncError",
+    "distinct_tensors",
     "dtype_name",
     "plan_buckets",
 ]

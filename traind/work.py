@@ -59,6 +59,9 @@ class MicroBatchWork:
         step_episodes: Episodes in the whole step (a normaliser fixed before backward).
         spec_digest: Digest of the job's spec (fetched once per job).
         group: The data-parallel group, None when the slot trains alone.
+        step_return_count: ``advantage_norm: agent``: experiences of the step (0: no statistics sent).
+        step_return_mean: Their mean return.
+        step_return_std: Their returns' unbiased standard deviation.
     """
 
     lease_id: str
@@ -73,6 +76,9 @@ class MicroBatchWork:
     step_episodes: int
     spec_digest: str
     group: DataParallelGroup | None = None
+    step_return_count: int = 0
+    step_return_mean: float = 0.0
+    step_return_std: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,7 @@ class OptimizerStepWork:
         step_response_tokens: Token total of the step (token-mean losses are accumulated as sums).
         step_episodes: Episodes in the step.
         num_micro_batches: Micro-batches in the step.
+        step_sequences: Experiences in the step (the ``seq-mean`` normaliser).
         base_version: The version a member that accumulated nothing builds its engine at.
         state_uri: Where that version's state is.
         spec_digest: Digest of the job's spec.
@@ -106,6 +113,7 @@ class OptimizerStepWork:
     state_uri: str
     spec_digest: str
     group: DataParallelGroup | None = None
+    step_sequences: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,10 +57,13 @@ from traind import losses
 from traind.distributed import become_standalone, join_group, on_device
 from traind.link import OrchestratorCallError, OrchestratorLink, StoreLink
 from traind.locations import MemoryStateStore, StateLocation, open_location
+from traind.lora import LoraBaseCache, LoraSettings
 from traind.metrics import TrainerMetrics
 from traind.model import AgentTrainer, AgentTrainerConfig
 from traind.pacing import ModelledDeviceClock
+from traind.sft import WarmStart, run_warm_start
 from traind.swap import swap_in, swap_out
+from traind.weight_sync import AgentBroadcast, PushReport, WeightSyncError, distinct_tensors
 from traind.work import (
     DataParallelGroup,
     MicroBatchWork,
@@ -78,6 +81,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_WAIT_MS = 2000
+#: How long rank 0 waits for the replicas at each step of a broadcast (rollout.weight_sync: distributed).
+WEIGHT_SYNC_TIMEOUT_S = 30.0
 
 
 def poll_backoff() -> Backoff:
@@ -133,6 +138,8 @@ class Slot:
     busy: bool = False
     busy_s: float = 0.0
     started_s: float = dataclasses.field(default_factory=time.monotonic)
+    #: The frozen base the slot's LoRA agents share (kept across their swaps; traind.lora).
+    lora_bases: LoraBaseCache = dataclasses.field(default_factory=LoraBaseCache)
 
     @property
     def resident(self) -> tuple[str, str] | None:
@@ -143,7 +150,7 @@ class Slot:
 def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
     """The engine settings of one agent of a job."""
     a = spec.agent(agent)
-    algo = spec.algorithm
+    algo = spec.algorithm_of(agent)
     return AgentTrainerConfig(
         agent=agent, model_path=a.model, zero_stage=a.zero_stage, dtype=a.dtype, lr=a.optimizer.lr,
         betas=(a.optimizer.betas[0], a.optimizer.betas[1]), eps=a.optimizer.eps,
@@ -152,9 +159,13 @@ def trainer_config(spec: JobSpec, agent: str) -> AgentTrainerConfig:
                                      loss_agg=losses.LossAggregation(algo.loss_agg),
                                      entropy_coef=algo.entropy_coef),
         advantage_norm=losses.AdvantageNorm(algo.advantage_norm),
+        turn_baseline=losses.TurnBaseline(algo.turn_baseline),
+        entropy_schedule=losses.EntropySchedule(algo.entropy_coef, algo.entropy_coef_end, algo.entropy_decay_steps),
         temperature=a.sampling.temperature,
         exact_accumulation=a.exact_accumulation,
         stale_token_bound=spec.pipeline.max_staleness if spec.rollout.mask_stale_tokens else None,
+        lora=None if a.lora is None else LoraSettings(rank=a.lora.rank, alpha=a.lora.alpha, dropout=a.lora.dropout,
+                                                      target_modules=tuple(a.lora.target_modules)),
     )
 
 
@@ -185,6 +196,8 @@ class TrainerWorker:
         self._compute = asyncio.Lock()
         # The data-parallel group the process is in now (the default: a world of one).
         self.group = ProcessGroupKey()
+        #: (job, agent) -> its weight-update group, when this process is the agent's rank 0 (weight_sync distributed).
+        self._broadcasts: dict[tuple[str, str], AgentBroadcast] = {}
 
     async def start(self) -> None:
         """Starts one poll loop per slot."""
@@ -206,6 +219,10 @@ class TrainerWorker:
             if slot.trainer is not None:
                 slot.trainer.release()
                 slot.trainer = None
+            slot.lora_bases.clear()
+        for broadcast in self._broadcasts.values():
+            broadcast.close()
+        self._broadcasts.clear()
 
     @property
     def _group_local_rank(self) -> int:
@@ -264,6 +281,7 @@ class TrainerWorker:
         """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""
         job_id, agent = slot.job_id, slot.agent
         self._release(slot)
+        slot.lora_bases.clear()  # a failure half-way through a LoRA build may have left an adapter in the base
         if self.group.world_size > 1:
             # The group may be broken (a member died): leave it; the next work re-forms one.
             with contextlib.suppress(Exception):
@@ -329,10 +347,18 @@ class TrainerWorker:
                 if work.state_uri.startswith("stored://"):
                     await self._store.client()
                 location = self._location(work.state_uri, work.job_id)
-                trainer, stats = await self._on_device(slot, swap_in, config, location, clock)
+                trainer, stats = await self._on_device(slot, lambda: swap_in(config, location, clock,
+                                                                             lora_bases=slot.lora_bases))
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
             elif work.base_version == 0:
-                trainer = await self._on_device(slot, AgentTrainer, config, clock)
+                trainer = await self._on_device(slot, lambda: AgentTrainer(config, clock, lora_bases=slot.lora_bases))
+                warm = WarmStart.of(spec, work.agent)
+                if warm is not None:  # before the first RL micro-batch; the engine stays at v0 (traind/sft.py)
+                    try:
+                        await self._on_device(slot, run_warm_start, trainer, warm)
+                    except BaseException:
+                        trainer.release()
+                        raise
             else:
                 raise InvalidArgument(f"{work.agent} v{work.base_version}: no state_uri to load from")
             if trainer.version != work.base_version:
@@ -361,8 +387,11 @@ class TrainerWorker:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
             records = await self._store.read_experiences(work.job_id, work.experience_ids)
+            step_stats = (losses.ReturnStats(work.step_return_count, work.step_return_mean, work.step_return_std)
+                          if work.step_return_count else None)
             stats = await self._on_device(
-                slot, lambda: trainer.accumulate(records, micro_batch_index=work.micro_batch_index))
+                slot, lambda: trainer.accumulate(records, micro_batch_index=work.micro_batch_index,
+                                                 step_stats=step_stats))
         await self._settle(trainer)
         self._metrics.observe_micro_batch(work.agent, stats.response_tokens, stats.seconds)
         # Episodes, not experiences: an agent with several turns per episode has several experiences each.
@@ -387,11 +416,16 @@ class TrainerWorker:
             return
         async with self._compute:
             stats = await self._on_device(slot, lambda: trainer.optimizer_step(
-                work.step_response_tokens, work.step_episodes, num_micro_batches=work.num_micro_batches))
+                work.step_response_tokens, work.step_sequences, num_micro_batches=work.num_micro_batches))
             if trainer.version != work.new_version:
                 raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
-            weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
-            state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, work.new_version)
+            push = await self._start_broadcast(slot, trainer, work)
+            try:  # the durable copy is written while the version is broadcast; the commit waits for both
+                weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, work.new_version)
+                state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, work.new_version)
+            finally:
+                if push is not None:
+                    await self._finish_broadcast(push, work)
         await self._settle(trainer)
         seconds = time.perf_counter() - started
         self._metrics.observe_step(work.agent, stats, seconds)
@@ -408,6 +442,59 @@ class TrainerWorker:
         self._prune(work.job_id, work.agent, work.new_version, spec)
         await self._prune_stored(work.job_id, work.agent, work.new_version, spec)
 
+    def _broadcast_of(self, trainer: AgentTrainer, work: OptimizerStepWork) -> AgentBroadcast | None:
+        """The agent's weight-update group when its job syncs weights over one (None: disk only).
+
+        Not for LoRA agents (they publish adapters) nor ZeRO 3 groups (gathering is collective).
+        """
+        spec = self._specs.cached_spec(work.job_id)
+        if spec is None or spec.rollout.weight_sync != "distributed" or spec.agent(work.agent).lora is not None:
+            return None
+        if trainer.config.zero_stage == 3 and self.group.world_size > 1:
+            return None
+        key = (work.job_id, work.agent)
+        broadcast = self._broadcasts.get(key)
+        if broadcast is None:
+            host = self.settings.dp_address.rpartition(":")[0].strip("[]") or "127.0.0.1"
+            cuda = next(trainer.engine.module.parameters()).is_cuda
+            broadcast = AgentBroadcast(work.job_id, work.agent, host=host, backend="nccl" if cuda else "gloo",
+                                       timeout_s=WEIGHT_SYNC_TIMEOUT_S)
+            self._broadcasts[key] = broadcast
+        return broadcast
+
+    async def _start_broadcast(self, slot: Slot, trainer: AgentTrainer,
+                               work: OptimizerStepWork) -> asyncio.Future[PushReport | None] | None:
+        """Announces the new version with its group and starts broadcasting it (:mod:`traind.weight_sync`).
+
+        The tensors are the module's own (no copy: nothing changes them before the commit, which
+        waits for the broadcast), gathered first under ZeRO 3. None when the job syncs from disk
+        only, or the announcement failed (the replicas then load the committed checkpoint).
+        """
+        broadcast = self._broadcast_of(trainer, work)
+        if broadcast is None:
+            return None
+        try:
+            if trainer.config.zero_stage == 3:
+                state = await self._on_device(slot, trainer.full_state_dict)
+            else:
+                state = {name: t.detach() for name, t in trainer.engine.module.state_dict().items()}
+            params = distinct_tensors(state)
+            record = await asyncio.to_thread(broadcast.announce, params)
+            await self._orchestrator.announce_weights(slot.slot_id, work.job_id, work.agent, work.new_version, record)
+        except (OrchestratorCallError, FlexmarlError, RuntimeError, ValueError) as exc:
+            log.warning("%s: not broadcasting %s/%s v%d (%s); the replicas load it from disk", slot.slot_id,
+                        work.job_id, work.agent, work.new_version, exc)
+            return None
+        return asyncio.ensure_future(self._on_device(slot, broadcast.push, params, work.new_version, record))
+
+    async def _finish_broadcast(self, push: asyncio.Future[PushReport | None], work: OptimizerStepWork) -> None:
+        """Waits for the broadcast (bounded by the group's timeout); a failed one only costs the replicas a reload."""
+        try:
+            await push  # AgentBroadcast.push logs what it moved
+        except WeightSyncError as exc:
+            log.warning("%s/%s v%d: broadcast failed (%s); replicas that missed it load the checkpoint",
+                        work.job_id, work.agent, work.new_version, exc)
+
     async def _member_optimizer_step(self, slot: Slot, trainer: AgentTrainer, work: OptimizerStepWork,
                                      group: DataParallelGroup) -> None:
         """Rank > 0 of a group: the same collectives as rank 0 (step, publish, save), nothing kept, no commit."""
@@ -416,7 +503,7 @@ class TrainerWorker:
         try:
             async with self._compute:
                 stats = await self._on_device(slot, lambda: trainer.optimizer_step(
-                    work.step_response_tokens, work.step_episodes, num_micro_batches=work.num_micro_batches))
+                    work.step_response_tokens, work.step_sequences, num_micro_batches=work.num_micro_batches))
                 if trainer.version != work.new_version:
                     raise InvalidArgument(f"optimizer step produced v{trainer.version}, expected v{work.new_version}")
                 # publish() gathers and barriers on every rank (rank 0 writes); save_state's

@@ -40,14 +40,16 @@ from typing import Any
 from rolloutd.episode import Environment, EpisodeContext, Task, task_rng
 
 OBJECTS = "abcdefghij"
+MAX_MESSAGE_TOKENS = 4
 
 
 class SignalingGame(Environment):
     """Lewis signaling game between a ``sender`` and a ``receiver``.
 
     Config: ``num_objects`` (K, 2..10, default 4), ``shuffle_candidates`` (default False),
-    ``message_tokens`` (1 or 2, default 1). Reward: 1.0 to both agents when the receiver's
-    answer token id mod K is the target's position, else 0.0.
+    ``message_tokens`` (1..4, default 1: the sender's message is exactly that many tokens, unless
+    it emits an EOS first). Reward: 1.0 to both agents when the receiver's answer token id mod K
+    is the target's position, else 0.0.
     """
 
     agents = ("sender", "receiver")
@@ -59,8 +61,8 @@ class SignalingGame(Environment):
         self.message_tokens = int(config.get("message_tokens", 1))
         if not 2 <= self.num_objects <= len(OBJECTS):
             raise ValueError(f"num_objects must be in 2..{len(OBJECTS)}")
-        if not 1 <= self.message_tokens <= 2:
-            raise ValueError("message_tokens must be 1 or 2")
+        if not 1 <= self.message_tokens <= MAX_MESSAGE_TOKENS:
+            raise ValueError(f"message_tokens must be in 1..{MAX_MESSAGE_TOKENS}")
 
     def task(self, index: int, seed: int) -> Task:
         """Candidates (shuffled when configured) and the target's position among them."""

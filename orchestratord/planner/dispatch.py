@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
@@ -10,6 +11,7 @@ from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner.ids import batch_of_lease, is_durable_state
 from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
+from orchestratord.planner.manifests import needs_step_statistics
 from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork
 from orchestratord.state import JobState, StateMoved, StepCommit, StepCommitted
 
@@ -73,6 +75,7 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str,
             new_version=plan.step + 1,
             step_response_tokens=plan.manifest.step_response_tokens,
             step_episodes=plan.manifest.step_episodes, num_micro_batches=len(plan.micro_batches),
+            step_sequences=len(plan.manifest.experience_ids),
             group=plan.group, rank=rank, base_version=state.version, state_uri=state.state_uri,
         )
     return None
@@ -116,7 +119,25 @@ def _micro_batch_work(job: JobPlan, plan: StepPlan, mb: MicroBatch, lease: Lease
         experience_ids=mb.experience_ids, base_version=agent.version, state_uri=agent.state_uri,
         step_episodes=job.spec.batch.episodes_per_step, deadline_s=lease.deadline_s,
         group=plan.group, rank=plan.group.rank_of(mb.slot_id) if plan.group is not None else 0,
+        step_returns=step_return_statistics(plan) if needs_step_statistics(job, plan.agent) else None,
     )
+
+
+def step_return_statistics(plan: StepPlan) -> tuple[int, float, float]:
+    """(count, mean, unbiased std) of the returns of every experience of the step (``advantage_norm: agent``).
+
+    Exactly rounded sums (``math.fsum``), so the result does not depend on the order the step's
+    groups were reported in; the micro-batches were held until the batch completed
+    (:func:`orchestratord.planner.manifests.needs_step_statistics`), so every one gets the same.
+    traind's ``traind.losses.ReturnStats.of`` computes the same numbers.
+    """
+    returns = [r for group in plan.groups for r in group.returns]
+    count = len(returns)
+    if count == 0:
+        return 0, 0.0, 0.0
+    mean = math.fsum(returns) / count
+    std = math.sqrt(math.fsum((r - mean) * (r - mean) for r in returns) / (count - 1)) if count > 1 else 0.0
+    return count, mean, std
 
 
 def micro_batch_of_lease(job: JobPlan, lease: Lease) -> tuple[StepPlan, MicroBatch] | None:

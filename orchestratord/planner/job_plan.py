@@ -59,6 +59,8 @@ class Group:
     reward_sum: float
     min_behavior_version: int
     max_behavior_version: int
+    # Each experience's return, in experience_ids order (advantage_norm agent's step statistics).
+    returns: tuple[float, ...] = ()
 
 
 class MicroBatchStatus(enum.Enum):

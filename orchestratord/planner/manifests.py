@@ -62,15 +62,25 @@ def fix_manifest(job: JobPlan, plan: StepPlan) -> None:
         job.changes.append(ManifestFixed(manifest))
 
 
+def needs_step_statistics(job: JobPlan, agent: str) -> bool:
+    """Whether the agent's advantages need its whole step's returns (``advantage_norm: agent``, Dr. MAS).
+
+    Its micro-batches are then held until the step's batch is complete, so that every one is sent
+    with the same exact statistics (docs/training.md, "Credit assignment").
+    """
+    return job.spec.algorithm_of(agent).advantage_norm == "agent"
+
+
 def form_micro_batches(job: JobPlan, plan: StepPlan, batch_complete: bool) -> None:
     """Complete groups -> micro-batches of ``micro_batch_size`` episodes.
 
     Async: as soon as enough groups arrived (arrival order); the remainder
-    when the batch completes. Barrier modes (sync, sequential, static):
+    when the batch completes. Barrier modes (sync, sequential, static), and
+    an agent that needs its step's statistics (:func:`needs_step_statistics`):
     only when the batch is complete, in task order.
     """
     per_micro_batch = job.spec.batch.groups_per_micro_batch
-    if job.spec.pipeline.barrier:
+    if job.spec.pipeline.barrier or needs_step_statistics(job, plan.agent):
         if not batch_complete:
             return
         plan.unformed.sort(key=lambda group: group.position)

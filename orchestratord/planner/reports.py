@@ -98,9 +98,11 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
                 raise FailedPrecondition(
                     f"task {task.task_id}: experience {exp.experience_id!r} of version {exp.behavior_version} "
                     f"is too stale for step {task.batch} (max_staleness {eta})")
+        members = sorted(members, key=lambda exp: exp.experience_id)
         groups[agent.name] = Group(
             agent=agent.name, group_id=str(GroupRef(task.task_id, agent.name)), task_id=task.task_id,
-            position=task.position, experience_ids=tuple(sorted(exp.experience_id for exp in members)),
+            position=task.position, experience_ids=tuple(exp.experience_id for exp in members),
+            returns=tuple(float(exp.reward) for exp in members),
             episodes=group_size, response_tokens=sum(exp.response_tokens for exp in members),
             reward_sum=sum(exp.reward for exp in members),
             min_behavior_version=min(exp.behavior_version for exp in members),

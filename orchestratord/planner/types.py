@@ -77,6 +77,8 @@ class MicroBatchWork:
     # The attempt's data-parallel group and this slot's rank in it (None = one slot).
     group: DataParallelGroup | None = None
     rank: int = 0
+    # advantage_norm agent: (count, mean, unbiased std) of the returns of the step's experiences.
+    step_returns: tuple[int, float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,8 @@ class OptimizerStepWork:
     step_response_tokens: int
     step_episodes: int
     num_micro_batches: int
+    # The seq-mean normaliser: experiences of the step (several per episode for a multi-turn agent).
+    step_sequences: int = 0
     # Data parallelism: every member gets the step; only rank 0 publishes and commits. A member
     # that accumulated nothing builds the engine from base_version / state_uri first.
     group: DataParallelGroup | None = None

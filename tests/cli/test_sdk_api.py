@@ -34,7 +34,7 @@ PUBLIC_RPCS = {
 #: RPCs that only rolloutd and traind call; deliberately not part of the SDK.
 WORKER_RPCS = {
     "WatchAgentVersions", "LeaseRolloutTasks", "RenewLeases", "ReportRolloutTask",
-    "PollTrainerWork", "AckMicroBatch", "CommitStep", "ReportSlotEvent",
+    "PollTrainerWork", "AckMicroBatch", "CommitStep", "ReportSlotEvent", "AnnounceWeights",
 }
 
 

@@ -26,7 +26,7 @@ from flexmarl.experience import ExperienceRecord
 from flexmarl.tiny import IM_END_TOKEN, build_tiny_tokenizer
 from rolloutd.episode import EpisodeContext, HFTokenizer, Task, load_environment
 from rolloutd.external_env import ExternalAgents
-from rolloutd.gateway import Gateway, GatewayConfig
+from rolloutd.gateway import Gateway, GatewayConfig, ParsedToolCalls, parse_hermes, parse_qwen25
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutResult, RolloutRunner, RolloutTaskInput
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +46,9 @@ class PromptBackend:
     """Answers a function of (agent, prompt ids): ``ending`` decides the last token (im_end, eos or none).
 
     The text part is two lowercase letters picked by a hash of the prompt; logprobs are
-    -(i + 1) / 8; version 7. ``max_new_tokens`` bounds the answer as an engine would.
+    -(i + 1) / 8; version 7. ``max_new_tokens`` bounds the answer as an engine would. With
+    ``top_logprobs_num`` k (the router's request option) each position's top k are the sampled
+    token, then the next token ids, each 1 less likely.
     """
 
     def __init__(self, ending: str = "im_end") -> None:
@@ -64,7 +66,10 @@ class PromptBackend:
             ids += {"im_end": [IM_END], "eos": [EOS], "none": []}[self.ending]
             ids = ids[: int(sampling.get("max_new_tokens", 16))]
             reason = "length" if self.ending == "none" else "stop"
-            outputs.append(GenerationOutput(tuple(ids), tuple(-(i + 1) / 8 for i in range(len(ids))), reason, 7))
+            logprobs = tuple(-(i + 1) / 8 for i in range(len(ids)))
+            k = int(sampling.get("top_logprobs_num", 0))
+            top = tuple(tuple((lp - j, t + j) for j in range(k)) for lp, t in zip(logprobs, ids, strict=True))
+            outputs.append(GenerationOutput(tuple(ids), logprobs, reason, 7, top_logprobs=top))
         return outputs
 
 
@@ -126,6 +131,9 @@ async def test_a_chat_call_is_one_turn_with_the_templated_prompt_and_the_sampled
     assert ids(b) == list(b"raw>") and b.reward == 0.25 and len(b.response_token_ids) == 2
     assert text.choices[0].text == tokenizer.decode([int(t) for t in b.response_token_ids])
     assert text.choices[0].logprobs.token_logprobs == pytest.approx(list(b.response_logprobs))
+    assert text.choices[0].logprobs.top_logprobs == [  # logprobs=1: the top one of each position
+        {tokenizer.decode([int(t)]): float(lp)}
+        for t, lp in zip(b.response_token_ids, b.response_logprobs, strict=True)]
     assert text.choices[0].finish_reason == "stop"
     # sampling: the OpenAI names map onto SGLang's, max_tokens bounded by the agent's max_new_tokens (8)
     chat_sampling = next(s for agent, p, s in backend.requests if agent == "a")
@@ -181,6 +189,7 @@ async def test_a_later_call_reuses_the_recorded_ids_of_the_turns_it_repeats(toke
     assert [r.model_extra["flexmarl"]["reused_prompt_tokens"] for r in replies] == [
         0, len(ids(turns[0])) + len(turns[0].response_token_ids), len(ids(turns[1])) + len(turns[1].response_token_ids)]
     assert all(r.model_extra["flexmarl"]["retokenized_messages"] == 0 for r in replies)
+    assert all(t.retokenized_messages == 0 for t in turns)
     if ending == "eos":  # re-tokenizing the text would have lost the sampled <|eos|>
         messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "one"},
                     {"role": "assistant", "content": replies[0].choices[0].message.content},
@@ -222,6 +231,9 @@ async def test_messages_that_match_no_turn_are_retokenized_and_counted(tokenizer
     assert [r.model_extra["flexmarl"]["retokenized_messages"] for r in replies] == [2, 1]
     assert [r.model_extra["flexmarl"]["reused_prompt_tokens"] for r in replies] == [0, 0]
     assert counts == [2.0, 1.0]
+    # the experience says it too: exactly the calls whose prompt holds re-tokenized messages are flagged
+    assert {i: r.retokenized_messages for i, r in records.items()} == {
+        "job/0/1/0/a/0": 0, "job/0/1/0/a/1": 2, "job/0/1/0/b/0": 1}
 
 
 # ----- streaming -----------------------------------------------------------------------------------
@@ -316,6 +328,104 @@ async def test_tools_reach_a_chat_template_that_renders_them(tmp_path: Path) -> 
     assert tooled.decode(ids(records["job/0/1/0/a/0"])) == "<tool>lookup\nuser\nq\nassistant"
 
 
+QWEN_TOOLS_TEMPLATE = (  # the shape of Qwen2.5's template: tools in the system turn, calls as <tool_call> blocks
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{{- '<|im_start|>assistant\\n' + m.content }}"
+    "{%- for c in m.tool_calls %}{%- if m.content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + (c.function.arguments | tojson)"
+    " + '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content }}"
+    "{{- '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{{- '<|im_start|>assistant\\n' }}")
+LOOKUP = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+
+class ScriptedBackend:
+    """Answers the texts given, one per call in order (then "ok"), each followed by <|im_end|>."""
+
+    def __init__(self, tokenizer: HFTokenizer, texts: Sequence[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    async def generate(self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int,
+                       affinity_key: str) -> list[GenerationOutput]:
+        text = self.texts.pop(0) if self.texts else "ok"
+        ids = [*self.tokenizer.encode(text), IM_END]
+        return [GenerationOutput(tuple(ids), tuple(-0.5 for _ in ids), "stop", 7)] * n
+
+
+async def test_a_tool_call_round_trip_reuses_the_sampled_call(tmp_path: Path) -> None:
+    build_tiny_tokenizer(tmp_path)
+    tooled = HFTokenizer(str(tmp_path))
+    tooled._tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
+    sampled_call = 'Let me look.\n<tool_call>\n{"name":"lookup","arguments":{"q":"x"}}\n</tool_call>'
+    seen: dict[str, Any] = {}
+
+    async def program(base_url: str, api_key: str, task: dict[str, Any]) -> None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            messages: list[Any] = [{"role": "user", "content": "find x"}]
+            first = await client.chat.completions.create(model="a", messages=messages, tools=LOOKUP)  # type: ignore
+            call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+            second = await client.chat.completions.create(model="a", messages=messages, tools=LOOKUP)  # type: ignore
+            edited = [*messages[:1], {**messages[1], "tool_calls": [{**messages[1]["tool_calls"][0], "function": {
+                "name": "lookup", "arguments": '{"q": "y"}'}}]}, messages[2]]  # the program changed the call
+            third = await client.chat.completions.create(model="a", messages=edited, tools=LOOKUP)  # type: ignore
+            stream = await client.chat.completions.create(model="a", messages=messages[:1], tools=LOOKUP,
+                                                          stream=True)  # type: ignore[call-overload]
+            seen.update(first=first, second=second, third=third, chunks=[c async for c in stream])
+
+    backend = ScriptedBackend(tooled, [sampled_call, "ok", "ok", sampled_call])
+    records = by_id((await run_program(tooled, program, agents=("a",), group_size=1, backend=backend,
+                                       tool_call_parser="qwen25"))[0])
+    first = seen["first"].choices[0]
+    assert first.finish_reason == "tool_calls" and first.message.content == "Let me look."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in first.message.tool_calls] == [
+        ("lookup", {"q": "x"})]
+    assert first.message.tool_calls[0].id.startswith("call_")
+    turn0, turn1, turn2 = (records[f"job/0/1/0/a/{t}"] for t in range(3))
+    assert tooled.decode([int(t) for t in turn0.response_token_ids]) == sampled_call  # the sampled text trains
+    # the second call's prompt: the first one's ids, the sampled call, then the template's rendering of the rest
+    tail = tooled.encode("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    assert ids(turn1) == ids(turn0) + [int(t) for t in turn0.response_token_ids] + tail
+    assert seen["second"].model_extra["flexmarl"]["retokenized_messages"] == 0
+    assert seen["second"].choices[0].finish_reason == "stop" and seen["second"].choices[0].message.tool_calls is None
+    # the template's own rendering of the call differs from what was sampled ({"q": "x"} vs {"q":"x"})
+    fresh = [{"role": "user", "content": "find x"},
+             {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                 {"id": "c", "type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}]},
+             {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    assert tooled.render_chat(fresh, tools=LOOKUP) != ids(turn1)
+    # an edited call matches no turn: re-tokenized from the template and said so
+    assert seen["third"].model_extra["flexmarl"]["retokenized_messages"] == 1
+    assert [t.retokenized_messages for t in (turn0, turn1, turn2)] == [0, 0, 1]
+    assert '"q": "y"' in tooled.decode(ids(turn2))
+    deltas = [c.choices[0].delta for c in seen["chunks"] if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [(0, "lookup", {"q": "x"})]
+    assert [c.choices[0].finish_reason for c in seen["chunks"] if c.choices][-1] == "tool_calls"
+
+
+def test_tool_call_parsers_follow_sglangs_detectors() -> None:
+    tools = [{"type": "function", "function": {"name": n}} for n in ("f", "g")]
+    two = ('hi\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+           '<tool_call>\n{"name": "g"}\n</tool_call>')
+    assert parse_qwen25(two, tools) == ParsedToolCalls("hi", (("f", '{"a": 1}'), ("g", "{}")))
+    # a block that is not JSON is skipped, a call of an undeclared function dropped; the content is the text before
+    odd = '<tool_call>\n{bad}\n</tool_call>\n<tool_call>\n{"name": "h", "arguments": {}}\n</tool_call>'
+    assert parse_qwen25(odd, tools) == ParsedToolCalls("", ())
+    assert parse_qwen25("no call", tools) == ParsedToolCalls("no call", ())
+    assert parse_qwen25('<tool_call>{"name": "f"}</tool_call>', tools).calls == ()  # qwen25 needs the newlines
+    assert parse_hermes('x <tool_call>{"name": "f", "parameters": {"b": 2}}</tool_call>', tools) == ParsedToolCalls(
+        "x", (("f", '{"b": 2}'),))
+    assert parse_hermes('<tool_call>{"name": "g", "arguments": {}}', tools).calls == (("g", "{}"),)  # unclosed
+    assert parse_hermes("a <tool_call>{bad}</tool_call>", tools) == ParsedToolCalls("a <tool_call>{bad}</tool_call>",
+                                                                                   ())
+
+
 # ----- errors and security ---------------------------------------------------------------------------
 
 
@@ -388,7 +498,6 @@ MALFORMED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("chat", {"logprobs": 1}, "logprobs", "invalid_type"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", None),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs", None),
     ("chat", {"seed": "s"}, "seed", "invalid_type"),
     ("chat", {"user": 3}, "user", "invalid_type"),
     ("chat", {"stop": 3}, "stop", "invalid_type"),
@@ -407,7 +516,21 @@ MALFORMED: list[tuple[str, dict[str, Any], str, str | None]] = [
      None),
     ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages[1].tool_calls", None),
+     "messages[1].tool_calls", None),  # the tiny ChatML template does not render tool calls
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", None),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c2"}]}, "messages[2].tool_call_id", None),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, USER]},
+     "messages.[1].role", None),
+    ("chat", {"messages": [{**USER, "tool_calls": []}]}, "messages[0].tool_calls", None),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", None),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", None),
     ("chat", {"tools": {"type": "function"}}, "tools", "invalid_type"),
     ("chat", {"tools": [{"type": "web"}]}, "tools[0].type", "invalid_value"),
     ("chat", {"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name",
@@ -416,7 +539,6 @@ MALFORMED: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("chat", {"response_format": "json"}, "response_format", "invalid_type"),
     ("completions", {"logprobs": True}, "logprobs", "invalid_type"),
     ("completions", {"logprobs": 6}, "logprobs", "integer_above_max_value"),
-    ("completions", {"logprobs": 3}, "logprobs", None),
     ("completions", {"echo": "no"}, "echo", "invalid_type"),
     ("completions", {"best_of": 2}, "best_of", None),
 ]
@@ -612,6 +734,13 @@ def test_the_config_is_checked_and_the_example_loads(monkeypatch: pytest.MonkeyP
         load_environment(entry, {"agents": ["a"], "program": "examples.openai_agents.agents:nope"})
     with pytest.raises(Exception, match="gateway settings"):
         load_environment(entry, {"agents": ["a"], "command": "true", "gateway": {"hots": "x"}})
+    with pytest.raises(Exception, match="unknown tool_call_parser 'nope'"):
+        load_environment(entry, {"agents": ["a"], "command": "true", "tool_call_parser": "nope"})
+    with pytest.raises(Exception, match="unknown agents"):
+        load_environment(entry, {"agents": ["a"], "command": "true", "tool_call_parser": {"b": "qwen25"}})
+    parsed = load_environment(entry, {"agents": ["a", "b"], "command": "true", "tool_call_parser": "hermes"})
+    assert isinstance(parsed, ExternalAgents) and parsed.gateway_config.tool_call_parsers == {"a": "hermes",
+                                                                                              "b": "hermes"}
     env = load_environment(entry, {"agents": ["sender", "relay", "receiver"],
                                    "program": "examples.openai_agents.agents:run",
                                    "tasks": "examples.openai_agents.agents:make_task"})

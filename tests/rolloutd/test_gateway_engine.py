@@ -166,3 +166,49 @@ async def test_the_example_program_runs_end_to_end(router: RolloutRouter, checkp
     for sample in range(4):
         rewards = {e.reward for e in result.experiences if e.sample_index == sample}
         assert len(rewards) == 1 and rewards <= {0.0, 1.0}  # one shared 0/1 reward per episode
+
+
+async def test_top_logprobs_are_the_engines(router: RolloutRouter, checkpoints: dict[str, Path]) -> None:
+    """``top_logprobs`` (chat) and ``logprobs: k`` (completions) are the engine's top-k of the sampling distribution."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    answers: dict[str, Any] = {}
+
+    async def program(base_url: str, api_key: str, task: dict[str, Any]) -> None:
+        async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+            answers["chat"] = await client.chat.completions.create(
+                model="sender", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=3,
+                temperature=0.7)
+            answers["text"] = await client.completions.create(model="relay", prompt="abc", logprobs=2)
+
+    env = ExternalAgents(agents=list(AGENTS), program=program)
+    try:
+        result = await _run(env, router, checkpoints, group_size=1)
+    finally:
+        await env.aclose()
+    assert result.ok, result.errors
+    records = {e.agent: e for e in result.experiences}
+    for agent, temperature, k in (("sender", 0.7, 3), ("relay", 1.0, 2)):
+        record = records[agent]
+        prompt, response = record.prompt_token_ids.tolist(), record.response_token_ids.tolist()
+        model = AutoModelForCausalLM.from_pretrained(str(checkpoints[agent]))
+        with torch.inference_mode():  # the distribution the engine samples from, recomputed here
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1].float()
+        expected = torch.log_softmax(logits / temperature, dim=-1).topk(k)
+        tokenizer = HFTokenizer(str(checkpoints[agent]))
+        if agent == "sender":
+            content = answers["chat"].choices[0].logprobs.content
+            assert [c.logprob for c in content] == pytest.approx(record.response_logprobs.tolist(), abs=1e-5)
+            got = [[t.logprob for t in c.top_logprobs] for c in content]
+            assert [[t.token for t in c.top_logprobs] for c in content] == [
+                [tokenizer.decode([i]) for i in row] for row in expected.indices.tolist()]
+            assert got == [pytest.approx(row, abs=1e-4) for row in expected.values.tolist()]
+        else:  # {token text: logprob}, built as SGLang builds it (tokens that decode alike share an entry)
+            tops = answers["text"].choices[0].logprobs.top_logprobs
+            assert [set(top) for top in tops] == [{tokenizer.decode([i]) for i in row}
+                                                  for row in expected.indices.tolist()]
+            rows = zip(expected.values.tolist(), expected.indices.tolist(), strict=True)
+            assert tops == [{tokenizer.decode([i]): pytest.approx(v, abs=1e-4)
+                             for v, i in zip(values, ids, strict=True)} for values, ids in rows]
+        assert len(expected.values) == len(response)

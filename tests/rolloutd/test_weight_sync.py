@@ -9,6 +9,8 @@ serves (``/init_weights_update_group``, ``/begin_weight_update``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -20,26 +22,93 @@ import pytest
 import torch
 
 from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticReplica, SyntheticServer
-from flexmarl.errors import FailedPrecondition
-from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
+from flexmarl import weight_group
+from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument
+from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor
+from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch_many
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
 from rolloutd.engines.weight_messages import DESTROY_MISSING
-from traind.weight_sync import ReplicaGroup, WeightBroadcaster, WeightSyncError, plan_buckets
+from rolloutd.router import Replica, RolloutRouter
+from rolloutd.weight_sync import AgentWeightGroup, SyncOutcome
+from traind.weight_sync import (
+    AgentBroadcast,
+    ReplicaGroup,
+    WeightBroadcaster,
+    WeightSyncError,
+    distinct_tensors,
+    plan_buckets,
+)
 
 PROMPT = (104, 101, 108, 108, 111, 32, 119)
 BUCKET_BYTES = 512 * 1024  # the tiny model (~5 MB in fp32) goes in about ten buckets
 
 
+def test_an_announced_group_travels_from_traind_through_orchestratord_to_rolloutd() -> None:
+    """traind's AnnounceWeights request -> orchestratord's record -> the streamed AgentVersion -> rolloutd's."""
+    from orchestratord import serde as orchestratord_serde
+    from orchestratord.planner import AgentVersion
+    from rolloutd import serde as rolloutd_serde
+    from traind import serde as traind_serde
+
+    record = WeightGroupRecord("10.0.0.7", 41000, "flexmarl-weights-j-a", 0, "nccl", 30.0,
+                               ((WeightTensor("model.embed_tokens.weight", "bfloat16", (64, 8)),),))
+    request = traind_serde.announce_request("traind-0", "traind-0/slot0", "j", "a", 5, record)
+    received = orchestratord_serde.weight_group_record(request)
+    assert received == record
+    streamed = rolloutd_serde.published_version(
+        orchestratord_serde.announced_version(AgentVersion("j", "a", 5, ""), received))
+    assert (streamed.version, streamed.weights_uri, streamed.weight_group) == (5, "", record)
+    assert rolloutd_serde.published_version(orchestratord_serde.agent_version(
+        AgentVersion("j", "a", 5, "file:///w"))).weight_group is None  # the commit: no group
+    request.ClearField("weight_group")
+    with pytest.raises(InvalidArgument, match="weight_group: required"):
+        orchestratord_serde.weight_group_record(request)
+
+
+async def test_rank0_goes_on_when_no_replica_serves_the_agent_or_rolloutd_is_silent() -> None:
+    """``skip``: nothing broadcast; no answer within the timeout: rank 0 gives up and a late rolloutd finds the
+    version taken (it leaves its replicas to the durable copy instead of joining a group nobody hosts)."""
+    broadcast = AgentBroadcast("j", "a", timeout_s=1.0)
+    params = {"w": torch.zeros(4)}
+    try:
+        record = broadcast.announce(params)
+        push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, 1, record))
+        outcome = await AgentWeightGroup("rolloutd-1").receive(1, record, [], {})
+        assert outcome.answer == "skip" and await push is None
+        record = broadcast.announce(params)
+        started_s = time.monotonic()
+        with pytest.raises(WeightSyncError, match="no replica group answered"):
+            await asyncio.to_thread(broadcast.push, params, 2, record)
+        assert time.monotonic() - started_s < 5.0
+        late = await AgentWeightGroup("rolloutd-1").receive(2, record, [], {})
+        assert late.answer == "lost" and not late.served
+    finally:
+        broadcast.close()
+
+
 @pytest.fixture(scope="module")
-def replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReplica]:
-    """An embedded engine serving the seed-0 checkpoint (the last test of the module kills it)."""
+def engines(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineReplica]]:
+    """Two embedded engines serving the seed-0 checkpoint, started together."""
     spec = ReplicaSpec("embedded", str(engine_checkpoint), seed=0)
-    started = asyncio.run(launch(spec, tmp_path_factory.mktemp("weight-sync"), timeout_s=120))
+    started = asyncio.run(launch_many([spec, spec], tmp_path_factory.mktemp("weight-sync"), timeout_s=120))
     try:
         yield started
     finally:
-        started.stop(grace_s=10)
+        for engine in started:
+            engine.stop(grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def replica(engines: list[EngineReplica]) -> EngineReplica:
+    """The first engine (the last test of the module kills it)."""
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def second_replica(engines: list[EngineReplica]) -> EngineReplica:
+    """The second engine (killed by the router's fault test)."""
+    return engines[1]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +223,97 @@ async def test_a_failed_group_advertises_no_partial_version_and_refuses_the_next
         await client.close()
 
 
+def test_the_group_record_round_trips_and_answers_are_checked() -> None:
+    record = WeightGroupRecord("127.0.0.1", 29500, "flexmarl-weights-j-a", 3, "gloo", 30.0,
+                               ((WeightTensor("w", "float32", (2, 3)), WeightTensor("b", "bfloat16", (3,))),))
+    assert weight_group.from_message(weight_group.to_message(record)) == record
+    assert record.nbytes == 2 * 3 * 4 + 3 * 2 and record.group_name(4) == "flexmarl-weights-j-a-e4"
+    with pytest.raises(InvalidArgument, match="every bucket needs a tensor"):
+        weight_group.from_message(weight_group.to_message(dataclasses.replace(record, buckets=((),))))
+    with pytest.raises(InvalidArgument, match="master_address"):
+        weight_group.from_message(weight_group.to_message(dataclasses.replace(record, master_port=0)))
+    answer = JoinAnswer("open", 4, 3, "rolloutd-1")
+    assert JoinAnswer.decode(answer.encode()) == answer
+    with pytest.raises(InvalidArgument):
+        JoinAnswer.decode(JoinAnswer("open", 0, 3, "x").encode())  # epochs start at 1
+    assert distinct_tensors({"a": (t := torch.zeros(2)), "tied": t, "b": torch.zeros(2)}).keys() == {"a", "b"}
+
+
+
+ALICE, BOB = "job/alice", "job/bob"
+
+
+def _router(replicas: list[Replica]) -> RolloutRouter:
+    """A router over ``replicas`` whose weights URIs are local checkpoint paths."""
+
+    async def resolve(uri: str) -> str:
+        return uri
+
+    return RolloutRouter(replicas, resolve, owner="rolloutd-test")
+
+
+async def _version(router: RolloutRouter, key: str, broadcast: AgentBroadcast, params: dict[str, torch.Tensor],
+                   version: int) -> tuple[Any, SyncOutcome | None]:
+    """One announced version: rank 0's push (on a thread, as traind runs it) beside rolloutd's receive."""
+    record = broadcast.announce(params)
+    push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, version, record))
+    outcome = await router.receive_broadcast(key, version, record)
+    return await push, outcome
+
+
+async def test_router_replicas_serve_the_broadcast_version(
+    replica: EngineReplica, second_replica: EngineReplica, trainer_model: Any, engine_checkpoint: Path
+) -> None:
+    """Two replicas of an agent join rank 0's group, receive v1 (a new epoch) and v2 (the same epoch kept),
+    and serve the trainer's forward pass; a replica moved to another agent leaves that agent's group
+    and joins this one's at the next version."""
+    clients = [SGLangClient(replica.url), SGLangClient(second_replica.url)]
+    router = _router([Replica("r0", clients[0], ALICE, 0), Replica("r1", clients[1], BOB, 0)])
+    alice = AgentBroadcast("job", "alice", timeout_s=20, bucket_bytes=BUCKET_BYTES)
+    bob = AgentBroadcast("job", "bob", timeout_s=20, bucket_bytes=BUCKET_BYTES)
+    params = distinct_tensors(dict(trainer_model.state_dict()))
+    try:
+        await router.set_agents([ALICE, BOB])
+        for key in (ALICE, BOB):
+            router.require(key, 0, str(engine_checkpoint))
+            router.set_distributed_sync(key, True)
+        report, outcome = await _version(router, ALICE, alice, params, 1)
+        assert outcome is not None and (outcome.answer, outcome.served) == ("open", ("r0",))
+        assert report is not None and report.buckets > 2
+        report, outcome = await _version(router, BOB, bob, params, 1)
+        assert outcome is not None and (outcome.answer, outcome.served) == ("open", ("r1",))
+        report, outcome = await _version(router, ALICE, alice, params, 2)
+        assert outcome is not None and outcome.answer == "keep" and alice.epoch == 1
+        # The balancer moves r1 from bob to alice: the move loads alice's weights from disk.
+        moved = router.replicas()[1]
+        router.require(ALICE, 2, str(engine_checkpoint))
+        await router._reload(moved, ALICE)
+        assert (moved.loaded_agent, moved.loaded_version) == (ALICE, 2)
+        report, outcome = await _version(router, BOB, bob, params, 2)  # bob has no replica now
+        assert report is None and outcome is not None and outcome.answer == "skip"
+        with pytest.raises(FailedPrecondition, match=DESTROY_MISSING):  # r1 left bob's group
+            await clients[1].destroy_weights_update_group(bob.base_name + "-e1")
+        report, outcome = await _version(router, ALICE, alice, params, 3)
+        assert outcome is not None and (outcome.answer, outcome.served) == ("open", ("r0", "r1"))
+        assert alice.epoch == 2 and [r.loaded_version for r in router.replicas()] == [3, 3]
+        with pytest.raises(FailedPrecondition, match=DESTROY_MISSING):  # r0 left alice's first epoch
+            await clients[0].destroy_weights_update_group(alice.base_name + "-e1")
+        for client in clients:
+            output_ids, logprobs, served_version = await _served_logprobs(client)
+            assert served_version == "3"
+            assert logprobs == pytest.approx(_reference_logprobs(trainer_model, PROMPT, output_ids), abs=1e-4)
+        [output] = await router.generate(ALICE, list(PROMPT), {"temperature": 0.0, "max_new_tokens": 6}, 1, "ep-1")
+        assert output.version == 3
+    finally:
+        alice.close()
+        bob.close()
+        await router.close()
+        for client in clients:  # leave alice's open epoch: the next test opens its own
+            with contextlib.suppress(FlexmarlError):
+                await client.destroy_weights_update_group(alice.base_name + "-e2")
+            await client.close()
+
+
 class _KillsItsEngine:
     """A replica's client that SIGKILLs its engine as the second bucket's update is sent."""
 
@@ -169,6 +329,39 @@ class _KillsItsEngine:
         if self.updates == 2:
             os.kill(self.pid, signal.SIGKILL)
         return await self.client.update_weights_from_distributed(*args, **kwargs)
+
+
+async def test_replica_killed_mid_broadcast_neither_blocks_the_trainer_nor_serves_a_torn_model(
+    replica: EngineReplica, second_replica: EngineReplica, trainer_model: Any, engine_checkpoint_other: Path
+) -> None:
+    """r1's engine dies at its second bucket: rank 0 gives up at once, both replicas are marked torn, and the
+    request that follows the commit is served by r0 after its reload from the durable copy."""
+    assert second_replica.pid is not None
+    survivor = SGLangClient(replica.url)
+    victim = _KillsItsEngine(SGLangClient(second_replica.url, retries=0), second_replica.pid)
+    router = _router([Replica("r0", survivor, ALICE, 0), Replica("r1", victim, ALICE, 0)])  # type: ignore[arg-type]
+    timeout_s = 20.0
+    broadcast = AgentBroadcast("job", "alice-2", timeout_s=timeout_s, bucket_bytes=BUCKET_BYTES)
+    try:
+        await router.set_agents([ALICE])
+        router.require(ALICE, 0, str(engine_checkpoint_other))
+        router.set_distributed_sync(ALICE, True)
+        started_s = time.monotonic()
+        with pytest.raises(WeightSyncError):
+            await _version(router, ALICE, broadcast, distinct_tensors(dict(trainer_model.state_dict())), 1)
+        assert time.monotonic() - started_s < timeout_s  # the trainer went on well within the group's timeout
+        assert [r.loaded_version for r in router.replicas()] == [-1, -1]  # torn: neither serves before a reload
+        router.require(ALICE, 1, str(engine_checkpoint_other))  # the commit: v1's durable copy
+        [output] = await router.generate(ALICE, list(PROMPT), {"temperature": 0.0, "max_new_tokens": 6}, 1, "ep-2")
+        assert output.version == 1
+        assert output.logprobs == pytest.approx(
+            _reference_logprobs(trainer_model, PROMPT, output.token_ids), abs=1e-4)
+        assert (await survivor.model_info()).weight_version == "1"
+    finally:
+        broadcast.close()
+        await router.close()
+        await survivor.close()
+        await victim.client.close()
 
 
 async def test_replica_killed_mid_broadcast_does_not_block_rank0(replica: EngineReplica, trainer_model: Any) -> None:

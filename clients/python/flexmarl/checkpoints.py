@@ -14,6 +14,10 @@ on a path. Where they live:
 
 A manifest exists only while the policy (``checkpoint:``) retains both the version's weights and
 its training state, so every manifest names a version that can be resumed from.
+
+A LoRA agent's version is its adapter directory and its state the adapter's training state; its
+``model_signature`` is the base's. A resume keeps the adapter's shape (rank, target modules)
+and whether the agent is a LoRA agent at all (:func:`check_resumable`).
 """
 
 from __future__ import annotations
@@ -199,6 +203,11 @@ def check_resumable(source: ResumeSource, point: Mapping[str, CheckpointManifest
     for agent in spec.agents:
         manifest = point[agent.name]
         old_model = source_spec.agent(agent.name).model
+        old_adapter, new_adapter = _adapter_shape(source_spec, agent.name), _adapter_shape(spec, agent.name)
+        if old_adapter != new_adapter:
+            raise InvalidArgument(f"resume source {source}: agent {agent.name}: its LoRA adapter differs from the "
+                                  f"checkpoint's (checkpoint {old_adapter or 'a full model'}, spec "
+                                  f"{new_adapter or 'a full model'}): the training state cannot load")
         if agent.model == old_model:
             continue
         signature = read_model_signature(agent.model)
@@ -214,6 +223,14 @@ def check_resumable(source: ResumeSource, point: Mapping[str, CheckpointManifest
     if lowest >= spec.total_steps:
         raise InvalidArgument(f"resume source {source}: every agent is at version >= {lowest}, total_steps is "
                               f"{spec.total_steps}: nothing left to train (raise total_steps)")
+
+
+def _adapter_shape(spec: JobSpec, agent: str) -> str:
+    """What fixes a LoRA agent's adapter tensors (rank and target modules); "" for a full-model agent."""
+    adapter = spec.agent(agent).lora
+    if adapter is None:
+        return ""
+    return f"rank {adapter.rank} on {sorted(adapter.target_modules)}"
 
 
 def parse_manifests(files: Sequence[tuple[str, str]]) -> list[CheckpointManifest]:

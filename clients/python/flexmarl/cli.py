@@ -66,10 +66,11 @@ def tiny_models(spec: dict[str, Any], models_dir: Path) -> dict[str, tuple[Path,
 
     plans: dict[str, tuple[Path, dict[str, Any]]] = {}
     for agent in spec.get("agents", []):
-        model = str(agent.get("model", ""))
+        key = _model_key(agent)
+        model = str(agent.get(key, ""))
         if not model.startswith("tiny://"):
             continue
-        where = f"agents[{agent.get('name')}].model"
+        where = f"agents[{agent.get('name')}].{key}"
         parsed = urllib.parse.urlparse(model)
         params = {k: v[-1] for k, v in urllib.parse.parse_qs(parsed.query, keep_blank_values=True).items()}
         arch = parsed.netloc or "qwen2"
@@ -100,7 +101,8 @@ def materialize_models(spec: dict[str, Any], models_dir: Path, progress: bool = 
     plans = tiny_models(spec, models_dir)
     out: dict[str, Any] = json.loads(json.dumps(spec))
     for agent in out.get("agents", []):
-        plan = plans.get(str(agent.get("model", "")))
+        key = _model_key(agent)
+        plan = plans.get(str(agent.get(key, "")))
         if plan is None:
             continue
         target, kwargs = plan
@@ -108,9 +110,14 @@ def materialize_models(spec: dict[str, Any], models_dir: Path, progress: bool = 
             try:
                 build_tiny_checkpoint(target, progress=progress, **kwargs)
             except ValueError as exc:  # sizes the builder rejects (non-positive, heads not divisible)
-                raise InvalidArgument(f"agents[{agent.get('name')}].model: {exc}") from None
-        agent["model"] = str(target.resolve())
+                raise InvalidArgument(f"agents[{agent.get('name')}].{key}: {exc}") from None
+        agent[key] = str(target.resolve())
     return out
+
+
+def _model_key(agent: dict[str, Any]) -> str:
+    """The key a raw agent names its model under: ``model``, or ``base`` (a LoRA agent's other spelling)."""
+    return "base" if "base" in agent and "model" not in agent else "model"
 
 
 def _read_spec_file(path: str, models_dir: Path) -> tuple[dict[str, Any], JobSpec]:
@@ -458,6 +465,40 @@ def cmd_versions(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Writes one agent version's weights to --out; --merge folds a LoRA agent's adapter into its base (HF dir)."""
+    import tempfile
+
+    from flexmarl.adapters import is_adapter_dir, merge_adapter
+    from flexmarl.artifacts import local_path
+
+    out = Path(args.out)
+    if out.exists():
+        raise CliError(f"--out {out}: already exists", EXIT_USAGE)
+    with _client(args) as client:
+        versions = [v for v in client.versions(args.job_id) if v.agent == args.agent]
+        if not versions:
+            raise CliError(f"job {args.job_id} has no agent {args.agent!r}", EXIT_USAGE)
+        version = args.version if args.version is not None else max(v.version for v in versions if v.retained)
+        if not args.merge:
+            client.download_weights(args.job_id, args.agent, version, out)
+            print(out)
+            return EXIT_OK
+        with tempfile.TemporaryDirectory(prefix="flexmarl-export-") as tmp:
+            weights = client.download_weights(args.job_id, args.agent, version, Path(tmp) / "weights")
+            if not is_adapter_dir(weights):
+                raise CliError(f"{args.agent} v{version} is a whole model, not a LoRA adapter: export it without "
+                               f"--merge", EXIT_USAGE)
+            base_uri = args.base or next(v.weights_uri for v in versions if v.version == 0)
+            base = local_path(base_uri) if base_uri.startswith("file://") else Path(base_uri)
+            if not (base / "config.json").is_file():
+                raise CliError(f"the base {base_uri!r} is not a checkpoint dir readable here: pass --base DIR",
+                               EXIT_USAGE)
+            merge_adapter(weights, base, out)
+    print(out)
+    return EXIT_OK
+
+
 HISTORY_FIELDS = ("agent", "step", "version", "reward_mean", "loss", "grad_norm", "staleness_mean", "episodes",
                   "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms")
 
@@ -665,6 +706,17 @@ def build_parser() -> argparse.ArgumentParser:
     versions.add_argument("--all", action="store_true", help="also list versions the checkpoint policy pruned")
     versions.add_argument("--json", action="store_true")
     versions.set_defaults(func=cmd_versions)
+    export = sub.add_parser("export", parents=[common],
+                            help="an agent version's weights into a directory (--merge: a LoRA adapter merged into "
+                                 "its base, a plain HF checkpoint)")
+    export.add_argument("job_id")
+    export.add_argument("--agent", required=True)
+    export.add_argument("--version", type=int, default=None, help="default: the agent's latest retained version")
+    export.add_argument("--merge", action="store_true", help="merge a LoRA agent's adapter into its base (needs peft)")
+    export.add_argument("--base", default="", metavar="DIR",
+                        help="with --merge: the base checkpoint dir (default: the agent's model in the job spec)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist)")
+    export.set_defaults(func=cmd_export)
     history = sub.add_parser("history", parents=[common], help="every committed step as text (--csv for CSV)")
     history.add_argument("job_id")
     history.add_argument("--agent", default="", help="only this agent")

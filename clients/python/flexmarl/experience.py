@@ -122,6 +122,9 @@ class ExperienceRecord:
     #: ``[S, 2]`` int32 ``(start, version)`` spans of the response tokens, ascending in start, the first at
     #: 0 (:func:`version_spans_array`); empty: every token has ``behavior_version``, the oldest token's.
     response_version_spans: npt.NDArray[np.int32] = dataclasses.field(default_factory=lambda: _NO_SPANS)
+    #: Assistant messages of the prompt re-tokenized from their text because they matched no earlier turn's
+    #: recorded tokens (OpenAI gateway chat calls, docs/gateway.md); 0: the prompt holds what was sampled.
+    retokenized_messages: int = 0
 
     @property
     def response_tokens(self) -> int:
@@ -156,6 +159,7 @@ class ExperienceRecord:
             created_unix_ms=self.created_unix_ms,
             group_size=self.group_size,
             response_version_spans=np.ascontiguousarray(self.response_version_spans, dtype=SPAN_DTYPE).tobytes(),
+            retokenized_messages=self.retokenized_messages,
         )
 
     @classmethod
@@ -193,6 +197,7 @@ class ExperienceRecord:
             step_id=msg.step_id,
             created_unix_ms=msg.created_unix_ms,
             response_version_spans=spans,
+            retokenized_messages=msg.retokenized_messages,
         )
 
 

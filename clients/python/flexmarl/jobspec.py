@@ -100,13 +100,63 @@ class OptimizerSpec(_SpecModel):
     """Clip the step's global gradient norm to this; 0 turns clipping off."""
 
 
+class WarmStartSpec(_SpecModel):
+    """A supervised fine-tune of the agent on generated data, run by traind before its first RL step."""
+
+    dataset: str
+    """The data, `package.module:attr`: a callable that, called with `seed=` the job's seed, returns an iterable of
+    (prompt, response) pairs, each text or a list of token ids (a text response gets the end-of-sequence token)."""
+    steps: PositiveInt
+    """SFT optimizer steps (each over `batch_size` examples, in the dataset's order)."""
+    lr: Annotated[float, Field(gt=0.0)] = 1.0e-3
+    """Learning rate of the SFT steps (the agent's other optimizer settings apply)."""
+    batch_size: Annotated[int, Field(ge=1, le=1_000_000)] = 32
+    """Examples per SFT step; the loss is the token-mean cross-entropy of their response tokens."""
+    config: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the dataset callable besides `seed` (e.g. the environment's operand range)."""
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_form(cls, value: str) -> str:
+        if not re.match(ENTRYPOINT_PATTERN, value):
+            raise ValueError(f"must have the form 'package.module:attr', got {value!r}")
+        return value
+
+
+MAX_LORA_RANK = 1024
+_MODULE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$"
+
+
+class LoraSpec(_SpecModel):
+    """A LoRA adapter trained over a frozen base model (PEFT's `LoraConfig`; docs/training.md, "LoRA agents")."""
+
+    rank: Annotated[int, Field(ge=1, le=MAX_LORA_RANK)]
+    """The adapter's rank r (PEFT `r`)."""
+    alpha: Annotated[int, Field(ge=1)] = 16
+    """The LoRA scaling numerator, an integer: the update is (alpha / rank) * B A (PEFT `lora_alpha`)."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the adapter's input while training (PEFT `lora_dropout`)."""
+    target_modules: Annotated[list[Annotated[str, Field(pattern=_MODULE_NAME)]], Field(min_length=1)]
+    """Names (or name suffixes) of the base's linear modules that get an adapter, e.g. `[q_proj, v_proj]`
+    (PEFT `target_modules`)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _distinct_modules(cls, value: list[str]) -> list[str]:
+        duplicates = sorted({m for m in value if value.count(m) > 1})
+        if duplicates:
+            raise ValueError(f"each module at most once, got {duplicates} twice")
+        return value
+
+
 class AgentSpec(_SpecModel):
     """One agent: its own policy, sampling and optimizer."""
 
     name: Annotated[str, Field(pattern=AGENT_NAME_PATTERN)]
     """The agent's name, as the environment calls it."""
     model: Annotated[str, Field(min_length=1)]
-    """A Hugging Face checkpoint directory, or `tiny://<arch>?seed=N` for a tiny random-init model built locally."""
+    """A Hugging Face checkpoint directory, or `tiny://<arch>?seed=N` for a tiny random-init model built locally.
+    For a LoRA agent (`lora`), its frozen base, which the spec may also give as `base:`."""
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     """How the agent's turns are sampled."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
@@ -117,11 +167,34 @@ class AgentSpec(_SpecModel):
     """Parameter and compute dtype of the agent's training engine."""
     max_slots: Annotated[int, Field(ge=1, le=1024)] = 1
     """Trainer slots the agent may train on at once (data-parallel when > 1)."""
+    algorithm: AgentAlgorithmSpec = Field(default_factory=lambda: AgentAlgorithmSpec())
+    """The agent's own credit-assignment and exploration settings over the job's `algorithm`."""
     exact_accumulation: bool = True
     """Sum each step's group gradients exactly (int64 fixed point), so the result does not depend on the
     order micro-batches arrive in: strict async equals sync bit for bit. Costs 16 bytes per trainable
     parameter while the agent is resident (docs/pipeline.md); fp32 with ZeRO 0-2 only (bf16 and ZeRO 3
     keep DeepSpeed's arrival-order sum)."""
+    warm_start: WarmStartSpec | None = None
+    """Supervised warm start before RL (docs/training.md, "Warm starts"); unset: RL starts from `model`."""
+    lora: LoraSpec | None = None
+    """Train only a LoRA adapter over `model`, its frozen base (which the spec may also call `base`); agents
+    with the same base share one copy of it on a trainer slot. Unset: the whole model trains."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _base_is_model(cls, data: Any) -> Any:
+        """`base: X` (with `lora`) is another spelling of `model: X`."""
+        if not isinstance(data, Mapping) or "base" not in data:
+            return data
+        if "model" in data:
+            raise ValueError("give model or base (its name for a LoRA agent's base), not both")
+        if data.get("lora") is None:
+            raise ValueError("base: names the base model of a LoRA agent; give lora too, or say model")
+        rest = {k: v for k, v in data.items() if k != "base"}
+        return {**rest, "model": data["base"]}
+
+
+AdvantageNormName = Literal["std", "mean", "agent", "none"]
 
 
 class AlgorithmSpec(_SpecModel):
@@ -136,10 +209,43 @@ class AlgorithmSpec(_SpecModel):
     """Weight of the KL penalty to the initial (reference) policy; 0 turns it off."""
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     """`token-mean`: the step's loss is averaged over response tokens; `seq-mean`: over sequences."""
-    advantage_norm: Literal["std", "mean"] = "std"
-    """`std`: (R - mean) / std within a task's group; `mean`: R - mean."""
+    advantage_norm: AdvantageNormName = "std"
+    """`std`: (G - mean) / std within a task's group; `mean`: G - mean; `agent` (Dr. MAS): (G - mean) / std over
+    every experience of the agent's step (its micro-batches wait for the whole step's rewards); `none`: the return G
+    itself. G is a turn's return (docs/training.md, "Credit assignment")."""
+    turn_baseline: Literal["episode", "turn"] = "episode"
+    """The group statistics of `std` / `mean`: `episode`, each episode's return from the agent's first turn; `turn`,
+    the returns of the group's turns with the same turn index (for turn-level rewards)."""
+    gamma: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    """Discount over an agent's turns: a turn's return is the sum of the agent's rewards from that turn on, the one
+    k turns later weighted gamma**k (episode-level rewards count at the agent's last turn)."""
     entropy_coef: NonNegativeFloat = 0.0
-    """Entropy bonus: the loss subtracts entropy_coef times the policy's entropy at each response token."""
+    """Entropy bonus: the loss subtracts entropy_coef times the policy's entropy at each response token (the
+    coefficient of step 0 when entropy_coef_end is set)."""
+    entropy_coef_end: NonNegativeFloat | None = None
+    """Entropy schedule: the coefficient moves linearly from entropy_coef to this over entropy_decay_steps steps,
+    then stays; unset: entropy_coef throughout."""
+    entropy_decay_steps: Annotated[int, Field(ge=0)] = 0
+    """Steps of the entropy schedule (0: no schedule)."""
+
+
+class AgentAlgorithmSpec(_SpecModel):
+    """One agent's overrides of the job's `algorithm` (unset fields keep the job's value)."""
+
+    kl_coef: NonNegativeFloat | None = None
+    """The agent's `algorithm.kl_coef`."""
+    advantage_norm: AdvantageNormName | None = None
+    """The agent's `algorithm.advantage_norm`."""
+    turn_baseline: Literal["episode", "turn"] | None = None
+    """The agent's `algorithm.turn_baseline`."""
+    gamma: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """The agent's `algorithm.gamma`."""
+    entropy_coef: NonNegativeFloat | None = None
+    """The agent's `algorithm.entropy_coef`."""
+    entropy_coef_end: NonNegativeFloat | None = None
+    """The agent's `algorithm.entropy_coef_end`."""
+    entropy_decay_steps: Annotated[int, Field(ge=0)] | None = None
+    """The agent's `algorithm.entropy_decay_steps`."""
 
 
 class BatchSpec(_SpecModel):
@@ -166,6 +272,7 @@ class BatchSpec(_SpecModel):
 PipelineMode = Literal["async", "sync", "sequential", "static"]
 BindingPolicy = Literal["dynamic", "static"]
 BalancingPolicy = Literal["hierarchical", "static", "round-robin"]
+WeightSyncMode = Literal["distributed", "disk"]
 BARRIER_MODES = ("sync", "sequential", "static")
 
 
@@ -225,6 +332,10 @@ class RolloutSpec(_SpecModel):
     mask_stale_tokens: bool = False
     """Tokens sampled more than `pipeline.max_staleness` versions before the version being trained get zero
     weight in the loss (slime's --mask-offpolicy-in-partial-rollout; needs `partial_rollout`)."""
+    weight_sync: WeightSyncMode = "disk"
+    """How a new version reaches the replicas: `disk` (each replica loads the published checkpoint) or
+    `distributed` (the trainer broadcasts it to the replicas over a weight-update group, the checkpoint is
+    written beside it; a replica that misses the broadcast loads the checkpoint; docs/engines.md)."""
 
 
 class LeaseSpec(_SpecModel):
@@ -366,6 +477,11 @@ class JobSpec(_SpecModel):
                 return agent
         raise InvalidArgument(f"agents: no agent named {name!r}")
 
+    def algorithm_of(self, name: str) -> AlgorithmSpec:
+        """The `algorithm` one agent trains with: the job's, with the agent's own `algorithm` fields on top."""
+        overrides = self.agent(name).algorithm.model_dump(exclude_none=True)
+        return self.algorithm.model_copy(update=overrides) if overrides else self.algorithm
+
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, defaults filled in): what the SDK sends and orchestratord stores."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -391,6 +507,13 @@ CROSS_FIELD_RULES = (
     "`rollout.partial_rollout` needs `pipeline.mode: async` and `pipeline.max_staleness` >= 1 "
     "(strict and barrier modes never interrupt a generation).",
     "`rollout.mask_stale_tokens` needs `rollout.partial_rollout`.",
+    "An agent with a `warm_start` has `max_slots: 1` and a KL coefficient of 0 (the KL reference would be the "
+    "checkpoint before the warm start).",
+    "A LoRA agent (`lora`) has `zero_stage: 0` and `max_slots: 1` (it trains on one slot, where ZeRO partitions "
+    "nothing but a ZeRO 3 engine would partition the shared base).",
+    "LoRA agents with the same base (`model`) have the same `dtype` (they share one copy of it). A base may also "
+    "be a full-model agent's `model`: that agent trains its own copy.",
+    "A LoRA agent needs `rollout.weight_sync: disk` (its versions are adapter directories, not whole models).",
 )
 
 
@@ -423,6 +546,45 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
                             f"(also agents[{seen[agent.name]}])")
         else:
             seen[agent.name] = index
+    problems += _warm_start_problems(spec)
+    problems += _lora_problems(spec)
+    return problems
+
+
+def _lora_problems(spec: JobSpec) -> list[str]:
+    problems: list[str] = []
+    first_of_base: dict[str, int] = {}
+    for index, agent in enumerate(spec.agents):
+        if agent.lora is None:
+            continue
+        if agent.zero_stage != 0:
+            problems.append(f"agents[{index}].zero_stage: a LoRA agent trains with ZeRO 0 (on one slot ZeRO "
+                            f"partitions nothing; ZeRO 3 would partition the shared base), got {agent.zero_stage}")
+        if agent.max_slots != 1:
+            problems.append(f"agents[{index}].max_slots: a LoRA agent trains on one slot (data-parallel adapter "
+                            f"agents are not built), got {agent.max_slots}")
+        if spec.rollout.weight_sync == "distributed":
+            problems.append(f"agents[{index}].lora: a LoRA agent's versions are adapter directories the engines "
+                            f"load (/load_lora_adapter); rollout.weight_sync 'distributed' broadcasts whole models")
+        first = first_of_base.setdefault(agent.model, index)
+        if spec.agents[first].dtype != agent.dtype:
+            problems.append(f"agents[{index}].dtype: LoRA agents over base {agent.model!r} share it, so they need "
+                            f"one dtype: agents[{first}] has {spec.agents[first].dtype!r}, got {agent.dtype!r}")
+    return problems
+
+
+def _warm_start_problems(spec: JobSpec) -> list[str]:
+    problems: list[str] = []
+    for index, agent in enumerate(spec.agents):
+        if agent.warm_start is None:
+            continue
+        if agent.max_slots != 1:
+            problems.append(f"agents[{index}].warm_start: needs max_slots 1 (a warm start runs in one slot), "
+                            f"got max_slots {agent.max_slots}")
+        kl_coef = agent.algorithm.kl_coef if agent.algorithm.kl_coef is not None else spec.algorithm.kl_coef
+        if kl_coef > 0.0:
+            problems.append(f"agents[{index}].warm_start: needs a KL coefficient of 0 (the KL reference would be "
+                            f"the checkpoint before the warm start), got {kl_coef}")
     return problems
 
 

@@ -109,7 +109,8 @@ def preflight_problems(spec: JobSpec) -> list[str]:
 
     Checks ``environment.config``'s keys against the environment's constructor, loads the
     environment (importing the user's module and running its constructor with
-    ``environment.config``) and checks that its agents are exactly the job's agents; and that
+    ``environment.config``) and checks that its agents are exactly the job's agents; loads each
+    agent's ``warm_start.dataset`` and checks the pairs traind will train on; and that
     the packages of the job's trackers (``tracking.trackers``) import here.
     """
     from flexmarl.tracking import missing_packages
@@ -127,7 +128,26 @@ def preflight_problems(spec: JobSpec) -> list[str]:
             env = load_environment(entrypoint, spec.environment.config)
         except Exception as exc:  # user code may raise anything; it becomes one line
             return [_load_problem(entrypoint, exc), *trackers]
-    return _agent_problems(spec, tuple(env.agents)) + trackers
+        warm_starts = _warm_start_problems(spec)
+    return _agent_problems(spec, tuple(env.agents)) + warm_starts + trackers
+
+
+def _warm_start_problems(spec: JobSpec) -> list[str]:
+    """Each agent's ``warm_start.dataset`` loads and yields the (prompt, response) pairs traind needs."""
+    from flexmarl.warm_start_data import as_pair, first_items
+
+    problems = []
+    for index, agent in enumerate(spec.agents):
+        warm = agent.warm_start
+        if warm is None:
+            continue
+        try:
+            items = first_items(warm.dataset, spec.seed, warm.steps * warm.batch_size, warm.config)
+            for number, item in enumerate(items):
+                as_pair(item, number)
+        except InvalidArgument as exc:
+            problems.append(f"agents[{index}].warm_start.dataset: {exc}")
+    return problems
 
 
 def check_job(spec: JobSpec) -> None:

@@ -8,8 +8,10 @@ fields (int32 ids, float32 logprobs): compact on the wire and decoded
 without a per-element loop (numpy.frombuffer).
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
@@ -72,6 +74,7 @@ class Experience(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _builtins.int
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     RESPONSE_VERSION_SPANS_FIELD_NUMBER: _builtins.int
+    RETOKENIZED_MESSAGES_FIELD_NUMBER: _builtins.int
     experience_id: _builtins.str
     """Globally unique, deterministic: "<task_id>/<sample_index>/<agent>/<turn>"."""
     job_id: _builtins.str
@@ -102,6 +105,11 @@ class Experience(_message.Message):
     (the first at 0); response token i was sampled with the version of the last span starting at
     or before i. Empty: every token has behavior_version (an uninterrupted generation).
     """
+    retokenized_messages: _builtins.int
+    """Assistant messages of the prompt that matched no earlier turn's recorded tokens and were
+    re-tokenized from their text (OpenAI gateway chat calls); 0: the prompt is what was sampled
+    and templated (native episodes, raw completions).
+    """
     def __init__(
         self,
         *,
@@ -123,10 +131,11 @@ class Experience(_message.Message):
         created_unix_ms: _builtins.int = ...,
         group_size: _builtins.int = ...,
         response_version_spans: _builtins.bytes = ...,
+        retokenized_messages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "response_version_spans", b"response_version_spans", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "response_version_spans", b"response_version_spans", "retokenized_messages", b"retokenized_messages", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,6 +152,7 @@ class AgentVersion(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     WEIGHTS_URI_FIELD_NUMBER: _builtins.int
     PUBLISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    WEIGHT_GROUP_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     agent: _builtins.str
     version: _builtins.int
@@ -151,6 +161,12 @@ class AgentVersion(_message.Message):
     ("file:///...") or a blob name in stored ("stored://weights/...").
     """
     published_unix_ms: _builtins.int
+    @_builtins.property
+    def weight_group(self) -> Global___WeightGroup:
+        """Set (and weights_uri empty) while the version is being broadcast, before it is committed: the
+        weight-update group rolloutd follows for an agent with `rollout.weight_sync: distributed`.
+        """
+
     def __init__(
         self,
         *,
@@ -159,11 +175,108 @@ class AgentVersion(_message.Message):
         version: _builtins.int = ...,
         weights_uri: _builtins.str = ...,
         published_unix_ms: _builtins.int = ...,
+        weight_group: Global___WeightGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weight_group", b"weight_group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "job_id", b"job_id", "published_unix_ms", b"published_unix_ms", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "job_id", b"job_id", "published_unix_ms", b"published_unix_ms", "version", b"version", "weight_group", b"weight_group", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentVersion: _TypeAlias = AgentVersion  # noqa: Y015
+
+@_typing.final
+class WeightTensor(_message.Message):
+    """One tensor of a weight bucket, as SGLang's /update_weights_from_distributed names it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dtype: _builtins.str
+    """The torch dtype name ("float32", "bfloat16")."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightTensor: _TypeAlias = WeightTensor  # noqa: Y015
+
+@_typing.final
+class WeightBucket(_message.Message):
+    """Tensors broadcast together after one /update_weights_from_distributed call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightTensor]: ...
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Iterable[Global___WeightTensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightBucket: _TypeAlias = WeightBucket  # noqa: Y015
+
+@_typing.final
+class WeightGroup(_message.Message):
+    """A trainer rank 0's weight-update group for one version (flexmarl.weight_group.WeightGroupRecord)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    BASE_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    master_address: _builtins.str
+    master_port: _builtins.int
+    base_name: _builtins.str
+    """Epoch e's group is "<base_name>-e<e>"."""
+    epoch: _builtins.int
+    """The epoch open now at rank 0 (0: none)."""
+    backend: _builtins.str
+    """"gloo" or "nccl"."""
+    timeout_s: _builtins.float
+    @_builtins.property
+    def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightBucket]:
+        """The version's buckets, in broadcast order."""
+
+    def __init__(
+        self,
+        *,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        base_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
+        buckets: _abc.Iterable[Global___WeightBucket] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_name", b"base_name", "buckets", b"buckets", "epoch", b"epoch", "master_address", b"master_address", "master_port", b"master_port", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightGroup: _TypeAlias = WeightGroup  # noqa: Y015

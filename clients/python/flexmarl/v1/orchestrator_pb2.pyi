@@ -801,6 +801,9 @@ class MicroBatchWork(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    STEP_RETURN_COUNT_FIELD_NUMBER: _builtins.int
+    STEP_RETURN_MEAN_FIELD_NUMBER: _builtins.int
+    STEP_RETURN_STD_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     agent: _builtins.str
@@ -816,6 +819,12 @@ class MicroBatchWork(_message.Message):
     deadline_unix_ms: _builtins.int
     spec_digest: _builtins.str
     """As RolloutTask.spec_digest."""
+    step_return_count: _builtins.int
+    """advantage_norm agent (Dr. MAS): the mean and unbiased std of the returns of every experience of
+    the agent's step, fixed with its manifest (step_return_count 0: not needed).
+    """
+    step_return_mean: _builtins.float
+    step_return_std: _builtins.float
     @_builtins.property
     def experience_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -836,10 +845,13 @@ class MicroBatchWork(_message.Message):
         deadline_unix_ms: _builtins.int = ...,
         group: Global___DataParallelGroup | None = ...,
         spec_digest: _builtins.str = ...,
+        step_return_count: _builtins.int = ...,
+        step_return_mean: _builtins.float = ...,
+        step_return_std: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "group", b"group", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "deadline_unix_ms", b"deadline_unix_ms", "experience_ids", b"experience_ids", "group", b"group", "job_id", b"job_id", "lease_id", b"lease_id", "micro_batch_index", b"micro_batch_index", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_return_count", b"step_return_count", "step_return_mean", b"step_return_mean", "step_return_std", b"step_return_std"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -856,6 +868,7 @@ class OptimizerStepWork(_message.Message):
     NEW_VERSION_FIELD_NUMBER: _builtins.int
     STEP_RESPONSE_TOKENS_FIELD_NUMBER: _builtins.int
     STEP_EPISODES_FIELD_NUMBER: _builtins.int
+    STEP_SEQUENCES_FIELD_NUMBER: _builtins.int
     NUM_MICRO_BATCHES_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
     BASE_VERSION_FIELD_NUMBER: _builtins.int
@@ -870,6 +883,10 @@ class OptimizerStepWork(_message.Message):
     step_response_tokens: _builtins.int
     """Token total of the step (for token-mean losses accumulated as sums)."""
     step_episodes: _builtins.int
+    step_sequences: _builtins.int
+    """Experiences (sequences) of the step: the seq-mean normaliser (an agent with several turns per
+    episode has several experiences per episode).
+    """
     num_micro_batches: _builtins.int
     base_version: _builtins.int
     """A data-parallel member that accumulated nothing builds the engine from these
@@ -890,6 +907,7 @@ class OptimizerStepWork(_message.Message):
         new_version: _builtins.int = ...,
         step_response_tokens: _builtins.int = ...,
         step_episodes: _builtins.int = ...,
+        step_sequences: _builtins.int = ...,
         num_micro_batches: _builtins.int = ...,
         group: Global___DataParallelGroup | None = ...,
         base_version: _builtins.int = ...,
@@ -898,7 +916,7 @@ class OptimizerStepWork(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["group", b"group"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "group", b"group", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "base_version", b"base_version", "group", b"group", "job_id", b"job_id", "new_version", b"new_version", "num_micro_batches", b"num_micro_batches", "spec_digest", b"spec_digest", "state_uri", b"state_uri", "step", b"step", "step_episodes", b"step_episodes", "step_id", b"step_id", "step_response_tokens", b"step_response_tokens", "step_sequences", b"step_sequences"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1095,6 +1113,57 @@ class CommitStepResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CommitStepResponse: _TypeAlias = CommitStepResponse  # noqa: Y015
+
+@_typing.final
+class AnnounceWeightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    SLOT_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_GROUP_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    slot_id: _builtins.str
+    job_id: _builtins.str
+    agent: _builtins.str
+    version: _builtins.int
+    """The version about to be broadcast (the step's new_version; not committed yet)."""
+    @_builtins.property
+    def weight_group(self) -> _common_pb2.WeightGroup: ...
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        slot_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        agent: _builtins.str = ...,
+        version: _builtins.int = ...,
+        weight_group: _common_pb2.WeightGroup | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["weight_group", b"weight_group"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "job_id", b"job_id", "slot_id", b"slot_id", "version", b"version", "weight_group", b"weight_group", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnnounceWeightsRequest: _TypeAlias = AnnounceWeightsRequest  # noqa: Y015
+
+@_typing.final
+class AnnounceWeightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AnnounceWeightsResponse: _TypeAlias = AnnounceWeightsResponse  # noqa: Y015
 
 @_typing.final
 class ReportSlotEventRequest(_message.Message):

@@ -100,6 +100,11 @@ class OrchestratorStub:
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepResponse.FromString,
                 _registered_method=True)
+        self.AnnounceWeights = channel.unary_unary(
+                '/flexmarl.v1.Orchestrator/AnnounceWeights',
+                request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsRequest.SerializeToString,
+                response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsResponse.FromString,
+                _registered_method=True)
         self.ReportSlotEvent = channel.unary_unary(
                 '/flexmarl.v1.Orchestrator/ReportSlotEvent',
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.ReportSlotEventRequest.SerializeToString,
@@ -200,6 +205,14 @@ class OrchestratorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceWeights(self, request, context):
+        """The optimizer step ran and rank 0 is about to broadcast the new version to the replicas
+        (rollout.weight_sync: distributed); CommitStep follows once its durable copy is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportSlotEvent(self, request, context):
         """A slot gave an agent's state up (swap-out done) or failed its work.
         """
@@ -274,6 +287,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.CommitStep,
                     request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepResponse.SerializeToString,
+            ),
+            'AnnounceWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceWeights,
+                    request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsRequest.FromString,
+                    response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsResponse.SerializeToString,
             ),
             'ReportSlotEvent': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportSlotEvent,
@@ -632,6 +650,33 @@ class Orchestrator:
             '/flexmarl.v1.Orchestrator/CommitStep',
             flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepRequest.SerializeToString,
             flexmarl_dot_v1_dot_orchestrator__pb2.CommitStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnounceWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flexmarl.v1.Orchestrator/AnnounceWeights',
+            flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsRequest.SerializeToString,
+            flexmarl_dot_v1_dot_orchestrator__pb2.AnnounceWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,6 +61,10 @@ class OrchestratorStub:
     """A micro-batch's gradients are accumulated in the slot."""
     CommitStep: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CommitStepRequest, _orchestrator_pb2.CommitStepResponse]
     """The optimizer step ran and the new weights are published."""
+    AnnounceWeights: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.AnnounceWeightsRequest, _orchestrator_pb2.AnnounceWeightsResponse]
+    """The optimizer step ran and rank 0 is about to broadcast the new version to the replicas
+    (rollout.weight_sync: distributed); CommitStep follows once its durable copy is written.
+    """
     ReportSlotEvent: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.ReportSlotEventRequest, _orchestrator_pb2.ReportSlotEventResponse]
     """A slot gave an agent's state up (swap-out done) or failed its work."""
 
@@ -94,6 +98,10 @@ class OrchestratorAsyncStub(OrchestratorStub):
     """A micro-batch's gradients are accumulated in the slot."""
     CommitStep: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CommitStepRequest, _orchestrator_pb2.CommitStepResponse]  # type: ignore[assignment]
     """The optimizer step ran and the new weights are published."""
+    AnnounceWeights: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.AnnounceWeightsRequest, _orchestrator_pb2.AnnounceWeightsResponse]  # type: ignore[assignment]
+    """The optimizer step ran and rank 0 is about to broadcast the new version to the replicas
+    (rollout.weight_sync: distributed); CommitStep follows once its durable copy is written.
+    """
     ReportSlotEvent: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.ReportSlotEventRequest, _orchestrator_pb2.ReportSlotEventResponse]  # type: ignore[assignment]
     """A slot gave an agent's state up (swap-out done) or failed its work."""
 
@@ -202,6 +210,16 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.CommitStepResponse, _abc.Awaitable[_orchestrator_pb2.CommitStepResponse]]:
         """The optimizer step ran and the new weights are published."""
+
+    @_abc_1.abstractmethod
+    def AnnounceWeights(
+        self,
+        request: _orchestrator_pb2.AnnounceWeightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.AnnounceWeightsResponse, _abc.Awaitable[_orchestrator_pb2.AnnounceWeightsResponse]]:
+        """The optimizer step ran and rank 0 is about to broadcast the new version to the replicas
+        (rollout.weight_sync: distributed); CommitStep follows once its durable copy is written.
+        """
 
     @_abc_1.abstractmethod
     def ReportSlotEvent(

@@ -492,7 +492,10 @@ class PutBlobHeader(_message.Message):
     """Reference name, e.g. "weights/<job>/<agent>/<version>/model.safetensors"."""
     size_bytes: _builtins.int
     sha256: _builtins.str
-    """Expected sha256; the upload fails with DATA_LOSS when the content differs."""
+    """Expected sha256; the upload fails with DATA_LOSS when the content differs. May be empty in the
+    opening header and set instead in a closing header after the last chunk (same name, size_bytes
+    and job_id; nothing may follow it), for a client that hashes while it streams.
+    """
     job_id: _builtins.str
     def __init__(
         self,

@@ -1,0 +1,274 @@
+"""rolloutd's side of distributed weight sync: the replicas of an agent follow its trainer's broadcast.
+
+For an agent of a job with ``rollout.weight_sync: distributed``, traind's rank 0 announces each
+new version with its weight-update group (:class:`flexmarl.weight_group.WeightGroupRecord`:
+rendezvous, open epoch, bucket plan) before it commits it; the router hands the announcement
+to :meth:`AgentWeightGroup.receive` with the agent's replicas already drained (their write
+locks held, so no generation runs on them during the update). Per version:
+
+1. Answer rank 0 on its rendezvous store (:func:`flexmarl.weight_group.join_key`, compare-and-set:
+   the first rolloutd owns the version): ``keep`` when the members of the open epoch are these
+   replicas, else ``open`` a new epoch of ``1 + len(replicas)`` ranks (``skip`` when there are
+   none). A new epoch first leaves the old one (``/destroy_weights_update_group`` on its
+   members, a replica moved to another agent included), then every replica joins
+   (``/init_weights_update_group``, rank_offset 1..n) while rank 0 connects.
+2. Replay the plan: ``/begin_weight_update`` on each, per bucket one
+   ``/update_weights_from_distributed`` on each concurrently with rank 0's broadcast (the
+   version's ``weight_version`` on the last bucket only), ``/end_weight_update``.
+3. Verify: each replica's ``/model_info`` names the version.
+
+A replica that failed any step is reported as failed (its weights may be torn: the router
+marks it for a reload from the durable copy before it serves again) and the epoch is closed on
+every member (a broken group fails every later call), so the next version opens a new one.
+Every call is bounded by the record's ``timeout_s`` (+5 s for the HTTP answer): a dead or stalled
+replica costs rank 0 at most its timeout, then it goes on (it never waits for rolloutd).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from flexmarl.errors import FlexmarlError
+from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, join_key
+
+log = logging.getLogger(__name__)
+
+#: Extra seconds an engine's HTTP answer may take beyond the group's own timeout.
+ANSWER_SLACK_S = 5.0
+#: At most this long to reach rank 0's rendezvous store.
+STORE_CONNECT_S = 10.0
+
+
+@runtime_checkable
+class GroupMember(Protocol):
+    """An engine replica that serves SGLang's weight-update-group routes (rolloutd's ``SGLangClient``)."""
+
+    url: str
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = ..., backend: str = ...,
+                                        timeout_s: float | None = ...) -> Any:
+        """Join the group as ``rank_offset``."""
+
+    async def destroy_weights_update_group(self, group_name: str = ...) -> Any:
+        """Leave the group."""
+
+    async def begin_weight_update(self) -> Any:
+        """Open the update session."""
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = ..., weight_version: str | None = ...,
+                                              flush_cache: bool = ..., abort_all_requests: bool = ...,
+                                              load_format: str | None = ..., timeout_s: float | None = ...) -> Any:
+        """Receive and load one bucket."""
+
+    async def end_weight_update(self) -> Any:
+        """Close the update session."""
+
+    async def model_info(self) -> Any:
+        """``/model_info`` (its ``weight_version``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncOutcome:
+    """What one announced version did: which replicas serve it now and which failed (and why)."""
+
+    version: int
+    #: "keep", "open", "skip" (no replica), or "lost" (another rolloutd owns the version).
+    answer: str
+    served: tuple[str, ...] = ()
+    failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epoch:
+    """The epoch this rolloutd's replicas are in: rank 0's endpoint, the epoch, its group and members."""
+
+    endpoint: tuple[str, int]
+    epoch: int
+    group_name: str
+    members: tuple[str, ...]
+
+
+#: Opens a client of rank 0's rendezvous store (blocking; tests replace it).
+StoreOpener = Callable[[str, int, float], Any]
+
+
+def open_store(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the TCP store rank 0 hosts (the one the replicas' rendezvous uses)."""
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout_s))
+
+
+class AgentWeightGroup:
+    """The weight-update groups of one agent's replicas on this rolloutd, across versions."""
+
+    def __init__(self, owner: str, *, open_store_fn: StoreOpener = open_store) -> None:
+        """``owner``: this rolloutd's worker id (what its answers name)."""
+        self.owner = owner
+        self._open_store = open_store_fn
+        self._epoch: _Epoch | None = None
+        #: The highest epoch answered per rank-0 endpoint (a new epoch is always a new name there).
+        self._last_epoch: dict[tuple[str, int], int] = {}
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Replica ids in the open epoch (() when none is open)."""
+        return self._epoch.members if self._epoch is not None else ()
+
+    async def leave(self, clients: Mapping[str, GroupMember]) -> None:
+        """Leaves the open epoch on every member still known (best effort; at a version boundary)."""
+        epoch, self._epoch = self._epoch, None
+        if epoch is None:
+            return
+        calls = {rid: clients[rid].destroy_weights_update_group(epoch.group_name)
+                 for rid in epoch.members if rid in clients}
+        for rid, exc in (await _bounded(calls, 10.0, "destroy_weights_update_group")).items():
+            log.info("replica %s leaving %s: %s", rid, epoch.group_name, exc)
+
+    async def receive(self, version: int, record: WeightGroupRecord, members: Sequence[tuple[str, GroupMember]],
+                      clients: Mapping[str, GroupMember]) -> SyncOutcome:
+        """Brings ``members`` (drained by the caller) to ``version`` from rank 0's broadcast (see the module doc).
+
+        ``clients``: every replica this rolloutd knows, to leave an old epoch with.
+        """
+        started_s = time.monotonic()
+        endpoint = (record.master_address, record.master_port)
+        ids = tuple(rid for rid, _ in members)
+        current = self._epoch
+        keep = (current is not None and current.endpoint == endpoint and current.epoch == record.epoch
+                and current.members == ids)
+        if not keep:
+            await self.leave(clients)
+        if not ids:
+            answer = JoinAnswer("skip", 0, 0, self.owner)
+        elif keep:
+            answer = JoinAnswer("keep", record.epoch, 1 + len(ids), self.owner)
+        else:
+            epoch = max(record.epoch, self._last_epoch.get(endpoint, 0)) + 1
+            answer = JoinAnswer("open", epoch, 1 + len(ids), self.owner)
+        try:
+            won = await asyncio.to_thread(self._claim, record, version, answer)
+        except Exception as exc:  # rank 0 gone (connection refused, store timeout)
+            self._epoch = None
+            return SyncOutcome(version, "lost", failed={"rank0": f"rendezvous store unreachable: {exc}"},
+                               seconds=time.monotonic() - started_s)
+        if not won:
+            return SyncOutcome(version, "lost", seconds=time.monotonic() - started_s)
+        if answer.kind == "skip":
+            log.info("v%d over %s: no replica serves the agent here; skipped", version, record.base_name)
+            return SyncOutcome(version, "skip", seconds=time.monotonic() - started_s)
+        group_name = record.group_name(answer.epoch)
+        if answer.kind == "open":
+            self._last_epoch[endpoint] = answer.epoch
+            failed = await self._join(record, answer, group_name, members)
+            if failed:
+                await self._close(group_name, members)
+                return SyncOutcome(version, "open", failed=failed, seconds=time.monotonic() - started_s)
+            self._epoch = _Epoch(endpoint, answer.epoch, group_name, ids)
+        failed = await self._replay(version, record, group_name, members)
+        if failed:
+            await self._close(group_name, members)
+        served = tuple(rid for rid in ids if rid not in failed)
+        seconds = time.monotonic() - started_s
+        log.info("v%d over %s (%s): %d replicas served, %d failed (%.2fs)", version, group_name, answer.kind,
+                 len(served), len(failed), seconds)
+        return SyncOutcome(version, answer.kind, served, failed, seconds)
+
+    def _claim(self, record: WeightGroupRecord, version: int, answer: JoinAnswer) -> bool:
+        """Sets the version's answer on rank 0's store unless another rolloutd did (blocking)."""
+        # A rank 0 that cannot be reached is gone: do not hold the drained replicas for its whole timeout.
+        store = self._open_store(record.master_address, record.master_port, min(record.timeout_s, STORE_CONNECT_S))
+        encoded = answer.encode()
+        return bytes(store.compare_set(join_key(version), "", encoded)) == encoded
+
+    async def _join(self, record: WeightGroupRecord, answer: JoinAnswer, group_name: str,
+                    members: Sequence[tuple[str, GroupMember]]) -> dict[str, str]:
+        calls = {rid: client.init_weights_update_group(
+            master_address=record.master_address, master_port=record.master_port, rank_offset=rank,
+            world_size=answer.world_size, group_name=group_name, backend=record.backend, timeout_s=record.timeout_s)
+            for rank, (rid, client) in enumerate(members, start=1)}
+        return _text(await _bounded(calls, record.timeout_s + ANSWER_SLACK_S, f"joining {group_name}"))
+
+    async def _replay(self, version: int, record: WeightGroupRecord, group_name: str,
+                      members: Sequence[tuple[str, GroupMember]]) -> dict[str, str]:
+        """Begin, the plan's buckets, end and verify on every member; the failed ones (a failure stops all)."""
+        bound_s = record.timeout_s + ANSWER_SLACK_S
+        failed = _text(await _bounded({rid: c.begin_weight_update() for rid, c in members}, bound_s,
+                                      "begin_weight_update"))
+        if failed:
+            return failed
+        last = len(record.buckets) - 1
+        for index, bucket in enumerate(record.buckets):
+            names = [t.name for t in bucket]
+            dtypes = [t.dtype for t in bucket]
+            shapes = [list(t.shape) for t in bucket]
+            calls = {rid: c.update_weights_from_distributed(
+                names, dtypes, shapes, group_name=group_name,
+                weight_version=str(version) if index == last else None, flush_cache=index == last,
+                timeout_s=bound_s) for rid, c in members}
+            failed = _text(await _bounded(calls, bound_s, f"bucket {index + 1}/{len(record.buckets)} of v{version}"))
+            if failed:
+                # The others' receives fail too once the group closes; their weights are torn as well.
+                return {rid: failed.get(rid, "the group broke under another replica") for rid, _ in members}
+        failed = _text(await _bounded({rid: c.end_weight_update() for rid, c in members}, bound_s,
+                                      "end_weight_update"))
+        infos = await _answers({rid: c.model_info() for rid, c in members if rid not in failed}, bound_s)
+        for rid, info in infos.items():
+            if isinstance(info, BaseException):
+                failed[rid] = f"model_info: {info}"
+            elif str(getattr(info, "weight_version", "")) != str(version):
+                failed[rid] = f"serves weight_version {getattr(info, 'weight_version', '?')!r}, not {version}"
+        return failed
+
+    async def _close(self, group_name: str, members: Sequence[tuple[str, GroupMember]]) -> None:
+        """A broken epoch: every member ends its session and leaves it (it fails every later call)."""
+        self._epoch = None
+        await _bounded({rid: c.end_weight_update() for rid, c in members}, 10.0, "end_weight_update")
+        calls = {rid: c.destroy_weights_update_group(group_name) for rid, c in members}
+        for rid, exc in (await _bounded(calls, 10.0, "destroy_weights_update_group")).items():
+            log.info("replica %s leaving broken %s: %s", rid, group_name, exc)
+
+
+async def _answers(calls: Mapping[str, Awaitable[Any]], timeout_s: float) -> dict[str, Any]:
+    """Each call's result or exception (TimeoutError past ``timeout_s``), by name."""
+    names = list(calls)
+    tasks = [asyncio.ensure_future(call) for call in calls.values()]
+    if not tasks:
+        return {}
+    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    out: dict[str, Any] = {}
+    for name, task in zip(names, tasks, strict=True):
+        if task in pending:
+            task.cancel()
+            out[name] = TimeoutError(f"no answer within {timeout_s:.0f}s")
+        else:
+            out[name] = task.exception() or task.result()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    return out
+
+
+async def _bounded(calls: Mapping[str, Awaitable[Any]], timeout_s: float, what: str) -> dict[str, BaseException]:
+    """The failures of concurrent calls (and those past ``timeout_s``), by name."""
+    results = await _answers(calls, timeout_s)
+    failures = {name: r for name, r in results.items() if isinstance(r, BaseException)}
+    for name, exc in failures.items():
+        log.warning("%s: %s failed: %s", what, name, exc)
+    return failures
+
+
+def _text(failures: Mapping[str, BaseException]) -> dict[str, str]:
+    return {name: (str(exc) if isinstance(exc, FlexmarlError) else f"{type(exc).__name__}: {exc}")
+            for name, exc in failures.items()}
+
+
+__all__ = ["ANSWER_SLACK_S", "STORE_CONNECT_S", "AgentWeightGroup", "GroupMember", "SyncOutcome", "open_store"]
