@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import math
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias
 
+from flexmarl.entrypoints import load_entrypoint
 from flexmarl.errors import DataLoss, InvalidArgument
 
 ChatMessage: TypeAlias = Mapping[str, str]
@@ -504,17 +504,7 @@ def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -
         InvalidArgument: bad entrypoint, import failure (any exception user code raises while its
             module is imported or the environment built), not an Environment, or no agents.
     """
-    module_name, sep, attr = entrypoint.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidArgument(f"environment entrypoint {entrypoint!r} is not 'module:attr'")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidArgument(f"cannot load environment {entrypoint!r}: {exc}") from exc
-    except Exception as exc:  # user code failing at import time (SyntaxError, a missing file...)
-        raise InvalidArgument(f"importing environment {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
+    target = load_entrypoint(entrypoint, "environment", named="environment entrypoint")
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise InvalidArgument(f"{entrypoint!r} is not an Environment subclass")
     try:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import logging
@@ -47,6 +46,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from flexmarl.entrypoints import load_entrypoint
 from flexmarl.errors import InvalidArgument
 from flexmarl.security import read_token
 from rolloutd.episode import Environment, EpisodeContext, Task
@@ -65,15 +65,7 @@ class ProgramFailed(RuntimeError):
 
 def load_callable(target: str, what: str) -> Callable[..., Any]:
     """Imports ``module:attr`` and checks it is callable."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidArgument(f"{what} {target!r} is not 'module:attr'")
-    try:
-        value: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            value = getattr(value, part)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidArgument(f"cannot load {what} {target!r}: {exc}") from exc
+    value = load_entrypoint(target, what)
     if not callable(value):
         raise InvalidArgument(f"{what} {target!r} is not callable")
     return value  # type: ignore[no-any-return]

@@ -9,11 +9,11 @@ preflight loads the same callable and checks that it yields usable pairs.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from flexmarl.entrypoints import load_entrypoint
 from flexmarl.errors import InvalidArgument
 
 #: What one side of a pair may be: text, or token ids.
@@ -26,18 +26,7 @@ def load_dataset(entrypoint: str) -> Callable[..., Iterable[Any]]:
     Raises:
         InvalidArgument: not ``module:attr``, it does not import, or it is not callable.
     """
-    module_name, sep, attr = entrypoint.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidArgument(f"warm-start dataset {entrypoint!r} is not 'module:attr'")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidArgument(f"cannot load warm-start dataset {entrypoint!r}: {exc}") from exc
-    except Exception as exc:  # user code failing at import time
-        raise InvalidArgument(f"importing warm-start dataset {entrypoint!r} raised {type(exc).__name__}: {exc}"
-                              ) from exc
+    target = load_entrypoint(entrypoint, "warm-start dataset")
     if not callable(target):
         raise InvalidArgument(f"warm-start dataset {entrypoint!r} is not callable (it is called with seed=...)")
     return target  # type: ignore[no-any-return]
