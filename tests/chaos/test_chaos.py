@@ -64,6 +64,7 @@ def test_one_fault_of_every_kind(tmp_path: Path) -> None:
     assert result.checks == {
         "succeeded": "ok",
         "exactly_once": "ok",
+        "history": "ok",
         "nothing_lost": "ok",
         "weights_load": "ok",
         "equal_to_fault_free": "ok",
