@@ -533,8 +533,15 @@ class JobCoordinator:
         await self._notify()
 
     async def history(self, job_id: str) -> list[dict[str, Any]]:
-        """Per-step records of a job."""
+        """Per-step records of a job, at least as new as the job's status read before this call.
+
+        Status is served from the planner, which holds a change before :meth:`mutate` has written
+        it; waiting for the lock lets a write in progress land first, so a caller who saw the job
+        SUCCEEDED finds its last commit's record (it was missing now and then under CI load).
+        """
         self.planner.job(job_id)
+        async with self._lock:
+            pass
         return await self.state.load_history(job_id)
 
     # ---- workers -------------------------------------------------------------------------------------
