@@ -51,10 +51,9 @@ if str(REPO_ROOT) not in sys.path:
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
-from benchmarks.signaling_learning import BatchedBackend, checkpoint, set_path  # noqa: E402
+from benchmarks.signaling_learning import BatchedBackend, checkpoint, read_job  # noqa: E402
 from examples.arithmetic.env import judgement  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
@@ -275,13 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    spec = yaml.safe_load(Path(args.job).read_text())
-    for item in args.set:
-        key, _, value = item.partition("=")
-        set_path(spec, key, value)
-    steps = args.steps or int(spec["total_steps"])
-    cache_dir = Path(args.cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    spec, steps, cache_dir = read_job(args.job, args.set, args.steps, args.cache_dir)
     results = [run_seed(spec, seed, steps, cache_dir, args.quiet) for seed in args.seeds]
     columns = [Column("seed", 4), Column("solver SFT", 10, fmt=".3f"),
                Column(f"solver last{TAIL_STEPS}", 12, fmt=".3f"),

@@ -324,6 +324,18 @@ class RunResult:
         return statistics.fmean(r.success for r in tail)
 
 
+def read_job(job: str, sets: Sequence[str], steps: int, cache_dir: str) -> tuple[dict[str, Any], int, Path]:
+    """A harness's job: the job file with its ``--set a.b=value`` overrides, the steps to run (0: the
+    job's ``total_steps``) and the model cache directory (created)."""
+    spec: dict[str, Any] = yaml.safe_load(Path(job).read_text())
+    for item in sets:
+        key, _, value = item.partition("=")
+        set_path(spec, key, value)
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    return spec, steps or int(spec["total_steps"]), cache
+
+
 def set_path(spec: dict[str, Any], dotted: str, raw: str) -> None:
     """Sets ``a.b.c=value`` in a nested dict (``agents.*`` applies to every agent)."""
     keys = dotted.split(".")
@@ -469,13 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    spec = yaml.safe_load(Path(args.job).read_text())
-    for item in args.set:
-        key, _, value = item.partition("=")
-        set_path(spec, key, value)
-    steps = args.steps or int(spec["total_steps"])
-    cache_dir = Path(args.cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    spec, steps, cache_dir = read_job(args.job, args.set, args.steps, args.cache_dir)
     results = [run_seed(spec, seed, steps, cache_dir, args.target, args.quiet, args.trace) for seed in args.seeds]
     print(f"\nconfig: env={spec['environment'].get('config')} batch={spec['batch']} "
           f"models={[a['model'] for a in spec['agents']]} lr={[a['optimizer']['lr'] for a in spec['agents']]}")
