@@ -100,7 +100,7 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "message"), BAD_FIELDS, ids=[f"{p}={v!r}" for p, v, _ in BAD_FIELDS])
+@pytest.mark.parametrize(("path", "value", "message"), BAD_FIELDS, ids=[f"{p}=<deleted>" if v is DELETE else f"{p}={v!r}" for p, v, _ in BAD_FIELDS])
 def test_each_bad_field_has_a_precise_message(path: str, value: Any, message: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
         parse_job_spec(mutate(path, value))
