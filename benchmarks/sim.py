@@ -45,6 +45,13 @@ scaling, ``--episodes-per-replica`` episodes per replica and step). Configuratio
 Every outcome carries the step's device-work bound (:mod:`benchmarks.bound`, over the tokens
 the simulated steps generated and trained), printed beside the step.
 
+What one agent costs is in a few methods a subclass may change (``agent_entry``,
+``make_balancer``, ``iteration_s``, ``prefill_s``, ``load_stall_s``, ``swap_in_s``,
+``swap_out_s``, ``train_s``, ``optimizer_s``): :mod:`benchmarks.lora_sim` makes the agents
+LoRA adapters over one base that way. The simulation logs every replica reload, trainer state
+swap and request that waited for a replica (``reload_log``, ``swap_log``, ``wait_log``) and
+every episode's turn lengths (``episode_lengths``); :class:`SimOutcome` does not carry them.
+
 Writes ``<out>/sim.json`` and ``<out>/sim.png`` and prints the table.
 """
 
@@ -246,16 +253,7 @@ class Simulation:
                 "name": f"sim-{config}",
                 "seed": settings.seed,
                 "environment": {"entrypoint": "benchmarks.workloads:SkewedAgentsEnv", "config": {}},
-                "agents": [
-                    {
-                        "name": a,
-                        "model": "/sim/base",
-                        "sampling": {"max_new_tokens": self.lengths[a].high},
-                        "zero_stage": 0,
-                        "max_slots": settings.agent_max_slots(config),
-                    }
-                    for a in self.agents
-                ],
+                "agents": [self.agent_entry(a) for a in self.agents],
                 "algorithm": {"name": "grpo"},
                 "batch": {
                     "prompts_per_step": settings.prompts_per_step,
@@ -274,17 +272,14 @@ class Simulation:
         self.job_id = "sim"
         self.planner.submit_job(self.job_id, spec)
         self.replicas = {f"r{i:04d}": _Replica(f"r{i:04d}") for i in range(settings.replicas)}
-        agent_keys = list(self.agents)
-        # As rolloutd builds it: RolloutRouter._initial_assignment's ReplicaAssignment (default
-        # tokens_per_s) on an equal split, and rolloutd/worker.py's BalancerConfig (defaults
-        # but for the policy); only --hysteresis (an experiment) overrides a default.
-        split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(sorted(self.replicas))]
+        # As rolloutd/worker.py builds it: defaults but for the policy; only --hysteresis (an
+        # experiment) overrides a default.
         balancer_config = BalancerConfig(
             rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.LEAST_TOKENS
         )
         if settings.hysteresis is not None:
             balancer_config = dataclasses.replace(balancer_config, hysteresis=settings.hysteresis)
-        self.balancer = HierarchicalBalancer(split, [AgentSpec(a, a) for a in agent_keys], balancer_config)
+        self.balancer = self.make_balancer(balancer_config)
         self.demand_hints: dict[str, int] = {}
         self.estimator = TokenEstimator()
         # One traind process per slot (the GPU deployment): its own worker id and rendezvous.
@@ -306,6 +301,32 @@ class Simulation:
         self.loads: set[str] = set()
         self.event_count = 0
         self.reported = False
+        # (when, modelled seconds it took) of every replica reload (weights or an adapter) and slot state swap.
+        self.reload_log: list[tuple[float, float]] = []
+        self.swap_log: list[tuple[float, float]] = []
+        # When a request found no replica to run on as it was submitted (it waited in the balancer).
+        self.wait_log: list[float] = []
+        self.episode_lengths: dict[int, list[tuple[int, ...]]] = {}  # batch -> every reported episode's turn lengths
+
+    def agent_entry(self, agent: str) -> dict[str, Any]:
+        """The job spec's entry of one agent (every agent trains the same ``/sim/base``, ZeRO 0)."""
+        return {
+            "name": agent,
+            "model": "/sim/base",
+            "sampling": {"max_new_tokens": self.lengths[agent].high},
+            "zero_stage": 0,
+            "max_slots": self.settings.agent_max_slots(self.config),
+        }
+
+    def make_balancer(self, config: BalancerConfig) -> HierarchicalBalancer:
+        """The balancer as rolloutd's router builds it: one model group per agent, an equal split.
+
+        RolloutRouter._initial_assignment's ReplicaAssignment (default tokens_per_s) on an equal
+        split of the replicas over the agents.
+        """
+        agent_keys = list(self.agents)
+        split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(sorted(self.replicas))]
+        return HierarchicalBalancer(split, [AgentSpec(a, a) for a in agent_keys], config)
 
     # ---- event queue ----------------------------------------------------------------------------------------
     def push(self, at_s: float, kind: str, payload: Any) -> None:
@@ -378,6 +399,7 @@ class Simulation:
         if ticket.replica_id is not None:
             self.start(ticket)
         else:
+            self.wait_log.append(self.now_s)
             self.rebalance()  # RolloutRouter._acquire: a queued request
 
     def start(self, ticket: Ticket) -> None:
@@ -386,15 +408,28 @@ class Simulation:
         replica = self.replicas[str(ticket.replica_id)]
         self.settle(replica)
         version = self.wanted[agent]
-        stall_s = devicemodel.prefill_s(self.profile, self.workload.prompt_tokens)
-        if replica.loaded != (agent, version):
-            stall_s += devicemodel.weight_transfer_s(self.profile)
-            replica.loaded = (agent, version)
+        stall_s = self.prefill_s() + self.load_stall_s(replica, ticket.request_id, agent, version)
         replica.resume_s = max(replica.resume_s, self.now_s) + stall_s
         episode.behaviour[agent] = version
         length = episode.lengths[episode.turn]
         replica.running.append(_Seq(ticket.request_id, episode, float(length), float(self.workload.prompt_tokens)))
         self.reschedule(replica)
+
+    def prefill_s(self) -> float:
+        """Modelled seconds of one request's prompt prefill."""
+        return devicemodel.prefill_s(self.profile, self.workload.prompt_tokens)
+
+    def load_stall_s(self, replica: _Replica, request_id: int, agent: str, version: int) -> float:
+        """Seconds the replica stalls before request ``request_id`` of ``agent`` v``version`` joins its batch.
+
+        A full-model replica holds one agent version: serving another reloads the weights.
+        """
+        if replica.loaded == (agent, version):
+            return 0.0
+        replica.loaded = (agent, version)
+        load_s = devicemodel.weight_transfer_s(self.profile)
+        self.reload_log.append((self.now_s, load_s))
+        return load_s
 
     def finish_turn(self, seq: _Seq) -> None:
         """A response is complete: free its ticket, start the episode's next turn or report the task."""
@@ -415,6 +450,7 @@ class Simulation:
         """ReportRolloutTask with every experience of the task."""
         episodes = self.task_episodes.pop(task_id)
         task = episodes[0].task
+        self.episode_lengths.setdefault(task.batch_index, []).extend(episode.lengths for episode in episodes)
         experiences = []
         for episode in episodes:
             for index, agent in enumerate(self.agents):
@@ -476,7 +512,9 @@ class Simulation:
             self.balancer.begin_load(move.replica_id)
             replica = self.replicas[move.replica_id]
             replica.loaded = (move.to_model_key, self.wanted[move.to_model_key])
-            self.push(self.now_s + devicemodel.weight_transfer_s(self.profile), "loaded", move.replica_id)
+            load_s = devicemodel.weight_transfer_s(self.profile)
+            self.reload_log.append((self.now_s, load_s))
+            self.push(self.now_s + load_s, "loaded", move.replica_id)
 
     # ---- trainer slots ------------------------------------------------------------------------------------
     def poll_slots(self) -> None:
@@ -515,7 +553,7 @@ class Simulation:
         if len(arrived) < group.world_size:
             return
         del self.collectives[key]
-        step_s = allreduce_s(self.profile, group.world_size) + devicemodel.optimizer_step_s(self.profile)
+        step_s = allreduce_s(self.profile, group.world_size) + self.optimizer_s()
         done_s = max(member.busy_until_s for member in arrived) + step_s
         for member in arrived:
             member.busy_s += step_s
@@ -525,7 +563,9 @@ class Simulation:
     def work_seconds(self, slot: _Slot, work: Any) -> float:
         """Modelled seconds of one piece of trainer work (swap-in included; a group's collective step not)."""
         if isinstance(work, SwapOutWork):
-            return devicemodel.swap_s(self.profile)
+            swap_out_s = self.swap_out_s()
+            self.swap_log.append((self.now_s, swap_out_s))
+            return swap_out_s
         group_id = work.group.group_id if work.group is not None and work.group.world_size > 1 else ""
         if group_id != slot.group_id:
             # traind releases every engine of the process and joins the new process group.
@@ -535,14 +575,34 @@ class Simulation:
             self.max_group_size = max(self.max_group_size, work.group.world_size)
         swap_in_s = 0.0
         if slot.resident is None or (slot.resident.agent, slot.resident.version) != (work.agent, work_version(work)):
-            swap_in_s = devicemodel.swap_s(self.profile) if work_version(work) > 0 else 0.0
+            swap_in_s = self.swap_in_s(slot, work)
             slot.resident = ResidentAgent(self.job_id, work.agent, work_version(work))
         if isinstance(work, MicroBatchWork):
             tokens = sum(self.experience_tokens[e] for e in work.experience_ids)
-            return swap_in_s + devicemodel.train_tokens_s(self.profile, tokens)
+            return swap_in_s + self.train_s(tokens)
         if work.group is not None and work.group.world_size > 1:
             return swap_in_s  # the collective step is charged in join_collective
-        return swap_in_s + devicemodel.optimizer_step_s(self.profile)
+        return swap_in_s + self.optimizer_s()
+
+    def swap_in_s(self, slot: _Slot, work: MicroBatchWork | OptimizerStepWork) -> float:
+        """Seconds to make the work's agent version resident in a slot that holds another (its full state)."""
+        if work_version(work) <= 0:
+            return 0.0  # version 0 is the checkpoint the engine is built from
+        swap_s = devicemodel.swap_s(self.profile)
+        self.swap_log.append((self.now_s, swap_s))
+        return swap_s
+
+    def swap_out_s(self) -> float:
+        """Seconds of a swap-out (the agent's full state over the link)."""
+        return devicemodel.swap_s(self.profile)
+
+    def train_s(self, tokens: float) -> float:
+        """Seconds of forward + backward over ``tokens`` (prompt + response) on one slot."""
+        return devicemodel.train_tokens_s(self.profile, tokens)
+
+    def optimizer_s(self) -> float:
+        """Seconds of one optimizer step on one slot (publishing the new weights included)."""
+        return devicemodel.optimizer_step_s(self.profile)
 
     def on_slot(self, slot_id: str) -> None:
         """A slot finished its work: ack, commit or report the swap-out."""

@@ -46,6 +46,31 @@ prefill, 70 % of HBM bandwidth for decode. So are the serving limits: 88 % of HB
 plus KV cache (the order of SGLang's ``mem_fraction_static``; the rest is activations and
 CUDA graphs) and at most 1,024 running requests (a cap; on these shapes the KV capacity binds
 first: 208,537 tokens on one H100 for Qwen2.5-14B).
+
+LoRA agents (:class:`LoraShape`, rank r on some linear matrices of every layer; the frozen base is
+the profile's model): an adapter has ``A = r * sum(d_in + d_out) * layers`` parameters (one
+``d_in x r`` and one ``r x d_out`` matrix per target); on Qwen2.5-14B (hidden 5120, 40 query and 8
+KV heads of 128, MLP 13824, 48 layers) rank 8 on q, k, v, o is 12,582,912 parameters, 25.2 MB in
+BF16. Costs, with the same efficiencies and bytes per parameter as the full model:
+
+* loading or publishing an adapter: ``A * bytes_per_param / link_bytes_per_s`` (0.50 ms);
+* swapping an adapter agent's training state (adapter + optimizer; the base stays on the slot):
+  ``A * (bytes_per_param + optimizer_bytes_per_param) / link_bytes_per_s`` (4.5 ms, against
+  5.29 s for the full model);
+* training on T tokens: ``(4 * P + 6 * A) * T / (peak_flops * train_mfu * d)``. Forward is 2 P
+  per token and the backward's activation gradients (dX = dY Wᵀ) another 2 P, through every
+  frozen layer down to the lowest adapter; the weight gradients (dW = Xᵀ dY, the last 2 P of
+  full training's 6 P) are skipped for the frozen base, so the base costs 2/3 of full training;
+  the adapter's own matrices cost 6 A like any trained weight;
+* optimizer step: ``A * optimizer_bytes_per_param / (hbm_bytes_per_s * hbm_efficiency * d)`` plus
+  publishing the adapter;
+* prefill: ``2 * (P + A) * T`` FLOPs; a decode iteration of a batch running ``n`` distinct
+  adapters reads the base once and each of those adapters once,
+  ``max((W + n * A * bytes_per_param + kv_bytes_per_token * C) / (hbm_bytes_per_s * hbm_efficiency
+  * d), 2 * (P + A) * b / (peak_flops * prefill_mfu * d))``. The segmented LoRA kernels' own
+  inefficiency (SGLang's triton / csgmv backends against a dense GEMM) is not modelled.
+
+``benchmarks/lora_sim.py`` uses them (docs/benchmarks-scale.md, "LoRA vs full-model agents").
 """
 
 from __future__ import annotations
@@ -72,6 +97,22 @@ GB = 1.0e9
 
 QWEN25_14B_PARAMS = 14.7e9
 QWEN25_14B_KV_BYTES_PER_TOKEN = 2 * 48 * 8 * 128 * 2
+QWEN25_14B_LAYERS = 48
+#: (d_in, d_out) of each linear matrix of one Qwen2.5-14B layer (its config.json: hidden 5120,
+#: 40 query heads and 8 KV heads of dimension 128, intermediate 13824); PEFT's module names.
+QWEN25_14B_LINEAR_SHAPES: Mapping[str, tuple[int, int]] = {
+    "q_proj": (5120, 5120),
+    "k_proj": (5120, 1024),
+    "v_proj": (5120, 1024),
+    "o_proj": (5120, 5120),
+    "gate_proj": (5120, 13824),
+    "up_proj": (5120, 13824),
+    "down_proj": (13824, 5120),
+}
+#: Training FLOPs per frozen-base parameter and token: forward (2) + activation gradients (2), no weight gradients.
+FROZEN_TRAIN_FLOPS_PER_PARAM = 4.0
+#: Training FLOPs per trained parameter and token: forward (2) + activation and weight gradients (4).
+TRAIN_FLOPS_PER_PARAM = 6.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +310,106 @@ def real_decode_iteration_s(profile: DeviceProfile, batch_sequences: int, real_c
     """Modelled seconds that one *real* decode iteration stands for: ``token_scale`` modelled iterations."""
     scale = profile.token_scale
     return scale * decode_iteration_s(profile, batch_sequences, real_context_tokens * scale)
+
+
+# ---- LoRA adapters over the profile's model -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraShape:
+    """A LoRA adapter of rank ``rank`` on some linear matrices of every layer of the profile's model.
+
+    Attributes:
+        rank: the adapter's rank r.
+        target_shapes: (d_in, d_out) of each target matrix of one layer.
+        layers: layers that carry the targets.
+    """
+
+    rank: int
+    target_shapes: tuple[tuple[int, int], ...]
+    layers: int
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or self.layers < 1:
+            raise InvalidArgument(f"LoRA shape: rank and layers must be >= 1, got {self.rank}, {self.layers}")
+        if not self.target_shapes or any(d_in < 1 or d_out < 1 for d_in, d_out in self.target_shapes):
+            raise InvalidArgument(f"LoRA shape: needs target matrices of positive size, got {self.target_shapes}")
+
+    @property
+    def params(self) -> int:
+        """Adapter parameters A: ``rank * (d_in + d_out)`` per target matrix and layer."""
+        return self.rank * sum(d_in + d_out for d_in, d_out in self.target_shapes) * self.layers
+
+
+def qwen25_14b_lora(rank: int, target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> LoraShape:
+    """A rank-``rank`` adapter on ``target_modules`` of every Qwen2.5-14B layer."""
+    unknown = sorted(set(target_modules) - set(QWEN25_14B_LINEAR_SHAPES))
+    if unknown:
+        known = sorted(QWEN25_14B_LINEAR_SHAPES)
+        raise InvalidArgument(f"LoRA shape: {unknown} are not Qwen2.5-14B linear modules {known}")
+    return LoraShape(rank, tuple(QWEN25_14B_LINEAR_SHAPES[m] for m in target_modules), QWEN25_14B_LAYERS)
+
+
+def adapter_bytes(profile: DeviceProfile, shape: LoraShape) -> float:
+    """Bytes of a served (or published) adapter: ``A * bytes_per_param``."""
+    return shape.params * profile.bytes_per_param
+
+
+def adapter_transfer_s(profile: DeviceProfile, shape: LoraShape) -> float:
+    """Modelled seconds to move an adapter over the link (an adapter load on a replica, or its publish)."""
+    return adapter_bytes(profile, shape) / profile.link_bytes_per_s
+
+
+def lora_swap_s(profile: DeviceProfile, shape: LoraShape) -> float:
+    """Modelled seconds to move an adapter agent's training state (adapter + optimizer; the base stays)."""
+    return shape.params * (profile.bytes_per_param + profile.optimizer_bytes_per_param) / profile.link_bytes_per_s
+
+
+def lora_prefill_s(profile: DeviceProfile, shape: LoraShape, prompt_tokens: float) -> float:
+    """Modelled seconds to prefill ``prompt_tokens`` through the base and one adapter on one replica."""
+    devices = profile.rollout_devices_per_replica
+    flops = 2.0 * (profile.model_params + shape.params) * prompt_tokens
+    return flops / (profile.peak_flops * profile.prefill_mfu * devices)
+
+
+def lora_decode_iteration_s(
+    profile: DeviceProfile, shape: LoraShape, batch_sequences: int, context_tokens: float, adapters: int
+) -> float:
+    """Modelled seconds of one decode iteration of a batch that runs ``adapters`` distinct adapters.
+
+    The base weights and each running adapter are read once per iteration; every sequence
+    computes through the base and its own adapter.
+    """
+    if batch_sequences <= 0:
+        return 0.0
+    devices = profile.rollout_devices_per_replica
+    weights = profile.weight_bytes + max(0, adapters) * adapter_bytes(profile, shape)
+    memory_s = (weights + profile.kv_bytes_per_token * context_tokens) / (
+        profile.hbm_bytes_per_s * profile.hbm_efficiency * devices
+    )
+    flops = 2.0 * (profile.model_params + shape.params) * batch_sequences
+    compute_s = flops / (profile.peak_flops * profile.prefill_mfu * devices)
+    return max(memory_s, compute_s)
+
+
+def lora_train_tokens_s(profile: DeviceProfile, shape: LoraShape, tokens: float) -> float:
+    """Modelled seconds of forward + backward over ``tokens`` with a frozen base: ``(4 P + 6 A)`` FLOPs a token.
+
+    The frozen base needs no weight gradients (2 of full training's 6 FLOPs per parameter and
+    token) but still propagates activation gradients down to the lowest adapter.
+    """
+    devices = profile.train_devices_per_slot
+    flops = (FROZEN_TRAIN_FLOPS_PER_PARAM * profile.model_params + TRAIN_FLOPS_PER_PARAM * shape.params) * tokens
+    return flops / (profile.peak_flops * profile.train_mfu * devices)
+
+
+def lora_optimizer_step_s(profile: DeviceProfile, shape: LoraShape) -> float:
+    """Modelled seconds of an optimizer step over the adapter's parameters, including publishing the adapter."""
+    devices = profile.train_devices_per_slot
+    update_s = shape.params * profile.optimizer_bytes_per_param / (
+        profile.hbm_bytes_per_s * profile.hbm_efficiency * devices
+    )
+    return update_s + adapter_transfer_s(profile, shape)
 
 
 # ---- applying it --------------------------------------------------------------------------------------
