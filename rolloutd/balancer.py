@@ -25,10 +25,16 @@ Two levels (DESIGN.md §4):
 LoRA agents (``AgentSpec.adapter``) over one base form one model group, the base's replica pool:
 any replica of the pool serves each of them without a weight load, so no replica moves between
 them; what they share is adapter residency. A replica runs at most ``adapter_slots[group]``
-distinct adapters at once (SGLang's ``--max-loras-per-batch``: the scheduler admits no request
-whose adapter would exceed it, sglang/srt/lora/lora_manager.py ``validate_lora_batch``), so a
-request goes to a pool replica already running its adapter or with a slot free, and otherwise
-waits; a waiting request of one adapter does not hold up the others of its pool (FIFO per agent).
+distinct adapter *names* at once (SGLang's ``--max-loras-per-batch``: the scheduler admits no
+request whose ``lora_id`` would take the running batch's set of them past it,
+sglang/srt/managers/scheduler.py ``can_schedule_lora_req`` and sglang/srt/lora/lora_manager.py
+``validate_lora_batch``; the base alone, ``lora_id`` None, is one of them). A request carries the
+name it will be served with (:meth:`HierarchicalBalancer.submit` ``adapter``: rolloutd serves each
+version as its own name, ``<agent>@v<k>``, and version 0 as the base alone, :data:`BASE_ADAPTER`),
+so an agent switching versions holds two slots while requests of both run, and the v0 requests of
+all a pool's agents share one. A request goes to a pool replica already running its name or with a
+slot free, and otherwise waits; a waiting request of one name does not hold up the others of its
+pool (FIFO per name).
 Full-model agents keep their groups and replica moves; the pools take part in those moves as one
 group each.
 
@@ -50,6 +56,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 AFFINITY_SEPARATOR = "#"
+
+#: The adapter name of a LoRA agent's request served by the base alone (sent without ``lora_path``):
+#: SGLang's ``lora_id`` None, which its scheduler counts as one of a batch's adapters.
+BASE_ADAPTER = ""
 
 
 def group_affinity_key(task_id: str) -> str:
@@ -148,13 +158,18 @@ class AgentSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Ticket:
-    """One generation request; ``replica_id`` is None while it waits for a replica."""
+    """One generation request; ``replica_id`` is None while it waits for a replica.
+
+    ``adapter``: the adapter name a LoRA agent's request holds a slot of its replica for (None: a
+    full-model agent's request).
+    """
 
     request_id: int
     agent: str
     estimated_tokens: int
     affinity_key: str
     replica_id: str | None
+    adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +191,7 @@ class ReplicaView:
     target_model_key: str
     outstanding_tokens: int
     in_flight_requests: int
-    #: LoRA agents with requests running on the replica (each holds one adapter slot), sorted.
+    #: Adapter names with requests running on the replica (each holds one adapter slot), sorted.
     adapters: tuple[str, ...] = ()
 
 
@@ -189,7 +204,7 @@ class _Replica:
     outstanding_tokens: int = 0
     in_flight_requests: int = 0
     last_move_s: float = -math.inf
-    #: LoRA agent -> its requests in flight here.
+    #: Adapter name (Ticket.adapter) -> its requests in flight here.
     adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     def view(self) -> ReplicaView:
@@ -351,14 +366,32 @@ class HierarchicalBalancer:
             self._rebalance_urgent = True
 
     # ------------------------------------------------------------- routing
-    def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "") -> Ticket:
-        """Routes a request now, or queues it when its group has no serving replica."""
+    def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "", adapter: str | None = None) -> Ticket:
+        """Routes a request now, or queues it when no serving replica of its group can take it.
+
+        Args:
+            agent: The agent the request is for.
+            estimated_tokens: Its estimated token cost.
+            affinity_key: Its episode's (or group's) affinity key; "" for none.
+            adapter: A LoRA agent's request: the adapter name it will be served with, what SGLang
+                counts toward ``--max-loras-per-batch`` (rolloutd's ``<agent>@v<k>``, or
+                :data:`BASE_ADAPTER` for the base alone); None: the agent's own name (one name
+                per agent). Must be None for a full-model agent.
+
+        Raises:
+            NotFound: The agent is not balanced here.
+            InvalidArgument: Negative ``estimated_tokens``, or ``adapter`` for a full-model agent.
+        """
         model_key = self._model_of(agent)
         if estimated_tokens < 0:
             raise InvalidArgument(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        if agent not in self._adapters and adapter is not None:
+            raise InvalidArgument(f"agent {agent!r} is a full model: its requests carry no adapter")
+        if agent in self._adapters and adapter is None:
+            adapter = agent
         request_id = self._next_request_id
         self._next_request_id += 1
-        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None)
+        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter)
         placed = self._try_place(ticket)
         if placed is None:
             self._tickets[request_id] = ticket
@@ -369,27 +402,27 @@ class HierarchicalBalancer:
         return placed
 
     def place_queued(self) -> list[Ticket]:
-        """Places waiting tickets on replicas that can now serve them (FIFO per group; per agent in a LoRA pool)."""
+        """Places waiting tickets on replicas that can now serve them (FIFO per group; per adapter name in a pool)."""
         placed: list[Ticket] = []
         for model_key in self._model_keys:
             queue = self._queued[model_key]
-            blocked: set[str] = set()  # agents whose oldest waiting ticket found no slot
+            blocked: set[str] = set()  # adapter names whose oldest waiting ticket found no slot
             for request_id in list(queue):
                 ticket = self._tickets[request_id]
-                if ticket.agent in blocked:
+                if ticket.adapter in blocked:
                     continue
                 done = self._try_place(ticket)
                 if done is None:
-                    if ticket.agent not in self._adapters:
+                    if ticket.adapter is None:
                         break
-                    blocked.add(ticket.agent)
+                    blocked.add(ticket.adapter)
                     continue
                 queue.remove(request_id)
                 placed.append(done)
         return placed
 
     def adapter_slots_free(self, replica_id: str) -> int | None:
-        """Adapter slots of a replica no running LoRA agent holds (None: its group has no bound)."""
+        """Adapter slots of a replica no running adapter name holds (None: its group has no bound)."""
         replica = self._replica(replica_id)
         slots = self._adapter_slots.get(replica.model_key)
         return None if slots is None else slots - len(replica.adapter_requests)
@@ -410,10 +443,10 @@ class HierarchicalBalancer:
             return ticket
         replica.outstanding_tokens -= ticket.estimated_tokens
         replica.in_flight_requests -= 1
-        if ticket.agent in self._adapters:
-            replica.adapter_requests[ticket.agent] -= 1
-            if replica.adapter_requests[ticket.agent] <= 0:
-                del replica.adapter_requests[ticket.agent]
+        if ticket.adapter is not None:  # its name's last request here frees the name's slot
+            replica.adapter_requests[ticket.adapter] -= 1
+            if replica.adapter_requests[ticket.adapter] <= 0:
+                del replica.adapter_requests[ticket.adapter]
         if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
             replica.phase = ReplicaPhase.AWAITING_LOAD
         return ticket
@@ -424,7 +457,7 @@ class HierarchicalBalancer:
             self._replicas[r]
             for r in self._replica_order
             if self._replicas[r].phase is ReplicaPhase.SERVING and self._replicas[r].model_key == model_key
-            and self._has_adapter_slot(self._replicas[r], ticket.agent)
+            and self._has_adapter_slot(self._replicas[r], ticket.adapter)
         ]
         if not candidates:
             return None
@@ -437,16 +470,20 @@ class HierarchicalBalancer:
         placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
         chosen.outstanding_tokens += ticket.estimated_tokens
         chosen.in_flight_requests += 1
-        if ticket.agent in self._adapters:
-            chosen.adapter_requests[ticket.agent] += 1
+        if ticket.adapter is not None:
+            chosen.adapter_requests[ticket.adapter] += 1
         self._tickets[ticket.request_id] = placed
         if ticket.affinity_key:
             self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
         return placed
 
-    def _has_adapter_slot(self, replica: _Replica, agent: str) -> bool:
-        """Whether a request of ``agent`` may run on ``replica`` now (always, unless a bounded LoRA pool is full)."""
-        if agent not in self._adapters or agent in replica.adapter_requests:
+    def _has_adapter_slot(self, replica: _Replica, adapter: str | None) -> bool:
+        """Whether a request with ``adapter`` may run on ``replica`` now (scheduler.py ``can_schedule_lora_req``).
+
+        Always for a full-model agent's request (``adapter`` None) and for a name already running
+        there; otherwise only while a bounded pool's replica runs fewer names than its slots.
+        """
+        if adapter is None or adapter in replica.adapter_requests:
             return True
         slots = self._adapter_slots.get(replica.model_key)
         return slots is None or len(replica.adapter_requests) < slots

@@ -32,7 +32,11 @@ agent runs inside :meth:`LoraResidency.use <rolloutd.lora_residency.LoraResidenc
 replica, which loads the required version as the adapter ``<agent>@v<k>`` beside older ones, and
 is sent with ``lora_path`` set to that name. A published version therefore needs no drain or
 interruption. Version 0 is the base alone (traind's fresh adapter has ``lora_B = 0``, PEFT's
-default init, and publishes no adapter for it): its requests carry no ``lora_path``.
+default init, and publishes no adapter for it): its requests carry no ``lora_path``. A request's
+version is fixed when it is routed (the one its agent requires then): the balancer counts the name
+it will carry (``<agent>@v<k>``, or :data:`~rolloutd.balancer.BASE_ADAPTER` for version 0) toward
+the replica's ``--max-loras-per-batch``, as SGLang's scheduler counts the names of a batch, and
+the request is served with exactly that name.
 
 Distributed weight sync (``rollout.weight_sync: distributed``,
 :meth:`RolloutRouter.set_distributed_sync`): a version the agent's trainer announces is received
@@ -55,6 +59,7 @@ from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.retry import Backoff
 from flexmarl.weight_group import WeightGroupRecord
 from rolloutd.balancer import (
+    BASE_ADAPTER,
     AgentSpec,
     BalancerConfig,
     HierarchicalBalancer,
@@ -73,7 +78,7 @@ from rolloutd.engines.protocol import (
 )
 from rolloutd.engines.sglang_client import EngineBusy
 from rolloutd.episode import TOP_LOGPROBS_KEY, GenerationOutput
-from rolloutd.lora_residency import LoraResidency
+from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
 log = logging.getLogger(__name__)
@@ -501,7 +506,9 @@ class RolloutRouter:
         for attempt in range(MAX_ATTEMPTS):
             todo = [index for index in range(len(parts)) if index not in done]
             samples = sum(parts[index].n for index in todo)
-            ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, samples, affinity_key)
+            served = self._wanted.get(key) if key in self._lora_bases else None  # this attempt's adapter version
+            ticket = await self._acquire(key, len(input_ids), params.max_new_tokens, samples, affinity_key,
+                                         self._adapter_name(key, served))
             replica = self._replicas[str(ticket.replica_id)]
             model_key = self.model_key(key)
             try:
@@ -514,7 +521,7 @@ class RolloutRouter:
                         version = replica.loaded_version
                         outcomes = await _run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
                     else:
-                        version, outcomes = await self._run_adapter(replica, key, input_ids, todo_parts,
+                        version, outcomes = await self._run_adapter(replica, key, served, input_ids, todo_parts,
                                                                     top_logprobs_num)
                 failures: list[Unavailable] = []
                 for index, outcome in zip(todo, outcomes, strict=True):
@@ -555,17 +562,30 @@ class RolloutRouter:
             raise failed.exceptions[0] from None
         return [task.result() for task in resumed]
 
-    async def _run_adapter(
-        self, replica: Replica, key: str, input_ids: list[int], parts: Sequence[SamplingParams], top_logprobs_num: int,
-    ) -> tuple[int, list[list[GenerationResult] | Unavailable]]:
-        """The parts of a LoRA agent's request on a pool replica, with the agent's required version as adapter.
+    def _adapter_name(self, key: str, served: WantedWeights | None) -> str | None:
+        """The adapter name a LoRA agent's request served with ``served`` carries (None: a full model's request).
 
-        Returns the version served and the parts' outcomes (see :func:`_run_parts`).
+        What the balancer counts toward a replica's adapter slots; the name
+        :meth:`LoraResidency.use <rolloutd.lora_residency.LoraResidency.use>` yields for it.
         """
-        wanted = self._wanted.get(key)
+        if key not in self._lora_bases or served is None:
+            return None  # (no weights known: the request fails in _run_adapter)
+        if served.uri == self._lora_bases[key]:  # the initial version: the base alone (see the module doc)
+            return BASE_ADAPTER
+        return str(AdapterVersion(key, served.version))
+
+    async def _run_adapter(
+        self, replica: Replica, key: str, wanted: WantedWeights | None, input_ids: list[int],
+        parts: Sequence[SamplingParams], top_logprobs_num: int,
+    ) -> tuple[int, list[list[GenerationResult] | Unavailable]]:
+        """The parts of a LoRA agent's request on a pool replica, with version ``wanted`` as adapter.
+
+        ``wanted`` is the version the request's ticket was routed with (its adapter name counted
+        by the balancer). Returns the version served and the parts' outcomes (see :func:`_run_parts`).
+        """
         if wanted is None:
             raise Unavailable(f"no weights known for {key}")
-        if wanted.uri == self._lora_bases[key]:  # the initial version: the base alone (see the module doc)
+        if self._adapter_name(key, wanted) == BASE_ADAPTER:  # the initial version: the base alone
             return wanted.version, await _run_parts(replica.client, input_ids, parts, top_logprobs_num)
         if replica.lora is None:
             replica.lora = LoraResidency(replica.client, self._resolve)
@@ -602,13 +622,15 @@ class RolloutRouter:
                                        resumes_left - 1, top_logprobs_num)
         return _joined(output, rest)
 
-    async def _acquire(self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str) -> Ticket:
+    async def _acquire(
+        self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str, adapter: str | None = None,
+    ) -> Ticket:
         async with self._quiet:
             await self._quiet.wait_for(lambda: not self._rebuilding)
             if self._balancer is None or key not in self._agents:
                 raise Unavailable(f"agent {key} is not served by this rolloutd")
             estimate = self._estimator.estimate(key, prompt_tokens, max_new_tokens, n)
-            ticket = self._balancer.submit(key, estimate, affinity_key)
+            ticket = self._balancer.submit(key, estimate, affinity_key, adapter)
             self._in_flight += 1
         if ticket.replica_id is not None:
             return ticket

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from flexmarl.errors import InvalidArgument
-from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, ReplicaAssignment, ReplicaPhase
+from rolloutd.balancer import (
+    BASE_ADAPTER,
+    AgentSpec,
+    BalancerConfig,
+    HierarchicalBalancer,
+    ReplicaAssignment,
+    ReplicaPhase,
+)
 from rolloutd.engines.protocol import (
     EngineClient,
     EngineLoad,
@@ -93,6 +103,34 @@ def test_unbounded_pool_and_full_model_agents_keep_replica_moves() -> None:
     assert b.replica_counts() == {POOL: 2, "m": 1}
 
 
+def test_each_adapter_name_holds_a_slot_until_its_last_request_ends() -> None:
+    b = make({"r0": POOL}, {}, ["a", "b"], slots=2)
+    old = [b.submit("a", 10, adapter="a@v1") for _ in range(2)]
+    new = b.submit("a", 10, adapter="a@v2")  # a switched versions: its requests carry two names now
+    assert [t.replica_id for t in [*old, new]] == ["r0"] * 3
+    assert b.replicas()[0].adapters == ("a@v1", "a@v2") and b.adapter_slots_free("r0") == 0
+    waiting = b.submit("b", 10, adapter="b@v1")
+    assert waiting.replica_id is None  # SGLang's batch holds two names already: it would queue b
+    assert b.submit("a", 10, adapter="a@v2").replica_id == "r0"  # a running name needs no slot
+    b.finish(old[0].request_id)
+    assert b.place_queued() == []  # a@v1 still runs
+    b.finish(old[1].request_id)  # the old name's last request: its slot is free
+    (placed,) = b.place_queued()
+    assert placed.request_id == waiting.request_id and placed.replica_id == "r0"
+    assert b.replicas()[0].adapters == ("a@v2", "b@v1")
+
+
+def test_the_base_alone_is_one_name_for_all_the_pools_agents() -> None:
+    b = make({"r0": POOL, "r1": "m"}, {"full": "m"}, ["a", "b", "c"], slots=2)
+    assert b.submit("a", 10, adapter=BASE_ADAPTER).replica_id == "r0"
+    assert b.submit("b", 10, adapter=BASE_ADAPTER).replica_id == "r0"  # version 0 of both: the base, one name
+    assert b.submit("c", 10, adapter="c@v1").replica_id == "r0"
+    assert b.submit("a", 10, adapter="a@v1").replica_id is None  # a third name
+    assert b.replicas()[0].adapters == (BASE_ADAPTER, "c@v1")
+    with pytest.raises(InvalidArgument, match="full model"):
+        b.submit("full", 10, adapter="full@v1")
+
+
 def test_a_pool_cannot_mix_adapters_and_full_models() -> None:
     with pytest.raises(InvalidArgument, match="both LoRA agents and full-model agents"):
         make({"r0": POOL}, {"full": POOL}, ["a"])
@@ -167,6 +205,79 @@ class _RecordingEngine(EngineClient):
 
 async def _resolve(uri: str) -> str:
     return uri
+
+
+class _GatedEngine(_RecordingEngine):
+    """A replica that holds each request until the gate of its adapter name (None: the base) opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: collections.defaultdict[str | None, asyncio.Event] = collections.defaultdict(asyncio.Event)
+        self.arrived: collections.defaultdict[str | None, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    async def generate(self, request: GenerationRequest) -> list[GenerationResult]:
+        self.arrived[request.lora_path].set()
+        await self.gates[request.lora_path].wait()
+        return await super().generate(request)
+
+    async def reached(self, name: str | None) -> None:
+        await asyncio.wait_for(self.arrived[name].wait(), 10.0)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):  # a bounded number of event-loop turns, no wall-clock wait
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def test_the_router_counts_the_adapter_name_each_request_is_served_with() -> None:
+    engine = _GatedEngine()
+    router = RolloutRouter([Replica("replica-0", engine)], _resolve, BalancerConfig(rebalance_interval_s=0.0))
+    a, b, c = agent_key("job", "a"), agent_key("job", "b"), agent_key("job", "c")
+    router.set_lora_agents({a: "/base", b: "/base", c: "/base"}, adapter_slots=2)
+    for key in (a, b, c):
+        router.require(key, 0, "/base")
+    await router.set_agents([a, b, c])
+    balancer = router.balancer()
+    assert balancer is not None
+    sampling = {"temperature": 1.0, "max_new_tokens": 1}
+
+    def generate(key: str) -> asyncio.Task[list[Any]]:
+        return asyncio.ensure_future(router.generate(key, [1, 2], sampling, 1, key))
+
+    try:
+        bases = [generate(a), generate(b)]  # version 0 of two agents: both the base alone, one name
+        await engine.reached(None)
+        await _until(lambda: balancer.replicas()[0].in_flight_requests == 2)
+        assert balancer.replicas()[0].adapters == (BASE_ADAPTER,)
+        engine.gates[None].set()
+        await asyncio.gather(*bases)
+        router.require(a, 1, "/a/v1")
+        old = generate(a)
+        await engine.reached("job/a@v1")
+        router.require(a, 2, "/a/v2")  # a switches versions while a v1 request runs
+        new = generate(a)
+        await engine.reached("job/a@v2")
+        assert balancer.replicas()[0].adapters == ("job/a@v1", "job/a@v2")
+        router.require(c, 1, "/c/v1")
+        other = generate(c)
+        await _until(lambda: bool(balancer.queued(c)))
+        assert [t.adapter for t in balancer.queued(c)] == ["job/c@v1"]  # a third name waits, as in SGLang
+        engine.gates["job/a@v1"].set()
+        (v1,) = await old
+        await engine.reached("job/c@v1")  # the old name's last request ended: its slot went to c
+        assert "unload job/a@v1" in engine.calls
+        engine.gates["job/a@v2"].set()
+        engine.gates["job/c@v1"].set()
+        ((v2,), (c1,)) = await asyncio.gather(new, other)
+        assert (v1.version, v2.version, c1.version) == (1, 2, 1)
+        assert engine.requests == [None, None, "job/a@v1", "job/a@v2", "job/c@v1"]
+    finally:
+        for gate in ("job/a@v1", "job/a@v2", "job/c@v1", None):
+            engine.gates[gate].set()
+        await router.close()
 
 
 async def test_the_router_serves_adapter_versions_on_the_base_and_moves_only_between_groups() -> None:
