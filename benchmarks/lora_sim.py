@@ -23,23 +23,30 @@ three modes on one cluster and one workload:
   - the balancer is built as ``RolloutRouter.set_agents`` builds it for LoRA agents: every agent
     an ``AgentSpec(adapter=True)`` of the base's pool (``lora_pool_key``), every replica in the
     pool (``equal_split`` over one group), ``adapter_slots = {pool: max_loras_per_batch}``
-    (``--max-loras-per-batch``, rolloutd's ``engine_max_loras_per_batch``, default 8 as SGLang's).
-    The real balancer then keeps each replica within that many distinct running adapters
-    (requests beyond it wait in its per-agent FIFO) and never moves a replica, since the pool is
-    one group;
+    (``--max-loras-per-batch``, rolloutd's ``engine_max_loras_per_batch``, default 8 as SGLang's);
+  - as the router does, a request's version is fixed when it is submitted (the one its agent
+    requires then) and the request carries the adapter name it is served with
+    (:meth:`LoraSimulation.adapter_name`, RolloutRouter._adapter_name): ``<agent>@v<k>``, and
+    for version 0 the base alone, :data:`rolloutd.balancer.BASE_ADAPTER`, one name shared by all
+    the agents. The real balancer then keeps each replica within ``max_loras_per_batch``
+    distinct running names, as SGLang's scheduler counts them (requests beyond it wait in its
+    per-name FIFO; an agent switching versions holds two slots while both run), and never moves
+    a replica, since the pool is one group;
   - each replica has a real :class:`rolloutd.lora_residency.LoraResidency` (the one rolloutd
-    keeps per replica), driven on one event loop: a request enters ``use(agent, version)`` when
-    it joins the batch and leaves it when it ends, so the residency decides when an adapter
-    version is loaded (once per replica and version) and when older versions are unloaded. Each
-    load it makes stalls the replica's batch for ``adapter_transfer_s`` (the adapter's
-    ``A * bytes_per_param`` over the link, 0.50 ms at rank 8 on q, k, v, o). The engine behind
-    it is :class:`ModelledAdapterEngine`, which records the two calls the residency makes and
-    nothing else (time is the simulation's). rolloutd's ``engine_max_loaded_loras`` is 0 (no
-    bound) by default, so an unload never forces a later reload;
+    keeps per replica), driven on one event loop: a request of version 1 or later enters
+    ``use(agent, version)`` when it joins the batch and leaves it when it ends, so the residency
+    decides when an adapter version is loaded (once per replica and version) and when older
+    versions are unloaded; a version-0 request runs on the base alone and loads nothing (the
+    router sends it without ``lora_path``). Each load it makes stalls the replica's batch for
+    ``adapter_transfer_s`` (the adapter's ``A * bytes_per_param`` over the link, 0.50 ms at
+    rank 8 on q, k, v, o). The engine behind it is :class:`ModelledAdapterEngine`, which records
+    the two calls the residency makes and nothing else (time is the simulation's). rolloutd's
+    ``engine_max_loaded_loras`` is 0 (no bound) by default, so an unload never forces a later
+    reload;
   - a replica's first request loads the base itself (``weight_transfer_s``, once: the base is
     frozen), as a full-model replica's first request loads its agent;
   - decode: ``lora_decode_iteration_s`` with the distinct adapter versions (names) running in the
-    batch, prefill ``lora_prefill_s``.
+    batch, the base alone not among them (it reads no adapter), prefill ``lora_prefill_s``.
 
   Training: the planner binds one agent to a slot at a time, as for full models (it knows
   nothing of LoRA), and traind builds one agent's engine per slot at a time; what makes several
@@ -60,10 +67,10 @@ adapter starts from its initialisation). Assumptions of both modes are the devic
 trainer memory (a full 14.7 B agent's state, 18 B per parameter = 265 GB, must fit the slot's
 4 × 80 GB, e.g. ZeRO-3 over the slot; the planner's slot model has no capacity), SGLang's LoRA GPU
 memory pool (adapters moved host → device when the batch's set changes, the same order of bytes
-as a load) and its own admission when a batch would exceed ``max_loras_per_batch`` adapter
-*names* (the balancer counts agents, so an agent with two versions running on one replica holds
-two names and one slot: such starts are counted in ``over_bound_starts``), and the LoRA kernels'
-efficiency against dense GEMMs.
+as a load), and the LoRA kernels' efficiency against dense GEMMs. SGLang's own admission beyond
+``max_loras_per_batch`` names never comes into play, since the balancer counts the names SGLang
+counts: ``over_bound_starts`` in the JSON counts the requests that joined a batch which then ran
+more names than that (0: the sim checks that the balancer's slots held).
 
 Columns: step s (mean over steps 1..n-1, as :mod:`benchmarks.sim`); the device-work bound of a
 step (:func:`lora_work_bound` for LoRA: :func:`benchmarks.bound.device_work_bound` with the LoRA
@@ -72,7 +79,7 @@ training, optimizer and reload costs); chain s, the latency of the step's longes
 steps); busy fractions of replicas and slots; per measured step, trainer state swaps (swap-ins
 of a committed state and swap-outs), replica reloads (weights or adapters) and waits (requests
 that found no replica when submitted and waited in the balancer: full, no replica served their
-agent; lora, every pool replica ran ``max_loras_per_batch`` other adapters); replica moves.
+agent; lora, every pool replica ran ``max_loras_per_batch`` other adapter names); replica moves.
 Writes ``<out>/lora_sim.json`` and prints the table.
 """
 
@@ -95,10 +102,10 @@ from benchmarks.sim import SIM_CONFIGS, SimOutcome, SimSettings, Simulation, _Re
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork
-from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, equal_split
+from rolloutd.balancer import BASE_ADAPTER, AgentSpec, BalancerConfig, HierarchicalBalancer, equal_split
 from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH
 from rolloutd.engines.protocol import EngineClient, LoraAdapterResult
-from rolloutd.lora_residency import LoraResidency
+from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.router import lora_pool_key
 
 SIM_BASE = "/sim/base"  # the model every agent of benchmarks.sim's job spec names
@@ -171,6 +178,7 @@ class LoraSimulation(Simulation):
         self.adapter_uses: dict[int, contextlib.AbstractAsyncContextManager[str]] = {}
         self.slots_with_base: set[str] = set()
         self.base_loads = 0
+        self.replica_base_loads = 0
         self.over_bound_starts = 0
         super().__init__(config, settings, workload, profile)
 
@@ -187,23 +195,31 @@ class LoraSimulation(Simulation):
         agents = [AgentSpec(a, self.pool, adapter=True) for a in self.agents]
         return HierarchicalBalancer(split, agents, config, adapter_slots={self.pool: self.lora.max_loras_per_batch})
 
+    def adapter_name(self, agent: str, version: int) -> str:
+        """As RolloutRouter._adapter_name: ``<agent>@v<k>``, and the base alone (:data:`BASE_ADAPTER`) for version 0.
+
+        Version 0 is the base: the sim's agents start from a fresh adapter (``lora_B = 0``), whose
+        weights URI is the base's, so the router serves it without ``lora_path``.
+        """
+        return BASE_ADAPTER if version == 0 else str(AdapterVersion(agent, version))
+
     # ---- replicas ---------------------------------------------------------------------------------------------
-    def running_adapters(self, replica: _Replica) -> set[tuple[str, int]]:
-        """The adapter versions (engine adapter names) the replica's batch runs now."""
+    def running_adapters(self, replica: _Replica) -> set[str]:
+        """The adapter names the replica's batch runs now (:data:`BASE_ADAPTER` among them: SGLang counts it)."""
         names = set()
         for seq in replica.running:
             agent = self.tickets[seq.request_id][1]
-            names.add((agent, seq.episode.behaviour[agent]))
+            names.add(self.adapter_name(agent, seq.episode.behaviour[agent]))
         return names
 
     def iteration_s(self, replica: _Replica) -> float:
-        """One decode iteration of the base plus every adapter the batch runs."""
+        """One decode iteration of the base plus every adapter the batch runs (the base alone reads none)."""
         return devicemodel.lora_decode_iteration_s(
             self.profile,
             self.shape,
             len(replica.running),
             sum(seq.context for seq in replica.running),
-            len(self.running_adapters(replica)),
+            len(self.running_adapters(replica) - {BASE_ADAPTER}),
         )
 
     def prefill_s(self) -> float:
@@ -211,13 +227,24 @@ class LoraSimulation(Simulation):
         return devicemodel.lora_prefill_s(self.profile, self.shape, self.workload.prompt_tokens)
 
     def load_stall_s(self, replica: _Replica, request_id: int, agent: str, version: int) -> float:
-        """The base once per replica, then whatever adapter load the replica's LoraResidency makes."""
+        """The base once per replica, then whatever adapter load the replica's LoraResidency makes.
+
+        As RolloutRouter._run_adapter: a version-0 request runs on the base alone (no residency,
+        no load); any other enters the replica's residency (made on its first such request).
+        """
         stall_s = 0.0
         if replica.loaded != (self.pool, 0):  # the frozen base: one version for the whole job
             replica.loaded = (self.pool, 0)
+            self.replica_base_loads += 1
             base_s = devicemodel.weight_transfer_s(self.profile)
             self.reload_log.append((self.now_s, base_s))
             stall_s += base_s
+        name = self.adapter_name(agent, version)
+        names = self.running_adapters(replica) | {name}
+        if len(names) > self.lora.max_loras_per_batch:  # the balancer's slots should never allow it
+            self.over_bound_starts += 1
+        if name == BASE_ADAPTER:
+            return stall_s
         residency = self.residency.get(replica.replica_id)
         if residency is None:
             engine = self.engines[replica.replica_id] = ModelledAdapterEngine()
@@ -231,9 +258,6 @@ class LoraSimulation(Simulation):
             load_s = devicemodel.adapter_transfer_s(self.profile, self.shape)
             self.reload_log.append((self.now_s, load_s))
             stall_s += load_s
-        names = self.running_adapters(replica) | {(agent, version)}
-        if len(names) > self.lora.max_loras_per_batch:
-            self.over_bound_starts += 1
         return stall_s
 
     def finish_turn(self, seq: _Seq) -> None:

@@ -46,11 +46,15 @@ Every outcome carries the step's device-work bound (:mod:`benchmarks.bound`, ove
 the simulated steps generated and trained), printed beside the step.
 
 What one agent costs is in a few methods a subclass may change (``agent_entry``,
-``make_balancer``, ``iteration_s``, ``prefill_s``, ``load_stall_s``, ``swap_in_s``,
-``swap_out_s``, ``train_s``, ``optimizer_s``): :mod:`benchmarks.lora_sim` makes the agents
-LoRA adapters over one base that way. The simulation logs every replica reload, trainer state
-swap and request that waited for a replica (``reload_log``, ``swap_log``, ``wait_log``) and
-every episode's turn lengths (``episode_lengths``); :class:`SimOutcome` does not carry them.
+``make_balancer``, ``adapter_name``, ``iteration_s``, ``prefill_s``, ``load_stall_s``,
+``swap_in_s``, ``swap_out_s``, ``train_s``, ``optimizer_s``): :mod:`benchmarks.lora_sim` makes
+the agents LoRA adapters over one base that way. As rolloutd's router does, a request is
+submitted with the version its agent requires then and the adapter name it will be served with
+(``adapter_name``; None here, a full model's request); a request with a name is served with that
+version when it starts, a full model's with the version its agent requires when it starts (the
+router's ``_ensure_weights`` loads that one). The simulation logs every replica reload, trainer
+state swap and request that waited for a replica (``reload_log``, ``swap_log``, ``wait_log``)
+and every episode's turn lengths (``episode_lengths``); :class:`SimOutcome` does not carry them.
 
 Writes ``<out>/sim.json`` and ``<out>/sim.png`` and prints the table.
 """
@@ -291,6 +295,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, Any]] = []
         self.counter = 0
         self.tickets: dict[int, tuple[_Episode, str]] = {}
+        self.routed_versions: dict[int, int] = {}  # request id -> the version its agent required when it was routed
         self.task_episodes: dict[str, list[_Episode]] = {}
         self.task_left: dict[str, int] = {}
         self.experience_tokens: dict[str, int] = {}
@@ -317,6 +322,14 @@ class Simulation:
             "zero_stage": 0,
             "max_slots": self.settings.agent_max_slots(self.config),
         }
+
+    def adapter_name(self, agent: str, version: int) -> str | None:
+        """The adapter name a request of ``agent`` routed with ``version`` is served with (``submit``'s ``adapter``).
+
+        None: a full model's request, which holds no adapter slot (RolloutRouter._adapter_name).
+        """
+        del agent, version
+        return None
 
     def make_balancer(self, config: BalancerConfig) -> HierarchicalBalancer:
         """The balancer as rolloutd's router builds it: one model group per agent, an equal split.
@@ -394,8 +407,12 @@ class Simulation:
         """Hand the episode's next turn to the balancer."""
         agent = self.agents[episode.turn]
         estimate = self.estimator.estimate(agent, self.workload.prompt_tokens, self.lengths[agent].high)
-        ticket = self.balancer.submit(agent, estimate, f"{episode.task.task_id}#{episode.sample_index}")
+        version = self.wanted[agent]  # RolloutRouter._generate fixes it when it routes (``served``)
+        ticket = self.balancer.submit(
+            agent, estimate, f"{episode.task.task_id}#{episode.sample_index}", self.adapter_name(agent, version)
+        )
         self.tickets[ticket.request_id] = (episode, agent)
+        self.routed_versions[ticket.request_id] = version
         if ticket.replica_id is not None:
             self.start(ticket)
         else:
@@ -403,11 +420,16 @@ class Simulation:
             self.rebalance()  # RolloutRouter._acquire: a queued request
 
     def start(self, ticket: Ticket) -> None:
-        """A placed request joins its replica's batch (after a weight load if its version is old)."""
+        """A placed request joins its replica's batch (after a weight load if its version is old).
+
+        An adapter's request is served with the version it was routed with (the name the balancer
+        counted); a full model's with the one its agent requires now (RolloutRouter._ensure_weights).
+        """
         episode, agent = self.tickets[ticket.request_id]
         replica = self.replicas[str(ticket.replica_id)]
         self.settle(replica)
-        version = self.wanted[agent]
+        routed = self.routed_versions.pop(ticket.request_id)
+        version = routed if ticket.adapter is not None else self.wanted[agent]
         stall_s = self.prefill_s() + self.load_stall_s(replica, ticket.request_id, agent, version)
         replica.resume_s = max(replica.resume_s, self.now_s) + stall_s
         episode.behaviour[agent] = version

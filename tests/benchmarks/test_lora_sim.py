@@ -11,8 +11,8 @@ from benchmarks.bound import AgentStepWork, device_work_bound
 from benchmarks.workloads import make_workload
 from flexmarl import devicemodel as dm
 from flexmarl.errors import InvalidArgument
-from rolloutd.balancer import HierarchicalBalancer
-from rolloutd.lora_residency import LoraResidency
+from rolloutd.balancer import BASE_ADAPTER, HierarchicalBalancer
+from rolloutd.lora_residency import AdapterVersion, LoraResidency
 
 # Hand computation, Qwen2.5-14B (hidden 5120, k/v 8 heads x 128 = 1024, MLP 13824, 48 layers):
 #   rank 8 on q, k, v, o: per layer (5120 + 5120) + (5120 + 1024) + (5120 + 1024) + (5120 + 5120) = 32768
@@ -79,14 +79,32 @@ def test_the_lora_bound_swaps_reloads_and_training_for_the_adapter_costs() -> No
 
 
 class _CheckedLoraSimulation(lora_sim.LoraSimulation):
-    """Records the most distinct agents any replica's batch ran at once."""
+    """Records the most distinct agents and adapter names any replica's batch ran at once.
+
+    Also checks that every name a batch runs is one the balancer counts on that replica.
+    """
 
     most_agents = 0
+    most_names = 0
 
     def iteration_s(self, replica: sim._Replica) -> float:
         agents = {self.tickets[seq.request_id][1] for seq in replica.running}
         self.most_agents = max(self.most_agents, len(agents))
+        names = self.running_adapters(replica)
+        self.most_names = max(self.most_names, len(names))
+        (view,) = [v for v in self.balancer.replicas() if v.replica_id == replica.replica_id]
+        assert names <= set(view.adapters), (names, view.adapters)
         return super().iteration_s(replica)
+
+
+def test_the_sim_submits_the_names_the_router_serves() -> None:
+    settings = sim.SimSettings(devices=6, devices_per_slot=2, group_size=4, episodes_per_replica=2, steps=2)
+    workload = make_workload(3, "long-tail")
+    lora = lora_sim.LoraSimulation("flexmarl", settings, workload, lora_sim.LoraOptions())
+    lora.loop.close()
+    assert lora.adapter_name("a", 0) == BASE_ADAPTER  # version 0: the base alone, one name for the pool
+    assert lora.adapter_name("a", 3) == str(AdapterVersion("a", 3)) == "a@v3"
+    assert sim.Simulation("flexmarl", settings, workload).adapter_name("a", 3) is None  # a full model: no name
 
 
 def test_lora_agents_share_the_pool_within_the_adapter_bound_and_swap_cheaply() -> None:
@@ -96,11 +114,14 @@ def test_lora_agents_share_the_pool_within_the_adapter_bound_and_swap_cheaply() 
     assert type(simulation.balancer) is HierarchicalBalancer
     outcome = simulation.run()
     assert outcome.state == "SUCCEEDED", outcome
-    assert simulation.most_agents == 1  # the real balancer's adapter-slot rule held every replica to one
+    assert simulation.most_names == 1  # the real balancer's adapter-slot rule held every replica to one name
+    assert simulation.most_agents > 1  # version 0 of every agent is the one base name: they share the slot
+    assert simulation.over_bound_starts == 0
     assert outcome.reassignments == 0  # one pool: no replica moves between agents
     assert all(type(r) is LoraResidency for r in simulation.residency.values())
     adapter_loads = sum(r.loads for r in simulation.residency.values())
-    assert adapter_loads > 0 and len(simulation.reload_log) == adapter_loads + len(simulation.residency)
+    assert adapter_loads > 0 and len(simulation.reload_log) == adapter_loads + simulation.replica_base_loads
+    assert simulation.replica_base_loads == len(simulation.replicas)  # each replica read the frozen base once
     assert simulation.base_loads == 1 and simulation.swap_log  # the one slot read the base once, then swapped
     full = lora_sim.run_mode("full", "flexmarl", settings, workload, lora_sim.LoraOptions())
     assert full.sim.state == "SUCCEEDED" and math.isfinite(full.sim.step_s)
