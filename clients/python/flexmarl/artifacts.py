@@ -14,12 +14,13 @@ import tarfile
 import tempfile
 import urllib.parse
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING
 
 from flexmarl.errors import InvalidArgument, NotFound
 from flexmarl.store_client import StoreClient
+
+if TYPE_CHECKING:  # torch is imported where tensors are read: rolloutd resolves URIs without it
+    import torch
 
 FILE_SCHEME = "file://"
 STORED_SCHEME = "stored://"
@@ -43,6 +44,8 @@ def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
     Raises:
         NotFound: the directory holds no ``*.safetensors`` shard with a tensor.
     """
+    from safetensors.torch import load_file
+
     out: dict[str, torch.Tensor] = {}
     for shard in sorted(directory.glob("*.safetensors")):
         out.update(load_file(str(shard)))
