@@ -17,6 +17,9 @@ def test_gpu_smoke_script_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_smoke.sh")], check=True)
 
 
+# A long variant (-m long, ~25 s): CI checks the script parses (above); the launcher and engine paths
+# it drives are tests/rolloutd/test_launcher.py's and test_engine_contract.py's.
+@pytest.mark.long
 @pytest.mark.timeout(280)
 def test_cpu_dry_mode_runs_the_engine_check(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
