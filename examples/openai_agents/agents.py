@@ -1,15 +1,34 @@
-"""A three-agent relay game written only against the ``openai`` package (no FlexMARL import).
+"""A three-agent telephone game written only against the ``openai`` package (no FlexMARL import).
 
 This is what a researcher's existing program looks like: it gets a base URL, an API key and a
 task, talks to three "models" through ``openai.AsyncOpenAI`` and returns each agent's reward.
 FlexMARL runs it unmodified through ``rolloutd.external_env:ExternalAgents`` (see job.yaml):
 every call becomes one training turn of the agent named by ``model``.
 
-The game (a three-party signaling game, chance 1/2): the ``sender`` sees the target object
-(``a`` or ``b``) and writes a one-token message; the ``relay`` sees only that message and
-writes one token; the ``receiver`` sees only the relay's token and answers with one token,
-read as a position by the parity of its first byte (``"0"`` names position 0, ``"1"`` position
-1, like examples/signaling). All three get 1.0 when the receiver names the target, else 0.0.
+The game (telephone, chance 1/4): the ``sender`` sees the target position (``a`` is 0, ``b``
+is 1) and writes a one-token message in a code of its own; the ``relay`` sees only that
+message and must *name* the target in one token; the ``receiver`` sees only the relay's token
+and must name the target too. All three get 1.0 when both the relay and the receiver name it,
+else 0.0. A token names a position by the kind of its text: plain ASCII names 0, anything
+else names 1 (see :func:`position_of`).
+
+Why the relay names the target rather than passing on a code of its own (as in a pure relay
+chain): with three free codes, a sender's message helps only once both others read it, so
+every agent's learning signal is a product of the two others' (second order at the random
+start) and the receiver pools onto one answer before that product grows (docs/gateway.md,
+"Measured"). Here the sender and relay play the two-agent signaling game (examples/signaling)
+and the receiver learns to read the relay from the first step (whenever the relay happens to
+be right, the receiver wins by naming what the relay named), so every agent has a first-order
+signal.
+
+Why "ASCII or not" and not the parity of the first byte (``"0"`` even, ``"1"`` odd): the
+text channel is lossy. A byte-level token >= 0x80 is not valid UTF-8 on its own and decodes
+to U+FFFD (bytes ``ef bf bd``), so under a parity reading the tiny models' byte tokens would
+name 1 three times as often as 0 (the 64 odd ASCII bytes and the 128 high ones against the 64
+even ASCII bytes); the ASCII reading splits them 128/128 (ids 256-319, the special tokens and
+the embedding's padding, decode to nothing and name no position), so a random-init agent names
+either position about equally often. The relay or receiver that sees a high token sees U+FFFD,
+which is still "not ASCII": the reading survives the channel.
 
 Two versions of the same game: :func:`run_raw` (``/v1/completions``, raw prompts that end with
 the byte that matters; what job.yaml trains) and :func:`run` (``/v1/chat/completions`` under the
@@ -46,19 +65,27 @@ def client(base_url: str, api_key: str) -> AsyncOpenAI:
 
 
 def make_task(index: int, seed: int) -> dict[str, Any]:
-    """The target position of task ``index`` (deterministic per index and seed)."""
-    return {"target": random.Random(f"openai-agents/{seed}/{index}").randrange(len(OBJECTS))}
+    """The target position of task ``index`` (deterministic per index and seed), balanced in pairs.
+
+    Tasks ``2j`` and ``2j + 1`` have different targets (which one is ``a`` is drawn per pair), so a
+    step of an even number of consecutive tasks (FlexMARL gives step t tasks ``t * prompts_per_step``
+    onwards) has as many of each: a step whose targets are mostly one object pushes every agent
+    towards the answer that suits it, the drift towards pooling (docs/gateway.md, "Measured").
+    """
+    first = random.Random(f"openai-agents/{seed}/{index // 2}").randrange(len(OBJECTS))
+    return {"target": (first + index) % len(OBJECTS)}
 
 
 def position_of(answer: str) -> int:
-    """The position an answer names: the parity of its first UTF-8 byte (-1 for an empty answer)."""
-    raw = answer.encode()
-    return raw[0] % len(OBJECTS) if raw else -1
+    """The position an answer names: 0 when its first character is ASCII, 1 when not, -1 for an empty answer."""
+    if not answer:
+        return -1
+    return 0 if answer[0].isascii() else 1
 
 
-def rewards(answer: str, target: int) -> dict[str, float]:
-    """The shared 0/1 reward of an episode."""
-    reward = 1.0 if position_of(answer) == target else 0.0
+def rewards(relayed: str, answer: str, target: int) -> dict[str, float]:
+    """The shared 0/1 reward of an episode: 1 when both the relay and the receiver name the target."""
+    reward = 1.0 if position_of(relayed) == target and position_of(answer) == target else 0.0
     return {"sender": reward, "relay": reward, "receiver": reward}
 
 
@@ -73,11 +100,11 @@ async def run(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, fl
         model="relay", max_tokens=1,
         messages=[{"role": "system", "content": "R"},
                   {"role": "user", "content": sent.choices[0].message.content or ""}])
+    relayed_text = relayed.choices[0].message.content or ""
     answer = await agents.chat.completions.create(
         model="receiver", max_tokens=1,
-        messages=[{"role": "system", "content": "A"},
-                  {"role": "user", "content": relayed.choices[0].message.content or ""}])
-    return rewards(answer.choices[0].message.content or "", target)
+        messages=[{"role": "system", "content": "A"}, {"role": "user", "content": relayed_text}])
+    return rewards(relayed_text, answer.choices[0].message.content or "", target)
 
 
 async def run_raw(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, float]:
@@ -92,4 +119,4 @@ async def run_raw(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str
     sent = await agents.completions.create(model="sender", prompt=OBJECTS[target], max_tokens=1)
     relayed = await agents.completions.create(model="relay", prompt=">" + sent.choices[0].text, max_tokens=1)
     answer = await agents.completions.create(model="receiver", prompt="<" + relayed.choices[0].text, max_tokens=1)
-    return rewards(answer.choices[0].text, target)
+    return rewards(relayed.choices[0].text, answer.choices[0].text, target)

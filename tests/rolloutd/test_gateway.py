@@ -723,6 +723,28 @@ async def test_a_failing_or_slow_program_fails_the_group(tokenizer: HFTokenizer)
     assert not wrong.ok and wrong.errors[0].error_type == "ProgramFailed"
 
 
+def test_the_example_reads_tokens_as_ascii_or_not_and_balances_its_targets(
+    tokenizer: HFTokenizer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The two properties the example's learning rests on (docs/gateway.md, "Measured")."""
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from examples.openai_agents import agents
+
+    # Ids 0-319 (the tiny model's embedding): 128 name 0, 128 name 1 (a lone high byte is U+FFFD), the rest none.
+    named = [agents.position_of(tokenizer.decode([token_id])) for token_id in range(320)]
+    assert (named.count(0), named.count(1), named.count(-1)) == (128, 128, 64)
+    assert named[:256] == [0] * 128 + [1] * 128
+    # Both the relay and the receiver must name the target.
+    assert agents.rewards("x", "0", 0) == dict.fromkeys(("sender", "relay", "receiver"), 1.0)
+    assert agents.rewards("\ufffd", "\ufffd", 1)["relay"] == 1.0
+    assert {agents.rewards(r, a, 0)["receiver"] for r, a in (("x", "\ufffd"), ("\ufffd", "x"), ("", "x"))} == {0.0}
+    # Tasks 2j and 2j+1 have different targets, so a step of an even number of tasks is balanced.
+    for seed in (0, 1):
+        targets = [agents.make_task(index, seed)["target"] for index in range(64)]
+        assert all(targets[j] != targets[j + 1] for j in range(0, 64, 2))
+    assert [agents.make_task(i, 0) for i in range(0, 64, 2)] != [agents.make_task(i, 1) for i in range(0, 64, 2)]
+
+
 def test_the_config_is_checked_and_the_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO_ROOT))
     entry = "rolloutd.external_env:ExternalAgents"
