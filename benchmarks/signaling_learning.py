@@ -34,6 +34,7 @@ Usage (repo root)::
     python benchmarks/signaling_learning.py --set environment.config.num_objects=4 \\
         --set agents.0.algorithm.entropy_coef=0.2 --set agents.0.algorithm.entropy_coef_end=0.0 \\
         --set agents.0.algorithm.entropy_decay_steps=30 --set agents.1.algorithm.advantage_norm=agent
+    python benchmarks/signaling_learning.py --job examples/signaling/job_k4.yaml --seeds 0 1 2   # K = 4, learns
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class BatchedBackend:
     Requests are collected until the event loop has nothing else to run, then every pending
     request of an agent is sampled in one left-padded forward per token (no KV cache: turns
     are one or two tokens). Sampling follows the embedded engine (full vocabulary,
-    ``softmax(logits / T)``, behaviour logprob from the same distribution; top_k/top_p unsupported).
+    ``softmax(logits / T)``, behaviour logprob from the same distribution; top_k/top_p unsupported);
+    ``top_logprobs_num`` k returns the k most likely tokens of that distribution at every position.
     """
 
     def __init__(self, agents: dict[str, AgentState], generator: torch.Generator) -> None:
@@ -207,6 +209,8 @@ class BatchedBackend:
         budgets = [int(requests[i].sampling.get("max_new_tokens", 1)) for i, _ in rows]
         out_ids: list[list[int]] = [[] for _ in rows]
         out_lps: list[list[float]] = [[] for _ in rows]
+        tops = [int(requests[i].sampling.get("top_logprobs_num", 0)) for i, _ in rows]
+        out_tops: list[list[tuple[tuple[float, int], ...]]] = [[] for _ in rows]
         reasons = ["length"] * len(rows)
         live = list(range(len(rows)))
         while live:
@@ -231,6 +235,9 @@ class BatchedBackend:
                 token = int(tokens[j])
                 out_ids[r].append(token)
                 out_lps[r].append(float(logprobs[j, token]))
+                if tops[r]:  # the engine's top_logprobs_num: the k most likely of the sampled distribution
+                    values, indices = torch.topk(logprobs[j], min(tops[r], logprobs.shape[-1]))
+                    out_tops[r].append(tuple(zip(values.tolist(), indices.tolist(), strict=True)))
                 if token in state.eos_token_ids:
                     reasons[r] = "stop"
                 elif len(out_ids[r]) < budgets[r]:
@@ -238,7 +245,8 @@ class BatchedBackend:
             live = still
         results: list[list[GenerationOutput]] = [[] for _ in requests]
         for r, (i, _) in enumerate(rows):
-            results[i].append(GenerationOutput(tuple(out_ids[r]), tuple(out_lps[r]), reasons[r], 0))
+            results[i].append(GenerationOutput(tuple(out_ids[r]), tuple(out_lps[r]), reasons[r], 0,
+                                               top_logprobs=tuple(out_tops[r])))
         return results
 
 
