@@ -682,6 +682,10 @@ class AdapterWeights:
 def load_adapter_weights(path: str, config: AdapterConfig, model: Any, max_rank: int) -> AdapterWeights:
     """Read an adapter's safetensors and match every tensor to a ``Linear`` of ``model``.
 
+    Other tensors of ``embed_tokens`` / ``lm_head`` are skipped, as SGLang's ``LoRAAdapter._process_weight``
+    (sglang/srt/lora/lora.py) keeps them aside and its mem_pool.py loads only their LoRA halves: PEFT's
+    ``save_pretrained`` writes the base's (tied) ``lm_head.base_layer.weight`` beside an ``lm_head`` adapter.
+
     Raises:
         ValueError: No weights file, a key that is not a PEFT LoRA key of a ``Linear`` of the model,
             a missing half, or shapes that do not fit the module.
@@ -702,6 +706,8 @@ def load_adapter_weights(path: str, config: AdapterConfig, model: Any, max_rank:
                 halves.setdefault(key[len(_PEFT_PREFIX) : -len(suffix)], {})[half] = tensor
                 break
         else:
+            if ("embed_tokens" in key or "lm_head" in key) and "lora_" not in key:
+                continue  # a base tensor saved beside the adapter; an embedding's LoRA halves still fail here
             raise ValueError(f"unexpected tensor {key!r} in {file} (PEFT LoRA keys only)")
     weights: dict[str, tuple[Any, Any]] = {}
     for name, pair in halves.items():

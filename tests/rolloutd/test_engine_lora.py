@@ -211,6 +211,38 @@ def test_launcher_passes_sglangs_lora_flags() -> None:
 
 
 # ----- the embedded engine ------------------------------------------------------------------------
+def test_an_lm_head_adapter_of_a_tied_base_gives_peft_logits_beside_base_rows(
+    engine_checkpoint: Path, tmp_path: Path
+) -> None:
+    """examples/signaling_lora adapts ``lm_head``, which the tiny base ties to its embeddings: the per-row delta
+    applies to the logits only (the tied embedding stays the base's), as PEFT computes them."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint), dtype=torch.float32)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    path = _peft_adapter(base, tmp_path / "head", rank=4, targets=["lm_head", "q_proj"], seed=5)
+    from safetensors import safe_open
+
+    with safe_open(str(path / lora.ADAPTER_WEIGHTS_FILE), "pt") as saved:  # PEFT saves the tied base beside it
+        assert "base_model.model.lm_head.base_layer.weight" in set(saved.keys())
+    config = lora.read_adapter_config(str(path), base.config.vocab_size)
+    layers = lora.LoraLayers(max_rank=8)
+    layers.adapters["head"] = lora.load_adapter_weights(str(path), config, base, 8)
+    assert set(layers.adapters["head"].modules) == {"lm_head", "model.layers.0.self_attn.q_proj",
+                                                    "model.layers.1.self_attn.q_proj"}
+    ids = torch.tensor([list(PROMPTS[0]), list(PROMPTS[0])])
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        with layers.rows(base, ["head", None]):
+            served = base(input_ids=ids).logits
+    reference = _PeftReference(engine_checkpoint, {"head": path})
+    with torch.no_grad():
+        want = reference.model(input_ids=ids[:1]).logits
+    assert not torch.allclose(served[0], plain[0], atol=1e-3)  # the adapter moves the logits
+    assert torch.allclose(served[0], want[0], atol=1e-5)
+    assert torch.equal(served[1], plain[1])  # a base row of the same batch is the base
+
+
 async def test_adapter_logprobs_equal_a_peft_forward_and_one_batch_mixes_adapters(
     engine_checkpoint: Path, adapters: dict[str, Path]
 ) -> None:

@@ -144,6 +144,29 @@ def test_published_adapter_loads_with_peft_and_merges(tiny_model_dir: Path, tmp_
         merge_adapter(out, tiny_model_dir, merged_dir)
 
 
+def test_an_lm_head_adapter_of_the_tied_base_publishes_its_halves_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """examples/signaling_lora adapts lm_head, which the tiny base ties to its embeddings: the tie and the base
+    survive the adapter, and what is published is the adapter, not the tied embedding PEFT would save beside it."""
+    from safetensors import safe_open
+
+    cache = LoraBaseCache()
+    pristine = base_state(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32))
+    settings = LoraSettings(rank=4, alpha=8, dropout=0.0, target_modules=("lm_head",))
+    trainer = AgentTrainer(lora_config(tiny_model_dir, "a", settings=settings), lora_bases=cache)
+    before = adapter_params(trainer)
+    train_steps(trainer, first_seed=20, steps=1)
+    assert any(not torch.equal(before[n], p) for n, p in adapter_params(trainer).items())
+    out = trainer.publish(tmp_path / "v1")
+    with safe_open(str(out / ADAPTER_WEIGHTS), "pt") as published:
+        assert set(published.keys()) == {"base_model.model.lm_head.lora_A.weight",
+                                         "base_model.model.lm_head.lora_B.weight"}
+    trainer.release()
+    base = cache.acquire(str(tiny_model_dir), torch.float32)
+    assert base.lm_head.weight is base.model.embed_tokens.weight
+    got = base_state(base)
+    assert got.keys() == pristine.keys() and all(torch.equal(got[k], pristine[k]) for k in pristine)
+
+
 def export_through_the_cli(base: Path, adapter: Path, tmp_path: Path) -> Path:
     """`flexmarl export` against an orchestratord (a real gRPC server answering GetJob/GetJobHistory) of one version."""
     from concurrent import futures
