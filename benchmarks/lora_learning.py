@@ -2,7 +2,7 @@
 
 Usage (repo root)::
 
-    python benchmarks/lora_learning.py [--steps 30] [--job examples/signaling_lora/job.yaml]
+    python benchmarks/lora_learning.py [--steps 30] [--job examples/signaling_lora/job.yaml] [--seed 0]
         [--replicas 1] [--json-out benchmarks/results/lora_learning.json]
 
 Starts a LocalCluster (etcd + the four daemons; one traind slot that holds the one base for all
@@ -12,7 +12,8 @@ prints per step the mean reward over the agents (0/1 success of each pair: chanc
 two objects) and its wall time. Agents served per replica is measured on the engines: every agent
 is served by every replica of the base's pool (no replica moves, ``reassignments``), and the most
 adapters one forward batch held (the embedded engine's ``max_batch_adapters``, the base counted).
-Writes the table as JSON (``--json-out``).
+Writes the table as JSON (``--json-out``). ``--seed s`` runs job seed s over base weights seed ``2s + 1``
+(as benchmarks/lora_signaling_sim.py's seeds; 0 is the job file).
 """
 
 from __future__ import annotations
@@ -51,9 +52,19 @@ def engine_states(run_dir: Path) -> list[dict[str, Any]]:
     return states
 
 
-def run(job: Path, steps: int, replicas: int, timeout_s: float) -> dict[str, Any]:
+def with_seed(raw: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The job with job seed ``seed`` and every ``tiny://...?seed=n`` model's weight seed shifted by ``2 * seed``."""
+    def shifted(uri: str) -> str:
+        head, sep, value = uri.rpartition("seed=")
+        return f"{head}{sep}{int(value) + 2 * seed}" if uri.startswith("tiny://") and sep and value.isdigit() else uri
+
+    agents = [{**a, **{k: shifted(a[k]) for k in ("base", "model") if k in a}} for a in raw["agents"]]
+    return {**raw, "seed": seed, "agents": agents}
+
+
+def run(job: Path, steps: int, replicas: int, timeout_s: float, seed: int = 0) -> dict[str, Any]:
     """Runs the job on a fresh local cluster; returns the per-step rewards and the engines' counts."""
-    raw: dict[str, Any] = yaml.safe_load(job.read_text())
+    raw: dict[str, Any] = with_seed(yaml.safe_load(job.read_text()), seed)
     raw["total_steps"] = steps
     with tempfile.TemporaryDirectory(prefix="lora-learning-") as tmp:
         run_dir = Path(tmp)
@@ -76,7 +87,7 @@ def run(job: Path, steps: int, replicas: int, timeout_s: float) -> dict[str, Any
     first_ms = min(done_at.values()) if done_at else 0
     rows = [{"step": s, "reward_mean": statistics.fmean(r), "reward_min": min(r), "agents": len(r),
              "committed_s": (done_at[s] - first_ms) / 1000} for s, r in sorted(per_step.items())]
-    return {"job": str(job), "state": info.state.name, "agents": len(spec["agents"]), "steps": steps,
+    return {"job": str(job), "seed": seed, "state": info.state.name, "agents": len(spec["agents"]), "steps": steps,
             "replicas": replicas, "wall_s": wall_s, "rows": rows,
             "max_batch_adapters": [e.get("max_batch_adapters") for e in engines]}
 
@@ -86,13 +97,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, default=DEFAULT_JOB)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--json-out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "lora_learning.json")
     args = parser.parse_args(argv)
-    result = run(args.job, args.steps, args.replicas, args.timeout_s)
-    print(f"{result['agents']} LoRA agents, {result['replicas']} replica(s): job {result['state']} in "
-          f"{result['wall_s']:.0f}s; most adapters in one engine batch: {result['max_batch_adapters']}")
+    result = run(args.job, args.steps, args.replicas, args.timeout_s, args.seed)
+    print(f"seed {result['seed']}: {result['agents']} LoRA agents, {result['replicas']} replica(s): "
+          f"job {result['state']} in {result['wall_s']:.0f}s; "
+          f"most adapters in one engine batch: {result['max_batch_adapters']}")
     print(f"{'step':>4} {'mean reward':>11} {'min agent':>9} {'t (s)':>7}")
     for row in result["rows"]:
         print(f"{row['step']:>4} {row['reward_mean']:>11.3f} {row['reward_min']:>9.3f} {row['committed_s']:>7.1f}")

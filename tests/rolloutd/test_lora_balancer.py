@@ -324,7 +324,7 @@ def test_replicas_of_a_lora_job_launch_with_sglangs_flags_for_its_agents() -> No
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples/signaling_lora/job.yaml").read_text())
     for agent in raw["agents"]:  # the attention projections, whatever the example job file targets
-        agent["lora"] = {**agent["lora"], "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+        agent["lora"] = {**agent["lora"], "rank": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     targets = ["model.layers.0.mlp.up_proj"]
     raw["agents"][1]["lora"] = {**raw["agents"][1]["lora"], "rank": 16, "target_modules": targets}
     raw["agents"].append({**raw["agents"][0], "name": "full"})
