@@ -15,9 +15,11 @@ trains each agent with traind's own pieces:
   step per training step. Strict on-policy: rollout batch t is sampled by version t of both agents.
 
 Step 0's rollouts are sampled by the warm-started models before any RL update: they are the "SFT"
-level. Per step: the solver's accuracy (its mean reward), the verifier's accuracy (its mean reward),
+level. Per step: the solver's accuracy (its mean reward), the verifier's accuracy (the share of its
+judgements that are right; its reward may weight them by class),
 its precision (of the answers it called correct, the share that were) and recall (of the correct
-answers, the share it called correct), and wall seconds; per run, its process CPU seconds.
+answers, the share it called correct), and wall seconds; per run, its process CPU seconds and the
+solver's greedy accuracy over every operand pair after the warm start and after RL.
 
 Seeds: run seed s uses job seed s and tiny checkpoints with weight seeds ``2s+1`` (solver) and
 ``2s+2`` (verifier); seed 0 is exactly examples/arithmetic/job.yaml.
@@ -54,7 +56,7 @@ import torch  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.signaling_learning import BatchedBackend, checkpoint, read_job  # noqa: E402
-from examples.arithmetic.env import judgement  # noqa: E402
+from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer, question  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, RolloutRunner, RolloutTaskInput  # noqa: E402
@@ -147,21 +149,51 @@ def step_row(step: int, records: Sequence[ExperienceRecord], seconds: float) -> 
     """The figures of one step from its experiences (solver reward = correctness, verifier's token = its verdict)."""
     correct: dict[tuple[str, int], bool] = {}
     verdict: dict[tuple[str, int], bool | None] = {}
-    verifier_rewards = []
     for rec in records:
         key = (rec.task_id, rec.sample_index)
         if rec.agent == "solver":
             correct[key] = rec.reward == 1.0
         else:
             verdict[key] = judgement([int(t) for t in rec.response_token_ids])
-            verifier_rewards.append(float(rec.reward))
     keys = sorted(correct)
     said_yes = [k for k in keys if verdict.get(k) is True]
     right = [k for k in keys if correct[k]]
     precision = statistics.fmean(correct[k] for k in said_yes) if said_yes else math.nan
     recall = statistics.fmean(verdict.get(k) is True for k in right) if right else math.nan
-    return StepRow(step, statistics.fmean(correct[k] for k in keys), statistics.fmean(verifier_rewards), precision,
-                   recall, len(said_yes) / len(keys), seconds)
+    # Accuracy from the verdicts, not the verifier's reward: the job may weight the reward by class.
+    verifier_accuracy = statistics.fmean(verdict.get(k) == correct[k] for k in keys)
+    return StepRow(step, statistics.fmean(correct[k] for k in keys), verifier_accuracy, precision, recall,
+                   len(said_yes) / len(keys), seconds)
+
+
+@torch.no_grad()
+def greedy_solver_accuracy(agent: Agent, tokenizer_path: str, env: ArithmeticGame, limit: int = 1024) -> float:
+    """The solver's greedy (argmax) accuracy over every operand pair of the job's range (at most ``limit``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    operands = range(env.min_operand, env.max_operand + 1)
+    pairs = [(a, b) for a in operands for b in operands][:limit]
+    prompts = [list(tokenizer.encode(question(a, b), add_special_tokens=False)) for a, b in pairs]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):  # left-padded, as BatchedBackend samples
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    answers: list[list[int]] = [[] for _ in pairs]
+    done = [False] * len(pairs)
+    for _ in range(env.answer_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = agent.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        tokens = logits[:, -1, :].argmax(-1)
+        for i, token in enumerate(tokens.tolist()):
+            if not done[i]:
+                answers[i].append(token)
+                done[i] = token in agent.eos_token_ids
+        ids = torch.cat([ids, tokens.unsqueeze(-1)], dim=1)
+        mask = torch.cat([mask, torch.ones((len(pairs), 1), dtype=torch.long)], dim=1)
+    return statistics.fmean(parse_answer(answer) == a + b for answer, (a, b) in zip(answers, pairs, strict=True))
 
 
 @dataclasses.dataclass
@@ -173,6 +205,8 @@ class RunResult:
     rows: list[StepRow]
     setup_seconds: float
     cpu_seconds: float  # process CPU time of the whole run (warm starts, rollouts, updates)
+    greedy_sft: float  # the solver's greedy accuracy after the warm start (every operand pair)
+    greedy_last: float  # the same after the RL steps
 
     def tail(self, field: str) -> float:
         """Mean of ``field`` over the last TAIL_STEPS steps (nan values skipped)."""
@@ -228,12 +262,16 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
         if not sampling.get("stop_token_ids"):
             sampling.pop("stop_token_ids", None)
         runtimes[name] = AgentRuntime(HFTokenizer(str(path)), sampling)
+    if not isinstance(env, ArithmeticGame):
+        raise ValueError("the job's environment is not examples.arithmetic.env:ArithmeticGame")
+    solver_path = str(checkpoint(cache_dir, spec["agents"][0]["model"], 2 * seed + 1))
+    greedy_sft = greedy_solver_accuracy(agents["solver"], solver_path, env)
     backend = BatchedBackend(agents, torch.Generator().manual_seed(seed))  # type: ignore[arg-type]
     runner = RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0)
     setup_s = time.perf_counter() - started
     if not quiet:
         print(f"seed {seed}: warm start " + " ".join(f"{a} loss {v[0]:.3f}->{v[-1]:.3f}" for a, v in sft_losses.items())
-              + f" ({setup_s:.1f}s)", flush=True)
+              + f"; solver greedy accuracy {greedy_sft:.3f} ({setup_s:.1f}s)", flush=True)
     rows: list[StepRow] = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -256,7 +294,8 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
             print(f"seed {seed} step {step:3d} solver acc={row.solver_accuracy:.3f} verifier acc="
                   f"{row.verifier_accuracy:.3f} precision={row.precision:.3f} recall={row.recall:.3f} "
                   f"yes={row.judged_correct:.2f} {row.seconds:.2f}s", flush=True)
-    return RunResult(seed, sft_losses, rows, setup_s, time.process_time() - cpu_started)
+    greedy_last = greedy_solver_accuracy(agents["solver"], solver_path, env)
+    return RunResult(seed, sft_losses, rows, setup_s, time.process_time() - cpu_started, greedy_sft, greedy_last)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -281,6 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                Column("verif acc SFT", 13, fmt=".3f"), Column(f"verif acc last{TAIL_STEPS}", 16, fmt=".3f"),
                Column("precision SFT", 13, fmt=".3f"), Column(f"precision last{TAIL_STEPS}", 16, fmt=".3f"),
                Column("recall SFT", 10, fmt=".3f"), Column(f"recall last{TAIL_STEPS}", 13, fmt=".3f"),
+               Column("greedy SFT", 10, fmt=".3f"), Column("greedy end", 10, fmt=".3f"),
                Column("seconds", 8, fmt=".1f"), Column("CPU s", 7, fmt=".1f")]
     table: list[list[object]] = []
     runs: list[dict[str, Any]] = []
@@ -288,10 +328,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = res.setup_seconds + sum(r.seconds for r in res.rows)
         figures = {f: (res.start(f), res.tail(f)) for f in ("solver_accuracy", "verifier_accuracy", "precision",
                                                              "recall")}
-        table.append([res.seed, *[v for pair in figures.values() for v in pair], seconds, res.cpu_seconds])
+        table.append([res.seed, *[v for pair in figures.values() for v in pair], res.greedy_sft, res.greedy_last,
+                      seconds, res.cpu_seconds])
         runs.append({"seed": res.seed, "seconds": seconds, "cpu_seconds": res.cpu_seconds,
                      "setup_seconds": res.setup_seconds,
                      "sft_losses": res.sft_losses,
+                     "solver_greedy": {"sft": res.greedy_sft, "end": res.greedy_last},
                      "sft": {f: start for f, (start, _) in figures.items()},
                      "last": {f: tail for f, (_, tail) in figures.items()},
                      "rows": [dataclasses.asdict(r) for r in res.rows]})
@@ -299,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(render_table(columns, table)))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"spec": spec, "steps": steps, "runs": runs}, indent=1))
-    improved = all(r["last"]["solver_accuracy"] > r["sft"]["solver_accuracy"] for r in runs)
+    improved = all(r["last"]["solver_accuracy"] > r["sft"]["solver_accuracy"]
+                   and r["last"]["precision"] > r["sft"]["precision"] for r in runs)
     return 0 if improved else 1
 
 

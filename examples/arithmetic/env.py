@@ -1,18 +1,27 @@
 """Solver + verifier on generated two-digit addition, learnable by tiny byte-level models on CPU.
 
 A ``solver`` answers ``"a+b="`` with the digits of the sum (then its end-of-sequence token);
-a ``verifier`` sees the question and the solver's answer, ``"a+b=" + answer + "?"``, and
-judges it with one token: ``y`` (correct) or ``n`` (incorrect). Rewards:
+a ``verifier`` sees the question and the solver's answer, ``"a+b=" + answer + "?"``, works it
+out and judges: it writes its own sum, one check digit per digit of it (the shown digit minus
+its own, mod 10, the shown answer right-aligned), then one judgement token, ``y`` (correct) or
+``n`` (incorrect), then its end-of-sequence token (``"12+34=47?"`` -> ``"4601n"``). Rewards:
 
 * solver: 1 when its answer is the sum, else 0;
-* verifier: 1 when its judgement is right (``y`` on a correct answer, ``n`` on a wrong one),
-  else 0 (any other token is no judgement and earns 0).
+* verifier: ``correct_weight`` (default 1) for ``y`` on a correct answer, ``wrong_weight``
+  (default 1) for ``n`` on a wrong one, else 0 (a response with no ``y``/``n`` after its
+  digits is no judgement and earns 0). The two weights let a job reward the rarer class more,
+  so that calling everything incorrect is not what a weak solver's answers make best.
+
+Why the verifier writes its work: a tiny model does not learn to judge ``a+b=c`` from one bit
+per example in a few CPU minutes (measured: chance after 600 steps, docs/examples.md); nor an
+equality of its own digits with the shown ones (a pairwise interaction with no first-order
+signal). Its sum and its check digits are ten-way targets at fixed offsets, learnt like the
+solver's digits, and the judgement is then "are all checks 0", which one token can read.
 
 A random-init model never writes a sum, so both agents start from a supervised warm start
 (``agents[i].warm_start``) on data the same generator makes (:mod:`examples.arithmetic.data`),
-meant to stop at a middling accuracy for multi-agent RL to take it from there
-(benchmarks/arithmetic_learning.py; docs/examples.md records that the job's settings do not get
-there yet).
+stopped at a middling accuracy for multi-agent RL to take it from there
+(benchmarks/arithmetic_learning.py; docs/examples.md "Solver + verifier").
 
 Prompts are raw byte strings (no chat template): a tiny byte-level model reads the digits
 directly. The verifier receives the solver's answer as the solver's token ids (special
@@ -50,14 +59,18 @@ def parse_answer(token_ids: Sequence[int]) -> int | None:
 
 
 def judgement(token_ids: Sequence[int]) -> bool | None:
-    """A verifier's judgement: True for ``y``, False for ``n``, None for anything else."""
-    if not token_ids:
+    """A verifier's judgement: the token after its leading ASCII digits (its sum and checks): ``y`` True, ``n`` False.
+
+    None when that token is anything else (a special token, another byte) or there is none.
+    """
+    for token in token_ids:
+        if ord("0") <= token <= ord("9"):
+            continue
+        if token == ord(YES):
+            return True
+        if token == ord(NO):
+            return False
         return None
-    first = token_ids[0]
-    if first == ord(YES):
-        return True
-    if first == ord(NO):
-        return False
     return None
 
 
@@ -65,7 +78,10 @@ class ArithmeticGame(Environment):
     """Two-digit addition between a ``solver`` and a ``verifier``.
 
     Config: ``min_operand`` / ``max_operand`` (default 10 / 99), ``answer_tokens`` (the solver's
-    token budget, default 4: three digits and the end-of-sequence token). Rewards: see the module.
+    token budget, default 4: three digits and the end-of-sequence token), ``judge_tokens`` (the
+    verifier's, default 8: three digits of its sum, three checks, the judgement, end-of-sequence),
+    ``correct_weight`` / ``wrong_weight`` (the verifier's reward for a right judgement of a
+    correct / a wrong answer, default 1 / 1). Rewards: see the module.
     """
 
     agents = ("solver", "verifier")
@@ -75,10 +91,15 @@ class ArithmeticGame(Environment):
         self.min_operand = int(config.get("min_operand", 10))
         self.max_operand = int(config.get("max_operand", 99))
         self.answer_tokens = int(config.get("answer_tokens", 4))
+        self.judge_tokens = int(config.get("judge_tokens", 8))
+        self.correct_weight = float(config.get("correct_weight", 1.0))
+        self.wrong_weight = float(config.get("wrong_weight", 1.0))
         if not 0 <= self.min_operand <= self.max_operand:
             raise ValueError("need 0 <= min_operand <= max_operand")
-        if self.answer_tokens < 1:
-            raise ValueError("answer_tokens must be >= 1")
+        if self.answer_tokens < 1 or self.judge_tokens < 1:
+            raise ValueError("answer_tokens and judge_tokens must be >= 1")
+        if self.correct_weight < 0 or self.wrong_weight < 0:
+            raise ValueError("correct_weight and wrong_weight must be >= 0")
 
     def task(self, index: int, seed: int) -> Task:
         """Two operands drawn from the task's seeded stream."""
@@ -88,13 +109,14 @@ class ArithmeticGame(Environment):
         return Task(index=index, seed=seed, data={"a": a, "b": b})
 
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
-        """One answer, one judgement; solver rewarded by correctness, verifier by being right."""
+        """One answer, one judgement; solver rewarded by correctness, verifier by being right (weighted)."""
         a: int = task.data["a"]
         b: int = task.data["b"]
         answer = await ctx.generate("solver", question(a, b), max_new_tokens=self.answer_tokens)
         correct = parse_answer(answer.token_ids) == a + b
         shown = [t for t in answer.token_ids if t < BYTE_TOKENS]
         judge_prompt = ctx.tokenize("verifier", question(a, b)) + shown + ctx.tokenize("verifier", "?")
-        verdict = judgement((await ctx.generate("verifier", judge_prompt, max_new_tokens=1)).token_ids)
+        verdict = judgement((await ctx.generate("verifier", judge_prompt, max_new_tokens=self.judge_tokens)).token_ids)
         ctx.reward("solver", 1.0 if correct else 0.0)
-        ctx.reward("verifier", 1.0 if verdict is not None and verdict == correct else 0.0)
+        right = verdict is not None and verdict == correct
+        ctx.reward("verifier", (self.correct_weight if correct else self.wrong_weight) if right else 0.0)

@@ -1,0 +1,106 @@
+"""examples/arithmetic: the verifier's worked judgement (sum, check digits, y/n), its class-weighted reward,
+and warm-start data whose checks and judgements agree with the sums."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from examples.arithmetic.data import digit_checks, solver_examples, verifier_examples
+from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer
+from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
+
+EOS = 257
+
+
+class Bytes:
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def render_chat(self, messages: Sequence[Any]) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
+
+
+class Scripted:
+    """The solver writes the sum in even episodes and the sum + 1 in odd ones; the verifier always says ``y``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.verifier_prompts: list[str] = []
+        self.budgets: dict[str, int] = {}
+
+    async def generate(self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int,
+                       affinity_key: str) -> list[GenerationOutput]:
+        self.budgets[agent] = int(sampling["max_new_tokens"])
+        text = bytes(input_ids).decode()
+        if agent == "solver":
+            a, b = (int(x) for x in text.rstrip("=").split("+"))
+            self.calls += 1
+            answer = [*str(a + b + (0 if self.calls % 2 else 1)).encode(), EOS]
+            return [GenerationOutput(tuple(answer), (-1.0,) * len(answer), "stop", len(input_ids))]
+        self.verifier_prompts.append(text)
+        return [GenerationOutput((*b"4600y", EOS), (-1.0,) * 6, "stop", len(input_ids))]
+
+
+async def test_the_verifier_sees_the_answer_and_earns_its_class_weight() -> None:
+    env = ArithmeticGame(min_operand=10, max_operand=39, judge_tokens=6, correct_weight=3.0, wrong_weight=0.5)
+    backend = Scripted()
+    runtimes = {a: AgentRuntime(Bytes(), {"max_new_tokens": 4}) for a in env.agents}
+    result = await RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0, coalesce_first_turn=False).run(
+        RolloutTaskInput("job", "job/0/0", 0, 0, 4))
+    assert result.ok
+    rewards = {(r.agent, r.sample_index): r.reward for r in result.experiences}
+    a, b = env.task(0, 0).data["a"], env.task(0, 0).data["b"]
+    right = sorted(backend.verifier_prompts).count(f"{a}+{b}={a + b}?")
+    assert right == 2 and len(backend.verifier_prompts) == 4  # the EOS is not shown to the verifier
+    solver = [rewards[("solver", e)] for e in range(4)]
+    verifier = [rewards[("verifier", e)] for e in range(4)]
+    assert sorted(solver) == [0.0, 0.0, 1.0, 1.0]
+    # "y" is right on a correct answer (weight 3) and wrong on a wrong one (0, never the 0.5 of a right "n").
+    assert verifier == [3.0 if s == 1.0 else 0.0 for s in solver]
+    assert backend.budgets == {"solver": 4, "verifier": 6}
+
+
+def test_judgement_is_the_token_after_the_digits() -> None:
+    assert judgement(list(b"4600y")) is True
+    assert judgement(list(b"4601n")) is False
+    assert judgement(list(b"y")) is True  # no work shown is still a judgement
+    assert judgement([*b"46", EOS]) is None  # stopped before judging
+    assert judgement(list(b"46x")) is None
+    assert judgement([]) is None
+    assert parse_answer([*b"46", EOS]) == 46
+
+
+def test_digit_checks_are_zero_exactly_on_the_sum_s_digits() -> None:
+    assert digit_checks(46, 46) == "00"
+    assert digit_checks(47, 46) == "01"
+    assert digit_checks(37, 46) == "91"
+    assert digit_checks(9, 20) == "89"  # the shown answer right-aligned, padded with zeros
+    assert digit_checks(146, 46) == "00"  # an extra leading digit is not checked: the judgement says n
+
+
+def test_warm_start_data_agrees_with_the_sums() -> None:
+    for prompt, response in itertools.islice(solver_examples(seed=3, min_operand=10, max_operand=39), 200):
+        a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+        assert 10 <= a <= 39 and 10 <= b <= 39 and response == str(a + b)
+    judged = []
+    for prompt, response in itertools.islice(verifier_examples(seed=3, min_operand=10, max_operand=39), 400):
+        question, shown = prompt.rstrip("?").split("=")
+        total = sum(int(x) for x in question.split("+"))
+        checks = digit_checks(int(shown), total)
+        assert response == f"{total}{checks}{'y' if int(shown) == total else 'n'}"
+        judged.append(response[-1] == "y")
+    assert 0.4 < sum(judged) / len(judged) < 0.6  # balanced classes
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="judge_tokens"):
+        ArithmeticGame(judge_tokens=0)
+    with pytest.raises(ValueError, match="weight"):
+        ArithmeticGame(correct_weight=-1)
