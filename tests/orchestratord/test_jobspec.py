@@ -67,6 +67,11 @@ def mutate(path: str, value: Any) -> dict[str, Any]:
 
 DELETE = object()
 
+
+def _field_id(path: str, value: object) -> str:
+    """A parameter id that is the same at every collection (pytest-xdist compares them)."""
+    return f"{path}=<deleted>" if value is DELETE else f"{path}={value!r}"
+
 BAD_FIELDS = [
     ("batch.micro_batch_size", 5, "batch.micro_batch_size: must be a multiple of batch.group_size (2), got 5"),
     ("batch.micro_batch_size", 10,
@@ -100,7 +105,7 @@ BAD_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "message"), BAD_FIELDS, ids=[f"{p}=<deleted>" if v is DELETE else f"{p}={v!r}" for p, v, _ in BAD_FIELDS])
+@pytest.mark.parametrize(("path", "value", "message"), BAD_FIELDS, ids=[_field_id(p, v) for p, v, _ in BAD_FIELDS])
 def test_each_bad_field_has_a_precise_message(path: str, value: Any, message: str) -> None:
     with pytest.raises(InvalidArgument) as raised:
         parse_job_spec(mutate(path, value))
