@@ -32,7 +32,6 @@ Usage (repo root)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -55,11 +54,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
-from benchmarks.signaling_learning import BatchedBackend, checkpoint, read_job  # noqa: E402
+from benchmarks.signaling_learning import BatchedBackend, checkpoint, read_job, rollout_step  # noqa: E402
 from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer, question  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
-from rolloutd.runner import AgentRuntime, RolloutRunner, RolloutTaskInput  # noqa: E402
+from rolloutd.runner import AgentRuntime, RolloutRunner  # noqa: E402
 from traind import losses, sft  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -275,17 +274,7 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
     rows: list[StepRow] = []
     for step in range(steps):
         t0 = time.perf_counter()
-        inputs = [RolloutTaskInput("sim", f"sim/{step}/{i}", step * prompts_per_step + i, seed, group_size)
-                  for i in range(prompts_per_step)]
-
-        async def rollout(inputs: list[RolloutTaskInput] = inputs) -> list[Any]:
-            return list(await asyncio.gather(*(runner.run(t) for t in inputs)))
-
-        records: list[ExperienceRecord] = []
-        for res in asyncio.run(rollout()):
-            if not res.ok:
-                raise RuntimeError(f"episode failed: {res.errors[0].message}\n{res.errors[0].traceback}")
-            records.extend(res.experiences)
+        _, records = rollout_step(runner, step, prompts_per_step, seed, group_size)
         for name, agent in agents.items():
             rl_step(agent, [r for r in records if r.agent == name], loss_config)
         row = step_row(step, records, time.perf_counter() - t0)

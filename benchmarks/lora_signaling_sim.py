@@ -24,7 +24,6 @@ Usage (repo root)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import logging
@@ -55,12 +54,12 @@ from benchmarks.signaling_learning import (  # noqa: E402
     checkpoint,
     loss_settings,
     read_job,
+    rollout_step,
     train_step,
 )
 from examples.signaling_lora.env import pair_agents  # noqa: E402
-from flexmarl.experience import ExperienceRecord  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
-from rolloutd.runner import AgentRuntime, RolloutRunner, RolloutTaskInput  # noqa: E402
+from rolloutd.runner import AgentRuntime, RolloutRunner  # noqa: E402
 from traind import losses  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -141,18 +140,7 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, targe
     rows: list[StepRow] = []
     for step in range(steps):
         t0 = time.perf_counter()
-        inputs = [RolloutTaskInput("sim", f"sim/{step}/{i}", step * prompts_per_step + i, seed, group_size)
-                  for i in range(prompts_per_step)]
-
-        async def rollout(inputs: list[RolloutTaskInput] = inputs) -> list[Any]:
-            return list(await asyncio.gather(*(runner.run(t) for t in inputs)))
-
-        records: list[ExperienceRecord] = []
-        results = asyncio.run(rollout())
-        for res in results:
-            if not res.ok:
-                raise RuntimeError(f"episode failed: {res.errors[0].message}\n{res.errors[0].traceback}")
-            records.extend(res.experiences)
+        results, records = rollout_step(runner, step, prompts_per_step, seed, group_size)
         episodes = [ret for res in results for ret in res.returns.values()]
         reward_mean = {a: statistics.fmean(e[a] for e in episodes) for a in states}
         mean = statistics.fmean(reward_mean.values())

@@ -388,6 +388,30 @@ def trace_line(records: Sequence[ExperienceRecord]) -> str:
     return " ".join(parts)
 
 
+def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: int,
+                 group_size: int) -> tuple[list[Any], list[ExperienceRecord]]:
+    """Rollout batch ``step`` (tasks ``step * prompts_per_step`` onwards, as the planner leases them) played at once.
+
+    Returns the tasks' results (their episodes' ``returns``) and every experience of the batch.
+
+    Raises:
+        RuntimeError: an episode failed (its message and traceback).
+    """
+    inputs = [RolloutTaskInput("sim", f"sim/{step}/{i}", step * prompts_per_step + i, seed, group_size)
+              for i in range(prompts_per_step)]
+
+    async def rollout() -> list[Any]:
+        return list(await asyncio.gather(*(runner.run(t) for t in inputs)))
+
+    results = asyncio.run(rollout())
+    records: list[ExperienceRecord] = []
+    for res in results:
+        if not res.ok:
+            raise RuntimeError(f"episode failed: {res.errors[0].message}\n{res.errors[0].traceback}")
+        records.extend(res.experiences)
+    return results, records
+
+
 def run_seed(
     spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, target: float, quiet: bool, trace: bool = False
 ) -> RunResult:
@@ -440,20 +464,7 @@ def run_seed(
     rows: list[StepRow] = []
     for step in range(steps):
         t0 = time.perf_counter()
-        inputs = [
-            RolloutTaskInput("sim", f"sim/{step}/{i}", step * prompts_per_step + i, seed, group_size)
-            for i in range(prompts_per_step)
-        ]
-
-        async def rollout(inputs: list[RolloutTaskInput] = inputs) -> list[Any]:
-            return list(await asyncio.gather(*(runner.run(t) for t in inputs)))
-
-        results = asyncio.run(rollout())
-        records: list[ExperienceRecord] = []
-        for res in results:
-            if not res.ok:
-                raise RuntimeError(f"episode failed: {res.errors[0].message}\n{res.errors[0].traceback}")
-            records.extend(res.experiences)
+        results, records = rollout_step(runner, step, prompts_per_step, seed, group_size)
         episodes = [ret for res in results for ret in res.returns.values()]
         reward_mean = {a: statistics.fmean(e[a] for e in episodes) for a in states}
         # Won <=> an agent got exactly 1 (shaping stays < 1); valid <=> some agent got anything.
