@@ -4,27 +4,16 @@ and warm-start data whose checks and judgements agree with the sums."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from byte_tokenizers import ContentBytes
 
 from examples.arithmetic.data import digit_checks, solver_examples, verifier_examples
 from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
 
 EOS = 257
-
-
-class Bytes:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def render_chat(self, messages: Sequence[Any]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
 class Scripted:
@@ -51,7 +40,7 @@ class Scripted:
 async def test_the_verifier_sees_the_answer_and_earns_its_class_weight() -> None:
     env = ArithmeticGame(min_operand=10, max_operand=39, judge_tokens=6, correct_weight=3.0, wrong_weight=0.5)
     backend = Scripted()
-    runtimes = {a: AgentRuntime(Bytes(), {"max_new_tokens": 4}) for a in env.agents}
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 4}) for a in env.agents}
     result = await RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0, coalesce_first_turn=False).run(
         RolloutTaskInput("job", "job/0/0", 0, 0, 4))
     assert result.ok

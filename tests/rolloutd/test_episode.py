@@ -3,9 +3,9 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
+from byte_tokenizers import RoleBytes
 
 from flexmarl.errors import DataLoss, InvalidArgument
 from flexmarl.jobspec import load_job_spec
@@ -36,19 +36,6 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-class ByteTokenizer:
-    """Token id == byte; chat = 'role:content|' joined + 'assistant:'."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def render_chat(self, messages: Sequence[Any]) -> list[int]:
-        return self.encode("".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:")
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
-
-
 def scripted_ctx(
     replies: dict[str, list[str]], agents: Sequence[str] = ("a", "b")
 ) -> tuple[EpisodeContext, list[TurnRequest]]:
@@ -59,7 +46,7 @@ def scripted_ctx(
         ids = tuple(replies[request.agent].pop(0).encode())
         return GenerationOutput(ids, tuple(-0.5 for _ in ids), "stop", 3)
 
-    tok = ByteTokenizer()
+    tok = RoleBytes()
     ctx = EpisodeContext(
         agents={a: tok for a in agents},
         sampling_defaults={a: {"temperature": 1.0, "max_new_tokens": 4} for a in agents},
@@ -95,7 +82,7 @@ async def test_generate_n_is_one_request_recorded_as_n_turns() -> None:
         calls.append((request, n))
         return [GenerationOutput((97 + i, 98 + i), (-0.25, -0.5), "stop", 4 + i) for i in range(n)]
 
-    ctx = EpisodeContext(agents={"a": ByteTokenizer()}, sampling_defaults={"a": {"max_new_tokens": 4}},
+    ctx = EpisodeContext(agents={"a": RoleBytes()}, sampling_defaults={"a": {"max_new_tokens": 4}},
                          sample_index=0, rng=random.Random(0), sampler=sampler, multi_sampler=multi_sampler)
     first = await ctx.generate("a", "x")
     pair = await ctx.generate_n("a", "q=", 2, temperature=0.5)
@@ -154,7 +141,7 @@ async def test_mismatched_logprobs_are_rejected() -> None:
         return GenerationOutput((1, 2), (-0.1,), "stop", 0)
 
     ctx = EpisodeContext(
-        agents={"a": ByteTokenizer()}, sampling_defaults={}, sample_index=0, rng=random.Random(0), sampler=sampler
+        agents={"a": RoleBytes()}, sampling_defaults={}, sample_index=0, rng=random.Random(0), sampler=sampler
     )
     with pytest.raises(DataLoss):
         await ctx.generate("a", "x")

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from byte_tokenizers import RoleBytes
 
 from flexmarl.errors import Unavailable
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
@@ -14,17 +15,6 @@ from rolloutd.episode import Environment, EpisodeContext, Task, load_environment
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class ByteTokenizer:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def render_chat(self, messages: Sequence[Any]) -> list[int]:
-        return self.encode("".join(f"{m['role']}:{m['content']}|" for m in messages) + "assistant:")
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
 class FakeBackend:
@@ -79,7 +69,7 @@ class EchoGame(Environment):
 
 
 def runtimes(agents: Sequence[str]) -> dict[str, AgentRuntime]:
-    return {a: AgentRuntime(ByteTokenizer(), {"temperature": 1.0, "max_new_tokens": 2}) for a in agents}
+    return {a: AgentRuntime(RoleBytes(), {"temperature": 1.0, "max_new_tokens": 2}) for a in agents}
 
 
 def task_input(n: int = 4) -> RolloutTaskInput:

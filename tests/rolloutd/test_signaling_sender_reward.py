@@ -4,26 +4,13 @@ of the target, both agents report the 0/1 success, and the default job is unchan
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+from byte_tokenizers import ContentBytes
 
 from examples.signaling.env import SignalingGame
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
-
-
-class Bytes:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def render_chat(self, messages: Sequence[Mapping[str, str]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
-
 
 # The receiver's answer distribution over an 8-token vocabulary (K = 4: token t names position t mod 4),
 # per message token: after message 10 it names position 2 (tokens 2 and 6) with probability 0.6, after 11 with 0.2.
@@ -52,7 +39,7 @@ class Scripted:
 async def play(config: dict[str, Any]) -> tuple[dict[tuple[str, int], float], list[float], Scripted]:
     env = SignalingGame(num_objects=4, **config)
     backend = Scripted()
-    runtimes = {a: AgentRuntime(Bytes(), {"max_new_tokens": 1}) for a in env.agents}
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 1}) for a in env.agents}
     # Task 0 of seed 0 (task_rng): its target is position 2, as the receiver's scripted answer.
     assert env.task(0, 0).data["target"] == 2
     result = await RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0, coalesce_first_turn=False).run(

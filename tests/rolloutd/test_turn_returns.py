@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from byte_tokenizers import ContentBytes
 
 from flexmarl.errors import InvalidArgument
 from rolloutd.episode import Environment, EpisodeContext, Task, TurnRecord
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput, turn_returns
-
-
-class Bytes:
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def render_chat(self, messages: Sequence[Any]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages))
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
 
 class OneToken:
@@ -55,7 +44,7 @@ class Shaped(Debate):
 
 
 async def play(env: Environment, gamma: float) -> dict[tuple[str, int], float]:
-    runtimes = {a: AgentRuntime(Bytes(), {"max_new_tokens": 1}, gamma=gamma if a == "pro" else 1.0)
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 1}, gamma=gamma if a == "pro" else 1.0)
                 for a in env.agents}
     result = await RolloutRunner(env, runtimes, OneToken(), clock_ms=lambda: 0).run(
         RolloutTaskInput("j", "j/b0/t0", 0, 0, 2))
@@ -90,7 +79,7 @@ async def test_shape_reward_sees_each_turn_before_discounting() -> None:
 
 
 async def test_reward_for_a_turn_not_taken_fails_the_episode() -> None:
-    runtimes = {a: AgentRuntime(Bytes(), {"max_new_tokens": 1}) for a in Debate.agents}
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 1}) for a in Debate.agents}
     result = await RolloutRunner(Debate(bad_turn=True), runtimes, OneToken()).run(
         RolloutTaskInput("j", "j/b0/t0", 0, 0, 1))
     assert not result.ok and "turn 1 not taken" in result.errors[0].message
@@ -103,7 +92,7 @@ def test_reward_turn_indexing() -> None:
     import asyncio
     import random
 
-    ctx = EpisodeContext(agents={"a": Bytes()}, sampling_defaults={}, sample_index=0, rng=random.Random(0),
+    ctx = EpisodeContext(agents={"a": ContentBytes()}, sampling_defaults={}, sample_index=0, rng=random.Random(0),
                          sampler=sampler)
     with pytest.raises(InvalidArgument, match="not taken"):
         ctx.reward("a", 1.0, turn=-1)
