@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from flexmarl.errors import FlexmarlError
-from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, join_key
+from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, answers_by_name, failures_by_name, join_key
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ class AgentWeightGroup:
                 return {rid: failed.get(rid, "the group broke under another replica") for rid, _ in members}
         failed = _text(await _bounded({rid: c.end_weight_update() for rid, c in members}, bound_s,
                                       "end_weight_update"))
-        infos = await _answers({rid: c.model_info() for rid, c in members if rid not in failed}, bound_s)
+        infos = await answers_by_name({rid: c.model_info() for rid, c in members if rid not in failed}, bound_s,
+                                      "model_info")
         for rid, info in infos.items():
             if isinstance(info, BaseException):
                 failed[rid] = f"model_info: {info}"
@@ -238,29 +239,9 @@ class AgentWeightGroup:
             log.info("replica %s leaving broken %s: %s", rid, group_name, exc)
 
 
-async def _answers(calls: Mapping[str, Awaitable[Any]], timeout_s: float) -> dict[str, Any]:
-    """Each call's result or exception (TimeoutError past ``timeout_s``), by name."""
-    names = list(calls)
-    tasks = [asyncio.ensure_future(call) for call in calls.values()]
-    if not tasks:
-        return {}
-    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-    out: dict[str, Any] = {}
-    for name, task in zip(names, tasks, strict=True):
-        if task in pending:
-            task.cancel()
-            out[name] = TimeoutError(f"no answer within {timeout_s:.0f}s")
-        else:
-            out[name] = task.exception() or task.result()
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    return out
-
-
 async def _bounded(calls: Mapping[str, Awaitable[Any]], timeout_s: float, what: str) -> dict[str, BaseException]:
-    """The failures of concurrent calls (and those past ``timeout_s``), by name."""
-    results = await _answers(calls, timeout_s)
-    failures = {name: r for name, r in results.items() if isinstance(r, BaseException)}
+    """The failures of concurrent calls (and those past ``timeout_s``), by name, each logged."""
+    failures = await failures_by_name(calls, timeout_s, what)
     for name, exc in failures.items():
         log.warning("%s: %s failed: %s", what, name, exc)
     return failures

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from flexmarl import collective
 from flexmarl.errors import FlexmarlError
-from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor, join_key
+from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor, failures_by_name, join_key
 
 logger = logging.getLogger(__name__)
 
@@ -291,25 +291,6 @@ class PushReport:
     seconds: float
 
 
-async def _gather_bounded(
-    calls: dict[str, Any], timeout_s: float, what: str
-) -> dict[str, BaseException]:
-    """Await every call; the failures (and those past ``timeout_s``) by name."""
-    names = list(calls)
-    tasks = [asyncio.ensure_future(call) for call in calls.values()]
-    done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-    failures: dict[str, BaseException] = {}
-    for name, task in zip(names, tasks, strict=True):
-        if task in pending:
-            task.cancel()
-            failures[name] = TimeoutError(f"{what} took more than {timeout_s:.0f}s")
-        elif (exc := task.exception()) is not None:
-            failures[name] = exc
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
-    return failures
-
-
 class ReplicaGroup:
     """One weight-update group across versions: rank 0 plus ``receivers`` at ranks 1..n."""
 
@@ -344,7 +325,7 @@ class ReplicaGroup:
                 backend=address.backend,
                 timeout_s=self.timeout_s,
             )
-        failures = await _gather_bounded(calls, self.timeout_s + 5.0, "joining the group")
+        failures = await failures_by_name(calls, self.timeout_s + 5.0, "joining the group")
         if failures:
             self.broadcaster.close()
             raise WeightSyncError(
@@ -397,7 +378,7 @@ class ReplicaGroup:
         return PushReport(weight_version, len(buckets), total, seconds)
 
     async def _step(self, calls: dict[str, Any], what: str) -> None:
-        failures = await _gather_bounded(calls, self.timeout_s + 5.0, what)
+        failures = await failures_by_name(calls, self.timeout_s + 5.0, what)
         if failures:
             self.broadcaster.close()
             raise WeightSyncError(
@@ -408,7 +389,7 @@ class ReplicaGroup:
         """Leave the group at a version boundary: rank 0 destroys it, each replica leaves (best effort)."""
         self.broadcaster.close()
         calls = {r.url: r.destroy_weights_update_group(self.broadcaster.group_name) for r in self.receivers}
-        failures = await _gather_bounded(calls, self.timeout_s, "destroy_weights_update_group")
+        failures = await failures_by_name(calls, self.timeout_s, "destroy_weights_update_group")
         for name, exc in failures.items():
             logger.info("replica %s leaving %s: %s", name, self.broadcaster.group_name, exc)
 

@@ -17,9 +17,11 @@ rolloutd to answer owns the version's group (compare-and-set); any other loads t
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from typing import Literal
+from collections.abc import Awaitable, Mapping
+from typing import Any, Literal
 
 from flexmarl.errors import InvalidArgument
 from flexmarl.v1 import common_pb2
@@ -150,4 +152,36 @@ def from_message(msg: common_pb2.WeightGroup) -> WeightGroupRecord:
                              msg.timeout_s, tuple(buckets))
 
 
-__all__ = ["JoinAnswer", "JoinKind", "WeightGroupRecord", "WeightTensor", "from_message", "join_key", "to_message"]
+async def answers_by_name(calls: Mapping[str, Awaitable[Any]], timeout_s: float, what: str) -> dict[str, Any]:
+    """Each concurrent call's result or exception, by name (no calls: none).
+
+    A call past ``timeout_s`` is cancelled and answers TimeoutError. Both sides of a weight-update
+    group (traind's broadcaster, rolloutd's group owner) ask every member at once with it.
+    """
+    names = list(calls)
+    tasks = [asyncio.ensure_future(call) for call in calls.values()]
+    if not tasks:
+        return {}
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    out: dict[str, Any] = {}
+    for name, task in zip(names, tasks, strict=True):
+        if task in pending:
+            task.cancel()
+            out[name] = TimeoutError(f"{what}: no answer within {timeout_s:.0f}s")
+        else:
+            out[name] = task.exception() or task.result()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    return out
+
+
+async def failures_by_name(
+    calls: Mapping[str, Awaitable[Any]], timeout_s: float, what: str
+) -> dict[str, BaseException]:
+    """The failures of :func:`answers_by_name`'s calls (and those past ``timeout_s``), by name."""
+    answers = await answers_by_name(calls, timeout_s, what)
+    return {name: a for name, a in answers.items() if isinstance(a, BaseException)}
+
+
+__all__ = ["JoinAnswer", "JoinKind", "WeightGroupRecord", "WeightTensor", "answers_by_name", "failures_by_name",
+           "from_message", "join_key", "to_message"]
