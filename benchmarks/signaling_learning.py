@@ -66,6 +66,7 @@ import yaml  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
+from flexmarl.ids import TaskRef  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput  # noqa: E402
@@ -73,6 +74,7 @@ from traind import losses  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
+SIM_JOB = "sim"  # the job id of the harness's task ids (TaskRef's <job>/b<step>/t<i>, as the planner names them)
 TINY_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 
 
@@ -151,6 +153,7 @@ class _Pending:
     sampling: dict[str, Any]
     n: int
     future: asyncio.Future[list[GenerationOutput]]
+    seed: int | None = None  # engine sampling: the request's sampling_seed (sample i uses seed + i)
 
 
 class BatchedBackend:
@@ -161,11 +164,21 @@ class BatchedBackend:
     are one or two tokens). Sampling follows the embedded engine (full vocabulary,
     ``softmax(logits / T)``, behaviour logprob from the same distribution; top_k/top_p unsupported);
     ``top_logprobs_num`` k returns the k most likely tokens of that distribution at every position.
+
+    ``engine_seed`` (the job seed) samples as a local cluster does instead: each request gets the
+    seed rolloutd's ``JobBackend`` gives it (:func:`rolloutd.router.request_seed` of the job seed,
+    the agent, the episode and the prompt; sample ``i`` of an ``n``-request ``seed + i``, as the
+    router splits it) and the embedded engine's deterministic sampler draws the token
+    (:func:`rolloutd.engines.embedded.gumbel_max_token`). A run then replays the cluster job of
+    that seed (up to the rounding of a batched forward), which tells the harness's luck from a
+    difference of the two.
     """
 
-    def __init__(self, agents: dict[str, AgentState], generator: torch.Generator) -> None:
+    def __init__(self, agents: dict[str, AgentState], generator: torch.Generator,
+                 engine_seed: int | None = None) -> None:
         self._agents = agents
         self._generator = generator
+        self._engine_seed = engine_seed
         self._pending: list[_Pending] = []
         self._flusher: asyncio.Task[None] | None = None
         self.forward_calls = 0
@@ -177,7 +190,12 @@ class BatchedBackend:
         if sampling.get("top_k", -1) not in (-1, 0) or sampling.get("top_p", 1.0) < 1.0:
             raise ValueError("top_k/top_p are not simulated")
         future: asyncio.Future[list[GenerationOutput]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(agent, list(input_ids), dict(sampling), n, future))
+        seed = None
+        if self._engine_seed is not None:
+            from rolloutd.router import request_seed
+
+            seed = request_seed(self._engine_seed, agent, affinity_key.removeprefix(f"{SIM_JOB}/"), input_ids)
+        self._pending.append(_Pending(agent, list(input_ids), dict(sampling), n, future, seed))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_when_idle())
         return await future
@@ -205,6 +223,7 @@ class BatchedBackend:
     def _sample(self, agent: str, requests: list[_Pending]) -> list[list[GenerationOutput]]:
         state = self._agents[agent]
         rows: list[tuple[int, list[int]]] = [(i, list(p.input_ids)) for i, p in enumerate(requests) for _ in range(p.n)]
+        seeds = [None if p.seed is None else p.seed + k for p in requests for k in range(p.n)]
         temps = torch.tensor([float(requests[i].sampling.get("temperature", 1.0)) for i, _ in rows])
         budgets = [int(requests[i].sampling.get("max_new_tokens", 1)) for i, _ in rows]
         out_ids: list[list[int]] = [[] for _ in rows]
@@ -229,7 +248,14 @@ class BatchedBackend:
             if bool((temp <= 0).any()):
                 raise ValueError("greedy sampling is not simulated")
             logprobs = torch.log_softmax(last / temp, dim=-1)
-            tokens = torch.multinomial(logprobs.exp(), 1, generator=self._generator).squeeze(-1)
+            if self._engine_seed is None:
+                tokens = torch.multinomial(logprobs.exp(), 1, generator=self._generator).squeeze(-1)
+            else:
+                from rolloutd.engines.embedded import gumbel_max_token
+
+                tokens = torch.tensor([gumbel_max_token(logprobs[j].exp(), int(seeds[r]),  # type: ignore[arg-type]
+                                                        len(rows[r][1]) + len(out_ids[r]))
+                                       for j, r in enumerate(live)])
             still: list[int] = []
             for j, r in enumerate(live):
                 token = int(tokens[j])
@@ -397,7 +423,7 @@ def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: 
     Raises:
         RuntimeError: an episode failed (its message and traceback).
     """
-    inputs = [RolloutTaskInput("sim", f"sim/{step}/{i}", step * prompts_per_step + i, seed, group_size)
+    inputs = [RolloutTaskInput(SIM_JOB, str(TaskRef(SIM_JOB, step, i)), step * prompts_per_step + i, seed, group_size)
               for i in range(prompts_per_step)]
 
     async def rollout() -> list[Any]:
@@ -413,9 +439,14 @@ def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: 
 
 
 def run_seed(
-    spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, target: float, quiet: bool, trace: bool = False
+    spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, target: float, quiet: bool, trace: bool = False,
+    engine_sampling: bool = False,
 ) -> RunResult:
-    """Trains both agents of ``spec`` for ``steps`` steps with run seed ``seed``."""
+    """Trains both agents of ``spec`` for ``steps`` steps with run seed ``seed``.
+
+    ``engine_sampling``: sample as a local cluster running ``spec`` with job seed ``seed`` does
+    (:class:`BatchedBackend`'s ``engine_seed``).
+    """
     from transformers import AutoModelForCausalLM
 
     import traind.model  # noqa: F401  (heavy: imports deepspeed; keep it out of the step timings)
@@ -458,7 +489,7 @@ def run_seed(
         if not sampling.get("stop_token_ids"):
             sampling.pop("stop_token_ids", None)
         runtimes[agent["name"]] = AgentRuntime(HFTokenizer(str(path)), sampling)
-    backend = BatchedBackend(states, torch.Generator().manual_seed(seed))
+    backend = BatchedBackend(states, torch.Generator().manual_seed(seed), seed if engine_sampling else None)
     runner = RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0)
     setup_s = time.perf_counter() - started
     rows: list[StepRow] = []
@@ -497,11 +528,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json-out", default="")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--trace", action="store_true", help="print each step's most frequent responses")
+    parser.add_argument("--engine-sampling", action="store_true",
+                        help="sample as a local cluster does (per-request seeds, the engine's seeded sampler): "
+                             "seed s then replays the cluster job with seed s and weight seeds 2s+1, 2s+2, ...")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     spec, steps, cache_dir = read_job(args.job, args.set, args.steps, args.cache_dir)
-    results = [run_seed(spec, seed, steps, cache_dir, args.target, args.quiet, args.trace) for seed in args.seeds]
+    results = [run_seed(spec, seed, steps, cache_dir, args.target, args.quiet, args.trace, args.engine_sampling)
+               for seed in args.seeds]
     print(f"\nconfig: env={spec['environment'].get('config')} batch={spec['batch']} "
           f"models={[a['model'] for a in spec['agents']]} lr={[a['optimizer']['lr'] for a in spec['agents']]}")
     columns = [Column("seed", 4), Column("steps to " + str(args.target), 14), Column("seconds", 8, fmt=".1f"),
