@@ -85,10 +85,22 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"balancing": "hierarchical"},
         "FlexMARL with each agent on a fixed slot set",
     ),
-    "flexmarl-partial": (
+    "flexmarl-interrupt": (
         {"mode": "async", "max_staleness": 1},
         {"balancing": "hierarchical", "partial_rollout": True},
-        "FlexMARL with interruptible rollouts: a new version interrupts the agent's generations, which continue",
+        "FlexMARL with interruptible generation only: a new version interrupts the agent's generations, which "
+        "continue on it; step t still trains batch t",
+    ),
+    "flexmarl-partial": (
+        {"mode": "async", "max_staleness": 1, "step_fill": "completion"},
+        {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
+        "partial rollout (slime --partial-rollout --mask-offpolicy-in-partial-rollout, AReaL): interruptible "
+        "generation, a step is the first tasks to finish, tokens older than eta get zero weight",
+    ),
+    "flexmarl-partial-held": (
+        {"mode": "async", "max_staleness": 1, "step_fill": "completion"},
+        {"balancing": "hierarchical", "partial_rollout": True},
+        "flexmarl-partial without masking: a step waits for a task no later step may take (every token within eta)",
     ),
 }
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's

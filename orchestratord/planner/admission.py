@@ -24,7 +24,12 @@ def admission_limit(job: JobPlan) -> int:
     """
     eta = 0 if job.spec.pipeline.barrier else job.spec.pipeline.max_staleness
     prompts = job.spec.batch.prompts_per_step
-    return min((eta + job.min_version() + 1) * prompts, job.spec.total_steps * prompts)
+    limit = (eta + job.min_version() + 1) * prompts
+    if job.spec.pipeline.step_fill == "completion":
+        # Any task may fill the last steps (one dropped as too stale is replaced); what still runs at the end
+        # is abandoned.
+        return limit
+    return min(limit, job.spec.total_steps * prompts)
 
 
 def has_leasable_tasks(job: JobPlan) -> bool:
@@ -61,6 +66,7 @@ def _lease_task(job: JobPlan, task: Task, worker_id: str) -> RolloutTaskLease:
     lease = job.leases.issue(LeaseKind.ROLLOUT_TASK, worker_id, task.task_id, job.spec.leases.rollout_timeout_s)
     task.status = TaskStatus.LEASED
     task.lease_id = lease.lease_id
+    task.lease_version = job.min_version()
     return RolloutTaskLease(
         lease_id=lease.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.task_index,
         batch_index=task.batch, group_size=job.spec.batch.group_size,

@@ -229,14 +229,17 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
         job.set_state(JobState.SUCCEEDED, "")
 
 
-def _prune_batch(job: JobPlan, batch: int) -> None:
-    """Forgets a rollout batch once every agent committed its step."""
-    if job.min_version() <= batch:
+def _prune_batch(job: JobPlan, step: int) -> None:
+    """Forgets the tasks of a step once every agent committed it (under step_fill batch: rollout batch ``step``)."""
+    if job.min_version() <= step:
         return
-    for task_id in [tid for tid, task in job.tasks.items() if task.batch == batch]:
+    gone = {tid for tid, task in job.tasks.items() if task.step == step}
+    for task_id in gone:
         del job.tasks[task_id]
-    job.leases.forget(lease.lease_id for lease in job.leases.all() if batch_of_lease(lease) == batch)
-    job.done_per_batch.pop(batch, None)
+    job.leases.forget(
+        lease.lease_id for lease in job.leases.all()
+        if (lease.subject in gone if lease.kind is LeaseKind.ROLLOUT_TASK else batch_of_lease(lease) == step))
+    job.tasks_per_step.pop(step, None)
 
 
 def slot_busy(job: JobPlan, slot_id: str) -> bool:

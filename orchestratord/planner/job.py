@@ -70,6 +70,7 @@ class JobPlanner:
         )
         # Every batch below the lowest committed version is done (a restored job starts there).
         job.admitted = job.tasks_done_total = job.min_version() * spec.batch.prompts_per_step
+        job.open_step = job.min_version()  # step_fill completion: the first step still to fill
         for agent in spec.agents:
             job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
         if not state.terminal and job.min_version() >= spec.total_steps:

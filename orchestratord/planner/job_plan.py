@@ -43,6 +43,11 @@ class Task:
     status: TaskStatus = TaskStatus.PENDING
     attempts: int = 0
     lease_id: str = ""
+    # The step the task's groups joined (None until placed); ``batch`` under ``pipeline.step_fill: batch``.
+    step: int | None = None
+    # The job's lowest committed version when the task was last leased: under ``step_fill: completion``
+    # its experiences are at least that new, so it may hold steps up to that + max_staleness open.
+    lease_version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,12 @@ class Group:
     max_behavior_version: int
     # Each experience's return, in experience_ids order (advantage_norm agent's step statistics).
     returns: tuple[float, ...] = ()
+    batch: int = 0  # the task's rollout batch: (batch, position) orders a step's groups
+
+    @property
+    def task_order(self) -> tuple[int, int]:
+        """Where the group's task is in admission order (a step's "task order")."""
+        return self.batch, self.position
 
 
 class MicroBatchStatus(enum.Enum):
@@ -174,7 +185,12 @@ class JobPlan:
     tasks: dict[str, Task] = dataclasses.field(default_factory=dict)
     # Tasks to lease again (expired, failed or rejected), before newly admitted ones.
     retry: set[str] = dataclasses.field(default_factory=set)
-    done_per_batch: defaultdict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    # Done tasks placed in each step (under step_fill batch: the done tasks of each rollout batch).
+    tasks_per_step: defaultdict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    # step_fill completion: done tasks not yet in a step (with their groups), and the lowest step not yet full.
+    unplaced: list[tuple[Task, dict[str, Group]]] = dataclasses.field(default_factory=list)
+    open_step: int = 0
+    tasks_dropped_stale: int = 0
     plans: dict[tuple[str, int], StepPlan] = dataclasses.field(default_factory=dict)
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0

@@ -2,31 +2,103 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from orchestratord.planner.job_plan import Group, JobPlan, MicroBatch, StepPlan, Task, TaskStatus
 from orchestratord.state import ManifestFixed, StepManifest
 
+logger = logging.getLogger(__name__)
+
 
 def complete_task(job: JobPlan, task: Task, groups: Mapping[str, Group]) -> None:
-    """Marks a task done and adds its validated groups to the steps of its batch."""
+    """Marks a task done; its validated groups join a step (:func:`place_task`).
+
+    ``pipeline.step_fill: batch``: the step of its rollout batch. ``completion``: the task waits
+    with the other done tasks not yet placed and :func:`fill_steps` places them.
+    """
     task.status = TaskStatus.DONE
     task.lease_id = ""
     job.retry.discard(task.task_id)
     job.tasks_done_total += 1
-    job.done_per_batch[task.batch] += 1
-    complete = job.done_per_batch[task.batch] == job.spec.batch.prompts_per_step
     for name, group in groups.items():
         job.rollout_demand_estimator.observe((job.job_id, name), group.episodes, group.response_tokens)
-        plan = step_plan(job, name, task.batch)
+    if job.spec.pipeline.step_fill == "completion":
+        job.unplaced.append((task, dict(groups)))
+        fill_steps(job)
+    else:
+        place_task(job, task, task.batch, groups)
+
+
+def place_task(job: JobPlan, task: Task, step: int, groups: Mapping[str, Group]) -> None:
+    """Adds a done task's groups to ``step`` of their agents; fixes the manifests when the step is full."""
+    task.step = step
+    job.tasks_per_step[step] += 1
+    complete = job.tasks_per_step[step] == job.spec.batch.prompts_per_step
+    for name, group in groups.items():
+        plan = step_plan(job, name, step)
         plan.groups.append(group)
         plan.unformed.append(group)
     for agent in job.agents.values():
-        if agent.version <= task.batch:
-            plan = step_plan(job, agent.name, task.batch)
+        if agent.version <= step:
+            plan = step_plan(job, agent.name, step)
             if complete:
                 fix_manifest(job, plan)
             form_micro_batches(job, plan, complete)
+
+
+def task_deadline(job: JobPlan, groups: Mapping[str, Group]) -> int:
+    """The last step a done task may join: its oldest experience's version + ``max_staleness``."""
+    oldest = min((group.min_behavior_version for group in groups.values()), default=job.min_version())
+    return oldest + job.spec.pipeline.max_staleness
+
+
+def in_flight_deadline(job: JobPlan, task: Task) -> int:
+    """The last step an unfinished task is expected to fit: its lease's version + ``max_staleness``."""
+    return task.lease_version + job.spec.pipeline.max_staleness
+
+
+def fill_steps(job: JobPlan) -> None:
+    """``pipeline.step_fill: completion``: puts done tasks into the lowest steps not yet full.
+
+    Earliest deadline first (:func:`task_deadline`, then completion order). Without
+    ``rollout.mask_stale_tokens`` the staleness bound holds for every experience: a step keeps
+    one place open for each unfinished task that could fit no later step
+    (:func:`in_flight_deadline`), so it waits for that task rather than leave it too stale; the
+    admission rule (at most ``(eta + v + 1) x prompts_per_step`` tasks leased by version ``v``)
+    means such tasks never outnumber the places. A done task already too stale for the open
+    step (an experience older than its lease's version: a replica still serving the previous
+    version) is dropped (a re-run would report the same experiences: rolloutd reuses durable ones);
+    admission is not capped at ``total_steps`` batches under this fill, so another task takes its
+    place, and the tasks still running when the job ends are abandoned. With ``mask_stale_tokens`` no place is kept: the
+    step takes the first tasks to finish, and traind gives tokens older than the bound zero weight.
+    """
+    prompts = job.spec.batch.prompts_per_step
+    masked = job.spec.rollout.mask_stale_tokens
+    while job.unplaced and job.open_step < job.spec.total_steps and not job.state.terminal:
+        step = job.open_step
+        job.unplaced.sort(key=lambda entry: task_deadline(job, entry[1]))  # stable: completion order within
+        task, groups = job.unplaced[0]
+        if not masked and task_deadline(job, groups) < step:
+            job.unplaced.pop(0)
+            _drop_too_stale(job, task, step)
+            continue
+        held = 0 if masked else sum(
+            1 for t in job.tasks.values()
+            if t.status is not TaskStatus.DONE and t.step is None and in_flight_deadline(job, t) <= step)
+        if prompts - job.tasks_per_step[step] - held <= 0:
+            return  # the rest of the step is held for unfinished tasks that fit no later step
+        job.unplaced.pop(0)
+        place_task(job, task, step, groups)
+        if job.tasks_per_step[step] == prompts:
+            job.open_step = step + 1
+
+
+def _drop_too_stale(job: JobPlan, task: Task, step: int) -> None:
+    job.tasks_dropped_stale += 1
+    logger.warning("job %s: dropping task %s: its oldest experience is too stale for step %d (max_staleness %d); "
+                   "the admission rule leases another task in its place",
+                   job.job_id, task.task_id, step, job.spec.pipeline.max_staleness)
 
 
 def step_plan(job: JobPlan, agent: str, step: int) -> StepPlan:
@@ -83,7 +155,7 @@ def form_micro_batches(job: JobPlan, plan: StepPlan, batch_complete: bool) -> No
     if job.spec.pipeline.barrier or needs_step_statistics(job, plan.agent):
         if not batch_complete:
             return
-        plan.unformed.sort(key=lambda group: group.position)
+        plan.unformed.sort(key=lambda group: group.task_order)
     while len(plan.unformed) >= per_micro_batch or (batch_complete and plan.unformed):
         taken, plan.unformed = plan.unformed[:per_micro_batch], plan.unformed[per_micro_batch:]
         plan.micro_batches.append(MicroBatch(len(plan.micro_batches), tuple(taken)))

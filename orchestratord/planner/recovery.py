@@ -16,8 +16,8 @@ from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
 from orchestratord.planner.ids import task_index_of
-from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
-from orchestratord.planner.manifests import complete_task
+from orchestratord.planner.job_plan import Group, JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
+from orchestratord.planner.manifests import complete_task, fill_steps, place_task
 from orchestratord.planner.reports import validate_groups
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,8 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
     by_task: dict[str, list[ExperienceSummary]] = defaultdict(list)
     for exp in reported:
         by_task[exp.task_id].append(exp)
+    if job.spec.pipeline.step_fill == "completion":
+        return _recover_completion_fill(job, by_task)
     prompts = job.spec.batch.prompts_per_step
     min_version = job.min_version()
     recovered = 0
@@ -122,11 +124,65 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
         if task.status is TaskStatus.DONE:
             continue
         try:
-            groups = validate_groups(job, task, by_task[task_id], check_staleness=True)
+            groups = validate_groups(job, task, by_task[task_id], check_staleness=True, step=batch)
         except (InvalidArgument, FailedPrecondition) as rejection:
             logger.info("not recovering task %s: %s", task_id, rejection)
             continue
         job.tasks[task_id] = task
         complete_task(job, task, groups)
         recovered += 1
+    return recovered
+
+
+def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSummary]]) -> int:
+    """:func:`recover` under ``pipeline.step_fill: completion``, where a task's step is not its batch.
+
+    The persisted manifests say where the tasks of every full step went: those of a step some
+    agent still has to train join it again (the rebuilt manifest must equal the persisted one);
+    those of steps every agent committed are consumed. The other done tasks are placed again as
+    they would be on arrival (:func:`fill_steps`), so a step that was not full may take other
+    tasks than before; nothing trained depends on that. Admission goes on after the highest task
+    stored holds (tasks that were running are abandoned, not re-run: any task may fill a step).
+    """
+    prompts = job.spec.batch.prompts_per_step
+    min_version = job.min_version()
+    step_of: dict[str, int] = {}
+    for (_, step), manifest in job.persisted_manifests.items():
+        for eid in manifest.experience_ids:
+            step_of[eid] = step
+    full_steps = {step for (_, step) in job.persisted_manifests}
+    job.open_step = min_version
+    while job.open_step in full_steps:
+        job.open_step += 1
+    recovered = 0
+    arriving: list[tuple[Task, dict[str, Group]]] = []
+    for task_id in sorted(by_task):
+        ref = TaskRef.of_job(job.job_id, task_id)
+        if ref is None or ref.position >= prompts:
+            continue
+        job.admitted = max(job.admitted, task_index_of(ref.batch, ref.position, prompts) + 1)
+        steps = {step_of.get(exp.experience_id) for exp in by_task[task_id]}
+        placed = next(iter(steps)) if len(steps) == 1 else None
+        if placed is not None and placed < min_version:
+            continue  # consumed by a step every agent committed
+        task = job.tasks.get(task_id) or Task(task_id, ref.batch, ref.position,
+                                              task_index_of(ref.batch, ref.position, prompts))
+        if task.status is TaskStatus.DONE:
+            continue
+        try:
+            groups = validate_groups(job, task, by_task[task_id], check_staleness=placed is not None, step=placed)
+        except (InvalidArgument, FailedPrecondition) as rejection:
+            logger.info("not recovering task %s: %s", task_id, rejection)
+            continue
+        job.tasks[task_id] = task
+        task.status = TaskStatus.DONE
+        job.tasks_done_total += 1
+        recovered += 1
+        if placed is not None:
+            place_task(job, task, placed, groups)
+        else:
+            arriving.append((task, groups))
+    for task, groups in arriving:
+        job.unplaced.append((task, groups))
+    fill_steps(job)
     return recovered

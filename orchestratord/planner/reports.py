@@ -40,7 +40,10 @@ def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succe
         requeue_task(job, task_id, f"worker reported failure: {error}")
         return
     try:
-        groups = validate_groups(job, task, experiences, check_staleness=True)
+        # step_fill completion: the step is chosen when the task is placed (manifests.fill_steps, which checks
+        # the staleness bound there).
+        step = None if job.spec.pipeline.step_fill == "completion" else task.batch
+        groups = validate_groups(job, task, experiences, check_staleness=True, step=step)
     except (InvalidArgument, FailedPrecondition) as rejection:
         job.leases.end(lease, LeaseStatus.RELEASED, "rejected")
         requeue_task(job, task_id, str(rejection))
@@ -50,8 +53,11 @@ def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succe
 
 
 def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSummary],
-                    check_staleness: bool) -> dict[str, Group]:
-    """Validates a task's experiences; returns one group per agent that still trains on batch ``task.batch``.
+                    check_staleness: bool, step: int | None) -> dict[str, Group]:
+    """Validates a task's experiences; returns one group per agent that still trains step ``step``.
+
+    ``step``: the step the groups join (``task.batch`` under ``step_fill: batch``); None when not
+    known yet (``step_fill: completion``): a group for every agent, no staleness check.
 
     Raises:
         InvalidArgument: a malformed experience, or an episode some agent has no experience of.
@@ -87,21 +93,21 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
         if missing:
             raise InvalidArgument(f"task {task.task_id}: agent {agent.name!r} has no experience for "
                                   f"episodes {missing} (every episode involves every agent)")
-        if agent.version > task.batch:
-            continue  # this agent already committed step task.batch (after a restore)
+        if step is not None and agent.version > step:
+            continue  # this agent already committed that step (after a restore)
         for exp in members:
             if exp.behavior_version > agent.version:
                 raise FailedPrecondition(
                     f"task {task.task_id}: experience {exp.experience_id!r} claims version "
                     f"{exp.behavior_version} of agent {agent.name!r}, which is at version {agent.version}")
-            if check_staleness and task.batch - exp.behavior_version > eta:
+            if check_staleness and step is not None and step - exp.behavior_version > eta:
                 raise FailedPrecondition(
                     f"task {task.task_id}: experience {exp.experience_id!r} of version {exp.behavior_version} "
-                    f"is too stale for step {task.batch} (max_staleness {eta})")
+                    f"is too stale for step {step} (max_staleness {eta})")
         members = sorted(members, key=lambda exp: exp.experience_id)
         groups[agent.name] = Group(
             agent=agent.name, group_id=str(GroupRef(task.task_id, agent.name)), task_id=task.task_id,
-            position=task.position, experience_ids=tuple(exp.experience_id for exp in members),
+            position=task.position, batch=task.batch, experience_ids=tuple(exp.experience_id for exp in members),
             returns=tuple(float(exp.reward) for exp in members),
             episodes=group_size, response_tokens=sum(exp.response_tokens for exp in members),
             reward_sum=sum(exp.reward for exp in members),

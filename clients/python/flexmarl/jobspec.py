@@ -271,6 +271,7 @@ class BatchSpec(_SpecModel):
 
 PipelineMode = Literal["async", "sync", "sequential", "static"]
 BindingPolicy = Literal["dynamic", "static"]
+StepFill = Literal["batch", "completion"]
 BalancingPolicy = Literal["hierarchical", "static", "round-robin"]
 WeightSyncMode = Literal["distributed", "disk"]
 BARRIER_MODES = ("sync", "sequential", "static")
@@ -299,6 +300,13 @@ class PipelineSpec(_SpecModel):
     """How many versions behind the trained policy an experience's behaviour policy may be; 0 is strict on-policy."""
     binding: BindingPolicy | None = None
     """`dynamic` (agent-centric on-demand binding) or `static` (fixed slots); default follows the mode."""
+    step_fill: StepFill = "batch"
+    """Which tasks form step t: `batch` (rollout batch t, tasks t x prompts_per_step onwards; every mode) or
+    `completion` (the first prompts_per_step tasks to finish that no earlier step took, so a long episode no
+    longer holds its step back: AReaL's and slime's partial rollout; async mode with max_staleness >= 1 only).
+    Under `completion` a task whose oldest token would be more than max_staleness versions behind its step
+    holds that step open until it finishes, unless `rollout.mask_stale_tokens` (then it joins the next step
+    and its stale tokens get zero weight); docs/pipeline.md."""
 
     @property
     def barrier(self) -> bool:
@@ -507,6 +515,8 @@ CROSS_FIELD_RULES = (
     "`rollout.partial_rollout` needs `pipeline.mode: async` and `pipeline.max_staleness` >= 1 "
     "(strict and barrier modes never interrupt a generation).",
     "`rollout.mask_stale_tokens` needs `rollout.partial_rollout`.",
+    "`pipeline.step_fill: completion` needs `pipeline.mode: async` and `pipeline.max_staleness` >= 1 (strict and "
+    "barrier modes train step t on batch t).",
     "An agent with a `warm_start` has `max_slots: 1` and a KL coefficient of 0 (the KL reference would be the "
     "checkpoint before the warm start).",
     "A LoRA agent (`lora`) has `zero_stage: 0` and `max_slots: 1` (it trains on one slot, where ZeRO partitions "
@@ -539,6 +549,9 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
                         f"(mode {pipeline.mode!r}, max_staleness {pipeline.max_staleness} never interrupts)")
     if spec.rollout.mask_stale_tokens and not spec.rollout.partial_rollout:
         problems.append("rollout.mask_stale_tokens: needs rollout.partial_rollout")
+    if pipeline.step_fill == "completion" and (pipeline.barrier or pipeline.max_staleness == 0):
+        problems.append(f"pipeline.step_fill: 'completion' needs pipeline.mode async and pipeline.max_staleness >= 1 "
+                        f"(mode {pipeline.mode!r}, max_staleness {pipeline.max_staleness} trains step t on batch t)")
     seen: dict[str, int] = {}
     for index, agent in enumerate(spec.agents):
         if agent.name in seen:
