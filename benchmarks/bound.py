@@ -82,6 +82,9 @@ class DeviceWorkBound:
     train_slot_s: float  # slot-seconds of forward + backward and optimizer steps
     replicas: int
     slots: int
+    # The busiest agent's own slot-seconds: one agent's step runs on one slot (max_slots 1), so no schedule
+    # finishes a step before that agent's training of it, however many slots there are.
+    busiest_agent_train_s: float = 0.0
 
     @property
     def rollout_s(self) -> float:
@@ -97,6 +100,11 @@ class DeviceWorkBound:
     def step_s(self) -> float:
         """The bound: the larger of the two."""
         return max(self.rollout_s, self.train_s)
+
+    @property
+    def agent_step_s(self) -> float:
+        """The bound with one slot per agent: also at least the busiest agent's own training."""
+        return max(self.step_s, self.busiest_agent_train_s)
 
     @property
     def bound_by(self) -> str:
@@ -122,7 +130,7 @@ def device_work_bound(
     bandwidth = profile.hbm_bytes_per_s * profile.hbm_efficiency * profile.rollout_devices_per_replica
     flops = profile.peak_flops * profile.prefill_mfu * profile.rollout_devices_per_replica
     capacity = devicemodel.kv_capacity_tokens(profile)
-    prefill = memory = compute = reload = train = 0.0
+    prefill = memory = compute = reload = train = busiest = 0.0
     for agent in work:
         episodes, tokens = agent.episodes, agent.response_tokens
         if episodes <= 0:
@@ -135,9 +143,11 @@ def device_work_bound(
         memory += (iterations * profile.weight_bytes + profile.kv_bytes_per_token * context) / bandwidth
         compute += 2.0 * profile.model_params * tokens / flops
         reload += devicemodel.weight_transfer_s(profile)
-        train += devicemodel.train_tokens_s(profile, prompt_tokens * episodes + tokens)
-        train += devicemodel.optimizer_step_s(profile)
-    return DeviceWorkBound(prefill + max(memory, compute) + reload, train, replicas, slots)
+        own = devicemodel.train_tokens_s(profile, prompt_tokens * episodes + tokens) + devicemodel.optimizer_step_s(
+            profile)
+        train += own
+        busiest = max(busiest, own)
+    return DeviceWorkBound(prefill + max(memory, compute) + reload, train, replicas, slots, busiest)
 
 
 def mean_bound(bounds: Sequence[DeviceWorkBound]) -> DeviceWorkBound:
@@ -150,6 +160,7 @@ def mean_bound(bounds: Sequence[DeviceWorkBound]) -> DeviceWorkBound:
         sum(b.train_slot_s for b in bounds) / count,
         bounds[0].replicas,
         bounds[0].slots,
+        sum(b.busiest_agent_train_s for b in bounds) / count,
     )
 
 

@@ -179,6 +179,7 @@ class StepStats:
     sequences: int
     micro_batches: int
     seconds: float
+    stale_tokens: int = 0  # response tokens left out as older than ``stale_token_bound`` (not in response_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +192,7 @@ class _UnitStats:
     clipped_tokens: float
     kl_sum: float
     ratio_sum: float
+    stale_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +539,7 @@ class AgentTrainer:
             clipped_tokens=float(terms.clipped.sum().item()),
             kl_sum=float(terms.kl.sum().item()),
             ratio_sum=float(terms.ratio.sum().item()),
+            stale_tokens=packed.stale_tokens,
         )
         return unit, float(attention.sum().item())
 
@@ -640,7 +643,8 @@ class AgentTrainer:
         clipped = math.fsum(u.clipped_tokens for u in ordered)
         kl_sum = math.fsum(u.kl_sum for u in ordered)
         ratio_sum = math.fsum(u.ratio_sum for u in ordered)
-        if tokens != step_response_tokens or sequences != step_sequences:
+        stale = sum(u.stale_tokens for u in ordered)
+        if tokens + stale != step_response_tokens or sequences != step_sequences:
             logger.warning(
                 "agent %s: step sizes given (%d tokens, %d sequences) differ from accumulated (%d, %d)",
                 self.config.agent,
@@ -675,6 +679,7 @@ class AgentTrainer:
             clip_fraction=clipped / token_count,
             kl=kl_sum / token_count,
             ratio_mean=ratio_sum / token_count,
+            stale_tokens=stale,
             response_tokens=tokens,
             sequences=sequences,
             micro_batches=acc.micro_batches,

@@ -433,7 +433,9 @@ class TrainerWorker:
             slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent, step=work.step, new_version=work.new_version,
             weights_uri=weights_uri, state_uri=state_uri, loss=stats.loss, grad_norm=stats.grad_norm,
             step_seconds=seconds,
-            figures={"kl": stats.kl, "clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean}))
+            figures={"kl": stats.kl, "clip_fraction": stats.clip_fraction, "ratio_mean": stats.ratio_mean,
+                     # rollout.mask_stale_tokens: the share of the step's response tokens masked as too stale
+                     "stale_token_fraction": stats.stale_tokens / max(1, stats.response_tokens + stats.stale_tokens)}))
         slot.step_id = ""
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)

@@ -96,9 +96,11 @@ def _start_attempt(plan: StepPlan, slot_id: str, group: DataParallelGroup | None
 def _lease_micro_batch(job: JobPlan, plan: StepPlan, mb: MicroBatch, slot_id: str,
                        worker_id: str) -> MicroBatchWork | None:
     eta = job.spec.pipeline.max_staleness
+    # step_fill completion with mask_stale_tokens admits older groups: traind masks their tokens older than eta.
+    bounded = not (job.spec.pipeline.step_fill == "completion" and job.spec.rollout.mask_stale_tokens)
     for group in mb.groups:
-        # Defence in depth: report validation already enforces this.
-        if plan.step - group.min_behavior_version > eta or group.max_behavior_version > plan.step:
+        # Defence in depth: report validation (or manifests.fill_steps) already enforces this.
+        if (bounded and plan.step - group.min_behavior_version > eta) or group.max_behavior_version > plan.step:
             job.fail(f"staleness bound broken: group {group.group_id} (versions "
                      f"{group.min_behavior_version}..{group.max_behavior_version}) in step {plan.step}")
             return None

@@ -59,7 +59,14 @@ def test_agents_add_up_and_steps_average() -> None:
     assert both.train_slot_s == pytest.approx(2 * one.train_slot_s)
     assert both.rollout_replica_s == pytest.approx(2 * one.rollout_replica_s)
     mean = mean_bound([one, both])
-    assert mean == DeviceWorkBound(1.5 * one.rollout_replica_s, 1.5 * one.train_slot_s, 2, 1)
+    assert mean == DeviceWorkBound(1.5 * one.rollout_replica_s, 1.5 * one.train_slot_s, 2, 1, one.train_slot_s)
+    # One agent's step trains on one slot: with two slots the two agents take one each (the bound halves),
+    # never less than one agent's own training.
+    wide = device_work_bound(
+        H100, [AgentStepWork("a", 8, 8_000.0), AgentStepWork("b", 8, 1_000.0)], prompt_tokens=512, replicas=2, slots=4
+    )
+    assert wide.busiest_agent_train_s == pytest.approx(one.train_slot_s)
+    assert wide.train_s < wide.agent_step_s == pytest.approx(one.train_slot_s)
     with pytest.raises(ValueError):
         device_work_bound(H100, [], prompt_tokens=512, replicas=0, slots=1)
 
