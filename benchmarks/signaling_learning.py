@@ -414,6 +414,12 @@ def trace_line(records: Sequence[ExperienceRecord]) -> str:
     return " ".join(parts)
 
 
+#: One event loop for every rollout of the process: an environment that serves episodes from the loop it
+#: started in (ExternalAgents' gateway, the program's connection pools) keeps them across steps, where
+#: asyncio.run per step would leave ~130 file descriptors behind every step.
+_LOOP = asyncio.new_event_loop()
+
+
 def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: int,
                  group_size: int) -> tuple[list[Any], list[ExperienceRecord]]:
     """Rollout batch ``step`` (tasks ``step * prompts_per_step`` onwards, as the planner leases them) played at once.
@@ -429,7 +435,7 @@ def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: 
     async def rollout() -> list[Any]:
         return list(await asyncio.gather(*(runner.run(t) for t in inputs)))
 
-    results = asyncio.run(rollout())
+    results = _LOOP.run_until_complete(rollout())
     records: list[ExperienceRecord] = []
     for res in results:
         if not res.ok:

@@ -7,19 +7,33 @@ every call becomes one training turn of the agent named by ``model``.
 
 The game (telephone, chance 1/4): the ``sender`` sees the target position (``a`` is 0, ``b``
 is 1) and writes a one-token message in a code of its own; the ``relay`` sees only that
-message and must *name* the target in one token; the ``receiver`` sees only the relay's token
-and must name the target too. All three get 1.0 when both the relay and the receiver name it,
-else 0.0. A token names a position by the kind of its text: plain ASCII names 0, anything
-else names 1 (see :func:`position_of`).
+message and must *name* the target in one token; the ``receiver`` hears only the position the
+relay named (the program tells it ``a`` or ``b``, nothing when the relay's token names none,
+see :func:`heard`) and must name the target too. The relay gets 1.0 when it names the target;
+the sender and the receiver get 1.0 when both the relay and the receiver name it; else 0.0. A
+token names a position by the kind of its text: plain ASCII names 0, anything else names 1
+(see :func:`position_of`).
 
 Why the relay names the target rather than passing on a code of its own (as in a pure relay
 chain): with three free codes, a sender's message helps only once both others read it, so
 every agent's learning signal is a product of the two others' (second order at the random
 start) and the receiver pools onto one answer before that product grows (docs/gateway.md,
 "Measured"). Here the sender and relay play the two-agent signaling game (examples/signaling)
-and the receiver learns to read the relay from the first step (whenever the relay happens to
+and the receiver learns to repeat the relay from the first step (whenever the relay happens to
 be right, the receiver wins by naming what the relay named), so every agent has a first-order
 signal.
+
+Why the receiver hears the named position, and why the relay has a reward of its own: with the
+relay's raw text and one shared reward the run pooled at 0.50 (the relay and the receiver name
+one position, 1 in every run traced, for every message) in 5 of 5 seeds under the cluster's
+sampling (docs/gateway.md, "Measured").
+The relay's 128 high-byte answers all reach the receiver as one text (U+FFFD), its 128 ASCII
+answers as 128 different ones, so the receiver learns to repeat a 1 long before a 0; under a
+shared reward the relay is paid only when the receiver repeats it right, so naming 1 pays more,
+the receiver hears 1 more often, and the two lock onto 1. Hearing ``a`` / ``b`` makes both
+answers equally easy to repeat, and the relay's own reward (it names the target or not) no
+longer depends on how well the receiver reads it (each change alone still pooled). The
+sender's message stays raw text: that code is the sender's own.
 
 Why "ASCII or not" and not the parity of the first byte (``"0"`` even, ``"1"`` odd): the
 text channel is lossy. A byte-level token >= 0x80 is not valid UTF-8 on its own and decodes
@@ -83,10 +97,17 @@ def position_of(answer: str) -> int:
     return 0 if answer[0].isascii() else 1
 
 
+def heard(relayed: str) -> str:
+    """What the receiver hears of the relay's answer: the name of the position it names (``a`` / ``b``), or nothing."""
+    position = position_of(relayed)
+    return OBJECTS[position] if position >= 0 else ""
+
+
 def rewards(relayed: str, answer: str, target: int) -> dict[str, float]:
-    """The shared 0/1 reward of an episode: 1 when both the relay and the receiver name the target."""
-    reward = 1.0 if position_of(relayed) == target and position_of(answer) == target else 0.0
-    return {"sender": reward, "relay": reward, "receiver": reward}
+    """An episode's 0/1 rewards: the relay's for naming the target, the others' for both naming it."""
+    relay_right = position_of(relayed) == target
+    through = 1.0 if relay_right and position_of(answer) == target else 0.0
+    return {"sender": through, "relay": 1.0 if relay_right else 0.0, "receiver": through}
 
 
 async def run(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, float]:
@@ -103,7 +124,7 @@ async def run(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str, fl
     relayed_text = relayed.choices[0].message.content or ""
     answer = await agents.chat.completions.create(
         model="receiver", max_tokens=1,
-        messages=[{"role": "system", "content": "A"}, {"role": "user", "content": relayed_text}])
+        messages=[{"role": "system", "content": "A"}, {"role": "user", "content": heard(relayed_text)}])
     return rewards(relayed_text, answer.choices[0].message.content or "", target)
 
 
@@ -118,5 +139,6 @@ async def run_raw(base_url: str, api_key: str, task: dict[str, Any]) -> dict[str
     agents = client(base_url, api_key)
     sent = await agents.completions.create(model="sender", prompt=OBJECTS[target], max_tokens=1)
     relayed = await agents.completions.create(model="relay", prompt=">" + sent.choices[0].text, max_tokens=1)
-    answer = await agents.completions.create(model="receiver", prompt="<" + relayed.choices[0].text, max_tokens=1)
+    answer = await agents.completions.create(model="receiver", prompt="<" + heard(relayed.choices[0].text),
+                                             max_tokens=1)
     return rewards(relayed.choices[0].text, answer.choices[0].text, target)

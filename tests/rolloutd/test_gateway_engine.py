@@ -163,9 +163,9 @@ async def test_the_example_program_runs_end_to_end(router: RolloutRouter, checkp
     assert sorted({(e.agent, e.turn) for e in result.experiences}) == sorted((a, 0) for a in AGENTS)
     assert len(result.experiences) == 3 * 4
     assert all(len(e.response_token_ids) == 1 for e in result.experiences)  # max_tokens=1
-    for sample in range(4):
-        rewards = {e.reward for e in result.experiences if e.sample_index == sample}
-        assert len(rewards) == 1 and rewards <= {0.0, 1.0}  # one shared 0/1 reward per episode
+    for sample in range(4):  # 0/1 rewards: the relay's for naming the target, the others' for both naming it
+        rewards = {e.agent: e.reward for e in result.experiences if e.sample_index == sample}
+        assert set(rewards.values()) <= {0.0, 1.0} and rewards["sender"] == rewards["receiver"] <= rewards["relay"]
 
 
 async def test_top_logprobs_are_the_engines(router: RolloutRouter, checkpoints: dict[str, Path]) -> None:
