@@ -111,3 +111,20 @@ def run_job(planner: Planner, clock: FakeClock, job_id: str, *, slots: Sequence[
         if not progressed:
             clock.advance(1.0)
     raise AssertionError(f"job did not finish: {job.snapshot()}")
+
+
+def train_to_version(planner: Planner, job_id: str, version: int, *, slots: Sequence[str] = ("slot-0", "slot-1"),
+                     max_rounds: int = 100) -> None:
+    """Polls the slots, acking micro-batches and committing steps, until every agent of the job is at ``version``."""
+    job = planner.job(job_id)
+    for _ in range(max_rounds):
+        if min(job.version(a) for a in job.spec.agent_names) >= version:
+            return
+        for slot in slots:
+            work = planner.poll_trainer_work("t", slot)
+            if isinstance(work, MicroBatchWork):
+                planner.ack_micro_batch(work.lease_id, "t", slot)
+            elif isinstance(work, OptimizerStepWork):
+                planner.commit_step("t", slot, job_id, work.agent, work.step, work.new_version,
+                                    f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}")
+    raise AssertionError(f"job {job_id} did not reach version {version}: {job.snapshot()}")

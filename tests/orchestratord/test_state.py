@@ -12,7 +12,7 @@ from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
 from flexmarl.experience import ExperienceSummary
 from flexmarl.registry import Registry
 from orchestratord.etcd_state import EtcdStateStore
-from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions
+from orchestratord.planner import Planner, PlannerOptions
 from orchestratord.state import (
     InMemoryStateStore,
     JobState,
@@ -23,7 +23,7 @@ from orchestratord.state import (
     manifest_key,
 )
 
-from .helpers import FakeClock, experiences_for, make_spec, run_job
+from .helpers import FakeClock, experiences_for, make_spec, run_job, train_to_version
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -123,16 +123,7 @@ async def test_planner_restarts_from_persisted_state_and_finishes(store: StateSt
         planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", exps)
         reported.extend(exps)
     job0 = planner.job("job1")
-    for _ in range(100):
-        if min(job0.version(a) for a in ("sender", "receiver")) >= 1:
-            break
-        for slot in ("slot-0", "slot-1"):  # one slot per agent: a mid-step agent waits for batch 1 on its own
-            work = planner.poll_trainer_work("t", slot)
-            if isinstance(work, MicroBatchWork):
-                planner.ack_micro_batch(work.lease_id, "t", slot)
-            elif isinstance(work, OptimizerStepWork):
-                planner.commit_step("t", slot, "job1", work.agent, work.step, work.new_version,
-                                    f"file:///w/{work.agent}", f"file:///s/{work.agent}")
+    train_to_version(planner, "job1", 1)  # one slot per agent: a mid-step agent waits for batch 1 on its own
     assert min(job0.version(a) for a in ("sender", "receiver")) == 1
     more = planner.lease_rollout_tasks("roll", 100)  # batch 2 admitted now (v=1, eta=1)
     assert {lease.batch_index for lease in more} == {2}  # b1/t3 is still leased to the first incarnation

@@ -1,4 +1,4 @@
-"""``pipeline.step_fill: completion``: a step is the first prompts_per_step tasks to finish (AReaL/slime partial rollout)."""
+"""``pipeline.step_fill: completion``: a step is the first prompts_per_step tasks to finish (AReaL/slime)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from flexmarl.errors import InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.jobspec import parse_job_spec
-from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
+from orchestratord.planner import Planner, PlannerOptions, RolloutTaskLease
 from orchestratord.state import InMemoryStateStore, JobState, ManifestFixed, StepManifest, apply_changes
 
-from .helpers import FakeClock, experiences_for, make_spec, run_job, spec_dict
+from .helpers import FakeClock, experiences_for, make_spec, run_job, spec_dict, train_to_version
 
 AGENTS = ("sender", "receiver")
 PROMPTS = 4  # helpers.BASE_SPEC: 4 tasks per step, groups of 2, 2 groups per micro-batch, 3 steps
@@ -26,7 +26,8 @@ def completion_planner(clock: FakeClock, *, masked: bool = False, eta: int = 1, 
     return planner
 
 
-def report(planner: Planner, lease: RolloutTaskLease, versions: dict[str, int] | None = None) -> list[ExperienceSummary]:
+def report(planner: Planner, lease: RolloutTaskLease,
+           versions: dict[str, int] | None = None) -> list[ExperienceSummary]:
     exps = experiences_for(lease, AGENTS, versions=versions)
     planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", exps)
     return exps
@@ -43,18 +44,7 @@ def tasks_of(manifest: StepManifest) -> set[str]:
 
 def train_step(planner: Planner, step: int) -> None:
     """Trains ``step`` of every agent on one slot each (its manifest must be fixed)."""
-    job = planner.job("job1")
-    for _ in range(100):
-        if all(job.version(a) > step for a in AGENTS):
-            return
-        for slot in ("slot-0", "slot-1"):
-            work = planner.poll_trainer_work("t", slot)
-            if isinstance(work, MicroBatchWork):
-                planner.ack_micro_batch(work.lease_id, "t", slot)
-            elif isinstance(work, OptimizerStepWork):
-                planner.commit_step("t", slot, "job1", work.agent, work.step, work.new_version,
-                                    f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}")
-    raise AssertionError(f"step {step} did not commit: {job.snapshot()}")
+    train_to_version(planner, "job1", step + 1)
 
 
 def by_id(leases: Sequence[RolloutTaskLease]) -> dict[str, RolloutTaskLease]:
