@@ -239,6 +239,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for replica in replicas:
             replica.stop(grace_s=10)
         shutil.rmtree(work, ignore_errors=True)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    raw = {name: raw_broadcast_s(shapes, dtype, REPLICAS, max(3, args.rounds))
+           for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     profile = devicemodel.DeviceProfile()
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -262,12 +265,63 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "broadcast_fp32": statistics.median(r.broadcast_s for r in fp32),
             "broadcast_bf16": statistics.median(r.broadcast_s for r in bf16),
         },
+        "raw_broadcast_s": raw,
+        "speedup_bound": {name: statistics.median(disk) / seconds for name, seconds in raw.items()},
         "speedup_fp32": statistics.median(disk) / statistics.median(r.serving_s for r in fp32),
         "speedup_bf16": statistics.median(disk) / statistics.median(r.serving_s for r in bf16),
         "max_logprob_error": max_logprob_error,
         "modelled": {"profile": profile.name, "model_params": profile.model_params,
                      "weight_bytes": profile.weight_bytes, "rows": _modelled_rows(profile)},
     }
+
+
+def _raw_rank(rank: int, world: int, port: int, shapes: list[tuple[int, ...]], dtype_name: str, rounds: int,
+              out: Any) -> None:
+    """One rank of the bare collective: rank 0 broadcasts tensors of ``shapes`` to the others, ``rounds`` times."""
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dtype = getattr(torch, dtype_name)
+    tensors = [torch.zeros(shape, dtype=dtype) for shape in shapes]
+    times = []
+    for _ in range(rounds):
+        tdist.barrier()
+        started = time.perf_counter()
+        works = [tdist.broadcast(t, src=0, async_op=True) for t in tensors]
+        for work in works:
+            work.wait()
+        tdist.barrier()  # every receiver holds every tensor
+        times.append(time.perf_counter() - started)
+    if rank == 0:
+        out.put(times)
+    tdist.destroy_process_group()
+
+
+def raw_broadcast_s(shapes: list[tuple[int, ...]], dtype: torch.dtype, receivers: int, rounds: int) -> float:
+    """Median seconds of a bare gloo broadcast of ``shapes`` from one process to ``receivers`` others.
+
+    The same per-tensor, asynchronous broadcasts :class:`traind.weight_sync.AgentBroadcast` queues, with no
+    engine, no HTTP, no copy into parameters and nothing else running: what no broadcast-based sync on
+    this machine can beat (the bound printed beside the distributed rows).
+    """
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    world = receivers + 1
+    name = str(dtype).removeprefix("torch.")
+    procs = [ctx.Process(target=_raw_rank, args=(r, world, port, shapes, name, rounds, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    times = out.get(timeout=600)
+    for proc in procs:
+        proc.join(timeout=60)
+    return statistics.median(times)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -284,6 +338,10 @@ def render(result: dict[str, Any]) -> str:
         ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"]),
         ("  rank 0's broadcast (answer to last bucket)", med["broadcast_bf16"], None),
         ("  commit ready (durable copy written beside)", med["commit_ready_bf16"], None),
+        (f"bound: bare gloo broadcast to {result['replicas']} ranks, fp32", result["raw_broadcast_s"]["fp32"],
+         result["speedup_bound"]["fp32"]),
+        (f"bound: bare gloo broadcast to {result['replicas']} ranks, bf16", result["raw_broadcast_s"]["bf16"],
+         result["speedup_bound"]["bf16"]),
     ]
     lines += render_table(columns, rows, sep="  ")
     lines.append(f"first version (forms the group) {result['first_version_with_group_formation_s']:.2f}s; served "
