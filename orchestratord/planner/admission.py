@@ -25,7 +25,7 @@ def admission_limit(job: JobPlan) -> int:
     eta = 0 if job.spec.pipeline.barrier else job.spec.pipeline.max_staleness
     prompts = job.spec.batch.prompts_per_step
     limit = (eta + job.min_version() + 1) * prompts
-    if job.spec.pipeline.step_fill == "completion":
+    if job.spec.pipeline.fills_by_completion:
         # Any task may fill the last steps (one dropped as too stale is replaced); what still runs at the end
         # is abandoned.
         return limit

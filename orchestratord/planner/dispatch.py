@@ -97,7 +97,7 @@ def _lease_micro_batch(job: JobPlan, plan: StepPlan, mb: MicroBatch, slot_id: st
                        worker_id: str) -> MicroBatchWork | None:
     eta = job.spec.pipeline.max_staleness
     # step_fill completion with mask_stale_tokens admits older groups: traind masks their tokens older than eta.
-    bounded = not (job.spec.pipeline.step_fill == "completion" and job.spec.rollout.mask_stale_tokens)
+    bounded = not (job.spec.pipeline.fills_by_completion and job.spec.rollout.mask_stale_tokens)
     for group in mb.groups:
         # Defence in depth: report validation (or manifests.fill_steps) already enforces this.
         if (bounded and plan.step - group.min_behavior_version > eta) or group.max_behavior_version > plan.step:

@@ -190,7 +190,6 @@ class JobPlan:
     # step_fill completion: done tasks not yet in a step (with their groups), and the lowest step not yet full.
     unplaced: list[tuple[Task, dict[str, Group]]] = dataclasses.field(default_factory=list)
     open_step: int = 0
-    tasks_dropped_stale: int = 0
     plans: dict[tuple[str, int], StepPlan] = dataclasses.field(default_factory=dict)
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0

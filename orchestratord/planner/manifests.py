@@ -23,7 +23,7 @@ def complete_task(job: JobPlan, task: Task, groups: Mapping[str, Group]) -> None
     job.tasks_done_total += 1
     for name, group in groups.items():
         job.rollout_demand_estimator.observe((job.job_id, name), group.episodes, group.response_tokens)
-    if job.spec.pipeline.step_fill == "completion":
+    if job.spec.pipeline.fills_by_completion:
         job.unplaced.append((task, dict(groups)))
         fill_steps(job)
     else:
@@ -95,7 +95,6 @@ def fill_steps(job: JobPlan) -> None:
 
 
 def _drop_too_stale(job: JobPlan, task: Task, step: int) -> None:
-    job.tasks_dropped_stale += 1
     logger.warning("job %s: dropping task %s: its oldest experience is too stale for step %d (max_staleness %d); "
                    "the admission rule leases another task in its place",
                    job.job_id, task.task_id, step, job.spec.pipeline.max_staleness)

@@ -16,7 +16,7 @@ from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
 from orchestratord.planner.ids import task_index_of
-from orchestratord.planner.job_plan import Group, JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
+from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
 from orchestratord.planner.manifests import complete_task, fill_steps, place_task
 from orchestratord.planner.reports import validate_groups
 
@@ -106,7 +106,7 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
     by_task: dict[str, list[ExperienceSummary]] = defaultdict(list)
     for exp in reported:
         by_task[exp.task_id].append(exp)
-    if job.spec.pipeline.step_fill == "completion":
+    if job.spec.pipeline.fills_by_completion:
         return _recover_completion_fill(job, by_task)
     prompts = job.spec.batch.prompts_per_step
     min_version = job.min_version()
@@ -155,7 +155,6 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     while job.open_step in full_steps:
         job.open_step += 1
     recovered = 0
-    arriving: list[tuple[Task, dict[str, Group]]] = []
     for task_id in sorted(by_task):
         ref = TaskRef.of_job(job.job_id, task_id)
         if ref is None or ref.position >= prompts:
@@ -181,8 +180,6 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
         if placed is not None:
             place_task(job, task, placed, groups)
         else:
-            arriving.append((task, groups))
-    for task, groups in arriving:
-        job.unplaced.append((task, groups))
+            job.unplaced.append((task, groups))  # placed below, as on arrival
     fill_steps(job)
     return recovered

@@ -42,7 +42,7 @@ def report_task(job: JobPlan, lease_id: str, worker_id: str, task_id: str, succe
     try:
         # step_fill completion: the step is chosen when the task is placed (manifests.fill_steps, which checks
         # the staleness bound there).
-        step = None if job.spec.pipeline.step_fill == "completion" else task.batch
+        step = None if job.spec.pipeline.fills_by_completion else task.batch
         groups = validate_groups(job, task, experiences, check_staleness=True, step=step)
     except (InvalidArgument, FailedPrecondition) as rejection:
         job.leases.end(lease, LeaseStatus.RELEASED, "rejected")

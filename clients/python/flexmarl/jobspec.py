@@ -309,6 +309,11 @@ class PipelineSpec(_SpecModel):
     and its stale tokens get zero weight); docs/pipeline.md."""
 
     @property
+    def fills_by_completion(self) -> bool:
+        """Whether a step is the first tasks to finish (``step_fill: completion``), not its rollout batch."""
+        return self.step_fill == "completion"
+
+    @property
     def barrier(self) -> bool:
         """Whether a rollout batch is generated whole before any of it trains."""
         return self.mode in BARRIER_MODES
@@ -549,7 +554,7 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
                         f"(mode {pipeline.mode!r}, max_staleness {pipeline.max_staleness} never interrupts)")
     if spec.rollout.mask_stale_tokens and not spec.rollout.partial_rollout:
         problems.append("rollout.mask_stale_tokens: needs rollout.partial_rollout")
-    if pipeline.step_fill == "completion" and (pipeline.barrier or pipeline.max_staleness == 0):
+    if pipeline.fills_by_completion and (pipeline.barrier or pipeline.max_staleness == 0):
         problems.append(f"pipeline.step_fill: 'completion' needs pipeline.mode async and pipeline.max_staleness >= 1 "
                         f"(mode {pipeline.mode!r}, max_staleness {pipeline.max_staleness} trains step t on batch t)")
     seen: dict[str, int] = {}
