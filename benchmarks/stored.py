@@ -11,12 +11,26 @@ machine hits both alike; the table gives the medians and each blob figure's medi
 ratio to the raw bound of its round, plus the CPU time client and server spent per MiB
 (a figure other work on a shared machine disturbs less than throughput). Prints a
 table and writes benchmarks/results/stored.json.
+
+A put is durable before it is acknowledged (fsynced), so it is also bounded by the disk:
+each round times a bare durable write of the same bytes to stored's file system (1 MiB
+writes, an ``fdatasync`` every 8 MiB behind and an fsync at the end, as stored writes a
+blob) and the put's "of bound" is against the slower of that and the raw client-stream.
+Nothing bounds a get but gRPC: stored reads the page cache, the client writes its file
+there.
+
+Both are also bounded by CPU: a verified transfer cannot skip two sha256 passes (put: the
+client's and stored's; get: the client's), stored's CRC-32 segment digests and the file
+write and read. Those passes are timed alone in this process, added to the raw stream's
+CPU per MiB, and "CPU bound" is what ``cpus`` cores could move if all of it ran in
+parallel: a bound no implementation on this machine beats, printed beside the figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -25,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -180,6 +195,70 @@ async def bench_blob(address: str, mb: int, tmp: Path, round_index: int, cpu: Cp
             "put_cpu_ms_per_mb": 1000 * put_cpu_s / mb, "get_cpu_ms_per_mb": 1000 * get_cpu_s / mb}
 
 
+def bench_disk(directory: Path, mb: int, sync_every_mb: int = 8) -> float:
+    """MiB/s of a bare durable write of mb random MiB into directory (stored's pattern, no hashing)."""
+    payload = os.urandom(RAW_MESSAGE_BYTES)
+    path = directory / "durable-write.bin"
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        for index in range(mb):
+            f.write(payload)
+            if (index + 1) % sync_every_mb == 0:
+                f.flush()
+                os.fdatasync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return mb / seconds
+
+
+def essential_work_ms_per_mb(directory: Path, mb: int) -> dict[str, float]:
+    """CPU ms per MiB of the passes a verified transfer cannot skip, each timed alone in this process.
+
+    sha256 (the client's and stored's whole-content hash), CRC-32 (stored's segment digests), a
+    file write into the page cache and a read back (stored's upload and read, the client's file).
+    """
+    data = os.urandom(mb << 20)
+    path = directory / "essential-work.bin"
+
+    def timed(fn: Any) -> float:
+        start = time.process_time()
+        fn()
+        return 1000 * (time.process_time() - start) / mb
+
+    def write() -> None:
+        with path.open("wb") as f:
+            for start in range(0, len(data), RAW_MESSAGE_BYTES):
+                f.write(data[start : start + RAW_MESSAGE_BYTES])
+
+    def read() -> None:
+        with path.open("rb") as f:
+            while f.read(RAW_MESSAGE_BYTES):
+                pass
+
+    figures: dict[str, list[float]] = {"sha256": [], "crc32": [], "write": [], "read": []}
+    for _ in range(3):  # the first write takes fresh page-cache pages; the median is the steady state
+        figures["sha256"].append(timed(lambda: hashlib.sha256(data).digest()))
+        figures["crc32"].append(timed(lambda: zlib.crc32(data)))
+        figures["write"].append(timed(write))
+        figures["read"].append(timed(read))
+        path.unlink()
+    return {name: statistics.median(values) for name, values in figures.items()}
+
+
+def cpu_bounds(work: dict[str, float], raw_up_cpu: float, raw_down_cpu: float, cpus: int) -> dict[str, float]:
+    """MiB/s no put / get can beat on ``cpus`` cores: the raw stream's CPU plus the essential passes, all parallel.
+
+    put: the client reads and hashes its file, stored writes, hashes and checksums it; get: stored
+    reads and checks its segments, the client writes and hashes the file.
+    """
+    put = raw_up_cpu + work["read"] + 2 * work["sha256"] + work["crc32"] + work["write"]
+    get = raw_down_cpu + work["read"] + work["crc32"] + work["sha256"] + work["write"]
+    return {"put_cpu_ms_per_mb_floor": put, "get_cpu_ms_per_mb_floor": get,
+            "put_cpu_bound_mb_per_s": 1000 * cpus / put, "get_cpu_bound_mb_per_s": 1000 * cpus / get}
+
+
 def blob_rounds(
     raw: tuple[str, int], stored: tuple[str, int], args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
@@ -187,8 +266,9 @@ def blob_rounds(
     rounds = []
     for index in range(args.blob_rounds):
         raw_result = asyncio.run(bench_raw(raw[0], args.blob_mb, CpuMeter(raw[1])))
+        disk = bench_disk(tmp / "data", args.blob_mb)
         blob = asyncio.run(bench_blob(stored[0], args.blob_mb, tmp, index, CpuMeter(stored[1])))
-        rounds.append({**{f"raw_{k}": v for k, v in raw_result.items()}, **blob,
+        rounds.append({**{f"raw_{k}": v for k, v in raw_result.items()}, **blob, "disk_mb_per_s": disk,
                        "put_vs_raw": blob["put_mb_per_s"] / raw_result["up_mb_per_s"],
                        "get_vs_raw": blob["get_mb_per_s"] / raw_result["down_mb_per_s"]})
     return {"blob_mb": args.blob_mb, "rounds": rounds,
@@ -225,6 +305,7 @@ def main() -> None:
             wait_until(lambda: raw.poll() is None, 5, "raw server")
             result = asyncio.run(bench_stored(stored.address, args, tmp))
             blobs = blob_rounds((f"127.0.0.1:{raw_port}", raw.pid), (stored.address, stored.pid), args, tmp)
+            work = essential_work_ms_per_mb(tmp, args.blob_mb)
         finally:
             raw.terminate()
             raw.wait(10)
@@ -240,33 +321,51 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "stored": result,
         "blobs": blobs,
+        "essential_work_cpu_ms_per_mb": work,
+        "cpu_bounds": (bounds := cpu_bounds(work, blobs["median_raw_up_cpu_ms_per_mb"],
+                                            blobs["median_raw_down_cpu_ms_per_mb"], os.cpu_count() or 1)),
+        # The lowest of the bounds on each path: "of bound" in the table.
+        "put_bound_mb_per_s": min(blobs["median_raw_up_mb_per_s"], blobs["median_disk_mb_per_s"],
+                                  bounds["put_cpu_bound_mb_per_s"]),
+        "get_bound_mb_per_s": min(blobs["median_raw_down_mb_per_s"], bounds["get_cpu_bound_mb_per_s"]),
     }
     nan = float("nan")
     b = blobs
     rows = [
-        (f"append (batches of {args.batch})", result["append_experiences_per_s"], result["append_mb_per_s"], nan, nan),
-        (f"read (batches of {args.read_batch})", result["read_experiences_per_s"], result["read_mb_per_s"], nan, nan),
+        (f"append (batches of {args.batch})", result["append_experiences_per_s"], result["append_mb_per_s"], nan, nan,
+         nan),
+        (f"read (batches of {args.read_batch})", result["read_experiences_per_s"], result["read_mb_per_s"], nan, nan,
+         nan),
         (f"blob put {args.blob_mb} MiB", nan, b["median_put_mb_per_s"], b["median_put_vs_raw"],
-         b["median_put_cpu_ms_per_mb"]),
+         b["median_put_mb_per_s"] / report["put_bound_mb_per_s"], b["median_put_cpu_ms_per_mb"]),
         (f"blob get {args.blob_mb} MiB", nan, b["median_get_mb_per_s"], b["median_get_vs_raw"],
-         b["median_get_cpu_ms_per_mb"]),
-        ("raw gRPC client-stream 1 MiB msgs", nan, b["median_raw_up_mb_per_s"], nan, b["median_raw_up_cpu_ms_per_mb"]),
-        ("raw gRPC server-stream 1 MiB msgs", nan, b["median_raw_down_mb_per_s"], nan,
+         b["median_get_mb_per_s"] / report["get_bound_mb_per_s"], b["median_get_cpu_ms_per_mb"]),
+        ("raw gRPC client-stream 1 MiB msgs", nan, b["median_raw_up_mb_per_s"], nan, nan,
+         b["median_raw_up_cpu_ms_per_mb"]),
+        ("raw gRPC server-stream 1 MiB msgs", nan, b["median_raw_down_mb_per_s"], nan, nan,
          b["median_raw_down_cpu_ms_per_mb"]),
+        ("durable write (put's disk bound)", nan, b["median_disk_mb_per_s"], nan, nan, nan),
+        ("put CPU bound (raw + essential work)", nan, bounds["put_cpu_bound_mb_per_s"],
+         bounds["put_cpu_bound_mb_per_s"] / b["median_raw_up_mb_per_s"], nan, bounds["put_cpu_ms_per_mb_floor"]),
+        ("get CPU bound (raw + essential work)", nan, bounds["get_cpu_bound_mb_per_s"],
+         bounds["get_cpu_bound_mb_per_s"] / b["median_raw_down_mb_per_s"], nan, bounds["get_cpu_ms_per_mb_floor"]),
     ]
     print(f"stored benchmark: {args.records} experiences, {args.response_tokens}-token responses + logprobs, "
           f"{args.prompt_tokens}-token prompts, synchronous={args.synchronous}; blob figures: medians of "
-          f"{args.blob_rounds} alternating rounds (put vs client-stream, get vs server-stream)")
+          f"{args.blob_rounds} alternating rounds (put vs client-stream, get vs server-stream); \"of bound\": of "
+          "the lowest bound of the path (raw stream, durable write for a put, CPU)")
     columns = [Column("operation", 36, "<"), Column("experiences/s", 15, fmt=",.0f"), Column("MiB/s", 10, fmt=".1f"),
-               Column("of raw", 8, fmt=".0%"), Column("CPU ms/MiB", 11, fmt=".2f")]
+               Column("of raw", 8, fmt=".0%"), Column("of bound", 9, fmt=".0%"), Column("CPU ms/MiB", 11, fmt=".2f")]
     table_rows = [tuple("-" if v != v else v for v in row) for row in rows]
     print("\n".join(render_table(columns, table_rows, sep="")))
+    print("essential passes alone, CPU ms/MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in work.items()))
     print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms; load average "
           f"{report['machine']['load_avg_at_start'][0]:.1f} at start, {report['machine']['load_avg_at_end'][0]:.1f} "
           f"at end on {os.cpu_count()} CPUs (a loaded machine makes blob throughput follow CPU ms/MiB)")
     for index, r in enumerate(blobs["rounds"]):
         print(f"blob round {index}: put {r['put_mb_per_s']:.0f} / raw up {r['raw_up_mb_per_s']:.0f} MiB/s "
-              f"({r['put_vs_raw']:.0%}), get {r['get_mb_per_s']:.0f} / raw down {r['raw_down_mb_per_s']:.0f} MiB/s "
+              f"({r['put_vs_raw']:.0%}; durable write {r['disk_mb_per_s']:.0f}), get {r['get_mb_per_s']:.0f} / raw "
+              f"down {r['raw_down_mb_per_s']:.0f} MiB/s "
               f"({r['get_vs_raw']:.0%})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,50 @@ def test_corruption_is_detected_per_chunk_and_whole(blobs: BlobStore) -> None:
     path.unlink()
     with pytest.raises(DataLoss):
         blobs.read_bytes("c")
+
+
+def _segments(data: bytes) -> list[bytes]:
+    return [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
+
+
+def _recorded_digests(db: Database, sha: str) -> bytes:
+    with db.read() as conn:
+        return bytes(conn.execute("SELECT chunk_digests FROM blob_contents WHERE sha256 = ?", (sha,)).fetchone()[0])
+
+
+def test_segments_are_recorded_with_their_crc32(blobs: BlobStore, db: Database) -> None:
+    data = os.urandom(3 * CHUNK + 17)
+    info = put(blobs, "c", data, piece=333)  # pieces straddle segment boundaries
+    expected = b"".join(zlib.crc32(s).to_bytes(4, "big") for s in _segments(data))
+    assert _recorded_digests(db, info.sha256) == expected
+
+
+def test_contents_recorded_with_sha256_segment_digests_still_verify(blobs: BlobStore, db: Database) -> None:
+    """A content uploaded before the CRC-32 digests (32-byte sha256 per segment) reads and detects damage."""
+    data = os.urandom(4 * CHUNK + 5)
+    info = put(blobs, "old", data)
+    legacy = b"".join(hashlib.sha256(s).digest() for s in _segments(data))
+    with db.write() as conn:
+        conn.execute("UPDATE blob_contents SET chunk_digests = ? WHERE sha256 = ?", (legacy, info.sha256))
+    assert blobs.read_bytes("old") == data
+    assert blobs.read_bytes("old", CHUNK + 3, 2 * CHUNK) == data[CHUNK + 3 : 3 * CHUNK + 3]
+    path = blobs.content_path(info.sha256)
+    os.chmod(path, 0o644)
+    with path.open("r+b") as f:
+        f.seek(4 * CHUNK + 1)
+        f.write(b"\x00" if data[4 * CHUNK + 1] else b"\x01")
+    assert blobs.read_bytes("old", 0, 4 * CHUNK) == data[: 4 * CHUNK]
+    with pytest.raises(DataLoss, match="corrupt at byte 4096"):
+        blobs.read_bytes("old", 4 * CHUNK)
+
+
+def test_a_damaged_digest_record_is_data_loss_not_a_wrong_read(blobs: BlobStore, db: Database) -> None:
+    data = os.urandom(2 * CHUNK)
+    info = put(blobs, "d", data)
+    with db.write() as conn:
+        conn.execute("UPDATE blob_contents SET chunk_digests = ? WHERE sha256 = ?", (b"\x00" * 7, info.sha256))
+    with pytest.raises(DataLoss, match="fit no digest of 2 segments"):
+        blobs.read_bytes("d")
 
 
 def test_recover_removes_leftovers(blobs: BlobStore, tmp_path: Path) -> None:
