@@ -10,6 +10,11 @@ version" (``/model_info`` reports it):
 * disk: publish a safetensors checkpoint as traind does (``save_pretrained`` beside the target,
   tokenizer copied, renamed into place; a ``file://`` location), then ``/update_weights_from_disk``
   on both replicas at once;
+* disk via stored (``publish_location: stored``, the path of a cluster without shared storage):
+  the same publish, then traind's upload of the directory as one tar blob
+  (:func:`flexmarl.artifacts.publish_dir`) into a real stored daemon, then rolloutd's download and
+  unpack (:func:`flexmarl.artifacts.resolve_dir`, once for the node's 2 replicas) and
+  ``/update_weights_from_disk`` on both;
 * distributed (fp32 and bf16 on the wire): the production path of ``rollout.weight_sync:
   distributed`` minus the two RPC hops (AnnounceWeights, the WatchAgentVersions event): traind's
   :class:`traind.weight_sync.AgentBroadcast` announces the version (bucket plan, 256 MiB
@@ -60,6 +65,9 @@ import torch  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
+from flexmarl.artifacts import publish_dir, resolve_dir  # noqa: E402
+from flexmarl.cluster import DaemonProcess, EtcdServer  # noqa: E402
+from flexmarl.store_client import StoreClient  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch  # noqa: E402
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams  # noqa: E402
@@ -114,6 +122,23 @@ async def _disk_round(model: Any, checkpoint: Path, clients: list[SGLangClient],
     await _serving(clients, version)
     seconds = time.perf_counter() - started_s
     shutil.rmtree(target, ignore_errors=True)
+    return seconds
+
+
+async def _stored_round(model: Any, checkpoint: Path, clients: list[SGLangClient], out: Path, version: str,
+                        store: StoreClient, cache: Path) -> float:
+    """traind publishes to stored, the node's rolloutd downloads and unpacks once, both replicas load it."""
+    started_s = time.perf_counter()
+    target = out / version
+    await asyncio.to_thread(_publish, model, checkpoint, target)
+    uri = await publish_dir(target, f"weights/bench/agent/{version}.tar", store)
+    local = await resolve_dir(uri, cache, store)
+    await asyncio.gather(*(client.update_weights_from_disk(str(local), weight_version=version) for client in clients))
+    await _serving(clients, version)
+    seconds = time.perf_counter() - started_s
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.rmtree(local, ignore_errors=True)
+    await store.delete_blob(uri.removeprefix("stored://"))
     return seconds
 
 
@@ -178,7 +203,13 @@ def _modelled_rows(profile: devicemodel.DeviceProfile) -> list[dict[str, Any]]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="flexmarl-weight-sync-"))
     replicas: list[EngineReplica] = []
+    etcd = EtcdServer(work / "etcd")
+    stored: DaemonProcess | None = None
     try:
+        etcd.start()  # before the daemon is described: its endpoint names etcd's chosen port
+        stored = DaemonProcess("stored", ["--data-dir", str(work / "stored"), "--gc-interval-s", "0",
+                                          "--log-level", "WARNING"], etcd_endpoint=etcd.endpoint, run_dir=work / "run")
+        stored.start()
         checkpoint = build_tiny_checkpoint(
             work / "v0", seed=0, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.hidden // 64,
             num_kv_heads=max(1, args.hidden // 256), head_dim=64, intermediate_size=args.intermediate,
@@ -208,15 +239,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         broadcast = AgentBroadcast("bench", "agent", timeout_s=600, bucket_bytes=BUCKET_BYTES)
         version = 1  # the first version forms the group (a new epoch); the timed ones keep it
         formed = await _distributed_round(model, checkpoint, router, broadcast, clients, out, version, None)
+        store = StoreClient(stored.address)
+        cache = work / "unpacked"
+        cache.mkdir()
         disk: list[float] = []
+        via_stored: list[float] = []
         fp32: list[DistributedRound] = []
         bf16: list[DistributedRound] = []
         for round_index in range(args.rounds):  # interleaved, so load from other work hits all alike
-            for kind in ("disk", "fp32", "bf16"):
+            for kind in ("disk", "stored", "fp32", "bf16"):
                 version += 1
                 _next_version(model, version)
-                if kind == "disk":
-                    disk.append(await _disk_round(model, checkpoint, clients, out, str(version)))
+                if kind in ("disk", "stored"):
+                    if kind == "disk":
+                        disk.append(await _disk_round(model, checkpoint, clients, out, str(version)))
+                    else:
+                        via_stored.append(await _stored_round(model, checkpoint, clients, out, str(version), store,
+                                                              cache))
                     router.require(AGENT, version, str(out / str(version)))
                     for routed in router.replicas():  # what the router's own disk reload records
                         routed.loaded_version = version
@@ -225,19 +264,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     done = await _distributed_round(model, checkpoint, router, broadcast, clients, out, version,
                                                     dtype)
                     (bf16 if kind == "bf16" else fp32).append(done)
-            print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, distributed fp32 {fp32[-1].serving_s:.2f}s, "
+            print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, via stored {via_stored[-1]:.2f}s, "
+                  f"distributed fp32 {fp32[-1].serving_s:.2f}s, "
                   f"bf16 {bf16[-1].serving_s:.2f}s", flush=True)
         # The last round was bf16: push fp32 once more so the engines hold exactly the trainer's weights.
         version += 1
         await _distributed_round(model, checkpoint, router, broadcast, clients, out, version, None)
         max_logprob_error = await _check_logprobs(model, clients)
         broadcast.close()
+        await store.close()
         await router.close()
         for client in clients:
             await client.close()
     finally:
         for replica in replicas:
             replica.stop(grace_s=10)
+        if stored is not None:
+            stored.terminate()
+        etcd.stop()
         shutil.rmtree(work, ignore_errors=True)
     shapes = [tuple(p.shape) for p in model.parameters()]
     raw = {name: raw_broadcast_s(shapes, dtype, REPLICAS, max(3, args.rounds))
@@ -251,13 +295,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bucket_bytes": BUCKET_BYTES,
         "first_version_with_group_formation_s": formed.serving_s,
         "cpu_seconds": {
-            "disk": disk,
+            "disk": disk, "disk_via_stored": via_stored,
             "distributed_fp32": [r.serving_s for r in fp32], "distributed_bf16": [r.serving_s for r in bf16],
             "commit_ready_fp32": [r.commit_s for r in fp32], "commit_ready_bf16": [r.commit_s for r in bf16],
             "broadcast_fp32": [r.broadcast_s for r in fp32], "broadcast_bf16": [r.broadcast_s for r in bf16],
         },
         "cpu_median_s": {
             "disk": statistics.median(disk),
+            "disk_via_stored": statistics.median(via_stored),
             "distributed_fp32": statistics.median(r.serving_s for r in fp32),
             "distributed_bf16": statistics.median(r.serving_s for r in bf16),
             "commit_ready_fp32": statistics.median(r.commit_s for r in fp32),
@@ -269,6 +314,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "speedup_bound": {name: statistics.median(disk) / seconds for name, seconds in raw.items()},
         "speedup_fp32": statistics.median(disk) / statistics.median(r.serving_s for r in fp32),
         "speedup_bf16": statistics.median(disk) / statistics.median(r.serving_s for r in bf16),
+        "speedup_vs_stored_fp32": statistics.median(via_stored) / statistics.median(r.serving_s for r in fp32),
+        "speedup_vs_stored_bf16": statistics.median(via_stored) / statistics.median(r.serving_s for r in bf16),
         "max_logprob_error": max_logprob_error,
         "modelled": {"profile": profile.name, "model_params": profile.model_params,
                      "weight_bytes": profile.weight_bytes, "rows": _modelled_rows(profile)},
@@ -329,19 +376,24 @@ def render(result: dict[str, Any]) -> str:
     disk_s = med["disk"]
     lines = [f"CPU, {result['model_params'] / 1e6:.0f} M parameters, {result['replicas']} embedded replicas, "
              f"median of {result['rounds']} rounds (optimizer step done -> every replica serves the version)"]
-    columns = [Column("path", 56, "<"), Column("seconds", 8, fmt=".2f"), Column("vs disk", 8, fmt=".1f", suffix="x")]
+    stored_s = med["disk_via_stored"]
+    columns = [Column("path", 56, "<"), Column("seconds", 8, fmt=".2f"), Column("vs disk", 8, fmt=".1f", suffix="x"),
+               Column("vs stored", 10, fmt=".1f", suffix="x")]
     rows = [
-        ("disk (publish safetensors + /update_weights_from_disk)", disk_s, 1.0),
-        ("distributed, fp32 on the wire", med["distributed_fp32"], disk_s / med["distributed_fp32"]),
-        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_fp32"], None),
-        ("  commit ready (durable copy written beside)", med["commit_ready_fp32"], None),
-        ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"]),
-        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_bf16"], None),
-        ("  commit ready (durable copy written beside)", med["commit_ready_bf16"], None),
+        ("disk (publish safetensors + /update_weights_from_disk)", disk_s, 1.0, None),
+        ("disk via stored (+ tar blob put, get, unpack)", stored_s, disk_s / stored_s, 1.0),
+        ("distributed, fp32 on the wire", med["distributed_fp32"], disk_s / med["distributed_fp32"],
+         stored_s / med["distributed_fp32"]),
+        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_fp32"], None, None),
+        ("  commit ready (durable copy written beside)", med["commit_ready_fp32"], None, None),
+        ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"],
+         stored_s / med["distributed_bf16"]),
+        ("  rank 0's broadcast (answer to last bucket)", med["broadcast_bf16"], None, None),
+        ("  commit ready (durable copy written beside)", med["commit_ready_bf16"], None, None),
         (f"bound: bare gloo broadcast to {result['replicas']} ranks, fp32", result["raw_broadcast_s"]["fp32"],
-         result["speedup_bound"]["fp32"]),
+         result["speedup_bound"]["fp32"], stored_s / result["raw_broadcast_s"]["fp32"]),
         (f"bound: bare gloo broadcast to {result['replicas']} ranks, bf16", result["raw_broadcast_s"]["bf16"],
-         result["speedup_bound"]["bf16"]),
+         result["speedup_bound"]["bf16"], stored_s / result["raw_broadcast_s"]["bf16"]),
     ]
     lines += render_table(columns, rows, sep="  ")
     lines.append(f"first version (forms the group) {result['first_version_with_group_formation_s']:.2f}s; served "
