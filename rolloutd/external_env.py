@@ -175,7 +175,10 @@ class ExternalAgents(Environment):
         loop = asyncio.get_running_loop()
         if self._gateway_loop is not loop or self._gateway_lock is None:
             # Episodes run in another event loop than the gateway's (a caller that uses asyncio.run
-            # per batch): that server died with its loop, so this loop gets its own.
+            # per batch): that server died with its loop, so this loop gets its own, and the old
+            # one's listening socket is closed here (its loop can no longer run its stop()).
+            if self.gateway is not None:
+                self.gateway.abandon()
             self.gateway, self._gateway_loop = None, loop
             self._gateway_lock = asyncio.Lock()
         async with self._gateway_lock:

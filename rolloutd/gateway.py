@@ -53,6 +53,7 @@ import logging
 import math
 import re
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -825,6 +826,15 @@ def _chat_logprobs(ctx: EpisodeContext, agent: str, generation: Generation) -> d
     return {"content": content, "refusal": None}
 
 
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket on host:port ("" and "::" take IPv4 and IPv6 where the OS can)."""
+    if host in ("", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                  flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(address, family=family)
+
+
 class Gateway:
     """The OpenAI-compatible server; sessions are opened and closed by the episodes that own them."""
 
@@ -833,6 +843,7 @@ class Gateway:
         self.metrics = GatewayMetrics(registry if registry is not None else CollectorRegistry())
         self._sessions: dict[str, Session] = {}
         self._runner: web.AppRunner | None = None
+        self._socket: socket.socket | None = None
         self.port = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -852,15 +863,18 @@ class Gateway:
         """Listens on the configured host and port; returns the bound port."""
         if self._runner is not None:
             return self.port
+        # The gateway owns its listening socket, so that :meth:`abandon` can close it without the loop.
+        sock = _listening_socket(self.config.host, self.config.port)
         runner = web.AppRunner(self.build_app(), access_log=None)
-        await runner.setup()
         try:
-            await web.TCPSite(runner, self.config.host, self.config.port).start()
-        except OSError:
+            await runner.setup()
+            await web.SockSite(runner, sock).start()
+        except BaseException:
             await runner.cleanup()
+            sock.close()
             raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self._runner, self._socket = runner, sock
+        self.port = int(sock.getsockname()[1])
         logger.info("OpenAI-compatible gateway listening on %s:%d", self.config.host, self.port)
         return self.port
 
@@ -871,6 +885,22 @@ class Gateway:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self._socket is not None:
+            sock, self._socket = self._socket, None
+            sock.close()
+
+    def abandon(self) -> None:
+        """Stops listening without the event loop (its loop has ended: :meth:`stop` can no longer run).
+
+        Closes the listening socket, so the port is free and no descriptor leaks; the sessions are
+        dropped unclosed (their episodes ended with their loop).
+        """
+        self._sessions.clear()
+        self.metrics.sessions.set(0)
+        self._runner = None
+        if self._socket is not None:
+            sock, self._socket = self._socket, None
+            sock.close()
 
     @property
     def url(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -615,6 +616,36 @@ async def test_the_gateway_binds_to_loopback_by_default() -> None:
     finally:
         await gateway.stop()
     assert Gateway(GatewayConfig(host="0.0.0.0", advertise_host="node-3")).config.advertise_host == "node-3"
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_a_stopped_gateway_frees_its_port_and_wildcard_hosts_listen() -> None:
+    for host in ("127.0.0.1", "0.0.0.0", ""):
+        gateway = Gateway(GatewayConfig(host=host))
+        port = await gateway.start()
+        assert _accepts(port) and gateway.url == f"http://127.0.0.1:{port}"
+        await gateway.stop()
+        assert not _accepts(port)
+
+
+def test_an_environment_moved_to_a_new_event_loop_closes_the_old_gateways_socket() -> None:
+    """A caller running asyncio.run per batch: the old loop's gateway stops listening, the new one serves."""
+    env = ExternalAgents(agents=["a"], program=lambda *_: None)
+
+    async def port_of_this_loop() -> int:
+        return (await env._gateway()).port
+
+    first = asyncio.run(port_of_this_loop())
+    assert _accepts(first)  # the loop ended, its server did not close the socket by itself
+    second = asyncio.run(port_of_this_loop())
+    assert not _accepts(first) and _accepts(second)
+    asyncio.run(env.aclose())
+    assert not _accepts(second)
 
 
 # ----- concurrency -----------------------------------------------------------------------------------
