@@ -114,31 +114,28 @@ async def _serving(clients: list[SGLangClient], version: str) -> None:
         raise RuntimeError(f"replicas serve {wrong}, expected {version}")
 
 
-async def _disk_round(model: Any, checkpoint: Path, clients: list[SGLangClient], out: Path, version: str) -> float:
+async def _disk_round(model: Any, checkpoint: Path, clients: list[SGLangClient], out: Path, version: str,
+                      via: tuple[StoreClient, Path] | None = None) -> float:
+    """traind publishes, both replicas load the checkpoint from disk; seconds until they serve it.
+
+    ``via`` (a stored client, an unpack directory): the checkpoint travels through stored, as with
+    ``publish_location: stored``: a tar blob put by traind, got and unpacked once by the node's rolloutd.
+    """
     started_s = time.perf_counter()
     target = out / version
     await asyncio.to_thread(_publish, model, checkpoint, target)
-    await asyncio.gather(*(client.update_weights_from_disk(str(target), weight_version=version) for client in clients))
-    await _serving(clients, version)
-    seconds = time.perf_counter() - started_s
-    shutil.rmtree(target, ignore_errors=True)
-    return seconds
-
-
-async def _stored_round(model: Any, checkpoint: Path, clients: list[SGLangClient], out: Path, version: str,
-                        store: StoreClient, cache: Path) -> float:
-    """traind publishes to stored, the node's rolloutd downloads and unpacks once, both replicas load it."""
-    started_s = time.perf_counter()
-    target = out / version
-    await asyncio.to_thread(_publish, model, checkpoint, target)
-    uri = await publish_dir(target, f"weights/bench/agent/{version}.tar", store)
-    local = await resolve_dir(uri, cache, store)
+    local, blob = target, ""
+    if via is not None:
+        store, cache = via
+        uri = await publish_dir(target, f"weights/bench/agent/{version}.tar", store)
+        local, blob = await resolve_dir(uri, cache, store), uri.removeprefix("stored://")
     await asyncio.gather(*(client.update_weights_from_disk(str(local), weight_version=version) for client in clients))
     await _serving(clients, version)
     seconds = time.perf_counter() - started_s
     shutil.rmtree(target, ignore_errors=True)
-    shutil.rmtree(local, ignore_errors=True)
-    await store.delete_blob(uri.removeprefix("stored://"))
+    if via is not None:
+        shutil.rmtree(local, ignore_errors=True)
+        await via[0].delete_blob(blob)
     return seconds
 
 
@@ -251,11 +248,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 version += 1
                 _next_version(model, version)
                 if kind in ("disk", "stored"):
-                    if kind == "disk":
-                        disk.append(await _disk_round(model, checkpoint, clients, out, str(version)))
-                    else:
-                        via_stored.append(await _stored_round(model, checkpoint, clients, out, str(version), store,
-                                                              cache))
+                    seconds = await _disk_round(model, checkpoint, clients, out, str(version),
+                                                (store, cache) if kind == "stored" else None)
+                    (disk if kind == "disk" else via_stored).append(seconds)
                     router.require(AGENT, version, str(out / str(version)))
                     for routed in router.replicas():  # what the router's own disk reload records
                         routed.loaded_version = version

@@ -885,9 +885,7 @@ class Gateway:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
-        if self._socket is not None:
-            sock, self._socket = self._socket, None
-            sock.close()
+        self._close_socket()
 
     def abandon(self) -> None:
         """Stops listening without the event loop (its loop has ended: :meth:`stop` can no longer run).
@@ -898,6 +896,9 @@ class Gateway:
         self._sessions.clear()
         self.metrics.sessions.set(0)
         self._runner = None
+        self._close_socket()
+
+    def _close_socket(self) -> None:
         if self._socket is not None:
             sock, self._socket = self._socket, None
             sock.close()

@@ -220,7 +220,7 @@ class BlobUpload:
             sync.result()
 
     def _seal_chunk(self) -> None:
-        self._chunk_digests += self._chunk_crc.to_bytes(CRC_DIGEST_BYTES, "big")
+        self._chunk_digests += _crc_digest(self._chunk_crc)
         self._chunk_crc = 0
         self._chunk_fill = 0
 
@@ -276,21 +276,26 @@ def segment_digest_bytes(size_bytes: int, chunk_bytes: int, chunk_digests: bytes
     Raises:
         DataLoss: the record's digests fit neither width (a damaged database row).
     """
-    segments = -(-size_bytes // chunk_bytes) if chunk_bytes > 0 else -1
-    if segments == 0 and not chunk_digests:
-        return CRC_DIGEST_BYTES
+    if chunk_bytes <= 0:
+        raise DataLoss(f"blob record: segment size {chunk_bytes}")
+    segments = -(-size_bytes // chunk_bytes)
     for width in (CRC_DIGEST_BYTES, LEGACY_DIGEST_BYTES):
-        if segments > 0 and len(chunk_digests) == segments * width:
+        if len(chunk_digests) == segments * width:
             return width
     raise DataLoss(f"blob record: {len(chunk_digests)} bytes of segment digests fit no digest of "
-                   f"{max(segments, 0)} segments of {chunk_bytes} bytes")
+                   f"{segments} segments of {chunk_bytes} bytes")
+
+
+def _crc_digest(crc: int) -> bytes:
+    """A segment's recorded CRC-32 (written at upload, compared on every read)."""
+    return crc.to_bytes(CRC_DIGEST_BYTES, "big")
 
 
 def segment_digest(segment: bytes | memoryview, width: int) -> bytes:
     """The digest a segment is recorded with: its CRC-32 (4 bytes) or, for older contents, its sha256."""
     if width == LEGACY_DIGEST_BYTES:
         return hashlib.sha256(segment).digest()
-    return zlib.crc32(segment).to_bytes(CRC_DIGEST_BYTES, "big")
+    return _crc_digest(zlib.crc32(segment))
 
 
 class BlobReader:
@@ -304,16 +309,13 @@ class BlobReader:
         end: int,
         chunk_bytes: int,
         chunk_digests: bytes,
+        digest_bytes: int,
     ) -> None:
         self.info = info
         self._file = file
         self._chunk_bytes = chunk_bytes
         self._digests = chunk_digests
-        try:
-            self._width = segment_digest_bytes(info.size_bytes, chunk_bytes, chunk_digests)
-        except DataLoss:
-            file.close()
-            raise
+        self._width = digest_bytes
         self._position = offset
         self._end = end
 
@@ -544,12 +546,13 @@ class BlobStore:
         if offset < 0 or length < 0 or offset > info.size_bytes:
             raise InvalidArgument(f"blob {name!r}: offset {offset} outside its {info.size_bytes} bytes")
         end = info.size_bytes if length == 0 else min(info.size_bytes, offset + length)
+        width = segment_digest_bytes(info.size_bytes, chunk_bytes, digests)
         try:
             file = self.content_path(info.sha256).open("rb")
         except FileNotFoundError:
             log.error("blob %s: content file is missing", info.sha256)
             raise DataLoss(f"blob {name!r}: content file {info.sha256} is missing") from None
-        return BlobReader(info, file, offset, end, chunk_bytes, digests)
+        return BlobReader(info, file, offset, end, chunk_bytes, digests, width)
 
     def read_bytes(self, name: str, offset: int = 0, length: int = 0) -> bytes:
         """A whole verified range in memory; for tests and small blobs."""
