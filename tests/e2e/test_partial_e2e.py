@@ -1,10 +1,16 @@
 """Interruptible rollouts end to end: a partial-rollout job on the session's local cluster.
 
-The sender writes a long message (tests/e2e/long_signaling.py), so its generations are still
-running when the previous step commits: the commit interrupts them (``in_place``: the engine
-keeps them and continues on the new weights). The job still trains every step exactly once, and
-what stored holds is consistent: per-token version spans inside the staleness window, the
-behaviour version the oldest token's. No learning assertion here: benchmarks/partial_learning.py.
+One agent writes a long message (tests/e2e/long_solo.py) on the cluster's one replica and one
+slot. At ``max_staleness`` 1 the pipeline's own order puts a commit inside a running batch:
+batches 0 and 1 roll out on v0 together (G seconds); step 0 trains (T) and commits v1, which
+starts batch 2; step 1 trains batch 1, already there, and commits v2 at T into batch 2's G. So
+as long as a generation outlasts a training step (384 tokens against a one-micro-batch step,
+several times over on any machine) v2 interrupts batch 2's running generations (``in_place``:
+the engine keeps them and continues on the new weights), whatever the scheduling noise. The job
+still trains every step exactly once, and what stored holds is consistent: per-token version
+spans inside the staleness window, the behaviour version the oldest token's. No learning
+assertion here: benchmarks/partial_learning.py. (A two-agent job shares the replica and the slot
+between its agents, and whether a commit finds a generation running is then up to scheduling.)
 """
 
 from __future__ import annotations
@@ -13,17 +19,19 @@ import pytest
 from e2e_support import E2ECluster, assert_exactly_once, assert_one_commit_per_step, assert_succeeded
 from partial_support import interruptions, partial_spec, span_summaries
 
-LONG_ENV = "long_signaling:LongSignaling"
+LONG_ENV = "long_solo:LongSolo"
 
 
 @pytest.mark.timeout(240)
 def test_interrupted_job_trains_exactly_once_with_consistent_spans(shared_cluster: E2ECluster) -> None:
     e2e = shared_cluster
-    spec = partial_spec(e2e.spec(
+    raw = e2e.spec(
         total_steps=3,  # batch 2 needs v1 and rolls out while step 1 trains; step 1's commit interrupts it
         batch={"prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8},
-        environment={"entrypoint": LONG_ENV, "config": {"num_objects": 4, "long_message_tokens": 96}},
-    ))
+        environment={"entrypoint": LONG_ENV, "config": {"num_objects": 4, "long_message_tokens": 384}},
+    )
+    raw["agents"] = [a for a in raw["agents"] if a["name"] == "sender"]
+    spec = partial_spec(raw)
     job_id = e2e.client.submit(spec)
 
     info = e2e.wait_job(job_id)
