@@ -157,6 +157,7 @@ async def _distributed_round(
     params = distinct_tensors({name: t.detach() for name, t in model.state_dict().items()})
     broadcast.send_dtype = send_dtype
     record = await asyncio.to_thread(broadcast.announce, params)
+    record = dataclasses.replace(record, peers=("rolloutd",))  # orchestratord's part: the router's owner
     push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, version, record))
     target = out / f"v{version}"
     durable = asyncio.ensure_future(asyncio.to_thread(_publish, model, checkpoint, target))

@@ -1,6 +1,6 @@
 """Sync == async equivalence with ``rollout.weight_sync: distributed`` (issue 16), on a real local cluster.
 
-Usage: python -m benchmarks.weight_sync_equivalence [--cases signaling-s0 dialogue-s0] [--replicas 2]
+Usage: python -m benchmarks.weight_sync_equivalence [--cases signaling-s0 dialogue-s0] [--replicas 2] [--rolloutds 1]
 
 The pairs of tests/e2e/test_equivalence.py (the job in ``sync``, then in ``async`` with
 ``max_staleness: 0``; their final parameters must be bit-equal) with every version sent to the
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -28,48 +27,26 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests" / "e2e"))
 
-from e2e_support import E2ECluster, running_cluster  # noqa: E402
+from e2e_support import broadcast_counts, rolloutd_log, running_cluster  # noqa: E402
 from test_equivalence import cases, run_pair  # noqa: E402
 
 from benchmarks.equivalence import _compare  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "weight_sync_equivalence.json"
-#: rolloutd/weight_sync.py's log lines, one per announced version.
-RECEIVED = re.compile(r"v\d+ over flexmarl-weights-(?P<job>\S+?)-e\d+ \((?:open|keep)\): (?P<served>\d+) replicas "
-                      r"served, (?P<failed>\d+) failed")
-SKIPPED = re.compile(r"v\d+ over flexmarl-weights-(?P<job>\S+): no replica serves the agent here; skipped")
-
-
-def _rolloutd_log(e2e: E2ECluster) -> str:
-    return "".join(Path(proc.log_path).read_text(errors="replace") for proc in e2e.cluster.daemons.values()
-                   if proc.kind == "rolloutd")
-
-
-def broadcast_counts(log: str, job_id: str) -> dict[str, int]:
-    """Versions of a job's agents received by broadcast, skipped, and failed (replica-versions), from the log."""
-    received = failed = skipped = 0
-    for match in RECEIVED.finditer(log):
-        if match["job"].startswith(f"{job_id}-"):
-            received += int(match["served"])
-            failed += int(match["failed"])
-    for match in SKIPPED.finditer(log):
-        if match["job"].startswith(f"{job_id}-"):
-            skipped += 1
-    return {"received": received, "skipped": skipped, "failed": failed}
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the pairs; prints the table and writes the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--cases", nargs="+", default=["signaling-s0", "dialogue-s0"])
-    parser.add_argument("--replicas", type=int, default=2, help="engine replicas of the one rolloutd")
+    parser.add_argument("--replicas", type=int, default=2, help="engine replicas of each rolloutd")
+    parser.add_argument("--rolloutds", type=int, default=1,
+                        help="rolloutd workers (2: their replicas of an agent share its group)")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="flexmarl-weight-sync-eq-") as tmp:
         models = Path(tmp) / "models"
         with running_cluster(Path(tmp) / "cluster", models, trainer_workers=1, trainer_slots=1,
-                             engine_replicas=args.replicas) as e2e:
+                             engine_replicas=args.replicas, rollout_workers=args.rolloutds) as e2e:
             matrix = cases(models)
             for name in args.cases:
                 spec = matrix[name]
@@ -77,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 started = time.monotonic()
                 sync, async_ = run_pair(e2e, f"{name}-distributed", spec)
                 row = _compare(name, spec, sync, async_, time.monotonic() - started)
-                log = _rolloutd_log(e2e)
+                log = rolloutd_log(e2e)
                 for mode in ("sync", "async"):
                     row[mode] = broadcast_counts(log, f"eq-{name}-distributed-{mode}")
                 rows.append(row)
@@ -92,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(render_table(columns, ([r["case"], r["max_abs_diff"], "yes" if r["equal"] else "NO",
                                             counts(r["sync"]), counts(r["async"]), r["seconds"]] for r in rows))))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"replicas": args.replicas, "pairs": rows}, indent=2) + "\n")
+    summary = {"replicas": args.replicas, "rolloutds": args.rolloutds, "pairs": rows}
+    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(REPO_ROOT)}")
     ok = all(r["equal"] and r[m]["failed"] == 0 and r[m]["received"] > 0 for r in rows for m in ("sync", "async"))
     return 0 if ok else 1

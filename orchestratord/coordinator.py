@@ -9,7 +9,9 @@ that is notified after each mutation.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -141,6 +143,8 @@ class JobCoordinator:
         self._last_commit_s: dict[tuple[str, str], float] = {}
         #: (job, agent) -> the version being broadcast and its weight-update group (announce_weights).
         self._weight_groups: dict[tuple[str, str], tuple[int, WeightGroupRecord]] = {}
+        #: (job or "" for every job, rolloutd worker id) -> its open WatchAgentVersions streams.
+        self._version_watchers: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task[Any]] = set()
         self._rollout_channels: dict[str, grpc.aio.Channel] = {}
         #: Generated tokens per second of each agent's last step (JobStatus, progress bars).
@@ -515,12 +519,35 @@ class JobCoordinator:
                 out.append((AgentVersion(job, agent, version, ""), record))
         return out
 
-    async def announce_weights(self, job_id: str, agent: str, version: int, record: WeightGroupRecord) -> None:
+    @contextlib.contextmanager
+    def watching_versions(self, job_id: str, worker_id: str) -> Any:
+        """While the block runs, rolloutd ``worker_id`` watches ``job_id``'s versions ("": every job's).
+
+        A watcher is a peer of the weight-update groups announced meanwhile (:meth:`announce_weights`).
+        """
+        key = (job_id, worker_id)
+        self._version_watchers[key] += 1
+        try:
+            yield
+        finally:
+            self._version_watchers[key] -= 1
+            if self._version_watchers[key] <= 0:
+                del self._version_watchers[key]
+
+    def version_peers(self, job_id: str) -> tuple[str, ...]:
+        """The rolloutd workers watching ``job_id``'s versions now (sorted worker ids)."""
+        return tuple(sorted({worker for (job, worker), n in self._version_watchers.items()
+                             if n > 0 and job in (job_id, "")}))
+
+    async def announce_weights(self, job_id: str, agent: str, version: int,
+                               record: WeightGroupRecord) -> tuple[str, ...]:
         """Rank 0 of an agent is about to broadcast ``version`` over ``record``'s group (weight_sync: distributed).
 
-        Kept in memory only, never in etcd: the record names a socket of a live trainer process,
-        worthless after either restarts; the next version announces again (and a replica that
-        missed one loads the committed checkpoint).
+        The record streamed is ``record`` with its peers: the rolloutd workers watching the job's
+        versions now (:meth:`version_peers`), whom rank 0 waits for; returns them. Kept in memory
+        only, never in etcd: the record names a socket of a live trainer process, worthless after
+        either restarts; the next version announces again (and a replica that missed one loads
+        the committed checkpoint).
 
         Raises:
             NotFound: No such job or agent.
@@ -529,8 +556,10 @@ class JobCoordinator:
         committed = self.planner.job(job_id).version(agent)
         if version <= committed:
             raise FailedPrecondition(f"{job_id}/{agent}: v{version} is not newer than the committed v{committed}")
-        self._weight_groups[(job_id, agent)] = (version, record)
+        peers = self.version_peers(job_id)
+        self._weight_groups[(job_id, agent)] = (version, dataclasses.replace(record, peers=peers))
         await self._notify()
+        return peers
 
     async def history(self, job_id: str) -> list[dict[str, Any]]:
         """Per-step records of a job, at least as new as the job's status read before this call.

@@ -92,6 +92,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if job_id:
             require_id("job_id", job_id)
             self._coordinator.snapshot(job_id)  # NotFound for an unknown job
+        if request.worker_id:  # a rolloutd: a peer of the job's weight-update groups while it watches
+            require_id("worker_id", request.worker_id)
+            with self._coordinator.watching_versions(job_id, request.worker_id):
+                async for msg in self._versions(job_id):
+                    yield msg
+        else:
+            async for msg in self._versions(job_id):
+                yield msg
+
+    async def _versions(self, job_id: str) -> AsyncIterator[common_pb2.AgentVersion]:
+        """WatchAgentVersions' stream (job_id checked)."""
         # (job, agent, version, "" once committed, else the group that announced it: a replayed step announces anew)
         sent: set[tuple[str, str, int, str]] = set()
         async for _ in _prepend(self._coordinator.changes()):
@@ -189,10 +200,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         """Rank 0 of an agent is about to broadcast a version to the replicas (CommitStep follows)."""
         require_id("worker_id", request.worker_id)
         require_id("slot_id", request.slot_id)
-        await self._coordinator.announce_weights(require_id("job_id", request.job_id),
-                                                 require_id("agent", request.agent), request.version,
-                                                 serde.weight_group_record(request))
-        return orchestrator_pb2.AnnounceWeightsResponse()
+        peers = await self._coordinator.announce_weights(require_id("job_id", request.job_id),
+                                                         require_id("agent", request.agent), request.version,
+                                                         serde.weight_group_record(request))
+        return orchestrator_pb2.AnnounceWeightsResponse(peers=list(peers))
 
     async def ReportSlotEvent(  # noqa: N802
         self, request: orchestrator_pb2.ReportSlotEventRequest, context: grpc.aio.ServicerContext

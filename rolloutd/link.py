@@ -82,8 +82,11 @@ class OrchestratorLink(abc.ABC):
             NotFound: orchestratord does not know the job (it ended and was deleted).
         """
 
-    def watch_versions(self, job_id: str) -> AsyncIterator[PublishedVersion]:
+    def watch_versions(self, job_id: str, worker_id: str = "") -> AsyncIterator[PublishedVersion]:
         """Every committed version of a job's agents: the current ones, then each new one as it is committed.
+
+        With ``worker_id`` this worker is a peer of the job's weight-update groups while it
+        watches (:mod:`flexmarl.weight_group`): rank 0 waits for its answer.
 
         The stream ends or raises ``Unavailable`` when orchestratord goes away (watch again);
         ``NotFound`` when it does not know the job.
@@ -143,13 +146,13 @@ class GrpcOrchestratorLink(OrchestratorLink):
                                   lambda stub: stub.GetJob(request, timeout=JOB_STATE_TIMEOUT_S))
         return serde.job_state(status)
 
-    async def watch_versions(self, job_id: str) -> AsyncIterator[PublishedVersion]:
+    async def watch_versions(self, job_id: str, worker_id: str = "") -> AsyncIterator[PublishedVersion]:
         """See :meth:`OrchestratorLink.watch_versions` (one WatchAgentVersions stream, no deadline)."""
         what = f"watching the versions of job {job_id}"
         try:
             async with asyncio.timeout(CALL_DEADLINE_S):
                 stub = await self._peers.orchestrator()
-            async for msg in stub.WatchAgentVersions(serde.watch_versions_request(job_id)):
+            async for msg in stub.WatchAgentVersions(serde.watch_versions_request(job_id, worker_id)):
                 yield serde.published_version(msg)
             return
         except (grpc.RpcError, FlexmarlError, TimeoutError, asyncio.CancelledError) as exc:

@@ -204,7 +204,7 @@ class RolloutRouter:
             interrupt_mode: How a published version interrupts the generations of a
                 partial-rollout agent (see the module doc): ``in_place`` keeps their KV cache,
                 ``retract`` recomputes it, ``abort`` returns them for resubmission.
-            owner: This rolloutd's worker id (what it answers a trainer's weight-update group with).
+            owner: This rolloutd's worker id (the peer name it posts its members to a weight-update group under).
         """
         if health_probe_interval_s <= 0 or busy_backoff_s < 0:
             raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")

@@ -55,9 +55,9 @@ def renew_result(msg: orchestrator_pb2.RenewLeasesResponse) -> RenewResult:
     return RenewResult(frozenset(msg.lost_lease_ids))
 
 
-def watch_versions_request(job_id: str) -> orchestrator_pb2.WatchAgentVersionsRequest:
-    """A WatchAgentVersions request for one job."""
-    return orchestrator_pb2.WatchAgentVersionsRequest(job_id=job_id)
+def watch_versions_request(job_id: str, worker_id: str = "") -> orchestrator_pb2.WatchAgentVersionsRequest:
+    """A WatchAgentVersions request for one job (by a peer of its weight-update groups when ``worker_id``)."""
+    return orchestrator_pb2.WatchAgentVersionsRequest(job_id=job_id, worker_id=worker_id)
 
 
 def published_version(msg: common_pb2.AgentVersion) -> PublishedVersion:

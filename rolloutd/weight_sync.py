@@ -6,12 +6,14 @@ rendezvous, open epoch, bucket plan) before it commits it; the router hands the 
 to :meth:`AgentWeightGroup.receive` with the agent's replicas already drained (their write
 locks held, so no generation runs on them during the update). Per version:
 
-1. Answer rank 0 on its rendezvous store (:func:`flexmarl.weight_group.join_key`, compare-and-set:
-   the first rolloutd owns the version): ``keep`` when the members of the open epoch are these
-   replicas, else ``open`` a new epoch of ``1 + len(replicas)`` ranks (``skip`` when there are
-   none). A new epoch first leaves the old one (``/destroy_weights_update_group`` on its
-   members, a replica moved to another agent included), then every replica joins
-   (``/init_weights_update_group``, rank_offset 1..n) while rank 0 connects.
+1. Agree on the group with rank 0 and the other peers in two phases on rank 0's rendezvous store
+   (:mod:`flexmarl.weight_group`): post this rolloutd's members (the replicas serving the agent
+   now, maybe none) and the epoch it has them in, then wait for rank 0's plan. ``keep``:
+   broadcast on the open epoch; ``open``: leave the old epoch (``/destroy_weights_update_group``
+   on its members, a replica moved to another agent included), then every replica joins the new
+   one (``/init_weights_update_group`` at the plan's rank offset for this rolloutd and on) while
+   rank 0 connects; not in the plan (posted too late, or not a peer of the version): the
+   replicas load the durable copy.
 2. Replay the plan: ``/begin_weight_update`` on each, per bucket one
    ``/update_weights_from_distributed`` on each concurrently with rank 0's broadcast (the
    version's ``weight_version`` on the last bucket only), ``/end_weight_update``.
@@ -35,7 +37,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from flexmarl.errors import FlexmarlError
-from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, answers_by_name, failures_by_name, join_key
+from flexmarl.weight_group import (
+    GroupPlan,
+    MemberPost,
+    WeightGroupRecord,
+    answers_by_name,
+    failures_by_name,
+    member_key,
+    plan_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +90,7 @@ class SyncOutcome:
     """What one announced version did: which replicas serve it now and which failed (and why)."""
 
     version: int
-    #: "keep", "open", "skip" (no replica), or "lost" (another rolloutd owns the version).
+    #: "keep", "open", "skip" (no replica here), or "lost" (not in the version's group: the durable copy).
     answer: str
     served: tuple[str, ...] = ()
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -112,12 +122,10 @@ class AgentWeightGroup:
     """The weight-update groups of one agent's replicas on this rolloutd, across versions."""
 
     def __init__(self, owner: str, *, open_store_fn: StoreOpener = open_store) -> None:
-        """``owner``: this rolloutd's worker id (what its answers name)."""
+        """``owner``: this rolloutd's worker id (the peer name it posts under)."""
         self.owner = owner
         self._open_store = open_store_fn
         self._epoch: _Epoch | None = None
-        #: The highest epoch answered per rank-0 endpoint (a new epoch is always a new name there).
-        self._last_epoch: dict[tuple[str, int], int] = {}
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -141,61 +149,71 @@ class AgentWeightGroup:
         ``clients``: every replica this rolloutd knows, to leave an old epoch with.
         """
         started_s = time.monotonic()
+
+        def outcome(answer: str, served: tuple[str, ...] = (), failed: Mapping[str, str] | None = None) -> SyncOutcome:
+            return SyncOutcome(version, answer, served, dict(failed or {}), time.monotonic() - started_s)
+
         endpoint = (record.master_address, record.master_port)
         ids = tuple(rid for rid, _ in members)
-        current = self._epoch
-        keep = (current is not None and current.endpoint == endpoint and current.epoch == record.epoch
-                and current.members == ids)
-        if not keep:
+        if self._epoch is not None and self._epoch.endpoint != endpoint:
+            await self.leave(clients)  # another rank 0 (a restarted trainer): that epoch is gone
+        if self.owner not in record.peers:  # began watching after the announcement: rank 0 does not wait for us
             await self.leave(clients)
-        if not ids:
-            answer = JoinAnswer("skip", 0, 0, self.owner)
-        elif keep:
-            answer = JoinAnswer("keep", record.epoch, 1 + len(ids), self.owner)
-        else:
-            epoch = max(record.epoch, self._last_epoch.get(endpoint, 0)) + 1
-            answer = JoinAnswer("open", epoch, 1 + len(ids), self.owner)
+            return outcome("lost")
+        post = MemberPost(self._epoch.epoch if self._epoch is not None else 0, ids)
         try:
-            won = await asyncio.to_thread(self._claim, record, version, answer)
-        except Exception as exc:  # rank 0 gone (connection refused, store timeout)
-            self._epoch = None
-            return SyncOutcome(version, "lost", failed={"rank0": f"rendezvous store unreachable: {exc}"},
-                               seconds=time.monotonic() - started_s)
-        if not won:
-            return SyncOutcome(version, "lost", seconds=time.monotonic() - started_s)
-        if answer.kind == "skip":
+            plan = await asyncio.to_thread(self._exchange, record, version, post)
+        except Exception as exc:  # rank 0 gone (connection refused, store timeout), a garbled plan
+            await self.leave(clients)
+            return outcome("lost", failed={"rank0": f"no group plan from rank 0: {exc}"})
+        if plan is None:
+            await self.leave(clients)
             log.info("v%d over %s: no replica serves the agent here; skipped", version, record.base_name)
-            return SyncOutcome(version, "skip", seconds=time.monotonic() - started_s)
-        group_name = record.group_name(answer.epoch)
-        if answer.kind == "open":
-            self._last_epoch[endpoint] = answer.epoch
-            failed = await self._join(record, answer, group_name, members)
+            return outcome("skip")
+        offset = plan.rank_offsets.get(self.owner)
+        if plan.kind == "skip" or offset is None:
+            await self.leave(clients)
+            log.warning("v%d over %s: not in rank 0's group (%s); the replicas load the durable copy", version,
+                        record.base_name, plan.kind)
+            return outcome("lost")
+        group_name = record.group_name(plan.epoch)
+        current = self._epoch
+        if plan.kind == "keep" and (current is None or current.epoch != plan.epoch or current.members != ids):
+            await self.leave(clients)  # rank 0 keeps only what we posted: a plan we cannot follow
+            return outcome("lost", failed={rid: f"rank 0 keeps epoch {plan.epoch}, which these replicas are not in"
+                                           for rid in ids})
+        if plan.kind == "open":
+            await self.leave(clients)
+            failed = await self._join(record, plan, offset, group_name, members)
             if failed:
                 await self._close(group_name, members)
-                return SyncOutcome(version, "open", failed=failed, seconds=time.monotonic() - started_s)
-            self._epoch = _Epoch(endpoint, answer.epoch, group_name, ids)
+                return outcome("open", failed=failed)
+            self._epoch = _Epoch(endpoint, plan.epoch, group_name, ids)
         failed = await self._replay(version, record, group_name, members)
         if failed:
             await self._close(group_name, members)
         served = tuple(rid for rid in ids if rid not in failed)
-        seconds = time.monotonic() - started_s
-        log.info("v%d over %s (%s): %d replicas served, %d failed (%.2fs)", version, group_name, answer.kind,
-                 len(served), len(failed), seconds)
-        return SyncOutcome(version, answer.kind, served, failed, seconds)
+        log.info("v%d over %s (%s, ranks %d-%d of %d): %d replicas served, %d failed (%.2fs)", version, group_name,
+                 plan.kind, offset, offset + len(ids) - 1, plan.world_size, len(served), len(failed),
+                 time.monotonic() - started_s)
+        return outcome(plan.kind, served, failed)
 
-    def _claim(self, record: WeightGroupRecord, version: int, answer: JoinAnswer) -> bool:
-        """Sets the version's answer on rank 0's store unless another rolloutd did (blocking)."""
+    def _exchange(self, record: WeightGroupRecord, version: int, post: MemberPost) -> GroupPlan | None:
+        """Posts this rolloutd's members and waits for rank 0's plan (blocking); None when it has none to join."""
         # A rank 0 that cannot be reached is gone: do not hold the drained replicas for its whole timeout.
         store = self._open_store(record.master_address, record.master_port, min(record.timeout_s, STORE_CONNECT_S))
-        encoded = answer.encode()
-        return bytes(store.compare_set(join_key(version), "", encoded)) == encoded
-
-    async def _join(self, record: WeightGroupRecord, answer: JoinAnswer, group_name: str,
+        store.set(member_key(version, self.owner), post.encode())
+        if not post.members:
+            return None
+        # Rank 0 may wait its whole timeout for the other peers before it plans.
+        store.wait([plan_key(version)], datetime.timedelta(seconds=record.timeout_s + ANSWER_SLACK_S))
+        return GroupPlan.decode(bytes(store.get(plan_key(version))))  # InvalidArgument: garbled
+    async def _join(self, record: WeightGroupRecord, plan: GroupPlan, offset: int, group_name: str,
                     members: Sequence[tuple[str, GroupMember]]) -> dict[str, str]:
         calls = {rid: client.init_weights_update_group(
             master_address=record.master_address, master_port=record.master_port, rank_offset=rank,
-            world_size=answer.world_size, group_name=group_name, backend=record.backend, timeout_s=record.timeout_s)
-            for rank, (rid, client) in enumerate(members, start=1)}
+            world_size=plan.world_size, group_name=group_name, backend=record.backend, timeout_s=record.timeout_s)
+            for rank, (rid, client) in enumerate(members, start=offset)}
         return _text(await _bounded(calls, record.timeout_s + ANSWER_SLACK_S, f"joining {group_name}"))
 
     async def _replay(self, version: int, record: WeightGroupRecord, group_name: str,

@@ -512,7 +512,7 @@ class RolloutWorker:
         backoff = VERSION_WATCH_RETRY.backoff()
         while not self._stopping:
             try:
-                async for published in self._link.watch_versions(job.job_id):
+                async for published in self._link.watch_versions(job.job_id, self.settings.worker_id):
                     backoff.reset()
                     if published.agent not in job.spec.agent_names:
                         continue

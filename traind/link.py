@@ -71,8 +71,11 @@ class OrchestratorLink(Protocol):
         """Commits an optimizer step (raises OrchestratorCallError)."""
 
     async def announce_weights(self, slot_id: str, job_id: str, agent: str, version: int,
-                               record: WeightGroupRecord) -> None:
-        """Announces the version rank 0 is about to broadcast over ``record`` (raises OrchestratorCallError)."""
+                               record: WeightGroupRecord) -> tuple[str, ...]:
+        """Announces the version rank 0 is about to broadcast over ``record``; the group's peers.
+
+        The peers are the rolloutd workers orchestratord counts on to answer (raises OrchestratorCallError).
+        """
 
     async def report_slot_event(self, event: SlotEvent) -> None:
         """Reports a swap-out or a failure of a slot (raises OrchestratorCallError)."""
@@ -151,10 +154,11 @@ class GrpcOrchestratorLink:
         await self._call("CommitStep", lambda stub: stub.CommitStep(request, timeout=60))
 
     async def announce_weights(self, slot_id: str, job_id: str, agent: str, version: int,
-                               record: WeightGroupRecord) -> None:
+                               record: WeightGroupRecord) -> tuple[str, ...]:
         """AnnounceWeights."""
         request = serde.announce_request(self._worker_id, slot_id, job_id, agent, version, record)
-        await self._call("AnnounceWeights", lambda stub: stub.AnnounceWeights(request, timeout=30))
+        response = await self._call("AnnounceWeights", lambda stub: stub.AnnounceWeights(request, timeout=30))
+        return tuple(response.peers)
 
     async def report_slot_event(self, event: SlotEvent) -> None:
         """ReportSlotEvent (a failure report waits less: the slot is already giving up)."""

@@ -46,15 +46,22 @@ import torch.distributed as dist
 
 from flexmarl import collective
 from flexmarl.errors import FlexmarlError
-from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor, failures_by_name, join_key
+from flexmarl.weight_group import (
+    GroupPlan,
+    MemberPost,
+    WeightGroupRecord,
+    WeightTensor,
+    decide_plan,
+    failures_by_name,
+    member_key,
+    plan_key,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # io_struct.py's default group_name
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 60.0
-#: What rank 0 sets a version's answer key to when it stops waiting for rolloutd.
-GAVE_UP = b"rank0-gave-up"
 
 
 class WeightSyncError(FlexmarlError):
@@ -419,10 +426,12 @@ class AgentBroadcast:
     """rank 0 of one agent across versions: its rendezvous store, its open group (epoch), each version's push.
 
     Per version (:mod:`flexmarl.weight_group`): :meth:`announce` plans the buckets and names the
-    group (host, port, open epoch); rolloutd answers on the store (``keep`` or ``open`` with the
-    world size) and joins its replicas; :meth:`push` (blocking: run it on a thread) waits for the
-    answer, keeps or reopens the group and broadcasts the buckets. Every wait is bounded by
-    ``timeout_s``; any failure closes the group (the store stays: the next version opens a new
+    group (host, port, open epoch); orchestratord adds the version's peers (the rolloutds
+    watching the job); each peer posts its members on the store; :meth:`push` (blocking: run it
+    on a thread) waits for every peer's post, decides and posts the plan (keep the open group, or
+    open a new epoch over the posted members), and broadcasts the buckets. Every wait is bounded
+    by ``timeout_s``: a peer that has not posted by then is left out (its replicas load the
+    durable copy). Any failure closes the group (the store stays: the next version opens a new
     epoch) and raises :class:`WeightSyncError`, after which the version reaches the replicas
     from its durable copy.
     """
@@ -439,6 +448,7 @@ class AgentBroadcast:
         self._store: Any = None
         self._group: WeightBroadcaster | None = None
         self.epoch = 0  # the epoch open now (0: none)
+        self.members: dict[str, tuple[str, ...]] = {}  # peer -> its replicas in the open epoch
         self._last_epoch = 0  # the highest epoch ever opened on this store
 
     def announce(self, params: dict[str, torch.Tensor]) -> WeightGroupRecord:
@@ -453,37 +463,30 @@ class AgentBroadcast:
                                  self.epoch if self._group is not None else 0, self.backend, self.timeout_s, plan)
 
     def push(self, params: dict[str, torch.Tensor], version: int, record: WeightGroupRecord) -> PushReport | None:
-        """Broadcasts ``params`` as ``version`` along ``record``'s plan once rolloutd answered (blocking).
+        """Broadcasts ``params`` as ``version`` along ``record``'s plan to its peers' replicas (blocking).
 
-        Returns None when rolloutd answered that no replica serves the agent now.
+        Returns None when no peer has a replica serving the agent now.
 
         Raises:
-            WeightSyncError: No answer within ``timeout_s``, the group did not form, or a
+            WeightSyncError: No peer posted within ``timeout_s``, the group did not form, or a
                 broadcast failed (the group is closed then).
         """
         started_s = time.monotonic()
-        answer = self._answer(version)
+        plan = self._plan(version, record.peers)
         group = self._group
-        if answer.kind == "skip":
+        if plan.kind == "skip":
             self._close_group()
             logger.info("%s v%d: no replica serves the agent now; nothing broadcast", self.base_name, version)
             return None
-        if answer.kind == "keep":
-            if group is None or answer.epoch != self.epoch:
-                self._close_group()
-                raise WeightSyncError(f"{self.base_name} v{version}: asked to keep epoch {answer.epoch}, "
-                                      f"but epoch {self.epoch if group else 0} is open")
-        else:
-            if answer.epoch <= self._last_epoch:
-                self._close_group()
-                raise WeightSyncError(f"{self.base_name} v{version}: epoch {answer.epoch} was used already")
+        if plan.kind == "open":
             self._close_group()
-            self._last_epoch = self.epoch = answer.epoch
-            group = WeightBroadcaster(world_size=answer.world_size, group_name=record.group_name(answer.epoch),
+            self._last_epoch = self.epoch = plan.epoch
+            group = WeightBroadcaster(world_size=plan.world_size, group_name=record.group_name(plan.epoch),
                                       backend=self.backend, host=self.host, timeout_s=self.timeout_s,
                                       store=self._store)
             group.connect()  # raises WeightSyncError (and closes) when the replicas do not join
             self._group = group
+        assert group is not None  # keep: decide_plan keeps only an open epoch
         total = 0
         try:
             for bucket in record.buckets:
@@ -491,33 +494,51 @@ class AgentBroadcast:
                 group.broadcast(tensors)
                 total += sum(t.numel() * t.element_size() for t in tensors)
         except WeightSyncError:
-            self._group, self.epoch = None, 0  # broadcast() closed it
+            self._group, self.epoch, self.members = None, 0, {}  # broadcast() closed it
             raise
         seconds = time.monotonic() - started_s
-        logger.info("broadcast %s v%d: epoch %d, %d ranks, %d buckets, %.1f MB in %.2fs", self.base_name, version,
-                    self.epoch, group.world_size, len(record.buckets), total / 1e6, seconds)
+        logger.info("broadcast %s v%d: epoch %d (%s), %d ranks from %d rolloutds, %d buckets, %.1f MB in %.2fs",
+                    self.base_name, version, self.epoch, plan.kind, group.world_size, len(plan.rank_offsets),
+                    len(record.buckets), total / 1e6, seconds)
         return PushReport(str(version), len(record.buckets), total, seconds)
 
-    def _answer(self, version: int) -> JoinAnswer:
-        """The version's answer from rolloutd (blocking, at most ``timeout_s``).
+    def _plan(self, version: int, peers: Sequence[str]) -> GroupPlan:
+        """Waits for every peer's post (at most ``timeout_s``), then decides and posts the version's plan.
 
-        Past the timeout rank 0 claims the key itself, so a late rolloutd finds it taken and
+        The plan is posted in every case, so a peer that posts late finds it without itself and
         leaves its replicas to the durable copy instead of waiting for a rank 0 that went on.
+
+        Raises:
+            WeightSyncError: Peers were expected and none posted in time (nothing to broadcast to).
         """
-        key = join_key(version)
+        keys = {peer: member_key(version, peer) for peer in peers}
         try:
+            if keys:
+                self._store.wait(list(keys.values()), datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # the store's timeout is a DistStoreError; who posted is checked below
+            logger.warning("%s v%d: not every rolloutd posted within %.0fs (%s)", self.base_name, version,
+                           self.timeout_s, exc)
+        posts: dict[str, MemberPost] = {}
+        for peer, key in keys.items():
             try:
-                self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
-                raw = self._store.get(key)
-            except Exception:  # the store's timeout is a DistStoreError
-                raw = self._store.compare_set(key, "", GAVE_UP)
-                if bytes(raw) == GAVE_UP:
-                    raise
-            return JoinAnswer.decode(raw)
-        except Exception as exc:  # no answer in time, or a garbled one (InvalidArgument)
+                if self._store.check([key]):
+                    posts[peer] = MemberPost.decode(bytes(self._store.get(key)))
+            except Exception as exc:  # a garbled post (InvalidArgument), a broken store
+                logger.warning("%s v%d: the post of %s is unusable: %s", self.base_name, version, peer, exc)
+        plan = decide_plan(posts, self.epoch if self._group is not None else 0, self.members, self._last_epoch)
+        self._store.set(plan_key(version), plan.encode())
+        missing = sorted(set(peers) - set(posts))
+        if missing:
+            logger.warning("%s v%d: %s did not post in time; their replicas load the durable copy", self.base_name,
+                           version, ", ".join(missing))
+        if plan.kind == "skip" and missing and not posts:
             self._close_group()
             raise WeightSyncError(f"{self.base_name} v{version}: no replica group answered within "
-                                  f"{self.timeout_s:.0f}s ({exc})") from exc
+                                  f"{self.timeout_s:.0f}s (waited for {', '.join(missing)})")
+        if plan.kind != "keep":
+            self._close_group()
+        self.members = {peer: posts[peer].members for peer in plan.rank_offsets}
+        return plan
 
     def _close_group(self) -> None:
         group, self._group, self.epoch = self._group, None, 0
@@ -527,6 +548,7 @@ class AgentBroadcast:
     def close(self) -> None:
         """Closes the group and the store (idempotent)."""
         self._close_group()
+        self.members = {}
         self._store = None
 
 
@@ -544,8 +566,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_GROUP_NAME",
     "DEFAULT_TIMEOUT_S",
-    "GAVE_UP",
-    "Bucket",
+        "Bucket",
     "GroupAddress",
     "PushReport",
     "ReplicaGroup",

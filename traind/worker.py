@@ -482,7 +482,9 @@ class TrainerWorker:
                 state = {name: t.detach() for name, t in trainer.engine.module.state_dict().items()}
             params = distinct_tensors(state)
             record = await asyncio.to_thread(broadcast.announce, params)
-            await self._orchestrator.announce_weights(slot.slot_id, work.job_id, work.agent, work.new_version, record)
+            peers = await self._orchestrator.announce_weights(slot.slot_id, work.job_id, work.agent,
+                                                              work.new_version, record)
+            record = dataclasses.replace(record, peers=peers)
         except (OrchestratorCallError, FlexmarlError, RuntimeError, ValueError) as exc:
             log.warning("%s: not broadcasting %s/%s v%d (%s); the replicas load it from disk", slot.slot_id,
                         work.job_id, work.agent, work.new_version, exc)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -332,3 +333,28 @@ def max_relative_difference(actual: torch.Tensor, expected: torch.Tensor) -> flo
     """Largest ``|actual - expected|`` over the largest ``|expected|`` (at least 1e-12)."""
     scale = expected.abs().max().clamp_min(1e-12)
     return float((actual - expected).abs().max() / scale)
+
+
+#: rolloutd/weight_sync.py's log lines, one per announced version a rolloutd's replicas took part in.
+RECEIVED = re.compile(r"v\d+ over flexmarl-weights-(?P<job>\S+?)-e\d+ \((?:open|keep)[^)]*\): (?P<served>\d+) "
+                      r"replicas served, (?P<failed>\d+) failed")
+SKIPPED = re.compile(r"v\d+ over flexmarl-weights-(?P<job>\S+): no replica serves the agent here; skipped")
+
+
+def rolloutd_log(e2e: E2ECluster) -> str:
+    """Every rolloutd's log of the cluster, concatenated."""
+    return "".join(Path(proc.log_path).read_text(errors="replace") for proc in e2e.cluster.daemons.values()
+                   if proc.kind == "rolloutd")
+
+
+def broadcast_counts(log: str, job_id: str) -> dict[str, int]:
+    """Versions of a job's agents received by broadcast, skipped, and failed (replica-versions), from the log."""
+    received = failed = skipped = 0
+    for match in RECEIVED.finditer(log):
+        if match["job"].startswith(f"{job_id}-"):
+            received += int(match["served"])
+            failed += int(match["failed"])
+    for match in SKIPPED.finditer(log):
+        if match["job"].startswith(f"{job_id}-"):
+            skipped += 1
+    return {"received": received, "skipped": skipped, "failed": failed}

@@ -171,7 +171,8 @@ class _WatchLink(OrchestratorLink):
     async def job_state(self, job_id: str) -> JobState:
         raise NotImplementedError
 
-    async def watch_versions(self, job_id: str) -> AsyncIterator[PublishedVersion]:
+    async def watch_versions(self, job_id: str, worker_id: str = "") -> AsyncIterator[PublishedVersion]:
+        assert worker_id == "w"  # the worker watches as a peer of the job's weight-update groups
         self.watched.append(job_id)
         versions, error = self.streams.pop(0)
         for version in versions:

@@ -24,7 +24,7 @@ import torch
 from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticReplica, SyntheticServer
 from flexmarl import weight_group
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument
-from flexmarl.weight_group import JoinAnswer, WeightGroupRecord, WeightTensor
+from flexmarl.weight_group import GroupPlan, MemberPost, WeightGroupRecord, WeightTensor, decide_plan
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch_many
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
@@ -66,25 +66,54 @@ def test_an_announced_group_travels_from_traind_through_orchestratord_to_rollout
         orchestratord_serde.weight_group_record(request)
 
 
+class _NeverCalled:
+    """A group member no test step may reach (the plan leaves its rolloutd out)."""
+
+    url = "http://never-called"
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"{name} called on a replica outside the group")
+
+
 async def test_rank0_goes_on_when_no_replica_serves_the_agent_or_rolloutd_is_silent() -> None:
-    """``skip``: nothing broadcast; no answer within the timeout: rank 0 gives up and a late rolloutd finds the
-    version taken (it leaves its replicas to the durable copy instead of joining a group nobody hosts)."""
+    """Every peer posts no replica: nothing broadcast. A silent peer: rank 0 waits its timeout, plans without
+    it and gives up; the peer that posts late finds that plan (its replicas load the durable copy instead of
+    joining a group nobody hosts), and a rolloutd that is no peer of the version does not post at all."""
     broadcast = AgentBroadcast("j", "a", timeout_s=1.0)
     params = {"w": torch.zeros(4)}
     try:
-        record = broadcast.announce(params)
+        record = dataclasses.replace(broadcast.announce(params), peers=("rolloutd-1", "rolloutd-2"))
         push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, 1, record))
-        outcome = await AgentWeightGroup("rolloutd-1").receive(1, record, [], {})
-        assert outcome.answer == "skip" and await push is None
-        record = broadcast.announce(params)
+        outcomes = await asyncio.gather(*(AgentWeightGroup(peer).receive(1, record, [], {}) for peer in record.peers))
+        assert [o.answer for o in outcomes] == ["skip", "skip"] and await push is None
+        record = dataclasses.replace(broadcast.announce(params), peers=("rolloutd-1",))
         started_s = time.monotonic()
-        with pytest.raises(WeightSyncError, match="no replica group answered"):
+        with pytest.raises(WeightSyncError, match="no replica group answered.*rolloutd-1"):
             await asyncio.to_thread(broadcast.push, params, 2, record)
         assert time.monotonic() - started_s < 5.0
-        late = await AgentWeightGroup("rolloutd-1").receive(2, record, [], {})
+        late = await AgentWeightGroup("rolloutd-1").receive(2, record, [("r0", _NeverCalled())], {})  # type: ignore[list-item]
         assert late.answer == "lost" and not late.served
+        stranger = await AgentWeightGroup("rolloutd-9").receive(2, record, [("r0", _NeverCalled())], {})  # type: ignore[list-item]
+        assert stranger.answer == "lost"
     finally:
         broadcast.close()
+
+
+def test_rank0_keeps_an_epoch_only_for_the_same_members_of_every_peer() -> None:
+    a, b = MemberPost(3, ("r0",)), MemberPost(3, ("r0", "r1"))
+    members = {"rolloutd-a": ("r0",), "rolloutd-b": ("r0", "r1")}
+    assert decide_plan({"rolloutd-b": b, "rolloutd-a": a}, 3, members, 5) == GroupPlan(
+        "keep", 3, 4, {"rolloutd-a": 1, "rolloutd-b": 2})
+    # A peer without replicas now is no member; one that says it left the epoch, a new replica, a missing member:
+    # a new epoch after the highest ever opened, ranks in peer order.
+    assert decide_plan({"rolloutd-a": a, "rolloutd-b": MemberPost(3, ()), "rolloutd-c": MemberPost(0, ())},
+                       3, members, 5) == GroupPlan("open", 6, 2, {"rolloutd-a": 1})
+    assert decide_plan({"rolloutd-a": a, "rolloutd-b": MemberPost(0, ("r0", "r1"))}, 3, members, 5).kind == "open"
+    assert decide_plan({"rolloutd-a": a, "rolloutd-b": MemberPost(3, ("r0", "r2"))}, 3, members, 5).kind == "open"
+    assert decide_plan({"rolloutd-b": b}, 3, members, 5) == GroupPlan("open", 6, 3, {"rolloutd-b": 1})
+    assert decide_plan({"rolloutd-a": a, "rolloutd-b": b}, 0, members, 5).kind == "open"  # no epoch open
+    assert decide_plan({"rolloutd-a": MemberPost(0, ())}, 0, {}, 0) == GroupPlan("skip", 0, 0)
+    assert decide_plan({}, 0, {}, 0).kind == "skip"
 
 
 @pytest.fixture(scope="module")
@@ -232,10 +261,22 @@ def test_the_group_record_round_trips_and_answers_are_checked() -> None:
         weight_group.from_message(weight_group.to_message(dataclasses.replace(record, buckets=((),))))
     with pytest.raises(InvalidArgument, match="master_address"):
         weight_group.from_message(weight_group.to_message(dataclasses.replace(record, master_port=0)))
-    answer = JoinAnswer("open", 4, 3, "rolloutd-1")
-    assert JoinAnswer.decode(answer.encode()) == answer
-    with pytest.raises(InvalidArgument):
-        JoinAnswer.decode(JoinAnswer("open", 0, 3, "x").encode())  # epochs start at 1
+    with_peers = dataclasses.replace(record, peers=("rolloutd-0", "rolloutd-1"))
+    assert weight_group.from_message(weight_group.to_message(with_peers)) == with_peers
+    with pytest.raises(InvalidArgument, match="peers"):
+        weight_group.from_message(weight_group.to_message(dataclasses.replace(record, peers=("a", "a"))))
+    post = MemberPost(2, ("r0", "r1"))
+    assert MemberPost.decode(post.encode()) == post
+    plan = GroupPlan("open", 4, 4, {"rolloutd-0": 1, "rolloutd-1": 3})
+    assert GroupPlan.decode(plan.encode()) == plan
+    for bad in (b"{", b"[]", b'{"epoch": -1, "members": []}', b'{"epoch": 1, "members": ["r0", "r0"]}',
+                b'{"epoch": 1, "members": [""]}'):
+        with pytest.raises(InvalidArgument, match="member post"):
+            MemberPost.decode(bad)
+    for plan in (GroupPlan("open", 0, 3, {"a": 1}), GroupPlan("open", 1, 3, {"a": 3}), GroupPlan("keep", 1, 3, {}),
+                 GroupPlan("other", 1, 3, {"a": 1})):  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="group plan"):
+            GroupPlan.decode(plan.encode())
     assert distinct_tensors({"a": (t := torch.zeros(2)), "tied": t, "b": torch.zeros(2)}).keys() == {"a", "b"}
 
 
@@ -243,19 +284,19 @@ def test_the_group_record_round_trips_and_answers_are_checked() -> None:
 ALICE, BOB = "job/alice", "job/bob"
 
 
-def _router(replicas: list[Replica]) -> RolloutRouter:
-    """A router over ``replicas`` whose weights URIs are local checkpoint paths."""
+def _router(replicas: list[Replica], owner: str = "rolloutd-test") -> RolloutRouter:
+    """A router (rolloutd ``owner``'s) over ``replicas`` whose weights URIs are local checkpoint paths."""
 
     async def resolve(uri: str) -> str:
         return uri
 
-    return RolloutRouter(replicas, resolve, owner="rolloutd-test")
+    return RolloutRouter(replicas, resolve, owner=owner)
 
 
 async def _version(router: RolloutRouter, key: str, broadcast: AgentBroadcast, params: dict[str, torch.Tensor],
                    version: int) -> tuple[Any, SyncOutcome | None]:
     """One announced version: rank 0's push (on a thread, as traind runs it) beside rolloutd's receive."""
-    record = broadcast.announce(params)
+    record = dataclasses.replace(broadcast.announce(params), peers=("rolloutd-test",))  # orchestratord's part
     push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, version, record))
     outcome = await router.receive_broadcast(key, version, record)
     return await push, outcome
@@ -309,6 +350,71 @@ async def test_router_replicas_serve_the_broadcast_version(
         bob.close()
         await router.close()
         for client in clients:  # leave alice's open epoch: the next test opens its own
+            with contextlib.suppress(FlexmarlError):
+                await client.destroy_weights_update_group(alice.base_name + "-e2")
+            await client.close()
+
+
+async def test_two_rolloutds_share_one_agents_group(
+    replica: EngineReplica, second_replica: EngineReplica, trainer_model: Any, engine_checkpoint: Path
+) -> None:
+    """Two rolloutds, each with a replica of alice (both named r0), post their members: rank 0 opens one epoch of
+    three ranks (rolloutd-a at rank 1, rolloutd-b at 2) and both serve the trainer's forward pass; v2 keeps it;
+    at v3 rolloutd-b's replica serves bob, so rank 0 reopens with rolloutd-a alone and rolloutd-b leaves the
+    epoch. At v4 a third peer never posts: rank 0 waits its timeout and keeps the epoch without it, and the
+    late peer finds itself outside the plan."""
+    clients = [SGLangClient(replica.url), SGLangClient(second_replica.url)]
+    routers = {"rolloutd-a": _router([Replica("r0", clients[0], ALICE, 0)], "rolloutd-a"),
+               "rolloutd-b": _router([Replica("r0", clients[1], ALICE, 0)], "rolloutd-b")}
+    alice = AgentBroadcast("job", "alice-shared", timeout_s=20, bucket_bytes=BUCKET_BYTES)
+    params = distinct_tensors(dict(trainer_model.state_dict()))
+
+    async def version(number: int, peers: tuple[str, ...]) -> tuple[Any, dict[str, SyncOutcome | None]]:
+        record = dataclasses.replace(alice.announce(params), peers=peers)
+        push = asyncio.ensure_future(asyncio.to_thread(alice.push, params, number, record))
+        outcomes = await asyncio.gather(*(r.receive_broadcast(ALICE, number, record) for r in routers.values()))
+        return await push, dict(zip(routers, outcomes, strict=True))
+
+    def answers(outcomes: dict[str, SyncOutcome | None]) -> dict[str, tuple[str, tuple[str, ...]]]:
+        return {peer: (o.answer, o.served) for peer, o in outcomes.items() if o is not None}
+
+    try:
+        for router in routers.values():
+            await router.set_agents([ALICE, BOB])
+            for key in (ALICE, BOB):
+                router.require(key, 0, str(engine_checkpoint))
+            router.set_distributed_sync(ALICE, True)
+        report, outcomes = await version(1, tuple(routers))
+        assert answers(outcomes) == {"rolloutd-a": ("open", ("r0",)), "rolloutd-b": ("open", ("r0",))}
+        assert report is not None and alice.epoch == 1 and alice.members == {"rolloutd-a": ("r0",),
+                                                                              "rolloutd-b": ("r0",)}
+        for client in clients:
+            output_ids, logprobs, served_version = await _served_logprobs(client)
+            assert served_version == "1"
+            assert logprobs == pytest.approx(_reference_logprobs(trainer_model, PROMPT, output_ids), abs=1e-4)
+        _, outcomes = await version(2, tuple(routers))
+        assert answers(outcomes) == {"rolloutd-a": ("keep", ("r0",)), "rolloutd-b": ("keep", ("r0",))}
+        moved = routers["rolloutd-b"].replicas()[0]
+        await routers["rolloutd-b"]._reload(moved, BOB)  # the balancer moves it: bob's weights from disk
+        _, outcomes = await version(3, tuple(routers))
+        assert answers(outcomes) == {"rolloutd-a": ("open", ("r0",)), "rolloutd-b": ("skip", ())}
+        assert alice.epoch == 2 and alice.members == {"rolloutd-a": ("r0",)}
+        with pytest.raises(FailedPrecondition, match=DESTROY_MISSING):  # rolloutd-b's replica left epoch 1
+            await clients[1].destroy_weights_update_group(alice.base_name + "-e1")
+        alice.timeout_s = 2.0  # what a silent peer costs rank 0, kept short here
+        started_s = time.monotonic()
+        _, outcomes = await version(4, (*routers, "rolloutd-c"))
+        assert time.monotonic() - started_s >= 2.0
+        assert answers(outcomes) == {"rolloutd-a": ("keep", ("r0",)), "rolloutd-b": ("skip", ())}
+        record = dataclasses.replace(alice.announce(params), peers=(*routers, "rolloutd-c"))
+        late = await AgentWeightGroup("rolloutd-c").receive(4, record, [("r9", _NeverCalled())], {})  # type: ignore[list-item]
+        assert late.answer == "lost"
+        assert (await clients[0].model_info()).weight_version == "4"
+    finally:
+        alice.close()
+        for router in routers.values():
+            await router.close()
+        for client in clients:
             with contextlib.suppress(FlexmarlError):
                 await client.destroy_weights_update_group(alice.base_name + "-e2")
             await client.close()

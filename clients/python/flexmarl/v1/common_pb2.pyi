@@ -249,6 +249,7 @@ class WeightGroup(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     BUCKETS_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
     master_address: _builtins.str
     master_port: _builtins.int
     base_name: _builtins.str
@@ -262,6 +263,10 @@ class WeightGroup(_message.Message):
     def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightBucket]:
         """The version's buckets, in broadcast order."""
 
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The rolloutd workers rank 0 waits for (orchestratord sets them: the job's version watchers)."""
+
     def __init__(
         self,
         *,
@@ -272,10 +277,11 @@ class WeightGroup(_message.Message):
         backend: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
         buckets: _abc.Iterable[Global___WeightBucket] | None = ...,
+        peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_name", b"base_name", "buckets", b"buckets", "epoch", b"epoch", "master_address", b"master_address", "master_port", b"master_port", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "base_name", b"base_name", "buckets", b"buckets", "epoch", b"epoch", "master_address", b"master_address", "master_port", b"master_port", "peers", b"peers", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -204,16 +204,22 @@ class WatchAgentVersionsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
+    WORKER_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Empty = every job."""
+    worker_id: _builtins.str
+    """A rolloutd worker's id: while the stream is open it is a peer of the job's weight-update
+    groups (AnnounceWeights counts on it to answer). Empty for other watchers.
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
+        worker_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1154,12 +1160,19 @@ Global___AnnounceWeightsRequest: _TypeAlias = AnnounceWeightsRequest  # noqa: Y0
 class AnnounceWeightsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The rolloutd workers watching the job's versions now, sorted: the group's peers."""
+
     def __init__(
         self,
+        *,
+        peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
