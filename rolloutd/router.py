@@ -57,7 +57,7 @@ from typing import Any
 
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.retry import Backoff
-from flexmarl.weight_group import WeightGroupRecord
+from flexmarl.weight_group import WeightGroupRecord, failures_by_name
 from rolloutd.balancer import (
     BASE_ADAPTER,
     AgentSpec,
@@ -272,14 +272,22 @@ class RolloutRouter:
         await self.receive_broadcast(key, version, record)
 
     async def receive_broadcast(self, key: str, version: int, record: WeightGroupRecord) -> SyncOutcome | None:
-        """Drains the agent's replicas and has them receive the broadcast (:mod:`rolloutd.weight_sync`).
+        """Has the agent's replicas receive the broadcast (:mod:`rolloutd.weight_sync`), drained or paused.
 
-        The replicas serving the agent now are the group's members; each is drained (its write
-        lock: running generations end, new ones wait) for at most half the group's timeout, so rank
-        0 still finds an answer in time. A replica that received the whole version serves it at
-        once (before the trainer's commit, which only adds the durable copy); one that failed may
-        hold torn weights and is reloaded from the durable copy before it serves again
-        (``loaded_version`` -1: the next request reloads the agent's required version).
+        The replicas serving the agent now are the group's members. For a partial-rollout agent
+        each is paused (``/pause_generation`` in the router's interrupt mode, as for a disk
+        version: ``in_place`` keeps the running generations, which continue on the new weights
+        and record the switch in their version spans), receives the version without a cache flush
+        (SGLang refuses one under running requests) and continues; slime pauses the same way
+        around its broadcast (update_weight_from_distributed.py). Any other agent's replicas are
+        drained (the write lock: running generations end, new ones wait). Either way for at most
+        half the group's timeout, so rank 0 still finds the post in time. A replica that received
+        the whole version serves it at once (before the trainer's commit, which only adds the
+        durable copy). One that failed may hold torn weights: a drained one is reloaded from the
+        durable copy before it serves again (``loaded_version`` -1: the next request reloads the
+        agent's required version); a paused one first reloads the version it served from disk,
+        still paused, so its running generations never decode on a torn model (it is dropped if
+        that fails too).
 
         Returns:
             What the version did (None: the agent does not sync over a group here).
@@ -287,6 +295,7 @@ class RolloutRouter:
         group = self._weight_groups.get(key)
         if group is None:
             return None
+        paused = key in self._interruptible and key not in self._lora_bases
         lock = self._broadcast_locks.setdefault(key, asyncio.Lock())
         async with lock, contextlib.AsyncExitStack() as held:
             start = time.perf_counter()
@@ -298,26 +307,67 @@ class RolloutRouter:
                                 and isinstance(replica.client, GroupMember)):
                             continue
                         await held.enter_async_context(replica.reload_lock)
-                        await held.enter_async_context(replica.lock.write())
+                        if not paused:
+                            await held.enter_async_context(replica.lock.write())
                         if replica.healthy and replica.loaded_agent == key:  # not moved meanwhile
                             members.append(replica)
             except TimeoutError:
                 log.warning("%s v%d: only %d replicas drained in %.0fs; the others load it from disk", key,
                             version, len(members), record.timeout_s / 2)
+            if paused:
+                members = await self._pause_for_broadcast(members, record.timeout_s / 2)
             clients = {r.replica_id: r.client for r in self._replicas.values() if isinstance(r.client, GroupMember)}
-            outcome = await group.receive(version, record, [(r.replica_id, clients[r.replica_id]) for r in members],
-                                          clients)
-            for replica in members:
-                if replica.replica_id in outcome.served:
-                    replica.loaded_version = version
-                    replica.reloads += 1
-                elif replica.replica_id in outcome.failed:
-                    replica.loaded_version = -1  # torn: reloaded from the durable copy before it serves
-                    log.warning("replica %s missed %s v%d (%s); it reloads from the durable copy",
-                                replica.replica_id, key, version, outcome.failed[replica.replica_id])
+            try:
+                outcome = await group.receive(version, record, [(r.replica_id, clients[r.replica_id]) for r in members],
+                                              clients, flush_cache=not paused)
+                for replica in members:
+                    if replica.replica_id in outcome.served:
+                        replica.loaded_version = version
+                        replica.reloads += 1
+                        if paused and replica.lock.busy:  # running generations continue on the new weights
+                            replica.interruptions += 1
+                            log.info("replica %s interrupted (%s) to serve %s v%d by broadcast", replica.replica_id,
+                                     self._interrupt_mode.value, key, version)
+                    elif replica.replica_id in outcome.failed:
+                        log.warning("replica %s missed %s v%d (%s); it reloads from the durable copy",
+                                    replica.replica_id, key, version, outcome.failed[replica.replica_id])
+                        if paused:
+                            await self._restore_paused(replica, key)
+                        else:
+                            replica.loaded_version = -1  # torn: reloaded from the durable copy before it serves
+            finally:
+                if paused:
+                    await self._continue_all(members)
             if outcome.served and self._on_reload is not None:
                 self._on_reload(key, time.perf_counter() - start)
             return outcome
+
+    async def _pause_for_broadcast(self, members: list[Replica], timeout_s: float) -> list[Replica]:
+        """Pauses each member's generation for a broadcast; the ones that paused (a failed one is dropped)."""
+        calls = {r.replica_id: r.client.pause_generation(self._interrupt_mode) for r in members}
+        failures = await failures_by_name(calls, timeout_s, "pause_generation")
+        for replica in members:
+            if replica.replica_id in failures:
+                self._drop_replica(replica, f"pause_generation for a broadcast: {failures[replica.replica_id]}")
+        return [r for r in members if r.replica_id not in failures]
+
+    async def _restore_paused(self, replica: Replica, key: str) -> None:
+        """A paused replica that missed a broadcast reloads the weights it served before, still paused."""
+        wanted = self._wanted.get(key)
+        try:
+            if wanted is None or wanted.version != replica.loaded_version:
+                raise FlexmarlError(f"serves v{replica.loaded_version}, its durable copy is not known here")
+            path = await self._resolve(wanted.uri)
+            await replica.client.update_weights_from_disk(path, weight_version=str(wanted.version),
+                                                          flush_cache=False)
+            replica.reloads += 1
+        except FlexmarlError as exc:  # no whole model to continue the paused generations on
+            self._drop_replica(replica, f"could not restore v{replica.loaded_version} after a failed broadcast: {exc}")
+
+    async def _continue_all(self, members: list[Replica]) -> None:
+        calls = {r.replica_id: r.client.continue_generation() for r in members if r.healthy}
+        for rid, exc in (await failures_by_name(calls, 30.0, "continue_generation")).items():
+            self._drop_replica(self._replicas[rid], f"continue_generation after a broadcast: {exc}")
 
     def set_lora_agents(self, bases: Mapping[str, str], adapter_slots: int | None = None) -> None:
         """Which agent keys are LoRA adapters, each of its base model; call before :meth:`set_agents`.

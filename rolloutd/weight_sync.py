@@ -4,7 +4,8 @@ For an agent of a job with ``rollout.weight_sync: distributed``, traind's rank 0
 new version with its weight-update group (:class:`flexmarl.weight_group.WeightGroupRecord`:
 rendezvous, open epoch, bucket plan) before it commits it; the router hands the announcement
 to :meth:`AgentWeightGroup.receive` with the agent's replicas already drained (their write
-locks held, so no generation runs on them during the update). Per version:
+locks held) or, for a partial-rollout agent, paused (``/pause_generation``), so no generation
+decodes on them during the update. Per version:
 
 1. Agree on the group with rank 0 and the other peers in two phases on rank 0's rendezvous store
    (:mod:`flexmarl.weight_group`): post this rolloutd's members (the replicas serving the agent
@@ -143,10 +144,11 @@ class AgentWeightGroup:
             log.info("replica %s leaving %s: %s", rid, epoch.group_name, exc)
 
     async def receive(self, version: int, record: WeightGroupRecord, members: Sequence[tuple[str, GroupMember]],
-                      clients: Mapping[str, GroupMember]) -> SyncOutcome:
-        """Brings ``members`` (drained by the caller) to ``version`` from rank 0's broadcast (see the module doc).
+                      clients: Mapping[str, GroupMember], *, flush_cache: bool = True) -> SyncOutcome:
+        """Brings ``members`` (drained or paused by the caller) to ``version`` from rank 0's broadcast (module doc).
 
-        ``clients``: every replica this rolloutd knows, to leave an old epoch with.
+        ``clients``: every replica this rolloutd knows, to leave an old epoch with. ``flush_cache``
+        False for paused members: SGLang refuses a flush while requests are running.
         """
         started_s = time.monotonic()
 
@@ -189,7 +191,7 @@ class AgentWeightGroup:
                 await self._close(group_name, members)
                 return outcome("open", failed=failed)
             self._epoch = _Epoch(endpoint, plan.epoch, group_name, ids)
-        failed = await self._replay(version, record, group_name, members)
+        failed = await self._replay(version, record, group_name, members, flush_cache)
         if failed:
             await self._close(group_name, members)
         served = tuple(rid for rid in ids if rid not in failed)
@@ -217,7 +219,7 @@ class AgentWeightGroup:
         return _text(await _bounded(calls, record.timeout_s + ANSWER_SLACK_S, f"joining {group_name}"))
 
     async def _replay(self, version: int, record: WeightGroupRecord, group_name: str,
-                      members: Sequence[tuple[str, GroupMember]]) -> dict[str, str]:
+                      members: Sequence[tuple[str, GroupMember]], flush_cache: bool = True) -> dict[str, str]:
         """Begin, the plan's buckets, end and verify on every member; the failed ones (a failure stops all)."""
         bound_s = record.timeout_s + ANSWER_SLACK_S
         failed = _text(await _bounded({rid: c.begin_weight_update() for rid, c in members}, bound_s,
@@ -231,7 +233,7 @@ class AgentWeightGroup:
             shapes = [list(t.shape) for t in bucket]
             calls = {rid: c.update_weights_from_distributed(
                 names, dtypes, shapes, group_name=group_name,
-                weight_version=str(version) if index == last else None, flush_cache=index == last,
+                weight_version=str(version) if index == last else None, flush_cache=flush_cache and index == last,
                 timeout_s=bound_s) for rid, c in members}
             failed = _text(await _bounded(calls, bound_s, f"bucket {index + 1}/{len(record.buckets)} of v{version}"))
             if failed:

@@ -420,6 +420,113 @@ async def test_two_rolloutds_share_one_agents_group(
             await client.close()
 
 
+async def _until_decoding(client: SGLangClient, tokens: int, generation: asyncio.Future[Any]) -> None:
+    """Waits (30 s at most) until the engine holds ``tokens`` KV tokens of running requests, or the generation ended."""
+    deadline = time.monotonic() + 30
+    while not generation.done() and (await client.loads()).num_used_tokens < tokens:
+        assert time.monotonic() < deadline, "the generation made no progress"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("mode", [PauseMode.IN_PLACE, PauseMode.ABORT])
+async def test_a_broadcast_pauses_a_partial_rollout_agent_whose_generations_go_on_with_the_new_weights(
+    replica: EngineReplica, trainer_model: Any, engine_checkpoint: Path, mode: PauseMode
+) -> None:
+    """With partial rollouts the replica is paused for the broadcast, not drained: the running sample goes on
+    (``in_place``) or is resumed (``abort``) on the broadcast version with its budget kept, its spans (0, v0)
+    then (k, v1); a fresh request afterwards is served by exactly the trainer's parameters."""
+    tokens = 256
+    client = SGLangClient(replica.url)
+    router = RolloutRouter([Replica("r0", client)], _resolve_path, interrupt_mode=mode, owner="rolloutd-test")
+    broadcast = AgentBroadcast("job", f"alice-partial-{mode.value}", timeout_s=20, bucket_bytes=BUCKET_BYTES)
+    params = distinct_tensors(dict(trainer_model.state_dict()))
+    try:
+        await router.set_agents([ALICE])
+        router.require(ALICE, 0, str(engine_checkpoint))  # the first request loads it as weight_version "0"
+        router.set_partial_rollout(ALICE, True)
+        router.set_distributed_sync(ALICE, True)
+        sampling = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
+        generation = asyncio.ensure_future(router.generate(ALICE, list(PROMPT), sampling, 1, "ep-0", seed=3))
+        await _until_decoding(client, len(PROMPT) + 16, generation)
+        assert not generation.done(), "the generation ended before the broadcast"
+        _, outcome = await _version(router, ALICE, broadcast, params, 1)
+        assert outcome is not None and outcome.served == ("r0",) and not outcome.failed
+        (output,) = await asyncio.wait_for(generation, 60)
+        [served] = router.replicas()
+        assert served.loaded_version == 1 and served.interruptions == 1 and served.healthy
+        assert len(output.token_ids) == tokens and len(output.logprobs) == tokens
+        assert [v for _, v in output.version_spans] == [0, 1] and 16 <= output.version_spans[1][0] < tokens
+        assert output.version == 0
+        output_ids, logprobs, served_version = await _served_logprobs(client)
+        assert served_version == "1"
+        assert logprobs == pytest.approx(_reference_logprobs(trainer_model, PROMPT, output_ids), abs=1e-4)
+    finally:
+        broadcast.close()
+        await router.close()
+        with contextlib.suppress(FlexmarlError):
+            await client.destroy_weights_update_group(broadcast.base_name + "-e1")
+        await client.close()
+
+
+class _FailsSecondBucket:
+    """A replica's client whose second bucket fails before it reaches the (live) engine: a torn update."""
+
+    def __init__(self, client: SGLangClient) -> None:
+        self.client, self.url = client, client.url
+        self.updates = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> Any:
+        self.updates += 1
+        if self.updates == 2:
+            raise FlexmarlError("the second bucket was lost (test)")
+        return await self.client.update_weights_from_distributed(*args, **kwargs)
+
+
+async def test_a_paused_replica_that_misses_a_broadcast_goes_on_with_the_weights_it_served(
+    replica: EngineReplica, trainer_model: Any, engine_checkpoint: Path
+) -> None:
+    """The broadcast breaks after the first bucket landed on a paused replica: before it continues, the replica
+    reloads v0 from disk, so its running sample never decodes on a torn model (one span, v0) and it serves v0."""
+    from transformers import AutoModelForCausalLM
+
+    tokens = 256
+    client = SGLangClient(replica.url)
+    router = RolloutRouter([Replica("r0", _FailsSecondBucket(client))], _resolve_path,  # type: ignore[arg-type]
+                           owner="rolloutd-test")
+    broadcast = AgentBroadcast("job", "alice-partial-torn", timeout_s=20, bucket_bytes=BUCKET_BYTES)
+    params = distinct_tensors(dict(trainer_model.state_dict()))
+    try:
+        await router.set_agents([ALICE])
+        router.require(ALICE, 0, str(engine_checkpoint))
+        router.set_partial_rollout(ALICE, True)
+        router.set_distributed_sync(ALICE, True)
+        sampling = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
+        generation = asyncio.ensure_future(router.generate(ALICE, list(PROMPT), sampling, 1, "ep-0", seed=3))
+        await _until_decoding(client, len(PROMPT) + 16, generation)
+        assert not generation.done(), "the generation ended before the broadcast"
+        with pytest.raises(WeightSyncError):
+            await _version(router, ALICE, broadcast, params, 1)
+        (output,) = await asyncio.wait_for(generation, 60)
+        [served] = router.replicas()
+        assert served.healthy and served.loaded_version == 0
+        assert len(output.token_ids) == tokens and output.version == 0 and output.version_spans == ()
+        output_ids, logprobs, served_version = await _served_logprobs(client)
+        assert served_version == "0"
+        base = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint), dtype=torch.float32).eval()
+        assert logprobs == pytest.approx(_reference_logprobs(base, PROMPT, output_ids), abs=1e-4)
+    finally:
+        broadcast.close()
+        await router.close()
+        await client.close()
+
+
+async def _resolve_path(uri: str) -> str:
+    return uri
+
+
 class _KillsItsEngine:
     """A replica's client that SIGKILLs its engine as the second bucket's update is sent."""
 
