@@ -12,7 +12,7 @@ from typing import Any
 
 from dense_signaling import REWARD_LEVELS, DenseSignaling
 
-from rolloutd.episode import EpisodeContext, Task
+from rolloutd.episode import EpisodeContext, GenerationOutput, Task
 
 
 class LongSignaling(DenseSignaling):
@@ -22,11 +22,16 @@ class LongSignaling(DenseSignaling):
         super().__init__(**{k: v for k, v in config.items() if k != "long_message_tokens"})
         self.long_message_tokens = int(config.get("long_message_tokens", 64))
 
-    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+    async def long_message(self, ctx: EpisodeContext, task: Task) -> GenerationOutput:
+        """The sender's message: always ``long_message_tokens`` tokens."""
         candidates: str = task.data["candidates"]
         target: int = task.data["target"]
-        message = await ctx.generate("sender", f"obj:{candidates} tgt:{candidates[target]}>",
-                                     max_new_tokens=self.long_message_tokens, ignore_eos=True)
+        return await ctx.generate("sender", f"obj:{candidates} tgt:{candidates[target]}>",
+                                  max_new_tokens=self.long_message_tokens, ignore_eos=True)
+
+    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+        candidates: str = task.data["candidates"]
+        message = await self.long_message(ctx, task)
         receiver_prompt = (
             ctx.tokenize("receiver", f"obj:{candidates} msg:") + list(message.token_ids) + ctx.tokenize("receiver", ">")
         )

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +428,23 @@ async def _until_decoding(client: SGLangClient, tokens: int, generation: asyncio
         await asyncio.sleep(0.005)
 
 
+LONG_TOKENS = 256
+
+
+async def _long_partial_generation(router: RolloutRouter, client: SGLangClient,
+                                   checkpoint: Path) -> asyncio.Future[Any]:
+    """alice as a partial-rollout, distributed-sync agent on v0 of ``checkpoint``, and one long sample decoding."""
+    await router.set_agents([ALICE])
+    router.require(ALICE, 0, str(checkpoint))  # the first request loads it as weight_version "0"
+    router.set_partial_rollout(ALICE, True)
+    router.set_distributed_sync(ALICE, True)
+    sampling = {"max_new_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 1.0}
+    generation = asyncio.ensure_future(router.generate(ALICE, list(PROMPT), sampling, 1, "ep-0", seed=3))
+    await _until_decoding(client, len(PROMPT) + 16, generation)
+    assert not generation.done(), "the generation ended before the broadcast"
+    return generation
+
+
 @pytest.mark.parametrize("mode", [PauseMode.IN_PLACE, PauseMode.ABORT])
 async def test_a_broadcast_pauses_a_partial_rollout_agent_whose_generations_go_on_with_the_new_weights(
     replica: EngineReplica, trainer_model: Any, engine_checkpoint: Path, mode: PauseMode
@@ -435,20 +452,13 @@ async def test_a_broadcast_pauses_a_partial_rollout_agent_whose_generations_go_o
     """With partial rollouts the replica is paused for the broadcast, not drained: the running sample goes on
     (``in_place``) or is resumed (``abort``) on the broadcast version with its budget kept, its spans (0, v0)
     then (k, v1); a fresh request afterwards is served by exactly the trainer's parameters."""
-    tokens = 256
+    tokens = LONG_TOKENS
     client = SGLangClient(replica.url)
     router = RolloutRouter([Replica("r0", client)], _resolve_path, interrupt_mode=mode, owner="rolloutd-test")
     broadcast = AgentBroadcast("job", f"alice-partial-{mode.value}", timeout_s=20, bucket_bytes=BUCKET_BYTES)
     params = distinct_tensors(dict(trainer_model.state_dict()))
     try:
-        await router.set_agents([ALICE])
-        router.require(ALICE, 0, str(engine_checkpoint))  # the first request loads it as weight_version "0"
-        router.set_partial_rollout(ALICE, True)
-        router.set_distributed_sync(ALICE, True)
-        sampling = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
-        generation = asyncio.ensure_future(router.generate(ALICE, list(PROMPT), sampling, 1, "ep-0", seed=3))
-        await _until_decoding(client, len(PROMPT) + 16, generation)
-        assert not generation.done(), "the generation ended before the broadcast"
+        generation = await _long_partial_generation(router, client, engine_checkpoint)
         _, outcome = await _version(router, ALICE, broadcast, params, 1)
         assert outcome is not None and outcome.served == ("r0",) and not outcome.failed
         (output,) = await asyncio.wait_for(generation, 60)
@@ -468,11 +478,11 @@ async def test_a_broadcast_pauses_a_partial_rollout_agent_whose_generations_go_o
         await client.close()
 
 
-class _FailsSecondBucket:
-    """A replica's client whose second bucket fails before it reaches the (live) engine: a torn update."""
+class _AtSecondBucket:
+    """A replica's client that runs ``fault`` as its second bucket's update is about to be sent."""
 
-    def __init__(self, client: SGLangClient) -> None:
-        self.client, self.url = client, client.url
+    def __init__(self, client: SGLangClient, fault: Callable[[], None]) -> None:
+        self.client, self.fault, self.url = client, fault, client.url
         self.updates = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -481,8 +491,18 @@ class _FailsSecondBucket:
     async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> Any:
         self.updates += 1
         if self.updates == 2:
-            raise FlexmarlError("the second bucket was lost (test)")
+            self.fault()
         return await self.client.update_weights_from_distributed(*args, **kwargs)
+
+
+def _lose_the_bucket() -> None:
+    """The second bucket never reaches the (live) engine: a torn update."""
+    raise FlexmarlError("the second bucket was lost (test)")
+
+
+def _kills(pid: int) -> Callable[[], None]:
+    """SIGKILLs the engine ``pid`` as the bucket is sent."""
+    return lambda: os.kill(pid, signal.SIGKILL)
 
 
 async def test_a_paused_replica_that_misses_a_broadcast_goes_on_with_the_weights_it_served(
@@ -492,21 +512,14 @@ async def test_a_paused_replica_that_misses_a_broadcast_goes_on_with_the_weights
     reloads v0 from disk, so its running sample never decodes on a torn model (one span, v0) and it serves v0."""
     from transformers import AutoModelForCausalLM
 
-    tokens = 256
+    tokens = LONG_TOKENS
     client = SGLangClient(replica.url)
-    router = RolloutRouter([Replica("r0", _FailsSecondBucket(client))], _resolve_path,  # type: ignore[arg-type]
+    router = RolloutRouter([Replica("r0", _AtSecondBucket(client, _lose_the_bucket))], _resolve_path,  # type: ignore[arg-type]
                            owner="rolloutd-test")
     broadcast = AgentBroadcast("job", "alice-partial-torn", timeout_s=20, bucket_bytes=BUCKET_BYTES)
     params = distinct_tensors(dict(trainer_model.state_dict()))
     try:
-        await router.set_agents([ALICE])
-        router.require(ALICE, 0, str(engine_checkpoint))
-        router.set_partial_rollout(ALICE, True)
-        router.set_distributed_sync(ALICE, True)
-        sampling = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 1.0}
-        generation = asyncio.ensure_future(router.generate(ALICE, list(PROMPT), sampling, 1, "ep-0", seed=3))
-        await _until_decoding(client, len(PROMPT) + 16, generation)
-        assert not generation.done(), "the generation ended before the broadcast"
+        generation = await _long_partial_generation(router, client, engine_checkpoint)
         with pytest.raises(WeightSyncError):
             await _version(router, ALICE, broadcast, params, 1)
         (output,) = await asyncio.wait_for(generation, 60)
@@ -527,23 +540,6 @@ async def _resolve_path(uri: str) -> str:
     return uri
 
 
-class _KillsItsEngine:
-    """A replica's client that SIGKILLs its engine as the second bucket's update is sent."""
-
-    def __init__(self, client: SGLangClient, pid: int) -> None:
-        self.client, self.pid, self.url = client, pid, client.url
-        self.updates = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-    async def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> Any:
-        self.updates += 1
-        if self.updates == 2:
-            os.kill(self.pid, signal.SIGKILL)
-        return await self.client.update_weights_from_distributed(*args, **kwargs)
-
-
 async def test_replica_killed_mid_broadcast_neither_blocks_the_trainer_nor_serves_a_torn_model(
     replica: EngineReplica, second_replica: EngineReplica, trainer_model: Any, engine_checkpoint_other: Path
 ) -> None:
@@ -551,7 +547,7 @@ async def test_replica_killed_mid_broadcast_neither_blocks_the_trainer_nor_serve
     request that follows the commit is served by r0 after its reload from the durable copy."""
     assert second_replica.pid is not None
     survivor = SGLangClient(replica.url)
-    victim = _KillsItsEngine(SGLangClient(second_replica.url, retries=0), second_replica.pid)
+    victim = _AtSecondBucket(SGLangClient(second_replica.url, retries=0), _kills(second_replica.pid))
     router = _router([Replica("r0", survivor, ALICE, 0), Replica("r1", victim, ALICE, 0)])  # type: ignore[arg-type]
     timeout_s = 20.0
     broadcast = AgentBroadcast("job", "alice-2", timeout_s=timeout_s, bucket_bytes=BUCKET_BYTES)
@@ -583,7 +579,7 @@ async def test_replica_killed_mid_broadcast_does_not_block_rank0(replica: Engine
     client = SGLangClient(replica.url, retries=0)
     timeout_s = 30.0
     try:
-        victim = _KillsItsEngine(client, replica.pid)
+        victim = _AtSecondBucket(client, _kills(replica.pid))
         group = ReplicaGroup(WeightBroadcaster(world_size=2, timeout_s=timeout_s), [victim])
         await group.open()
         started_s = time.monotonic()
