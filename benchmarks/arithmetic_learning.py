@@ -113,12 +113,17 @@ def warm_start(agent: Agent, warm: sft.WarmStart, tokenizer_path: str) -> list[f
     return step_losses
 
 
-def rl_step(agent: Agent, records: Sequence[ExperienceRecord], config: losses.PolicyLossConfig) -> float:
-    """One GRPO optimizer step over the agent's experiences of the step; returns the grad norm."""
+def rl_step(agent: Agent, records: Sequence[ExperienceRecord], config: losses.PolicyLossConfig,
+            norm: losses.AdvantageNorm = losses.AdvantageNorm.STD) -> float:
+    """One GRPO optimizer step over the agent's experiences of the step; returns the grad norm.
+
+    ``norm``: the job's ``algorithm.advantage_norm`` (``agent``: over these records, the agent's whole step).
+    """
     from traind.batches import micro_batch_advantages, pack_micro_batch, token_logprobs_and_entropy
 
     agent.model.train()
-    advantages = micro_batch_advantages(records, losses.AdvantageNorm.STD, 1e-6)
+    stats = losses.ReturnStats.of([float(r.reward) for r in records]) if norm is losses.AdvantageNorm.AGENT else None
+    advantages = micro_batch_advantages(records, norm, 1e-6, step_stats=stats)
     packed = pack_micro_batch(records, advantages)
     logprobs, entropy = token_logprobs_and_entropy(agent.model, packed.input_ids, packed.attention_mask,
                                                    entropy=config.entropy_coef > 0.0)
@@ -272,11 +277,14 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
         print(f"seed {seed}: warm start " + " ".join(f"{a} loss {v[0]:.3f}->{v[-1]:.3f}" for a, v in sft_losses.items())
               + f"; solver greedy accuracy {greedy_sft:.3f} ({setup_s:.1f}s)", flush=True)
     rows: list[StepRow] = []
+    # The agent's own `algorithm.advantage_norm`, else the job's (JobSpec.algorithm_of, as traind reads it).
+    norms = {a["name"]: losses.AdvantageNorm(a.get("algorithm", {}).get("advantage_norm")
+                                             or algo.get("advantage_norm", "std")) for a in spec["agents"]}
     for step in range(steps):
         t0 = time.perf_counter()
         _, records = rollout_step(runner, step, prompts_per_step, seed, group_size)
         for name, agent in agents.items():
-            rl_step(agent, [r for r in records if r.agent == name], loss_config)
+            rl_step(agent, [r for r in records if r.agent == name], loss_config, norms[name])
         row = step_row(step, records, time.perf_counter() - t0)
         rows.append(row)
         if not quiet:

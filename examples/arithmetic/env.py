@@ -6,7 +6,10 @@ out and judges: it writes its own sum, one check digit per digit of it (the show
 its own, mod 10, the shown answer right-aligned), then one judgement token, ``y`` (correct) or
 ``n`` (incorrect), then its end-of-sequence token (``"12+34=47?"`` -> ``"4601n"``). Rewards:
 
-* solver: 1 when its answer is the sum, else 0;
+* solver: 1 when its answer is the sum, else ``digit_credit`` (default 0) times the share of
+  the sum's digits it has right (right-aligned; an answer of another length is judged over
+  the longer of the two), a shaped reward that tells "the ones digit is wrong" from "nothing
+  is right" (:func:`digit_share`);
 * verifier: ``correct_weight`` (default 1) for ``y`` on a correct answer, ``wrong_weight``
   (default 1) for ``n`` on a wrong one, else 0 (a response with no ``y``/``n`` after its
   digits is no judgement and earns 0). The two weights let a job reward the rarer class more,
@@ -58,6 +61,15 @@ def parse_answer(token_ids: Sequence[int]) -> int | None:
     return int(digits) if digits else None
 
 
+def digit_share(answer: int | None, target: int) -> float:
+    """The share of ``target``'s digits ``answer`` has right, right-aligned, over the longer of the two (0 for None)."""
+    if answer is None:
+        return 0.0
+    shown, wanted = str(answer), str(target)
+    matches = sum(x == y for x, y in zip(reversed(shown), reversed(wanted), strict=False))
+    return matches / max(len(shown), len(wanted))
+
+
 def judgement(token_ids: Sequence[int]) -> bool | None:
     """A verifier's judgement: the token after its leading ASCII digits (its sum and checks): ``y`` True, ``n`` False.
 
@@ -81,7 +93,8 @@ class ArithmeticGame(Environment):
     token budget, default 4: three digits and the end-of-sequence token), ``judge_tokens`` (the
     verifier's, default 8: three digits of its sum, three checks, the judgement, end-of-sequence),
     ``correct_weight`` / ``wrong_weight`` (the verifier's reward for a right judgement of a
-    correct / a wrong answer, default 1 / 1). Rewards: see the module.
+    correct / a wrong answer, default 1 / 1), ``digit_credit`` (the solver's reward for a wrong
+    answer per share of right digits, in [0, 1), default 0). Rewards: see the module.
     """
 
     agents = ("solver", "verifier")
@@ -94,6 +107,9 @@ class ArithmeticGame(Environment):
         self.judge_tokens = int(config.get("judge_tokens", 8))
         self.correct_weight = float(config.get("correct_weight", 1.0))
         self.wrong_weight = float(config.get("wrong_weight", 1.0))
+        self.digit_credit = float(config.get("digit_credit", 0.0))
+        if not 0.0 <= self.digit_credit < 1.0:
+            raise ValueError("digit_credit must be in [0, 1): a wrong answer earns less than a right one")
         if not 0 <= self.min_operand <= self.max_operand:
             raise ValueError("need 0 <= min_operand <= max_operand")
         if self.answer_tokens < 1 or self.judge_tokens < 1:
@@ -113,10 +129,11 @@ class ArithmeticGame(Environment):
         a: int = task.data["a"]
         b: int = task.data["b"]
         answer = await ctx.generate("solver", question(a, b), max_new_tokens=self.answer_tokens)
-        correct = parse_answer(answer.token_ids) == a + b
+        value = parse_answer(answer.token_ids)
+        correct = value == a + b
         shown = [t for t in answer.token_ids if t < BYTE_TOKENS]
         judge_prompt = ctx.tokenize("verifier", question(a, b)) + shown + ctx.tokenize("verifier", "?")
         verdict = judgement((await ctx.generate("verifier", judge_prompt, max_new_tokens=self.judge_tokens)).token_ids)
-        ctx.reward("solver", 1.0 if correct else 0.0)
+        ctx.reward("solver", 1.0 if correct else self.digit_credit * digit_share(value, a + b))
         right = verdict is not None and verdict == correct
         ctx.reward("verifier", (self.correct_weight if correct else self.wrong_weight) if right else 0.0)

@@ -10,7 +10,7 @@ import pytest
 from byte_tokenizers import ContentBytes
 
 from examples.arithmetic.data import digit_checks, solver_examples, verifier_examples
-from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer
+from examples.arithmetic.env import ArithmeticGame, digit_share, judgement, parse_answer
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
 
 EOS = 257
@@ -54,6 +54,24 @@ async def test_the_verifier_sees_the_answer_and_earns_its_class_weight() -> None
     # "y" is right on a correct answer (weight 3) and wrong on a wrong one (0, never the 0.5 of a right "n").
     assert verifier == [3.0 if s == 1.0 else 0.0 for s in solver]
     assert backend.budgets == {"solver": 4, "verifier": 6}
+
+
+async def test_digit_credit_rewards_a_wrong_answer_by_its_right_digits() -> None:
+    """The scripted solver's odd episodes answer sum + 1; with digit_credit 0.5 those earn 0.5 x their right digits."""
+    env = ArithmeticGame(min_operand=10, max_operand=39, judge_tokens=6, digit_credit=0.5)
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 4}) for a in env.agents}
+    result = await RolloutRunner(env, runtimes, Scripted(), clock_ms=lambda: 0, coalesce_first_turn=False).run(
+        RolloutTaskInput("job", "job/0/0", 0, 0, 4))
+    a, b = env.task(0, 0).data["a"], env.task(0, 0).data["b"]
+    wrong = 0.5 * digit_share(a + b + 1, a + b)
+    assert 0.0 < wrong < 1.0
+    assert sorted(r.reward for r in result.experiences if r.agent == "solver") == [wrong, wrong, 1.0, 1.0]
+    assert digit_share(47, 46) == 0.5 and digit_share(56, 46) == 0.5 and digit_share(46, 46) == 1.0
+    assert digit_share(146, 46) == 2 / 3 and digit_share(6, 46) == 0.5 and digit_share(None, 46) == 0.0
+    assert digit_share(64, 46) == 0.0  # right digits in the wrong places earn nothing
+    for credit in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="digit_credit"):
+            ArithmeticGame(digit_credit=credit)
 
 
 def test_judgement_is_the_token_after_the_digits() -> None:
