@@ -472,7 +472,13 @@ class AgentBroadcast:
                 broadcast failed (the group is closed then).
         """
         started_s = time.monotonic()
-        plan = self._plan(version, record.peers)
+        try:
+            plan = self._plan(version, record.peers)
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # the rendezvous store broke under us (torch raises many kinds here)
+            self._close_group()
+            raise WeightSyncError(f"{self.base_name} v{version}: planning the group failed: {exc}") from exc
         group = self._group
         if plan.kind == "skip":
             self._close_group()

@@ -99,6 +99,30 @@ async def test_rank0_goes_on_when_no_replica_serves_the_agent_or_rolloutd_is_sil
         broadcast.close()
 
 
+class _BrokenStore:
+    """A rendezvous store whose every call fails as a closed TCPStore's does."""
+
+    port = 1
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("Connection reset by peer (test)")
+        return fail
+
+
+def test_a_broken_store_fails_the_version_as_a_weight_sync_error() -> None:
+    """The trainer only expects WeightSyncError from a push (then the replicas load the checkpoint)."""
+    broadcast = AgentBroadcast("j", "a", timeout_s=1.0)
+    params = {"w": torch.zeros(4)}
+    try:
+        record = dataclasses.replace(broadcast.announce(params), peers=("rolloutd-1",))
+        broadcast._store = _BrokenStore()
+        with pytest.raises(WeightSyncError, match="planning the group failed: Connection reset"):
+            broadcast.push(params, 1, record)
+    finally:
+        broadcast.close()
+
+
 def test_rank0_keeps_an_epoch_only_for_the_same_members_of_every_peer() -> None:
     a, b = MemberPost(3, ("r0",)), MemberPost(3, ("r0", "r1"))
     members = {"rolloutd-a": ("r0",), "rolloutd-b": ("r0", "r1")}
