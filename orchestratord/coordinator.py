@@ -531,13 +531,12 @@ class JobCoordinator:
             yield
         finally:
             self._version_watchers[key] -= 1
-            if self._version_watchers[key] <= 0:
-                del self._version_watchers[key]
+            if self._version_watchers[key] == 0:
+                del self._version_watchers[key]  # only open streams are counted
 
     def version_peers(self, job_id: str) -> tuple[str, ...]:
         """The rolloutd workers watching ``job_id``'s versions now (sorted worker ids)."""
-        return tuple(sorted({worker for (job, worker), n in self._version_watchers.items()
-                             if n > 0 and job in (job_id, "")}))
+        return tuple(sorted({worker for job, worker in self._version_watchers if job in (job_id, "")}))
 
     async def announce_weights(self, job_id: str, agent: str, version: int,
                                record: WeightGroupRecord) -> tuple[str, ...]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc.aio
 
@@ -92,12 +94,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if job_id:
             require_id("job_id", job_id)
             self._coordinator.snapshot(job_id)  # NotFound for an unknown job
+        watching: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if request.worker_id:  # a rolloutd: a peer of the job's weight-update groups while it watches
-            require_id("worker_id", request.worker_id)
-            with self._coordinator.watching_versions(job_id, request.worker_id):
-                async for msg in self._versions(job_id):
-                    yield msg
-        else:
+            watching = self._coordinator.watching_versions(job_id, require_id("worker_id", request.worker_id))
+        with watching:
             async for msg in self._versions(job_id):
                 yield msg
 

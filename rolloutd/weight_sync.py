@@ -157,35 +157,36 @@ class AgentWeightGroup:
 
         endpoint = (record.master_address, record.master_port)
         ids = tuple(rid for rid, _ in members)
-        if self._epoch is not None and self._epoch.endpoint != endpoint:
-            await self.leave(clients)  # another rank 0 (a restarted trainer): that epoch is gone
-        if self.owner not in record.peers:  # began watching after the announcement: rank 0 does not wait for us
+        current = self._epoch if self._epoch is not None and self._epoch.endpoint == endpoint else None
+        plan: GroupPlan | None = None
+        problem = ""
+        if self.owner in record.peers:  # else it began watching after the announcement: rank 0 does not wait for it
+            try:
+                plan = await asyncio.to_thread(self._exchange, record, version, MemberPost(
+                    current.epoch if current is not None else 0, ids))
+            except Exception as exc:  # rank 0 gone (connection refused, store timeout), a garbled plan
+                problem = f"no group plan from rank 0: {exc}"
+        offset = plan.rank_offsets.get(self.owner) if plan is not None else None
+        keeps = (plan is not None and plan.kind == "keep" and offset is not None and current is not None
+                 and current.epoch == plan.epoch and current.members == ids)
+        if not keeps:  # any other outcome ends this rolloutd's epoch (another rank 0's included)
             await self.leave(clients)
+        if problem:
+            return outcome("lost", failed={"rank0": problem})
+        if self.owner not in record.peers:
             return outcome("lost")
-        post = MemberPost(self._epoch.epoch if self._epoch is not None else 0, ids)
-        try:
-            plan = await asyncio.to_thread(self._exchange, record, version, post)
-        except Exception as exc:  # rank 0 gone (connection refused, store timeout), a garbled plan
-            await self.leave(clients)
-            return outcome("lost", failed={"rank0": f"no group plan from rank 0: {exc}"})
         if plan is None:
-            await self.leave(clients)
             log.info("v%d over %s: no replica serves the agent here; skipped", version, record.base_name)
             return outcome("skip")
-        offset = plan.rank_offsets.get(self.owner)
         if plan.kind == "skip" or offset is None:
-            await self.leave(clients)
             log.warning("v%d over %s: not in rank 0's group (%s); the replicas load the durable copy", version,
                         record.base_name, plan.kind)
             return outcome("lost")
         group_name = record.group_name(plan.epoch)
-        current = self._epoch
-        if plan.kind == "keep" and (current is None or current.epoch != plan.epoch or current.members != ids):
-            await self.leave(clients)  # rank 0 keeps only what we posted: a plan we cannot follow
+        if plan.kind == "keep" and not keeps:  # rank 0 keeps only what we posted: a plan we cannot follow
             return outcome("lost", failed={rid: f"rank 0 keeps epoch {plan.epoch}, which these replicas are not in"
                                            for rid in ids})
         if plan.kind == "open":
-            await self.leave(clients)
             failed = await self._join(record, plan, offset, group_name, members)
             if failed:
                 await self._close(group_name, members)
@@ -210,6 +211,7 @@ class AgentWeightGroup:
         # Rank 0 may wait its whole timeout for the other peers before it plans.
         store.wait([plan_key(version)], datetime.timedelta(seconds=record.timeout_s + ANSWER_SLACK_S))
         return GroupPlan.decode(bytes(store.get(plan_key(version))))  # InvalidArgument: garbled
+
     async def _join(self, record: WeightGroupRecord, plan: GroupPlan, offset: int, group_name: str,
                     members: Sequence[tuple[str, GroupMember]]) -> dict[str, str]:
         calls = {rid: client.init_weights_update_group(

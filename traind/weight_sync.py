@@ -473,11 +473,12 @@ class AgentBroadcast:
         """
         started_s = time.monotonic()
         try:
-            plan = self._plan(version, record.peers)
-        except WeightSyncError:
-            raise
-        except Exception as exc:  # the rendezvous store broke under us (torch raises many kinds here)
+            plan, members = self._plan(version, record.peers)
+        except Exception as exc:
             self._close_group()
+            if isinstance(exc, WeightSyncError):
+                raise
+            # The rendezvous store broke under us (torch raises many kinds here).
             raise WeightSyncError(f"{self.base_name} v{version}: planning the group failed: {exc}") from exc
         group = self._group
         if plan.kind == "skip":
@@ -493,6 +494,7 @@ class AgentBroadcast:
             group.connect()  # raises WeightSyncError (and closes) when the replicas do not join
             self._group = group
         assert group is not None  # keep: decide_plan keeps only an open epoch
+        self.members = members
         total = 0
         try:
             for bucket in record.buckets:
@@ -500,7 +502,7 @@ class AgentBroadcast:
                 group.broadcast(tensors)
                 total += sum(t.numel() * t.element_size() for t in tensors)
         except WeightSyncError:
-            self._group, self.epoch, self.members = None, 0, {}  # broadcast() closed it
+            self._close_group()  # broadcast() closed the group already; this forgets it
             raise
         seconds = time.monotonic() - started_s
         logger.info("broadcast %s v%d: epoch %d (%s), %d ranks from %d rolloutds, %d buckets, %.1f MB in %.2fs",
@@ -508,8 +510,10 @@ class AgentBroadcast:
                     len(record.buckets), total / 1e6, seconds)
         return PushReport(str(version), len(record.buckets), total, seconds)
 
-    def _plan(self, version: int, peers: Sequence[str]) -> GroupPlan:
+    def _plan(self, version: int, peers: Sequence[str]) -> tuple[GroupPlan, dict[str, tuple[str, ...]]]:
         """Waits for every peer's post (at most ``timeout_s``), then decides and posts the version's plan.
+
+        Returns the plan and the members it has in the group (peer -> replica ids).
 
         The plan is posted in every case, so a peer that posts late finds it without itself and
         leaves its replicas to the durable copy instead of waiting for a rank 0 that went on.
@@ -538,23 +542,18 @@ class AgentBroadcast:
             logger.warning("%s v%d: %s did not post in time; their replicas load the durable copy", self.base_name,
                            version, ", ".join(missing))
         if plan.kind == "skip" and missing and not posts:
-            self._close_group()
             raise WeightSyncError(f"{self.base_name} v{version}: no replica group answered within "
                                   f"{self.timeout_s:.0f}s (waited for {', '.join(missing)})")
-        if plan.kind != "keep":
-            self._close_group()
-        self.members = {peer: posts[peer].members for peer in plan.rank_offsets}
-        return plan
+        return plan, {peer: posts[peer].members for peer in plan.rank_offsets}
 
     def _close_group(self) -> None:
-        group, self._group, self.epoch = self._group, None, 0
+        group, self._group, self.epoch, self.members = self._group, None, 0, {}
         if group is not None:
             group.close()
 
     def close(self) -> None:
         """Closes the group and the store (idempotent)."""
         self._close_group()
-        self.members = {}
         self._store = None
 
 
@@ -572,7 +571,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_GROUP_NAME",
     "DEFAULT_TIMEOUT_S",
-        "Bucket",
+    "Bucket",
     "GroupAddress",
     "PushReport",
     "ReplicaGroup",

@@ -308,13 +308,14 @@ def test_the_group_record_round_trips_and_answers_are_checked() -> None:
 ALICE, BOB = "job/alice", "job/bob"
 
 
-def _router(replicas: list[Replica], owner: str = "rolloutd-test") -> RolloutRouter:
-    """A router (rolloutd ``owner``'s) over ``replicas`` whose weights URIs are local checkpoint paths."""
+def _router(replicas: list[Replica], owner: str = "rolloutd-test",
+            mode: PauseMode = PauseMode.IN_PLACE) -> RolloutRouter:
+    """A router (rolloutd ``owner``'s, interrupting in ``mode``) over ``replicas`` whose weights URIs are paths."""
 
     async def resolve(uri: str) -> str:
         return uri
 
-    return RolloutRouter(replicas, resolve, owner=owner)
+    return RolloutRouter(replicas, resolve, owner=owner, interrupt_mode=mode)
 
 
 async def _version(router: RolloutRouter, key: str, broadcast: AgentBroadcast, params: dict[str, torch.Tensor],
@@ -478,7 +479,7 @@ async def test_a_broadcast_pauses_a_partial_rollout_agent_whose_generations_go_o
     then (k, v1); a fresh request afterwards is served by exactly the trainer's parameters."""
     tokens = LONG_TOKENS
     client = SGLangClient(replica.url)
-    router = RolloutRouter([Replica("r0", client)], _resolve_path, interrupt_mode=mode, owner="rolloutd-test")
+    router = _router([Replica("r0", client)], mode=mode)
     broadcast = AgentBroadcast("job", f"alice-partial-{mode.value}", timeout_s=20, bucket_bytes=BUCKET_BYTES)
     params = distinct_tensors(dict(trainer_model.state_dict()))
     try:
@@ -538,8 +539,7 @@ async def test_a_paused_replica_that_misses_a_broadcast_goes_on_with_the_weights
 
     tokens = LONG_TOKENS
     client = SGLangClient(replica.url)
-    router = RolloutRouter([Replica("r0", _AtSecondBucket(client, _lose_the_bucket))], _resolve_path,  # type: ignore[arg-type]
-                           owner="rolloutd-test")
+    router = _router([Replica("r0", _AtSecondBucket(client, _lose_the_bucket))])  # type: ignore[arg-type]
     broadcast = AgentBroadcast("job", "alice-partial-torn", timeout_s=20, bucket_bytes=BUCKET_BYTES)
     params = distinct_tensors(dict(trainer_model.state_dict()))
     try:
@@ -558,10 +558,6 @@ async def test_a_paused_replica_that_misses_a_broadcast_goes_on_with_the_weights
         broadcast.close()
         await router.close()
         await client.close()
-
-
-async def _resolve_path(uri: str) -> str:
-    return uri
 
 
 async def test_replica_killed_mid_broadcast_neither_blocks_the_trainer_nor_serves_a_torn_model(
