@@ -208,6 +208,11 @@ class JobPlanner:
         """Tasks admitted so far (N of the admission rule, in tasks)."""
         return self._job.admitted
 
+    @property
+    def tracked_task_ids(self) -> frozenset[str]:
+        """The tasks the planner still holds (admitted, not yet forgotten with a committed step or dropped)."""
+        return frozenset(self._job.tasks)
+
     def has_leasable_tasks(self) -> bool:
         """Whether :meth:`lease_tasks` would hand out a task now (a re-issue or an admissible one)."""
         return admission.has_leasable_tasks(self._job)

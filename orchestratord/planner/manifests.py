@@ -95,6 +95,8 @@ def fill_steps(job: JobPlan) -> None:
 
 
 def _drop_too_stale(job: JobPlan, task: Task, step: int) -> None:
+    """Forgets a done task that no open step can take (its lease ended with its report)."""
+    job.tasks.pop(task.task_id, None)
     logger.warning("job %s: dropping task %s: its oldest experience is too stale for step %d (max_staleness %d); "
                    "the admission rule leases another task in its place",
                    job.job_id, task.task_id, step, job.spec.pipeline.max_staleness)

@@ -119,6 +119,7 @@ def test_a_task_already_too_stale_for_the_open_step_is_dropped_and_replaced_and_
     stale = planner.lease_rollout_tasks("roll", 1)[0]  # leased at version 2: step 2 or 3 expected
     # Its experiences claim version 0 (a replica that lagged far behind): too stale for step 2.
     report(planner, stale, versions={"sender": 0, "receiver": 0})
+    assert stale.task_id not in job.tracked_task_ids  # dropped and forgotten, not kept for the job's life
     run_job(planner, clock, "job1")
     assert job.state is JobState.SUCCEEDED
     assert job.admitted_tasks > admitted
