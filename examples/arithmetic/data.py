@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-from examples.arithmetic.env import NO, YES, question
+from examples.arithmetic.env import NO, YES, digit_checks, question
 
 
 def solver_examples(seed: int, min_operand: int = 10, max_operand: int = 99) -> Iterator[tuple[str, str]]:
@@ -39,17 +39,6 @@ def _near_miss(rng: random.Random, total: int) -> int:
             wrong = total + rng.choice((-11, -10, -9, -1, 1, 9, 10, 11))
         if wrong >= 0 and wrong != total:
             return wrong
-
-
-def digit_checks(shown: int, total: int) -> str:
-    """Per digit of ``total`` (right-aligned, ``shown`` padded with zeros): ``(shown digit - total digit) mod 10``.
-
-    All zeros when ``shown`` ends like ``total`` (the judgement is then ``y`` exactly when the
-    lengths agree too).
-    """
-    own = str(total)
-    theirs = str(shown).rjust(len(own), "0")[-len(own):]
-    return "".join(str((int(s) - int(o)) % 10) for s, o in zip(theirs, own, strict=True))
 
 
 def verifier_examples(seed: int, min_operand: int = 10, max_operand: int = 99) -> Iterator[tuple[str, str]]:

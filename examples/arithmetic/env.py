@@ -13,7 +13,12 @@ its own, mod 10, the shown answer right-aligned), then one judgement token, ``y`
 * verifier: ``correct_weight`` (default 1) for ``y`` on a correct answer, ``wrong_weight``
   (default 1) for ``n`` on a wrong one, else 0 (a response with no ``y``/``n`` after its
   digits is no judgement and earns 0). The two weights let a job reward the rarer class more,
-  so that calling everything incorrect is not what a weak solver's answers make best.
+  so that calling everything incorrect is not what a weak solver's answers make best. With
+  ``grounded_judgement: true`` a judgement earns its reward only when it follows from the
+  verifier's own written work (:func:`work_agrees`): its sum, the checks of the shown answer
+  against that sum, then ``y`` exactly when the shown answer is that sum. A bare ``n`` (or ``y``)
+  that its work contradicts earns 0, so "call everything incorrect" is no longer a one-token
+  shortcut: on a wrong answer the reward goes to work that finds the difference.
 
 Why the verifier writes its work: a tiny model does not learn to judge ``a+b=c`` from one bit
 per example in a few CPU minutes (measured: chance after 600 steps, docs/examples.md); nor an
@@ -86,6 +91,48 @@ def judgement(token_ids: Sequence[int]) -> bool | None:
     return None
 
 
+def digit_checks(shown: int, total: int) -> str:
+    """Per digit of ``total`` (right-aligned, ``shown`` padded with zeros): ``(shown digit - total digit) mod 10``.
+
+    All zeros when ``shown`` ends like ``total`` (the judgement is then ``y`` exactly when the
+    lengths agree too).
+    """
+    own = str(total)
+    theirs = str(shown).rjust(len(own), "0")[-len(own):]
+    return "".join(str((int(s) - int(o)) % 10) for s, o in zip(theirs, own, strict=True))
+
+
+def written_digits(token_ids: Sequence[int]) -> str:
+    """The leading ASCII digits of a response: a verifier's written work (its sum, then its checks)."""
+    digits = ""
+    for token in token_ids:
+        if not ord("0") <= token <= ord("9"):
+            break
+        digits += chr(token)
+    return digits
+
+
+def work_agrees(token_ids: Sequence[int], shown: int | None) -> bool:
+    """Whether a verifier's judgement follows from its written work, for the ``shown`` answer (None: no number).
+
+    The work is the leading ASCII digits: ``2k`` of them, a ``k``-digit sum (no leading zero)
+    then ``k`` check digits equal to :func:`digit_checks` of ``shown`` against that sum; the
+    judgement (:func:`judgement`) must be ``y`` exactly when ``shown`` is that sum. A shown
+    answer with no number has nothing to check: the judgement must be ``n``.
+    """
+    verdict = judgement(token_ids)
+    if verdict is None:
+        return False
+    if shown is None:
+        return verdict is False
+    digits = written_digits(token_ids)
+    half = len(digits) // 2
+    if half == 0 or len(digits) % 2 or (digits[0] == "0" and half > 1):
+        return False
+    own, checks = int(digits[:half]), digits[half:]
+    return checks == digit_checks(shown, own) and verdict == (shown == own)
+
+
 class ArithmeticGame(Environment):
     """Two-digit addition between a ``solver`` and a ``verifier``.
 
@@ -94,7 +141,8 @@ class ArithmeticGame(Environment):
     verifier's, default 8: three digits of its sum, three checks, the judgement, end-of-sequence),
     ``correct_weight`` / ``wrong_weight`` (the verifier's reward for a right judgement of a
     correct / a wrong answer, default 1 / 1), ``digit_credit`` (the solver's reward for a wrong
-    answer per share of right digits, in [0, 1), default 0). Rewards: see the module.
+    answer per share of right digits, in [0, 1), default 0), ``grounded_judgement`` (reward a
+    judgement only when the verifier's work agrees with it, default false). Rewards: see the module.
     """
 
     agents = ("solver", "verifier")
@@ -108,6 +156,10 @@ class ArithmeticGame(Environment):
         self.correct_weight = float(config.get("correct_weight", 1.0))
         self.wrong_weight = float(config.get("wrong_weight", 1.0))
         self.digit_credit = float(config.get("digit_credit", 0.0))
+        grounded = config.get("grounded_judgement", False)
+        if not isinstance(grounded, bool):
+            raise ValueError("grounded_judgement must be true or false")
+        self.grounded_judgement = grounded
         if not 0.0 <= self.digit_credit < 1.0:
             raise ValueError("digit_credit must be in [0, 1): a wrong answer earns less than a right one")
         if not 0 <= self.min_operand <= self.max_operand:
@@ -133,7 +185,10 @@ class ArithmeticGame(Environment):
         correct = value == a + b
         shown = [t for t in answer.token_ids if t < BYTE_TOKENS]
         judge_prompt = ctx.tokenize("verifier", question(a, b)) + shown + ctx.tokenize("verifier", "?")
-        verdict = judgement((await ctx.generate("verifier", judge_prompt, max_new_tokens=self.judge_tokens)).token_ids)
+        judged = (await ctx.generate("verifier", judge_prompt, max_new_tokens=self.judge_tokens)).token_ids
+        verdict = judgement(judged)
         ctx.reward("solver", 1.0 if correct else self.digit_credit * digit_share(value, a + b))
         right = verdict is not None and verdict == correct
+        if self.grounded_judgement and not work_agrees(judged, value):
+            right = False
         ctx.reward("verifier", (self.correct_weight if correct else self.wrong_weight) if right else 0.0)

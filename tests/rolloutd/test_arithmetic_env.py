@@ -10,7 +10,7 @@ import pytest
 from byte_tokenizers import ContentBytes
 
 from examples.arithmetic.data import digit_checks, solver_examples, verifier_examples
-from examples.arithmetic.env import ArithmeticGame, digit_share, judgement, parse_answer
+from examples.arithmetic.env import ArithmeticGame, digit_share, judgement, parse_answer, work_agrees
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
 
 EOS = 257
@@ -72,6 +72,35 @@ async def test_digit_credit_rewards_a_wrong_answer_by_its_right_digits() -> None
     for credit in (-0.1, 1.0):
         with pytest.raises(ValueError, match="digit_credit"):
             ArithmeticGame(digit_credit=credit)
+
+
+async def test_a_grounded_judgement_earns_only_what_its_work_supports() -> None:
+    """The scripted verifier writes "4600y" on every answer: with grounded_judgement only 46 + its y can earn."""
+    env = ArithmeticGame(min_operand=10, max_operand=39, judge_tokens=6, grounded_judgement=True)
+    runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 4}) for a in env.agents}
+    result = await RolloutRunner(env, runtimes, Scripted(), clock_ms=lambda: 0, coalesce_first_turn=False).run(
+        RolloutTaskInput("job", "job/0/0", 0, 0, 4))
+    a, b = env.task(0, 0).data["a"], env.task(0, 0).data["b"]
+    verifier = [r.reward for r in result.experiences if r.agent == "verifier"]
+    # "4600y" is the work of a verifier whose sum is 46: it agrees with the judgement only for a shown 46.
+    assert verifier == [1.0 if a + b == 46 else 0.0, 0.0] * 2
+    with pytest.raises(ValueError, match="grounded_judgement"):
+        ArithmeticGame(grounded_judgement="yes")
+
+
+def test_work_agrees_reads_the_sum_the_checks_and_the_judgement() -> None:
+    assert work_agrees(list(b"4600y"), 46)
+    assert work_agrees([*b"4601n", EOS], 47)
+    assert work_agrees(list(b"4501n"), 46)  # a wrong sum, consistently checked: the work agrees (the reward may not)
+    assert not work_agrees(list(b"4600n"), 46)  # the checks say equal, the judgement not
+    assert not work_agrees(list(b"4601y"), 47)
+    assert not work_agrees(list(b"4600n"), 47)  # wrong checks for the shown 47
+    assert not work_agrees(list(b"n"), 47)  # a bare judgement has no work
+    assert not work_agrees(list(b"460n"), 47)  # an odd number of digits is no sum + checks
+    assert not work_agrees(list(b"0647n"), 47)  # a sum with a leading zero
+    assert not work_agrees(list(b"4600"), 46)  # no judgement
+    assert work_agrees(list(b"4600n"), 146)  # an extra leading digit: checks 00 and n
+    assert work_agrees(list(b"n"), None) and not work_agrees(list(b"4600y"), None)  # nothing shown: n
 
 
 def test_judgement_is_the_token_after_the_digits() -> None:
