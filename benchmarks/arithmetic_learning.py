@@ -15,11 +15,16 @@ trains each agent with traind's own pieces:
   step per training step. Strict on-policy: rollout batch t is sampled by version t of both agents.
 
 Step 0's rollouts are sampled by the warm-started models before any RL update: they are the "SFT"
-level. Per step: the solver's accuracy (its mean reward), the verifier's accuracy (the share of its
-judgements that are right; its reward may weight them by class),
-its precision (of the answers it called correct, the share that were) and recall (of the correct
-answers, the share it called correct), and wall seconds; per run, its process CPU seconds and the
-solver's greedy accuracy over every operand pair after the warm start and after RL.
+level. Per step: the solver's accuracy (its answers that are the sum), the verifier's accuracy (the
+share of its judgements that are right; its reward may weight them by class), its precision (of the
+answers it called correct, the share that were), recall (of the correct answers, the share it called
+correct), specificity (of the wrong answers, the share it called wrong), the share of its judgements
+whose written sum is right and whose work agrees with them (``env.work_agrees``), and wall seconds.
+Per run: its process CPU seconds, the solver's greedy accuracy over every operand pair after the
+warm start and after RL, and the **verifier probe**: the verifier's greedy precision, specificity
+and accuracy on one fixed set, the warm-started solver's greedy answers to every pair, after the
+warm start and after RL. The sampled per-step precision moves with the solver's accuracy (the base
+rate); the probe's base rate is fixed, so a rise there is the verifier's own.
 
 Seeds: run seed s uses job seed s and tiny checkpoints with weight seeds ``2s+1`` (solver) and
 ``2s+2`` (verifier); seed 0 is exactly examples/arithmetic/job.yaml.
@@ -55,7 +60,14 @@ import torch  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.signaling_learning import BatchedBackend, checkpoint, read_job, rollout_step  # noqa: E402
-from examples.arithmetic.env import ArithmeticGame, judgement, parse_answer, question  # noqa: E402
+from examples.arithmetic.env import (  # noqa: E402
+    ArithmeticGame,
+    judgement,
+    parse_answer,
+    question,
+    work_agrees,
+    written_digits,
+)
 from flexmarl.experience import ExperienceRecord  # noqa: E402
 from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, RolloutRunner  # noqa: E402
@@ -147,57 +159,105 @@ class StepRow:
     recall: float  # of the correct answers, the share judged correct; nan when none was correct
     judged_correct: float  # share of episodes the verifier called correct
     seconds: float
+    specificity: float = math.nan  # of the wrong answers, the share judged wrong; nan when none was wrong
+    verifier_sum: float = math.nan  # share of judgements whose written sum (the first half of its digits) is a + b
+    work_agrees: float = math.nan  # share of judgements that follow from their own work (env.work_agrees)
 
 
 def step_row(step: int, records: Sequence[ExperienceRecord], seconds: float) -> StepRow:
     """The figures of one step from its experiences (solver reward = correctness, verifier's token = its verdict)."""
     correct: dict[tuple[str, int], bool] = {}
     verdict: dict[tuple[str, int], bool | None] = {}
+    own_sum: dict[tuple[str, int], bool] = {}
+    agrees: dict[tuple[str, int], bool] = {}
     for rec in records:
         key = (rec.task_id, rec.sample_index)
         if rec.agent == "solver":
+            # Correctness from the answer, not the reward: the job may give a wrong answer digit credit.
             correct[key] = rec.reward == 1.0
         else:
-            verdict[key] = judgement([int(t) for t in rec.response_token_ids])
+            tokens = [int(t) for t in rec.response_token_ids]
+            verdict[key] = judgement(tokens)
+            # The verifier's prompt is "a+b=" + the shown answer's bytes + "?".
+            prompt = bytes(int(t) for t in rec.prompt_token_ids if int(t) < 256).decode("ascii", "replace")
+            operands, _, shown_text = prompt.partition("=")
+            a, _, b = operands.partition("+")
+            digits = written_digits(tokens)
+            own_sum[key] = len(digits) >= 2 and digits[:len(digits) // 2] == str(int(a) + int(b))
+            agrees[key] = work_agrees(tokens, parse_answer(list(shown_text.rstrip("?").encode())))
     keys = sorted(correct)
     said_yes = [k for k in keys if verdict.get(k) is True]
     right = [k for k in keys if correct[k]]
+    wrong = [k for k in keys if not correct[k]]
     precision = statistics.fmean(correct[k] for k in said_yes) if said_yes else math.nan
     recall = statistics.fmean(verdict.get(k) is True for k in right) if right else math.nan
     # Accuracy from the verdicts, not the verifier's reward: the job may weight the reward by class.
     verifier_accuracy = statistics.fmean(verdict.get(k) == correct[k] for k in keys)
+    specificity = statistics.fmean(verdict.get(k) is False for k in wrong) if wrong else math.nan
     return StepRow(step, statistics.fmean(correct[k] for k in keys), verifier_accuracy, precision, recall,
-                   len(said_yes) / len(keys), seconds)
+                   len(said_yes) / len(keys), seconds, specificity,
+                   statistics.fmean(own_sum.get(k, False) for k in keys),
+                   statistics.fmean(agrees.get(k, False) for k in keys))
 
 
 @torch.no_grad()
-def greedy_solver_accuracy(agent: Agent, tokenizer_path: str, env: ArithmeticGame, limit: int = 1024) -> float:
-    """The solver's greedy (argmax) accuracy over every operand pair of the job's range (at most ``limit``)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    operands = range(env.min_operand, env.max_operand + 1)
-    pairs = [(a, b) for a in operands for b in operands][:limit]
-    prompts = [list(tokenizer.encode(question(a, b), add_special_tokens=False)) for a, b in pairs]
+def greedy_decode(agent: Agent, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    """Argmax continuations of ``prompts`` (left-padded as BatchedBackend samples), each up to its EOS."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):  # left-padded, as BatchedBackend samples
-        ids[i, width - len(prompt):] = torch.tensor(prompt)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(list(prompt))
         mask[i, width - len(prompt):] = 1
-    answers: list[list[int]] = [[] for _ in pairs]
-    done = [False] * len(pairs)
-    for _ in range(env.answer_tokens):
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = agent.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
         tokens = logits[:, -1, :].argmax(-1)
         for i, token in enumerate(tokens.tolist()):
             if not done[i]:
-                answers[i].append(token)
+                outputs[i].append(token)
                 done[i] = token in agent.eos_token_ids
         ids = torch.cat([ids, tokens.unsqueeze(-1)], dim=1)
-        mask = torch.cat([mask, torch.ones((len(pairs), 1), dtype=torch.long)], dim=1)
-    return statistics.fmean(parse_answer(answer) == a + b for answer, (a, b) in zip(answers, pairs, strict=True))
+        mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
+    return outputs
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Fixed questions and the warm-started solver's greedy answers: what the verifier is judged on."""
+
+    pairs: tuple[tuple[int, int], ...]
+    answers: tuple[tuple[int, ...], ...]  # the solver's answer tokens, specials dropped (as the verifier sees them)
+
+    def correct(self) -> list[bool]:
+        return [parse_answer(list(answer)) == a + b for answer, (a, b) in zip(self.answers, self.pairs, strict=True)]
+
+
+def solver_probe(agent: Agent, tokenizer: Any, env: ArithmeticGame, limit: int = 1024) -> tuple[float, Probe]:
+    """The solver's greedy accuracy over every operand pair of the job's range (at most ``limit``), and its answers."""
+    operands = range(env.min_operand, env.max_operand + 1)
+    pairs = tuple((a, b) for a in operands for b in operands)[:limit]
+    prompts = [tokenizer.encode(question(a, b), add_special_tokens=False) for a, b in pairs]
+    answers = greedy_decode(agent, prompts, env.answer_tokens)
+    probe = Probe(pairs, tuple(tuple(t for t in answer if t < 256) for answer in answers))
+    return statistics.fmean(parse_answer(answer) == a + b for answer, (a, b) in zip(answers, pairs, strict=True)), probe
+
+
+def verifier_scores(agent: Agent, tokenizer: Any, probe: Probe, judge_tokens: int) -> dict[str, float]:
+    """The verifier's greedy judgements of ``probe``: precision, specificity (wrong answers called wrong), accuracy."""
+    prompts = [[*tokenizer.encode(question(a, b), add_special_tokens=False), *answer,
+                *tokenizer.encode("?", add_special_tokens=False)] for (a, b), answer in zip(probe.pairs, probe.answers,
+                                                                                           strict=True)]
+    verdicts = [judgement(out) for out in greedy_decode(agent, prompts, judge_tokens)]
+    correct = probe.correct()
+    said_yes = [c for c, v in zip(correct, verdicts, strict=True) if v is True]
+    wrong = [v for c, v in zip(correct, verdicts, strict=True) if not c]
+    return {"precision": statistics.fmean(said_yes) if said_yes else math.nan,
+            "specificity": statistics.fmean(v is False for v in wrong) if wrong else math.nan,
+            "accuracy": statistics.fmean(v == c for c, v in zip(correct, verdicts, strict=True)),
+            "base_rate": statistics.fmean(correct)}
 
 
 @dataclasses.dataclass
@@ -211,6 +271,8 @@ class RunResult:
     cpu_seconds: float  # process CPU time of the whole run (warm starts, rollouts, updates)
     greedy_sft: float  # the solver's greedy accuracy after the warm start (every operand pair)
     greedy_last: float  # the same after the RL steps
+    verifier_sft: dict[str, float] = dataclasses.field(default_factory=dict)  # verifier_scores after the warm start
+    verifier_last: dict[str, float] = dataclasses.field(default_factory=dict)  # the same probe after the RL steps
 
     def tail(self, field: str) -> float:
         """Mean of ``field`` over the last TAIL_STEPS steps (nan values skipped)."""
@@ -268,14 +330,19 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
         runtimes[name] = AgentRuntime(HFTokenizer(str(path)), sampling)
     if not isinstance(env, ArithmeticGame):
         raise ValueError("the job's environment is not examples.arithmetic.env:ArithmeticGame")
-    solver_path = str(checkpoint(cache_dir, spec["agents"][0]["model"], 2 * seed + 1))
-    greedy_sft = greedy_solver_accuracy(agents["solver"], solver_path, env)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint(cache_dir, spec["agents"][0]["model"], 2 * seed + 1)),
+                                              local_files_only=True)  # the byte-level tokenizer both agents share
+    greedy_sft, probe = solver_probe(agents["solver"], tokenizer, env)
+    verifier_sft = verifier_scores(agents["verifier"], tokenizer, probe, env.judge_tokens)
     backend = BatchedBackend(agents, torch.Generator().manual_seed(seed))  # type: ignore[arg-type]
     runner = RolloutRunner(env, runtimes, backend, clock_ms=lambda: 0)
     setup_s = time.perf_counter() - started
     if not quiet:
         print(f"seed {seed}: warm start " + " ".join(f"{a} loss {v[0]:.3f}->{v[-1]:.3f}" for a, v in sft_losses.items())
-              + f"; solver greedy accuracy {greedy_sft:.3f} ({setup_s:.1f}s)", flush=True)
+              + f"; solver greedy accuracy {greedy_sft:.3f}; verifier greedy on its answers "
+              + " ".join(f"{k} {v:.3f}" for k, v in verifier_sft.items()) + f" ({setup_s:.1f}s)", flush=True)
     rows: list[StepRow] = []
     # The agent's own `algorithm.advantage_norm`, else the job's (JobSpec.algorithm_of, as traind reads it).
     norms = {a["name"]: losses.AdvantageNorm(a.get("algorithm", {}).get("advantage_norm")
@@ -290,9 +357,12 @@ def run_seed(spec: dict[str, Any], seed: int, steps: int, cache_dir: Path, quiet
         if not quiet:
             print(f"seed {seed} step {step:3d} solver acc={row.solver_accuracy:.3f} verifier acc="
                   f"{row.verifier_accuracy:.3f} precision={row.precision:.3f} recall={row.recall:.3f} "
-                  f"yes={row.judged_correct:.2f} {row.seconds:.2f}s", flush=True)
-    greedy_last = greedy_solver_accuracy(agents["solver"], solver_path, env)
-    return RunResult(seed, sft_losses, rows, setup_s, time.process_time() - cpu_started, greedy_sft, greedy_last)
+                  f"specificity={row.specificity:.3f} yes={row.judged_correct:.2f} own sum={row.verifier_sum:.2f} "
+                  f"work agrees={row.work_agrees:.2f} {row.seconds:.2f}s", flush=True)
+    greedy_last, _ = solver_probe(agents["solver"], tokenizer, env)
+    verifier_last = verifier_scores(agents["verifier"], tokenizer, probe, env.judge_tokens)
+    return RunResult(seed, sft_losses, rows, setup_s, time.process_time() - cpu_started, greedy_sft, greedy_last,
+                     verifier_sft, verifier_last)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -317,20 +387,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                Column("verif acc SFT", 13, fmt=".3f"), Column(f"verif acc last{TAIL_STEPS}", 16, fmt=".3f"),
                Column("precision SFT", 13, fmt=".3f"), Column(f"precision last{TAIL_STEPS}", 16, fmt=".3f"),
                Column("recall SFT", 10, fmt=".3f"), Column(f"recall last{TAIL_STEPS}", 13, fmt=".3f"),
+               Column("specif SFT", 10, fmt=".3f"), Column(f"specif last{TAIL_STEPS}", 13, fmt=".3f"),
+               Column("own sum SFT", 11, fmt=".3f"), Column(f"own sum last{TAIL_STEPS}", 14, fmt=".3f"),
                Column("greedy SFT", 10, fmt=".3f"), Column("greedy end", 10, fmt=".3f"),
+               Column("v-probe prec SFT", 16, fmt=".3f"), Column("v-probe prec end", 16, fmt=".3f"),
+               Column("v-probe spec SFT", 16, fmt=".3f"), Column("v-probe spec end", 16, fmt=".3f"),
                Column("seconds", 8, fmt=".1f"), Column("CPU s", 7, fmt=".1f")]
     table: list[list[object]] = []
     runs: list[dict[str, Any]] = []
     for res in results:
         seconds = res.setup_seconds + sum(r.seconds for r in res.rows)
         figures = {f: (res.start(f), res.tail(f)) for f in ("solver_accuracy", "verifier_accuracy", "precision",
-                                                             "recall")}
+                                                             "recall", "specificity", "verifier_sum")}
         table.append([res.seed, *[v for pair in figures.values() for v in pair], res.greedy_sft, res.greedy_last,
-                      seconds, res.cpu_seconds])
+                      res.verifier_sft["precision"], res.verifier_last["precision"],
+                      res.verifier_sft["specificity"], res.verifier_last["specificity"], seconds, res.cpu_seconds])
         runs.append({"seed": res.seed, "seconds": seconds, "cpu_seconds": res.cpu_seconds,
                      "setup_seconds": res.setup_seconds,
                      "sft_losses": res.sft_losses,
                      "solver_greedy": {"sft": res.greedy_sft, "end": res.greedy_last},
+                     "verifier_probe": {"sft": res.verifier_sft, "end": res.verifier_last},
                      "sft": {f: start for f, (start, _) in figures.items()},
                      "last": {f: tail for f, (_, tail) in figures.items()},
                      "rows": [dataclasses.asdict(r) for r in res.rows]})
@@ -338,8 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(render_table(columns, table)))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"spec": spec, "steps": steps, "runs": runs}, indent=1))
-    improved = all(r["last"]["solver_accuracy"] > r["sft"]["solver_accuracy"]
-                   and r["last"]["precision"] > r["sft"]["precision"] for r in runs)
+    # Exit 0 when every seed's solver (greedy, every pair) and verifier (greedy precision on the fixed probe) rose.
+    improved = all(r["solver_greedy"]["end"] > r["solver_greedy"]["sft"]
+                   and r["verifier_probe"]["end"]["precision"] > r["verifier_probe"]["sft"]["precision"] for r in runs)
     return 0 if improved else 1
 
 
