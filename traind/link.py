@@ -34,6 +34,8 @@ T = TypeVar("T")
 
 #: Bound on one poll, discovery in etcd included (the RPC itself has a 30 s deadline).
 POLL_DEADLINE_S = 40.0
+#: Bound on one lease renewal (a renewal every third of the lease's time: two may fail before it expires).
+RENEW_TIMEOUT_S = 5.0
 #: How long a read of experiences waits for stored to come back before it fails.
 STORE_RETRY = RetryPolicy(initial_s=0.2, max_s=2.0, deadline_s=60.0)
 
@@ -66,6 +68,9 @@ class OrchestratorLink(Protocol):
 
     async def ack_micro_batch(self, slot_id: str, lease_id: str, episodes: int) -> None:
         """Acks a micro-batch whose gradient is accumulated (raises OrchestratorCallError)."""
+
+    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
+        """Renews the leases of micro-batches being worked on; returns the lost ones (raises OrchestratorCallError)."""
 
     async def commit_step(self, commit: StepCommit) -> None:
         """Commits an optimizer step (raises OrchestratorCallError)."""
@@ -147,6 +152,12 @@ class GrpcOrchestratorLink:
         """AckMicroBatch."""
         request = serde.ack_request(self._worker_id, slot_id, lease_id, episodes)
         await self._call("AckMicroBatch", lambda stub: stub.AckMicroBatch(request, timeout=30))
+
+    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
+        """RenewLeases."""
+        request = serde.renew_request(self._worker_id, lease_ids)
+        reply = await self._call("RenewLeases", lambda stub: stub.RenewLeases(request, timeout=RENEW_TIMEOUT_S))
+        return frozenset(reply.lost_lease_ids)
 
     async def commit_step(self, commit: StepCommit) -> None:
         """CommitStep."""

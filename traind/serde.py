@@ -82,6 +82,11 @@ def ack_request(worker_id: str, slot_id: str, lease_id: str, episodes: int) -> o
                                                  episodes=episodes)
 
 
+def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.RenewLeasesRequest:
+    """A renewal of the micro-batch leases a slot is working on."""
+    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids))
+
+
 def commit_request(worker_id: str, commit: StepCommit) -> orchestrator_pb2.CommitStepRequest:
     """A committed step."""
     return orchestrator_pb2.CommitStepRequest(

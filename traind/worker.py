@@ -42,7 +42,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -258,7 +258,8 @@ class TrainerWorker:
         slot.busy = True
         try:
             if isinstance(work, MicroBatchWork):
-                await self._micro_batch(slot, work)
+                async with self._renewing(slot, work):
+                    await self._micro_batch(slot, work)
             elif isinstance(work, OptimizerStepWork):
                 await self._optimizer_step(slot, work)
             else:
@@ -276,6 +277,40 @@ class TrainerWorker:
             slot.busy = False
             slot.busy_s += time.monotonic() - started
             self._metrics.observe_busy(slot)
+
+    @contextlib.asynccontextmanager
+    async def _renewing(self, slot: Slot, work: MicroBatchWork) -> AsyncIterator[None]:
+        """Keeps a micro-batch's lease while the slot works on it, waiting for the device included.
+
+        The lease lasts the job's ``leases.train_timeout_s``; the first micro-batch of an agent
+        may take far longer (its warm start runs in :meth:`_bind`, a large state swaps in), so it
+        is renewed every third of that, as rolloutd renews its tasks. A dead traind stops
+        renewing and its lease expires; a lost lease (expired or re-issued) is logged once and
+        the work goes on, since its ack would be refused.
+        """
+        spec = await self._specs.get(work.job_id, work.spec_digest)
+        interval_s = max(0.1, spec.leases.train_timeout_s / 3)
+        renewer = asyncio.get_running_loop().create_task(self._renew_lease(slot, work.lease_id, interval_s),
+                                                         name=f"renew {work.lease_id}")
+        try:
+            yield
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+
+    async def _renew_lease(self, slot: Slot, lease_id: str, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a period, not a wait for a condition
+            try:
+                lost = await self._orchestrator.renew_leases([lease_id])
+            except (OrchestratorCallError, FlexmarlError) as exc:
+                log.warning("%s: renewing micro-batch lease %s failed (%s); retrying", slot.slot_id, lease_id, exc)
+                continue
+            if lease_id in lost:
+                log.warning("%s: micro-batch lease %s is lost (expired or re-issued); its ack will be refused",
+                            slot.slot_id, lease_id)
+                return
 
     async def _fail(self, slot: Slot, error: str) -> None:
         """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""

@@ -57,6 +57,8 @@ class FakeOrchestrator:
         self.commits: list[StepCommit] = []
         self.events: list[SlotEvent] = []
         self.spec_fetches = 0
+        self.renewals: list[tuple[str, ...]] = []
+        self.lost: set[str] = set()  # leases a renewal reports lost
         self._changed = asyncio.Condition()
 
     async def poll_work(self, slot_id: str, resident: Sequence[ResidentAgent], wait_ms: int,
@@ -78,6 +80,10 @@ class FakeOrchestrator:
     async def ack_micro_batch(self, slot_id: str, lease_id: str, episodes: int) -> None:
         await self._record(self.acks, (slot_id, lease_id, episodes))
 
+    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
+        await self._record(self.renewals, tuple(lease_ids))
+        return frozenset(lease_ids) & frozenset(self.lost)
+
     async def commit_step(self, commit: StepCommit) -> None:
         await self._record(self.commits, commit)
 
@@ -94,12 +100,18 @@ class FakeOrchestrator:
 
 
 class FakeStore:
-    """An in-memory StoreLink holding experiences (no blobs: the test's states and weights are files)."""
+    """An in-memory StoreLink holding experiences (no blobs: the test's states and weights are files).
 
-    def __init__(self, records: Sequence[ExperienceRecord]) -> None:
+    ``hold``: when set, a read waits for it (a slow stored, or anything that keeps a micro-batch long).
+    """
+
+    def __init__(self, records: Sequence[ExperienceRecord], hold: asyncio.Event | None = None) -> None:
         self.records = {r.experience_id: r for r in records}
+        self.hold = hold
 
     async def read_experiences(self, job_id: str, ids: Sequence[str]) -> list[ExperienceRecord]:
+        if self.hold is not None:
+            await self.hold.wait()
         return [self.records[i] for i in ids]
 
     async def client(self) -> StoreClient:
@@ -175,6 +187,42 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
         await worker.stop()
 
 
+@pytest.mark.timeout(120)
+async def test_a_micro_batch_keeps_its_lease_renewed_while_the_slot_works_on_it(tmp_path: Path) -> None:
+    """A micro-batch that outlasts its lease (a warm start, a slow read) is renewed, then no more once acked."""
+    raw: dict[str, Any] = yaml.safe_load((REPO_ROOT / "examples" / "signaling" / "job.yaml").read_text())
+    raw["leases"] = {**raw.get("leases", {}), "train_timeout_s": 1}  # renewed every 1/3 s
+    spec_json = json.dumps(materialize_models(raw, tmp_path / "models"))
+    digest = spec_digest(spec_json)
+    groups = [make_group(np.random.default_rng(1), f"t{i}", AGENT, 4) for i in range(2)]
+    first, second = (_micro_batch(i, groups[i], step=0, step_id="s0", base_version=0, state_uri="", digest=digest,
+                                  step_episodes=8) for i in range(2))
+    orchestrator = FakeOrchestrator(spec_json, [first])
+    hold = asyncio.Event()
+    settings = TrainerSettings(worker_id="traind-renew", slots=1, work_dir=tmp_path / "work", state_location="file",
+                               publish_location="file")
+    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator,
+                           FakeStore([r for g in groups for r in g], hold))
+    await worker.start()
+    try:
+        # The read of the first micro-batch waits: its lease (1 s) is renewed meanwhile, again and again.
+        await orchestrator.until(lambda: len(orchestrator.renewals) >= 4)
+        assert set(orchestrator.renewals) == {(first.lease_id,)} and not orchestrator.acks
+        hold.set()
+        await orchestrator.until(lambda: len(orchestrator.acks) == 1)
+        # The second one's lease is lost at its first renewal: renewing stops, the work goes on to its ack.
+        hold.clear()
+        orchestrator.lost.add(second.lease_id)
+        orchestrator.script.put_nowait(second)
+        await orchestrator.until(lambda: (second.lease_id,) in orchestrator.renewals)
+        hold.set()
+        await orchestrator.until(lambda: len(orchestrator.acks) == 2)
+        assert orchestrator.renewals.count((second.lease_id,)) == 1  # renewed once, then given up
+        assert [a[1] for a in orchestrator.acks] == [first.lease_id, second.lease_id]
+    finally:
+        await worker.stop()
+
+
 def test_serde_carries_every_field_of_the_work_messages() -> None:
     from flexmarl.v1 import orchestrator_pb2
     from traind import serde
@@ -221,6 +269,12 @@ async def test_the_grpc_link_decodes_work_and_maps_a_refused_call() -> None:
     async def ack(request: orchestrator_pb2.AckMicroBatchRequest, context: Any) -> Any:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease {request.lease_id} expired")
 
+    renewals: list[orchestrator_pb2.RenewLeasesRequest] = []
+
+    async def renew(request: orchestrator_pb2.RenewLeasesRequest, context: Any) -> Any:
+        renewals.append(request)
+        return orchestrator_pb2.RenewLeasesResponse(lost_lease_ids=[i for i in request.lease_ids if i != "l1"])
+
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("flexmarl.v1.Orchestrator", {
         "PollTrainerWork": grpc.unary_unary_rpc_method_handler(
@@ -229,6 +283,9 @@ async def test_the_grpc_link_decodes_work_and_maps_a_refused_call() -> None:
         "AckMicroBatch": grpc.unary_unary_rpc_method_handler(
             ack, request_deserializer=orchestrator_pb2.AckMicroBatchRequest.FromString,
             response_serializer=orchestrator_pb2.AckMicroBatchResponse.SerializeToString),
+        "RenewLeases": grpc.unary_unary_rpc_method_handler(
+            renew, request_deserializer=orchestrator_pb2.RenewLeasesRequest.FromString,
+            response_serializer=orchestrator_pb2.RenewLeasesResponse.SerializeToString),
     }),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -244,6 +301,8 @@ async def test_the_grpc_link_decodes_work_and_maps_a_refused_call() -> None:
         assert (request.worker_id, request.slot_id, request.wait_ms, request.dp_address) == (
             "traind-x", "traind-x/slot0", 10, "10.0.0.1:1")
         assert [(r.job_id, r.agent, r.version) for r in request.resident] == [(JOB, AGENT, 2)]
+        assert await link.renew_leases(["l1", "l0"]) == frozenset({"l0"})
+        assert [(r.worker_id, list(r.lease_ids)) for r in renewals] == [("traind-x", ["l1", "l0"])]
         stub = await peers.orchestrator()
         with pytest.raises(OrchestratorCallError, match="lease l1 expired") as refused:
             await link.ack_micro_batch("traind-x/slot0", "l1", 4)
