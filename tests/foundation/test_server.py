@@ -1,5 +1,7 @@
 """The gRPC bootstrap in-process: error mapping, metrics, health, reflection."""
 
+import asyncio
+
 import grpc
 import grpc.aio
 import pytest
@@ -99,3 +101,37 @@ async def test_bind_conflict_is_oserror() -> None:
         server = GrpcServer((), 4 << 20)
         with pytest.raises(OSError, match="cannot bind"):
             server.bind("127.0.0.1", port)
+
+
+@pytest.mark.parametrize("server_accepts_pings", [True, False])
+async def test_an_idle_channel_s_keepalive_pings_do_not_get_it_cut(monkeypatch, server_accepts_pings) -> None:
+    """Our channels ping while idle; our servers take those pings (the control: gRPC's default server cuts them).
+
+    Scaled down: the channel pings every 0.5 s and the server takes a ping every 0.2 s (as 30 s and
+    10 s in flexmarl.server). gRPC's default server takes one ping in 5 minutes and, after two
+    strikes, sends GOAWAY too_many_pings; the channel then leaves READY.
+    """
+    import flexmarl.server as server_module
+
+    monkeypatch.setattr(server_module, "KEEPALIVE_TIME_MS", 500)
+    monkeypatch.setattr(server_module, "MIN_RECV_PING_INTERVAL_MS", 200)
+    options = server_module.channel_options(4 << 20)
+    if not server_accepts_pings:
+        options = [o for o in options if o[0] != "grpc.http2.min_ping_interval_without_data_ms"]
+    server = grpc.aio.server(options=options)
+    rollout_pb2_grpc.add_RolloutServicer_to_server(_Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+    try:
+        await rollout_pb2_grpc.RolloutStub(channel).GetRolloutStatus(rollout_pb2.GetRolloutStatusRequest())
+        assert channel.get_state() is grpc.ChannelConnectivity.READY
+        try:  # idle: only keepalive pings cross; 4 s is 8 of them
+            await asyncio.wait_for(channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 4.0)
+            cut = True
+        except TimeoutError:
+            cut = False
+        assert cut is not server_accepts_pings
+    finally:
+        await channel.close()
+        await server.stop(0)

@@ -21,18 +21,31 @@ from flexmarl.security import INSECURE, TokenAuthInterceptor, TransportSecurity
 log = logging.getLogger(__name__)
 
 
+#: How often a channel pings its server (keepalive).
+KEEPALIVE_TIME_MS = 30_000
+#: The shortest gap between pings without data a server accepts (below KEEPALIVE_TIME_MS).
+MIN_RECV_PING_INTERVAL_MS = 10_000
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     """Options for servers and channels: explicit message limits, keepalive, reconnect back-off.
 
     gRPC's default reconnect back-off grows to 120 s; after a partition heals, a client's retries
     would run out before its channel tried again. 5 s bounds how long a healed link stays unused.
+
+    Keepalive: a channel pings every 30 s, idle or not. A server by default counts a ping that
+    comes within 5 minutes of the last one, with no data between, as a strike and after two sends
+    GOAWAY ``too_many_pings``: an idle channel (a traind whose slots are busy for minutes on a warm
+    start) was cut and its next call failed. The server here takes a ping every 10 s.
     """
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # Server side (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS); ignored by a channel.
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_RECV_PING_INTERVAL_MS),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
