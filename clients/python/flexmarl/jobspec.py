@@ -357,7 +357,8 @@ class LeaseSpec(_SpecModel):
     rollout_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 60.0
     """Seconds a rollout task's lease lasts without renewal before the task is re-issued."""
     train_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 120.0
-    """Seconds a micro-batch's lease lasts before it is re-issued."""
+    """Seconds a micro-batch's lease lasts without renewal before it is re-issued (traind renews it while it
+    works on it, warm start and swap-in included)."""
 
 
 class CheckpointSpec(_SpecModel):
