@@ -194,6 +194,12 @@ class SlotBinder:
 
     # ---- slots -------------------------------------------------------------------------------------
 
+    def touch(self, slot_id: str, worker_id: str) -> None:
+        """A known slot spoke (an ack or a commit): it is alive now, as a poll would show."""
+        slot = self._slots.get(slot_id)
+        if slot is not None and slot.worker_id == worker_id:
+            slot.last_seen_s = self._now_s()
+
     def observe_poll(self, slot_id: str, worker_id: str, resident: Mapping[AgentKey, int],
                      dp_address: str = "") -> TrainerSlot:
         """Registers or refreshes a slot from its poll (what it holds now, its rendezvous address)."""

@@ -271,14 +271,20 @@ class Planner:
         return self._jobs[agent[0]].next_trainer_work(agent[1], slot_id, worker_id, self.binder.group(agent))
 
     def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int = 0) -> None:
-        """See :meth:`JobPlanner.ack_micro_batch`."""
+        """See :meth:`JobPlanner.ack_micro_batch`.
+
+        The ack speaks for the slot: it polled last before this micro-batch, which may have run for
+        longer than the silence bound (an agent's warm start runs in its first micro-batch).
+        """
+        self.binder.touch(slot_id, worker_id)
         self.tick()
         self._job_of_lease(lease_id).ack_micro_batch(lease_id, worker_id, slot_id, episodes)
 
     def commit_step(self, worker_id: str, slot_id: str, job_id: str, agent: str, step: int, new_version: int,
                     weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
                     step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
-        """See :meth:`JobPlanner.commit_step`."""
+        """See :meth:`JobPlanner.commit_step` (the commit speaks for the slot, as an ack does)."""
+        self.binder.touch(slot_id, worker_id)
         self.tick()
         try:
             self.job(job_id).commit_step(worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
