@@ -80,15 +80,10 @@ def judgement(token_ids: Sequence[int]) -> bool | None:
 
     None when that token is anything else (a special token, another byte) or there is none.
     """
-    for token in token_ids:
-        if ord("0") <= token <= ord("9"):
-            continue
-        if token == ord(YES):
-            return True
-        if token == ord(NO):
-            return False
+    after = len(written_digits(token_ids))
+    if after >= len(token_ids):
         return None
-    return None
+    return {ord(YES): True, ord(NO): False}.get(token_ids[after])
 
 
 def digit_checks(shown: int, total: int) -> str:
