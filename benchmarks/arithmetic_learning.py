@@ -168,23 +168,27 @@ def step_row(step: int, records: Sequence[ExperienceRecord], seconds: float) -> 
     """The figures of one step from its experiences (solver reward = correctness, verifier's token = its verdict)."""
     correct: dict[tuple[str, int], bool] = {}
     verdict: dict[tuple[str, int], bool | None] = {}
-    own_sum: dict[tuple[str, int], bool] = {}
-    agrees: dict[tuple[str, int], bool] = {}
+    shown: dict[tuple[str, int], int | None] = {}  # the solver's answer, as the environment reads it
+    total: dict[tuple[str, int], int] = {}
+    judged: dict[tuple[str, int], list[int]] = {}
     for rec in records:
         key = (rec.task_id, rec.sample_index)
         if rec.agent == "solver":
-            # Correctness from the answer, not the reward: the job may give a wrong answer digit credit.
+            # Correct means reward 1: a wrong answer may earn digit credit below 1.
             correct[key] = rec.reward == 1.0
+            shown[key] = parse_answer([int(t) for t in rec.response_token_ids])
+            prompt = bytes(int(t) for t in rec.prompt_token_ids if int(t) < 256).decode("ascii")  # "a+b="
+            a, _, b = prompt.rstrip("=").partition("+")
+            total[key] = int(a) + int(b)
         else:
-            tokens = [int(t) for t in rec.response_token_ids]
-            verdict[key] = judgement(tokens)
-            # The verifier's prompt is "a+b=" + the shown answer's bytes + "?".
-            prompt = bytes(int(t) for t in rec.prompt_token_ids if int(t) < 256).decode("ascii", "replace")
-            operands, _, shown_text = prompt.partition("=")
-            a, _, b = operands.partition("+")
-            digits = written_digits(tokens)
-            own_sum[key] = len(digits) >= 2 and digits[:len(digits) // 2] == str(int(a) + int(b))
-            agrees[key] = work_agrees(tokens, parse_answer(list(shown_text.rstrip("?").encode())))
+            judged[key] = [int(t) for t in rec.response_token_ids]
+            verdict[key] = judgement(judged[key])
+    own_sum: dict[tuple[str, int], bool] = {}
+    agrees: dict[tuple[str, int], bool] = {}
+    for key, tokens in judged.items():
+        digits = written_digits(tokens)
+        own_sum[key] = len(digits) >= 2 and digits[:len(digits) // 2] == str(total[key])
+        agrees[key] = work_agrees(tokens, shown[key])
     keys = sorted(correct)
     said_yes = [k for k in keys if verdict.get(k) is True]
     right = [k for k in keys if correct[k]]
