@@ -71,11 +71,13 @@ class AgentDemand:
     data_parallel: bool = False
     upcoming_micro_batches: int = 0
     portable: bool = True
+    # The agent's warm start waits for a slot (agents[].warm_start; one in flight counts as mid_step).
+    warm_start_pending: bool = False
 
     @property
     def has_work(self) -> bool:
         """Whether a slot polling now could be given work for this agent."""
-        return self.ready_micro_batches > 0 or self.optimizer_pending
+        return self.ready_micro_batches > 0 or self.optimizer_pending or self.warm_start_pending
 
 
 @dataclasses.dataclass
@@ -351,7 +353,7 @@ class SlotBinder:
         waited_s = self.waited_s(agent)
         slot = self._slots.get(slot_id)
         affinity = self._affinity_bonus if slot is not None and agent in slot.resident else 0.0
-        value = demand.ready_micro_batches + (1.0 if demand.optimizer_pending else 0.0)
+        value = demand.ready_micro_batches + (1.0 if demand.optimizer_pending or demand.warm_start_pending else 0.0)
         return waited_s >= self._max_wait_s, value + self._aging_per_s * waited_s + affinity
 
     def _best_waiting(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],

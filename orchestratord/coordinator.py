@@ -50,7 +50,15 @@ from orchestratord.planner import (
     TrainerWork,
 )
 from orchestratord.resume import ResumePlan, plan_resume
-from orchestratord.state import JobState, JobStateChanged, StateChange, StepCommit, StepCommitted, apply_changes
+from orchestratord.state import (
+    JobState,
+    JobStateChanged,
+    StateChange,
+    StepCommit,
+    StepCommitted,
+    WarmStartPublished,
+    apply_changes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +333,9 @@ class JobCoordinator:
         for change in pending:
             if isinstance(change, StepCommitted):
                 self._observe_commit(change.commit)
+            elif isinstance(change, WarmStartPublished):
+                log.info("job %s: agent %s warm-started, version 0 is %s", change.job_id, change.agent,
+                         change.weights_uri)
             elif isinstance(change, JobStateChanged) and change.state.terminal:
                 self._spawn(self._finish_in_store(change.job_id, change.state))
                 self._spawn(self._tracking.job_ended(change.job_id))

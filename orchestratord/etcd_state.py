@@ -39,6 +39,7 @@ from orchestratord.state import (
     StepCommit,
     StepManifest,
     agent_version_key,
+    check_warm_start_target,
     commit_key,
     job_key,
     manifest_key,
@@ -176,6 +177,20 @@ class EtcdStateStore(StateStore):
             if await self._registry.transact({key: raw}, {key: _dump(dataclasses.asdict(new_record))}):
                 return
         raise Aborted(f"agent {agent!r}: concurrent state moves")
+
+    @_retrying
+    async def publish_warm_start(self, job_id: str, agent: str, weights_uri: str, state_uri: str,
+                                 updated_s: float) -> None:
+        """See :meth:`StateStore.publish_warm_start`."""
+        for _ in range(_CAS_RETRIES):
+            key, raw, record = await self._agent_record(job_id, agent)
+            check_warm_start_target(agent, record, weights_uri)
+            if record.weights_uri == weights_uri:
+                return
+            new_record = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
+            if await self._registry.transact({key: raw}, {key: _dump(dataclasses.asdict(new_record))}):
+                return
+        raise Aborted(f"agent {agent!r}: concurrent warm-start writes")
 
     def _history_key(self, job_id: str, agent: str, step: int) -> str:
         return self._key(job_id, "history", agent, f"{step:08d}")

@@ -22,6 +22,7 @@ class LeaseKind(enum.Enum):
 
     ROLLOUT_TASK = "task"
     MICRO_BATCH = "mb"
+    WARM_START = "warm"
 
 
 class LeaseStatus(enum.Enum):
@@ -35,7 +36,7 @@ class LeaseStatus(enum.Enum):
 
 @dataclasses.dataclass
 class Lease:
-    """One grant. ``subject`` names the work (task id, or step id + micro-batch index)."""
+    """One grant. ``subject`` names the work (task id, step id + micro-batch index, or a warm start's agent)."""
 
     lease_id: str
     kind: LeaseKind

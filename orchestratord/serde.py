@@ -26,6 +26,7 @@ from orchestratord.planner import (
     SlotEventKind,
     SwapOutWork,
     TrainerWork,
+    WarmStartWork,
 )
 from orchestratord.state import JobState
 
@@ -168,6 +169,11 @@ def trainer_work(work: TrainerWork | None, spec_digest: str) -> orchestrator_pb2
     if isinstance(work, SwapOutWork):
         return orchestrator_pb2.PollTrainerWorkResponse(swap_out=orchestrator_pb2.SwapOutWork(
             job_id=work.job_id, agent=work.agent, location=work.location,
+        ))
+    if isinstance(work, WarmStartWork):
+        return orchestrator_pb2.PollTrainerWorkResponse(warm_start=orchestrator_pb2.WarmStartWork(
+            lease_id=work.lease_id, job_id=work.job_id, agent=work.agent, spec_digest=spec_digest,
+            deadline_unix_ms=_ms(work.deadline_s),
         ))
     return orchestrator_pb2.PollTrainerWorkResponse()
 

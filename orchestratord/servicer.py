@@ -103,7 +103,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def _versions(self, job_id: str) -> AsyncIterator[common_pb2.AgentVersion]:
         """WatchAgentVersions' stream (job_id checked)."""
-        # (job, agent, version, "" once committed, else the group that announced it: a replayed step announces anew)
+        # (job, agent, version, the group that announced it (a replayed step announces anew), or once committed
+        # its weights: version 0 of a warm-start agent is the spec's model until the warm start commits it)
         sent: set[tuple[str, str, int, str]] = set()
         async for _ in _prepend(self._coordinator.changes()):
             # A version being broadcast (weight_sync: distributed) first, with its group, then once committed.
@@ -114,7 +115,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     sent.add(key)
                     yield serde.announced_version(version, record)
             for version in self._coordinator.versions(job_id):
-                key = (version.job_id, version.agent, version.version, "")
+                key = (version.job_id, version.agent, version.version, "committed " + version.weights_uri)
                 if key not in sent:
                     sent.add(key)
                     yield serde.agent_version(version)

@@ -13,7 +13,8 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
     jobs/<job>/state                              {"state", "error", "created_s", "updated_s"}
     jobs/<job>/agents/<agent>/version             {"version", "weights_uri", "state_uri", "updated_s"}
                                                   (compare-and-swap on "version"; a swap-out
-                                                  rewrites "state_uri" of the same version)
+                                                  rewrites "state_uri" of the same version; a
+                                                  warm start fills version 0's "weights_uri")
     jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
     jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
 
@@ -193,7 +194,18 @@ class StateMoved:
     updated_s: float
 
 
-StateChange = JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved
+@dataclasses.dataclass(frozen=True)
+class WarmStartPublished:
+    """An agent's warm start was published as its version 0 (``agents[].warm_start``)."""
+
+    job_id: str
+    agent: str
+    weights_uri: str
+    state_uri: str
+    updated_s: float
+
+
+StateChange = JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved | WarmStartPublished
 
 
 # ---- key layout ------------------------------------------------------------------------------------
@@ -222,6 +234,14 @@ def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
 def pending_mark_key(prefix: str, job_id: str, agent: str, step: int) -> str:
     """Key that exists while a committed step's experiences are not yet confirmed consumed in stored."""
     return job_key(prefix, job_id, "agents", agent, "steps", str(step), "pending_mark")
+
+
+def check_warm_start_target(agent: str, record: AgentVersionRecord, weights_uri: str) -> None:
+    """Raises Aborted unless ``record`` may take (or already holds) a warm start at ``weights_uri``."""
+    if record.version != 0:
+        raise Aborted(f"agent {agent!r} is at version {record.version}: a warm start is version 0")
+    if record.weights_uri and record.weights_uri != weights_uri:
+        raise Aborted(f"agent {agent!r}: version 0 already has weights {record.weights_uri!r}")
 
 
 # ---- the store -----------------------------------------------------------------------------------------
@@ -275,6 +295,19 @@ class StateStore(abc.ABC):
 
         Raises:
             Aborted: the agent's stored version is not ``version``.
+            NotFound: unknown job or agent.
+        """
+
+    @abc.abstractmethod
+    async def publish_warm_start(self, job_id: str, agent: str, weights_uri: str, state_uri: str,
+                                 updated_s: float) -> None:
+        """Records the agent's warm start as its version 0: weights and state (compare-and-swap).
+
+        Only a record at version 0 without weights (the spec's own model) takes it; recording the
+        same weights again is a no-op (a replayed write).
+
+        Raises:
+            Aborted: the agent is past version 0, or its version 0 already has other weights.
             NotFound: unknown job or agent.
         """
 
@@ -371,6 +404,19 @@ class InMemoryStateStore(StateStore):
             raise Aborted(f"agent {agent!r} is at version {record.version}, not {version}")
         job["agents"][agent] = dataclasses.replace(record, state_uri=state_uri, updated_s=updated_s)
 
+    async def publish_warm_start(self, job_id: str, agent: str, weights_uri: str, state_uri: str,
+                                 updated_s: float) -> None:
+        """See :meth:`StateStore.publish_warm_start`."""
+        job = self._job(job_id)
+        record = job["agents"].get(agent)
+        if record is None:
+            raise NotFound(f"agent {agent!r} not found in job {job_id!r}")
+        check_warm_start_target(agent, record, weights_uri)
+        if record.weights_uri == weights_uri:
+            return
+        job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
+        job["updated_s"] = max(job["updated_s"], updated_s)
+
     async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
         """See :meth:`StateStore.clear_pending_mark`."""
         job = self._jobs.get(job_id)
@@ -425,5 +471,8 @@ async def apply_changes(
         elif isinstance(change, StateMoved):
             await store.set_state_uri(change.job_id, change.agent, change.version, change.state_uri,
                                       change.updated_s)
+        elif isinstance(change, WarmStartPublished):
+            await store.publish_warm_start(change.job_id, change.agent, change.weights_uri, change.state_uri,
+                                           change.updated_s)
         else:  # pragma: no cover - exhaustive over StateChange
             raise InvalidArgument(f"unknown state change {change!r}")

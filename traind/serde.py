@@ -18,6 +18,7 @@ from traind.work import (
     StepCommit,
     SwapOutWork,
     TrainerWork,
+    WarmStartWork,
 )
 
 _SLOT_EVENT_KINDS = {
@@ -73,6 +74,10 @@ def trainer_work(reply: orchestrator_pb2.PollTrainerWorkResponse) -> TrainerWork
         return optimizer_step_work(reply.optimizer_step)
     if kind == "swap_out":
         return SwapOutWork(job_id=reply.swap_out.job_id, agent=reply.swap_out.agent, location=reply.swap_out.location)
+    if kind == "warm_start":
+        warm = reply.warm_start
+        return WarmStartWork(lease_id=warm.lease_id, job_id=warm.job_id, agent=warm.agent,
+                             spec_digest=warm.spec_digest)
     return None
 
 
@@ -83,7 +88,7 @@ def ack_request(worker_id: str, slot_id: str, lease_id: str, episodes: int) -> o
 
 
 def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.RenewLeasesRequest:
-    """A renewal of the micro-batch leases a slot is working on."""
+    """A renewal of the leases a slot is working on (a micro-batch's, a warm start's)."""
     return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids))
 
 

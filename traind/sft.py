@@ -14,14 +14,15 @@ DeepSpeed engine, its gradient clipping and, where it applies, exact accumulatio
 :data:`UNIT_EXAMPLES` examples is one accumulation unit, summed exactly). The examples and the
 torch RNG (dropout) come from the job seed, so a warm start is bit-reproducible.
 
-Where it fits the versions (docs/training.md, "Warm starts"): traind runs the warm start when it
-builds an agent's engine at version 0 from its base checkpoint, before that engine accumulates
-its first RL micro-batch; it then resets the engine's step count to 0 and the optimizer's
-moments, so the agent stays at version 0 (orchestratord's versions, staleness and admission are
-untouched) and RL starts with a fresh optimizer. The first version traind publishes (v1) is the
-warm-started model after RL step 0. Every later engine comes from a committed or swapped-out
-state, which holds the warm start: a resumed job, a swap-in or a replay from a saved state never
-redoes it; a replay of step 0 from the base checkpoint redoes it, bit for bit.
+Where it fits the versions (docs/training.md, "Warm starts"): orchestratord issues one
+``WarmStartWork`` per warm-start agent before it admits any rollout task; the slot builds the
+agent's engine from its base checkpoint, runs the warm start, resets the engine's step count to
+0 and the optimizer's moments, and publishes weights and state as version 0
+(``TrainerWorker._warm_start``). Rolloutd then samples batch 0 with the warm-started weights, so
+step 0 trains the policy that sampled it; RL starts with a fresh optimizer and v1 is the first RL
+step. Every later engine comes from a committed or swapped-out state, which holds the warm start:
+a replayed step, a resumed job or a swap-in never redoes it; a warm start issued again (its slot
+died before the commit) redoes it, bit for bit.
 """
 
 from __future__ import annotations

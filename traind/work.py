@@ -125,7 +125,20 @@ class SwapOutWork:
     location: str
 
 
-TrainerWork = MicroBatchWork | OptimizerStepWork | SwapOutWork
+@dataclasses.dataclass(frozen=True)
+class WarmStartWork:
+    """Run the agent's warm start on a fresh engine, publish it as version 0 and commit it (new_version 0).
+
+    ``lease_id`` is renewed while the slot works (RenewLeases), as a micro-batch's is.
+    """
+
+    lease_id: str
+    job_id: str
+    agent: str
+    spec_digest: str
+
+
+TrainerWork = MicroBatchWork | OptimizerStepWork | SwapOutWork | WarmStartWork
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,6 +75,7 @@ from traind.work import (
     StepCommit,
     SwapOutWork,
     TrainerWork,
+    WarmStartWork,
 )
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,9 @@ class TrainerWorker:
                     await self._micro_batch(slot, work)
             elif isinstance(work, OptimizerStepWork):
                 await self._optimizer_step(slot, work)
+            elif isinstance(work, WarmStartWork):
+                async with self._renewing(slot, work):
+                    await self._warm_start(slot, work)
             else:
                 await self._swap_out(slot, work)
         except asyncio.CancelledError:
@@ -272,21 +276,21 @@ class TrainerWorker:
             log.warning("%s: orchestrator call failed: %s", slot.slot_id, exc)
         except Exception as exc:
             log.exception("%s: %s failed", slot.slot_id, kind)
-            await self._fail(slot, f"{type(exc).__name__}: {exc}")
+            await self._fail(slot, f"{type(exc).__name__}: {exc}", work)
         finally:
             slot.busy = False
             slot.busy_s += time.monotonic() - started
             self._metrics.observe_busy(slot)
 
     @contextlib.asynccontextmanager
-    async def _renewing(self, slot: Slot, work: MicroBatchWork) -> AsyncIterator[None]:
-        """Keeps a micro-batch's lease while the slot works on it, waiting for the device included.
+    async def _renewing(self, slot: Slot, work: MicroBatchWork | WarmStartWork) -> AsyncIterator[None]:
+        """Keeps a micro-batch's or a warm start's lease while the slot works on it, waiting for the device included.
 
-        The lease lasts the job's ``leases.train_timeout_s``; the first micro-batch of an agent
-        may take far longer (its warm start runs in :meth:`_bind`, a large state swaps in), so it
-        is renewed every third of that, as rolloutd renews its tasks. A dead traind stops
-        renewing and its lease expires; a lost lease (expired or re-issued) is logged once and
-        the work goes on, since its ack would be refused.
+        The lease lasts the job's ``leases.train_timeout_s``; a warm start, or the first
+        micro-batch of an agent whose large state swaps in, may take far longer, so it is renewed
+        every third of that, as rolloutd renews its tasks. A dead traind stops renewing and its
+        lease expires; a lost lease (expired or re-issued) is logged once and the work goes on,
+        since its ack or commit would be refused.
         """
         spec = await self._specs.get(work.job_id, work.spec_digest)
         interval_s = max(0.1, spec.leases.train_timeout_s / 3)
@@ -305,16 +309,20 @@ class TrainerWorker:
             try:
                 lost = await self._orchestrator.renew_leases([lease_id])
             except (OrchestratorCallError, FlexmarlError) as exc:
-                log.warning("%s: renewing micro-batch lease %s failed (%s); retrying", slot.slot_id, lease_id, exc)
+                log.warning("%s: renewing lease %s failed (%s); retrying", slot.slot_id, lease_id, exc)
                 continue
             if lease_id in lost:
-                log.warning("%s: micro-batch lease %s is lost (expired or re-issued); its ack will be refused",
+                log.warning("%s: lease %s is lost (expired or re-issued); its ack or commit will be refused",
                             slot.slot_id, lease_id)
                 return
 
-    async def _fail(self, slot: Slot, error: str) -> None:
-        """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay."""
-        job_id, agent = slot.job_id, slot.agent
+    async def _fail(self, slot: Slot, error: str, work: TrainerWork) -> None:
+        """Drops the slot's (now untrustworthy) state and tells the orchestrator to replay.
+
+        The report names the agent the slot held, else the one the work was for (it failed
+        before the slot held anything, e.g. while building the engine).
+        """
+        job_id, agent = (slot.job_id, slot.agent) if slot.job_id else (work.job_id, work.agent)
         self._release(slot)
         slot.lora_bases.clear()  # a failure half-way through a LoRA build may have left an adapter in the base
         if self.group.world_size > 1:
@@ -386,14 +394,10 @@ class TrainerWorker:
                                                                              lora_bases=slot.lora_bases))
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
             elif work.base_version == 0:
+                if spec.agent(work.agent).warm_start is not None:
+                    raise InvalidArgument(f"{work.agent} v0 is its published warm start: the work names no "
+                                          f"state_uri to load it from")
                 trainer = await self._on_device(slot, lambda: AgentTrainer(config, clock, lora_bases=slot.lora_bases))
-                warm = WarmStart.of(spec, work.agent)
-                if warm is not None:  # before the first RL micro-batch; the engine stays at v0 (traind/sft.py)
-                    try:
-                        await self._on_device(slot, run_warm_start, trainer, warm)
-                    except BaseException:
-                        trainer.release()
-                        raise
             else:
                 raise InvalidArgument(f"{work.agent} v{work.base_version}: no state_uri to load from")
             if trainer.version != work.base_version:
@@ -432,6 +436,44 @@ class TrainerWorker:
         # Episodes, not experiences: an agent with several turns per episode has several experiences each.
         episodes = len({(r.task_id, r.sample_index) for r in records})
         await self._orchestrator.ack_micro_batch(slot.slot_id, work.lease_id, episodes)
+
+    async def _warm_start(self, slot: Slot, work: WarmStartWork) -> None:
+        """The agent's warm start (traind/sft.py) on a fresh engine, published and committed as version 0.
+
+        The slot keeps the engine at version 0 (step count 0, fresh optimizer moments), so the
+        agent's first RL micro-batch finds it resident; any other engine finds the saved state.
+        """
+        spec = await self._specs.get(work.job_id, work.spec_digest)
+        warm = WarmStart.of(spec, work.agent)
+        if warm is None:
+            raise InvalidArgument(f"{work.agent} of {work.job_id} has no warm_start")
+        started = time.perf_counter()
+        async with self._compute:
+            await self._join(None)
+            if slot.trainer is not None:  # another agent, or this one from an earlier attempt: start from the base
+                log.info("%s: releasing %s/%s v%d", slot.slot_id, slot.job_id, slot.agent, slot.trainer.version)
+                self._release(slot)
+            config = trainer_config(spec, work.agent)
+            clock = self._device_clock(work.agent)
+            trainer = await self._on_device(slot, lambda: AgentTrainer(config, clock, lora_bases=slot.lora_bases))
+            try:
+                report = await self._on_device(slot, run_warm_start, trainer, warm)
+                weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, 0)
+                state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, 0)
+            except BaseException:
+                trainer.release()
+                raise
+            slot.trainer, slot.job_id, slot.agent, slot.step_id = trainer, work.job_id, work.agent, ""
+        await self._settle(trainer)
+        seconds = time.perf_counter() - started
+        await self._orchestrator.commit_step(StepCommit(
+            slot_id=slot.slot_id, job_id=work.job_id, agent=work.agent, step=0, new_version=0,
+            weights_uri=weights_uri, state_uri=state_uri, loss=report.last_loss, grad_norm=0.0,
+            step_seconds=seconds))
+        log.info("%s: %s/%s warm start committed as v0 (%d steps, loss %.4f -> %.4f, %.2fs)", slot.slot_id,
+                 work.job_id, work.agent, len(report.steps), report.first_loss, report.last_loss, seconds)
+        await self._write_manifest(trainer, work.job_id, work.agent, 0, work.spec_digest, weights_uri, state_uri,
+                                   spec)
 
     async def _optimizer_step(self, slot: Slot, work: OptimizerStepWork) -> None:
         group = work.group if work.group is not None and work.group.world_size > 1 else None
@@ -475,7 +517,8 @@ class TrainerWorker:
         log.info("%s: %s/%s step %d committed (v%d, loss %.4f, grad norm %.3f, %.2fs)", slot.slot_id,
                  work.job_id, work.agent, work.step, work.new_version, stats.loss, stats.grad_norm, seconds)
         spec = self._specs.cached_spec(work.job_id)
-        await self._write_manifest(trainer, work, weights_uri, state_uri, spec)
+        await self._write_manifest(trainer, work.job_id, work.agent, work.new_version, work.spec_digest, weights_uri,
+                                   state_uri, spec)
         self._prune(work.job_id, work.agent, work.new_version, spec)
         await self._prune_stored(work.job_id, work.agent, work.new_version, spec)
 
@@ -585,8 +628,8 @@ class TrainerWorker:
             return f"stored://states/{job_id}/{agent}/v{version}"
         return file_uri(self.settings.work_dir / "states" / job_id / agent / f"v{version}")
 
-    async def _write_manifest(self, trainer: AgentTrainer, work: OptimizerStepWork, weights_uri: str, state_uri: str,
-                              spec: JobSpec | None) -> None:
+    async def _write_manifest(self, trainer: AgentTrainer, job_id: str, agent: str, version: int, digest: str,
+                              weights_uri: str, state_uri: str, spec: JobSpec | None) -> None:
         """Writes the committed version's manifest beside its durable state (:mod:`flexmarl.checkpoints`).
 
         After the commit, so a manifest only ever names a committed version; best effort (a version
@@ -597,24 +640,24 @@ class TrainerWorker:
         if spec is None or kind not in ("file", "stored"):
             return
         manifest = CheckpointManifest(
-            job_id=work.job_id, agent=work.agent, version=work.new_version, weights_uri=weights_uri,
-            state_uri=state_uri, spec_digest=work.spec_digest, spec_json=spec.to_json(),
+            job_id=job_id, agent=agent, version=version, weights_uri=weights_uri,
+            state_uri=state_uri, spec_digest=digest, spec_json=spec.to_json(),
             model_signature=model_signature(trainer.engine.module.config.to_dict()),
             committed_unix_ms=int(time.time() * 1000))
         data = manifest.to_json().encode()
         try:
             if kind == "stored":
                 store = await self._store.client()
-                await store.put_blob_bytes(manifest_blob_name(work.job_id, work.agent, work.new_version), data,
-                                           job_id=work.job_id)
+                await store.put_blob_bytes(manifest_blob_name(job_id, agent, version), data,
+                                           job_id=job_id)
             else:
-                path = manifest_path(self.settings.work_dir, work.job_id, work.agent, work.new_version)
+                path = manifest_path(self.settings.work_dir, job_id, agent, version)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 staging = path.with_name(path.name + ".tmp")
                 staging.write_bytes(data)
                 os.replace(staging, path)
         except Exception as exc:  # after the commit: a failure here must not fail the slot
-            log.warning("no checkpoint manifest for %s/%s v%d: %s", work.job_id, work.agent, work.new_version, exc)
+            log.warning("no checkpoint manifest for %s/%s v%d: %s", job_id, agent, version, exc)
 
     def _prune(self, job_id: str, agent: str, version: int, spec: JobSpec | None) -> None:
         """Deletes the local weights and states the job's checkpoint policy no longer retains.

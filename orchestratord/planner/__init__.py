@@ -78,6 +78,7 @@ from orchestratord.planner.types import (
     SlotEventKind,
     SwapOutWork,
     TrainerWork,
+    WarmStartWork,
 )
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "SlotEventKind",
     "SwapOutWork",
     "TrainerWork",
+    "WarmStartWork",
     "is_durable_state",
     "task_index_of",
 ]

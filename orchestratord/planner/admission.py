@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from flexmarl.ids import TaskRef
 from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.planner import warm_start
 from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, Task, TaskStatus
 from orchestratord.planner.types import RenewResult, RolloutTaskLease
@@ -20,8 +21,12 @@ def admission_limit(job: JobPlan) -> int:
 
     The rule counts samples (N < (eta + v + 1) * B with B episodes per step);
     every task holds ``group_size`` episodes, so counting tasks against
-    ``prompts_per_step`` is the same bound. Sync mode is the barrier: eta = 0.
+    ``prompts_per_step`` is the same bound. Sync mode is the barrier: eta = 0. While an agent's
+    warm start is not committed the limit is 0: batch 0 is sampled by the warm-started version 0
+    (:mod:`orchestratord.planner.warm_start`).
     """
+    if warm_start.any_pending(job):
+        return 0
     eta = 0 if job.spec.pipeline.barrier else job.spec.pipeline.max_staleness
     prompts = job.spec.batch.prompts_per_step
     limit = (eta + job.min_version() + 1) * prompts

@@ -6,6 +6,7 @@ import dataclasses
 
 from orchestratord.binding import AgentDemand
 from orchestratord.leases import LeaseKind
+from orchestratord.planner import warm_start
 from orchestratord.planner.admission import admission_limit
 from orchestratord.planner.dispatch import agent_may_train
 from orchestratord.planner.ids import is_durable_state
@@ -15,6 +16,9 @@ from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan
 def demand(job: JobPlan, agent: str) -> AgentDemand:
     """What the agent needs from the trainer pool now."""
     key = (job.job_id, agent)
+    if not job.state.terminal and warm_start.pending(job, agent):
+        running = warm_start.in_flight(job, agent)
+        return _with_parallelism(job, AgentDemand(key, warm_start_pending=not running, mid_step=running), 0)
     plan = job.current_plan(agent)
     if job.state.terminal or plan is None or not agent_may_train(job, agent, plan.step):
         return AgentDemand(key)

@@ -9,10 +9,11 @@ from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.ids import MicroBatchRef, StepAttemptRef
 from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
+from orchestratord.planner import warm_start
 from orchestratord.planner.ids import batch_of_lease, is_durable_state
 from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
 from orchestratord.planner.manifests import needs_step_statistics
-from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork
+from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork, WarmStartWork
 from orchestratord.state import JobState, StateMoved, StepCommit, StepCommitted
 
 
@@ -29,9 +30,9 @@ def agent_may_train(job: JobPlan, agent: str, step: int) -> bool:
     return index == 0 or job.agents[names[index - 1]].version > step
 
 
-def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str,
-                      group: DataParallelGroup | None = None) -> MicroBatchWork | OptimizerStepWork | None:
-    """Work for a slot bound to ``agent``: its micro-batch in flight again, a new one, or the optimizer step.
+def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str, group: DataParallelGroup | None = None
+                      ) -> MicroBatchWork | OptimizerStepWork | WarmStartWork | None:
+    """Work for a slot bound to ``agent``: its warm start, its micro-batch again (lost), a new one, the step.
 
     ``group`` = the agent's slots now (None or one member = this slot alone). An
     attempt's group is fixed when its first work is issued; each member holds at
@@ -39,6 +40,8 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str,
     """
     if job.state.terminal:
         return None
+    if warm_start.pending(job, agent):
+        return warm_start.next_work(job, agent, slot_id, worker_id)
     plan = job.current_plan(agent)
     if plan is None or not agent_may_train(job, agent, plan.step):
         return None
@@ -188,12 +191,17 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
 
     Emits StepCommitted; the step's plan and, once every agent committed it, its batch are forgotten.
 
+    ``new_version`` 0 is the agent's warm start instead (:func:`.warm_start.commit`).
+
     Raises:
         FailedPrecondition: no optimizer step of this step was issued to this
             slot (e.g. the attempt was replayed elsewhere) or the step committed
             differently already.
-        InvalidArgument: ``new_version`` is not ``step + 1``.
+        InvalidArgument: ``new_version`` is not ``step + 1`` (nor a warm start's 0).
     """
+    if new_version == 0:
+        warm_start.commit(job, worker_id, slot_id, agent, step, weights_uri, state_uri)
+        return
     job.require_running()
     state = job.agent(agent)
     if new_version != step + 1:
@@ -245,9 +253,10 @@ def _prune_batch(job: JobPlan, step: int) -> None:
 
 
 def slot_busy(job: JobPlan, slot_id: str) -> bool:
-    """Whether some step has work in flight on the slot (a leased micro-batch or an optimizer step)."""
-    return any((plan.optimizer_deadline_s is not None and slot_id in plan.members) or any(
-        mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id for mb in plan.micro_batches)
+    """Whether some step has work in flight on the slot (a warm start, a leased micro-batch or an optimizer step)."""
+    return warm_start.slot_busy(job, slot_id) or any(
+        (plan.optimizer_deadline_s is not None and slot_id in plan.members) or any(
+            mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id for mb in plan.micro_batches)
         for plan in job.plans.values())
 
 

@@ -19,9 +19,11 @@ def task_index_of(batch_index: int, position: int, prompts_per_step: int) -> int
 
 
 def batch_of_lease(lease: Lease) -> int:
-    """The rollout batch a lease works on: the task's batch, or the micro-batch's step."""
+    """The rollout batch a lease works on: the task's batch, the micro-batch's step, 0 for a warm start."""
     if lease.kind is LeaseKind.ROLLOUT_TASK:
         return TaskRef.parse(lease.subject).batch
+    if lease.kind is LeaseKind.WARM_START:
+        return 0  # it comes before batch 0, and is forgotten with it at the latest
     return MicroBatchRef.parse(lease.subject).step
 
 

@@ -25,6 +25,7 @@ from orchestratord.planner.types import (
     PlannerOptions,
     RenewResult,
     RolloutTaskLease,
+    WarmStartWork,
 )
 from orchestratord.state import (
     AgentVersionRecord,
@@ -263,7 +264,8 @@ class JobPlanner:
         return dispatch.slot_busy(self._job, slot_id)
 
     def next_trainer_work(self, agent: str, slot_id: str, worker_id: str,
-                          group: DataParallelGroup | None = None) -> MicroBatchWork | OptimizerStepWork | None:
+                          group: DataParallelGroup | None = None
+                          ) -> MicroBatchWork | OptimizerStepWork | WarmStartWork | None:
         """Work for a slot bound to ``agent`` (see :func:`.dispatch.next_trainer_work`), or None."""
         return dispatch.next_trainer_work(self._job, agent, slot_id, worker_id, group)
 
@@ -274,7 +276,7 @@ class JobPlanner:
     def commit_step(self, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
                     weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
                     step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
-        """Version ``new_version`` of the agent is published; see :func:`.dispatch.commit_step`."""
+        """Version ``new_version`` of the agent is published (0: its warm start); see :func:`.dispatch.commit_step`."""
         dispatch.commit_step(self._job, worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
                              loss, grad_norm, step_seconds, figures)
 

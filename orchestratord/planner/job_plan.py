@@ -163,6 +163,15 @@ class AgentState:
 
 
 @dataclasses.dataclass
+class WarmStartAttempt:
+    """The agent's warm start as issued: to which slot, under which lease, how many times so far."""
+
+    slot_id: str = ""
+    lease_id: str = ""
+    attempts: int = 0
+
+
+@dataclasses.dataclass
 class JobPlan:
     """Everything the planner knows about one job (built by ``JobPlanner``)."""
 
@@ -195,6 +204,8 @@ class JobPlan:
     admitted: int = 0
     tasks_done_total: int = 0
     rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
+    # Warm starts issued and not yet committed, by agent (``planner.warm_start``).
+    warm_starts: dict[str, WarmStartAttempt] = dataclasses.field(default_factory=dict)
 
     def agent(self, agent: str) -> AgentState:
         """An agent of the job; raises NotFound."""

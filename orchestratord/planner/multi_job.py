@@ -274,7 +274,7 @@ class Planner:
         """See :meth:`JobPlanner.ack_micro_batch`.
 
         The ack speaks for the slot: it polled last before this micro-batch, which may have run for
-        longer than the silence bound (an agent's warm start runs in its first micro-batch).
+        longer than the silence bound (a large state swapping in, a slow device).
         """
         self.binder.touch(slot_id, worker_id)
         self.tick()

@@ -13,6 +13,7 @@ from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
 from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.planner import warm_start
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
 from orchestratord.planner.ids import task_index_of
@@ -32,6 +33,10 @@ def tick(job: JobPlan) -> list[str]:
         job.leases.end(lease, LeaseStatus.EXPIRED, "deadline passed")
         if lease.kind is LeaseKind.ROLLOUT_TASK:
             requeue_task(job, lease.subject, "lease expired")
+        elif lease.kind is LeaseKind.WARM_START:
+            dead = warm_start.lost(job, lease.subject, f"warm-start lease {lease.lease_id} expired")
+            if dead:
+                dead_slots.append(dead)
         else:
             found = micro_batch_of_lease(job, lease)
             if found is not None:
@@ -49,6 +54,7 @@ def tick(job: JobPlan) -> list[str]:
 
 def slot_lost(job: JobPlan, slot_id: str, reason: str) -> None:
     """A trainer slot died or failed: steps with work on it restart from the last committed version."""
+    warm_start.slot_lost(job, slot_id, reason)
     for plan in list(job.plans.values()):
         if slot_id not in plan.members:
             continue

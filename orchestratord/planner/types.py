@@ -112,7 +112,21 @@ class SwapOutWork:
     location: str
 
 
-TrainerWork = MicroBatchWork | OptimizerStepWork | SwapOutWork
+@dataclasses.dataclass(frozen=True)
+class WarmStartWork:
+    """Run the agent's warm start on a fresh engine, publish it as version 0, then CommitStep(new_version=0).
+
+    Issued once per agent with ``agents[].warm_start``, before the job admits any rollout task
+    (``orchestratord.planner.warm_start``), under a lease the slot renews while it works.
+    """
+
+    lease_id: str
+    job_id: str
+    agent: str
+    deadline_s: float
+
+
+TrainerWork = MicroBatchWork | OptimizerStepWork | SwapOutWork | WarmStartWork
 
 
 class SlotEventKind(enum.Enum):

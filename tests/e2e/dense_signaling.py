@@ -9,7 +9,9 @@ groups have spread and every step moves the weights.
 
 from __future__ import annotations
 
-from examples.signaling.env import SignalingGame
+from collections.abc import Iterator
+
+from examples.signaling.env import OBJECTS, SignalingGame
 from rolloutd.episode import EpisodeContext, Task
 
 REWARD_LEVELS = 7
@@ -30,3 +32,16 @@ class DenseSignaling(SignalingGame):
         reward = level / (REWARD_LEVELS - 1)
         ctx.reward("sender", reward)
         ctx.reward("receiver", reward)
+
+
+#: The one token the sender's warm start teaches it to send (tests/e2e/test_warm_start_e2e.py).
+WARM_TOKEN = ord("7")
+
+
+def sender_warm_start(seed: int, num_objects: int = 4) -> Iterator[tuple[str, list[int]]]:
+    """Warm-start pairs: the sender's prompts (every target) answered with :data:`WARM_TOKEN`."""
+    candidates = OBJECTS[:num_objects]
+    index = seed
+    while True:
+        yield f"obj:{candidates} tgt:{candidates[index % num_objects]}>", [WARM_TOKEN]
+        index += 1

@@ -1,4 +1,4 @@
-"""A trainer slot busy for longer than the silence bound on one micro-batch (a warm start) stays bound.
+"""A trainer slot busy for longer than the silence bound on one micro-batch stays bound.
 
 A slot shows it is alive by polling; while it works on a micro-batch it does not poll, but it
 renews the micro-batch's lease, and its ack and commit speak for it too. The slot-silence sweep

@@ -84,6 +84,24 @@ async def test_commit_is_compare_and_swap(store: StateStore) -> None:
     assert job.commits[("a", 0)] == commit
 
 
+async def test_a_warm_start_fills_version_zero_once(store: StateStore) -> None:
+    await store.create_job("j", "{}", ["a", "b"], 1.0)
+    await store.publish_warm_start("j", "a", "file:///w0", "file:///s0", 2.0)
+    await store.publish_warm_start("j", "a", "file:///w0", "file:///s0", 2.0)  # the same write again: no-op
+    with pytest.raises(Aborted, match="already has weights"):
+        await store.publish_warm_start("j", "a", "file:///other", "file:///s0", 3.0)
+    job = await store.load_job("j")
+    assert job is not None
+    assert (job.agents["a"].version, job.agents["a"].weights_uri, job.agents["a"].state_uri) == (
+        0, "file:///w0", "file:///s0")
+    assert job.agents["b"].weights_uri == ""
+    await store.commit_step(StepCommit("j", "a", 0, "file:///w1", "file:///s1", "slot", 4.0))
+    with pytest.raises(Aborted, match="version 1"):  # past version 0: a warm start cannot rewrite it
+        await store.publish_warm_start("j", "a", "file:///w0", "file:///s0", 5.0)
+    with pytest.raises(NotFound):
+        await store.publish_warm_start("j", "nope", "file:///w0", "", 5.0)
+
+
 async def test_a_commit_leaves_a_pending_consumption_mark_until_cleared(store: StateStore) -> None:
     await store.create_job("j", "{}", ["a", "b"], 1.0)
     await store.commit_step(StepCommit("j", "a", 0, "file:///w1", "", "slot", 2.0))

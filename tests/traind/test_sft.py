@@ -152,7 +152,7 @@ def test_preflight_loads_the_warm_start_dataset() -> None:
 
 
 @pytest.mark.timeout(240)
-async def test_the_worker_warm_starts_a_fresh_agent_and_publishes_it_after_step_zero(tmp_path: Path) -> None:
+async def test_the_worker_publishes_the_warm_start_as_version_zero_and_trains_step_zero_on_it(tmp_path: Path) -> None:
     import json
 
     import numpy as np
@@ -162,7 +162,7 @@ async def test_the_worker_warm_starts_a_fresh_agent_and_publishes_it_after_step_
     from flexmarl.cli import materialize_models
     from flexmarl.jobspec import spec_digest
     from traind.metrics import TrainerMetrics
-    from traind.work import OptimizerStepWork
+    from traind.work import OptimizerStepWork, WarmStartWork
     from traind.worker import TrainerSettings, TrainerWorker, trainer_config
 
     from .conftest import make_group
@@ -175,28 +175,41 @@ async def test_the_worker_warm_starts_a_fresh_agent_and_publishes_it_after_step_
     digest = spec_digest(spec_json)
     group = make_group(np.random.default_rng(0), "t0", AGENT, 4)
     tokens = sum(r.response_tokens for r in group)
+    work_dir = tmp_path / "work"
+    v0_state = (work_dir / "states" / JOB / AGENT / "v0").as_uri()
     orchestrator = FakeOrchestrator(spec_json, [
-        _micro_batch(0, group, step=0, step_id="s0", base_version=0, state_uri="", digest=digest, step_episodes=4),
+        WarmStartWork(lease_id="lease-warm", job_id=JOB, agent=AGENT, spec_digest=digest),
+        _micro_batch(0, group, step=0, step_id="s0", base_version=0, state_uri=v0_state, digest=digest,
+                     step_episodes=4),
         OptimizerStepWork(job_id=JOB, agent=AGENT, step=0, step_id="s0", new_version=1, step_response_tokens=tokens,
-                          step_episodes=4, num_micro_batches=1, base_version=0, state_uri="", spec_digest=digest),
+                          step_episodes=4, num_micro_batches=1, base_version=0, state_uri=v0_state,
+                          spec_digest=digest),
     ])
-    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=tmp_path / "work", state_location="file",
+    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=work_dir, state_location="file",
                                publish_location="file")
     worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(group))
     await worker.start()
     try:
-        await orchestrator.until(lambda: len(orchestrator.commits) == 1)
+        await orchestrator.until(lambda: len(orchestrator.commits) == 2)
     finally:
         await worker.stop()
-    (commit,) = orchestrator.commits
+    warm_commit, commit = orchestrator.commits
+    assert (warm_commit.step, warm_commit.new_version, warm_commit.state_uri) == (0, 0, v0_state)
     assert commit.new_version == 1
-    # The same thing by hand: a fresh engine, the warm start, RL step 0 on the same micro-batch.
+    assert not orchestrator.events  # nothing failed
+    # The same thing by hand: a fresh engine, the warm start (published as v0), RL step 0 on the same micro-batch.
     spec = parse_job_spec(json.loads(spec_json))
     expected = AgentTrainer(trainer_config(spec, AGENT))
     warm_start = sft.WarmStart.of(spec, AGENT)
     assert warm_start is not None
     sft.run_warm_start(expected, warm_start)
     assert expected.version == 0
+    v0 = AutoModelForCausalLM.from_pretrained(warm_commit.weights_uri.removeprefix("file://"),
+                                              dtype=torch.float32).state_dict()
+    warm = params(expected)
+    assert all(torch.equal(v0[k], warm[k]) for k in v0)
+    base = AutoModelForCausalLM.from_pretrained(spec.agent(AGENT).model, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(base[k], v0[k]) for k in v0)  # v0 is not the base checkpoint
     expected.accumulate(group, micro_batch_index=0)
     expected.optimizer_step(tokens, 4, num_micro_batches=1)
     want = params(expected)
@@ -204,3 +217,41 @@ async def test_the_worker_warm_starts_a_fresh_agent_and_publishes_it_after_step_
     published = AutoModelForCausalLM.from_pretrained(commit.weights_uri.removeprefix("file://"),
                                                      dtype=torch.float32).state_dict()
     assert all(torch.equal(published[k], want[k]) for k in published)
+
+
+@pytest.mark.timeout(240)
+async def test_a_warm_start_agent_at_version_zero_needs_its_published_state(tmp_path: Path) -> None:
+    """Work at v0 of a warm-start agent without a state_uri would train the base checkpoint: the slot refuses it."""
+    import json
+
+    import numpy as np
+    from prometheus_client import CollectorRegistry
+
+    from flexmarl.cli import materialize_models
+    from flexmarl.jobspec import spec_digest
+    from traind.metrics import TrainerMetrics
+    from traind.work import SlotEventKind
+    from traind.worker import TrainerSettings, TrainerWorker
+
+    from .conftest import make_group
+    from .test_worker_link import AGENT, JOB, FakeOrchestrator, FakeStore, _micro_batch
+
+    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())
+    raw["agents"][0]["warm_start"] = {"dataset": "tests.traind.test_sft:pairs", "steps": 2, "lr": 1e-2,
+                                      "batch_size": 12}
+    spec_json = json.dumps(materialize_models(raw, tmp_path / "models"))
+    group = make_group(np.random.default_rng(0), "t0", AGENT, 4)
+    orchestrator = FakeOrchestrator(spec_json, [
+        _micro_batch(0, group, step=0, step_id="s0", base_version=0, state_uri="", digest=spec_digest(spec_json),
+                     step_episodes=4)])
+    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=tmp_path / "work", state_location="file",
+                               publish_location="file")
+    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(group))
+    await worker.start()
+    try:
+        await orchestrator.until(lambda: len(orchestrator.events) == 1)
+    finally:
+        await worker.stop()
+    (event,) = orchestrator.events
+    assert (event.job_id, event.agent, event.kind) == (JOB, AGENT, SlotEventKind.FAILED)
+    assert "published warm start" in event.error and not orchestrator.acks

@@ -955,30 +955,72 @@ class SwapOutWork(_message.Message):
 Global___SwapOutWork: _TypeAlias = SwapOutWork  # noqa: Y015
 
 @_typing.final
+class WarmStartWork(_message.Message):
+    """An agent's warm start (agents[].warm_start): SFT on a fresh engine from the base checkpoint,
+    then publish it as version 0 and CommitStep(step 0, new_version 0). The job admits no rollout
+    task until every warm-start agent's version 0 is committed, so step 0 is sampled by the
+    warm-started models. The slot renews lease_id (RenewLeases) while it works.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    job_id: _builtins.str
+    agent: _builtins.str
+    spec_digest: _builtins.str
+    """As RolloutTask.spec_digest."""
+    deadline_unix_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        agent: _builtins.str = ...,
+        spec_digest: _builtins.str = ...,
+        deadline_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "deadline_unix_ms", b"deadline_unix_ms", "job_id", b"job_id", "lease_id", b"lease_id", "spec_digest", b"spec_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmStartWork: _TypeAlias = WarmStartWork  # noqa: Y015
+
+@_typing.final
 class PollTrainerWorkResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MICRO_BATCH_FIELD_NUMBER: _builtins.int
     OPTIMIZER_STEP_FIELD_NUMBER: _builtins.int
     SWAP_OUT_FIELD_NUMBER: _builtins.int
+    WARM_START_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def micro_batch(self) -> Global___MicroBatchWork: ...
     @_builtins.property
     def optimizer_step(self) -> Global___OptimizerStepWork: ...
     @_builtins.property
     def swap_out(self) -> Global___SwapOutWork: ...
+    @_builtins.property
+    def warm_start(self) -> Global___WarmStartWork: ...
     def __init__(
         self,
         *,
         micro_batch: Global___MicroBatchWork | None = ...,
         optimizer_step: Global___OptimizerStepWork | None = ...,
         swap_out: Global___SwapOutWork | None = ...,
+        warm_start: Global___WarmStartWork | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "optimizer_step", b"optimizer_step", "swap_out", b"swap_out", "work", b"work"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "optimizer_step", b"optimizer_step", "swap_out", b"swap_out", "warm_start", b"warm_start", "work", b"work"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "optimizer_step", b"optimizer_step", "swap_out", b"swap_out", "work", b"work"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["micro_batch", b"micro_batch", "optimizer_step", b"optimizer_step", "swap_out", b"swap_out", "warm_start", b"warm_start", "work", b"work"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_work: _TypeAlias = _typing.Literal["micro_batch", "optimizer_step", "swap_out"]  # noqa: Y015
+    _WhichOneofReturnType_work: _TypeAlias = _typing.Literal["micro_batch", "optimizer_step", "swap_out", "warm_start"]  # noqa: Y015
     _WhichOneofArgType_work: _TypeAlias = _typing.Literal["work", b"work"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_work) -> _WhichOneofReturnType_work | None: ...
 
@@ -1069,6 +1111,7 @@ class CommitStepRequest(_message.Message):
     agent: _builtins.str
     step: _builtins.int
     new_version: _builtins.int
+    """step + 1 for an optimizer step; 0 (with step 0) for a warm start's version 0 (WarmStartWork)."""
     weights_uri: _builtins.str
     state_uri: _builtins.str
     """Full training state after the step (for resume and swap-in elsewhere)."""
