@@ -29,7 +29,7 @@ from flexmarl.cli import materialize_models
 from flexmarl.client import Client, JobInfo, JobState
 from flexmarl.cluster import descendant_pids, wait_until
 from flexmarl.errors import FailedPrecondition
-from flexmarl.experience import ExperienceState
+from flexmarl.experience import ExperienceRecord, ExperienceState
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig
 from flexmarl.registry import Registry
 from flexmarl.store_client import ExperienceRef, StoreClient
@@ -165,6 +165,16 @@ class E2ECluster:
                 return await store.query(job_id, agent, state=state)
 
         return asyncio.run(query())
+
+    def stored_experiences(self, job_id: str, agent: str) -> list[ExperienceRecord]:
+        """Every experience of one agent in stored, whole (tokens, logprobs, versions)."""
+
+        async def read() -> list[ExperienceRecord]:
+            async with StoreClient(self.cluster.daemon("stored").address) as store:
+                refs = await store.query(job_id, agent)
+                return await store.read(job_id, [r.experience_id for r in refs])
+
+        return asyncio.run(read())
 
     def wait_finished_in_store(self, job_id: str, timeout_s: float = 60.0) -> None:
         """Waits until orchestratord told stored the job ended (FinishJob).

@@ -11,7 +11,6 @@ in strict async mode ends with equal adapters, bit for bit.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
 from collections.abc import Iterator
@@ -25,7 +24,6 @@ from e2e_support import E2ECluster, assert_succeeded, running_cluster, weights_d
 from flexmarl.artifacts import checkpoint_tensors
 from flexmarl.cli import materialize_models
 from flexmarl.experience import ExperienceRecord
-from flexmarl.store_client import StoreClient
 
 BASE = "tiny://qwen2?seed=1"
 LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -63,15 +61,6 @@ def lora_cluster(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> 
 
 def _digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-def _experiences(e2e: E2ECluster, job_id: str, agent: str) -> list[ExperienceRecord]:
-    async def read() -> list[ExperienceRecord]:
-        async with StoreClient(e2e.cluster.daemon("stored").address) as store:
-            refs = await store.query(job_id, agent)
-            return await store.read(job_id, [r.experience_id for r in refs])
-
-    return asyncio.run(read())
 
 
 def _peft_logprobs(base: Path, adapter: Path | None, record: ExperienceRecord) -> list[float]:
@@ -117,7 +106,7 @@ def test_a_mixed_job_trains_adapters_over_an_untouched_base_and_async_equals_syn
     for agent in ("sender0", "receiver0"):
         commits = e2e.commits(job_id, agent)
         adapters = {0: None, **{step + 1: weights_dir(c["weights_uri"]) for step, c in commits.items()}}
-        records = _experiences(e2e, job_id, agent)
+        records = e2e.stored_experiences(job_id, agent)
         versions = {r.behavior_version for r in records}
         assert versions >= {0, 1}, f"{agent}: experiences only of versions {versions}"
         for version in sorted(versions):

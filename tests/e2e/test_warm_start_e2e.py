@@ -9,7 +9,6 @@ byte-level model), the token would be about 1 in 256 of the messages.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,6 @@ from dense_signaling import WARM_TOKEN
 from e2e_support import E2ECluster, assert_exactly_once, assert_succeeded, weights_dir
 
 from flexmarl.artifacts import checkpoint_tensors
-from flexmarl.experience import ExperienceRecord
-from flexmarl.store_client import StoreClient
-
-
-def _records(e2e: E2ECluster, job_id: str, agent: str) -> list[ExperienceRecord]:
-    async def read() -> list[ExperienceRecord]:
-        async with StoreClient(e2e.cluster.daemon("stored").address) as store:
-            refs = await store.query(job_id, agent)
-            return await store.read(job_id, [r.experience_id for r in refs])
-
-    return asyncio.run(read())
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +31,7 @@ def test_batch_zero_is_sampled_by_the_published_warm_start(shared_cluster: E2ECl
     assert_succeeded(e2e, info, 1)
     assert_exactly_once(e2e, job_id, spec)
 
-    records = _records(e2e, job_id, "sender")
+    records = e2e.stored_experiences(job_id, "sender")
     episodes = spec["batch"]["prompts_per_step"] * spec["batch"]["group_size"]
     assert len(records) == episodes and {r.behavior_version for r in records} == {0}
     taught = sum(int(r.response_token_ids[0]) == WARM_TOKEN for r in records)
