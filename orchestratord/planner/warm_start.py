@@ -22,7 +22,7 @@ checkpoints starts from versions that have weights.
 from __future__ import annotations
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
-from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner.ids import is_durable_state
 from orchestratord.planner.job_plan import JobPlan, WarmStartAttempt
 from orchestratord.planner.types import WarmStartWork
@@ -40,22 +40,20 @@ def any_pending(job: JobPlan) -> bool:
     return any(pending(job, name) for name in job.agents)
 
 
-def _active_lease_of(job: JobPlan, attempt: WarmStartAttempt | None) -> str:
-    """The attempt's lease id while that lease is held, else ""."""
-    if attempt is None or not attempt.lease_id:
-        return ""
-    lease = job.leases.get(attempt.lease_id)
-    return attempt.lease_id if lease is not None and lease.status is LeaseStatus.ACTIVE else ""
+def _held_lease(job: JobPlan, attempt: WarmStartAttempt | None) -> Lease | None:
+    """The attempt's lease while it is held, else None."""
+    lease = job.leases.get(attempt.lease_id) if attempt is not None and attempt.lease_id else None
+    return lease if lease is not None and lease.status is LeaseStatus.ACTIVE else None
 
 
 def in_flight(job: JobPlan, agent: str) -> bool:
     """Whether a slot holds the agent's warm start now (it must keep the agent until it commits)."""
-    return pending(job, agent) and bool(_active_lease_of(job, job.warm_starts.get(agent)))
+    return pending(job, agent) and _held_lease(job, job.warm_starts.get(agent)) is not None
 
 
 def slot_busy(job: JobPlan, slot_id: str) -> bool:
     """Whether the slot runs a warm start of this job now."""
-    return any(attempt.slot_id == slot_id and _active_lease_of(job, attempt)
+    return any(attempt.slot_id == slot_id and _held_lease(job, attempt) is not None
                for attempt in job.warm_starts.values())
 
 
@@ -64,11 +62,10 @@ def next_work(job: JobPlan, agent: str, slot_id: str, worker_id: str) -> WarmSta
     if job.state.terminal or not pending(job, agent):
         return None
     attempt = job.warm_starts.setdefault(agent, WarmStartAttempt())
-    lease_id = _active_lease_of(job, attempt)
-    if lease_id:
-        lease = job.leases.get(lease_id)
-        if lease is not None and attempt.slot_id == slot_id and lease.holder == worker_id:
-            return WarmStartWork(lease.lease_id, job.job_id, agent, lease.deadline_s)
+    held = _held_lease(job, attempt)
+    if held is not None:
+        if attempt.slot_id == slot_id and held.holder == worker_id:
+            return WarmStartWork(held.lease_id, job.job_id, agent, held.deadline_s)
         return None
     lease = job.leases.issue(LeaseKind.WARM_START, worker_id, agent, job.spec.leases.train_timeout_s)
     attempt.slot_id, attempt.lease_id = slot_id, lease.lease_id
@@ -98,12 +95,12 @@ def commit(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: int, we
             return  # the same commit again
         raise FailedPrecondition(f"the warm start of agent {agent!r} is already committed")
     attempt = job.warm_starts.get(agent)
-    lease_id = _active_lease_of(job, attempt)
-    if attempt is None or not lease_id or attempt.slot_id != slot_id:
+    held = _held_lease(job, attempt)
+    if attempt is None or held is None or attempt.slot_id != slot_id:
         raise FailedPrecondition(f"no warm start of agent {agent!r} is held by slot {slot_id!r}")
-    lease = job.leases.require_active(lease_id, worker_id, LeaseKind.WARM_START)
+    lease = job.leases.require_active(held.lease_id, worker_id, LeaseKind.WARM_START)
     job.leases.end(lease, LeaseStatus.RELEASED, "committed")
-    job.leases.forget([lease_id])
+    job.leases.forget([lease.lease_id])
     del job.warm_starts[agent]
     state.weights_uri, state.state_uri = weights_uri, state_uri
     state.state_worker_id = "" if is_durable_state(state_uri) else worker_id
@@ -121,7 +118,7 @@ def lost(job: JobPlan, agent: str, reason: str) -> str:
     if attempt is None:
         return ""
     slot_id = attempt.slot_id
-    lease = job.leases.get(attempt.lease_id) if attempt.lease_id else None
+    lease = _held_lease(job, attempt)
     if lease is not None:
         job.leases.end(lease, LeaseStatus.REVOKED, reason)
     attempt.slot_id, attempt.lease_id = "", ""
@@ -133,5 +130,5 @@ def lost(job: JobPlan, agent: str, reason: str) -> str:
 def slot_lost(job: JobPlan, slot_id: str, reason: str) -> None:
     """A trainer slot died or failed: a warm start it held is issued again."""
     for agent, attempt in list(job.warm_starts.items()):
-        if attempt.slot_id == slot_id and _active_lease_of(job, attempt):
+        if attempt.slot_id == slot_id and _held_lease(job, attempt) is not None:
             lost(job, agent, reason)
