@@ -151,27 +151,45 @@ def test_preflight_loads_the_warm_start_dataset() -> None:
                         "got tuple"]
 
 
+def _warm_signaling_spec_json(tmp_path: Path) -> str:
+    """The signaling example with tiny models and a 2-step warm start of its first agent."""
+    import json
+
+    from flexmarl.cli import materialize_models
+
+    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())
+    raw["agents"][0]["warm_start"] = {"dataset": "tests.traind.test_sft:pairs", "steps": 2, "lr": 1e-2,
+                                      "batch_size": 12}
+    return json.dumps(materialize_models(raw, tmp_path / "models"))
+
+
+def _file_worker(work_dir: Path, orchestrator: Any, store: Any) -> Any:
+    """A one-slot TrainerWorker over the given fake links, publishing and saving to files under work_dir."""
+    from prometheus_client import CollectorRegistry
+
+    from traind.metrics import TrainerMetrics
+    from traind.worker import TrainerSettings, TrainerWorker
+
+    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=work_dir, state_location="file",
+                               publish_location="file")
+    return TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, store)
+
+
 @pytest.mark.timeout(240)
 async def test_the_worker_publishes_the_warm_start_as_version_zero_and_trains_step_zero_on_it(tmp_path: Path) -> None:
     import json
 
     import numpy as np
-    from prometheus_client import CollectorRegistry
     from transformers import AutoModelForCausalLM
 
-    from flexmarl.cli import materialize_models
     from flexmarl.jobspec import spec_digest
-    from traind.metrics import TrainerMetrics
     from traind.work import OptimizerStepWork, WarmStartWork
-    from traind.worker import TrainerSettings, TrainerWorker, trainer_config
+    from traind.worker import trainer_config
 
     from .conftest import make_group
     from .test_worker_link import AGENT, JOB, FakeOrchestrator, FakeStore, _micro_batch
 
-    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())
-    raw["agents"][0]["warm_start"] = {"dataset": "tests.traind.test_sft:pairs", "steps": 2, "lr": 1e-2,
-                                      "batch_size": 12}
-    spec_json = json.dumps(materialize_models(raw, tmp_path / "models"))
+    spec_json = _warm_signaling_spec_json(tmp_path)
     digest = spec_digest(spec_json)
     group = make_group(np.random.default_rng(0), "t0", AGENT, 4)
     tokens = sum(r.response_tokens for r in group)
@@ -185,9 +203,7 @@ async def test_the_worker_publishes_the_warm_start_as_version_zero_and_trains_st
                           step_episodes=4, num_micro_batches=1, base_version=0, state_uri=v0_state,
                           spec_digest=digest),
     ])
-    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=work_dir, state_location="file",
-                               publish_location="file")
-    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(group))
+    worker = _file_worker(work_dir, orchestrator, FakeStore(group))
     await worker.start()
     try:
         await orchestrator.until(lambda: len(orchestrator.commits) == 2)
@@ -222,31 +238,21 @@ async def test_the_worker_publishes_the_warm_start_as_version_zero_and_trains_st
 @pytest.mark.timeout(240)
 async def test_a_warm_start_agent_at_version_zero_needs_its_published_state(tmp_path: Path) -> None:
     """Work at v0 of a warm-start agent without a state_uri would train the base checkpoint: the slot refuses it."""
-    import json
 
     import numpy as np
-    from prometheus_client import CollectorRegistry
 
-    from flexmarl.cli import materialize_models
     from flexmarl.jobspec import spec_digest
-    from traind.metrics import TrainerMetrics
     from traind.work import SlotEventKind
-    from traind.worker import TrainerSettings, TrainerWorker
 
     from .conftest import make_group
     from .test_worker_link import AGENT, JOB, FakeOrchestrator, FakeStore, _micro_batch
 
-    raw: dict[str, Any] = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())
-    raw["agents"][0]["warm_start"] = {"dataset": "tests.traind.test_sft:pairs", "steps": 2, "lr": 1e-2,
-                                      "batch_size": 12}
-    spec_json = json.dumps(materialize_models(raw, tmp_path / "models"))
+    spec_json = _warm_signaling_spec_json(tmp_path)
     group = make_group(np.random.default_rng(0), "t0", AGENT, 4)
     orchestrator = FakeOrchestrator(spec_json, [
         _micro_batch(0, group, step=0, step_id="s0", base_version=0, state_uri="", digest=spec_digest(spec_json),
                      step_episodes=4)])
-    settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=tmp_path / "work", state_location="file",
-                               publish_location="file")
-    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(group))
+    worker = _file_worker(tmp_path / "work", orchestrator, FakeStore(group))
     await worker.start()
     try:
         await orchestrator.until(lambda: len(orchestrator.events) == 1)
