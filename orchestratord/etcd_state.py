@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
-from flexmarl.registry import ETCD_ERRORS, Registry
+from flexmarl.registry import ETCD_ERRORS, Registry, prefix_range_end
 from flexmarl.retry import RetryPolicy, retry
 from orchestratord.state import (
     AgentVersionRecord,
@@ -250,6 +250,15 @@ class EtcdStateStore(StateStore):
     @_retrying
     async def list_job_ids(self) -> list[str]:
         """See :meth:`StateStore.list_job_ids`."""
-        values, _ = await self._registry.get_prefix(job_key(self._prefix, "").rstrip("/") + "/")
-        ids = {key.split("/jobs/", 1)[1].split("/", 1)[0] for key in values if key.endswith("/spec")}
-        return sorted(ids)
+        # One keys-only read of one key per job, then a jump past that job's keys: the cost is set by
+        # the number of jobs, not by their history (reading the whole jobs prefix in one response
+        # outgrew gRPC's receive limit after a few hundred steps, and orchestratord could not start).
+        root = job_key(self._prefix, "").rstrip("/") + "/"
+        ids: list[str] = []
+        start = ""
+        while keys := await self._registry.list_keys(root, start=start, limit=1):
+            job_id = keys[0][len(root):].split("/", 1)[0]
+            if await self._registry.get(self._key(job_id, "spec")) is not None:
+                ids.append(job_id)
+            start = prefix_range_end(f"{root}{job_id}/")
+        return ids

@@ -27,12 +27,13 @@ from typing import Any
 import aetcd
 import aetcd.exceptions
 import aetcd.rpc
+import aetcd.utils
 import aetcd.watcher
 import grpc
 import grpc.aio
 
 from flexmarl.config import ConfigError, DaemonConfig, etcd_endpoints
-from flexmarl.errors import Unavailable
+from flexmarl.errors import ResourceExhausted, Unavailable
 from flexmarl.retry import Backoff, RetryPolicy, retry
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,21 @@ ETCD_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     OSError,
 )
+
+#: Keys per request of a paged range read (:meth:`Registry.get_prefix`). State under a prefix grows
+#: with a job's history (manifests, commits, per-step records), and one unpaged read of it hit gRPC's
+#: 4 MiB receive limit after a few hundred steps: orchestratord could no longer restart.
+RANGE_PAGE_KEYS = 256
+
+
+def prefix_range_end(prefix: str) -> str:
+    """The first key after every key that starts with ``prefix`` (etcd's range end of a prefix)."""
+    return str(aetcd.utils.prefix_range_end(prefix.encode()).decode())
+
+
+class EtcdRangeTooLarge(ResourceExhausted):
+    """One etcd key's value is larger than a client may receive (a read that cannot be split further)."""
+
 
 #: Errors after which a watch re-lists (etcd errors and records it cannot parse).
 _WATCH_ERRORS: tuple[type[BaseException], ...] = (*ETCD_ERRORS, ValueError, KeyError)
@@ -229,6 +245,23 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
         self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout)
         self._connected.set()
 
+    async def range_page(self, start: bytes, end: bytes, *, limit: int, revision: int, keys_only: bool) -> Any:
+        """One ``Range`` call with a key limit and a pinned revision (aetcd 1.0 exposes neither).
+
+        A reply over the channel's receive limit raises :class:`_RangePageTooLarge`; every other
+        gRPC error is mapped as aetcd maps it (so callers keep telling "unreachable" by ETCD_ERRORS).
+        """
+        await self.connect()
+        request = aetcd.rpc.RangeRequest(key=start, range_end=end, limit=limit, revision=revision,
+                                         keys_only=keys_only)
+        try:
+            return await self.kvstub.Range(request, timeout=self._timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _RangePageTooLarge(str(exc.details())) from None
+            aetcd.exceptions._handle_exception(exc)
+            raise
+
     async def close(self) -> None:
         """Closes the channels."""
         await super().close()
@@ -373,10 +406,61 @@ class Registry:
         return None if result is None else bytes(result.value)
 
     async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
-        """Every key under a prefix and the store revision the read saw."""
-        result = await self.client.get_prefix(prefix.encode())
-        values = {kv.key.decode(): bytes(kv.value) for kv in result}
-        return values, int(result.header.revision)
+        """Every key under a prefix and the store revision the read saw.
+
+        Read in pages of at most :data:`RANGE_PAGE_KEYS` keys, every page at the first page's
+        revision, so the result is one consistent snapshot however much it holds. A page whose reply
+        is over the receive limit is read again in halves; a single value over the limit raises
+        :class:`EtcdRangeTooLarge` naming the key (never retried as "unavailable").
+        """
+        values: dict[str, bytes] = {}
+        revision = 0
+        async for kvs, page_revision in self._paged_range(prefix, keys_only=False):
+            values.update((kv.key.decode(), bytes(kv.value)) for kv in kvs)
+            revision = page_revision
+        return values, revision
+
+    async def list_keys(self, prefix: str, *, start: str = "", limit: int = 0) -> list[str]:
+        """The keys under a prefix in key order (values are not read), paged like :meth:`get_prefix`.
+
+        ``start`` (a key under the prefix) skips the keys before it; ``limit`` > 0 stops after that
+        many keys.
+        """
+        keys: list[str] = []
+        async for kvs, _ in self._paged_range(prefix, keys_only=True, start=start, limit=limit):
+            keys.extend(kv.key.decode() for kv in kvs)
+        return keys
+
+    async def _paged_range(
+        self, prefix: str, *, keys_only: bool, start: str = "", limit: int = 0
+    ) -> AsyncIterator[tuple[Any, int]]:
+        """Yields (key-values of one page, the snapshot's revision) until the prefix is read."""
+        client = self.client
+        if not isinstance(client, _EtcdClient):
+            raise Unavailable("etcd: not connected through the registry")
+        first = (start or prefix).encode()
+        end = aetcd.utils.prefix_range_end(prefix.encode())
+        revision, page_keys, read = 0, RANGE_PAGE_KEYS, 0
+        while True:
+            if limit > 0:
+                page_keys = min(page_keys, limit - read)
+            try:
+                reply = await client.range_page(first, end, limit=page_keys, revision=revision, keys_only=keys_only)
+            except _RangePageTooLarge as exc:
+                if page_keys == 1:
+                    raise EtcdRangeTooLarge(
+                        f"etcd: the value of the key at {first.decode(errors='replace')!r} is larger than "
+                        f"this client may receive ({exc})") from None
+                page_keys = max(1, page_keys // 2)
+                continue
+            revision = revision or int(reply.header.revision)
+            kvs = list(reply.kvs)
+            read += len(kvs)
+            yield kvs, revision
+            if not reply.more or not kvs or (limit > 0 and read >= limit):
+                return
+            first = bytes(kvs[-1].key) + b"\0"
+            page_keys = RANGE_PAGE_KEYS
 
     async def put(self, key: str, value: bytes, lease: int | None = None) -> None:
         """Writes a key."""
@@ -589,6 +673,10 @@ class ServiceDirectory:
                 self.resyncs += 1
                 log.info("service watch on %s broke (%s); re-listing", self._prefix, type(exc).__name__)
                 await backoff.sleep()
+
+
+class _RangePageTooLarge(Exception):
+    """One page of a range read is over the channel's receive limit (read it again in smaller pages)."""
 
 
 class _EtcdUnreachable(Exception):
