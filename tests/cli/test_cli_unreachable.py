@@ -43,3 +43,15 @@ def test_down_without_cluster_is_exit_3(tmp_path: Path) -> None:
     assert result.returncode == 3, result.explain()
     assert result.stderr.strip() == (f"flexmarl down: no local cluster running in {tmp_path} "
                                       "(no readable cluster.json)")
+
+
+@pytest.mark.timeout(120)
+def test_up_that_fails_prints_the_failing_daemons_last_log_lines(tmp_path: Path) -> None:
+    """A daemon that exits at start: `flexmarl up` names it and shows why (its log's last lines), exit 1."""
+    result = run_cli("up", "--detach", "--run-dir", str(tmp_path), env={"FLEXMARL_LEASE_POLL_MAX_MS": "-1"})
+    assert result.returncode == 1, result.explain()
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == ("flexmarl up: cluster did not start: orchestratord exited with code 2; "
+                        "the last lines of its log:"), result.explain()
+    assert "  | orchestratord: error: lease_poll_max_ms: must be in 1..60000, got -1" in lines, result.explain()
+    assert lines[-1] == f"(logs in {tmp_path})", result.explain()

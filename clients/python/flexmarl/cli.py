@@ -45,6 +45,20 @@ class CliError(Exception):
         self.exit_code = code
 
 
+#: Lines of a failed daemon's log that `flexmarl up` prints (its own cause is usually among them).
+LAUNCH_LOG_LINES = 15
+
+
+def _did_not_start(exc: LaunchError, run_dir: str | Path) -> CliError:
+    """What a cluster that failed to start shows: the cause, the failing daemon's last log lines, the logs."""
+    first, _, output = str(exc).partition("\n")
+    lines = [line for line in output.splitlines() if line.strip()][-LAUNCH_LOG_LINES:]
+    cause = first.removesuffix("; last output:")
+    shown = "; the last lines of its log:" + "".join(f"\n  | {line}" for line in lines) if lines else ""
+    return CliError(f"cluster did not start: {cause}{shown}\n(logs in {run_dir})")
+
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
@@ -324,7 +338,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         cluster.start()
     except LaunchError as exc:
-        raise CliError(f"cluster did not start: {exc}".splitlines()[0] + f" (logs in {args.run_dir})") from None
+        raise _did_not_start(exc, args.run_dir) from None
     print(f"local cluster up: etcd {cluster.etcd_endpoint}, run dir {cluster.run_dir}")
     if cluster.restored:
         print("  state of the previous run restored (its jobs are back); `flexmarl down --wipe` deletes it")
@@ -595,7 +609,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         cluster.start()
     except LaunchError as exc:
-        raise CliError(f"cluster did not start: {str(exc).splitlines()[0]} (logs in {run_dir})") from None
+        raise _did_not_start(exc, run_dir) from None
     started = time.monotonic()
     try:
         with Client(etcd_endpoints=cluster.etcd_endpoint) as client:
