@@ -68,9 +68,10 @@ from examples.arithmetic.env import (  # noqa: E402
     work_agrees,
     written_digits,
 )
+from flexmarl.episode import load_environment  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
-from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, RolloutRunner  # noqa: E402
+from rolloutd.tokenizers import HFTokenizer  # noqa: E402
 from traind import losses, sft  # noqa: E402
 
 logger = logging.getLogger(__name__)

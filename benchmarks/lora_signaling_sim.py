@@ -58,8 +58,9 @@ from benchmarks.signaling_learning import (  # noqa: E402
     train_step,
 )
 from examples.signaling_lora.env import pair_agents  # noqa: E402
-from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
+from flexmarl.episode import load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, RolloutRunner  # noqa: E402
+from rolloutd.tokenizers import HFTokenizer  # noqa: E402
 from traind import losses  # noqa: E402
 
 logger = logging.getLogger(__name__)

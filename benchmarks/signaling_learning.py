@@ -65,11 +65,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from benchmarks.report import Column, render_table  # noqa: E402
+from flexmarl.episode import load_environment  # noqa: E402
 from flexmarl.experience import ExperienceRecord  # noqa: E402
 from flexmarl.ids import TaskRef  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
-from rolloutd.episode import HFTokenizer, load_environment  # noqa: E402
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput  # noqa: E402
+from rolloutd.tokenizers import HFTokenizer  # noqa: E402
 from traind import losses  # noqa: E402
 
 logger = logging.getLogger(__name__)

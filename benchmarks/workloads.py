@@ -17,7 +17,7 @@ import math
 import random
 from typing import Any
 
-from rolloutd.episode import Environment, EpisodeContext, Task, task_rng
+from flexmarl.episode import Environment, EpisodeContext, Task, task_rng
 
 PROMPT_ALPHABET = range(97, 123)  # byte ids of "a".."z" in the tiny byte-level tokenizer
 

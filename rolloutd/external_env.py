@@ -47,9 +47,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from flexmarl.entrypoints import load_entrypoint
+from flexmarl.episode import Environment, EpisodeContext, Task
 from flexmarl.errors import InvalidArgument
 from flexmarl.security import read_token
-from rolloutd.episode import Environment, EpisodeContext, Task
 from rolloutd.gateway import Gateway, GatewayConfig, Session
 
 logger = logging.getLogger(__name__)

@@ -62,8 +62,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from flexmarl.episode import EpisodeContext, Generation
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
-from rolloutd.episode import EpisodeContext, Generation
 
 logger = logging.getLogger(__name__)
 

@@ -55,6 +55,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from flexmarl.episode import TOP_LOGPROBS_KEY, GenerationOutput
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.retry import Backoff
 from flexmarl.weight_group import WeightGroupRecord, failures_by_name
@@ -77,7 +78,6 @@ from rolloutd.engines.protocol import (
     SamplingParams,
 )
 from rolloutd.engines.sglang_client import EngineBusy
-from rolloutd.episode import TOP_LOGPROBS_KEY, GenerationOutput
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
@@ -537,7 +537,7 @@ class RolloutRouter:
         resumed sample is not the one an uninterrupted run would have drawn, seeded or not: the
         new weights change it, and the resubmission samples from output position 0 again.
         """
-        # top_logprobs_num rides in the sampling dict (rolloutd/episode.py TOP_LOGPROBS_KEY) but is a /generate field.
+        # top_logprobs_num rides in the sampling dict (flexmarl/episode.py TOP_LOGPROBS_KEY) but is a /generate field.
         wire = {**{k: v for k, v in sampling.items() if k != TOP_LOGPROBS_KEY}, "n": n}
         top_logprobs_num = int(sampling.get(TOP_LOGPROBS_KEY) or 0)
         if seed is not None and wire.get("sampling_seed") is None:

@@ -33,10 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flexmarl.errors import DataLoss, InvalidArgument
-from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
-from rolloutd.balancer import episode_affinity_key, group_affinity_key
-from rolloutd.episode import (
+from flexmarl.episode import (
     AgentTokenizer,
     Environment,
     EpisodeContext,
@@ -45,6 +42,9 @@ from rolloutd.episode import (
     TurnRequest,
     episode_rng,
 )
+from flexmarl.errors import DataLoss, InvalidArgument
+from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
+from rolloutd.balancer import episode_affinity_key, group_affinity_key
 
 logger = logging.getLogger(__name__)
 

@@ -44,6 +44,7 @@ import grpc.aio
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, describe_error
 from flexmarl.devices import DeviceSet
+from flexmarl.episode import Environment, load_environment
 from flexmarl.errors import (
     ErrorReason,
     FailedPrecondition,
@@ -65,13 +66,13 @@ from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH, LoraSettings
 from rolloutd.engines.supervisor import EngineSupervisor
-from rolloutd.episode import Environment, HFTokenizer, load_environment
 from rolloutd.external_env import ExternalAgents
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.lora_launch import engine_lora_settings, launch_model, lora_bases
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
+from rolloutd.tokenizers import HFTokenizer
 from rolloutd.types import AgentDemand, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rolloutd.episode import Environment, EpisodeContext, Task, task_rng
+from flexmarl import Environment, EpisodeContext, Task, task_rng
 
 YES = "y"
 NO = "n"

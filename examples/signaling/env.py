@@ -42,7 +42,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rolloutd.episode import Environment, EpisodeContext, Task, TurnRecord, task_rng
+from flexmarl import Environment, EpisodeContext, Task, TurnRecord, task_rng
 
 OBJECTS = "abcdefghij"
 MAX_MESSAGE_TOKENS = 4

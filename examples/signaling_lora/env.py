@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from examples.signaling.env import SignalingGame
-from rolloutd.episode import EpisodeContext, Task
+from flexmarl import EpisodeContext, Task
 
 MAX_PAIRS = 8
 DENSE_LEVELS = 7

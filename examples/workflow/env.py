@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rolloutd.episode import Environment, EpisodeContext, Task, task_rng
+from flexmarl import Environment, EpisodeContext, Task, task_rng
 
 _INTEGER = re.compile(r"-?\d+")
 

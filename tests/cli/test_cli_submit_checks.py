@@ -188,7 +188,7 @@ def test_preflight_imports_from_the_current_directory_like_the_daemons(tmp_path:
     """A user's module beside the job file: imported from the current directory; its own errors are one line."""
     name = f"user_game_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
-        from rolloutd.episode import Environment, Task
+        from flexmarl.episode import Environment, Task
 
         class Game(Environment):
             agents = ("sender", "receiver")

@@ -242,7 +242,7 @@ def test_preflight_names_each_unknown_config_key_and_a_missing_tracker_package(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = f"user_env_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent("""
-        from rolloutd.episode import Environment, Task
+        from flexmarl.episode import Environment, Task
 
         class Game(Environment):
             agents = ("sender", "receiver")

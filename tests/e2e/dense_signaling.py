@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from examples.signaling.env import OBJECTS, SignalingGame
-from rolloutd.episode import EpisodeContext, Task
+from flexmarl.episode import EpisodeContext, Task
 
 REWARD_LEVELS = 7
 

@@ -8,7 +8,7 @@ has spread and every step moves the weights.
 from __future__ import annotations
 
 from examples.signaling.env import SignalingGame
-from rolloutd.episode import EpisodeContext, Task
+from flexmarl.episode import EpisodeContext, Task
 
 REWARD_LEVELS = 7
 

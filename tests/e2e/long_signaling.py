@@ -12,7 +12,7 @@ from typing import Any
 
 from dense_signaling import REWARD_LEVELS, DenseSignaling
 
-from rolloutd.episode import EpisodeContext, GenerationOutput, Task
+from flexmarl.episode import EpisodeContext, GenerationOutput, Task
 
 
 class LongSignaling(DenseSignaling):

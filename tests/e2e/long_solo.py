@@ -12,7 +12,7 @@ from __future__ import annotations
 from dense_signaling import REWARD_LEVELS
 from long_signaling import LongSignaling
 
-from rolloutd.episode import EpisodeContext, Task
+from flexmarl.episode import EpisodeContext, Task
 
 
 class LongSolo(LongSignaling):

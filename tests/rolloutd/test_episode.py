@@ -7,19 +7,11 @@ from pathlib import Path
 import pytest
 from byte_tokenizers import RoleBytes
 
+from flexmarl.episode import EpisodeContext, GenerationOutput, TurnRequest, episode_rng, load_environment, task_rng
 from flexmarl.errors import DataLoss, InvalidArgument
 from flexmarl.jobspec import load_job_spec
 from flexmarl.tiny import build_tiny_tokenizer
-from rolloutd.episode import (
-    EpisodeContext,
-    GenerationOutput,
-    HFTokenizer,
-    TurnRequest,
-    episode_rng,
-    load_environment,
-    load_tokenizers,
-    task_rng,
-)
+from rolloutd.tokenizers import HFTokenizer, load_tokenizers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

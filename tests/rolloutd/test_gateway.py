@@ -23,12 +23,13 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from flexmarl.episode import EpisodeContext, Task, load_environment
 from flexmarl.experience import ExperienceRecord
 from flexmarl.tiny import IM_END_TOKEN, build_tiny_tokenizer
-from rolloutd.episode import EpisodeContext, HFTokenizer, Task, load_environment
 from rolloutd.external_env import ExternalAgents
 from rolloutd.gateway import Gateway, GatewayConfig, ParsedToolCalls, parse_hermes, parse_qwen25
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutResult, RolloutRunner, RolloutTaskInput
+from rolloutd.tokenizers import HFTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
+from flexmarl.episode import Environment, EpisodeContext, Task, load_environment
 from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
 from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.episode import Environment, EpisodeContext, HFTokenizer, Task, load_environment
 from rolloutd.external_env import ExternalAgents
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
+from rolloutd.tokenizers import HFTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from flexmarl.client import JobState
 from flexmarl.connections import PeerConnections
+from flexmarl.episode import GenerationOutput
 from flexmarl.errors import FlexmarlError, NotFound, Unavailable
 from flexmarl.jobspec import JobSpec
 from flexmarl.registry import Registry
@@ -33,7 +34,6 @@ from rolloutd import worker as worker_module
 from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
 from rolloutd.engines.protocol import PauseMode
 from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.episode import GenerationOutput
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter

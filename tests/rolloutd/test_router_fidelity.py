@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 from sglang_fake import FakeSGLang, seeded_tokens
 
+from flexmarl.episode import GenerationOutput
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.episode import GenerationOutput
 from rolloutd.router import Replica, RolloutRouter, agent_key
 
 JOB = "job-1"

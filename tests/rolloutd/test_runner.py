@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from byte_tokenizers import RoleBytes
 
+from flexmarl.episode import Environment, EpisodeContext, Task, load_environment
 from flexmarl.errors import Unavailable
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
-from rolloutd.episode import Environment, EpisodeContext, Task, load_environment
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 from byte_tokenizers import ContentBytes
 
+from flexmarl.episode import Environment, EpisodeContext, Task, TurnRecord
 from flexmarl.errors import InvalidArgument
-from rolloutd.episode import Environment, EpisodeContext, Task, TurnRecord
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput, turn_returns
 
 

@@ -2,7 +2,7 @@
 
 :mod:`flexmarl.jobspec` validates a spec on its own; this module checks it against the
 user's code. It loads ``environment.entrypoint`` with ``environment.config`` through the
-loader rolloutd uses (:func:`rolloutd.episode.load_environment`) and compares the
+loader rolloutd uses (:func:`flexmarl.episode.load_environment`) and compares the
 environment's agents with the job's. Each problem is one line that names the field, e.g.
 ``environment.entrypoint: cannot load 'mygame.env:Game': No module named 'mygame'``.
 
@@ -113,8 +113,8 @@ def preflight_problems(spec: JobSpec) -> list[str]:
     agent's ``warm_start.dataset`` and checks the pairs traind will train on; and that
     the packages of the job's trackers (``tracking.trackers``) import here.
     """
+    from flexmarl.episode import load_environment
     from flexmarl.tracking import missing_packages
-    from rolloutd.episode import load_environment
 
     trackers = missing_packages(spec.tracking)
     entrypoint = spec.environment.entrypoint
