@@ -37,10 +37,12 @@ from flexmarl.episode import (
     AgentTokenizer,
     Environment,
     EpisodeContext,
+    EpisodeRecord,
     GenerationOutput,
     TurnRecord,
     TurnRequest,
     episode_rng,
+    reward_shaper,
 )
 from flexmarl.errors import DataLoss, InvalidArgument
 from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
@@ -226,6 +228,7 @@ class _EpisodeOutcome:
     error: EpisodeError | None
     turn_rewards: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
     episode_rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def turn_returns(rewards: Sequence[float], gamma: float) -> list[float]:
@@ -265,6 +268,7 @@ class RolloutRunner:
         if missing:
             raise InvalidArgument(f"no runtime for agents {missing}")
         self._env = env
+        self._shape_reward = reward_shaper(env)
         self._agents = {agent: agents[agent] for agent in env.agents}
         self._backend = backend
         self._coalesce = coalesce_first_turn
@@ -353,11 +357,13 @@ class RolloutRunner:
         finally:
             if self._coalesce and not first_request_made:
                 coalescer.withdraw(sample_index)
-        return _EpisodeOutcome(ctx.turns(), ctx.returns(), None, ctx.turn_rewards(), ctx.episode_rewards())
+        return _EpisodeOutcome(ctx.turns(), ctx.returns(), None, ctx.turn_rewards(), ctx.episode_rewards(),
+                               dict(ctx.notes))
 
-    def _turn_returns(self, task: Any, outcome: _EpisodeOutcome) -> dict[tuple[str, int], float]:
+    def _turn_returns(self, task: Any, sample_index: int, outcome: _EpisodeOutcome) -> dict[tuple[str, int], float]:
         """(agent, turn) -> the turn's return: its reward (shaped by the environment) plus the discounted later ones."""
         out: dict[tuple[str, int], float] = {}
+        episode = EpisodeRecord(sample_index, tuple(outcome.turns), dict(outcome.returns), dict(outcome.notes))
         for agent in self._env.agents:
             turns = sorted((t for t in outcome.turns if t.agent == agent), key=lambda t: t.turn)
             if not turns:
@@ -368,7 +374,7 @@ class RolloutRunner:
                 reward = by_turn.get(turn.turn, 0.0)
                 if i == len(turns) - 1:
                     reward += outcome.episode_rewards.get(agent, 0.0)
-                shaped = float(self._env.shape_reward(task, turn, reward))
+                shaped = float(self._shape_reward(task, turn, reward, episode))
                 if not math.isfinite(shaped):
                     raise InvalidArgument(f"shape_reward gave {shaped!r} for {agent!r} turn {turn.turn}")
                 rewards.append(shaped)
@@ -384,7 +390,7 @@ class RolloutRunner:
         records: list[ExperienceRecord] = []
         for sample_index in sorted(outcomes):
             outcome = outcomes[sample_index]
-            returns = self._turn_returns(task, outcome)
+            returns = self._turn_returns(task, sample_index, outcome)
             for turn in sorted(outcome.turns, key=lambda t: (self._env.agents.index(t.agent), t.turn)):
                 records.append(
                     ExperienceRecord(

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from byte_tokenizers import ContentBytes
 
-from flexmarl.episode import Environment, EpisodeContext, Task, TurnRecord
+from flexmarl.episode import Environment, EpisodeContext, EpisodeRecord, Task, TurnRecord, reward_shaper
 from flexmarl.errors import InvalidArgument
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutRunner, RolloutTaskInput, turn_returns
 
@@ -43,6 +43,26 @@ class Shaped(Debate):
         return reward - 1.0 if turn.agent == "pro" else reward
 
 
+class ShapedByTheJudge(Debate):
+    """Shapes pro's turns with the whole episode: the judge's turn, its return and a note the episode left."""
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        self.seen: list[EpisodeRecord] = []
+
+    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+        await super().episode(ctx, task)
+        ctx.notes["judge_weight"] = 2.0
+
+    def shape_reward(self, task: Task, turn: TurnRecord, reward: float, *, episode: EpisodeRecord) -> float:
+        self.seen.append(episode)
+        if turn.agent != "pro":
+            return reward
+        (judge_turn,) = episode.turns_of("judge")
+        assert judge_turn.turn == 0 and judge_turn.response_token_ids == (ord("x"),)
+        return reward + episode.notes["judge_weight"] * episode.returns["judge"]
+
+
 async def play(env: Environment, gamma: float) -> dict[tuple[str, int], float]:
     runtimes = {a: AgentRuntime(ContentBytes(), {"max_new_tokens": 1}, gamma=gamma if a == "pro" else 1.0)
                 for a in env.agents}
@@ -76,6 +96,30 @@ async def test_episode_level_rewards_with_gamma_one_are_the_episode_return_on_ev
 async def test_shape_reward_sees_each_turn_before_discounting() -> None:
     got = await play(Shaped(), gamma=1.0)
     assert got == {("pro", 0): 13.0, ("pro", 1): 13.0, ("pro", 2): 12.0, ("judge", 0): 1.5}  # 0, 1, 12 shaped
+
+
+async def test_shape_reward_with_episode_sees_every_agents_turns_the_unshaped_returns_and_the_notes() -> None:
+    env = ShapedByTheJudge()
+    got = await play(env, gamma=1.0)
+    # pro's rewards 1, 2, 13, each + 2.0 * 1.5 (the judge's unshaped return): 4, 5, 16
+    assert got == {("pro", 0): 25.0, ("pro", 1): 21.0, ("pro", 2): 16.0, ("judge", 0): 1.5}
+    first = env.seen[0]
+    assert [(t.agent, t.turn) for t in first.turns] == [("pro", 0), ("pro", 1), ("pro", 2), ("judge", 0)]
+    assert first.returns == {"pro": 16.0, "judge": 1.5} and first.notes == {"judge_weight": 2.0}
+    assert sorted({e.sample_index for e in env.seen}) == [0, 1]
+
+
+def test_a_shaper_without_episode_is_called_with_three_arguments() -> None:
+    task, turn = Task(0, 0), TurnRecord("pro", 0, (1,), (2,), (-0.1,), 0)
+    episode = EpisodeRecord(0, (turn,), {"pro": 1.0}, {})
+    assert reward_shaper(Shaped())(task, turn, 5.0, episode) == 4.0
+    assert reward_shaper(Debate())(task, turn, 5.0, episode) == 5.0
+
+    class Keywords(Debate):
+        def shape_reward(self, task: Task, turn: TurnRecord, reward: float, **extra: Any) -> float:
+            return reward + len(extra["episode"].turns)
+
+    assert reward_shaper(Keywords())(task, turn, 5.0, episode) == 6.0
 
 
 async def test_reward_for_a_turn_not_taken_fails_the_episode() -> None:

@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import math
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias, cast
 
 from flexmarl.entrypoints import load_entrypoint
 from flexmarl.errors import DataLoss, InvalidArgument
@@ -132,6 +133,23 @@ class TurnRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class EpisodeRecord:
+    """What :meth:`Environment.shape_reward` sees of the episode a turn belongs to."""
+
+    sample_index: int
+    #: Every agent's turns, in completion order (``turn.agent`` and ``turn.turn`` say whose and which).
+    turns: tuple[TurnRecord, ...]
+    #: Each agent's episode return: the unshaped sum of its rewards (what the orchestrator reports).
+    returns: Mapping[str, float]
+    #: What the episode left in ``ctx.notes`` (a receiver's probability of the target, say).
+    notes: Mapping[str, Any]
+
+    def turns_of(self, agent: str) -> tuple[TurnRecord, ...]:
+        """``agent``'s turns, in turn order."""
+        return tuple(sorted((t for t in self.turns if t.agent == agent), key=lambda t: t.turn))
+
+
+@dataclasses.dataclass(frozen=True)
 class TurnRequest:
     """A fully resolved generation request (ids + merged sampling parameters)."""
 
@@ -213,6 +231,8 @@ class EpisodeContext:
         self._returns: dict[str, float] = dict.fromkeys(agents, 0.0)
         self._turn_rewards: dict[str, dict[int, float]] = {agent: {} for agent in agents}
         self._episode_rewards: dict[str, float] = dict.fromkeys(agents, 0.0)
+        #: The episode's own notes for :meth:`Environment.shape_reward` (``EpisodeRecord.notes``).
+        self.notes: dict[str, Any] = {}
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -427,20 +447,40 @@ class Environment(abc.ABC):
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """Plays one episode: ``await ctx.generate(...)`` and ``ctx.reward(...)``."""
 
-    def shape_reward(self, task: Task, turn: TurnRecord, reward: float) -> float:
+    def shape_reward(self, task: Task, turn: TurnRecord, reward: float, *, episode: EpisodeRecord) -> float:
         """Reward shaping: the reward ``turn`` is trained with, given the reward the episode gave it.
 
         Called by rolloutd for every agent turn of a successful episode, before the returns are
         discounted and the experiences stored; ``reward`` is the turn's own reward plus, at the
-        agent's last turn, its episode-level rewards. The default changes nothing. A
-        potential-based shaping (``reward + gamma * phi(next) - phi(this)``) keeps the optimal
-        policies; anything else changes what is learned. What the orchestrator reports as the
-        episode return stays the unshaped sum.
+        agent's last turn, its episode-level rewards. ``episode`` is the whole episode: every
+        agent's turns, the unshaped returns and ``ctx.notes``, so a speaker's turn can be shaped
+        by what its listener did. The default changes nothing. A potential-based shaping
+        (``reward + gamma * phi(next) - phi(this)``) keeps the optimal policies; anything else
+        changes what is learned. What the orchestrator reports as the episode return stays the
+        unshaped sum. An override written without ``episode`` (``task, turn, reward``) is still
+        called, without it (:func:`reward_shaper`).
         """
         return reward
 
     async def aclose(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Releases what the environment holds across episodes (a server, say); the default holds nothing."""
+
+
+def reward_shaper(env: Environment) -> Callable[[Task, TurnRecord, float, EpisodeRecord], float]:
+    """``env.shape_reward`` as a runner calls it: with the episode, unless the override takes no ``episode``.
+
+    Environments written when ``shape_reward`` had three parameters keep working; the signature
+    is read once, here, not at every turn.
+    """
+    shape = env.shape_reward
+    try:
+        parameters = inspect.signature(shape).parameters.values()
+    except (TypeError, ValueError):  # a callable whose signature cannot be read: the current contract
+        return lambda task, turn, reward, episode: shape(task, turn, reward, episode=episode)
+    if any(p.name == "episode" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return lambda task, turn, reward, episode: shape(task, turn, reward, episode=episode)
+    legacy = cast(Callable[[Task, TurnRecord, float], float], shape)
+    return lambda task, turn, reward, episode: legacy(task, turn, reward)
 
 
 def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -> Environment:
