@@ -43,7 +43,7 @@ import logging
 import os
 import shlex
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from flexmarl.entrypoints import load_entrypoint
@@ -100,13 +100,15 @@ async def _in_own_thread(fn: Callable[..., Any], *args: Any) -> Any:
 class ExternalAgents(Environment):
     """Episodes played by an external OpenAI-client program (see the module docstring for the config)."""
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        agents = config.get("agents")
+    def __init__(self, *, agents: Sequence[str] | None = None, program: str | Callable[..., Any] | None = None,
+                 command: str | Sequence[str] | None = None, tasks: str | None = None,
+                 episode_timeout_s: float = 600.0, gateway: Mapping[str, Any] | None = None,
+                 tool_call_parser: str | Mapping[str, str] | None = None) -> None:
+        super().__init__(agents=agents, program=program, command=command, tasks=tasks,
+                         episode_timeout_s=episode_timeout_s, gateway=gateway, tool_call_parser=tool_call_parser)
         if not isinstance(agents, list | tuple) or not agents or not all(isinstance(a, str) and a for a in agents):
             raise ValueError("config 'agents' must be a non-empty list of agent names")
         self.agents = tuple(agents)
-        program, command = config.get("program"), config.get("command")
         if (program is None) == (command is None):
             raise ValueError("config needs exactly one of 'program' (module:attr) and 'command'")
         # A callable itself is accepted from Python (tests, notebooks); job specs name one as 'module:attr'.
@@ -119,16 +121,14 @@ class ExternalAgents(Environment):
             if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
                 raise ValueError("config 'command' must be a command line or a non-empty list of strings")
             self._command = argv
-        tasks = config.get("tasks")
         self._tasks = load_callable(tasks, "task factory") if isinstance(tasks, str) else None
         if tasks is not None and not isinstance(tasks, str):
             raise ValueError("config 'tasks' must be a 'module:attr' string")
-        timeout = config.get("episode_timeout_s", 600.0)
+        timeout = episode_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError("config 'episode_timeout_s' must be a positive number")
         self.episode_timeout_s = float(timeout)
-        self.gateway_config = self._gateway_config(config.get("gateway") or {},
-                                                   self._tool_call_parsers(config.get("tool_call_parser")))
+        self.gateway_config = self._gateway_config(gateway or {}, self._tool_call_parsers(tool_call_parser))
         self.gateway: Gateway | None = None
         self._gateway_lock: asyncio.Lock | None = None
         self._gateway_loop: asyncio.AbstractEventLoop | None = None

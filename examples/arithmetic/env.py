@@ -39,7 +39,6 @@ tokens such as the end-of-sequence token dropped), not re-tokenized text.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from flexmarl import Environment, EpisodeContext, Task, task_rng
 
@@ -142,19 +141,22 @@ class ArithmeticGame(Environment):
 
     agents = ("solver", "verifier")
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        self.min_operand = int(config.get("min_operand", 10))
-        self.max_operand = int(config.get("max_operand", 99))
-        self.answer_tokens = int(config.get("answer_tokens", 4))
-        self.judge_tokens = int(config.get("judge_tokens", 8))
-        self.correct_weight = float(config.get("correct_weight", 1.0))
-        self.wrong_weight = float(config.get("wrong_weight", 1.0))
-        self.digit_credit = float(config.get("digit_credit", 0.0))
-        grounded = config.get("grounded_judgement", False)
-        if not isinstance(grounded, bool):
+    def __init__(self, *, min_operand: int = 10, max_operand: int = 99, answer_tokens: int = 4, judge_tokens: int = 8,
+                 correct_weight: float = 1.0, wrong_weight: float = 1.0, digit_credit: float = 0.0,
+                 grounded_judgement: bool = False) -> None:
+        super().__init__(min_operand=min_operand, max_operand=max_operand, answer_tokens=answer_tokens,
+                         judge_tokens=judge_tokens, correct_weight=correct_weight, wrong_weight=wrong_weight,
+                         digit_credit=digit_credit, grounded_judgement=grounded_judgement)
+        self.min_operand = int(min_operand)
+        self.max_operand = int(max_operand)
+        self.answer_tokens = int(answer_tokens)
+        self.judge_tokens = int(judge_tokens)
+        self.correct_weight = float(correct_weight)
+        self.wrong_weight = float(wrong_weight)
+        self.digit_credit = float(digit_credit)
+        if not isinstance(grounded_judgement, bool):
             raise ValueError("grounded_judgement must be true or false")
-        self.grounded_judgement = grounded
+        self.grounded_judgement = grounded_judgement
         if not 0.0 <= self.digit_credit < 1.0:
             raise ValueError("digit_credit must be in [0, 1): a wrong answer earns less than a right one")
         if not 0 <= self.min_operand <= self.max_operand:

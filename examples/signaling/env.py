@@ -37,17 +37,14 @@ examples/signaling/job_k4.yaml: 0.9 by step 33-45 on three seeds, held to step 7
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Sequence
-from typing import Any
 
-from flexmarl import Environment, EpisodeContext, Task, TurnRecord, task_rng
+from flexmarl import Environment, EpisodeContext, EpisodeRecord, Task, TurnRecord, task_rng
 
 OBJECTS = "abcdefghij"
 MAX_MESSAGE_TOKENS = 4
 SENDER_REWARDS = ("success", "receiver_probability")
-_PROBABILITY_MEMORY = 65536  # messages remembered between an episode and its group's shaping
 
 
 class SignalingGame(Environment):
@@ -65,19 +62,19 @@ class SignalingGame(Environment):
 
     agents = ("sender", "receiver")
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        self.num_objects = int(config.get("num_objects", 4))
-        self.shuffle_candidates = bool(config.get("shuffle_candidates", False))
-        self.message_tokens = int(config.get("message_tokens", 1))
-        self.sender_reward = str(config.get("sender_reward", SENDER_REWARDS[0]))
-        self.answer_top_logprobs = int(config.get("answer_top_logprobs", 0))
+    def __init__(self, *, num_objects: int = 4, shuffle_candidates: bool = False, message_tokens: int = 1,
+                 sender_reward: str = SENDER_REWARDS[0], answer_top_logprobs: int = 0) -> None:
+        super().__init__(num_objects=num_objects, shuffle_candidates=shuffle_candidates, message_tokens=message_tokens,
+                         sender_reward=sender_reward, answer_top_logprobs=answer_top_logprobs)
+        self.num_objects = int(num_objects)
+        self.shuffle_candidates = bool(shuffle_candidates)
+        self.message_tokens = int(message_tokens)
+        self.sender_reward = str(sender_reward)
+        self.answer_top_logprobs = int(answer_top_logprobs)
         if self.sender_reward not in SENDER_REWARDS:
             raise ValueError(f"sender_reward must be one of {SENDER_REWARDS}")
         if self.sender_reward == "receiver_probability" and self.answer_top_logprobs < 1:
             raise ValueError("sender_reward receiver_probability needs answer_top_logprobs >= 1")
-        # (task index, task seed, sender version, message ids) -> the receiver's probability of the target
-        self._target_probability: collections.OrderedDict[tuple[Any, ...], float] = collections.OrderedDict()
         if not 2 <= self.num_objects <= len(OBJECTS):
             raise ValueError(f"num_objects must be in 2..{len(OBJECTS)}")
         if not 1 <= self.message_tokens <= MAX_MESSAGE_TOKENS:
@@ -110,10 +107,7 @@ class SignalingGame(Environment):
         won = bool(answer.token_ids) and self.position_of(answer.token_ids[0]) == target
         reward = 1.0 if won else 0.0
         if self.sender_reward == "receiver_probability" and answer.top_logprobs:
-            key = (task.index, task.seed, message.version, tuple(message.token_ids))
-            self._target_probability[key] = self.target_probability(answer.top_logprobs[0], target)
-            while len(self._target_probability) > _PROBABILITY_MEMORY:
-                self._target_probability.popitem(last=False)
+            ctx.notes["receiver_probability"] = self.target_probability(answer.top_logprobs[0], target)
         ctx.reward("sender", reward)
         ctx.reward("receiver", reward)
 
@@ -127,18 +121,17 @@ class SignalingGame(Environment):
         rest = max(0.0, 1.0 - math.fsum(math.exp(lp) for lp, _ in top))
         return min(1.0, named + rest / self.num_objects)
 
-    def shape_reward(self, task: Task, turn: TurnRecord, reward: float) -> float:
+    def shape_reward(self, task: Task, turn: TurnRecord, reward: float, *, episode: EpisodeRecord) -> float:
         """``receiver_probability``: the sender's turn trains on the receiver's probability of the target.
 
         That is the episode's expected success given the message (the receiver's answer summed
         out), an unbiased, lower-variance stand-in for the sampled 0/1 success, and it still
         ranks messages when the receiver never names the target (the pooled case, where the
         0/1 reward of every episode of the group is 0). The receiver trains on the 0/1 success;
-        the reported reward is the 0/1 success for both. The episode stores the probability under
-        (task, sender version, message), which is what the turn shows here; a turn with none stored
-        (an answer without top logprobs) keeps its 0/1 reward.
+        the reported reward is the 0/1 success for both. The episode leaves the probability in its
+        notes (``ctx.notes``); an episode without one (an answer without top logprobs) keeps the
+        sender's 0/1 reward.
         """
         if self.sender_reward != "receiver_probability" or turn.agent != "sender":
             return reward
-        key = (task.index, task.seed, turn.behavior_version, turn.response_token_ids)
-        return self._target_probability.get(key, reward)
+        return float(episode.notes.get("receiver_probability", reward))

@@ -12,8 +12,6 @@ reward by ``(message ids + answer id) mod 7 / 6`` (tests/e2e/dense_signaling.py'
 
 from __future__ import annotations
 
-from typing import Any
-
 from examples.signaling.env import SignalingGame
 from flexmarl import EpisodeContext, Task
 
@@ -31,11 +29,13 @@ class PairedSignaling(SignalingGame):
     """``pairs`` independent signaling pairs per episode (config: SignalingGame's, plus ``pairs``, ``observer``,
     ``dense``)."""
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**{k: v for k, v in config.items() if k not in ("pairs", "observer", "dense")})
-        self.pairs = int(config.get("pairs", 4))
-        self.observer = bool(config.get("observer", False))
-        self.dense = bool(config.get("dense", False))
+    def __init__(self, *, num_objects: int = 4, shuffle_candidates: bool = False, message_tokens: int = 1,
+                 pairs: int = 4, observer: bool = False, dense: bool = False) -> None:
+        super().__init__(num_objects=num_objects, shuffle_candidates=shuffle_candidates, message_tokens=message_tokens)
+        self.config.update(pairs=pairs, observer=observer, dense=dense)
+        self.pairs = int(pairs)
+        self.observer = bool(observer)
+        self.dense = bool(dense)
         if not 1 <= self.pairs <= MAX_PAIRS:
             raise ValueError(f"pairs must be in 1..{MAX_PAIRS}")
         if self.shuffle_candidates:

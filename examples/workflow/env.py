@@ -13,7 +13,6 @@ Rewards (verifiable, dense enough for tiny models):
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from flexmarl import Environment, EpisodeContext, Task, task_rng
 
@@ -38,12 +37,14 @@ class ArithmeticWorkflow(Environment):
 
     agents = ("planner", "solver", "verifier")
 
-    def __init__(self, **config: Any) -> None:
-        super().__init__(**config)
-        self.max_operand = int(config.get("max_operand", 9))
-        self.planner_tokens = int(config.get("planner_tokens", 4))
-        self.solver_tokens = int(config.get("solver_tokens", 40))
-        self.verifier_tokens = int(config.get("verifier_tokens", 1))
+    def __init__(self, *, max_operand: int = 9, planner_tokens: int = 4, solver_tokens: int = 40,
+                 verifier_tokens: int = 1) -> None:
+        super().__init__(max_operand=max_operand, planner_tokens=planner_tokens, solver_tokens=solver_tokens,
+                         verifier_tokens=verifier_tokens)
+        self.max_operand = int(max_operand)
+        self.planner_tokens = int(planner_tokens)
+        self.solver_tokens = int(solver_tokens)
+        self.verifier_tokens = int(verifier_tokens)
         if self.max_operand < 1:
             raise ValueError("max_operand must be >= 1")
 

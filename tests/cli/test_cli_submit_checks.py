@@ -7,6 +7,7 @@ the CLI does with an answer is under test here, not orchestratord).
 
 from __future__ import annotations
 
+import inspect
 import socket
 import sys
 import textwrap
@@ -17,11 +18,13 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from cli_support import small_job, write_job
 
 from flexmarl.cli import main
+from flexmarl.entrypoints import load_entrypoint
 from flexmarl.jobspec import parse_job_spec
-from flexmarl.preflight import preflight_problems
+from flexmarl.preflight import config_problems, preflight_problems
 from flexmarl.tiny import build_tiny_checkpoint
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -170,6 +173,25 @@ def test_preflight_accepts_the_example() -> None:
 def test_preflight_names_the_field_of_an_environment_that_does_not_load(environment: dict[str, Any],
                                                                          expected: str) -> None:
     assert _problems(_spec(**environment)) == [expected]
+
+
+def test_preflight_refuses_a_typo_in_an_examples_config() -> None:
+    """The examples declare their config as parameters, so a misspelt key is refused before submit."""
+    assert _problems(_spec(config={"num_object": 4})) == [
+        "environment.config.num_object: not a parameter of 'examples.signaling.env:SignalingGame' (it takes "
+        "num_objects, shuffle_candidates, message_tokens, sender_reward, answer_top_logprobs)"]
+
+
+EXAMPLE_JOBS = sorted((Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("job", EXAMPLE_JOBS, ids=lambda p: str(p.relative_to(p.parents[2])))
+def test_every_example_environment_declares_its_config_and_its_job_matches(job: Path) -> None:
+    environment = yaml.safe_load(job.read_text())["environment"]
+    target = load_entrypoint(environment["entrypoint"], "environment")
+    parameters = inspect.signature(target).parameters.values()
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters), "config as **kwargs: unchecked"
+    assert config_problems(environment["entrypoint"], target, environment.get("config") or {}) == []
 
 
 def test_preflight_agents_must_be_the_environments() -> None:
