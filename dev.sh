@@ -42,6 +42,12 @@ setup() {
   if [ ${#missing[@]} -gt 0 ]; then apt_install "${missing[@]}"; fi
   # Prometheus for tests/cli's scrape of the cluster through deploy/prometheus (48 MB, ~30 s once).
   command -v prometheus >/dev/null 2>&1 || apt_install --no-install-recommends prometheus
+  # A one-host Slurm (munged, slurmctld, slurmd) for tests/slurm's runs of deploy/slurm/flexmarl.sbatch
+  # (~13 MiB, ~5 s once), and shellcheck for the shell scripts in deploy/ (tests/cli/test_deploy.py).
+  local tools=()
+  command -v slurmctld >/dev/null 2>&1 || tools+=(slurm-wlm munge)
+  command -v shellcheck >/dev/null 2>&1 || tools+=(shellcheck)
+  if [ ${#tools[@]} -gt 0 ]; then apt_install --no-install-recommends "${tools[@]}"; fi
   "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$PY" -m pip install -q --disable-pip-version-check -e '.[train,dev]'
   # SGLang's own request definitions, for tests/rolloutd/test_sglang_schema.py: the wheel alone

@@ -272,7 +272,13 @@ def _outcome(job_id: str, final: Any) -> int:
 
 
 def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
-    """Shows rich progress bars per agent until the job ends; returns the final snapshot."""
+    """Shows rich progress bars per agent until the job ends; returns the final snapshot.
+
+    Not on a terminal (a log file, a pipe, a Slurm job's output) it prints one line per committed
+    step instead, as it happens (progress bars there would show nothing until the job ends).
+    """
+    if not sys.stdout.isatty():
+        return _watch_lines(client, job_id, quiet)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     final = None
@@ -288,6 +294,22 @@ def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
                 detail = (f"reward {a.reward_mean:.3f}  {a.tokens_per_s:.0f} tok/s  "
                           f"staleness {a.staleness_mean:.2f}  v{a.version}")
                 progress.update(bars[a.agent], completed=a.step, detail=detail)
+    return final
+
+
+def _watch_lines(client: Any, job_id: str, quiet: bool) -> Any:
+    """watch_job off a terminal: a line per agent step and the final state, flushed as they come."""
+    final = None
+    shown: dict[str, int] = {}
+    for info in client.watch(job_id):
+        final = info
+        for a in info.agents:
+            if not quiet and shown.get(a.agent, -1) != a.step:
+                shown[a.agent] = a.step
+                print(f"{job_id} {a.agent} step {a.step}/{a.total_steps} v{a.version} reward {a.reward_mean:.3f} "
+                      f"{a.tokens_per_s:.0f} tok/s staleness {a.staleness_mean:.2f}", flush=True)
+    if final is not None and not quiet:
+        print(f"{job_id} {final.state.name.lower()}", flush=True)
     return final
 
 
@@ -760,6 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainer-slots", type=int, default=1)
     demo.add_argument("--verbose", action="store_true", help="show progress while building tiny:// models")
     demo.set_defaults(func=cmd_demo)
+    from flexmarl import slurm
+
+    slurm.add_parser(sub, common)
     return parser
 
 
@@ -792,4 +817,7 @@ def entry_point() -> None:
 
 
 if __name__ == "__main__":
+    # `python -m flexmarl.cli`: a subcommand in another module (flexmarl.slurm) imports this one as
+    # flexmarl.cli; let that be this very module, not a second copy with a CliError of its own.
+    sys.modules.setdefault("flexmarl.cli", sys.modules[__name__])
     entry_point()

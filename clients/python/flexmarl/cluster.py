@@ -1,7 +1,9 @@
-"""Local processes: a throwaway etcd and daemons as subprocesses on OS-chosen ports.
+"""A cluster's processes: etcd and daemons as subprocesses on OS-chosen ports.
 
-Used by the test harness and by ``flexmarl up``. Launchers fail fast: when a child
-dies before it is ready, the error carries the tail of its stderr.
+Used by the test harness, ``flexmarl up`` and ``flexmarl slurm``. Each runs on a host of a
+:mod:`flexmarl.placement` (this machine's loopback unless told otherwise), started through the
+placement's runner. Launchers fail fast: when a child dies before it is ready, the error carries
+the tail of its stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
+
+from flexmarl.placement import LOCALHOST, Host, HostRunner
 
 ETCD_BINARY_ENV = "FLEXMARL_ETCD_BINARY"
 
@@ -176,6 +180,8 @@ class EtcdServer(_Child):
         tls: EtcdTls | None = None,
         auth: bool = False,
         extra_hosts: Sequence[str] = (),
+        host: Host = LOCALHOST,
+        runner: HostRunner | None = None,
     ) -> None:
         self._own_dir = run_dir is None
         super().__init__("etcd", Path(tempfile.mkdtemp(prefix="flexmarl-etcd-")) if run_dir is None else run_dir)
@@ -185,14 +191,20 @@ class EtcdServer(_Child):
         self.peer_port = 0
         self.tls = tls
         self.auth = auth
-        self.extra_hosts = tuple(extra_hosts)
+        #: The host it runs on (clients reach it at the host's address) and how it is started there.
+        self.host = host
+        self.runner = runner or HostRunner()
+        self.extra_hosts = tuple(extra_hosts) if host.loopback else tuple(dict.fromkeys((host.address, *extra_hosts)))
         self.username = "root" if auth else ""
         self.password_file = self.run_dir / "etcd-root-password" if auth else None
 
     @property
     def endpoint(self) -> str:
-        """host:port for clients."""
-        return f"127.0.0.1:{self.client_port}"
+        """host:port for clients (the host's address; loopback on one machine)."""
+        return f"{self.host.address}:{self.client_port}"
+
+    def _spawn(self, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+        super()._spawn(self.runner.wrap(self.host, cmd, name=self.name), env)
 
     def endpoint_on(self, host: str) -> str:
         """host:port for clients that reach etcd on one of its ``extra_hosts``."""
@@ -224,6 +236,7 @@ class EtcdServer(_Child):
         for attempt in range(3):
             if not self.client_port or attempt:
                 self.client_port, self.peer_port = free_port(), free_port()
+            self.peer_port = self.peer_port or free_port()
             client_urls = ",".join(f"{scheme}://{host}:{self.client_port}" for host in ("127.0.0.1", *self.extra_hosts))
             peer_url = f"http://127.0.0.1:{self.peer_port}"
             self._spawn([
@@ -319,9 +332,16 @@ class DaemonProcess(_Child):
         env: Mapping[str, str] | None = None,
         name: str | None = None,
         etcd_prefix: str = "/flexmarl",
+        host: Host = LOCALHOST,
+        runner: HostRunner | None = None,
+        gpus: int = 0,
     ) -> None:
         super().__init__(name or kind, run_dir)
         self.kind = kind
+        #: The host it runs on, binds and advertises (its gRPC and metrics servers), and how it is started there.
+        self.host = host
+        self.runner = runner or HostRunner()
+        self.gpus = gpus
         self.args = list(args)
         self.etcd_endpoint = etcd_endpoint
         self.etcd_prefix = etcd_prefix
@@ -334,15 +354,16 @@ class DaemonProcess(_Child):
     @property
     def address(self) -> str:
         """host:port of its gRPC server."""
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host.address}:{self.grpc_port}"
 
     def command(self) -> list[str]:
-        """The command line that starts it."""
-        return [
+        """The command line that starts it (through its host's runner)."""
+        hosted = [] if self.host.loopback else ["--host", self.host.address, "--metrics-host", self.host.address]
+        return self.runner.wrap(self.host, [
             sys.executable, "-m", self.kind,
             "--etcd-endpoints", self.etcd_endpoint, "--etcd-prefix", self.etcd_prefix,
-            "--ready-file", str(self.ready_file), *self.args,
-        ]
+            "--ready-file", str(self.ready_file), *hosted, *self.args,
+        ], name=self.name, gpus=self.gpus)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Starts it and waits for its ready file; raises LaunchError with its output if it dies."""

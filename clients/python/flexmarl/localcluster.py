@@ -1,8 +1,12 @@
-"""A whole FlexMARL cluster on one machine: etcd + the four daemons as child processes.
+"""A whole FlexMARL cluster: etcd + the four daemons as child processes.
 
-Used by ``flexmarl up`` / ``flexmarl demo`` and by end-to-end tests. Every process
-listens on loopback on a port the OS chose; logs go to ``<run_dir>/<name>.log`` and the
-cluster's addresses to ``<run_dir>/cluster.json``.
+Used by ``flexmarl up`` / ``flexmarl demo``, ``flexmarl slurm`` and by end-to-end tests. By
+default every process runs on this machine and listens on loopback; a :class:`Placement` lays
+the roles over several hosts instead (a Slurm allocation, the multi-host test's namespaces), each
+process on its host's address, started through the placement's runner. Every process takes a
+port the OS chose (etcd: a free one); logs go to ``<run_dir>/<name>.log`` and the cluster's
+addresses to ``<run_dir>/cluster.json``. Across hosts the run dir must be on a file system every
+host shares (the daemons write their ready files there).
 
 The cluster's state lives in the run dir: etcd's data (``etcd/etcd-data``: jobs, steps,
 registrations), stored's experiences (``stored-data``) and the workers' directories
@@ -31,6 +35,7 @@ import psutil
 
 from flexmarl.cluster import DaemonProcess, EtcdServer, EtcdTls, LaunchError
 from flexmarl.devcerts import DevCerts
+from flexmarl.placement import LOCAL_PLACEMENT, Host, Placement
 
 if TYPE_CHECKING:
     from flexmarl.registry import EtcdSecurity
@@ -66,6 +71,10 @@ class LocalClusterConfig:
     #: Keep etcd's data when the cluster stops (``flexmarl up``), so that the next start restores the jobs.
     #: A throwaway cluster (tests, the demo) deletes the etcd data it created; data it found is always kept.
     persistent: bool = False
+    #: Where each role runs and how its processes are started there (default: all here, on loopback).
+    placement: Placement = LOCAL_PLACEMENT
+    #: etcd's client port (0: a free one); a launcher across hosts may pin it.
+    etcd_port: int = 0
 
 
 class LocalCluster:
@@ -74,7 +83,8 @@ class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         self.config = config
         self.run_dir = config.run_dir.resolve()
-        self.etcd = EtcdServer(self.run_dir / ETCD_DIR)
+        self.etcd = EtcdServer(self.run_dir / ETCD_DIR, host=config.placement.control, runner=config.placement.runner)
+        self.etcd.client_port = config.etcd_port
         self.daemons: dict[str, DaemonProcess] = {}
         #: The generated TLS material and token when the cluster is secure (None otherwise).
         self.certs: DevCerts | None = None
@@ -97,7 +107,8 @@ class LocalCluster:
         """A started daemon by name (e.g. "stored", "rolloutd-0")."""
         return self.daemons[name]
 
-    def _add(self, kind: str, name: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> DaemonProcess:
+    def _add(self, kind: str, name: str, args: Sequence[str], env: Mapping[str, str] | None = None,
+             host: Host | None = None) -> DaemonProcess:
         full_env = {
             "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
             # DeepSpeed JIT-builds its CPU ops once per machine; share one cache with dev.sh and the tests.
@@ -106,8 +117,11 @@ class LocalCluster:
         }
         if self.certs is not None:
             args = [*self.certs.daemon_args(), *self.etcd.client_args(), *args]
+        placement = self.config.placement
+        worker = kind in ("rolloutd", "traind")
         proc = DaemonProcess(kind, args, etcd_endpoint=self.etcd.endpoint, run_dir=self.run_dir, env=full_env,
-                             name=name, etcd_prefix=self.config.etcd_prefix)
+                             name=name, etcd_prefix=self.config.etcd_prefix, host=host or placement.control,
+                             runner=placement.runner, gpus=placement.gpus_per_worker if worker else 0)
         self.daemons[name] = proc
         return proc
 
@@ -130,15 +144,18 @@ class LocalCluster:
                                            *cfg.stored_args])
             self._add("orchestratord", "orchestratord", ["--service-id", "orchestratord", *cfg.orchestratord_args])
             for i in range(cfg.trainer_workers):
+                host = cfg.placement.trainer_host(i)
+                # Data-parallel peers reach each other at the host's address (the default is loopback).
+                dp_host = [] if host.loopback else ["--dp-host", host.address]
                 self._add("traind", f"traind-{i}", [
                     "--slots", str(cfg.trainer_slots), "--work-dir", str(self.run_dir / f"traind-{i}"),
-                    "--service-id", f"traind-{i}", *cfg.traind_args,
-                ])
+                    "--service-id", f"traind-{i}", *dp_host, *cfg.traind_args,
+                ], host=host)
             for i in range(cfg.rollout_workers):
                 self._add("rolloutd", f"rolloutd-{i}", [
                     "--engine-replicas", str(cfg.engine_replicas), "--work-dir", str(self.run_dir / f"rolloutd-{i}"),
                     "--service-id", f"rolloutd-{i}", *cfg.rolloutd_args,
-                ])
+                ], host=cfg.placement.rollout_host(i))
             # All at once: each waits for its peers through etcd, and their imports (torch in the
             # workers) overlap instead of adding up.
             for proc in self.daemons.values():
@@ -162,7 +179,8 @@ class LocalCluster:
         self.certs = generate(self.run_dir / "tls")
         tls = EtcdTls(cert=self.certs.server_cert, key=self.certs.server_key, ca=self.certs.ca, client_cert_auth=True)
         self.etcd = EtcdServer(self.run_dir / ETCD_DIR, self.etcd.binary, tls=tls, auth=True,
-                               extra_hosts=self.etcd.extra_hosts)
+                               extra_hosts=self.etcd.extra_hosts, host=self.etcd.host, runner=self.etcd.runner)
+        self.etcd.client_port = self.config.etcd_port
 
     def etcd_security(self) -> EtcdSecurity:
         """How a client reaches this cluster's etcd: plaintext, or (secure) the dev CA, client cert and root user."""
