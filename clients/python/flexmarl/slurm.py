@@ -152,7 +152,7 @@ def layout(allocation: Allocation, request: LayoutRequest, runner: HostRunner) -
                              "GPUs; allocate at least 2 nodes (sbatch --nodes 2)")
         return Placement(control=control, rollout=nodes, trainer=nodes, runner=runner)
     trainers = request.trainer_nodes or max(1, count // 2)
-    rollouts = request.rollout_nodes or count - trainers
+    rollouts = request.rollout_nodes or max(1, count - trainers)
     if trainers < 1 or rollouts < 1 or trainers + rollouts > count:
         raise SlurmError(f"the allocation has {count} node{'s' if count != 1 else ''}; {trainers} trainer + "
                          f"{rollouts} rollout nodes need {max(trainers, 1) + max(rollouts, 1)} (sbatch --nodes)")
