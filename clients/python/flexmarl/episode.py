@@ -4,20 +4,31 @@ It lives in the SDK so that an environment, like the preflight that checks it be
 depends on ``flexmarl`` only; rolloutd runs it (rolloutd/runner.py) and loads the agents'
 tokenizers (rolloutd/tokenizers.py). A guide: docs/environments.md.
 
-An environment lists its agents, produces deterministic tasks from a seeded stream and plays
-one episode at a time::
+An environment lists its agents, declares its config as keyword parameters (so the preflight
+refuses a misspelt ``environment.config`` key before submit), produces deterministic tasks
+from a seeded stream and plays one episode at a time. A game two tiny random-init models learn
+(examples/signaling/env.py is the full one)::
 
     class Game(Environment):
         agents = ("sender", "receiver")
 
+        def __init__(self, *, num_objects: int = 2) -> None:
+            super().__init__(num_objects=num_objects)
+            self.num_objects = num_objects
+
         def task(self, index: int, seed: int) -> Task:
-            rng = task_rng(index, seed)
-            return Task(index=index, seed=seed, data={"target": rng.randrange(4)})
+            return Task(index=index, seed=seed, data={"target": task_rng(index, seed).randrange(self.num_objects)})
 
         async def episode(self, ctx: EpisodeContext, task: Task) -> None:
-            msg = await ctx.generate("sender", f"T={task.data['target']} M=")
-            guess = await ctx.generate("receiver", [{"role": "user", "content": msg.text}])
-            ctx.reward("sender", 1.0 if guess.text == str(task.data["target"]) else 0.0)
+            target = task.data["target"]
+            msg = await ctx.generate("sender", "abcdefghij"[target], max_new_tokens=1)
+            answer = await ctx.generate("receiver", ctx.tokenize("receiver", ">") + list(msg.token_ids),
+                                        max_new_tokens=1)
+            # Any answer token names a position (id mod K): an untrained pair scores chance, 1/K,
+            # so every group has reward variance from step one (an exact "2" would be hit ~1 in 300).
+            won = bool(answer.token_ids) and answer.token_ids[0] % self.num_objects == target
+            for agent in self.agents:  # both agents learn from the shared outcome
+                ctx.reward(agent, 1.0 if won else 0.0)
 
 ``ctx.generate`` takes chat messages (rendered with the agent's tokenizer's chat template and
 a generation prompt), a plain string (tokenized without a template) or token ids. Every call
@@ -431,7 +442,10 @@ class Environment(abc.ABC):
     """Base class of user environments.
 
     Subclasses set ``agents`` and implement :meth:`task` and :meth:`episode`. The constructor
-    receives the job spec's ``environment.config`` as keyword arguments.
+    receives the job spec's ``environment.config`` as keyword arguments: declare them as
+    keyword parameters with defaults (``def __init__(self, *, num_objects: int = 4)``, passing
+    them on to ``super().__init__`` for ``self.config``) and the preflight refuses unknown keys;
+    ``**config`` takes any key unchecked.
     """
 
     agents: tuple[str, ...] = ()
