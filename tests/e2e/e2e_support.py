@@ -198,8 +198,8 @@ class E2ECluster:
 
     def metrics_text(self, daemon: str) -> str:
         """The Prometheus exposition of one daemon."""
-        port = self.cluster.daemon(daemon).metrics_port
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        proc = self.cluster.daemon(daemon)
+        with urllib.request.urlopen(f"http://{proc.host.address}:{proc.metrics_port}/metrics", timeout=10) as reply:
             return str(reply.read().decode())
 
     def engine_pids(self, rolloutd: str = "rolloutd-0") -> list[int]:

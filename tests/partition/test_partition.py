@@ -1,14 +1,15 @@
 """DESIGN §9 network partition: cut a rolloutd and a traind off mid-job with network namespaces.
 
 etcd, stored and orchestratord run in the root namespace. One rolloutd (with its engine
-replica) and one traind run each in a network namespace this test creates, joined to the
-root namespace by a veth pair on a private /30 of 10.231.N.0/24 (N unused on this host);
-they reach etcd, orchestratord and stored at the root side of their own link. Once both
-hold work, both links are cut (``ip link set <root side> down``): their etcd registrations
-and leases expire, a second rolloutd and traind in the root namespace take the job over,
-then the links come back. The cut-off workers' late calls are refused, the job completes
-with one commit per step, and every experience is consumed exactly once. No packet leaves
-loopback and the test's own links; the namespaces and links are removed even on failure.
+replica) and one traind run each on a test host: a network namespace on a virtual LAN this test
+creates (tests/e2e/netns_support.py, shared with the multi-host test), started through the same
+placement path as every cluster (LocalCluster's DaemonProcess with a host and a NetnsRunner).
+They reach etcd, orchestratord and stored at the root namespace's address on the LAN. Once both
+hold work, both hosts are cut off the LAN (their switch ports down): their etcd registrations
+and leases expire, a second rolloutd and traind in the root namespace take the job over, then
+the hosts come back. The cut-off workers' late calls are refused, the job completes with one
+commit per step, and every experience is consumed exactly once. No packet leaves loopback and
+the test's own links; the namespaces and links are removed even on failure.
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
-import random
 import re
-import shutil
 import signal
-import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -40,6 +37,7 @@ from e2e_support import (
     kill_pids,
     small_signaling_spec,
 )
+from netns_support import Lan, LanHost, NetnsRunner, virtual_lan
 
 from flexmarl.client import Client
 from flexmarl.cluster import DaemonProcess, EtcdServer, wait_until
@@ -53,94 +51,9 @@ REGISTRY_TTL_S = "3"
 #: Leases far shorter than the cut: the cut-off workers' work is re-issued by lease expiry as well.
 LEASES = {"rollout_timeout_s": 4, "train_timeout_s": 6}
 CUT_OFF = ("rolloutd-part", "traind-part")
+#: The test hosts of the cut-off workers (rolloutd-part on "r", traind-part on "t").
+CUT_HOSTS = ("r", "t")
 CUT_ATTEMPTS = 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """A network namespace and the veth pair that joins it to the root namespace."""
-
-    netns: str
-    host_if: str
-    ns_if: str
-    host_ip: str
-    ns_ip: str
-
-
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-
-
-def _unused_subnet() -> int:
-    """N such that nothing on this host uses 10.231.N.0/24."""
-    used = subprocess.run(
-        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=10, check=False
-    ).stdout
-    used += subprocess.run(
-        ["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True, timeout=10, check=False
-    ).stdout
-    free = [n for n in range(256) if f"10.231.{n}." not in used]
-    if not free:
-        pytest.skip("every 10.231.N.0/24 is in use on this host")
-    return random.choice(free)
-
-
-@contextlib.contextmanager
-def namespaced_links(names: Sequence[str]) -> Iterator[dict[str, Link]]:
-    """One network namespace per name, each with a veth link to the root namespace; removed after."""
-    if os.geteuid() != 0:
-        pytest.skip("the partition test needs root to create network namespaces")
-    if shutil.which("ip") is None:
-        pytest.skip("the partition test needs `ip` (iproute2)")
-    subnet = _unused_subnet()
-    tag = f"{os.getpid() % 100_000}"
-    links: dict[str, Link] = {}
-    try:
-        for i, name in enumerate(names):
-            link = Link(
-                netns=f"flexmarl-part-{tag}-{name}",
-                host_if=f"fmp{tag}{name}h",
-                ns_if=f"fmp{tag}{name}n",
-                host_ip=f"10.231.{subnet}.{4 * i + 1}",
-                ns_ip=f"10.231.{subnet}.{4 * i + 2}",
-            )
-            try:
-                _ip("netns", "add", link.netns)
-            except RuntimeError as exc:
-                if not links:
-                    pytest.skip(f"network namespaces do not work here: {exc}")
-                raise
-            links[name] = link
-            _ip("link", "add", link.host_if, "type", "veth", "peer", "name", link.ns_if, "netns", link.netns)
-            _ip("addr", "add", f"{link.host_ip}/30", "dev", link.host_if)
-            _ip("link", "set", link.host_if, "up")
-            _ip("-n", link.netns, "link", "set", "lo", "up")  # the engine replicas listen on its loopback
-            _ip("-n", link.netns, "addr", "add", f"{link.ns_ip}/30", "dev", link.ns_if)
-            _ip("-n", link.netns, "link", "set", link.ns_if, "up")
-        yield links
-    finally:
-        for link in links.values():
-            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                _ip("link", "del", link.host_if)  # removes both ends
-            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
-                _ip("netns", "del", link.netns)
-
-
-class NamespacedDaemon(DaemonProcess):
-    """A daemon started with ``ip netns exec`` (the same pid: ip execs it), serving on the namespace's address."""
-
-    def __init__(self, link: Link, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.link = link
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.link.netns, *super().command()]
-
-    @property
-    def address(self) -> str:
-        return f"{self.link.ns_ip}:{self.grpc_port}"
 
 
 def _worker_env() -> dict[str, str]:
@@ -198,8 +111,8 @@ def _gone_count(orch_log: Path, name: str) -> int:
     return orch_log.read_text().count(f" {name} is gone; re-issuing its work")
 
 
-def _cut_while_busy(e2e: E2ECluster, job_id: str, links: Mapping[str, Link], rolloutd: DaemonProcess) -> float:
-    """Cuts both links while the namespaced rolloutd holds task leases and traind an agent; returns when.
+def _cut_while_busy(e2e: E2ECluster, job_id: str, lan: Lan, rolloutd: DaemonProcess) -> float:
+    """Cuts both hosts off while the namespaced rolloutd holds task leases and traind an agent; returns when.
 
     The rolloutd's engine is paused (SIGSTOP) meanwhile, so the tasks it leased wait for it and
     hold their leases, and resumed right after the cut: the cut-off rolloutd keeps generating.
@@ -216,7 +129,7 @@ def _cut_while_busy(e2e: E2ECluster, job_id: str, links: Mapping[str, Link], rol
             return bound and _rollout_status(rolloutd.address).tasks_in_flight > 0
 
         wait_until(both_busy, 60, "the namespaced rolloutd and traind to hold work", 0.05)
-        _set_links(links, "down")
+        lan.cut(*CUT_HOSTS)
         return time.monotonic()
     finally:
         for pid in paused:
@@ -234,17 +147,12 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return out
 
 
-def _set_links(links: Mapping[str, Link], state: str) -> None:
-    for link in links.values():
-        _ip("link", "set", link.host_if, state)
-
-
 @pytest.mark.timeout(240)
 def test_partitioned_workers_lose_their_work_and_late_reports_are_refused(tmp_path: Path) -> None:
     models_dir = tmp_path / "models"
     run_dir = tmp_path / "run"
-    with namespaced_links(("r", "t")) as links:
-        # etcd also listens on the root side of both links; stored and orchestratord on every
+    with virtual_lan(CUT_HOSTS) as lan:
+        # etcd also listens on the root namespace's LAN address; stored and orchestratord on every
         # address, advertising loopback to the root-namespace workers (the others are told).
         everywhere = ["--host", "0.0.0.0", "--advertise-host", "127.0.0.1"]
         debug = ["--log-level", "DEBUG"]  # orchestratord logs each task lease at DEBUG
@@ -258,12 +166,12 @@ def test_partitioned_workers_lose_their_work_and_late_reports_are_refused(tmp_pa
             orchestratord_args=[*everywhere, *debug],
         )
         cluster = LocalCluster(config)
-        cluster.etcd = EtcdServer(cluster.run_dir / "etcd", extra_hosts=[link.host_ip for link in links.values()])
+        cluster.etcd = EtcdServer(cluster.run_dir / "etcd", extra_hosts=[lan.root_address])
         engines: set[int] = set()
         e2e: E2ECluster | None = None
         try:
             cluster.start()
-            e2e = _run_partition(cluster, links, models_dir, engines)
+            e2e = _run_partition(cluster, lan, models_dir, engines)
         finally:
             for proc in cluster.daemons.values():
                 if proc.kind == "rolloutd" and proc.alive():
@@ -272,38 +180,24 @@ def test_partitioned_workers_lose_their_work_and_late_reports_are_refused(tmp_pa
                 with contextlib.suppress(Exception):
                     e2e.client.close()
             with contextlib.suppress(RuntimeError):
-                _set_links(links, "up")
+                lan.heal(*CUT_HOSTS)
             cluster.stop()
             kill_pids(sorted(engines))
 
 
-def _run_partition(cluster: LocalCluster, links: Mapping[str, Link], models_dir: Path, engines: set[int]) -> E2ECluster:
+def _run_partition(cluster: LocalCluster, lan: Lan, models_dir: Path, engines: set[int]) -> E2ECluster:
     run_dir = cluster.run_dir
     stored, orch = cluster.daemon("stored"), cluster.daemon("orchestratord")
     prefix = cluster.config.etcd_prefix
     env = _worker_env()
 
-    def namespaced(kind: str, name: str, link: Link) -> NamespacedDaemon:
-        reach = [
-            "--host",
-            link.ns_ip,
-            "--metrics-host",
-            link.ns_ip,
-            "--orchestrator-address",
-            f"{link.host_ip}:{orch.grpc_port}",
-            "--store-address",
-            f"{link.host_ip}:{stored.grpc_port}",
-        ]
-        proc = NamespacedDaemon(
-            link,
-            kind,
-            [*_worker_args(kind, name, run_dir), *reach],
-            etcd_endpoint=cluster.etcd.endpoint_on(link.host_ip),
-            run_dir=run_dir,
-            env=env,
-            name=name,
-            etcd_prefix=prefix,
-        )
+    def namespaced(kind: str, name: str, host: LanHost) -> DaemonProcess:
+        # It binds and advertises its host's address (DaemonProcess does that for a non-loopback host).
+        reach = ["--orchestrator-address", f"{lan.root_address}:{orch.grpc_port}",
+                 "--store-address", f"{lan.root_address}:{stored.grpc_port}"]
+        proc = DaemonProcess(kind, [*_worker_args(kind, name, run_dir), *reach],
+                             etcd_endpoint=cluster.etcd.endpoint_on(lan.root_address), run_dir=run_dir, env=env,
+                             name=name, etcd_prefix=prefix, host=host.host, runner=NetnsRunner())
         cluster.daemons[name] = proc
         return proc
 
@@ -321,8 +215,8 @@ def _run_partition(cluster: LocalCluster, links: Mapping[str, Link], models_dir:
         return proc
 
     # All four workers serve before the job starts: the second ones can take over at once.
-    rollout_part = namespaced("rolloutd", "rolloutd-part", links["r"])
-    train_part = namespaced("traind", "traind-part", links["t"])
+    rollout_part = namespaced("rolloutd", "rolloutd-part", lan.hosts["r"])
+    train_part = namespaced("traind", "traind-part", lan.hosts["t"])
     rollout_root, train_root = rooted("rolloutd", "rolloutd-1"), rooted("traind", "traind-1")
     with concurrent.futures.ThreadPoolExecutor(5) as pool:  # the tiny checkpoints are built meanwhile
         built = pool.submit(small_signaling_spec, models_dir, total_steps=STEPS, leases=LEASES)
@@ -348,7 +242,7 @@ def _run_partition(cluster: LocalCluster, links: Mapping[str, Link], models_dir:
     # before it; a cut that caught no task lease of it (rare) is healed and made again.
     for attempt in range(1, CUT_ATTEMPTS + 1):
         reissued_before = reissued_from_cut_off()
-        cut_started_s = _cut_while_busy(e2e, job_id, links, rollout_part)
+        cut_started_s = _cut_while_busy(e2e, job_id, lan, rollout_part)
         phases[f"cut {attempt}"] = cut_started_s
         committed_at_cut = _total_commits(e2e, job_id, agents)
         assert committed_at_cut < STEPS * len(agents), "the job finished before the cut"
@@ -365,7 +259,7 @@ def _run_partition(cluster: LocalCluster, links: Mapping[str, Link], models_dir:
         wait_until(lambda t=cut_ends_s: time.monotonic() > t, 30, "the cut-off workers' leases to time out")
         if reissued_from_cut_off() > reissued_before:
             break
-        _set_links(links, "up")
+        lan.heal(*CUT_HOSTS)
         wait_until(lambda: set(CUT_OFF) <= _registered(e2e), 60, "the cut-off workers to register again", 0.2)
     else:
         pytest.fail(f"{CUT_ATTEMPTS} cuts caught no task lease of the namespaced rolloutd")
@@ -384,7 +278,7 @@ def _run_partition(cluster: LocalCluster, links: Mapping[str, Link], models_dir:
     phases["restored"] = cut_s
     running_at_restore = not e2e.client.status(job_id).state.finished
     assert rollout_part.alive() and train_part.alive(), "a cut-off worker died instead of being cut off"
-    _set_links(links, "up")
+    lan.heal(*CUT_HOSTS)
 
     info = e2e.wait_job(job_id)
     phases["job done"] = time.monotonic()

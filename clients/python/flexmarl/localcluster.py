@@ -141,7 +141,7 @@ class LocalCluster:
             # Fixed registry ids (as the workers have): a restarted daemon overwrites its own record
             # instead of sitting next to its dead predecessor's until that lease expires.
             self._add("stored", "stored", ["--data-dir", str(self.run_dir / STORED_DATA_DIR), "--service-id", "stored",
-                                           *cfg.stored_args])
+                                           *cfg.stored_args], host=cfg.placement.store_host)
             self._add("orchestratord", "orchestratord", ["--service-id", "orchestratord", *cfg.orchestratord_args])
             for i in range(cfg.trainer_workers):
                 host = cfg.placement.trainer_host(i)

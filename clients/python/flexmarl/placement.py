@@ -43,9 +43,14 @@ class HostRunner:
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The hosts of a cluster's roles; workers of a role go round-robin over the role's hosts."""
+    """The hosts of a cluster's roles; workers of a role go round-robin over the role's hosts.
+
+    The control host runs etcd and orchestratord (and stored unless ``store`` names another host).
+    """
 
     control: Host = LOCALHOST
+    #: stored's host (None: the control host's).
+    store: Host | None = None
     rollout: tuple[Host, ...] = (LOCALHOST,)
     trainer: tuple[Host, ...] = (LOCALHOST,)
     runner: HostRunner = dataclasses.field(default_factory=HostRunner)
@@ -56,6 +61,11 @@ class Placement:
         if not self.rollout or not self.trainer:
             raise ValueError("placement: every role needs at least one host")
 
+    @property
+    def store_host(self) -> Host:
+        """stored's host."""
+        return self.store or self.control
+
     def rollout_host(self, index: int) -> Host:
         """The host of rollout worker ``index``."""
         return self.rollout[index % len(self.rollout)]
@@ -63,11 +73,6 @@ class Placement:
     def trainer_host(self, index: int) -> Host:
         """The host of trainer worker ``index``."""
         return self.trainer[index % len(self.trainer)]
-
-    @property
-    def local(self) -> bool:
-        """Whether everything runs on this machine's loopback (the default ``flexmarl up`` layout)."""
-        return all(host.loopback for host in (self.control, *self.rollout, *self.trainer))
 
 
 LOCAL_PLACEMENT = Placement()
