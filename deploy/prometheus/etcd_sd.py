@@ -13,7 +13,7 @@ The file is replaced atomically, so Prometheus never reads a partial file. With
 ``--interval-s 0`` it writes once and exits; otherwise it rewrites the file every interval
 until SIGTERM. Exit codes: 0 done, 1 etcd unreachable (in one-shot mode), 2 bad arguments.
 
-    python deploy/prometheus/etcd_sd.py --etcd-endpoints etcd-0:2379 --out /var/lib/flexmarl-sd/prod/targets.json
+    python deploy/prometheus/etcd_sd.py --etcd-endpoints etcd-0:2379 --out /var/lib/flexmarl-sd/prod.json
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""deploy/: systemd units (systemd-analyze verify), example configs, Prometheus file_sd, Grafana dashboard."""
+"""deploy/: systemd units (systemd-analyze verify), example configs, Prometheus file_sd (promtool), Grafana dashboard,
+the shell scripts (shellcheck), each file checked as shipped by its own tool."""
 
 from __future__ import annotations
 
 import configparser
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -133,7 +135,59 @@ def test_systemd_analyze_verify_catches_a_broken_unit(tmp_path: Path) -> None:
     assert "is not executable" in output and "Unknown key 'KillSignall'" in output
 
 
+def _tool(name: str) -> str:
+    """The path of a checking tool; in CI (CI=true) a missing one fails the test, elsewhere it skips."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} not installed (./dev.sh setup installs it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+# ---------------------------------------------------------------- shell scripts
+
+
+def _shell_scripts() -> list[Path]:
+    """Every shell script in deploy/ (by suffix or shebang), the README's dev.sh and CI's entry point."""
+    found = [REPO_ROOT / "dev.sh", REPO_ROOT / ".ci" / "run"]
+    shells = (b"#!/usr/bin/env bash", b"#!/usr/bin/env sh", b"#!/bin/bash", b"#!/bin/sh")
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.is_file() and (path.suffix in (".sh", ".sbatch") or path.read_bytes().startswith(shells)):
+            found.append(path)
+    return found
+
+
+def test_shellcheck_passes_every_shell_script_as_shipped(tmp_path: Path) -> None:
+    shellcheck = _tool("shellcheck")
+    scripts = _shell_scripts()
+    assert DEPLOY / "slurm" / "flexmarl.sbatch" in scripts
+    done = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # The check can fail: an unquoted expansion is reported.
+    broken = tmp_path / "broken.sh"
+    broken.write_text("#!/usr/bin/env bash\nrm -rf $1/data\n")
+    done = subprocess.run([shellcheck, str(broken)], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0 and "SC2086" in done.stdout
+
+
 # ---------------------------------------------------------------- Prometheus
+
+
+def test_promtool_accepts_the_prometheus_config_as_shipped(tmp_path: Path) -> None:
+    """Debian's promtool on deploy/prometheus/prometheus.yml itself (the Prometheus test rewrites its paths)."""
+    promtool = _tool("promtool")
+    shipped = DEPLOY / "prometheus" / "prometheus.yml"
+    done = subprocess.run([promtool, "check", "config", str(shipped)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0 and "SUCCESS" in done.stdout + done.stderr, done.stdout + done.stderr
+    # The check can fail: a glob in a directory of a file_sd path (what shipped until 2026-12-05) is refused.
+    broken = tmp_path / "prometheus.yml"
+    broken.write_text(shipped.read_text().replace("/var/lib/flexmarl-sd/*.json", "/var/lib/flexmarl-sd/*/targets.json"))
+    done = subprocess.run([promtool, "check", "config", str(broken)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode != 0 and "is not valid for file discovery" in done.stdout + done.stderr
 
 
 def _run_sd(*args: str) -> subprocess.CompletedProcess[str]:
