@@ -9,6 +9,7 @@ Where vLLM behaves differently from the embedded engine (SGLang's API), docs/eng
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,9 +20,10 @@ import pytest
 import torch
 
 from flexmarl.config import ConfigError
-from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
+from rolloutd.engines.lora import LoraSettings
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, PauseMode, SamplingParams
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 
@@ -52,6 +54,7 @@ def vllm_replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
             pytest.fail(reason)
         pytest.skip(reason)
     spec = ReplicaSpec("vllm", str(engine_checkpoint), seed=0, dtype="float32", vllm_python=python,
+                       lora=LoraSettings(enable_lora=True, max_lora_rank=8, max_loras_per_batch=2),
                        extra_args=VLLM_TEST_ARGS)
     replica = asyncio.run(launch(spec, tmp_path_factory.mktemp("vllm-run"), timeout_s=80, name="vllm"))
     try:
@@ -264,6 +267,44 @@ async def test_what_vllm_cannot_do_is_refused_in_one_line(client: VLLMClient) ->
     with pytest.raises(InvalidArgument, match="no_stop_trim"):
         await client.generate(_request(2, no_stop_trim=True))
     assert not await client.is_paused()
+
+
+# ----- LoRA adapters --------------------------------------------------------------------------
+def _peft_adapter(base_dir: Path, path: Path, *, rank: int, targets: list[str], seed: int) -> Any:
+    """A PEFT adapter with random nonzero A and B (saved as PeftModel.save_pretrained does), and the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+async def test_lora_adapter_load_serve_unload(client: VLLMClient, engine_checkpoint: Path, tmp_path: Path) -> None:
+    reference = _peft_adapter(engine_checkpoint, tmp_path / "a", rank=4, targets=["q_proj", "v_proj"], seed=1)
+    loaded = await client.load_lora_adapter("agent-a", str(tmp_path / "a"))
+    try:
+        assert loaded.loaded_adapters == {"agent-a": str(tmp_path / "a")}
+        request = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=8, seed=2, ignore_eos=True),
+                                    lora_path="agent-a")
+        [tuned] = await client.generate(request)
+        [base] = await client.generate(dataclasses.replace(request, lora_path=None))
+        assert tuned.output_token_logprobs != base.output_token_logprobs
+        expected = _forward_logprobs(reference, tuned.output_ids)
+        assert torch.allclose(torch.tensor(tuned.output_token_logprobs), expected, atol=LOGPROB_TOLERANCE)
+        with pytest.raises(FailedPrecondition, match="agent-a"):
+            await client.load_lora_adapter("agent-a", str(tmp_path / "a"))  # the name is taken
+    finally:
+        unloaded = await client.unload_lora_adapter("agent-a")
+    assert unloaded.loaded_adapters == {}
+    with pytest.raises(InvalidArgument, match="agent-a"):
+        await client.generate(request)  # vLLM: 404, the model does not exist
 
 
 # Last of the server tests: it leaves the shared server dead.
