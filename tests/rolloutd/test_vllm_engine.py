@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, 
 from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
 from rolloutd.engines.lora import LoraSettings
-from rolloutd.engines.protocol import FinishReason, GenerationRequest, PauseMode, SamplingParams
+from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequest, PauseMode, SamplingParams
+from rolloutd.engines.sglang_client import SGLangClient
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 
 pytestmark = pytest.mark.timeout(90)
@@ -33,8 +35,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPT = (104, 101, 108, 108, 111)  # "hello"
 # Served logprobs (batched, KV-cached decode) vs one full forward pass of the same fp32 model.
 LOGPROB_TOLERANCE = 1e-4
-# Still running when a test pauses or aborts it (~300 tokens/s here), well within --max-model-len.
+# Still running when a test pauses or aborts it: vLLM runs ~300 tokens/s here (and stays within
+# --max-model-len 512), the embedded engine ~1,000.
 LONG_TOKENS = 480
+EMBEDDED_LONG_TOKENS = 1500
 VLLM_TEST_ARGS = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "67108864",
                   "--max-num-seqs", "8")
 
@@ -64,11 +68,34 @@ def vllm_replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture
-async def client(vllm_replica: EngineReplica) -> Any:
+async def client(vllm_replica: EngineReplica) -> AsyncIterator[VLLMClient]:
     """A client of the shared server; the test leaves it unpaused at the base weights."""
     async with vllm_replica.client() as vllm:
         assert isinstance(vllm, VLLMClient)
         yield vllm
+
+
+@dataclass(frozen=True)
+class Served:
+    """A client of one of the two engines the shared tests run against: ``vllm`` or ``embedded``."""
+
+    kind: str
+    client: SGLangClient | VLLMClient
+
+
+@pytest.fixture(params=["vllm", "embedded"])
+def served_replica(request: pytest.FixtureRequest) -> tuple[str, EngineReplica]:
+    """The vLLM server, or the embedded engine with seeds honoured (conftest.py), both module-scoped."""
+    name = "vllm_replica" if request.param == "vllm" else "engine_deterministic_replica"
+    return request.param, request.getfixturevalue(name)
+
+
+@pytest.fixture
+async def served(served_replica: tuple[str, EngineReplica]) -> AsyncIterator[Served]:
+    """A client of each engine in turn (the embedded engine speaks SGLang's API)."""
+    kind, replica = served_replica
+    async with replica.client() as engine_client:
+        yield Served(kind, engine_client)
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 30.0) -> None:
@@ -78,7 +105,7 @@ async def _until(condition: Callable[[], Awaitable[bool]], what: str, timeout_s:
         await asyncio.sleep(0.01)
 
 
-async def _running(client: VLLMClient, count: int = 1) -> None:
+async def _running(client: EngineClient, count: int = 1) -> None:
     async def started() -> bool:
         return (await client.loads()).num_running_reqs >= count
 
@@ -98,85 +125,114 @@ def _forward_logprobs(model: Any, output: tuple[int, ...], temperature: float = 
     return torch.log_softmax(scaled, dim=-1).gather(1, torch.tensor(output).unsqueeze(1)).squeeze(1)
 
 
-# ----- generation -----------------------------------------------------------------------------
-async def test_token_ids_logprobs_versions_and_length(client: VLLMClient) -> None:
-    [result] = await client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True),
-                                                       top_logprobs_num=3, rid="len-1"))
+# ----- generation (both engines) --------------------------------------------------------------
+async def test_token_ids_logprobs_versions_and_length(served: Served) -> None:
+    request = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True), top_logprobs_num=3,
+                                rid=f"len-{served.kind}")
+    [result] = await served.client.generate(request)
     assert result.finish_reason == FinishReason.LENGTH and len(result.output_ids) == 6
     assert len(result.output_token_logprobs) == 6 and all(lp < 0 for lp in result.output_token_logprobs)
-    assert result.prompt_tokens == len(PROMPT) and result.completion_tokens == 6 and result.rid == "len-1"
+    assert result.prompt_tokens == len(PROMPT) and result.completion_tokens == 6 and result.rid == request.rid
     assert [span.version for span in result.weight_versions] == ["default"] and result.weight_version == "default"
     assert (result.weight_versions[0].start, result.weight_versions[0].end) == (0, 6)
-    # vLLM lists the sampled token first, then the best k; the client keeps the best k, most likely first.
+    # The k best alternatives at each position, most likely first (vLLM: the client asks k + 1, see the client).
     assert all(len(top) == 3 for top in result.output_top_logprobs)
     for top in result.output_top_logprobs:
         assert [lp for lp, _ in top] == sorted((lp for lp, _ in top), reverse=True)
+    # Differs: the embedded engine (as SGLang) answers the decoded text; vLLM's token route none.
+    assert (result.text == "") == (served.kind == "vllm")
 
 
-async def test_seeds_repeat_and_n_samples_differ(client: VLLMClient) -> None:
-    first = await client.generate(_request(12, n=3, seed=7, ignore_eos=True))
-    again = await client.generate(_request(12, n=3, seed=7, ignore_eos=True))
-    other = await client.generate(_request(12, n=3, seed=8, ignore_eos=True))
+async def test_seeds_repeat(served: Served) -> None:
+    first = await served.client.generate(_request(12, n=3, seed=7, ignore_eos=True))
+    again = await served.client.generate(_request(12, n=3, seed=7, ignore_eos=True))
+    other = await served.client.generate(_request(12, n=3, seed=8, ignore_eos=True))
     assert [r.output_ids for r in first] == [r.output_ids for r in again]
     assert [r.output_token_logprobs for r in first] == [r.output_token_logprobs for r in again]
-    assert len({r.output_ids for r in first}) == 3, "the n samples of one request differ"
     assert [r.output_ids for r in first] != [r.output_ids for r in other]
+    # Differs: vLLM draws the n samples of a seeded request from one generator (all differ); the
+    # embedded engine, as SGLang, seeds every sample alike (rolloutd's router sends a seeded group
+    # as one request per sample, docs/engines.md).
+    distinct = len({r.output_ids for r in first})
+    assert distinct == (3 if served.kind == "vllm" else 1)
 
 
-async def test_stop_token_ids_end_with_stop(client: VLLMClient) -> None:
-    [free] = await client.generate(_request(10, seed=3, ignore_eos=True))
+async def test_stop_token_ids_end_with_stop(served: Served) -> None:
+    [free] = await served.client.generate(_request(10, seed=3, ignore_eos=True))
     stop_token = free.output_ids[4]
     first = free.output_ids.index(stop_token)
-    [stopped] = await client.generate(_request(10, seed=3, stop_token_ids=(stop_token,)))
+    [stopped] = await served.client.generate(_request(10, seed=3, stop_token_ids=(stop_token,)))
     assert stopped.finish_reason == FinishReason.STOP
-    # The stop token is the last output token (and has its logprob), as on SGLang.
+    # The stop token is the last output token (and has its logprob) on both.
     assert stopped.output_ids == free.output_ids[: first + 1]
     assert len(stopped.output_token_logprobs) == first + 1 and stopped.matched_stop == stop_token
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-async def test_logprobs_equal_a_forward_pass(
-    client: VLLMClient, engine_reference_model: Any, temperature: float
-) -> None:
-    [result] = await client.generate(_request(16, seed=5, temperature=temperature, ignore_eos=True))
+async def test_logprobs_equal_a_forward_pass(served: Served, engine_reference_model: Any, temperature: float) -> None:
+    [result] = await served.client.generate(_request(16, seed=5, temperature=temperature, ignore_eos=True))
     expected = _forward_logprobs(engine_reference_model, result.output_ids, temperature)
-    served = torch.tensor(result.output_token_logprobs)
-    assert torch.allclose(served, expected, atol=LOGPROB_TOLERANCE), (served - expected).abs().max()
+    logprobs = torch.tensor(result.output_token_logprobs)
+    assert torch.allclose(logprobs, expected, atol=LOGPROB_TOLERANCE), (logprobs - expected).abs().max()
 
 
-# ----- abort ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("n", [1, 2])
-async def test_abort_by_rid_ends_every_sample(client: VLLMClient, n: int) -> None:
-    rid = f"abort-{n}"
-    task = asyncio.create_task(client.generate(_request(LONG_TOKENS, rid=rid, n=n, ignore_eos=True)))
-    await _running(client, n)
+# ----- abort (both engines) -------------------------------------------------------------------
+async def test_abort_by_rid(served: Served) -> None:
+    client = served.client
+    long_tokens = LONG_TOKENS if served.kind == "vllm" else EMBEDDED_LONG_TOKENS
+    rid = f"abort-{served.kind}"
+    task = asyncio.create_task(client.generate(_request(long_tokens, rid=rid, ignore_eos=True)))
+    await _running(client)
     await client.abort("no-such-rid")  # unknown ids are a no-op
     await client.abort(rid)
+    [result] = await asyncio.wait_for(task, 30)
+    assert result.finish_reason == FinishReason.ABORT
+    assert 0 < len(result.output_ids) < long_tokens and len(result.output_token_logprobs) == len(result.output_ids)
+
+
+async def test_abort_by_rid_of_an_n_request(served: Served) -> None:
+    # Differs: vLLM aborts every sample of the request by its rid; on SGLang (and the embedded
+    # engine) the samples run under fresh rids, so the request's rid aborts nothing.
+    client = served.client
+    long_tokens = LONG_TOKENS if served.kind == "vllm" else EMBEDDED_LONG_TOKENS
+    rid = f"abort-n-{served.kind}"
+    task = asyncio.create_task(client.generate(_request(long_tokens, rid=rid, n=2, ignore_eos=True)))
+    await _running(client, 2)
+    await client.abort(rid)
+    if served.kind == "embedded":
+        await client.loads()  # a round trip after the abort
+        assert not task.done()
+        await client.abort(abort_all=True)
     results = await asyncio.wait_for(task, 30)
-    assert [r.finish_reason for r in results] == [FinishReason.ABORT] * n
-    assert all(0 < len(r.output_ids) < LONG_TOKENS and len(r.output_token_logprobs) == len(r.output_ids)
-               for r in results)
+    assert [r.finish_reason for r in results] == [FinishReason.ABORT] * 2
+    assert all(len(r.output_token_logprobs) == len(r.output_ids) < long_tokens for r in results)
 
 
 # ----- pause and continue ---------------------------------------------------------------------
-async def test_pause_abort_ends_running_and_holds_new_requests(client: VLLMClient) -> None:
-    running = asyncio.create_task(client.generate(_request(LONG_TOKENS, ignore_eos=True)))
+async def test_pause_abort_ends_running_and_holds_new_requests(served: Served) -> None:
+    client = served.client
+    long_tokens = LONG_TOKENS if served.kind == "vllm" else EMBEDDED_LONG_TOKENS
+    running = asyncio.create_task(client.generate(_request(long_tokens, ignore_eos=True)))
     await _running(client)
     await client.pause_generation(PauseMode.ABORT)
     try:
         [aborted] = await asyncio.wait_for(running, 30)
-        assert aborted.finish_reason == FinishReason.ABORT and len(aborted.output_ids) < LONG_TOKENS
-        assert await client.is_paused()
+        assert aborted.finish_reason == FinishReason.ABORT and len(aborted.output_ids) < long_tokens
         held = asyncio.create_task(client.generate(_request(4, ignore_eos=True)))
-        await client.is_paused()  # a round trip: the held request reached the server
+        # A round trip: the held request reached the server. (Not /health: SGLang's and the
+        # embedded engine's generates a token, so while paused it answers 503 after 20 s; vLLM's 200.)
+        await client.loads()
         assert not held.done()
+        if isinstance(client, VLLMClient):
+            assert await client.is_paused()
     finally:
         await client.continue_generation()
     [late] = await asyncio.wait_for(held, 30)
-    assert late.finish_reason == FinishReason.LENGTH and not await client.is_paused()
+    assert late.finish_reason == FinishReason.LENGTH
 
 
 async def test_pause_wait_returns_once_running_requests_finished(client: VLLMClient) -> None:
+    # vLLM only: SGLang has no draining pause.
     running = asyncio.create_task(client.generate(_request(LONG_TOKENS, ignore_eos=True)))
     await _running(client)
     await client.pause(VLLMPauseMode.WAIT)
@@ -186,14 +242,17 @@ async def test_pause_wait_returns_once_running_requests_finished(client: VLLMCli
         assert finished.finish_reason == FinishReason.LENGTH and len(finished.output_ids) == LONG_TOKENS
     finally:
         await client.continue_generation()
+    assert not await client.is_paused()
 
 
 async def test_pause_in_place_keeps_tokens_across_a_weight_update(
-    client: VLLMClient, engine_checkpoint: Path, engine_checkpoint_other: Path
+    served: Served, engine_checkpoint: Path, engine_checkpoint_other: Path
 ) -> None:
-    # SGLang's in_place is vLLM's keep: the request is frozen, resumes after /resume with its tokens,
-    # and the tokens sampled after a reload made while paused carry the new version.
-    running = asyncio.create_task(client.generate(_request(LONG_TOKENS, ignore_eos=True)))
+    # SGLang's in_place (vLLM's keep): the request is frozen, resumes after the continue with its
+    # tokens, and the tokens sampled after a reload made while paused carry the new version.
+    client = served.client
+    long_tokens = LONG_TOKENS if served.kind == "vllm" else EMBEDDED_LONG_TOKENS
+    running = asyncio.create_task(client.generate(_request(long_tokens, ignore_eos=True)))
     await _running(client)
     await client.pause_generation(PauseMode.IN_PLACE)
     try:
@@ -203,21 +262,22 @@ async def test_pause_in_place_keeps_tokens_across_a_weight_update(
         await client.continue_generation()
     [result] = await asyncio.wait_for(running, 60)
     try:
-        assert result.finish_reason == FinishReason.LENGTH and len(result.output_ids) == LONG_TOKENS
+        assert result.finish_reason == FinishReason.LENGTH and len(result.output_ids) == long_tokens
         versions = [span.version for span in result.weight_versions]
         assert versions == ["default", "kept-v1"], result.weight_versions
         assert result.weight_versions[0].end == result.weight_versions[1].start
-        assert result.version_of_token(LONG_TOKENS - 1) == "kept-v1"
+        assert result.version_of_token(long_tokens - 1) == "kept-v1"
     finally:
         await client.update_weights_from_disk(str(engine_checkpoint), weight_version="default")
 
 
 # ----- weights --------------------------------------------------------------------------------
 async def test_reload_changes_logprobs_and_the_original_restores_them(
-    client: VLLMClient, engine_checkpoint: Path, engine_checkpoint_other: Path
+    served: Served, engine_checkpoint: Path, engine_checkpoint_other: Path
 ) -> None:
     from transformers import AutoModelForCausalLM
 
+    client = served.client
     request = _request(12, seed=11, ignore_eos=True)
     [before] = await client.generate(request)
     await client.update_weights_from_disk(str(engine_checkpoint_other), weight_version="v1")
@@ -226,18 +286,23 @@ async def test_reload_changes_logprobs_and_the_original_restores_them(
         assert info.weight_version == "v1" and info.model_path == str(engine_checkpoint_other)
         [other] = await client.generate(request)
         assert other.weight_version == "v1" and other.output_token_logprobs != before.output_token_logprobs
-        # Pins a vLLM 0.32 CPU defect (docs/engines.md, vLLM): reload_weights of a model with tied
-        # embeddings updates embed_tokens but the output head keeps the launch weights. The served
-        # logprobs are exactly those of the new checkpoint with the old head; a fixed vLLM fails
-        # this test, and then the new checkpoint's own forward pass is the expectation.
-        model = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint_other), dtype=torch.float32).eval()
-        launch_model = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint_other), dtype=torch.float32)
+        model.eval()  # type: ignore[no-untyped-call]
         assert model.config.tie_word_embeddings
         correct = _forward_logprobs(model, other.output_ids)
-        assert not torch.allclose(torch.tensor(other.output_token_logprobs), correct, atol=LOGPROB_TOLERANCE)
-        model.lm_head.weight = torch.nn.Parameter(launch_model.model.embed_tokens.weight.detach().clone())
-        stale_head = _forward_logprobs(model, other.output_ids)
-        assert torch.allclose(torch.tensor(other.output_token_logprobs), stale_head, atol=LOGPROB_TOLERANCE)
+        served_logprobs = torch.tensor(other.output_token_logprobs)
+        if served.kind == "embedded":
+            assert torch.allclose(served_logprobs, correct, atol=LOGPROB_TOLERANCE)
+        else:
+            # Pins a vLLM 0.32 CPU defect (docs/engines.md, vLLM): reload_weights of a model with
+            # tied embeddings updates embed_tokens but the output head keeps the launch weights.
+            # The served logprobs are exactly the new checkpoint's with the old head; a fixed vLLM
+            # fails here, and then the new checkpoint's own forward pass is the expectation.
+            assert not torch.allclose(served_logprobs, correct, atol=LOGPROB_TOLERANCE)
+            launch_model = AutoModelForCausalLM.from_pretrained(str(engine_checkpoint), dtype=torch.float32)
+            model.lm_head.weight = torch.nn.Parameter(launch_model.model.embed_tokens.weight.detach().clone())
+            stale_head = _forward_logprobs(model, other.output_ids)
+            assert torch.allclose(served_logprobs, stale_head, atol=LOGPROB_TOLERANCE)
     finally:
         await client.update_weights_from_disk(str(engine_checkpoint), weight_version="default")
     [after] = await client.generate(request)
