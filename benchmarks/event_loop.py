@@ -36,7 +36,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: benchmarks.* is found fro
 import grpc.aio  # noqa: E402
 import psutil  # noqa: E402
 
-from benchmarks.load import job_spec  # noqa: E402
+from benchmarks.fake_workers import job_spec  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
 from flexmarl.cluster import DaemonProcess, EtcdServer  # noqa: E402
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
