@@ -619,12 +619,17 @@ class JobCoordinator:
             finally:
                 self._lease_waiters.discard(waiter)
 
-    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
-        """Renews leases: soft state, never persisted (leases are re-issued after a restart).
+    async def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
+        """Renews leases whose work progresses: soft state, never persisted (leases are re-issued after a restart).
 
-        A renewal changes nothing a long-poll or watch waits for, so it wakes nobody.
+        A renewal changes nothing a long-poll or watch waits for, so it wakes nobody; one that ended
+        stalled trainer work (replayed on another slot) wakes the trainer polls.
         """
-        return await self.mutate(functools.partial(self.planner.renew_leases, worker_id, lease_ids), notify=False)
+        result = await self.mutate(functools.partial(self.planner.renew_leases, worker_id, lease_ids, progress),
+                                   notify=False)
+        if result.stalled_slots:
+            await self._notify()
+        return result
 
     async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                           experiences: Sequence[ExperienceSummary],

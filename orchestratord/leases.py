@@ -46,6 +46,13 @@ class Lease:
     deadline_s: float
     status: LeaseStatus = LeaseStatus.ACTIVE
     end_reason: str = ""
+    #: The holder's last reported progress (a count that only grows) and when it last grew (issue time at first).
+    progress: int = 0
+    progress_at_s: float = 0.0
+
+    def stalled_s(self, now_s: float) -> float:
+        """Seconds since this lease's work last showed progress."""
+        return now_s - self.progress_at_s
 
 
 class LeaseTable:
@@ -62,7 +69,8 @@ class LeaseTable:
         """Grants a new lease that ends ``timeout_s`` from now."""
         self._next_number += 1
         lease_id = f"{self._id_prefix}{kind.value}-{self._next_number}"
-        lease = Lease(lease_id, kind, holder, subject, timeout_s, self._now_s() + timeout_s)
+        now_s = self._now_s()
+        lease = Lease(lease_id, kind, holder, subject, timeout_s, now_s + timeout_s, progress_at_s=now_s)
         self._leases[lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline_s, lease_id))
         return lease
@@ -95,6 +103,13 @@ class LeaseTable:
         lease.deadline_s = (self._now_s() if now_s is None else now_s) + lease.timeout_s
         heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
         return lease.deadline_s
+
+    @staticmethod
+    def record_progress(lease: Lease, progress: int, now_s: float) -> None:
+        """Notes the holder's progress figure; only a figure above the last one counts as progress."""
+        if progress > lease.progress:
+            lease.progress = progress
+            lease.progress_at_s = now_s
 
     def end(self, lease: Lease, status: LeaseStatus, reason: str) -> None:
         """Ends a lease (no-op when it already ended)."""

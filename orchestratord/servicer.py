@@ -141,7 +141,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         worker_id = require_id("worker_id", request.worker_id)
         for lease_id in request.lease_ids:
             require_id("lease_ids", lease_id)
-        result = await self._coordinator.renew(worker_id, list(request.lease_ids))
+        if request.progress and len(request.progress) != len(request.lease_ids):
+            raise InvalidArgument(f"progress: {len(request.progress)} figures for {len(request.lease_ids)} "
+                                  "lease ids (send none, or one per lease id)")
+        result = await self._coordinator.renew(worker_id, list(request.lease_ids), list(request.progress))
         return serde.renew_response(result)
 
     async def ReportRolloutTask(  # noqa: N802

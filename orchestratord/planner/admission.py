@@ -6,8 +6,9 @@ import logging
 import math
 from collections.abc import Sequence
 
+from flexmarl.errors import InvalidArgument
 from flexmarl.ids import TaskRef
-from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import warm_start
 from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, Task, TaskStatus
@@ -93,21 +94,37 @@ def requeue_task(job: JobPlan, task_id: str, reason: str) -> None:
     job.retry.add(task_id)
 
 
-def renew(job: JobPlan, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+def renew(job: JobPlan, worker_id: str, lease_ids: Sequence[str],
+          progress: Sequence[int] = ()) -> tuple[RenewResult, list[Lease]]:
     """Extends the leases ``worker_id`` still holds (tasks or micro-batches); the others are reported lost.
+
+    ``progress`` (empty, or one figure per lease id) is the work done under each lease. A lease
+    whose progress has not grown for longer than the job's ``leases.progress_timeout_s`` is not
+    extended: it is reported lost and returned second, for the caller to end and re-issue
+    (:func:`orchestratord.planner.recovery.expire_stalled`). Without figures a renewal shows no progress.
 
     The hot path of every rolloutd's renew loop (all its leases every 2 s): the clock is read once
     per call, not twice per lease.
     """
+    if progress and len(progress) != len(lease_ids):
+        raise InvalidArgument(f"progress: {len(progress)} figures for {len(lease_ids)} lease ids")
     now_s = job.now_s()
     leases = job.leases
+    bound_s = job.spec.leases.progress_timeout_s
     lost: list[str] = []
+    stalled: list[Lease] = []
     deadline_s = math.inf
-    for lease_id in lease_ids:
+    for index, lease_id in enumerate(lease_ids):
         lease = leases.get(lease_id)
         if lease is None or lease.status is not LeaseStatus.ACTIVE or lease.holder != worker_id \
                 or now_s > lease.deadline_s:
             lost.append(lease_id)
             continue
+        if progress:
+            leases.record_progress(lease, progress[index], now_s)
+        if bound_s > 0 and lease.stalled_s(now_s) > bound_s:
+            lost.append(lease_id)
+            stalled.append(lease)
+            continue
         deadline_s = min(deadline_s, leases.renew(lease, now_s))
-    return RenewResult(tuple(lost), now_s if deadline_s == math.inf else deadline_s)
+    return RenewResult(tuple(lost), now_s if deadline_s == math.inf else deadline_s), stalled

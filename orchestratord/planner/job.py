@@ -222,9 +222,15 @@ class JobPlanner:
         """Leases up to ``max_tasks`` tasks: re-issues first, then newly admitted ones."""
         return admission.lease_tasks(self._job, worker_id, max_tasks)
 
-    def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
-        """Extends the leases ``worker_id`` still holds; the others are reported lost."""
-        return admission.renew(self._job, worker_id, lease_ids)
+    def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
+        """Extends the leases ``worker_id`` still holds and whose work progresses; the others are reported lost.
+
+        A lease whose work stalled ends here and its work is re-issued (see :func:`.admission.renew`).
+        """
+        result, stalled = admission.renew(self._job, worker_id, lease_ids, progress)
+        if not stalled:
+            return result
+        return dataclasses.replace(result, stalled_slots=tuple(recovery.expire_stalled(self._job, stalled)))
 
     def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                     experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:

@@ -6,7 +6,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, NotFound
+from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, InvalidArgument, NotFound
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
@@ -167,31 +167,43 @@ class Planner:
         """Whether some running job has a rollout task to hand out now (no tick, no side effects)."""
         return any(job.has_leasable_tasks() for job in self._jobs.values())
 
-    def renew_leases(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
-        """Renews task or micro-batch leases across jobs."""
+    def renew_leases(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
+        """Renews task or micro-batch leases across jobs (``progress``: empty, or one figure per lease id)."""
+        if progress and len(progress) != len(lease_ids):
+            raise InvalidArgument(f"progress: {len(progress)} figures for {len(lease_ids)} lease ids")
         self.tick()
         job_ids = {job_id_of_lease(lease_id) for lease_id in lease_ids}
         if len(job_ids) == 1:  # the common call (a rolloutd's leases of one job): no regrouping
             only = self._jobs.get(job_ids.pop())
             if only is not None:
-                return only.renew(worker_id, lease_ids)
-        by_job: dict[str, list[str]] = defaultdict(list)
+                return self._drop_stalled_slots(only.renew(worker_id, lease_ids, progress))
+        by_job: dict[str, list[int]] = defaultdict(list)  # positions in lease_ids
         lost: list[str] = []
-        for lease_id in lease_ids:
+        for index, lease_id in enumerate(lease_ids):
             job = self._jobs.get(job_id_of_lease(lease_id))
             if job is None:
                 lost.append(lease_id)
             else:
-                by_job[job.job_id].append(lease_id)
+                by_job[job.job_id].append(index)
         deadlines: list[float] = []
-        for job_id, ids in by_job.items():
-            result = self._jobs[job_id].renew(worker_id, ids)
+        stalled_slots: list[str] = []
+        for job_id, positions in by_job.items():
+            result = self._jobs[job_id].renew(worker_id, [lease_ids[i] for i in positions],
+                                              [progress[i] for i in positions] if progress else ())
             lost.extend(result.lost_lease_ids)
-            if len(result.lost_lease_ids) < len(ids):
+            stalled_slots.extend(result.stalled_slots)
+            if len(result.lost_lease_ids) < len(positions):
                 deadlines.append(result.deadline_s)
         lost_set = set(lost)
-        return RenewResult(tuple(lease_id for lease_id in lease_ids if lease_id in lost_set),
-                           min(deadlines) if deadlines else self._now_s())
+        return self._drop_stalled_slots(RenewResult(
+            tuple(lease_id for lease_id in lease_ids if lease_id in lost_set),
+            min(deadlines) if deadlines else self._now_s(), tuple(stalled_slots)))
+
+    def _drop_stalled_slots(self, result: RenewResult) -> RenewResult:
+        """Slots whose trainer work stalled are treated as dead (as slots whose work expired)."""
+        for slot_id in result.stalled_slots:
+            self._slot_lost(slot_id, "its work made no progress")
+        return result
 
     def report_rollout_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                             experiences: Sequence[ExperienceSummary],

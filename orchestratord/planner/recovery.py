@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
-from orchestratord.leases import LeaseKind, LeaseStatus
+from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import warm_start
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
@@ -30,26 +30,52 @@ def tick(job: JobPlan) -> list[str]:
     if job.state.terminal:
         return dead_slots
     for lease in job.leases.due():
-        job.leases.end(lease, LeaseStatus.EXPIRED, "deadline passed")
-        if lease.kind is LeaseKind.ROLLOUT_TASK:
-            requeue_task(job, lease.subject, "lease expired")
-        elif lease.kind is LeaseKind.WARM_START:
-            dead = warm_start.lost(job, lease.subject, f"warm-start lease {lease.lease_id} expired")
-            if dead:
-                dead_slots.append(dead)
-        else:
-            found = micro_batch_of_lease(job, lease)
-            if found is not None:
-                plan, mb = found
-                dead = mb.slot_id or plan.slot_id
-                dead_slots.append(dead)
-                replay(job, plan, f"micro-batch lease {lease.lease_id} expired on slot {dead}")
+        dead = expire_lease(job, lease, "deadline passed")
+        if dead:
+            dead_slots.append(dead)
     now_s = job.now_s()
     for plan in list(job.plans.values()):
         if plan.optimizer_deadline_s is not None and now_s > plan.optimizer_deadline_s:
             dead_slots.append(plan.slot_id)
             replay(job, plan, f"optimizer step not committed in time on slot {plan.slot_id}")
     return dead_slots
+
+
+def expire_lease(job: JobPlan, lease: Lease, reason: str) -> str:
+    """Ends an active lease as expired and re-issues its work; returns the slot it leaves dead ("" for a task)."""
+    job.leases.end(lease, LeaseStatus.EXPIRED, reason)
+    if lease.kind is LeaseKind.ROLLOUT_TASK:
+        requeue_task(job, lease.subject, f"lease expired ({reason})")
+        return ""
+    if lease.kind is LeaseKind.WARM_START:
+        return warm_start.lost(job, lease.subject, f"warm-start lease {lease.lease_id} expired ({reason})") or ""
+    found = micro_batch_of_lease(job, lease)
+    if found is None:
+        return ""
+    plan, mb = found
+    dead = mb.slot_id or plan.slot_id
+    replay(job, plan, f"micro-batch lease {lease.lease_id} expired on slot {dead} ({reason})")
+    return dead
+
+
+def expire_stalled(job: JobPlan, stalled: Iterable[Lease]) -> list[str]:
+    """Ends leases whose work made no progress within the job's bound (:func:`.admission.renew`).
+
+    They go the way of an expired lease: a task is re-issued, trainer work replayed on another slot,
+    and the slot that held it is returned as dead (alive but hung: it gets no more work until it polls
+    again). A late report or ack of the hung holder is refused, as after any expiry.
+    """
+    dead: list[str] = []
+    now_s = job.now_s()
+    for lease in stalled:
+        reason = (f"no progress for {lease.stalled_s(now_s):.0f} s "
+                  f"(leases.progress_timeout_s {job.spec.leases.progress_timeout_s:g})")
+        logger.warning("lease %s of %s held by %s: %s; not renewed, its work is re-issued",
+                       lease.lease_id, lease.subject, lease.holder, reason)
+        slot = expire_lease(job, lease, reason)
+        if slot:
+            dead.append(slot)
+    return dead
 
 
 def slot_lost(job: JobPlan, slot_id: str, reason: str) -> None:

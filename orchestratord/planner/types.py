@@ -41,6 +41,8 @@ class RenewResult:
 
     lost_lease_ids: tuple[str, ...]
     deadline_s: float
+    #: Trainer slots whose work stalled (no progress within the job's bound): the caller drops them as dead.
+    stalled_slots: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

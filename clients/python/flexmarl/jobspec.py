@@ -359,6 +359,11 @@ class LeaseSpec(_SpecModel):
     train_timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] = 120.0
     """Seconds a micro-batch's lease lasts without renewal before it is re-issued (traind renews it while it
     works on it, warm start and swap-in included)."""
+    progress_timeout_s: Annotated[float, Field(ge=0.0, le=86_400.0)] = 600.0
+    """Seconds a lease is renewed while its work shows no progress (no token generated for a rollout task, no
+    pass done for trainer work); then it is not extended, and the work is re-issued (a hung engine or training
+    step). It must exceed the longest single unit: one generation call of an episode, a weight load, one
+    micro-batch pass or warm-start step, a swap-in. 0 turns the check off (docs/reliability.md, Hung workers)."""
 
 
 class CheckpointSpec(_SpecModel):

@@ -546,18 +546,28 @@ class RenewLeasesRequest(_message.Message):
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
     LEASE_IDS_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     @_builtins.property
     def lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def progress(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Work done so far under lease_ids[i] (a count that only grows: tokens generated for a rollout
+        task, passes done for trainer work). Empty, or one per lease id. A lease whose progress has not
+        grown for longer than the job's leases.progress_timeout_s is not extended: it is reported lost
+        and its work re-issued. Without figures a renewal shows no progress.
+        """
+
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        progress: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ids", b"lease_ids", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ids", b"lease_ids", "progress", b"progress", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
