@@ -355,7 +355,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(LocalClusterConfig(
         run_dir=Path(args.run_dir), rollout_workers=args.rollout_workers, engine_replicas=args.engine_replicas,
         trainer_workers=args.trainer_workers, trainer_slots=args.trainer_slots, persistent=True,
-        secure=args.secure,
+        secure=args.secure, etcd_members=args.etcd_members,
     ))
     try:
         cluster.start()
@@ -683,10 +683,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", parents=[common], help="start a local cluster")
-    up.add_argument("--rollout-workers", type=int, default=1)
-    up.add_argument("--engine-replicas", type=int, default=2)
-    up.add_argument("--trainer-workers", type=int, default=1)
-    up.add_argument("--trainer-slots", type=int, default=1)
+    up.add_argument("--rollout-workers", type=int, default=1, help="rolloutd processes")
+    up.add_argument("--engine-replicas", type=int, default=2, help="embedded engine replicas of each rolloutd")
+    up.add_argument("--trainer-workers", type=int, default=1, help="traind processes")
+    up.add_argument("--trainer-slots", type=int, default=1, help="training slots of each traind (one agent each)")
+    up.add_argument("--etcd-members", type=int, default=1, choices=(1, 3, 5),
+                    help="etcd members: 3 or 5 keep a quorum when one or two die (each its own process and data)")
     up.add_argument("--detach", action="store_true", help="leave it running in the background")
     up.add_argument("--secure", action="store_true",
                     help="TLS + bearer token on every daemon, etcd with mutual TLS and auth (dev certificates in the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import secrets
@@ -182,6 +183,7 @@ class EtcdServer(_Child):
         extra_hosts: Sequence[str] = (),
         host: Host = LOCALHOST,
         runner: HostRunner | None = None,
+        member: str = "flexmarl-test",
     ) -> None:
         self._own_dir = run_dir is None
         super().__init__("etcd", Path(tempfile.mkdtemp(prefix="flexmarl-etcd-")) if run_dir is None else run_dir)
@@ -191,6 +193,10 @@ class EtcdServer(_Child):
         self.peer_port = 0
         self.tls = tls
         self.auth = auth
+        #: Its member name, and (a member of a cluster of several) every member's name=peer URL.
+        self.member = member
+        self.initial_cluster = ""
+        self.cluster_token = "flexmarl"
         #: The host it runs on (clients reach it at the host's address) and how it is started there.
         self.host = host
         self.runner = runner or HostRunner()
@@ -223,9 +229,33 @@ class EtcdServer(_Child):
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Starts etcd (reusing its ports on a restart) and waits for /health; enables auth on a fresh data dir."""
+        fresh = not (self.data_dir / "member").exists()
+        for attempt in range(3):
+            if not self.client_port or (attempt and not self.initial_cluster):
+                self.client_port, self.peer_port = free_port(), free_port()
+            self.spawn()
+            try:
+                self.wait_healthy(timeout_s)
+                break
+            except LaunchError:
+                # A member of a cluster keeps the ports its peers were told (no retry on other ports).
+                if (self.data_dir.exists() and attempt < 2 and not self.initial_cluster
+                        and "address already in use" in self.stderr_tail()):
+                    continue
+                raise
+        if self.password_file is not None and fresh:
+            self._enable_auth(self.password_file)
+
+    @property
+    def peer_url(self) -> str:
+        """Where the other members of its cluster reach it."""
+        return f"http://{self.host.address}:{self.peer_port}"
+
+    def spawn(self) -> None:
+        """Starts the process on its ports without waiting (the members of a cluster start together)."""
         if not Path(self.binary).exists():
             raise LaunchError(f"etcd binary not found at {self.binary} (apt install etcd-server)")
-        fresh = not (self.data_dir / "member").exists()
+        self.peer_port = self.peer_port or free_port()
         scheme = "https" if self.tls is not None else "http"
         tls_args: list[str] = []
         if self.tls is not None:
@@ -233,30 +263,28 @@ class EtcdServer(_Child):
                         "--trusted-ca-file", str(self.tls.ca)]
             if self.tls.client_cert_auth:
                 tls_args.append("--client-cert-auth")
-        for attempt in range(3):
-            if not self.client_port or attempt:
-                self.client_port, self.peer_port = free_port(), free_port()
-            self.peer_port = self.peer_port or free_port()
-            client_urls = ",".join(f"{scheme}://{host}:{self.client_port}" for host in ("127.0.0.1", *self.extra_hosts))
-            peer_url = f"http://127.0.0.1:{self.peer_port}"
-            self._spawn([
-                self.binary, "--name", "flexmarl-test", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", client_urls, "--advertise-client-urls", client_urls,
-                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"flexmarl-test={peer_url}",
-                "--heartbeat-interval", "10", "--election-timeout", "100",
-                "--quota-backend-bytes", str(256 * 1024 * 1024), "--log-level", "warn", *tls_args,
-            ], env={"ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")})
-            try:
-                wait_until(self._healthy, timeout_s, "etcd /health")
-                break
-            except (TimeoutError, LaunchError):
-                self.kill()
-                if self.data_dir.exists() and attempt < 2 and "address already in use" in self.stderr_tail():
-                    continue
-                raise LaunchError(f"etcd did not become healthy; last output:\n{self.stderr_tail()}") from None
-        if self.password_file is not None and fresh:
-            self._enable_auth(self.password_file)
+        client_urls = ",".join(f"{scheme}://{host}:{self.client_port}" for host in ("127.0.0.1", *self.extra_hosts))
+        # One member: fast elections (tests restart it often). Several: timeouts that a loaded 2-core
+        # machine keeps (etcd's own defaults are 100 ms / 1 s), or the leader flaps under load.
+        timing = ["10", "100"] if not self.initial_cluster else ["100", "1000"]
+        cluster = ["--initial-cluster", self.initial_cluster or f"{self.member}={self.peer_url}"]
+        if self.initial_cluster:
+            cluster += ["--initial-cluster-token", self.cluster_token]
+        self._spawn([
+            self.binary, "--name", self.member, "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client_urls, "--advertise-client-urls", client_urls,
+            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url, *cluster,
+            "--heartbeat-interval", timing[0], "--election-timeout", timing[1],
+            "--quota-backend-bytes", str(256 * 1024 * 1024), "--log-level", "warn", *tls_args,
+        ], env={"ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")})
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Waits for /health (a member of a cluster: once the cluster has a leader); kills it on failure."""
+        try:
+            wait_until(self._healthy, timeout_s, f"{self.member} /health")
+        except (TimeoutError, LaunchError):
+            self.kill()
+            raise LaunchError(f"etcd did not become healthy; last output:\n{self.stderr_tail()}") from None
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
@@ -317,6 +345,102 @@ class EtcdServer(_Child):
         shutil.rmtree(self.data_dir, ignore_errors=True)
         if self._own_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class EtcdCluster:
+    """Several etcd members (three or five for a quorum that survives one or two deaths), started together.
+
+    Member ``i`` keeps its data in ``<run_dir>/member-<i>/etcd-data``; clients get every member's
+    endpoint (:attr:`endpoint`, comma-separated), and FlexMARL's registry follows the cluster when the
+    member it uses dies. It offers what :class:`flexmarl.localcluster.LocalCluster` uses of an
+    :class:`EtcdServer` (TLS and auth are one-member features for now).
+    """
+
+    def __init__(self, run_dir: Path, members: int, binary: str | None = None, *, host: Host = LOCALHOST,
+                 runner: HostRunner | None = None) -> None:
+        if members < 1:
+            raise ValueError("an etcd cluster needs at least one member")
+        self.run_dir = run_dir
+        self.members = [EtcdServer(run_dir / f"member-{i}", binary, host=host, runner=runner, member=f"etcd-{i}")
+                        for i in range(members)]
+        token = "flexmarl-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
+        for member in self.members:
+            member.cluster_token = token
+        self.client_port = 0
+        self.tls: EtcdTls | None = None
+        self.username = ""
+        self.password_file: Path | None = None
+
+    @property
+    def binary(self) -> str:
+        """The etcd executable."""
+        return self.members[0].binary
+
+    @property
+    def host(self) -> Host:
+        """The host the members run on."""
+        return self.members[0].host
+
+    @property
+    def runner(self) -> HostRunner:
+        """How the members are started on it."""
+        return self.members[0].runner
+
+    @property
+    def extra_hosts(self) -> tuple[str, ...]:
+        """Further addresses the members listen on."""
+        return self.members[0].extra_hosts
+
+    @property
+    def endpoint(self) -> str:
+        """Every member's host:port, comma-separated (the daemons' --etcd-endpoints)."""
+        return ",".join(member.endpoint for member in self.members)
+
+    @property
+    def data_dir(self) -> Path:
+        """The first member's data dir (its ``member`` subdirectory shows that the cluster has state)."""
+        return self.members[0].data_dir
+
+    @property
+    def pid(self) -> int:
+        """The first member's pid (the cluster file's; :attr:`pids` are all of them)."""
+        return self.members[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        """Every member's pid."""
+        return [member.pid for member in self.members]
+
+    def client_args(self) -> list[str]:
+        """The daemon flags that reach it (none: plaintext, no auth)."""
+        return []
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Starts every member on ports agreed up front and waits until each is healthy (a leader is elected)."""
+        for member in self.members:
+            if not member.client_port:
+                member.client_port, member.peer_port = free_port(), free_port()
+        initial = ",".join(f"{m.member}={m.peer_url}" for m in self.members)
+        for member in self.members:
+            member.initial_cluster = initial
+        try:
+            for member in self.members:
+                member.spawn()
+            for member in self.members:
+                member.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop(keep_data=True)
+            raise
+
+    def stop(self, *, keep_data: bool = False) -> None:
+        """Stops every member; deletes their data unless ``keep_data``."""
+        for member in self.members:
+            member.signal_stop()
+        for member in self.members:
+            member.wait_stopped()
+        if not keep_data:
+            for member in self.members:
+                shutil.rmtree(member.data_dir, ignore_errors=True)
 
 
 class DaemonProcess(_Child):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from flexmarl.cluster import DaemonProcess, EtcdServer, EtcdTls, LaunchError
+from flexmarl.cluster import DaemonProcess, EtcdCluster, EtcdServer, EtcdTls, LaunchError
 from flexmarl.devcerts import DevCerts
 from flexmarl.placement import LOCAL_PLACEMENT, Host, Placement
 
@@ -75,6 +75,8 @@ class LocalClusterConfig:
     placement: Placement = LOCAL_PLACEMENT
     #: etcd's client port (0: a free one); a launcher across hosts may pin it.
     etcd_port: int = 0
+    #: etcd members (3 or 5: a quorum that survives one or two deaths), each its own process and data.
+    etcd_members: int = 1
 
 
 class LocalCluster:
@@ -83,8 +85,14 @@ class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         self.config = config
         self.run_dir = config.run_dir.resolve()
-        self.etcd = EtcdServer(self.run_dir / ETCD_DIR, host=config.placement.control, runner=config.placement.runner)
-        self.etcd.client_port = config.etcd_port
+        self.etcd: EtcdServer | EtcdCluster
+        if config.etcd_members > 1:
+            self.etcd = EtcdCluster(self.run_dir / ETCD_DIR, config.etcd_members, host=config.placement.control,
+                                    runner=config.placement.runner)
+        else:
+            self.etcd = EtcdServer(self.run_dir / ETCD_DIR, host=config.placement.control,
+                                   runner=config.placement.runner)
+            self.etcd.client_port = config.etcd_port
         self.daemons: dict[str, DaemonProcess] = {}
         #: The generated TLS material and token when the cluster is secure (None otherwise).
         self.certs: DevCerts | None = None
@@ -133,6 +141,7 @@ class LocalCluster:
         if running is not None:
             raise LaunchError(f"a local cluster is already running in {self.run_dir} (etcd pid {running}); "
                               "stop it with `flexmarl down`")
+        self._check_etcd_layout()
         self.restored = (self.etcd.data_dir / "member").exists()
         if cfg.secure and self.certs is None:
             self._secure_etcd()
@@ -167,6 +176,18 @@ class LocalCluster:
             raise
         self.write_cluster_file()
 
+    def _check_etcd_layout(self) -> None:
+        """Refuses settings the run dir's etcd cannot take: a member count other than its data's, TLS on several."""
+        members = self.config.etcd_members
+        if members > 1 and self.config.secure:
+            raise LaunchError("--secure with several etcd members is not supported yet (TLS and auth: one member)")
+        etcd_dir = self.run_dir / ETCD_DIR
+        single = (etcd_dir / "etcd-data" / "member").exists()
+        found = len(list(etcd_dir.glob("member-*/etcd-data/member"))) or int(single)
+        if found and found != members:
+            raise LaunchError(f"the run dir holds the data of a {found}-member etcd; start it with --etcd-members "
+                              f"{found} (or delete its jobs with `flexmarl down --wipe`)")
+
     def _secure_etcd(self) -> None:
         """Generates the dev TLS material and makes etcd serve mutual TLS with auth (see ``secure``).
 
@@ -198,6 +219,7 @@ class LocalCluster:
             "etcd_endpoint": self.etcd.endpoint,
             "etcd_prefix": self.config.etcd_prefix,
             "etcd_pid": self.etcd.pid,
+            "etcd_pids": self.etcd.pids if isinstance(self.etcd, EtcdCluster) else [self.etcd.pid],
             "etcd_data_dir": str(self.etcd.data_dir),
             "started_unix_s": time.time(),
             "tls": {f.name: str(getattr(self.certs, f.name)) for f in dataclasses.fields(self.certs)}
@@ -266,7 +288,8 @@ def state_paths(run_dir: Path) -> list[Path]:
     etcd's data, stored's data and the workers' directories; not the logs, the TLS material or
     the tiny models the CLI built (``models/``).
     """
-    paths = [run_dir / ETCD_DIR / "etcd-data", run_dir / STORED_DATA_DIR]
+    paths = [run_dir / ETCD_DIR / "etcd-data", *sorted((run_dir / ETCD_DIR).glob("member-*/etcd-data")),
+             run_dir / STORED_DATA_DIR]
     if run_dir.is_dir():
         paths += sorted(p for p in run_dir.iterdir() if _WORKER_DIR.match(p.name))
     return [p for p in paths if p.is_dir()]
@@ -297,7 +320,7 @@ def stop_from_file(run_dir: Path, timeout_s: float = 20.0) -> int:
     data = read_cluster_file(run_dir)
     # Workers first, then orchestratord, then stored (what they flush into), then etcd.
     order = {"rolloutd": 0, "traind": 0, "orchestratord": 1, "stored": 2}
-    tiers: list[list[int]] = [[], [], [], [int(data.get("etcd_pid", -1))]]
+    tiers: list[list[int]] = [[], [], [], [int(pid) for pid in data.get("etcd_pids", [data.get("etcd_pid", -1)])]]
     for d in data.get("daemons", {}).values():
         tiers[order.get(str(d.get("kind")), 0)].append(int(d["pid"]))
     signalled = 0

@@ -63,7 +63,7 @@ class Placement:
 
     @property
     def store_host(self) -> Host:
-        """stored's host."""
+        """The host of stored (the control host unless ``store`` is set)."""
         return self.store or self.control
 
     def rollout_host(self, index: int) -> Host:

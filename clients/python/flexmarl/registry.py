@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -214,13 +215,16 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
     without a user it defers to aetcd unchanged.
     """
 
-    def __init__(self, host: str, port: int, security: EtcdSecurity, timeout: int) -> None:
+    def __init__(self, host: str, port: int, security: EtcdSecurity, timeout: int, *, target: str = "") -> None:
         super().__init__(host=host, port=port, timeout=timeout)
         self._security = security
         self._auth_channel: grpc.aio.Channel | None = None
+        #: A gRPC target naming several members ("ipv4:a:p,b:q"): one channel that moves to another
+        #: member when its own goes away (gRPC's pick_first over the list), as etcd's Go client does.
+        self._target = target
 
     def _custom(self) -> bool:
-        return self._security.tls or bool(self._security.username)
+        return self._security.tls or bool(self._security.username) or bool(self._target)
 
     async def connect(self) -> None:
         """Opens the channel (no I/O: grpc connects on the first call)."""
@@ -229,7 +233,7 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
             return
         if self._connected.is_set():
             return
-        target = f"{self._host}:{self._port}"
+        target = self._target or f"{self._host}:{self._port}"
         credentials = self._security.channel_credentials()
         interceptors: list[grpc.aio.ClientInterceptor] = []
         if self._security.username:
@@ -270,12 +274,30 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
             self._auth_channel = None
 
 
+#: Reconnection back-off of the channels to etcd: a member that comes back (a restart, quorum
+#: regained) is tried again within 2 s, not after gRPC's default of up to 120 s.
+_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000))
+
+
 def _open_channel(
     target: str, credentials: grpc.ChannelCredentials | None, interceptors: list[grpc.aio.ClientInterceptor]
 ) -> grpc.aio.Channel:
     if credentials is None:
-        return grpc.aio.insecure_channel(target, interceptors=interceptors or None)
-    return grpc.aio.secure_channel(target, credentials, interceptors=interceptors or None)
+        return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS, interceptors=interceptors or None)
+    return grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS, interceptors=interceptors or None)
+
+
+def _members_target(endpoints: list[tuple[str, int]]) -> str:
+    """One gRPC target naming every member by IPv4 address ("" when one does not resolve to one)."""
+    addresses = []
+    for host, port in endpoints:
+        try:
+            info = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+        except OSError:
+            return ""
+        addresses.append(f"{info[0][4][0]}:{port}")
+    return "ipv4:" + ",".join(addresses)
 
 
 def _rejected_credentials(exc: BaseException) -> bool:
@@ -364,11 +386,18 @@ class Registry:
             raise Unavailable(f"etcd unreachable ({exc})") from None
 
     async def _connect_once(self) -> _EtcdClient:
-        """One probe of every endpoint, from the last good one; raises _EtcdUnreachable when none answers."""
+        """One probe of every endpoint, from the last good one; raises _EtcdUnreachable when none answers.
+
+        Several members without TLS share one channel over all of them (:func:`_members_target`), which
+        follows the cluster when the member it uses dies; with TLS (whose certificates name one member
+        each) the client stays on the member it found.
+        """
         last_error = ""
-        for _ in range(len(self._endpoints)):
+        target = _members_target(self._endpoints) if len(self._endpoints) > 1 and not self._security.tls else ""
+        for _ in range(1 if target else len(self._endpoints)):
             host, port = self._endpoints[self._endpoint_index]
-            client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)))
+            client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)),
+                                 target=target)
             try:
                 await asyncio.wait_for(client.get(self.key("services").encode()),
                                        timeout=max(0.2, min(2.0, self._connect_timeout_s)))
