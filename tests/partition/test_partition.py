@@ -214,13 +214,15 @@ def _run_partition(cluster: LocalCluster, lan: Lan, models_dir: Path, engines: s
         cluster.daemons[name] = proc
         return proc
 
-    # All four workers serve before the job starts: the second ones can take over at once.
+    # Only the namespaced workers serve until the first cut, so they alone hold the job's work (with
+    # the second pair up from the start, which pair held it was up to scheduling, and the wait for
+    # "both busy" timed out now and then); the second pair starts at the cut and takes over.
     rollout_part = namespaced("rolloutd", "rolloutd-part", lan.hosts["r"])
     train_part = namespaced("traind", "traind-part", lan.hosts["t"])
     rollout_root, train_root = rooted("rolloutd", "rolloutd-1"), rooted("traind", "traind-1")
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:  # the tiny checkpoints are built meanwhile
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # the tiny checkpoints are built meanwhile
         built = pool.submit(small_signaling_spec, models_dir, total_steps=STEPS, leases=LEASES)
-        for started in [pool.submit(p.start) for p in (rollout_part, train_part, rollout_root, train_root)]:
+        for started in [pool.submit(p.start) for p in (rollout_part, train_part)]:
             started.result()
         spec = built.result()
     phases = {"workers up": time.monotonic()}
@@ -244,6 +246,11 @@ def _run_partition(cluster: LocalCluster, lan: Lan, models_dir: Path, engines: s
         reissued_before = reissued_from_cut_off()
         cut_started_s = _cut_while_busy(e2e, job_id, lan, rollout_part)
         phases[f"cut {attempt}"] = cut_started_s
+        if attempt == 1:
+            for proc in (rollout_root, train_root):
+                proc.spawn()
+            for proc in (rollout_root, train_root):
+                proc.wait_ready(60)
         committed_at_cut = _total_commits(e2e, job_id, agents)
         assert committed_at_cut < STEPS * len(agents), "the job finished before the cut"
         # Cut off until etcd expired their registrations (TTL 3 s), orchestratord dropped them
