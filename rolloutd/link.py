@@ -58,8 +58,8 @@ class OrchestratorLink(abc.ABC):
         """Leases up to ``max_tasks`` rollout tasks, waiting up to ``wait_ms`` for the first one."""
 
     @abc.abstractmethod
-    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
-        """Renews the leases of the tasks in flight; the result names those already lost."""
+    async def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
+        """Renews the leases of the tasks in flight with each task's progress; the result names those lost."""
 
     @abc.abstractmethod
     async def report(self, worker_id: str, report: TaskReport) -> None:
@@ -120,9 +120,9 @@ class GrpcOrchestratorLink(OrchestratorLink):
                 log.error("leased task %s not run: %s", msg.lease_id, exc)
         return tasks
 
-    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+    async def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
         """See :meth:`OrchestratorLink.renew`."""
-        request = serde.renew_request(worker_id, lease_ids)
+        request = serde.renew_request(worker_id, lease_ids, progress)
         reply = await self._call("renewing leases", lambda stub: stub.RenewLeases(request, timeout=RENEW_TIMEOUT_S))
         return serde.renew_result(reply)
 

@@ -25,6 +25,9 @@ class RolloutMetrics:
         self.engine_restarts = Counter("flexmarl_rolloutd_engine_restarts_total",
                                        "Launched engine replicas relaunched after their process exited.",
                                        registry=registry)
+        self.engine_hung = Counter("flexmarl_rolloutd_engine_hung_total",
+                                   "Engine replicas dropped as hung (requests held, none answered for half the "
+                                   "progress bound).", registry=registry)
         self.engine_gave_up = Counter("flexmarl_rolloutd_engine_gave_up_total",
                                       "Launched engine replicas given up after too many restarts.", registry=registry)
         self.tasks = Counter("flexmarl_rolloutd_tasks_total", "Rollout tasks finished, by outcome.", ["outcome"],

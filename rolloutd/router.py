@@ -52,7 +52,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from flexmarl.episode import TOP_LOGPROBS_KEY, GenerationOutput
@@ -165,6 +165,29 @@ class Replica:
     interruptions: int = 0
     #: The LoRA adapters it holds while it serves a base's pool (made on its first adapter request).
     lora: LoraResidency | None = None
+    #: Requests routed to it and not yet answered (a weight load they wait for included), and when it
+    #: last answered one (or, idle, when its first request came): what tells a hung engine (:meth:`hung_s`).
+    requests_in_flight: int = 0
+    last_answer_s: float = 0.0
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Counts one request in flight; its answer shows the replica alive (an error or a cancellation does not)."""
+        if self.requests_in_flight == 0:
+            self.last_answer_s = time.monotonic()
+        self.requests_in_flight += 1
+        answered = False
+        try:
+            yield
+            answered = True
+        finally:
+            self.requests_in_flight -= 1
+            if answered:
+                self.last_answer_s = time.monotonic()
+
+    def hung_s(self, now_s: float) -> float:
+        """Seconds it has held requests without answering any (0 when it holds none)."""
+        return now_s - self.last_answer_s if self.requests_in_flight else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,17 +585,18 @@ class RolloutRouter:
             replica = self._replicas[str(ticket.replica_id)]
             model_key = self.model_key(key)
             try:
-                await self._ensure_weights(replica, model_key)
-                async with replica.lock.read():
-                    if replica.loaded_agent != model_key:  # a concurrent load won; route again
-                        raise _Reroute
-                    todo_parts = [parts[index] for index in todo]
-                    if model_key == key:
-                        version = replica.loaded_version
-                        outcomes = await _run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
-                    else:
-                        version, outcomes = await self._run_adapter(replica, key, served, input_ids, todo_parts,
-                                                                    top_logprobs_num)
+                with replica.request():
+                    await self._ensure_weights(replica, model_key)
+                    async with replica.lock.read():
+                        if replica.loaded_agent != model_key:  # a concurrent load won; route again
+                            raise _Reroute
+                        todo_parts = [parts[index] for index in todo]
+                        if model_key == key:
+                            version = replica.loaded_version
+                            outcomes = await _run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
+                        else:
+                            version, outcomes = await self._run_adapter(replica, key, served, input_ids,
+                                                                        todo_parts, top_logprobs_num)
                 failures: list[Unavailable] = []
                 for index, outcome in zip(todo, outcomes, strict=True):
                     if isinstance(outcome, Unavailable):
@@ -788,6 +812,22 @@ class RolloutRouter:
             log.info("replica %s now serves %s v%d (%.2fs)", replica.replica_id, key, wanted.version, seconds)
             if self._on_reload is not None:
                 self._on_reload(key, seconds)
+
+    def drop_hung(self, stall_s: float) -> list[str]:
+        """Drops the replicas that hold requests and answered none for longer than ``stall_s``; returns their ids.
+
+        A hung engine (SIGSTOPped, a stuck device call) keeps its connections open and answers
+        nothing, so its requests never fail over by themselves before the ``/generate`` deadline
+        (minutes). Dropped, it gets no new request and is re-admitted once ``/health`` answers
+        again; the requests it holds end with their tasks, whose leases orchestratord stops
+        renewing for lack of progress (docs/reliability.md, Hung workers).
+        """
+        now_s = time.monotonic()
+        hung = [r for r in self._replicas.values() if r.healthy and r.hung_s(now_s) > stall_s]
+        for replica in hung:
+            self._drop_replica(replica, f"hung: {replica.requests_in_flight} requests, none answered for "
+                                        f"{replica.hung_s(now_s):.0f} s")
+        return [r.replica_id for r in hung]
 
     def _drop_replica(self, replica: Replica, reason: str) -> None:
         if not replica.healthy:

@@ -86,6 +86,21 @@ class AgentRuntime:
     gamma: float = 1.0
 
 
+@dataclasses.dataclass
+class TaskProgress:
+    """Work done on one task so far: tokens generated plus one per answered generation call (only grows).
+
+    The figure a lease renewal carries: orchestratord stops renewing a task whose figure stands
+    still for longer than the job's ``leases.progress_timeout_s`` (a hung engine).
+    """
+
+    units: int = 0
+
+    def add(self, outputs: Sequence[GenerationOutput]) -> None:
+        """One generation call answered with these outputs."""
+        self.units += 1 + sum(len(output.token_ids) for output in outputs)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutTaskInput:
     """One leased rollout task, already decoded from the proto."""
@@ -95,6 +110,8 @@ class RolloutTaskInput:
     task_index: int
     seed: int
     group_size: int
+    #: Counts the task's work as it goes (what its lease renewals report).
+    progress: TaskProgress = dataclasses.field(default_factory=TaskProgress, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +151,9 @@ def _sampling_key(sampling: Mapping[str, Any]) -> str:
 
 
 class _CountingBackend:
-    def __init__(self, backend: GenerationBackend) -> None:
+    def __init__(self, backend: GenerationBackend, progress: TaskProgress) -> None:
         self._backend = backend
+        self._progress = progress
         self.calls = 0
         self.coalesced = 0
 
@@ -149,6 +167,7 @@ class _CountingBackend:
         )
         if len(outputs) != n:
             raise DataLoss(f"backend returned {len(outputs)} samples for n={n}")
+        self._progress.add(outputs)
         return list(outputs)
 
 
@@ -284,7 +303,7 @@ class RolloutRunner:
         except Exception as exc:
             error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
             return RolloutResult(task_input.task_id, (), (error,), {}, 0, 0)
-        backend = _CountingBackend(self._backend)
+        backend = _CountingBackend(self._backend, task_input.progress)
         coalescer = FirstTurnCoalescer(task_input.group_size, task_input.task_id, backend.generate)
         episodes = [
             asyncio.create_task(self._play(task_input, task, i, backend, coalescer))

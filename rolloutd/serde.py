@@ -45,9 +45,10 @@ def rollout_task(msg: orchestrator_pb2.RolloutTask) -> RolloutTask:
     )
 
 
-def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.RenewLeasesRequest:
-    """A RenewLeases request."""
-    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids))
+def renew_request(worker_id: str, lease_ids: Sequence[str],
+                  progress: Sequence[int] = ()) -> orchestrator_pb2.RenewLeasesRequest:
+    """A RenewLeases request (``progress``: empty, or each task's figure)."""
+    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids), progress=list(progress))
 
 
 def renew_result(msg: orchestrator_pb2.RenewLeasesResponse) -> RenewResult:

@@ -71,7 +71,7 @@ from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.lora_launch import engine_lora_settings, launch_model, lora_bases
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
-from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput
+from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput, TaskProgress
 from rolloutd.tokenizers import HFTokenizer
 from rolloutd.types import AgentDemand, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
 
@@ -112,6 +112,8 @@ class _InFlightTask:
 
     ref: TaskRef
     runner: asyncio.Task[None]
+    #: What its lease renewals report as the task's progress.
+    progress: TaskProgress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +293,9 @@ class RolloutWorker:
                 continue
             backoff.reset()
             for task in tasks:
+                progress = TaskProgress()
                 self._in_flight[task.lease_id] = _InFlightTask(task.ref, asyncio.get_running_loop().create_task(
-                    self._run(task), name=f"task {task.task_id}"))
+                    self._run(task, progress), name=f"task {task.task_id}"), progress)
 
     async def _renew_loop(self) -> None:
         last_sweep_s = time.monotonic()
@@ -301,10 +304,13 @@ class RolloutWorker:
             if time.monotonic() - last_sweep_s > JOB_SWEEP_INTERVAL_S:
                 last_sweep_s = time.monotonic()
                 await self._forget_finished_jobs()
+            self._drop_hung_replicas()
             if not self._in_flight:
                 continue
+            lease_ids = list(self._in_flight)
+            progress = [self._in_flight[lease_id].progress.units for lease_id in lease_ids]
             try:
-                renewed = await self._link.renew(self.settings.worker_id, list(self._in_flight))
+                renewed = await self._link.renew(self.settings.worker_id, lease_ids, progress)
             except FlexmarlError as exc:
                 log.warning("renewing leases failed (%s)", describe_error(exc))
                 continue
@@ -313,6 +319,20 @@ class RolloutWorker:
                 if entry is not None:
                     log.warning("lease %s lost; abandoning its task", lease_id)
                     entry.runner.cancel()
+
+    def _drop_hung_replicas(self) -> None:
+        """Drops engine replicas that answered nothing for half the served jobs' progress bound.
+
+        Half, so a hung replica is out of the router before orchestratord refuses the leases of the
+        tasks stuck on it: their re-issued attempts then go to a replica that answers.
+        """
+        bounds = [job.spec.leases.progress_timeout_s for job in self._jobs.values()]
+        bounds = [bound for bound in bounds if bound > 0]
+        if self.router is None or not bounds:
+            return
+        for replica_id in self.router.drop_hung(min(bounds) / 2):
+            self._metrics.engine_hung.inc()
+            log.warning("engine replica %s hung: dropped until its /health answers", replica_id)
 
     async def _forget_finished_jobs(self) -> None:
         """Stops serving the agents of jobs that ended (their replicas go to the live jobs)."""
@@ -351,7 +371,7 @@ class RolloutWorker:
 
     # ---- one task ----------------------------------------------------------------------------------
 
-    async def _run(self, task: RolloutTask) -> None:
+    async def _run(self, task: RolloutTask, progress: TaskProgress) -> None:
         started = time.perf_counter()
         try:
             try:
@@ -372,7 +392,7 @@ class RolloutWorker:
                 await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(stored)))
                 return
             result = await job.runner.run(RolloutTaskInput(task.job_id, task.task_id, task.task_index,
-                                                           job.spec.seed, task.group_size))
+                                                           job.spec.seed, task.group_size, progress))
             if result.ok:
                 await self._store_experiences(result)
                 await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(

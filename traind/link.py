@@ -69,8 +69,11 @@ class OrchestratorLink(Protocol):
     async def ack_micro_batch(self, slot_id: str, lease_id: str, episodes: int) -> None:
         """Acks a micro-batch whose gradient is accumulated (raises OrchestratorCallError)."""
 
-    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
-        """Renews the leases of micro-batches being worked on; returns the lost ones (raises OrchestratorCallError)."""
+    async def renew_leases(self, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> frozenset[str]:
+        """Renews the leases of work in progress with its progress figures; returns the lost ones.
+
+        Raises OrchestratorCallError.
+        """
 
     async def commit_step(self, commit: StepCommit) -> None:
         """Commits an optimizer step (raises OrchestratorCallError)."""
@@ -153,9 +156,9 @@ class GrpcOrchestratorLink:
         request = serde.ack_request(self._worker_id, slot_id, lease_id, episodes)
         await self._call("AckMicroBatch", lambda stub: stub.AckMicroBatch(request, timeout=30))
 
-    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
+    async def renew_leases(self, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> frozenset[str]:
         """RenewLeases."""
-        request = serde.renew_request(self._worker_id, lease_ids)
+        request = serde.renew_request(self._worker_id, lease_ids, progress)
         reply = await self._call("RenewLeases", lambda stub: stub.RenewLeases(request, timeout=RENEW_TIMEOUT_S))
         return frozenset(reply.lost_lease_ids)
 

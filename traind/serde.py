@@ -87,9 +87,10 @@ def ack_request(worker_id: str, slot_id: str, lease_id: str, episodes: int) -> o
                                                  episodes=episodes)
 
 
-def renew_request(worker_id: str, lease_ids: Sequence[str]) -> orchestrator_pb2.RenewLeasesRequest:
-    """A renewal of the leases a slot is working on (a micro-batch's, a warm start's)."""
-    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids))
+def renew_request(worker_id: str, lease_ids: Sequence[str],
+                  progress: Sequence[int] = ()) -> orchestrator_pb2.RenewLeasesRequest:
+    """A renewal of the leases a slot is working on (a micro-batch's, a warm start's), with their progress."""
+    return orchestrator_pb2.RenewLeasesRequest(worker_id=worker_id, lease_ids=list(lease_ids), progress=list(progress))
 
 
 def commit_request(worker_id: str, commit: StepCommit) -> orchestrator_pb2.CommitStepRequest:

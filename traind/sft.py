@@ -230,8 +230,11 @@ def reset_to_version_zero(trainer: AgentTrainer) -> None:
     engine.basic_optimizer.state.clear()
 
 
-def run_warm_start(trainer: AgentTrainer, warm: WarmStart) -> WarmStartReport:
+def run_warm_start(trainer: AgentTrainer, warm: WarmStart,
+                   on_step: Callable[[], None] = lambda: None) -> WarmStartReport:
     """Fine-tunes the trainer's agent on its warm-start data, then puts it back at version 0.
+
+    ``on_step`` is called after each step (the slot's progress, which its lease renewals report).
 
     Raises:
         FailedPrecondition: the trainer is not a fresh version-0 engine of a world of one.
@@ -259,6 +262,7 @@ def run_warm_start(trainer: AgentTrainer, warm: WarmStart) -> WarmStartReport:
             for step in range(warm.steps):
                 batch = examples[step * warm.batch_size: (step + 1) * warm.batch_size]
                 rows.append(sft_step(trainer, batch, step))
+                on_step()
                 if not math.isfinite(rows[-1].loss):
                     raise FailedPrecondition(f"agent {warm.agent}: warm-start loss is {rows[-1].loss} at step {step}")
     except BaseException:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -141,6 +142,13 @@ class Slot:
     started_s: float = dataclasses.field(default_factory=time.monotonic)
     #: The frozen base the slot's LoRA agents share (kept across their swaps; traind.lora).
     lora_bases: LoraBaseCache = dataclasses.field(default_factory=LoraBaseCache)
+    #: Device calls, experience reads and warm-start steps done (only grows): the progress its lease renewals
+    #: report, so a slot stuck in one of them loses its lease (docs/reliability.md, Hung workers).
+    progress: int = 0
+
+    def advance(self) -> None:
+        """One unit of work done (called from the slot's device thread too: a plain int store)."""
+        self.progress += 1
 
     @property
     def resident(self) -> tuple[str, str] | None:
@@ -233,7 +241,9 @@ class TrainerWorker:
 
     async def _on_device(self, slot: Slot, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a pool thread, on the slot's device (:func:`traind.distributed.on_device`)."""
-        return await asyncio.to_thread(on_device, slot.local_rank, fn, *args)
+        result = await asyncio.to_thread(on_device, slot.local_rank, fn, *args)
+        slot.advance()
+        return result
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -307,7 +317,7 @@ class TrainerWorker:
         while True:
             await asyncio.sleep(interval_s)  # a period, not a wait for a condition
             try:
-                lost = await self._orchestrator.renew_leases([lease_id])
+                lost = await self._orchestrator.renew_leases([lease_id], [slot.progress])
             except (OrchestratorCallError, FlexmarlError) as exc:
                 log.warning("%s: renewing lease %s failed (%s); retrying", slot.slot_id, lease_id, exc)
                 continue
@@ -426,6 +436,7 @@ class TrainerWorker:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
                 slot.step_id = work.step_id
             records = await self._store.read_experiences(work.job_id, work.experience_ids)
+            slot.advance()
             step_stats = (losses.ReturnStats(work.step_return_count, work.step_return_mean, work.step_return_std)
                           if work.step_return_count else None)
             stats = await self._on_device(
@@ -457,7 +468,8 @@ class TrainerWorker:
             clock = self._device_clock(work.agent)
             trainer = await self._on_device(slot, lambda: AgentTrainer(config, clock, lora_bases=slot.lora_bases))
             try:
-                report = await self._on_device(slot, run_warm_start, trainer, warm)
+                report = await self._on_device(slot, functools.partial(run_warm_start, on_step=slot.advance),
+                                               trainer, warm)
                 weights_uri = await self._publish(slot, trainer, work.job_id, work.agent, 0)
                 state_uri = await self._save_state(slot, trainer, work.job_id, work.agent, 0)
             except BaseException:

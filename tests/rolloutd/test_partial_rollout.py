@@ -159,7 +159,7 @@ class _WatchLink(OrchestratorLink):
     async def lease_tasks(self, worker_id: str, max_tasks: int, wait_ms: int) -> list[RolloutTask]:
         raise NotImplementedError
 
-    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+    async def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
         raise NotImplementedError
 
     async def report(self, worker_id: str, report: TaskReport) -> None:

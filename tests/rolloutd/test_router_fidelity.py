@@ -201,6 +201,39 @@ async def test_queued_requests_wait_for_the_first_replica_back() -> None:
         await _close(router, servers)
 
 
+@pytest.mark.timeout(60)
+async def test_a_hung_replica_is_dropped_and_the_work_it_held_goes_to_another() -> None:
+    """A replica that holds requests and answers none (SIGSTOPped, a stuck device call) is dropped (issue 36).
+
+    Its connections stay open, so nothing fails over by itself before the /generate deadline; the
+    requests it holds end with their tasks (orchestratord stops renewing their leases), and the
+    work, asked again, goes to a replica that answers.
+    """
+    servers = await _start(2)
+    router = await _router(servers, health_probe_interval_s=0.05)
+    try:
+        hung, alive = servers
+        hung.hang, hung.health_status = True, 503  # a stopped process answers neither
+        held = [asyncio.ensure_future(router.generate(KEY, PROMPT, SAMPLING, 1, f"task-h{i}")) for i in range(8)]
+        await _wait_for(lambda: hung.in_flight > 0, "a request to reach the hung replica")
+        replica = next(r for r in router.replicas() if r.replica_id == "replica-0")  # servers[0]'s
+        assert router.drop_hung(stall_s=30) == [] and replica.healthy  # not hung for long yet
+        dropped: list[str] = []
+        await _wait_for(lambda: bool(dropped.extend(router.drop_hung(stall_s=0.3)) or dropped),
+                        "the hung replica to be dropped")
+        assert dropped == [replica.replica_id] and not replica.healthy
+        # The replica that answered is not hung, even with nothing in flight now.
+        assert all(r.healthy for r in router.replicas() if r is not replica)
+        for pending in held:  # their leases are refused: the tasks are cancelled
+            pending.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        outputs = await asyncio.wait_for(router.generate(KEY, PROMPT, SAMPLING, 1, "task-h0"), 30)
+        assert len(outputs) == 1 and alive.generate_bodies
+        assert not replica.healthy  # /health does not answer: it stays out
+    finally:
+        await _close(router, servers)
+
+
 async def test_close_stops_the_health_probe() -> None:
     [server] = await _start(1)
     router = await _router([server], health_probe_interval_s=0.05)

@@ -69,7 +69,7 @@ class FakeOrchestrator(OrchestratorLink):
             tasks.append(self.to_lease.get_nowait())
         return tasks
 
-    async def renew(self, worker_id: str, lease_ids: Sequence[str]) -> RenewResult:
+    async def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
         self.renewed.update(lease_ids)
         return RenewResult(frozenset(self.lost.intersection(lease_ids)))
 

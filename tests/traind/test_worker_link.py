@@ -58,6 +58,7 @@ class FakeOrchestrator:
         self.events: list[SlotEvent] = []
         self.spec_fetches = 0
         self.renewals: list[tuple[str, ...]] = []
+        self.progress: list[tuple[int, ...]] = []  # each renewal's progress figures
         self.lost: set[str] = set()  # leases a renewal reports lost
         self._changed = asyncio.Condition()
 
@@ -80,7 +81,8 @@ class FakeOrchestrator:
     async def ack_micro_batch(self, slot_id: str, lease_id: str, episodes: int) -> None:
         await self._record(self.acks, (slot_id, lease_id, episodes))
 
-    async def renew_leases(self, lease_ids: Sequence[str]) -> frozenset[str]:
+    async def renew_leases(self, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> frozenset[str]:
+        self.progress.append(tuple(progress))
         await self._record(self.renewals, tuple(lease_ids))
         return frozenset(lease_ids) & frozenset(self.lost)
 
@@ -208,6 +210,14 @@ async def test_a_micro_batch_keeps_its_lease_renewed_while_the_slot_works_on_it(
         # The read of the first micro-batch waits: its lease (1 s) is renewed meanwhile, again and again.
         await orchestrator.until(lambda: len(orchestrator.renewals) >= 4)
         assert set(orchestrator.renewals) == {(first.lease_id,)} and not orchestrator.acks
+        # Stuck in the read, the slot shows no progress (issue 36: orchestratord then stops renewing):
+        # once its engine is built the figure it renews with stands still, renewal after renewal.
+        await orchestrator.until(lambda: len(orchestrator.progress) >= 2
+                                 and orchestrator.progress[-1] == orchestrator.progress[-2])
+        stuck_at = len(orchestrator.progress)
+        await orchestrator.until(lambda: len(orchestrator.renewals) >= stuck_at + 3)
+        assert len(set(orchestrator.progress[stuck_at - 1:])) == 1, orchestrator.progress
+        stuck_figure = orchestrator.progress[-1]
         hold.set()
         await orchestrator.until(lambda: len(orchestrator.acks) == 1)
         # The second one's lease is lost at its first renewal: renewing stops, the work goes on to its ack.
@@ -218,6 +228,9 @@ async def test_a_micro_batch_keeps_its_lease_renewed_while_the_slot_works_on_it(
         hold.set()
         await orchestrator.until(lambda: len(orchestrator.acks) == 2)
         assert orchestrator.renewals.count((second.lease_id,)) == 1  # renewed once, then given up
+        # The first micro-batch's read and pass were progress: the second renews with a larger figure.
+        second_figure = orchestrator.progress[orchestrator.renewals.index((second.lease_id,))]
+        assert second_figure[0] > stuck_figure[0], (stuck_figure, second_figure)
         assert [a[1] for a in orchestrator.acks] == [first.lease_id, second.lease_id]
     finally:
         await worker.stop()
@@ -303,6 +316,8 @@ async def test_the_grpc_link_decodes_work_and_maps_a_refused_call() -> None:
         assert [(r.job_id, r.agent, r.version) for r in request.resident] == [(JOB, AGENT, 2)]
         assert await link.renew_leases(["l1", "l0"]) == frozenset({"l0"})
         assert [(r.worker_id, list(r.lease_ids)) for r in renewals] == [("traind-x", ["l1", "l0"])]
+        await link.renew_leases(["l1"], [7])
+        assert list(renewals[-1].progress) == [7]
         stub = await peers.orchestrator()
         with pytest.raises(OrchestratorCallError, match="lease l1 expired") as refused:
             await link.ack_micro_batch("traind-x/slot0", "l1", 4)
