@@ -96,14 +96,15 @@ class Soak:
     async def sample(self, job_id: str, step: int) -> dict[str, Any]:
         """One row: RSS, etcd db, stored files, status and history latency at ``step``."""
         orch = self.cluster.orch[0]
+        rss = {name: self.sampler.rss(name) for name in ("orchestratord", "stored")}  # before this row's calls
         request = orchestrator_pb2.GetJobRequest(job_id=job_id)
         status_ms = await median_ms(orch.GetJob, request, 5)
         history_ms = await median_ms(orch.GetJobHistory, request, 3)
         history = await orch.GetJobHistory(request, timeout=60)
         files = file_sizes(self.data_dir)
         row = {"step": step, "wall_s": time.monotonic() - self.start_s,
-               "orchestratord_rss_bytes": self.sampler.rss("orchestratord"),
-               "stored_rss_bytes": self.sampler.rss("stored"), **etcd_db_bytes(self.etcd),
+               "orchestratord_rss_bytes": rss["orchestratord"], "stored_rss_bytes": rss["stored"],
+               **etcd_db_bytes(self.etcd),
                "stored_files_bytes": sum(files.values()), "stored_files": files,
                "status_ms": status_ms, "history_ms": history_ms, "history_records": len(history.steps),
                "load_avg_1m": os.getloadavg()[0]}

@@ -240,7 +240,10 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
 
 
 def _prune_batch(job: JobPlan, step: int) -> None:
-    """Forgets the tasks of a step once every agent committed it (under step_fill batch: rollout batch ``step``)."""
+    """Forgets the tasks of a step once every agent committed it (under step_fill batch: rollout batch ``step``).
+
+    Manifests and commits older than the last ``KEPT_COMMITTED_STEPS`` go too (:meth:`JobPlan.forget_history`).
+    """
     if job.min_version() <= step:
         return
     gone = {tid for tid, task in job.tasks.items() if task.step == step}
@@ -250,6 +253,7 @@ def _prune_batch(job: JobPlan, step: int) -> None:
         lease.lease_id for lease in job.leases.all()
         if (lease.subject in gone if lease.kind is LeaseKind.ROLLOUT_TASK else batch_of_lease(lease) == step))
     job.tasks_per_step.pop(step, None)
+    job.forget_history()
 
 
 def slot_busy(job: JobPlan, slot_id: str) -> bool:

@@ -143,7 +143,7 @@ class JobPlanner:
         return self._job.agent(agent).version
 
     def manifest(self, agent: str, step: int) -> StepManifest | None:
-        """The fixed manifest of a step, or None when not fixed yet (or pruned after commit)."""
+        """The fixed manifest of a step, or None when not fixed yet (or forgotten: see ``KEPT_COMMITTED_STEPS``)."""
         plan = self._job.plans.get((agent, step))
         if plan is not None and plan.manifest is not None:
             return plan.manifest
@@ -195,8 +195,13 @@ class JobPlanner:
         recovery.revoke_worker(self._job, worker_id)
 
     def recover(self, reported: Iterable[ExperienceSummary]) -> int:
-        """After :meth:`restore`: marks done the tasks stored holds every experience of; returns how many."""
-        return recovery.recover(self._job, reported)
+        """After :meth:`restore`: marks done the tasks stored holds every experience of; returns how many.
+
+        Then forgets the history recovery needed (older manifests and commits stay in etcd only).
+        """
+        recovered = recovery.recover(self._job, reported)
+        self._job.forget_history()
+        return recovered
 
     # ---- rollout side (admission.py, reports.py) ---------------------------------------------------------
 

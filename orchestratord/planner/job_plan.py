@@ -23,6 +23,11 @@ from orchestratord.state import JobState, JobStateChanged, StateChange, StepComm
 
 logger = logging.getLogger(__name__)
 
+#: Steps every agent committed whose manifests and commits the planner still holds: the coordinator
+#: reads the last commit's manifest after the planner call, and a repeated CommitStep (a lost reply)
+#: finds its commit. Older ones live in etcd only, so the planner's memory does not grow with history.
+KEPT_COMMITTED_STEPS = 2
+
 
 class TaskStatus(enum.Enum):
     """Where a rollout task is."""
@@ -240,6 +245,14 @@ class JobPlan:
         if state.terminal:
             for lease in self.leases.active():
                 self.leases.end(lease, LeaseStatus.REVOKED, f"job {state.name.lower()}")
+
+    def forget_history(self) -> None:
+        """Drops the manifests and commits of steps every agent committed, but the last KEPT_COMMITTED_STEPS."""
+        below = self.min_version() - KEPT_COMMITTED_STEPS
+        for key in [key for key in self.persisted_manifests if key[1] < below]:
+            del self.persisted_manifests[key]
+        for key in [key for key in self.commits if key[1] < below]:
+            del self.commits[key]
 
     def fail(self, error: str) -> None:
         """Fails the job (no-op once it ended)."""

@@ -1,0 +1,24 @@
+"""The planner's memory does not grow with a job's history: old manifests and commits live in etcd only."""
+
+from __future__ import annotations
+
+from orchestratord.planner import Planner
+from orchestratord.planner.job_plan import KEPT_COMMITTED_STEPS
+from orchestratord.state import StepCommitted
+
+from .helpers import FakeClock, make_spec, run_job
+
+
+def test_a_long_job_keeps_only_the_last_committed_steps_in_memory() -> None:
+    clock = FakeClock()
+    planner = Planner(clock)
+    steps = 12
+    planner.submit_job("job", make_spec(total_steps=steps))
+    run_job(planner, clock, "job")
+    job = planner.job("job")
+    committed = [c.commit for c in planner.take_changes() if isinstance(c, StepCommitted)]
+    assert len(committed) == 2 * steps  # every commit was emitted for etcd
+    for agent in job.spec.agent_names:
+        for step in range(steps):
+            kept = step >= steps - KEPT_COMMITTED_STEPS
+            assert (job.manifest(agent, step) is not None) == kept, (agent, step)
