@@ -25,7 +25,7 @@ from pathlib import Path
 
 from flexmarl.errors import FlexmarlError
 from flexmarl.retry import Backoff
-from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
+from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, kill_leftovers, launch
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,8 @@ class EngineSupervisor:
         """Relaunches one exited replica, retrying with back-off until it runs or the limit is hit."""
         logger.error("engine %s (%s) exited with %s; relaunching. Last output:\n%s",
                      item.name, item.replica.url, code, item.replica.log_tail(2000))
+        if item.replica.process is not None:
+            kill_leftovers(item.replica.process)  # e.g. vLLM's engine core, which outlives its server
         while True:
             now = time.monotonic()
             while item.restarts and now - item.restarts[0] > self._window_s:

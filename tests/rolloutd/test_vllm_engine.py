@@ -27,9 +27,11 @@ from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replic
 from rolloutd.engines.lora import LoraSettings
 from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequest, PauseMode, SamplingParams
 from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 
-pytestmark = pytest.mark.timeout(90)
+# A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
+pytestmark = pytest.mark.timeout(180)
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = (104, 101, 108, 108, 111)  # "hello"
@@ -48,9 +50,18 @@ def vllm_python() -> str:
     return os.environ.get("FLEXMARL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
 
+@dataclass(frozen=True)
+class VLLMServer:
+    """The module's vLLM server: the replica, the spec it was launched from, its run directory."""
+
+    replica: EngineReplica
+    spec: ReplicaSpec
+    run_dir: Path
+
+
 @pytest.fixture(scope="module")
-def vllm_replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineReplica]:
-    """A vLLM server on the tiny checkpoint (seed 0), shared by the module."""
+def vllm_server(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """A vLLM server on the tiny checkpoint (seed 0, LoRA on), shared by the module."""
     python = vllm_python()
     if not os.access(python, os.X_OK):
         reason = f"vLLM is not installed at {python} (./dev.sh test installs it into .venv-vllm)"
@@ -60,11 +71,18 @@ def vllm_replica(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     spec = ReplicaSpec("vllm", str(engine_checkpoint), seed=0, dtype="float32", vllm_python=python,
                        lora=LoraSettings(enable_lora=True, max_lora_rank=8, max_loras_per_batch=2),
                        extra_args=VLLM_TEST_ARGS)
-    replica = asyncio.run(launch(spec, tmp_path_factory.mktemp("vllm-run"), timeout_s=80, name="vllm"))
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    replica = asyncio.run(launch(spec, run_dir, timeout_s=150, name="vllm"))
     try:
-        yield replica
+        yield VLLMServer(replica, spec, run_dir)
     finally:
-        replica.stop(grace_s=10)
+        replica.stop(grace_s=10)  # the current process (the supervisor test relaunches it in place)
+
+
+@pytest.fixture(scope="module")
+def vllm_replica(vllm_server: VLLMServer) -> EngineReplica:
+    """The module's vLLM replica."""
+    return vllm_server.replica
 
 
 @pytest.fixture
@@ -370,6 +388,35 @@ async def test_lora_adapter_load_serve_unload(client: VLLMClient, engine_checkpo
     assert unloaded.loaded_adapters == {}
     with pytest.raises(InvalidArgument, match="agent-a"):
         await client.generate(request)  # vLLM: 404, the model does not exist
+
+
+# ----- faults ---------------------------------------------------------------------------------
+async def test_a_sigkilled_replica_is_relaunched_on_its_port(vllm_server: VLLMServer) -> None:
+    replica = vllm_server.replica
+    url, killed_pid = replica.url, replica.pid
+    restarts: list[str] = []
+    supervisor = EngineSupervisor([(replica, vllm_server.spec, "vllm")], vllm_server.run_dir, launch_timeout_s=150,
+                                  poll_s=0.05, initial_backoff_s=0.05, on_restart=restarts.append)
+    supervisor.start()
+    try:
+        replica.kill()
+
+        async def relaunched() -> bool:
+            return restarts == ["vllm"]
+
+        await _until(relaunched, "the relaunch", timeout_s=150)
+    finally:
+        await supervisor.stop()
+    assert replica.url == url and replica.pid != killed_pid
+    # Nothing of the killed replica survived: vLLM's engine core (a child of the server, which
+    # outlives a SIGKILL of it) was killed with its process group before the relaunch.
+    assert killed_pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(killed_pid, 0)
+    async with replica.client() as client:
+        assert await client.health()
+        [result] = await client.generate(_request(4, ignore_eos=True))
+        assert result.finish_reason == FinishReason.LENGTH and result.weight_version == "default"
 
 
 # Last of the server tests: it leaves the shared server dead.
