@@ -143,8 +143,14 @@ class RolloutConfig(DaemonConfig):
             if self.vllm_python:
                 raise ConfigError(f"vllm_python: applies to engine_backend vllm, not {self.engine_backend}")
             return
-        if self.engine_url_list():
-            return  # attached: someone else launched them
+        if not self.engine_url_list():
+            self._validate_vllm_launch()
+        # Refused until rolloutd's worker passes the backend on (worker.py: replica_specs' vllm_python and
+        # attach(url, backend)); before that it would speak SGLang's API to vLLM. No silent fallback.
+        raise ConfigError("engine_backend: vllm replicas are not driven by rolloutd's worker yet (issue 33: the "
+                          "backend, rolloutd.engines.vllm, is in place; the worker's wiring is not)")
+
+    def _validate_vllm_launch(self) -> None:
         if not self.vllm_python:
             raise ConfigError("vllm_python: engine_backend vllm launches its replicas with the python of vLLM's "
                               "virtual environment; set it (./dev.sh test installs .venv-vllm/bin/python)")

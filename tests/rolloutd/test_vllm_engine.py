@@ -457,8 +457,11 @@ def test_config_refuses_what_vllm_cannot_do(tmp_path: Path) -> None:
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    RolloutConfig(engine_backend="vllm", vllm_python=str(python), engine_deterministic_inference=False).validate()
-    RolloutConfig(engine_backend="vllm", engine_urls="http://h:1").validate()  # attached: nothing to launch
+    # Each setting is checked, then the daemon refuses vllm until its worker drives vLLM replicas.
+    with pytest.raises(ConfigError, match="^engine_backend: vllm replicas are not driven"):
+        RolloutConfig(engine_backend="vllm", vllm_python=str(python), engine_deterministic_inference=False).validate()
+    with pytest.raises(ConfigError, match="^engine_backend: vllm replicas are not driven"):
+        RolloutConfig(engine_backend="vllm", engine_urls="http://h:1").validate()  # attached: nothing to launch
     with pytest.raises(ConfigError, match="^vllm_python:"):
         RolloutConfig(engine_backend="vllm", engine_deterministic_inference=False).validate()
     with pytest.raises(ConfigError, match="^engine_deterministic_inference:"):
