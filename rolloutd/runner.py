@@ -95,6 +95,15 @@ class TaskProgress:
     """
 
     units: int = 0
+    #: While set, every renewal counts as progress: the task waits for its job's set-up (engines launching,
+    #: bounded by their own launch timeout), not for a generation.
+    setting_up: bool = False
+
+    def tick_if_setting_up(self) -> int:
+        """The figure to renew with (one more than the last while the task waits for its job's set-up)."""
+        if self.setting_up:
+            self.units += 1
+        return self.units
 
     def add(self, outputs: Sequence[GenerationOutput]) -> None:
         """One generation call answered with these outputs."""

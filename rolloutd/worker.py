@@ -308,7 +308,7 @@ class RolloutWorker:
             if not self._in_flight:
                 continue
             lease_ids = list(self._in_flight)
-            progress = [self._in_flight[lease_id].progress.units for lease_id in lease_ids]
+            progress = [self._in_flight[lease_id].progress.tick_if_setting_up() for lease_id in lease_ids]
             try:
                 renewed = await self._link.renew(self.settings.worker_id, lease_ids, progress)
             except FlexmarlError as exc:
@@ -374,6 +374,7 @@ class RolloutWorker:
     async def _run(self, task: RolloutTask, progress: TaskProgress) -> None:
         started = time.perf_counter()
         try:
+            progress.setting_up = True  # engines launching: bounded by the launch timeout, not the progress bound
             try:
                 job = await self._job(task)
             except InvalidArgument as exc:  # the spec or environment: no other attempt can succeed
@@ -381,6 +382,8 @@ class RolloutWorker:
                 await self._report(TaskReport(task.lease_id, task.task_id, error=str(exc),
                                               reason=ErrorReason.JOB_UNRUNNABLE))
                 return
+            finally:
+                progress.setting_up = False
             for version in task.agent_versions:
                 base = job.spec.agent(version.agent).model
                 job.router.require(agent_key(task.job_id, version.agent), version.version,
