@@ -1,12 +1,15 @@
 """Seeded chaos on a local cluster: many SIGKILLs of every kind of process during one strict job.
 
-Usage: python -m benchmarks.chaos [--seed 0] [--faults 20] [--trainer-workers 2] [--steps-per-fault 10]
+Usage: python -m benchmarks.chaos [--seed 0 1 2] [--faults 12] [--trainer-workers 2] [--steps-per-fault 10]
+                                  [--kinds all|sigkill|KIND,...] [--etcd-members 3] [--require-equal]
        python -m benchmarks.chaos --partial [--seed 0] [--faults 3]
 
 Runs tests/chaos/chaos_driver.py: a fault-free reference job, then the same job (same spec and
 seed) while a schedule drawn from ``--seed`` SIGKILLs and restarts etcd, stored, orchestratord,
-traind, rolloutd and engine replicas (every kind once first, then random kinds), each fault
-waiting for two new steps of every agent. Checks completion, exactly-once consumption, that
+traind, rolloutd and engine replicas, SIGSTOPs a worker or an engine for 15 s (then SIGCONT) and
+SIGKILLs one member of a three-member etcd (``--kinds``; every kind once first, then random kinds),
+each fault waiting for two new steps of every agent. Several seeds run one after another and end
+with a table of one row per seed. Checks completion, exactly-once consumption, that
 nothing acknowledged by stored was lost and that every published version's weights load; prints
 a table (faults per kind, recovery seconds, re-issued leases, wall time against the fault-free
 job) and writes benchmarks/results/chaos.json. Exits 1 when a check failed (figures still written).
@@ -29,7 +32,14 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "tests" / "chaos"))
 
-from chaos_driver import FAULT_KINDS, ChaosConfig, ChaosDriver, ChaosFailure, ChaosResult  # noqa: E402
+from chaos_driver import (  # noqa: E402
+    ALL_FAULT_KINDS,
+    FAULT_KINDS,
+    ChaosConfig,
+    ChaosDriver,
+    ChaosFailure,
+    ChaosResult,
+)
 
 from benchmarks.report import Column, percentile, render_table  # noqa: E402
 
@@ -55,7 +65,7 @@ def _table(result: ChaosResult, failure: str) -> str:
     lines.append("")
     kinds = [Column("kind", 14, "<"), Column("faults", 6), Column("recovery p50 s", 15), Column("max s", 7)]
     rows = []
-    for kind in FAULT_KINDS:
+    for kind in result.kinds:
         times = [f.recovery_s for f in result.faults if f.kind == kind]
         p50 = f"{percentile(times, 50):.1f}" if times else "-"
         top = f"{max(times):.1f}" if times else "-"
@@ -231,10 +241,23 @@ def partial_main(args: argparse.Namespace) -> int:
     return 1 if failure else 0
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    """--kinds: ``all``, ``sigkill`` (the SIGKILL kinds only) or a comma list of kinds."""
+    if text == "all":
+        return ALL_FAULT_KINDS
+    if text == "sigkill":
+        return FAULT_KINDS
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(ALL_FAULT_KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown fault kinds {unknown}; known: {', '.join(ALL_FAULT_KINDS)}")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the benchmark; returns the exit code."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, nargs="+", default=[0], help="one or more seeds, run one after another")
     parser.add_argument("--faults", type=int, default=None, help="default 20 (3 with --partial)")
     parser.add_argument("--steps", type=int, default=0, help="total_steps (default: steps-per-fault x faults + 4)")
     parser.add_argument(
@@ -245,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trainer-workers", type=int, default=2)
     parser.add_argument("--rollout-workers", type=int, default=1)
+    parser.add_argument("--kinds", type=_kinds, default=ALL_FAULT_KINDS,
+                        help=f"fault kinds: all (default), sigkill, or a comma list of {', '.join(ALL_FAULT_KINDS)}")
+    parser.add_argument("--etcd-members", type=int, default=3, choices=(1, 3, 5),
+                        help="etcd members (etcd-member faults need 3 or 5)")
+    parser.add_argument("--stop-s", type=float, default=15.0, help="how long a sigstop fault freezes its process")
+    parser.add_argument("--require-equal", action="store_true",
+                        help="fail unless the final parameters equal the fault-free job's (strict runs are bit-equal)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the fault-free reference job")
     parser.add_argument("--run-dir", type=Path, default=None, help="keep logs and data here (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS} ({PARTIAL_RESULTS} with --partial)")
@@ -257,23 +287,45 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.partial:
         args.faults = 3 if args.faults is None else args.faults
+        args.seed = args.seed[0]
         return partial_main(args)
     args.faults = 20 if args.faults is None else args.faults
+    if "etcd-member" in args.kinds and args.etcd_members < 3:
+        parser.error("--kinds with etcd-member needs --etcd-members 3 or 5")
 
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="flexmarl-chaos-"))
+    root = args.run_dir or Path(tempfile.mkdtemp(prefix="flexmarl-chaos-"))
+    runs: list[dict[str, Any]] = []
+    for seed in args.seed:
+        runs.append(_run_seed(args, seed, root / f"seed{seed}" if len(args.seed) > 1 else root))
+    if len(runs) > 1:
+        print(_seed_table(runs))
+    out: Path = args.out or RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
+    return 0 if all(run["passed"] for run in runs) else 1
+
+
+def _run_seed(args: argparse.Namespace, seed: int, run_dir: Path) -> dict[str, Any]:
+    """One chaos run (reference job, chaos job, checks); its figures as JSON-able data."""
     config = ChaosConfig(
         run_dir=run_dir,
-        seed=args.seed,
+        seed=seed,
         faults=args.faults,
         total_steps=args.steps,
         steps_per_fault=args.steps_per_fault,
         trainer_workers=args.trainer_workers,
         rollout_workers=args.rollout_workers,
         baseline=not args.no_baseline,
+        require_equal_parameters=args.require_equal,
+        kinds=args.kinds,
+        etcd_members=args.etcd_members,
+        stop_s=args.stop_s,
     )
     driver = ChaosDriver(config)
     failure = ""
     started = time.monotonic()
+    load_before = os.getloadavg()
     try:
         with driver.running():
             driver.run()
@@ -284,17 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         failure = f"{type(exc).__name__}: {exc}"
     result = driver.result
     print(_table(result, failure))
-    data: dict[str, Any] = {
+    return {
         "settings": {
-            "seed": args.seed,
+            "seed": seed,
             "faults": args.faults,
+            "kinds": list(args.kinds),
+            "etcd_members": args.etcd_members,
+            "stop_s": args.stop_s,
             "total_steps": config.steps,
             "trainer_workers": args.trainer_workers,
             "rollout_workers": args.rollout_workers,
             "engine_replicas": config.engine_replicas,
             "baseline": config.baseline,
+            "require_equal": args.require_equal,
         },
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_before": load_before,
+                    "load_avg_after": os.getloadavg()},
         "benchmark_wall_s": time.monotonic() - started,
         "passed": not failure,
         "failure": failure[:4000],
@@ -302,11 +359,20 @@ def main(argv: list[str] | None = None) -> int:
         **result.to_json(),
         "wall_ratio_vs_fault_free": result.job_wall_s / result.baseline_wall_s if result.baseline_wall_s else None,
     }
-    out: Path = args.out or RESULTS
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    print(f"wrote {out}")
-    return 1 if failure else 0
+
+
+def _seed_table(runs: list[dict[str, Any]]) -> str:
+    """One row per seed: outcome, faults by kind, wall time against the fault-free job, parameter difference."""
+    columns = [Column("seed", 4), Column("state", 10, "<"), Column("faults", 6), Column("by kind", 48, "<"),
+               Column("chaos s", 8, fmt=".1f"), Column("ratio", 6, fmt=".2f"), Column("re-issued", 9),
+               Column("max rel diff", 12, "<"), Column("checks", 7, "<")]
+    rows = []
+    for run in runs:
+        kinds = " ".join(f"{k}:{n}" for k, n in run["faults_by_kind"].items() if n)
+        rows.append([run["seed"], run["job_state"] or "-", len(run["faults"]), kinds, run["job_wall_s"],
+                     run["wall_ratio_vs_fault_free"] or float("nan"), run["reissued_leases"],
+                     f"{run['max_relative_difference']:.3g}", "passed" if run["passed"] else "FAILED"])
+    return "\n".join(["", *render_table(columns, rows)])
 
 
 if __name__ == "__main__":

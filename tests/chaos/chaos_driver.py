@@ -55,7 +55,7 @@ import yaml
 from flexmarl.artifacts import checkpoint_tensors, local_path
 from flexmarl.cli import materialize_models
 from flexmarl.client import Client, JobInfo, JobState
-from flexmarl.cluster import descendant_pids
+from flexmarl.cluster import EtcdCluster, descendant_pids
 from flexmarl.errors import NotFound
 from flexmarl.experience import ExperienceRecord, ExperienceState
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig
@@ -76,8 +76,13 @@ from e2e_support import MAX_RELATIVE_DIFFERENCE, max_relative_difference  # noqa
 ENGINE_MODULE = "rolloutd.engines.embedded"
 DENSE_ENV = "dense_signaling:DenseSignaling"
 
-#: Every kind of process the schedule kills.
+#: Every kind of process the schedule kills (the CI variant: one of each).
 FAULT_KINDS: tuple[str, ...] = ("etcd", "stored", "orchestratord", "traind", "rolloutd", "engine")
+#: Faults beyond SIGKILL: ``sigstop`` freezes a traind, a rolloutd or an engine replica for
+#: ``ChaosConfig.stop_s`` (hung, not dead: its process and, for an engine, its rolloutd live on),
+#: then SIGCONT; ``etcd-member`` SIGKILLs one member of a three-member etcd and starts it again.
+HANG_KINDS: tuple[str, ...] = ("sigstop", "etcd-member")
+ALL_FAULT_KINDS: tuple[str, ...] = FAULT_KINDS + HANG_KINDS
 REGISTRY_TTL_S = 3
 PROBE_JOB = "chaos-probe"
 #: orchestratord.state.JobState values of SUCCEEDED, FAILED, CANCELLED (as stored in etcd).
@@ -121,6 +126,13 @@ class ChaosConfig:
     #: /engines/supervisor.py) instead of restarting rolloutd; the kill must be followed by a
     #: "relaunched" line in rolloutd's log. Off: the driver restarts rolloutd (the long variant's figures).
     engine_relaunched_by_rolloutd: bool = False
+    #: The kinds the schedule draws from (every kind once first, then random ones).
+    kinds: tuple[str, ...] = FAULT_KINDS
+    #: etcd members; ``etcd-member`` faults need 3 (or 5).
+    etcd_members: int = 1
+    #: How long a ``sigstop`` fault keeps its process frozen: longer than the registry TTL (3 s) and
+    #: the rollout lease (10 s), so a frozen worker's registration and leases run out.
+    stop_s: float = 15.0
 
     @property
     def steps(self) -> int:
@@ -149,6 +161,7 @@ class ChaosResult:
 
     seed: int
     total_steps: int
+    kinds: tuple[str, ...] = FAULT_KINDS
     job_id: str = ""
     baseline_job_id: str = ""
     cluster_start_s: float = 0.0
@@ -182,7 +195,7 @@ class ChaosResult:
     def faults_by_kind(self) -> dict[str, int]:
         """Injected faults per kind."""
         counts = Counter(f.kind for f in self.faults)
-        return {kind: counts.get(kind, 0) for kind in FAULT_KINDS}
+        return {kind: counts.get(kind, 0) for kind in self.kinds}
 
     def to_json(self) -> dict[str, Any]:
         """The figures as JSON-able data."""
@@ -229,7 +242,9 @@ class ChaosDriver:
     def __init__(self, config: ChaosConfig) -> None:
         self.config = config
         self.rng = random.Random(f"chaos-faults/{config.seed}")
-        self.result = ChaosResult(seed=config.seed, total_steps=config.steps)
+        if "etcd-member" in config.kinds and config.etcd_members < 3:
+            raise ChaosFailure("etcd-member faults need a cluster of 3 or 5 etcd members (etcd_members)")
+        self.result = ChaosResult(seed=config.seed, total_steps=config.steps, kinds=config.kinds)
         run_dir = config.run_dir.resolve()
         self.models_dir = run_dir / "models"
         ttl = ["--registry-ttl-s", str(REGISTRY_TTL_S)]
@@ -247,6 +262,7 @@ class ChaosDriver:
                 traind_args=ttl,
                 orchestratord_args=ttl,
                 stored_args=ttl,
+                etcd_members=config.etcd_members,
             )
         )
         self.spec = job_spec(self.models_dir, config.seed, config.steps)
@@ -298,7 +314,7 @@ class ChaosDriver:
         self._leased_base = self._leased_last = self._scrape_leased()
         self.result.job_id = f"chaos-{cfg.seed}"
         self.result.tasks = cfg.steps * int(spec["batch"]["prompts_per_step"])
-        plan = plan_faults(cfg.seed, cfg.faults)
+        plan = plan_faults(cfg.seed, cfg.faults, cfg.kinds)
         self.result.faults_planned = len(plan)
         self.probe.start()
         start = time.monotonic()
@@ -329,11 +345,21 @@ class ChaosDriver:
         time.sleep(delay_s)  # the seeded moment of the kill (not a wait for a condition)
         version = self.min_version()
         record = FaultRecord(index, kind, target, delay_s, version)
-        log.info("fault %d: SIGKILL %s (%s) at version %d", index, target, kind, version)
+        log.info("fault %d: %s %s (%s) at version %d", index, "SIGSTOP" if kind == "sigstop" else "SIGKILL", target,
+                 kind, version)
         killed_at = time.monotonic()
         if kind == "etcd":
             self.cluster.etcd.kill()
             self.cluster.etcd.start()
+        elif kind == "etcd-member":
+            etcd = self.cluster.etcd
+            if not isinstance(etcd, EtcdCluster):
+                raise ChaosFailure("etcd-member fault on a one-member etcd")
+            member = next(m for m in etcd.members if m.member == target)
+            member.kill()
+            member.start()
+        elif kind == "sigstop":
+            self._freeze(target)
         elif kind == "engine":
             rolloutd = self.cluster.daemon(target)
             victims = self.engine_pids(target)
@@ -388,9 +414,29 @@ class ChaosDriver:
             "fault %d (%s): restarted in %.1fs, recovered in %.1fs", index, kind, record.restart_s, record.recovery_s
         )
 
+    def _freeze(self, target: str) -> None:
+        """SIGSTOP a process (a daemon by name, or ``<rolloutd>/engine``) for stop_s, then SIGCONT."""
+        name, _, engine = target.partition("/")
+        pids = [self.rng.choice(self.engine_pids(name))] if engine else [self.cluster.daemon(name).pid]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.config.stop_s)  # the fault's length (a hang of stop_s), not a wait for a condition
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def _target(self, kind: str) -> str:
         if kind in ("etcd", "stored", "orchestratord"):
             return kind
+        if kind == "etcd-member":
+            etcd = self.cluster.etcd
+            return self.rng.choice([m.member for m in etcd.members]) if isinstance(etcd, EtcdCluster) else "etcd"
+        if kind == "sigstop":
+            workers = sorted(n for n in self.cluster.daemons if n.startswith(("traind-", "rolloutd-")))
+            name = self.rng.choice(workers)
+            return f"{name}/engine" if name.startswith("rolloutd-") and self.rng.random() < 0.5 else name
         prefix = "traind" if kind == "traind" else "rolloutd"
         names = sorted(n for n in self.cluster.daemons if n.startswith(prefix + "-"))
         return self.rng.choice(names)
@@ -509,7 +555,9 @@ class ChaosDriver:
 
     def log_tails(self) -> str:
         """The end of every process's log (for failure messages)."""
-        parts = [f"--- etcd\n{self.cluster.etcd.stderr_tail()[-800:]}"]
+        etcd = self.cluster.etcd
+        members = etcd.members if isinstance(etcd, EtcdCluster) else [etcd]
+        parts = [f"--- etcd {m.member}\n{m.stderr_tail()[-800:]}" for m in members]
         parts += [f"--- {name}\n{proc.stderr_tail()[-1500:]}" for name, proc in self.cluster.daemons.items()]
         return "\n".join(parts)
 

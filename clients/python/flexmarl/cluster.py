@@ -432,6 +432,11 @@ class EtcdCluster:
             self.stop(keep_data=True)
             raise
 
+    def kill(self) -> None:
+        """SIGKILLs every member (fault tests); :meth:`start` brings them back on their data and ports."""
+        for member in self.members:
+            member.kill()
+
     def stop(self, *, keep_data: bool = False) -> None:
         """Stops every member; deletes their data unless ``keep_data``."""
         for member in self.members:
