@@ -54,7 +54,6 @@ from orchestratord.state import (
     JobState,
     JobStateChanged,
     StateChange,
-    StepCommit,
     StepCommitted,
     WarmStartPublished,
     apply_changes,
@@ -332,7 +331,7 @@ class JobCoordinator:
             raise
         for change in pending:
             if isinstance(change, StepCommitted):
-                self._observe_commit(change.commit)
+                self._observe_commit(change)
             elif isinstance(change, WarmStartPublished):
                 log.info("job %s: agent %s warm-started, version 0 is %s", change.job_id, change.agent,
                          change.weights_uri)
@@ -340,11 +339,11 @@ class JobCoordinator:
                 self._spawn(self._finish_in_store(change.job_id, change.state))
                 self._spawn(self._tracking.job_ended(change.job_id))
 
-    def _history_record(self, commit: StepCommit) -> dict[str, Any]:
+    def _history_record(self, change: StepCommitted) -> dict[str, Any]:
         """The step's figures for `flexmarl plot`, stored atomically with its commit."""
+        commit, manifest = change.commit, change.manifest
         job = self.planner.job(commit.job_id)
         progress = next((a for a in job.snapshot().agents if a.agent == commit.agent), None)
-        manifest = job.manifest(commit.agent, commit.step)
         key = (commit.job_id, commit.agent)
         now_s = self._now_s()
         since_s = max(1e-6, now_s - self._last_commit_s.get(key, now_s))
@@ -365,11 +364,11 @@ class JobCoordinator:
         self._metrics.staleness.observe(record["staleness_mean"])
         return record
 
-    def _observe_commit(self, commit: StepCommit) -> None:
+    def _observe_commit(self, change: StepCommitted) -> None:
         """After a commit is durable: count it, mark its experiences consumed in stored, write its trackers."""
+        commit, manifest = change.commit, change.manifest
         self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
         job = self.planner.job(commit.job_id)
-        manifest = job.manifest(commit.agent, commit.step)
         if manifest is not None:
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
         record = self._step_records.pop((commit.job_id, commit.agent, commit.step), None)

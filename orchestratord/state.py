@@ -178,9 +178,15 @@ class ManifestFixed:
 
 @dataclasses.dataclass(frozen=True)
 class StepCommitted:
-    """An agent's optimizer step committed (its version advanced by one)."""
+    """An agent's optimizer step committed (its version advanced by one).
+
+    ``manifest`` is the step's membership as the planner held it at the commit: the planner forgets
+    old manifests, and a commit whose write waited out an etcd outage is observed (its experiences
+    marked consumed, its figures recorded) after later commits may have made it forget this one.
+    """
 
     commit: StepCommit
+    manifest: StepManifest | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +455,7 @@ class InMemoryStateStore(StateStore):
 async def apply_changes(
     store: StateStore,
     changes: Iterable[StateChange],
-    history_of: Callable[[StepCommit], Mapping[str, Any]] | None = None,
+    history_of: Callable[[StepCommitted], Mapping[str, Any]] | None = None,
 ) -> None:
     """Applies a planner's changes in order (call before answering the RPC that produced them).
 
@@ -467,7 +473,7 @@ async def apply_changes(
         elif isinstance(change, ManifestFixed):
             await store.put_manifest(change.manifest)
         elif isinstance(change, StepCommitted):
-            await store.commit_step(change.commit, history_of(change.commit) if history_of is not None else None)
+            await store.commit_step(change.commit, history_of(change) if history_of is not None else None)
         elif isinstance(change, StateMoved):
             await store.set_state_uri(change.job_id, change.agent, change.version, change.state_uri,
                                       change.updated_s)

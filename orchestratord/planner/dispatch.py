@@ -221,7 +221,7 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
                         grad_norm=grad_norm, step_seconds=step_seconds,
                         figures=tuple(sorted((figures or {}).items())))
     job.commits[(agent, step)] = commit
-    job.changes.append(StepCommitted(commit))
+    job.changes.append(StepCommitted(commit, plan.manifest or job.persisted_manifests.get((agent, step))))
     episodes = sum(group.episodes for group in plan.groups) or 1
     experiences = sum(len(group.experience_ids) for group in plan.groups) or 1
     state.version = new_version
