@@ -234,6 +234,9 @@ async def test_samples_of_a_step_are_its_consumed_experiences_decoded(store: Sto
     assert [(s.task_id, s.sample_index, s.reward, s.response) for s in samples] == [
         ("t0", 0, 0.0, "sender says t0.0"), ("t0", 1, 0.25, "sender says t0.1")]
     assert samples[0].prompt == "you are sender in t0" and samples[0].step == 0
+    first = next(r for r in records if r.experience_id == sender_t0[0])
+    assert samples[0].response_token_ids == tuple(int(t) for t in first.response_token_ids)  # the ids, not only text
+    assert samples[0].prompt_token_ids == tuple(int(t) for t in first.prompt_token_ids)
     assert await read_step_samples(store, "job-1", "sender", 0, 1, tokenizer) == samples[:1]
     assert await read_step_samples(store, "job-1", "sender", 1, 5, tokenizer) == []  # not committed
 

@@ -69,6 +69,8 @@ class _Parser(argparse.ArgumentParser):
 
 _TINY_PARAMETERS = ("seed", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                     "intermediate_size")
+#: Boolean tiny:// parameters (0 or 1): URI name -> build_tiny_checkpoint argument.
+_TINY_FLAGS = {"tie": "tie_word_embeddings"}
 
 
 def tiny_models(spec: dict[str, Any], models_dir: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
@@ -94,6 +96,11 @@ def tiny_models(spec: dict[str, Any], models_dir: Path) -> dict[str, tuple[Path,
             )
         kwargs: dict[str, Any] = {"arch": arch}
         for key, value in params.items():
+            if key in _TINY_FLAGS:
+                if value not in ("0", "1"):
+                    raise InvalidArgument(f"{where}: tiny:// parameter {key} must be 0 or 1, got {value!r}")
+                kwargs[_TINY_FLAGS[key]] = value == "1"
+                continue
             if key not in _TINY_PARAMETERS:
                 raise InvalidArgument(f"{where}: unknown tiny:// parameter {key!r}")
             try:
@@ -560,7 +567,8 @@ def cmd_history(args: argparse.Namespace) -> int:
     table = Table("agent", "step", "version", "reward", "loss", "grad norm", "kl", "clip", "staleness", "episodes",
                   "tokens/s", "step s")
     for r in rows:
-        table.add_row(r.agent, str(r.step), str(r.version), f"{r.reward_mean:.3f}", f"{r.loss:.4f}",
+        # GRPO's loss is ~0 by construction (advantages have mean 0 within a group): print its scale.
+        table.add_row(r.agent, str(r.step), str(r.version), f"{r.reward_mean:.3f}", f"{r.loss:+.3e}",
                       f"{r.grad_norm:.3f}", f"{r.figures.get('kl', 0.0):.4f}",
                       f"{r.figures.get('clip_fraction', 0.0):.3f}",
                       f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}", f"{r.step_seconds:.2f}")
@@ -588,6 +596,9 @@ def cmd_samples(args: argparse.Namespace) -> int:
                       f"{s.prompt_tokens}+{s.response_tokens} tokens)", soft_wrap=True)
         console.print(f"[dim]prompt:[/]   {escape(s.prompt)}", soft_wrap=True)
         console.print(f"[dim]response:[/] {escape(s.response)}", soft_wrap=True)
+        if args.ids:
+            console.print(f"[dim]prompt ids:[/]   {' '.join(map(str, s.prompt_token_ids))}", soft_wrap=True)
+            console.print(f"[dim]response ids:[/] {' '.join(map(str, s.response_token_ids))}", soft_wrap=True)
     return EXIT_OK
 
 
@@ -766,7 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
     samples.add_argument("--agent", required=True, help="the agent whose turns to show")
     samples.add_argument("--step", type=int, default=None, help="the committed step (default: the latest)")
     samples.add_argument("--count", type=int, default=4, help="how many experiences (agent turns) to show")
-    samples.add_argument("--json", action="store_true")
+    samples.add_argument("--ids", action="store_true",
+                         help="also print the token ids (byte-level ids may decode to '' or U+FFFD)")
+    samples.add_argument("--json", action="store_true", help="every field as JSON, the token ids included")
     samples.set_defaults(func=cmd_samples)
     schema = sub.add_parser("schema", help="the job file's JSON Schema (for editors); --markdown: the reference")
     schema.add_argument("--markdown", action="store_true")

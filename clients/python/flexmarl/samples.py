@@ -36,6 +36,9 @@ class Sample:
     response: str
     prompt_tokens: int
     response_tokens: int
+    #: The token ids themselves: byte-level ids that decode to '' or U+FFFD hide what was said.
+    prompt_token_ids: tuple[int, ...] = ()
+    response_token_ids: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -105,6 +108,8 @@ def decode_samples(records: Sequence[ExperienceRecord], step: int, tokenizer: Te
             prompt=tokenizer.decode([int(t) for t in r.prompt_token_ids], skip_special_tokens=False),
             response=tokenizer.decode([int(t) for t in r.response_token_ids], skip_special_tokens=True),
             prompt_tokens=int(r.prompt_token_ids.shape[0]), response_tokens=r.response_tokens,
+            prompt_token_ids=tuple(int(t) for t in r.prompt_token_ids),
+            response_token_ids=tuple(int(t) for t in r.response_token_ids),
         )
         for r in ordered
     ]
