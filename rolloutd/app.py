@@ -37,6 +37,7 @@ class RolloutApp(DaemonApp):
             engine_max_loras_per_batch=config.engine_max_loras_per_batch,
             engine_max_loaded_loras=config.engine_max_loaded_loras or None,
             weights_cache_dir=Path(config.weights_cache_dir).resolve() if config.weights_cache_dir else None,
+            vllm_python=config.vllm_python,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 

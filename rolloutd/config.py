@@ -12,6 +12,11 @@ from flexmarl.config import ConfigError, DaemonConfig
 from flexmarl.devices import DeviceSet, device_pool, nvidia_smi_device_count, split_device_sets
 from flexmarl.errors import InvalidArgument
 
+# Refused rather than turned off behind the user's back: the default (on) promises reproducible runs.
+_VLLM_NOT_DETERMINISTIC = ("engine_deterministic_inference: vLLM replicas honour per-request seeds but have no "
+                           "batch-invariant mode; set it false for engine_backend vllm "
+                           "(--no-engine-deterministic-inference)")
+
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
@@ -145,10 +150,8 @@ class RolloutConfig(DaemonConfig):
             return
         if not self.engine_url_list():
             self._validate_vllm_launch()
-        # Refused until rolloutd's worker passes the backend on (worker.py: replica_specs' vllm_python and
-        # attach(url, backend)); before that it would speak SGLang's API to vLLM. No silent fallback.
-        raise ConfigError("engine_backend: vllm replicas are not driven by rolloutd's worker yet (issue 33: the "
-                          "backend, rolloutd.engines.vllm, is in place; the worker's wiring is not)")
+        if self.engine_deterministic_inference:
+            raise ConfigError(_VLLM_NOT_DETERMINISTIC)
 
     def _validate_vllm_launch(self) -> None:
         if not self.vllm_python:
@@ -156,9 +159,6 @@ class RolloutConfig(DaemonConfig):
                               "virtual environment; set it (./dev.sh test installs .venv-vllm/bin/python)")
         if not os.path.isfile(self.vllm_python) or not os.access(self.vllm_python, os.X_OK):
             raise ConfigError(f"vllm_python: {self.vllm_python} is not an executable file")
-        if self.engine_deterministic_inference:
-            raise ConfigError("engine_deterministic_inference: vLLM replicas honour per-request seeds but have no "
-                              "batch-invariant mode here; set it false for engine_backend vllm")
 
     def engine_url_list(self) -> tuple[str, ...]:
         """The attached engines' URLs (empty: rolloutd launches its replicas)."""

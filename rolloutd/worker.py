@@ -63,7 +63,7 @@ from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.store_client import StoreClient
 from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.config import EnginePathMap
-from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, attach, launch
+from rolloutd.engines.launcher import Backend, EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH, LoraSettings
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.external_env import ExternalAgents
@@ -144,6 +144,8 @@ class WorkerSettings:
     #: LoRA agents' replicas: --max-loras-per-batch and --max-loaded-loras (None: no bound).
     engine_max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
     engine_max_loaded_loras: int | None = None
+    #: engine_backend vllm: the python of vLLM's virtual environment (launched replicas).
+    vllm_python: str = ""
 
     @property
     def weights_cache(self) -> Path:
@@ -161,9 +163,15 @@ def replica_specs(settings: WorkerSettings, model_path: str, lora: LoraSettings 
                     num_threads=settings.engine_threads, tp_size=settings.engine_tp_size,
                     deterministic_inference=settings.deterministic_inference,
                     devices=None if devices is None else devices[index], extra_args=settings.engine_extra_args,
-                    lora=lora or LoraSettings())
+                    lora=lora or LoraSettings(), vllm_python=settings.vllm_python)
         for index in range(settings.engine_replicas)
     ]
+
+
+def attached_engines(settings: WorkerSettings) -> list[EngineReplica]:
+    """The replicas of ``engine_urls``, each spoken to in its backend's API (an embedded engine speaks SGLang's)."""
+    backend: Backend = "vllm" if settings.engine_backend == "vllm" else "sglang"
+    return [attach(url, backend) for url in settings.engine_urls]
 
 
 def weights_resolver(
@@ -566,7 +574,7 @@ class RolloutWorker:
                 return self.router
             s = self.settings
             if s.engine_urls:
-                engines = [attach(url) for url in s.engine_urls]
+                engines = attached_engines(s)
                 path_map = s.engine_path_map
             else:
                 engines = []

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+from vllm_support import VLLM_TEST_ARGS, require_vllm_python
 
-from flexmarl.config import ConfigError
+from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
@@ -29,11 +30,11 @@ from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequ
 from rolloutd.engines.sglang_client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
+from rolloutd.worker import WorkerSettings, attached_engines, replica_specs
 
 # A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
 pytestmark = pytest.mark.timeout(180)
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = (104, 101, 108, 108, 111)  # "hello"
 # Served logprobs (batched, KV-cached decode) vs one full forward pass of the same fp32 model.
 LOGPROB_TOLERANCE = 1e-4
@@ -41,13 +42,6 @@ LOGPROB_TOLERANCE = 1e-4
 # --max-model-len 512), the embedded engine ~1,000.
 LONG_TOKENS = 480
 EMBEDDED_LONG_TOKENS = 1500
-VLLM_TEST_ARGS = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "67108864",
-                  "--max-num-seqs", "8")
-
-
-def vllm_python() -> str:
-    """The vLLM environment's python: $FLEXMARL_VLLM_PYTHON, else the repo's .venv-vllm (./dev.sh test)."""
-    return os.environ.get("FLEXMARL_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
 
 
 @dataclass(frozen=True)
@@ -62,12 +56,7 @@ class VLLMServer:
 @pytest.fixture(scope="module")
 def vllm_server(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """A vLLM server on the tiny checkpoint (seed 0, LoRA on), shared by the module."""
-    python = vllm_python()
-    if not os.access(python, os.X_OK):
-        reason = f"vLLM is not installed at {python} (./dev.sh test installs it into .venv-vllm)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+    python = require_vllm_python()
     spec = ReplicaSpec("vllm", str(engine_checkpoint), seed=0, dtype="float32", vllm_python=python,
                        lora=LoraSettings(enable_lora=True, max_lora_rank=8, max_loras_per_batch=2),
                        extra_args=VLLM_TEST_ARGS)
@@ -453,15 +442,34 @@ def test_command_and_environment(tmp_path: Path) -> None:
         vllm_command(ReplicaSpec("vllm", "/ckpt", vllm_python="/p", deterministic_inference=True), 1)
 
 
+def test_the_worker_launches_and_attaches_vllm_replicas(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    config = load_config(RolloutConfig, ["--engine-backend", "vllm", "--vllm-python", str(python),
+                                         "--no-engine-deterministic-inference", "--engine-replicas", "2"], "rolloutd")
+    settings = WorkerSettings(worker_id="r", work_dir=tmp_path, max_tasks=1, engine_backend=config.engine_backend,
+                              engine_replicas=config.engine_replicas, engine_urls=(), engine_threads=1,
+                              orchestrator_address="", store_address="", max_message_bytes=1 << 20,
+                              deterministic_inference=config.engine_deterministic_inference,
+                              vllm_python=config.vllm_python)
+    specs = replica_specs(settings, "/ckpt")
+    assert [(s.backend, s.vllm_python, s.deterministic_inference) for s in specs] == [("vllm", str(python), False)] * 2
+    assert vllm_command(specs[0], 1)[0] == str(python)
+    attached = attached_engines(dataclasses.replace(settings, engine_urls=("http://h:1", "http://h:2")))
+    assert [(engine.url, engine.backend) for engine in attached] == [("http://h:1", "vllm"), ("http://h:2", "vllm")]
+    embedded = attached_engines(dataclasses.replace(settings, engine_backend="embedded", engine_urls=("http://h:1",)))
+    assert [engine.backend for engine in embedded] == ["sglang"]  # the embedded engine speaks SGLang's API
+
+
 def test_config_refuses_what_vllm_cannot_do(tmp_path: Path) -> None:
     python = tmp_path / "python"
     python.write_text("#!/bin/sh\n")
     python.chmod(0o755)
-    # Each setting is checked, then the daemon refuses vllm until its worker drives vLLM replicas.
-    with pytest.raises(ConfigError, match="^engine_backend: vllm replicas are not driven"):
-        RolloutConfig(engine_backend="vllm", vllm_python=str(python), engine_deterministic_inference=False).validate()
-    with pytest.raises(ConfigError, match="^engine_backend: vllm replicas are not driven"):
-        RolloutConfig(engine_backend="vllm", engine_urls="http://h:1").validate()  # attached: nothing to launch
+    RolloutConfig(engine_backend="vllm", vllm_python=str(python), engine_deterministic_inference=False).validate()
+    RolloutConfig(engine_backend="vllm", engine_urls="http://h:1", engine_deterministic_inference=False).validate()
+    with pytest.raises(ConfigError, match="^engine_deterministic_inference:.*--no-engine-deterministic-inference"):
+        RolloutConfig(engine_backend="vllm", engine_urls="http://h:1").validate()  # the default (on) is refused
     with pytest.raises(ConfigError, match="^vllm_python:"):
         RolloutConfig(engine_backend="vllm", engine_deterministic_inference=False).validate()
     with pytest.raises(ConfigError, match="^engine_deterministic_inference:"):
