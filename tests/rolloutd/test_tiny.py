@@ -88,3 +88,36 @@ def test_llama_arch_and_custom_sizes(tmp_path: Path) -> None:
 def test_rejects_bad_arguments(tmp_path: Path, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         build_tiny_checkpoint(tmp_path / "x", **kwargs)  # type: ignore[arg-type]
+
+
+def test_untied_checkpoint_has_its_own_output_head(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    tied = build_tiny_checkpoint(tmp_path / "tied", seed=3)
+    untied = build_tiny_checkpoint(tmp_path / "untied", seed=3, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_pretrained(untied)
+    assert model.config.tie_word_embeddings is False
+    output_embeddings: Any = model.get_output_embeddings()  # type: ignore[no-untyped-call]
+    input_embeddings: Any = model.get_input_embeddings()
+    assert output_embeddings.weight.data_ptr() != input_embeddings.weight.data_ptr()
+    assert not torch.equal(output_embeddings.weight, input_embeddings.weight)
+    with safe_open(str(untied / "model.safetensors"), "pt") as saved:
+        assert "lm_head.weight" in set(saved.keys())
+    with safe_open(str(tied / "model.safetensors"), "pt") as saved:
+        assert "lm_head.weight" not in set(saved.keys())
+    assert _digest(untied) == _digest(build_tiny_checkpoint(tmp_path / "again", seed=3, tie_word_embeddings=False))
+
+
+def test_tiny_uri_tie_parameter(tmp_path: Path) -> None:
+    from flexmarl.cli import tiny_models
+    from flexmarl.errors import InvalidArgument
+
+    def plan(uri: str) -> tuple[Path, dict[str, Any]]:
+        return tiny_models({"agents": [{"name": "a", "model": uri}]}, tmp_path)[uri]
+
+    directory, kwargs = plan("tiny://qwen2?seed=1&tie=0")
+    assert kwargs == {"arch": "qwen2", "seed": 1, "tie_word_embeddings": False}
+    assert directory != plan("tiny://qwen2?seed=1")[0] != plan("tiny://qwen2?seed=1&tie=1")[0]
+    assert plan("tiny://qwen2?seed=1&tie=1")[1]["tie_word_embeddings"] is True
+    with pytest.raises(InvalidArgument, match="tie must be 0 or 1"):
+        plan("tiny://qwen2?seed=1&tie=no")

@@ -132,12 +132,14 @@ def build_tiny_checkpoint(
     intermediate_size: int = 512,
     max_position_embeddings: int = 2048,
     vocab_multiple: int = 64,
+    tie_word_embeddings: bool = True,
     progress: bool = False,
 ) -> Path:
     """Build a tiny random-init causal LM checkpoint directory (tokenizer + config + safetensors).
 
     The defaults (2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, tied embeddings) give
-    about 1.3 M parameters (~5 MB in fp32). Weights are drawn from a generator seeded with
+    about 1.3 M parameters (~5 MB in fp32); untied, the output head adds vocab x hidden (82 K).
+    Weights are drawn from a generator seeded with
     ``seed`` inside a forked RNG state, so the caller's global torch RNG is left untouched.
 
     Args:
@@ -152,6 +154,9 @@ def build_tiny_checkpoint(
         intermediate_size: MLP width.
         max_position_embeddings: Longest sequence the rotary embedding is configured for.
         vocab_multiple: The embedding table is the tokenizer size rounded up to this multiple.
+        tie_word_embeddings: Share the input embedding with the output head (the default). Untied,
+            the head is a weight of its own (``lm_head.weight``); vLLM on CPU reloads only such a
+            head (docs/engines.md), so vLLM jobs use untied models (``tiny://qwen2?seed=N&tie=0``).
         progress: Show transformers' progress bars while saving (on stderr); quiet by default.
 
     Returns:
@@ -192,7 +197,7 @@ def build_tiny_checkpoint(
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings,
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": tie_word_embeddings,
         "bos_token_id": special_ids[BOS_TOKEN],
         "eos_token_id": special_ids[EOS_TOKEN],
         "pad_token_id": special_ids[PAD_TOKEN],
