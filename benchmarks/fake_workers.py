@@ -8,10 +8,12 @@ ack micro-batches and commit steps with a fake weights URI. No model is ever loa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -20,12 +22,38 @@ import numpy as np
 import psutil
 
 from benchmarks.report import latency_ms
+from flexmarl.cluster import DaemonProcess, EtcdServer
 from flexmarl.experience import ExperienceRecord, experience_id, group_id
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc, store_pb2, store_pb2_grpc
 
 AGENTS = ("alice", "bob")
 
 T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def control_plane(tmp: Path, etcd_env: Mapping[str, str] | None = None
+                  ) -> Iterator[tuple[EtcdServer, DaemonProcess, DaemonProcess]]:
+    """A real etcd (with ``etcd_env``'s ETCD_* settings), stored and orchestratord under ``tmp``; stopped after.
+
+    Yields (etcd, stored, orchestratord): what the simulated workers drive.
+    """
+    etcd = EtcdServer(tmp / "etcd", env=etcd_env)
+    etcd.start()
+    stored = DaemonProcess("stored", ["--data-dir", str(tmp / "data"), "--log-level", "WARNING"],
+                           etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
+    orch: DaemonProcess | None = None
+    try:
+        stored.start()
+        orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING"],
+                             etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
+        orch.start()
+        yield etcd, stored, orch
+    finally:
+        if orch is not None:
+            orch.terminate()
+        stored.terminate()
+        etcd.stop()
 
 
 def job_spec(name: str, prompts_per_step: int, group_size: int, total_steps: int, max_staleness: int,

@@ -68,13 +68,13 @@ from benchmarks.fake_workers import (  # noqa: E402
     Cluster,
     Recorder,
     RssSampler,
+    control_plane,
     job_spec,
     rollout_worker,
     trainer_slot,
     watch_job,
 )
 from benchmarks.report import Column, latency_ms, render_table  # noqa: E402
-from flexmarl.cluster import DaemonProcess, EtcdServer  # noqa: E402
 from flexmarl.experience import experience_id, group_id  # noqa: E402
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc  # noqa: E402
 
@@ -617,32 +617,17 @@ def main() -> None:
     rates = [float(r) for r in args.open_rates.split(",") if r.strip()]
     load_at_start = os.getloadavg()
 
-    with tempfile.TemporaryDirectory(prefix="load-bench-") as tmp_name:
-        tmp = Path(tmp_name)
-        etcd = EtcdServer(tmp / "etcd")
-        etcd.start()
-        stored = DaemonProcess("stored", ["--data-dir", str(tmp / "data"), "--log-level", "WARNING"],
-                               etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
-        orch: DaemonProcess | None = None
-        try:
-            stored.start()
-            orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING"],
-                                 etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
-            orch.start()
-            pids = {"orchestratord": orch.pid, "stored": stored.pid}
-            result = asyncio.run(run(orch.address, stored.address, pids, args))
-            leased = result.pop("held_lease_ids")
-            result["baseline"] = baseline(args)
-            result["storm"] = storm(orch.address, leased, {"orchestratord": orch.pid}, args)
-            result["open"] = [open_loop(orch.address, rate, {"orchestratord": orch.pid}, args) for rate in rates]
-            for phase in (result["storm"], *result["open"]):
-                result["peak_rss_mb"]["orchestratord"] = max(result["peak_rss_mb"]["orchestratord"],
-                                                             phase["peak_rss_mb"]["orchestratord"])
-        finally:
-            if orch is not None:
-                orch.terminate()
-            stored.terminate()
-            etcd.stop()
+    with tempfile.TemporaryDirectory(prefix="load-bench-") as tmp_name, \
+            control_plane(Path(tmp_name)) as (_, stored, orch):
+        pids = {"orchestratord": orch.pid, "stored": stored.pid}
+        result = asyncio.run(run(orch.address, stored.address, pids, args))
+        leased = result.pop("held_lease_ids")
+        result["baseline"] = baseline(args)
+        result["storm"] = storm(orch.address, leased, {"orchestratord": orch.pid}, args)
+        result["open"] = [open_loop(orch.address, rate, {"orchestratord": orch.pid}, args) for rate in rates]
+        for phase in (result["storm"], *result["open"]):
+            result["peak_rss_mb"]["orchestratord"] = max(result["peak_rss_mb"]["orchestratord"],
+                                                         phase["peak_rss_mb"]["orchestratord"])
 
     ops, p99 = result["storm"]["lease_ops_per_s"], result["storm"]["p99_ms"]
     drive_ops, drive_p99 = _lease_ops(result["drive"]["rpcs"])

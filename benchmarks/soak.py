@@ -39,9 +39,17 @@ if str(REPO_ROOT) not in sys.path:  # run as a script: benchmarks.* is found fro
 
 import numpy as np  # noqa: E402
 
-from benchmarks.fake_workers import Cluster, Recorder, RssSampler, job_spec, rollout_worker, trainer_slot  # noqa: E402
+from benchmarks.fake_workers import (  # noqa: E402
+    Cluster,
+    Recorder,
+    RssSampler,
+    control_plane,
+    job_spec,
+    rollout_worker,
+    trainer_slot,
+)
 from benchmarks.report import Column, render_table  # noqa: E402
-from flexmarl.cluster import DaemonProcess, EtcdServer  # noqa: E402
+from flexmarl.cluster import EtcdServer  # noqa: E402
 from flexmarl.v1 import orchestrator_pb2  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "soak.json"
@@ -299,33 +307,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     compaction = etcd_compaction_env(args.etcd_compaction_retention)
     with tempfile.TemporaryDirectory(prefix="soak-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        saved = {k: os.environ.get(k) for k in compaction}
-        os.environ.update(compaction)  # EtcdServer passes this process's environment to etcd
-        etcd = EtcdServer(tmp / "etcd")
-        try:
-            etcd.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        data_dir = tmp / "data"
-        stored = DaemonProcess("stored", ["--data-dir", str(data_dir), "--log-level", "WARNING"],
-                               etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
-        orch: DaemonProcess | None = None
-        try:
-            stored.start()
-            orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING"],
-                                 etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
-            orch.start()
+        with control_plane(tmp, compaction) as (etcd, stored, orch):
             pids = {"orchestratord": orch.pid, "stored": stored.pid}
-            result = asyncio.run(_drive(orch.address, stored.address, etcd, data_dir, pids, args))
-        finally:
-            if orch is not None:
-                orch.terminate()
-            stored.terminate()
-            etcd.stop()
+            result = asyncio.run(_drive(orch.address, stored.address, etcd, tmp / "data", pids, args))
     rows = result["rows"]
     per_step = growth(rows, args.warmup_steps)
     kib = TARGET_GROWTH_KIB_PER_STEP * 1024

@@ -184,6 +184,7 @@ class EtcdServer(_Child):
         host: Host = LOCALHOST,
         runner: HostRunner | None = None,
         member: str = "flexmarl-test",
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self._own_dir = run_dir is None
         super().__init__("etcd", Path(tempfile.mkdtemp(prefix="flexmarl-etcd-")) if run_dir is None else run_dir)
@@ -195,6 +196,8 @@ class EtcdServer(_Child):
         self.auth = auth
         #: Its member name, and (a member of a cluster of several) every member's name=peer URL.
         self.member = member
+        #: Further ETCD_* settings for the process (etcd reads every flag from its environment too).
+        self.env = dict(env or {})
         self.initial_cluster = ""
         self.cluster_token = "flexmarl"
         #: The host it runs on (clients reach it at the host's address) and how it is started there.
@@ -276,7 +279,7 @@ class EtcdServer(_Child):
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url, *cluster,
             "--heartbeat-interval", timing[0], "--election-timeout", timing[1],
             "--quota-backend-bytes", str(256 * 1024 * 1024), "--log-level", "warn", *tls_args,
-        ], env={"ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")})
+        ], env={"ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", ""), **self.env})
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Waits for /health (a member of a cluster: once the cluster has a leader); kills it on failure."""
