@@ -153,8 +153,9 @@ class WorkerSettings:
         return self.weights_cache_dir or self.work_dir / "weights"
 
 
-def replica_specs(settings: WorkerSettings, model_path: str, lora: LoraSettings | None = None) -> list[ReplicaSpec]:
-    """What each replica rolloutd launches runs: its backend, model, devices and flags (``lora``: LoRA flags)."""
+def replica_specs(settings: WorkerSettings, model_path: str, lora: LoraSettings | None = None,
+                  dtype: str = "auto") -> list[ReplicaSpec]:
+    """What each replica rolloutd launches runs: its backend, model, dtype, devices and flags (``lora``: LoRA flags)."""
     devices = settings.engine_device_sets
     if devices is not None and len(devices) != settings.engine_replicas:
         raise InvalidArgument(f"{len(devices)} device sets for {settings.engine_replicas} replicas")
@@ -163,9 +164,21 @@ def replica_specs(settings: WorkerSettings, model_path: str, lora: LoraSettings 
                     num_threads=settings.engine_threads, tp_size=settings.engine_tp_size,
                     deterministic_inference=settings.deterministic_inference,
                     devices=None if devices is None else devices[index], extra_args=settings.engine_extra_args,
-                    lora=lora or LoraSettings(), vllm_python=settings.vllm_python)
+                    lora=lora or LoraSettings(), vllm_python=settings.vllm_python, dtype=dtype)
         for index in range(settings.engine_replicas)
     ]
+
+
+def launch_dtype(spec: JobSpec, backend: str) -> str:
+    """A launched replica's ``--dtype`` for the job: a vLLM replica's follows the agents' (``auto`` otherwise).
+
+    vLLM's ``auto`` serves a float32 checkpoint in bfloat16 (``vllm/config/model.py``: "Downcast for
+    float32 models"), so an fp32 job would sample from, and record logprobs of, another policy than
+    the one traind trains. float32 when any agent trains in fp32 (a bf16 checkpoint upcasts exactly).
+    """
+    if backend != "vllm":
+        return "auto"
+    return "float32" if any(agent.dtype == "fp32" for agent in spec.agents) else "bfloat16"
 
 
 def attached_engines(settings: WorkerSettings) -> list[EngineReplica]:
@@ -580,7 +593,8 @@ class RolloutWorker:
                 engines = []
                 launched = []
                 lora = engine_lora_settings(spec, s.engine_max_loras_per_batch, s.engine_max_loaded_loras)
-                for index, replica_spec in enumerate(replica_specs(s, launch_model(spec), lora)):
+                specs = replica_specs(s, launch_model(spec), lora, launch_dtype(spec, s.engine_backend))
+                for index, replica_spec in enumerate(specs):
                     engine = await launch(replica_spec, s.work_dir / "engines", name=f"engine-{index}",
                                           timeout_s=s.engine_launch_timeout_s)
                     engines.append(engine)

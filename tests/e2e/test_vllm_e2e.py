@@ -114,7 +114,7 @@ def test_signaling_job_on_a_vllm_replica(tmp_path: Path) -> None:
     models_dir = tmp_path / "models"
     spec = vllm_spec(models_dir)
     rolloutd_args = ["--engine-backend", "vllm", "--vllm-python", python, "--no-engine-deterministic-inference",
-                     f"--engine-extra-args={shlex.join(['--dtype', 'float32', *support.VLLM_TEST_ARGS])}"]
+                     f"--engine-extra-args={shlex.join(support.VLLM_TEST_ARGS)}"]
     started = time.monotonic()
     with running_cluster(tmp_path / "run", models_dir, engine_replicas=1, trainer_workers=1, trainer_slots=1,
                          rolloutd_args=rolloutd_args) as e2e:

@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from vllm_support import VLLM_TEST_ARGS, require_vllm_python
 
 from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.jobspec import JobSpec
 from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
 from rolloutd.engines.lora import LoraSettings
@@ -30,11 +32,12 @@ from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequ
 from rolloutd.engines.sglang_client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
-from rolloutd.worker import WorkerSettings, attached_engines, replica_specs
+from rolloutd.worker import WorkerSettings, attached_engines, launch_dtype, replica_specs
 
 # A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
 pytestmark = pytest.mark.timeout(180)
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPT = (104, 101, 108, 108, 111)  # "hello"
 # Served logprobs (batched, KV-cached decode) vs one full forward pass of the same fp32 model.
 LOGPROB_TOLERANCE = 1e-4
@@ -453,9 +456,17 @@ def test_the_worker_launches_and_attaches_vllm_replicas(tmp_path: Path) -> None:
                               orchestrator_address="", store_address="", max_message_bytes=1 << 20,
                               deterministic_inference=config.engine_deterministic_inference,
                               vllm_python=config.vllm_python)
-    specs = replica_specs(settings, "/ckpt")
+    job = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())  # fp32 agents
+    specs = replica_specs(settings, "/ckpt", dtype=launch_dtype(JobSpec.model_validate(job), "vllm"))
     assert [(s.backend, s.vllm_python, s.deterministic_inference) for s in specs] == [("vllm", str(python), False)] * 2
-    assert vllm_command(specs[0], 1)[0] == str(python)
+    command = vllm_command(specs[0], 1)
+    # vLLM's --dtype auto would serve the fp32 checkpoint in bfloat16.
+    assert command[0] == str(python) and command[command.index("--dtype") + 1] == "float32"
+    job["agents"][1]["dtype"] = "bf16"
+    assert launch_dtype(JobSpec.model_validate(job), "vllm") == "float32"  # any fp32 agent: float32
+    job["agents"][0]["dtype"] = "bf16"
+    assert launch_dtype(JobSpec.model_validate(job), "vllm") == "bfloat16"
+    assert launch_dtype(JobSpec.model_validate(job), "sglang") == "auto"
     attached = attached_engines(dataclasses.replace(settings, engine_urls=("http://h:1", "http://h:2")))
     assert [(engine.url, engine.backend) for engine in attached] == [("http://h:1", "vllm"), ("http://h:2", "vllm")]
     embedded = attached_engines(dataclasses.replace(settings, engine_backend="embedded", engine_urls=("http://h:1",)))
