@@ -66,6 +66,7 @@ from rolloutd.config import EnginePathMap
 from rolloutd.engines.launcher import Backend, EngineReplica, ReplicaSpec, attach, launch
 from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH, LoraSettings
 from rolloutd.engines.supervisor import EngineSupervisor
+from rolloutd.engines.vllm.jobs import refuse_unservable
 from rolloutd.external_env import ExternalAgents
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.lora_launch import engine_lora_settings, launch_model, lora_bases
@@ -520,6 +521,9 @@ class RolloutWorker:
 
     async def _new_job(self, task: RolloutTask) -> _ServedJob:
         spec = await self._specs.get(task.job_id, task.spec_digest)
+        if self.settings.engine_backend == "vllm":
+            launched_on_cpu = not self.settings.engine_urls and self.settings.engine_device_sets is None
+            refuse_unservable(spec, on_cpu=launched_on_cpu)
         router = await self._ensure_engines(spec)
         env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
         if isinstance(env, ExternalAgents) and not env.gateway_config.cluster_token and self.settings.security.token:

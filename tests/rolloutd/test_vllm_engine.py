@@ -25,6 +25,7 @@ from vllm_support import VLLM_TEST_ARGS, require_vllm_python
 from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.jobspec import JobSpec
+from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
 from rolloutd.engines.lora import LoraSettings
@@ -32,6 +33,7 @@ from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequ
 from rolloutd.engines.sglang_client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
+from rolloutd.engines.vllm.jobs import refuse_unservable
 from rolloutd.worker import WorkerSettings, attached_engines, launch_dtype, replica_specs
 
 # A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
@@ -471,6 +473,23 @@ def test_the_worker_launches_and_attaches_vllm_replicas(tmp_path: Path) -> None:
     assert [(engine.url, engine.backend) for engine in attached] == [("http://h:1", "vllm"), ("http://h:2", "vllm")]
     embedded = attached_engines(dataclasses.replace(settings, engine_backend="embedded", engine_urls=("http://h:1",)))
     assert [engine.backend for engine in embedded] == ["sglang"]  # the embedded engine speaks SGLang's API
+
+
+def test_jobs_vllm_would_serve_wrongly_are_refused(tmp_path: Path) -> None:
+    sizes = {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16}
+    tied = build_tiny_checkpoint(tmp_path / "tied", **sizes)
+    untied = build_tiny_checkpoint(tmp_path / "untied", tie_word_embeddings=False, **sizes)
+    job = yaml.safe_load((REPO / "examples" / "signaling" / "job.yaml").read_text())
+    for agent in job["agents"]:
+        agent["model"] = str(untied)
+    refuse_unservable(JobSpec.model_validate(job), on_cpu=True)
+    job["agents"][1]["model"] = str(tied)
+    with pytest.raises(InvalidArgument, match=r"^agents\[receiver\]\.model: .* ties its output head"):
+        refuse_unservable(JobSpec.model_validate(job), on_cpu=True)
+    refuse_unservable(JobSpec.model_validate(job), on_cpu=False)  # a GPU's vLLM: not known to keep the head
+    job["rollout"] = {"weight_sync": "distributed"}
+    with pytest.raises(InvalidArgument, match="^rollout.weight_sync: 'distributed'"):
+        refuse_unservable(JobSpec.model_validate(job), on_cpu=False)
 
 
 def test_config_refuses_what_vllm_cannot_do(tmp_path: Path) -> None:
