@@ -153,5 +153,5 @@ def test_signaling_job_on_a_vllm_replica(tmp_path: Path) -> None:
             expected = forward_logprobs(model_dir, prompt, ids)
             worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, expected, strict=True)))
             assert logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE), f"{name}: final v{version}"
-    print(f"vLLM e2e: job {job_s:.1f} s, {time.monotonic() - started:.1f} s in all; "
+    print(f"vLLM e2e: cluster start to job end {job_s:.1f} s, {time.monotonic() - started:.1f} s in all; "
           f"max |served - forward| logprob {worst:.2e}")
