@@ -24,8 +24,9 @@ from orchestratord.state import JobState, JobStateChanged, StateChange, StepComm
 logger = logging.getLogger(__name__)
 
 #: Steps every agent committed whose manifests and commits the planner still holds: a repeated
-#: CommitStep (a lost reply) finds its commit (the coordinator takes a commit's manifest from its
-#: StepCommitted change, so a write delayed by an etcd outage does not depend on this). Older ones live in etcd only, so the planner's memory does not grow with history.
+#: CommitStep (a lost reply) finds its commit. The coordinator takes a commit's manifest from its
+#: StepCommitted change, so a write delayed by an etcd outage does not depend on this. Older ones
+#: live in etcd only, so the planner's memory does not grow with history.
 KEPT_COMMITTED_STEPS = 2
 
 
