@@ -69,6 +69,7 @@ from rolloutd.balancer import (
     TokenEstimator,
     equal_split,
 )
+from rolloutd.engines.http_client import EngineBusy
 from rolloutd.engines.protocol import (
     EngineClient,
     FinishReason,
@@ -77,7 +78,6 @@ from rolloutd.engines.protocol import (
     PauseMode,
     SamplingParams,
 )
-from rolloutd.engines.sglang_client import EngineBusy
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 

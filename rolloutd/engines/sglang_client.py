@@ -37,20 +37,16 @@ Paths and field names are SGLang's:
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
-from flexmarl.retry import RetryPolicy, retry
+from rolloutd.engines.http_client import HttpEngineClient
 from rolloutd.engines.protocol import (
-    EngineClient,
     EngineLoad,
     FinishReason,
     GenerationRequest,
@@ -67,15 +63,6 @@ logger = logging.getLogger(__name__)
 
 #: Samples in flight per replica when its ``/v1/loads`` does not report ``max_running_requests``.
 DEFAULT_MAX_CONCURRENT_GENERATIONS = 1024
-
-
-class EngineBusy(Unavailable):
-    """The replica is up but answered 503 to one request: retry later, do not drop the replica.
-
-    SGLang answers 503 for a request it aborted under memory pressure ("Retracted under decode
-    memory pressure without a KV backup. Retry later.", ``srt/managers/schedule_batch.py``) and
-    for a few per-request refusals (``srt/managers/scheduler.py``); none means the server died.
-    """
 
 
 def sglang_error_message(payload: Any) -> str:
@@ -106,95 +93,16 @@ def sglang_error_message(payload: Any) -> str:
     return str(payload).strip()[:2000]
 
 
-class _GenerationSlots:
-    """Bounds the samples a client has in flight on its replica; waiters are served FIFO.
-
-    A request takes ``n`` slots (one per sample it runs on the server), at most the whole limit.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self._limit = max(1, limit)
-        self._in_use = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    @property
-    def limit(self) -> int:
-        return self._limit
-
-    @limit.setter
-    def limit(self, value: int) -> None:
-        self._limit = max(1, value)
-        self._grant()
-
-    @property
-    def in_use(self) -> int:
-        return self._in_use
-
-    @contextlib.asynccontextmanager
-    async def hold(self, samples: int) -> AsyncIterator[None]:
-        taken = await self._acquire(min(max(1, samples), self._limit))
-        try:
-            yield
-        finally:
-            self._in_use -= taken
-            self._grant()
-
-    async def _acquire(self, weight: int) -> int:
-        if not self._waiters and self._in_use + weight <= self._limit:
-            self._in_use += weight
-            return weight
-        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((weight, granted))
-        try:
-            await granted
-        except asyncio.CancelledError:
-            if granted.done() and not granted.cancelled():  # granted, then cancelled: hand it on
-                self._in_use -= weight
-                self._grant()
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove((weight, granted))
-            raise
-        return weight
-
-    def _grant(self) -> None:
-        while self._waiters:
-            weight, granted = self._waiters[0]
-            if granted.done():  # cancelled while waiting
-                self._waiters.popleft()
-                continue
-            weight = min(weight, self._limit)
-            if self._in_use + weight > self._limit:
-                return
-            self._waiters.popleft()
-            self._in_use += weight
-            granted.set_result(None)
-
-
-class SGLangClient(EngineClient):
+class SGLangClient(HttpEngineClient):
     """One replica's HTTP client (SGLang server or embedded engine).
 
-    Transport, chosen so that long generations never make a healthy replica look dead:
-
-    - Generations hold a slot each (``n`` for an ``n > 1`` request) out of
-      ``max_concurrent_generations``, by default the replica's own running-request capacity
-      (the sum of ``max_running_requests`` over its ``/v1/loads`` ranks, read once before the first
-      generation; :data:`DEFAULT_MAX_CONCURRENT_GENERATIONS` when it does not say). Requests
-      beyond it wait here, and that wait is not counted against the replica. The HTTP connection
-      pool itself is unbounded, so control calls (``/health``, ``/abort_request``, weights)
-      never queue behind generations.
-    - A ``/generate`` that holds a slot may run ``generate_timeout_base_s +
-      generate_timeout_per_token_s * max_new_tokens`` seconds (no total timeout otherwise): a
-      deadline in proportion to the work asked for, generous enough for a slow, fully batched
-      decode, so only a stuck replica hits it. A dead replica is seen at once (the connection
-      breaks); the router re-admits a dropped replica when its ``/health`` answers 200 again.
-
-    Errors: connection errors (refused, reset, server gone) are retried ``retries`` times with
-    exponential backoff, then raised as :class:`Unavailable`; a request that times out raises
-    :class:`Unavailable` at once (the replica is alive but stuck). HTTP 400 (and 422) raises
-    :class:`InvalidArgument`, 503 :class:`EngineBusy` (alive, retry later), 502/504
-    :class:`Unavailable`, other errors :class:`FlexmarlError`; each carries SGLang's own message
-    (:func:`sglang_error_message`).
+    The transport is :class:`~rolloutd.engines.http_client.HttpEngineClient`'s: generations hold
+    slots out of ``max_concurrent_generations``, by default the replica's own running-request
+    capacity (the sum of ``max_running_requests`` over its ``/v1/loads`` ranks, read once before
+    the first generation; :data:`DEFAULT_MAX_CONCURRENT_GENERATIONS` when it does not say); the
+    router re-admits a dropped replica when its ``/health`` answers 200 again. HTTP 400 (and 422)
+    raises :class:`InvalidArgument`, 503 :class:`EngineBusy`, 502/504 :class:`Unavailable`, other
+    errors :class:`FlexmarlError`; each carries SGLang's own message (:func:`sglang_error_message`).
     """
 
     def __init__(
@@ -229,107 +137,21 @@ class SGLangClient(EngineClient):
             session: A session to use (not closed by :meth:`close`); by default the client
                 opens its own with an unbounded connection pool.
         """
-        if max_concurrent_generations is not None and max_concurrent_generations < 1:
-            raise InvalidArgument(f"max_concurrent_generations must be >= 1, got {max_concurrent_generations}")
-        if generate_timeout_base_s <= 0 or generate_timeout_per_token_s < 0:
-            raise InvalidArgument("generate_timeout_base_s must be > 0 and generate_timeout_per_token_s >= 0")
-        self.url = url.rstrip("/")
-        self._request_timeout_s = request_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._control_timeout_s = control_timeout_s
-        self._generate_timeout_base_s = generate_timeout_base_s
-        self._generate_timeout_per_token_s = generate_timeout_per_token_s
-        self._retries = retries
-        self._retry_backoff_s = retry_backoff_s
-        self._session = session
-        self._owns_session = session is None
+        super().__init__(
+            url, request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
+            control_timeout_s=control_timeout_s, generate_timeout_base_s=generate_timeout_base_s,
+            generate_timeout_per_token_s=generate_timeout_per_token_s,
+            max_concurrent_generations=(DEFAULT_MAX_CONCURRENT_GENERATIONS if max_concurrent_generations is None
+                                        else max_concurrent_generations),
+            retries=retries, retry_backoff_s=retry_backoff_s, session=session)
         self._info_paths: dict[str, str] = {}
-        self._slots = _GenerationSlots(max_concurrent_generations or DEFAULT_MAX_CONCURRENT_GENERATIONS)
         self._capacity_known = max_concurrent_generations is not None
         self._capacity_lock = asyncio.Lock()
 
-    def __repr__(self) -> str:
-        return f"SGLangClient({self.url!r})"
-
-    async def __aenter__(self) -> SGLangClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the owned HTTP session (idempotent)."""
-        if self._session is not None and self._owns_session:
-            await self._session.close()
-        self._session = None
-
-    @property
-    def max_concurrent_generations(self) -> int:
-        """Samples this client lets run on the replica at once (the rest wait here)."""
-        return self._slots.limit
-
-    @property
-    def generations_in_flight(self) -> int:
-        """Slots held by running generations."""
-        return self._slots.in_use
-
-    def generate_timeout_s(self, max_new_tokens: int) -> float:
-        """How long one ``/generate`` may run once it holds its slot."""
-        return self._generate_timeout_base_s + self._generate_timeout_per_token_s * max(0, max_new_tokens)
-
-    # ----- transport ---------------------------------------------------------------------
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # limit=0: no pool bound. Generations are bounded by the slots, and control calls
-            # must never queue behind them (aiohttp counts pool waits in the request timeout).
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            self._owns_session = True
-        return self._session
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: dict[str, Any] | None = None,
-        timeout_s: float | None,
-        allowed_statuses: tuple[int, ...] = (),
-    ) -> tuple[int, Any]:
-        """Send one request with retries on connection errors; returns (status, JSON or text).
-
-        ``timeout_s`` is the request's total timeout; None sets none (the caller bounds it).
-        """
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
-
-        async def send() -> tuple[int, Any]:
-            async with self._get_session().request(method, self.url + path, json=body, timeout=timeout) as response:
-                text = await response.text()
-                if response.content_type == "application/json" and text:
-                    return response.status, json.loads(text)
-                return response.status, text
-
-        def log_retry(exc: BaseException, attempt: int, delay_s: float) -> None:
-            logger.debug("retrying %s %s%s in %.2fs after %r", method, self.url, path, delay_s, exc)
-
-        policy = RetryPolicy(self._retry_backoff_s, self._retry_backoff_s * 2 ** max(self._retries - 1, 0),
-                             attempts=self._retries + 1)
-        try:
-            status, payload = await retry(send, retryable=lambda exc: isinstance(exc, aiohttp.ClientConnectionError),
-                                          policy=policy, on_retry=log_retry)
-        except aiohttp.ClientConnectionError as exc:
-            raise Unavailable(f"engine {self.url} unreachable ({method} {path}): {exc!r}") from exc
-        except TimeoutError as exc:
-            raise Unavailable(f"engine {self.url} timed out ({method} {path})") from exc
-        if status in allowed_statuses or 200 <= status < 300:
-            return status, payload
-        detail = f"engine {self.url} {method} {path} -> HTTP {status}: {sglang_error_message(payload)}"
-        if status in (400, 422):
-            raise InvalidArgument(detail)
-        if status == 503:
-            raise EngineBusy(detail)
-        if status in (502, 504):
-            raise Unavailable(detail)
-        raise FlexmarlError(detail)
+    @staticmethod
+    def error_message(payload: Any) -> str:
+        """SGLang's message in an error body (:func:`sglang_error_message`)."""
+        return sglang_error_message(payload)
 
     # ----- generation --------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> list[GenerationResult]:

@@ -10,8 +10,9 @@ import pytest
 from sglang_fake import FakeSGLang
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument, Unavailable
+from rolloutd.engines.http_client import EngineBusy, GenerationSlots
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import EngineBusy, SGLangClient, _GenerationSlots, sglang_error_message
+from rolloutd.engines.sglang_client import SGLangClient, sglang_error_message
 
 PROMPT = (5, 6, 7)
 # aiohttp's default connector: 100 connections per session, the old client's only bound.
@@ -153,7 +154,7 @@ async def test_health_is_false_on_503_and_unavailable_when_down(fake: FakeSGLang
 
 
 async def test_generation_slots_are_fifo_weighted_and_survive_cancelled_waiters() -> None:
-    slots = _GenerationSlots(3)
+    slots = GenerationSlots(3)
     order: list[str] = []
 
     async def hold(name: str, samples: int, release: asyncio.Event) -> None:

@@ -44,13 +44,11 @@ import math
 import uuid
 from typing import Any
 
-import aiohttp
 import pydantic
 
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
-from flexmarl.retry import RetryPolicy, retry
+from rolloutd.engines.http_client import EngineBusy, HttpEngineClient
 from rolloutd.engines.protocol import (
-    EngineClient,
     EngineLoad,
     FinishReason,
     GenerationRequest,
@@ -62,7 +60,6 @@ from rolloutd.engines.protocol import (
     WeightUpdateResult,
     WeightVersionSpan,
 )
-from rolloutd.engines.sglang_client import EngineBusy, _GenerationSlots
 from rolloutd.engines.vllm.wire import VLLMChoice, VLLMGenerateRequest, VLLMGenerateResponse, VLLMSamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,12 +123,12 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-class VLLMClient(EngineClient):
+class VLLMClient(HttpEngineClient):
     """One vLLM replica's HTTP client (token in, token out; see the module doc for every route).
 
-    Transport as :class:`~rolloutd.engines.sglang_client.SGLangClient`'s: generations hold one
-    slot per sample out of ``max_concurrent_generations`` (vLLM's ``--max-num-seqs``; vLLM does
-    not report it over HTTP), control calls never queue behind them, connection errors are
+    The transport is :class:`~rolloutd.engines.http_client.HttpEngineClient`'s: generations hold
+    one slot per sample out of ``max_concurrent_generations`` (vLLM's ``--max-num-seqs``; vLLM
+    does not report it over HTTP), control calls never queue behind them, connection errors are
     retried ``retries`` times with backoff and then raise :class:`Unavailable`, a timeout raises
     :class:`Unavailable` at once. HTTP 400/404/422 raise :class:`InvalidArgument`, 503
     :class:`EngineBusy`, 502/504 :class:`Unavailable`, others :class:`FlexmarlError`, each with
@@ -170,88 +167,23 @@ class VLLMClient(EngineClient):
             retries: Retries of a request that hit a connection error.
             retry_backoff_s: First retry delay (doubled each retry).
         """
-        if max_concurrent_generations < 1:
-            raise InvalidArgument(f"max_concurrent_generations must be >= 1, got {max_concurrent_generations}")
-        if generate_timeout_base_s <= 0 or generate_timeout_per_token_s < 0:
-            raise InvalidArgument("generate_timeout_base_s must be > 0 and generate_timeout_per_token_s >= 0")
-        self.url = url.rstrip("/")
-        self._request_timeout_s = request_timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._control_timeout_s = control_timeout_s
-        self._generate_timeout_base_s = generate_timeout_base_s
-        self._generate_timeout_per_token_s = generate_timeout_per_token_s
-        self._retries = retries
-        self._retry_backoff_s = retry_backoff_s
-        self._session: aiohttp.ClientSession | None = None
-        self._slots = _GenerationSlots(max_concurrent_generations)
+        super().__init__(
+            url, request_timeout_s=request_timeout_s, connect_timeout_s=connect_timeout_s,
+            control_timeout_s=control_timeout_s, generate_timeout_base_s=generate_timeout_base_s,
+            generate_timeout_per_token_s=generate_timeout_per_token_s,
+            max_concurrent_generations=max_concurrent_generations, retries=retries, retry_backoff_s=retry_backoff_s)
         # vLLM does not report which directory its weights came from after a reload: the last one this client loaded.
         self._loaded_path: str | None = None
 
-    def __repr__(self) -> str:
-        return f"VLLMClient({self.url!r})"
+    #: How error messages name the replica.
+    engine_label = "vLLM engine"
+    #: vLLM answers 404 for an unknown LoRA adapter or model name in a request, as well as 400 and 422.
+    invalid_statuses = (400, 404, 422)
 
-    async def __aenter__(self) -> VLLMClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Close the HTTP session (idempotent)."""
-        if self._session is not None:
-            await self._session.close()
-        self._session = None
-
-    @property
-    def max_concurrent_generations(self) -> int:
-        """Samples this client lets run on the replica at once (the rest wait here)."""
-        return self._slots.limit
-
-    def generate_timeout_s(self, max_new_tokens: int) -> float:
-        """How long one generation may run once it holds its slots."""
-        return self._generate_timeout_base_s + self._generate_timeout_per_token_s * max(0, max_new_tokens)
-
-    # ----- transport ---------------------------------------------------------------------
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: dict[str, Any] | None = None,
-        timeout_s: float | None,
-        allowed_statuses: tuple[int, ...] = (),
-    ) -> tuple[int, Any]:
-        """Send one request, retrying connection errors; returns (status, JSON or text)."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self._connect_timeout_s)
-
-        async def send() -> tuple[int, Any]:
-            if self._session is None or self._session.closed:
-                self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            async with self._session.request(method, self.url + path, json=body, timeout=timeout) as response:
-                text = await response.text()
-                if response.content_type == "application/json" and text:
-                    return response.status, json.loads(text)
-                return response.status, text
-
-        policy = RetryPolicy(self._retry_backoff_s, self._retry_backoff_s * 2 ** max(self._retries - 1, 0),
-                             attempts=self._retries + 1)
-        try:
-            status, payload = await retry(send, retryable=lambda exc: isinstance(exc, aiohttp.ClientConnectionError),
-                                          policy=policy)
-        except aiohttp.ClientConnectionError as exc:
-            raise Unavailable(f"vLLM engine {self.url} unreachable ({method} {path}): {exc!r}") from exc
-        except TimeoutError as exc:
-            raise Unavailable(f"vLLM engine {self.url} timed out ({method} {path})") from exc
-        if status in allowed_statuses or 200 <= status < 300:
-            return status, payload
-        detail = f"vLLM engine {self.url} {method} {path} -> HTTP {status}: {vllm_error_message(payload)}"
-        if status in (400, 404, 422):
-            raise InvalidArgument(detail)
-        if status == 503:
-            raise EngineBusy(detail)
-        if status in (502, 504):
-            raise Unavailable(detail)
-        raise FlexmarlError(detail)
+    @staticmethod
+    def error_message(payload: Any) -> str:
+        """VLLM's message in an error body (:func:`vllm_error_message`)."""
+        return vllm_error_message(payload)
 
     # ----- generation --------------------------------------------------------------------
     @staticmethod
