@@ -369,8 +369,6 @@ class EtcdCluster:
         token = "flexmarl-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
         for member in self.members:
             member.cluster_token = token
-        self.client_port = 0
-        self.tls: EtcdTls | None = None
         self.username = ""
         self.password_file: Path | None = None
 

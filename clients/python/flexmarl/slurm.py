@@ -137,10 +137,10 @@ def layout(allocation: Allocation, request: LayoutRequest, runner: HostRunner) -
     """
     nodes = allocation.nodes
     count = len(nodes)
-    control = nodes[0]
+    named = [n for n in nodes if n.name == request.control_node]
+    control = named[0] if named else nodes[0]
     if request.control_node:
-        control = next((n for n in nodes if n.name == request.control_node), None)  # type: ignore[assignment]
-        if control is None:
+        if not named:
             raise SlurmError(f"--control-node {request.control_node}: not a node of the allocation "
                              f"({', '.join(n.name for n in nodes)})")
     if request.gpus_per_node > allocation.gpus_per_node:
