@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         TopLogprobs,
         TurnRecord,
         episode_rng,
+        held_out_seed,
         load_environment,
         task_rng,
     )
@@ -41,6 +42,7 @@ __all__ = [
     "TopLogprobs",
     "TurnRecord",
     "episode_rng",
+    "held_out_seed",
     "load_environment",
     "task_rng",
 ]

@@ -108,6 +108,15 @@ def task_rng(index: int, seed: int) -> random.Random:
     return random.Random(f"flexmarl-task/{seed}/{index}")
 
 
+def held_out_seed(seed: int) -> int:
+    """The seed of a job's held-out task stream: ``Environment.eval_task`` draws from it by default.
+
+    A different stream from the training one (``task_rng(index, seed)``), derived from the job
+    seed alone so that every evaluation of a job sees the same tasks.
+    """
+    return random.Random(f"flexmarl-held-out/{seed}").randrange(2**63)
+
+
 def episode_rng(seed: int, task_index: int, sample_index: int) -> random.Random:
     """The seeded random stream of one episode (``ctx.rng``)."""
     return random.Random(f"flexmarl-episode/{seed}/{task_index}/{sample_index}")
@@ -456,6 +465,16 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def task(self, index: int, seed: int) -> Task:
         """The deterministic task ``index`` of the stream seeded by ``seed`` (see task_rng)."""
+
+    def eval_task(self, index: int, seed: int) -> Task:
+        """The held-out task ``index`` of a job with ``seed``: what evaluation episodes play, never trained on.
+
+        The default draws :meth:`task` from the held-out stream (:func:`held_out_seed`), so an
+        environment that generates its tasks gets a held-out set without code. Tasks a generator
+        can repeat (two-digit sums, say) may also appear in training; an environment with a fixed
+        split overrides this.
+        """
+        return self.task(index, held_out_seed(seed))
 
     @abc.abstractmethod
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
