@@ -44,6 +44,7 @@ import grpc.aio
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, describe_error
 from flexmarl.devices import DeviceSet
+from flexmarl.entrypoints import loaded_digest
 from flexmarl.episode import Environment, load_environment
 from flexmarl.errors import (
     ErrorReason,
@@ -526,6 +527,7 @@ class RolloutWorker:
             refuse_unservable(spec, on_cpu=launched_on_cpu)
         router = await self._ensure_engines(spec)
         env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
+        _check_environment_code(spec)
         if isinstance(env, ExternalAgents) and not env.gateway_config.cluster_token and self.settings.security.token:
             # The agent program's calls carry the cluster's bearer token too (docs/gateway.md).
             env.gateway_config = dataclasses.replace(env.gateway_config, cluster_token=self.settings.security.token)
@@ -678,6 +680,24 @@ def _append_retry_code(exc: BaseException) -> grpc.StatusCode | None:
         code: grpc.StatusCode = exc.code()
         return code
     return None
+
+
+def _check_environment_code(spec: JobSpec) -> None:
+    """Refuses a job checked against other environment code than this process runs (InvalidArgument).
+
+    Python keeps running a module as it was first imported: a rolloutd that imported the
+    environment's module for an earlier job runs that code, whatever the file says now. The
+    preflight recorded the digest of the file it checked (``environment.code_digest``); when the
+    module running here is another, the job is refused rather than run on code nobody checked.
+    """
+    expected = spec.environment.code_digest
+    module = spec.environment.entrypoint.partition(":")[0]
+    running = loaded_digest(module)
+    if expected and running and running != expected:
+        raise InvalidArgument(
+            f"environment.code_digest: the job was checked against {module} at {expected[:19]}..., but this "
+            f"rolloutd runs {module} as it imported it earlier ({running[:19]}...): restart rolloutd "
+            "(`flexmarl down` then `flexmarl up` on a local cluster) to load the edited code")
 
 
 def _sampling_of(sampling: dict[str, Any]) -> dict[str, Any]:

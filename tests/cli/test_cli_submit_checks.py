@@ -7,7 +7,9 @@ the CLI does with an answer is under test here, not orchestratord).
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import socket
 import sys
 import textwrap
@@ -22,7 +24,7 @@ import yaml
 from cli_support import small_job, write_job
 
 from flexmarl.cli import main
-from flexmarl.entrypoints import load_entrypoint
+from flexmarl.entrypoints import load_entrypoint, loaded_digest, source_digest
 from flexmarl.jobspec import parse_job_spec
 from flexmarl.preflight import config_problems, preflight_problems
 from flexmarl.tiny import build_tiny_checkpoint
@@ -232,6 +234,44 @@ def test_preflight_imports_from_the_current_directory_like_the_daemons(tmp_path:
         assert _problems(_spec(entrypoint=f"{name}:Broken", config={})) == [
             f"environment.entrypoint: loading '{name}:Broken' raised RuntimeError: no dataset at /data/games"]
         assert str(tmp_path) not in sys.path  # the directory was on sys.path only while loading
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_submit_sends_the_digest_of_the_code_it_checked_and_refuses_a_module_edited_since_its_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, orchestrator: tuple[str, FailingOrchestrator],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """rolloutd compares the digest with the module it runs; the preflight must not stamp code it did not run."""
+    address, servicer = orchestrator
+    name = f"edited_game_{tmp_path.name.replace('-', '_')}"
+    source = tmp_path / f"{name}.py"
+    source.write_text(textwrap.dedent("""
+        from examples.signaling.env import SignalingGame
+
+        class Game(SignalingGame):
+            pass
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    job = _job_file(tmp_path, environment={"entrypoint": f"{name}:Game", "config": {}})
+    argv = ["submit", str(job), "--address", address, "--run-dir", str(tmp_path / "run")]
+    try:
+        assert main(argv) == 0
+        sent = json.loads(servicer.submitted[-1])["environment"]
+        assert sent["code_digest"] == "sha256:" + hashlib.sha256(source.read_bytes()).hexdigest()
+        assert loaded_digest(name) == sent["code_digest"]
+
+        source.write_text(source.read_text() + "\n# edited after the import\n")
+        assert source_digest(name) != loaded_digest(name) == sent["code_digest"]  # the old code still runs here
+        capsys.readouterr()
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"flexmarl submit: {job}: environment.entrypoint: {name} was edited after this process imported it; "
+            "the check ran the old code (start a new Python process to check and submit the edited one)")
+        assert len(servicer.submitted) == 1
+
+        assert main([*argv, "--no-preflight"]) == 0  # nothing checked, nothing compared
+        assert json.loads(servicer.submitted[-1])["environment"]["code_digest"] == ""
     finally:
         sys.modules.pop(name, None)
 

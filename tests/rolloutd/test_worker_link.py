@@ -22,6 +22,7 @@ from stored_support import inprocess_stored
 
 from flexmarl.client import JobState
 from flexmarl.connections import PeerConnections
+from flexmarl.entrypoints import loaded_digest, source_digest
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, NotFound, ResourceExhausted, Unavailable
 from flexmarl.experience import ExperienceRecord, ExperienceSummary
 from flexmarl.ids import TaskRef
@@ -268,6 +269,35 @@ async def test_a_job_whose_environment_does_not_load_is_reported_unrunnable(serv
     report = await asyncio.wait_for(link.reports.get(), 30)
     assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE
     assert "examples.signalling.env" in report.error
+    await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
+async def test_a_job_checked_against_other_environment_code_than_the_worker_runs_is_refused(served: Served) -> None:
+    """The preflight's code_digest against the module this worker imported: another one is never run."""
+    worker, link = served.worker, served.link
+    checked_elsewhere = served.spec.model_copy(update={"environment": served.spec.environment.model_copy(
+        update={"code_digest": "sha256:" + "0" * 64})})
+    link.spec_json = checked_elsewhere.to_json()
+    link.to_lease.put_nowait(_task(checked_elsewhere, 3))
+    report = await asyncio.wait_for(link.reports.get(), 30)
+    assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE
+    assert report.error.startswith("environment.code_digest: the job was checked against examples.signaling.env "
+                                   "at sha256:000000000000..., but this rolloutd runs examples.signaling.env as it "
+                                   "imported it earlier (sha256:")
+    assert "restart rolloutd" in report.error
+    await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
+async def test_a_job_checked_against_the_code_the_worker_runs_is_served(served: Served) -> None:
+    worker, link = served.worker, served.link
+    digest = source_digest("examples.signaling.env")
+    checked = served.spec.model_copy(update={"environment": served.spec.environment.model_copy(
+        update={"code_digest": digest})})
+    link.spec_json = checked.to_json()
+    link.to_lease.put_nowait(_task(checked, 1))
+    report = await asyncio.wait_for(link.reports.get(), 60)
+    assert report.succeeded, report.error
+    assert loaded_digest("examples.signaling.env") == digest
     await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
 
 

@@ -184,13 +184,17 @@ def _load_spec_file(path: str, models_dir: Path, progress: bool = False) -> dict
     return _materialize_spec(path, raw, models_dir, progress)
 
 
-def _preflight(path: str, spec: JobSpec) -> None:
-    """Exit 2 with one line per problem when the job's environment does not load or fit its agents."""
-    from flexmarl.preflight import preflight_problems
+def _preflight(path: str, spec: JobSpec) -> str:
+    """Exit 2 with one line per problem when the job's environment does not load or fit its agents.
+
+    Returns the ``environment.code_digest`` of the code checked (:func:`flexmarl.preflight.stamped`).
+    """
+    from flexmarl.preflight import preflight_problems, stamped
 
     problems = preflight_problems(spec)
     if problems:
         raise CliError("\n".join(f"{path}: {line}" for line in problems), EXIT_USAGE)
+    return stamped(spec).environment.code_digest
 
 
 def _connection(args: argparse.Namespace) -> tuple[str, str, str, dict[str, str]]:
@@ -419,12 +423,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     """Validates, checks against its environment and submits a job file."""
     models_dir = Path(args.run_dir) / "models"
     raw, spec = _read_spec_file(args.job_file, models_dir)
-    if not args.no_preflight:
-        _preflight(args.job_file, spec)
+    code_digest = "" if args.no_preflight else _preflight(args.job_file, spec)
     with _client(args) as client:
         if tiny_models(raw, models_dir):
             client.list_jobs()  # reach the cluster before spending seconds on building models
-        job_id = client.submit(_materialize_spec(args.job_file, raw, models_dir, args.verbose), job_id=args.job_id,
+        materialized = _materialize_spec(args.job_file, raw, models_dir, args.verbose)
+        if code_digest:
+            materialized["environment"]["code_digest"] = code_digest
+        job_id = client.submit(materialized, job_id=args.job_id,
                                preflight=False,  # checked above (or skipped with --no-preflight)
                                resume_from=args.resume_from)
         print(job_id)

@@ -279,7 +279,9 @@ class AsyncClient:
 
         With ``preflight`` (the default) the job's environment is imported here first and its
         agents checked against the spec (:func:`flexmarl.preflight.check_job`), so a typo in
-        ``environment.entrypoint`` fails now with one line naming the field, not on rolloutd.
+        ``environment.entrypoint`` fails now with one line naming the field, not on rolloutd;
+        the job then carries the digest of the environment's source as checked
+        (``environment.code_digest``), and a rolloutd running other code refuses it.
         With ``resume_from`` the job continues an earlier job's retained checkpoints (see
         :meth:`resume`); ``spec`` must then have the same agents and model shapes.
         """
@@ -287,7 +289,7 @@ class AsyncClient:
         if preflight:
             from flexmarl.preflight import check_job
 
-            await asyncio.to_thread(check_job, valid)
+            valid = await asyncio.to_thread(check_job, valid)
         stub = await self._connect()
         reply = await _call(stub.SubmitJob(
                 orchestrator_pb2.SubmitJobRequest(spec_json=valid.to_json(), job_id=job_id, resume_from=resume_from),

@@ -50,6 +50,9 @@ class EnvironmentSpec(_SpecModel):
     """The environment class, `package.module:Class`, importable by rolloutd (and by `flexmarl submit`'s preflight)."""
     config: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment's constructor."""
+    code_digest: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")] = ""
+    """Set by `flexmarl submit`'s preflight: the sha256 of the entrypoint module's source file it checked.
+    rolloutd refuses the job when the module it runs (imported earlier, then edited) is another; empty: not compared."""
 
     @field_validator("entrypoint")
     @classmethod

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from flexmarl.entrypoints import loaded_digest, source_digest
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import JobSpec
 
@@ -128,8 +129,29 @@ def preflight_problems(spec: JobSpec) -> list[str]:
             env = load_environment(entrypoint, spec.environment.config)
         except Exception as exc:  # user code may raise anything; it becomes one line
             return [_load_problem(entrypoint, exc), *trackers]
+        stale = _stale_module_problems(entrypoint)
         warm_starts = _warm_start_problems(spec)
-    return _agent_problems(spec, tuple(env.agents)) + warm_starts + trackers
+    return stale + _agent_problems(spec, tuple(env.agents)) + warm_starts + trackers
+
+
+def _stale_module_problems(entrypoint: str) -> list[str]:
+    """A module this process imported before its file was edited: the check ran code the cluster will not."""
+    module = entrypoint.partition(":")[0]
+    loaded, on_disk = loaded_digest(module), source_digest(module)
+    if loaded and on_disk and loaded != on_disk:
+        return [f"environment.entrypoint: {module} was edited after this process imported it; the check ran the "
+                "old code (start a new Python process to check and submit the edited one)"]
+    return []
+
+
+def stamped(spec: JobSpec) -> JobSpec:
+    """``spec`` with ``environment.code_digest`` set to the entrypoint module's source as checked here.
+
+    rolloutd compares it with the module it runs (:func:`flexmarl.entrypoints.loaded_digest`)
+    and refuses the job when a rolloutd imported the module before it was edited.
+    """
+    digest = source_digest(spec.environment.entrypoint.partition(":")[0])
+    return spec.model_copy(update={"environment": spec.environment.model_copy(update={"code_digest": digest})})
 
 
 def _warm_start_problems(spec: JobSpec) -> list[str]:
@@ -150,8 +172,10 @@ def _warm_start_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
-def check_job(spec: JobSpec) -> None:
-    """Raises InvalidArgument with one line per :func:`preflight_problems` problem."""
+def check_job(spec: JobSpec) -> JobSpec:
+    """The spec :func:`stamped` with the checked code; InvalidArgument with one line per problem found."""
     problems = preflight_problems(spec)
     if problems:
         raise InvalidArgument("\n".join(problems))
+    with _current_dir_importable():
+        return stamped(spec)
