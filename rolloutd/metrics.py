@@ -48,6 +48,9 @@ class RolloutMetrics:
                                      registry=registry)
         self.append_retries = Counter("flexmarl_rolloutd_append_retries_total",
                                       "Appends to stored retried, by status code.", ["code"], registry=registry)
+        self.dataset_rows_skipped = Counter("flexmarl_rolloutd_dataset_rows_skipped_total",
+                                            "Malformed rows of jobs' task files left out when a job was set up "
+                                            "(each also logged), by split.", ["split"], registry=registry)
 
         self._registry = registry
 

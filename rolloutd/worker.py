@@ -43,6 +43,7 @@ import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, describe_error
+from flexmarl.datasets import open_dataset
 from flexmarl.devices import DeviceSet
 from flexmarl.entrypoints import loaded_digest
 from flexmarl.episode import Environment, load_environment
@@ -525,8 +526,15 @@ class RolloutWorker:
         if self.settings.engine_backend == "vllm":
             launched_on_cpu = not self.settings.engine_urls and self.settings.engine_device_sets is None
             refuse_unservable(spec, on_cpu=launched_on_cpu)
+        dataset = None
+        if spec.environment.dataset is not None:
+            # A changed or unreadable file is InvalidArgument (the job cannot run), found before engines launch.
+            dataset = await asyncio.to_thread(open_dataset, spec.environment.dataset)
+            for split, skipped in dataset.skipped.items():
+                self._metrics.dataset_rows_skipped.labels(split).inc(len(skipped))
         router = await self._ensure_engines(spec)
-        env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config)
+        env = await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config,
+                                      dataset)
         _check_environment_code(spec)
         if isinstance(env, ExternalAgents) and not env.gateway_config.cluster_token and self.settings.security.token:
             # The agent program's calls carry the cluster's bearer token too (docs/gateway.md).

@@ -145,7 +145,7 @@ def _read_spec_file(path: str, models_dir: Path) -> tuple[dict[str, Any], JobSpe
     """Reads and validates a job file (tiny:// URIs included) without building models: (raw spec, JobSpec)."""
     import yaml
 
-    from flexmarl.jobspec import parse_job_spec
+    from flexmarl.jobspec import parse_job_spec, resolve_dataset_paths
 
     try:
         raw = yaml.safe_load(Path(path).read_text())
@@ -155,6 +155,7 @@ def _read_spec_file(path: str, models_dir: Path) -> tuple[dict[str, Any], JobSpe
         raise CliError(f"{path}: not valid YAML/JSON: {str(exc).splitlines()[0]}", EXIT_USAGE) from None
     if not isinstance(raw, dict):
         raise CliError(f"{path}: a job spec must be a mapping", EXIT_USAGE)
+    raw = resolve_dataset_paths(raw, Path(path).parent)  # a job file's task files are relative to it
     try:
         spec = parse_job_spec(raw)
         tiny_models(raw, models_dir)

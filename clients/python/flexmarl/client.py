@@ -282,10 +282,16 @@ class AsyncClient:
         ``environment.entrypoint`` fails now with one line naming the field, not on rolloutd;
         the job then carries the digest of the environment's source as checked
         (``environment.code_digest``), and a rolloutd running other code refuses it.
+        The task files of ``environment.dataset`` are read here whatever ``preflight`` says: their
+        paths become absolute (relative to the current directory, or to the job file ``spec``
+        names) and each file's sha256 is recorded in the spec (:func:`flexmarl.datasets.pin_dataset`).
         With ``resume_from`` the job continues an earlier job's retained checkpoints (see
         :meth:`resume`); ``spec`` must then have the same agents and model shapes.
         """
-        valid = to_spec(spec)
+        from flexmarl.datasets import pin_dataset
+
+        # Task files: absolute paths and their content's sha256, so rolloutd refuses a file changed since now.
+        valid = await asyncio.to_thread(pin_dataset, to_spec(spec))
         if preflight:
             from flexmarl.preflight import check_job
 

@@ -56,10 +56,13 @@ import inspect
 import math
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 from flexmarl.entrypoints import load_entrypoint
 from flexmarl.errors import DataLoss, InvalidArgument
+
+if TYPE_CHECKING:
+    from flexmarl.datasets import TaskDataset
 
 ChatMessage: TypeAlias = Mapping[str, str]
 """A chat message: {"role": "system" | "user" | "assistant", "content": str}."""
@@ -450,31 +453,57 @@ class EpisodeContext:
 class Environment(abc.ABC):
     """Base class of user environments.
 
-    Subclasses set ``agents`` and implement :meth:`task` and :meth:`episode`. The constructor
-    receives the job spec's ``environment.config`` as keyword arguments: declare them as
-    keyword parameters with defaults (``def __init__(self, *, num_objects: int = 4)``, passing
-    them on to ``super().__init__`` for ``self.config``) and the preflight refuses unknown keys;
+    Subclasses set ``agents`` and implement :meth:`episode`, and :meth:`task` unless the job
+    reads its tasks from files (``environment.dataset``: then the default ``task`` returns the
+    rows, see :mod:`flexmarl.datasets`). The constructor receives the job spec's
+    ``environment.config`` as keyword arguments: declare them as keyword parameters with
+    defaults (``def __init__(self, *, num_objects: int = 4)``, passing them on to
+    ``super().__init__`` for ``self.config``) and the preflight refuses unknown keys;
     ``**config`` takes any key unchecked.
     """
 
     agents: tuple[str, ...] = ()
+    #: The job's task rows when it has an ``environment.dataset`` (set by :func:`load_environment` after
+    #: the constructor ran, so first usable in ``task``/``episode``); None otherwise.
+    dataset: TaskDataset | None = None
 
     def __init__(self, **config: Any) -> None:
         self.config: dict[str, Any] = dict(config)
 
-    @abc.abstractmethod
     def task(self, index: int, seed: int) -> Task:
-        """The deterministic task ``index`` of the stream seeded by ``seed`` (see task_rng)."""
+        """The deterministic task ``index`` of the stream seeded by ``seed`` (see task_rng).
+
+        The default serves a job with ``environment.dataset``: ``data`` is the train row task
+        ``index`` plays (a shuffled order per epoch, from ``seed``). An environment that makes
+        its tasks in code overrides this.
+
+        Raises:
+            InvalidArgument: the job has no dataset and the environment does not override ``task``.
+        """
+        if self.dataset is None:
+            raise InvalidArgument(f"{type(self).__name__} has no tasks: override task(index, seed), or give the "
+                                  "job an environment.dataset")
+        return Task(index=index, seed=seed, data=self.dataset.train_row(index, seed))
 
     def eval_task(self, index: int, seed: int) -> Task:
         """The held-out task ``index`` of a job with ``seed``: what evaluation episodes play, never trained on.
 
-        The default draws :meth:`task` from the held-out stream (:func:`held_out_seed`), so an
-        environment that generates its tasks gets a held-out set without code. Tasks a generator
-        can repeat (two-digit sums, say) may also appear in training; an environment with a fixed
-        split overrides this.
+        With an eval file (``environment.dataset.eval``) ``data`` is its row ``index``, in file
+        order. Otherwise the default draws :meth:`task` from the held-out stream
+        (:func:`held_out_seed`), so an environment that generates its tasks gets a held-out set
+        without code. Tasks a generator can repeat (two-digit sums, say) may also appear in
+        training, and a dataset without an eval file gives train rows (in another order): give
+        an eval file, or override this, for a real split.
         """
+        if self.dataset is not None and self.dataset.eval_size is not None:
+            return Task(index=index, seed=seed, data=self.dataset.eval_row(index))
         return self.task(index, held_out_seed(seed))
+
+    def held_out_tasks(self) -> int | None:
+        """How many distinct held-out tasks :meth:`eval_task` has: the eval file's rows; None: unbounded."""
+        if self.dataset is not None:
+            return self.dataset.eval_size
+        return None
 
     @abc.abstractmethod
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
@@ -516,8 +545,13 @@ def reward_shaper(env: Environment) -> Callable[[Task, TurnRecord, float, Episod
     return lambda task, turn, reward, episode: legacy(task, turn, reward)
 
 
-def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -> Environment:
+def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None,
+                     dataset: TaskDataset | None = None) -> Environment:
     """Imports ``module:attr`` and builds the environment with ``config`` as kwargs.
+
+    ``dataset`` (the job's task rows, :func:`flexmarl.datasets.open_dataset`) becomes the
+    environment's ``dataset`` once it is built, so every environment, built-in or custom, gets
+    the same rows.
 
     Raises:
         InvalidArgument: bad entrypoint, import failure (any exception user code raises while its
@@ -534,4 +568,6 @@ def load_environment(entrypoint: str, config: Mapping[str, Any] | None = None) -
         raise InvalidArgument(f"building environment {entrypoint!r} raised {type(exc).__name__}: {exc}") from exc
     if not env.agents or len(set(env.agents)) != len(env.agents):
         raise InvalidArgument(f"environment {entrypoint!r} must list distinct agents, got {env.agents!r}")
+    if dataset is not None:
+        env.dataset = dataset
     return env

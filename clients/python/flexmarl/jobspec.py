@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -43,6 +44,47 @@ class _SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
 
+SHA256_PATTERN = r"^([0-9a-f]{64})?$"
+
+
+class DatasetSpec(_SpecModel):
+    """Task files (docs/environments.md, "An environment over a dataset"): task i of the job is a row of `train`.
+
+    Each file is JSON Lines (`.jsonl`, one JSON object a line), Parquet (`.parquet`) or a Hugging Face
+    `datasets` directory written by `save_to_disk`. It must be on a filesystem every rolloutd host sees,
+    at the same path (as the environment's code is); `flexmarl submit` reads it too.
+    """
+
+    train: Annotated[str, Field(min_length=1)]
+    """The training tasks: a file or `save_to_disk` directory; a relative path is relative to the job file
+    (`flexmarl submit` makes it absolute)."""
+    eval: Annotated[str, Field(min_length=1)] | None = None
+    """Held-out tasks, played in file order by evaluation (`Environment.eval_task`), never trained on; unset:
+    evaluation draws tasks the environment's way (for a dataset: `train` rows in another order, not held out)."""
+    fields: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
+    """The fields the environment reads: every row must have each (not null); submit refuses a file with a row
+    that lacks one, rolloutd skips (and counts) such a row of a file that changed meanwhile."""
+    shuffle: bool = True
+    """Play each epoch in its own order, a permutation drawn from the job's `seed` and the epoch (every row once
+    per epoch); false: file order."""
+    epochs: Annotated[int, Field(ge=1)] | None = None
+    """At most this many passes over `train`: submit refuses a job whose total_steps x prompts_per_step tasks
+    need more; unset: the file repeats as often as the job needs (each pass in a fresh order)."""
+    train_sha256: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
+    """Set by `flexmarl submit`: sha256 of `train`'s content; rolloutd refuses a file that no longer matches
+    (a given value must match at submit too)."""
+    eval_sha256: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
+    """Set by `flexmarl submit`: sha256 of `eval`'s content (as `train_sha256`)."""
+
+    @field_validator("fields")
+    @classmethod
+    def _distinct_fields(cls, value: list[str]) -> list[str]:
+        duplicates = sorted({name for name in value if value.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"each field at most once, got {duplicates} twice")
+        return value
+
+
 class EnvironmentSpec(_SpecModel):
     """The environment class and its constructor kwargs."""
 
@@ -53,6 +95,9 @@ class EnvironmentSpec(_SpecModel):
     code_digest: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64})?$")] = ""
     """Set by `flexmarl submit`'s preflight: the sha256 of the entrypoint module's source file it checked.
     rolloutd refuses the job when the module it runs (imported earlier, then edited) is another; empty: not compared."""
+    dataset: DatasetSpec | None = None
+    """Tasks read from files: `Environment.task` returns row i of the train file's order (docs/environments.md,
+    "An environment over a dataset"); unset: the environment makes its tasks in code."""
 
     @field_validator("entrypoint")
     @classmethod
@@ -714,30 +759,50 @@ def _is_file(text: str) -> bool:
         return False
 
 
+def resolve_dataset_paths(data: Any, base_dir: Path) -> Any:
+    """A decoded spec with ``environment.dataset``'s relative file paths made absolute against ``base_dir``.
+
+    A job file's dataset paths are relative to the file (``base_dir``: its directory); anything
+    that is not a decoded spec with such paths is returned unchanged, for validation to judge.
+    """
+    if not isinstance(data, Mapping):
+        return data
+    environment = data.get("environment")
+    dataset = environment.get("dataset") if isinstance(environment, Mapping) else None
+    if not isinstance(environment, Mapping) or not isinstance(dataset, Mapping):
+        return data
+    resolved = {key: os.path.abspath(base_dir / value) if key in ("train", "eval") and isinstance(value, str)
+                and value else value for key, value in dataset.items()}
+    return {**data, "environment": {**environment, "dataset": resolved}}
+
+
 def load_job_spec(text_or_path: str | Path) -> JobSpec:
     """Loads a job spec from YAML/JSON text or from a file path.
 
     A :class:`~pathlib.Path`, or a string without a newline that names an
     existing file, is read as a file; anything else is parsed as text. JSON is
-    a subset of YAML, so one parser handles both.
+    a subset of YAML, so one parser handles both. Relative ``environment.dataset``
+    paths are made absolute against the file's directory (text: the current one).
 
     Raises:
         InvalidArgument: the text does not parse or the spec is invalid.
     """
     text: str
+    base_dir = Path.cwd()
     if isinstance(text_or_path, Path) or ("\n" not in text_or_path and _is_file(text_or_path)):
         path = Path(text_or_path)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as error:
             raise InvalidArgument(f"job spec: cannot read {str(path)!r}: {error.strerror}") from None
+        base_dir = path.parent
     else:
         text = text_or_path
     try:
         data = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         raise InvalidArgument(f"job spec: not valid YAML/JSON: {error}".replace("\n", " ")) from None
-    return parse_job_spec(data)
+    return parse_job_spec(resolve_dataset_paths(data, base_dir))
 
 
 class JobSpecCache:

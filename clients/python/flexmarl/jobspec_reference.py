@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,7 @@ def markdown() -> str:
     ]
     for path, model in sections:
         title = f"`{path}`" if path else "Top level"
-        doc = (model.__doc__ or "").strip()
+        doc = inspect.cleandoc(model.__doc__ or "")  # a docstring's later paragraphs are no code blocks
         lines += [f"## {title}", ""]
         if doc:
             lines += [doc, ""]

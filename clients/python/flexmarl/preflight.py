@@ -21,11 +21,14 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexmarl.entrypoints import loaded_digest, source_digest
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import JobSpec
+
+if TYPE_CHECKING:
+    from flexmarl.episode import Environment
 
 
 @contextlib.contextmanager
@@ -110,10 +113,12 @@ def preflight_problems(spec: JobSpec) -> list[str]:
 
     Checks ``environment.config``'s keys against the environment's constructor, loads the
     environment (importing the user's module and running its constructor with
-    ``environment.config``) and checks that its agents are exactly the job's agents; loads each
+    ``environment.config``) and checks that its agents are exactly the job's agents; reads the
+    task files of ``environment.dataset`` whole (:func:`flexmarl.datasets.dataset_problems`); loads each
     agent's ``warm_start.dataset`` and checks the pairs traind will train on; and that
     the packages of the job's trackers (``tracking.trackers``) import here.
     """
+    from flexmarl.datasets import dataset_problems
     from flexmarl.episode import load_environment
     from flexmarl.tracking import missing_packages
 
@@ -128,10 +133,21 @@ def preflight_problems(spec: JobSpec) -> list[str]:
         try:
             env = load_environment(entrypoint, spec.environment.config)
         except Exception as exc:  # user code may raise anything; it becomes one line
-            return [_load_problem(entrypoint, exc), *trackers]
+            return [_load_problem(entrypoint, exc), *trackers, *dataset_problems(spec)]
         stale = _stale_module_problems(entrypoint)
         warm_starts = _warm_start_problems(spec)
-    return stale + _agent_problems(spec, tuple(env.agents)) + warm_starts + trackers
+    return (stale + _agent_problems(spec, tuple(env.agents)) + _task_source_problems(spec, env)
+            + dataset_problems(spec) + warm_starts + trackers)
+
+
+def _task_source_problems(spec: JobSpec, env: Environment) -> list[str]:
+    """An environment that makes no tasks of its own needs the job's ``environment.dataset``."""
+    from flexmarl.episode import Environment
+
+    if spec.environment.dataset is None and type(env).task is Environment.task:
+        return [f"environment.dataset: {spec.environment.entrypoint!r} does not override task(index, seed), so "
+                "its tasks come from a dataset: give environment.dataset"]
+    return []
 
 
 def _stale_module_problems(entrypoint: str) -> list[str]:
