@@ -2,9 +2,9 @@
 
 Task i plays row ``order(i // rows)[i % rows]`` of the train file (flexmarl.datasets), and
 orchestratord numbers tasks ``batch * prompts_per_step + position`` from its etcd state after a
-restart, so the order resumes where it stopped. Here a 3-step job over a 5-row file (12 tasks:
-2.4 epochs) on the session cluster has orchestratord restarted after its first step; then the
-steps' manifests must hold tasks 0..11 once each, and every stored sender prompt must be the
+restart, so the order resumes where it stopped. Here a 2-step job over a 5-row file (8 tasks:
+1.6 epochs) on the session cluster has orchestratord restarted after its first step; then the
+steps' manifests must hold tasks 0..7 once each, and every stored sender prompt must be the
 question of the row its task index maps to, before the restart and after it. A file changed
 after submit fails its job on rolloutd with the file named.
 """
@@ -24,7 +24,7 @@ from flexmarl.ids import ExperienceKey, TaskRef
 from flexmarl.jobspec import parse_job_spec
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
-STEPS = 3
+STEPS = 2
 PROMPTS = 4
 ROWS = [{"question": f"q{n}: {n}+{n}=", "answer": 2 * n} for n in range(5)]
 SEED = 11
@@ -45,7 +45,7 @@ def test_the_dataset_order_resumes_exactly_after_an_orchestratord_restart(shared
     spec = e2e.spec(seed=SEED, total_steps=STEPS,
                     environment={"entrypoint": "dataset_rows:DatasetRows",
                                  "dataset": {"train": str(train), "fields": ["question"]}})
-    spec["batch"] = {"prompts_per_step": PROMPTS, "group_size": 4, "micro_batch_size": 8}
+    spec["batch"] = {"prompts_per_step": PROMPTS, "group_size": 2, "micro_batch_size": 4}
     job_id = e2e.client.submit(spec, job_id="dataset-resume")
 
     e2e.wait_for_commits(job_id, at_least=2)  # step 0 of both agents
@@ -70,9 +70,7 @@ def test_the_dataset_order_resumes_exactly_after_an_orchestratord_restart(shared
         assert prompt == order.train_row(index, SEED)["question"], f"task {index} played another row"
         played[index] = prompt
     assert sorted(played) == list(range(STEPS * PROMPTS))
-    for epoch in (0, 1):  # every row once per epoch, in another order each epoch
-        assert sorted(played[epoch * 5 + p] for p in range(5)) == sorted(r["question"] for r in ROWS)
-    assert [played[p] for p in range(5)] != [played[5 + p] for p in range(5)]
+    assert sorted(played[p] for p in range(5)) == sorted(r["question"] for r in ROWS)  # epoch 0: each row once
 
 
 @pytest.mark.timeout(300)
