@@ -5,8 +5,9 @@ orchestratord numbers tasks ``batch * prompts_per_step + position`` from its etc
 restart, so the order resumes where it stopped. Here a 2-step job over a 5-row file (8 tasks:
 1.6 epochs) on the session cluster has orchestratord restarted after its first step; then the
 steps' manifests must hold tasks 0..7 once each, and every stored sender prompt must be the
-question of the row its task index maps to, before the restart and after it. A file changed
-after submit fails its job on rolloutd with the file named.
+question of the row its task index maps to, before the restart and after it (a malformed row,
+submitted without the preflight, is skipped and counted). A file changed after submit fails its
+job on rolloutd with the file named.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from e2e_support import E2ECluster, assert_succeeded
+from e2e_support import E2ECluster, assert_succeeded, metric_sum
 
 from flexmarl.client import JobState
 from flexmarl.datasets import TaskDataset, pin_dataset
@@ -36,17 +37,25 @@ def _task_index(experience_id: str) -> int:
     return task.batch * PROMPTS + task.position
 
 
+def _skipped_rows(e2e: E2ECluster) -> float:
+    return metric_sum(e2e.metrics_text("rolloutd-0"), "flexmarl_rolloutd_dataset_rows_skipped_total")
+
+
 @pytest.mark.timeout(600)
 def test_the_dataset_order_resumes_exactly_after_an_orchestratord_restart(shared_cluster: E2ECluster,
                                                                             tmp_path: Path) -> None:
     e2e = shared_cluster
     train = tmp_path / "train.jsonl"
-    train.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    # A malformed row (no question) after the second: submitted without the preflight, which would refuse it,
+    # rolloutd skips and counts it, and the order is over the 5 good rows.
+    lines = [json.dumps(row) for row in ROWS]
+    train.write_text("\n".join([*lines[:2], json.dumps({"answer": 0}), *lines[2:]]) + "\n")
     spec = e2e.spec(seed=SEED, total_steps=STEPS,
                     environment={"entrypoint": "dataset_rows:DatasetRows",
                                  "dataset": {"train": str(train), "fields": ["question"]}})
     spec["batch"] = {"prompts_per_step": PROMPTS, "group_size": 2, "micro_batch_size": 4}
-    job_id = e2e.client.submit(spec, job_id="dataset-resume")
+    skipped_before = _skipped_rows(e2e)
+    job_id = e2e.client.submit(spec, job_id="dataset-resume", preflight=False)
 
     e2e.wait_for_commits(job_id, at_least=2)  # step 0 of both agents
     orchestratord = e2e.cluster.daemon("orchestratord")
@@ -57,6 +66,7 @@ def test_the_dataset_order_resumes_exactly_after_an_orchestratord_restart(shared
     e2e.cluster.write_cluster_file()
     e2e.reconnect()
     assert_succeeded(e2e, e2e.wait_job(job_id, timeout_s=WAIT_S), STEPS)
+    assert _skipped_rows(e2e) - skipped_before == 1
 
     order = TaskDataset(ROWS)
     for agent in ("sender", "receiver"):
