@@ -6,8 +6,9 @@ tokenizers (rolloutd/tokenizers.py). A guide: docs/environments.md.
 
 An environment lists its agents, declares its config as keyword parameters (so the preflight
 refuses a misspelt ``environment.config`` key before submit), produces deterministic tasks
-from a seeded stream and plays one episode at a time. A game two tiny random-init models learn
-(examples/signaling/env.py is the full one)::
+from a seeded stream (or takes them from the job's task files, ``environment.dataset``, with
+no task code: :mod:`flexmarl.datasets`) and plays one episode at a time. A game two tiny
+random-init models learn (examples/signaling/env.py is the full one)::
 
     class Game(Environment):
         agents = ("sender", "receiver")
