@@ -1,0 +1,38 @@
+"""Users' own reward functions (``module:function``) for the reward tests; imported by reward workers too."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def length_ratio(response: str, reference: Any) -> float:
+    """A partial-credit reward: the share of the reference's length the response reaches."""
+    print("a reward that prints does not garble the worker's replies")
+    return min(1.0, len(response) / max(1, len(str(reference))))
+
+
+def contains(response: str, reference: Any) -> bool:
+    """A bool reward: True counts 1."""
+    return str(reference) in response
+
+
+def hangs(response: str, reference: Any) -> float:
+    """Never answers within any test's limit (as sympy on adversarial input may)."""
+    time.sleep(600)
+    return 1.0
+
+
+def raises(response: str, reference: Any) -> float:
+    raise ZeroDivisionError("the user's bug")
+
+
+def not_a_number(response: str, reference: Any) -> Any:
+    return "high"
+
+
+def nan(response: str, reference: Any) -> float:
+    return float("nan")
+
+
+NOT_CALLABLE = 3
