@@ -36,3 +36,8 @@ def nan(response: str, reference: Any) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def raises_at_length(response: str, reference: Any) -> float:
+    """An exception whose message is longer than a reply line may be."""
+    raise ValueError("x" * 200_000)

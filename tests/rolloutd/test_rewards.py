@@ -126,6 +126,9 @@ async def test_the_runner_scores_math_and_user_functions_in_workers() -> None:
             await runner.score("reward_functions:raises", "x", 1)
         with pytest.raises(RewardFailed, match="returned 'high', not a number"):
             await runner.score("reward_functions:not_a_number", "x", 1)
+        with pytest.raises(RewardFailed, match="raised ValueError: xxx") as long:
+            await runner.score("reward_functions:raises_at_length", "x", 1)
+        assert len(str(long.value)) <= 2000
         with pytest.raises(RewardFailed, match="returned nan"):
             await runner.score("reward_functions:nan", "x", 1)
         with pytest.raises(RewardFailed, match="does not parse"):

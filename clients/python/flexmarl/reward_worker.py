@@ -18,14 +18,17 @@ from typing import Any
 from flexmarl.entrypoints import load_entrypoint
 from flexmarl.rewards import BUILTIN_REWARDS, RewardFailed, score_by_name
 
+#: The longest error text a reply carries (the runner reads replies as lines of at most 64 KiB).
+MAX_ERROR_CHARS = 2000
+
 
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
     try:
         return {"value": score_by_name(str(request["reward"]), str(request["response"]), request.get("reference"))}
     except RewardFailed as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc)[:MAX_ERROR_CHARS]}
     except Exception as exc:  # loading a user module at call time, a malformed request
-        return {"error": f"reward {request.get('reward')!r}: {type(exc).__name__}: {exc}"}
+        return {"error": f"reward {request.get('reward')!r}: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]}
 
 
 def main(argv: list[str]) -> int:

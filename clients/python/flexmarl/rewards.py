@@ -351,11 +351,8 @@ class RewardRunner:
         worker = await self._acquire()
         healthy = False
         try:
-            assert worker.process.stdin is not None and worker.process.stdout is not None
-            worker.process.stdin.write(request.encode() + b"\n")
-            await worker.process.stdin.drain()
             try:
-                line = await asyncio.wait_for(worker.process.stdout.readline(), self.timeout_s)
+                line = await asyncio.wait_for(self._exchange(worker, request.encode() + b"\n"), self.timeout_s)
             except TimeoutError:
                 raise RewardFailed(f"reward {name!r} timed out after {self.timeout_s:g} s") from None
             if not line:
@@ -368,6 +365,16 @@ class RewardRunner:
         if "error" in reply:
             raise RewardFailed(str(reply["error"]))
         return float(reply["value"])
+
+    @staticmethod
+    async def _exchange(worker: _Worker, request: bytes) -> bytes:
+        """Sends one request line and reads the reply line ("" when the worker exited)."""
+        stdin, stdout = worker.process.stdin, worker.process.stdout
+        if stdin is None or stdout is None:  # never: the process is made with both pipes
+            raise RewardFailed("a reward worker without pipes")
+        stdin.write(request)
+        await stdin.drain()
+        return await stdout.readline()
 
     async def _acquire(self) -> _Worker:
         if self._closed:
@@ -391,9 +398,8 @@ class RewardRunner:
         )
         worker = _Worker(process)
         self._all.add(worker)
-        assert process.stdout is not None
         try:
-            ready = await asyncio.wait_for(process.stdout.readline(), self.START_TIMEOUT_S)
+            ready = await asyncio.wait_for(self._exchange(worker, b""), self.START_TIMEOUT_S)
         except BaseException:
             await self._kill(worker)
             raise
