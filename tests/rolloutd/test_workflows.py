@@ -208,17 +208,22 @@ def test_tasks_are_a_seeded_shuffle_per_epoch() -> None:
      "prompts.solver: not a prompt of this workflow (it has solve, verify, revise)"),
     ("SolverVerifier", {"prompts": {"solve": "\\boxed{} {question}"}}, "prompts.solve: {} is not a field name"),
     ("SolverVerifier", {"prompts": {"solve": "{question"}}, "prompts.solve: expected '}' before end of string"),
-    ("SolverVerifier", {"rounds": 0}, "rounds: must be an integer >= 1"),
+    ("SolverVerifier", {"rounds": 0}, "rounds: Input should be greater than or equal to 1"),
     ("SolverVerifier", {"solver": "x", "verifier": "x"}, "solver and verifier must be different agents"),
     ("SolverVerifier", {"tasks": [{"question": "q"}]}, "reward.field: names field 'answer', which tasks[0] lacks"),
-    ("Debate", {"debaters": ["a"]}, "debaters: must list two agents or more"),
-    ("Debate", {"debaters": ["a", "b"], "judge": "a"}, "debaters and judge must be distinct agents"),
+    ("Debate", {"debaters": ["a"]}, "debaters: List should have at least 2 items"),
+    ("Debate", {"debaters": ["a", "b"], "judge": "a"}, "debaters and judge must be distinct"),
     ("Chain", {"steps": [{"agent": "a", "prompt": "{previous}"}, {"agent": "b", "prompt": "{previous}"}]},
      "steps[0].prompt: the first step has no {previous} output to read"),
     ("Chain", {"steps": [{"agent": "a", "prompt": "{question}"}, {"agent": "b"}]}, "steps[1].prompt: Field required"),
     ("Chain", {"steps": [{"agent": "a", "prompt": "{question}"}, {"agent": "b", "prompt": "{previous} {hint}"}]},
      "steps[1].prompt: names field 'hint', which tasks[0] lacks"),
-    ("Mixture", {"proposers": ["a"], "aggregator": "a"}, "proposers and aggregator must be distinct agents"),
+    ("Mixture", {"proposers": ["a"], "aggregator": "a"}, "proposers and aggregator must be distinct"),
+    ("Mixture", {"proposers": "p0"}, "proposers: Input should be a valid list"),
+    ("Mixture", {"success_threshold": "1"}, "success_threshold: Input should be a valid number"),
+    ("Mixture", {"tasks": []}, "tasks: List should have at least 1 item"),
+    ("Mixture", {"reward_timeout_s": 0}, "reward_timeout_s: Input should be greater than 0"),
+    ("Mixture", {"tasks": [ROW, {"question": "q"}]}, "reward.field: names field 'answer', which tasks[1] lacks"),
 ])
 def test_bad_config_is_refused_in_one_line_naming_the_key(entrypoint: str, cfg: dict[str, Any], problem: str) -> None:
     with pytest.raises(InvalidArgument) as refused:
@@ -244,9 +249,9 @@ def test_the_preflight_refuses_a_misspelt_key_and_accepts_agents_from_the_config
     spec["environment"] = {"entrypoint": "flexmarl.workflows:SolverVerifier",
                            "config": {"reward": NUMERIC, "tasks": [ROW], "round": 2}}
     assert preflight_problems(parse_job_spec(spec)) == [
-        "environment.config.round: not a parameter of 'flexmarl.workflows:SolverVerifier' (it takes reward, solver, "
-        "verifier, rounds, accept_word, reject_word, prompts, rewards, tasks, eval_tasks, chat, system, "
-        "success_threshold, reward_timeout_s, reward_workers)"]
+        "environment.config.round: not a parameter of 'flexmarl.workflows:SolverVerifier' (it takes reward, rewards, "
+        "tasks, eval_tasks, chat, system, success_threshold, reward_timeout_s, reward_workers, prompts, solver, "
+        "verifier, rounds, accept_word, reject_word)"]
     spec["environment"]["config"] = {"reward": NUMERIC, "tasks": [ROW], "solver": "alice"}
     assert preflight_problems(parse_job_spec(spec)) == [
         "agents: environment 'flexmarl.workflows:SolverVerifier' plays agents ['alice', 'verifier']; the job has none "

@@ -74,6 +74,8 @@ def _default_of(model: type[BaseModel], name: str) -> str:
     value = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
     if isinstance(value, BaseModel):
         return "(all defaults)"
+    if isinstance(value, list) and any(isinstance(item, BaseModel) for item in value):
+        return "(docs/workflows.md)"
     return f"`{json.dumps(value)}`"
 
 
@@ -90,6 +92,47 @@ def _models(model: type[BaseModel], path: str, out: list[tuple[str, type[BaseMod
             if isinstance(candidate, type) and issubclass(candidate, BaseModel):
                 suffix = "[]" if args and candidate in args and getattr(annotation, "__origin__", None) is list else ""
                 _models(candidate, f"{path}.{name}{suffix}" if path else f"{name}{suffix}", out)
+
+
+def _section(title: str, model: type[BaseModel], model_schema: dict[str, Any], defs: dict[str, Any],
+             level: str = "##") -> list[str]:
+    """One model's heading, docstring and table of fields."""
+    doc = inspect.cleandoc(model.__doc__ or "")  # a docstring's later paragraphs are no code blocks
+    lines = [f"{level} {title}", ""]
+    if doc:
+        lines += [doc, ""]
+    props = model_schema.get("properties", {})
+    lines += ["| field | type | default | constraints | meaning |", "|---|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        prop = props.get(name, {})
+        lines.append(f"| `{name}` | {_cell(_type_of(prop, defs))} | {_cell(_default_of(model, name))} | "
+                     f"{_cell(_constraints(prop))} | {_cell(field.description or '')} |")
+    return [*lines, ""]
+
+
+def _workflow_sections() -> list[str]:
+    """The ready-made workflows' ``environment.config``, from their config models (flexmarl/workflows/)."""
+    from flexmarl.workflows import Chain, Debate, Mixture, SolverVerifier
+    from flexmarl.workflows.base import RewardSpec, WorkflowConfig
+    from flexmarl.workflows.chain import ChainStep
+
+    lines = ["## Ready-made workflows: `environment.config`", "",
+             "With `environment.entrypoint: flexmarl.workflows:<Workflow>` the environment is configured by",
+             "`environment.config` alone (docs/workflows.md: turn orders, prompts, rewards per role). The keys",
+             "every workflow takes are in the first table; each workflow's own keys follow.", ""]
+    common = set(WorkflowConfig.model_fields)
+    shared = WorkflowConfig.model_json_schema()
+    lines += _section("Every workflow", WorkflowConfig, shared, shared.get("$defs", {}), "###")
+    for workflow in (SolverVerifier, Debate, Chain, Mixture):
+        config = workflow.Config
+        schema = config.model_json_schema()
+        title = f"`flexmarl.workflows:{workflow.__name__}`"
+        lines += [line for line in _section(title, config, schema, schema.get("$defs", {}), "###")
+                  if not any(line.startswith(f"| `{name}` |") for name in common)]
+    for model in (RewardSpec, ChainStep):
+        schema = model.model_json_schema()
+        lines += _section(f"`{model.__name__}`", model, schema, schema.get("$defs", {}), "###")
+    return lines
 
 
 def markdown() -> str:
@@ -116,19 +159,9 @@ def markdown() -> str:
         "",
     ]
     for path, model in sections:
-        title = f"`{path}`" if path else "Top level"
-        doc = inspect.cleandoc(model.__doc__ or "")  # a docstring's later paragraphs are no code blocks
-        lines += [f"## {title}", ""]
-        if doc:
-            lines += [doc, ""]
         model_schema = defs.get(model.__name__, schema) if path else schema
-        props = model_schema.get("properties", {})
-        lines += ["| field | type | default | constraints | meaning |", "|---|---|---|---|---|"]
-        for name, field in model.model_fields.items():
-            prop = props.get(name, {})
-            lines.append(f"| `{name}` | {_cell(_type_of(prop, defs))} | {_cell(_default_of(model, name))} | "
-                         f"{_cell(_constraints(prop))} | {_cell(field.description or '')} |")
-        lines.append("")
+        lines += _section(f"`{path}`" if path else "Top level", model, model_schema, defs)
+    lines += _workflow_sections()
     example = REPO_ROOT / EXAMPLE_PATH
     if example.exists():  # a source checkout (the installed package has no examples/)
         lines += [f"## Example (`{EXAMPLE_PATH}`)", "", "```yaml", example.read_text().rstrip(), "```", ""]

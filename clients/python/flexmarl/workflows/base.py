@@ -1,10 +1,12 @@
-"""What every ready-made workflow shares: prompt templates, rewards per role, tasks, team notes.
+"""What every ready-made workflow shares: its config model, prompt templates, rewards per role, tasks, notes.
 
 A workflow is an :class:`~flexmarl.episode.Environment` configured entirely by
-``environment.config``; its subclasses (solver_verifier.py, debate.py, chain.py, mixture.py)
-declare their keys as keyword parameters, so the preflight refuses a misspelt key before submit,
-and check the values here, raising ``ValueError`` with one line that names the key
-(``rewards.solver.function: unknown reward 'exact' ...``), which the preflight reports.
+``environment.config``, which is declared once, as a pydantic model per workflow
+(:class:`WorkflowConfig` and its subclasses, every key documented by an attribute docstring):
+the constructor validates the config with it and raises ``ValueError`` with one line naming the
+key (``rewards.solver.function: unknown reward 'exact' ...``), the class's signature lists the
+model's keys so the preflight refuses a misspelt one before submit, and docs/jobspec.md's
+workflow sections are generated from the same models (flexmarl/jobspec_reference.py).
 
 Prompts are Python format strings over a task row's fields (``"Solve: {question}"``; ``{{`` and
 ``}}`` are literal braces) plus the workflow's own variables (an earlier agent's output, say),
@@ -15,47 +17,43 @@ is the team's check of a final answer against a row's field; ``rewards`` overrid
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import random
 import string
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pydantic
+from pydantic import BaseModel, ConfigDict, Field
 
 from flexmarl.episode import ChatMessage, Environment, EpisodeContext, Task
 from flexmarl.errors import InvalidArgument
 from flexmarl.rewards import BUILTIN_REWARDS, ISOLATED_BUILTINS, RewardRunner, check_reward_name
 
 
-class RewardSpec(pydantic.BaseModel):
-    """A role's reward: ``weight`` times ``function`` of its output against the row's ``field``."""
+class _ConfigModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
-    #: A built-in reward (flexmarl/rewards.py) or a user's ``module:function``.
+class RewardSpec(_ConfigModel):
+    """A role's reward: `weight` times `function` of the role's output against the task row's `field`."""
+
     function: str
-    #: The task row's field holding the reference answer.
-    field: str = "answer"
+    """A built-in reward (`exact_match`, `numeric_match`, `multiple_choice`, `math_equiv`) or a user's
+    `module:function`, called as `function(response, reference)` (docs/workflows.md)."""
+    field: str = Field("answer", min_length=1)
+    """The task row's field holding the reference answer."""
     weight: float = 1.0
+    """Multiplies the score (0 or 1 for the built-in rewards)."""
 
-
-def _one_line(where: str, exc: pydantic.ValidationError) -> str:
-    first = exc.errors()[0]
-    location = ".".join(str(part) for part in (where, *first["loc"]))
-    return f"{location}: {first['msg']}"
-
-
-def parse_reward(where: str, value: Any) -> RewardSpec:
-    """``value`` as a :class:`RewardSpec` with a loadable function; ValueError naming ``where`` otherwise."""
-    try:
-        spec = RewardSpec.model_validate(value)
-    except pydantic.ValidationError as exc:
-        raise ValueError(_one_line(where, exc)) from None
-    try:
-        check_reward_name(spec.function)
-    except InvalidArgument as exc:
-        raise ValueError(f"{where}.function: {exc}") from None
-    return spec
+    @pydantic.field_validator("function")
+    @classmethod
+    def _loadable(cls, value: str) -> str:
+        try:
+            check_reward_name(value)
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +67,17 @@ class Template:
     where: str
 
     @classmethod
-    def parse(cls, name: str, text: Any, variables: Iterable[str] = (), where: str = "") -> Template:
+    def parse(cls, name: str, text: str, variables: Iterable[str] = (), where: str = "") -> Template:
         """Checks ``text`` (named fields only) and returns the template; ValueError naming ``where``."""
         where = where or f"prompts.{name}"
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"{where}: must be a non-empty string, got {text!r}")
+        if not text:
+            raise ValueError(f"{where}: must not be empty")
         try:
             parts = list(string.Formatter().parse(text))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc} (write {{{{ and }}}} for literal braces)") from None
         for _, field, _, _ in parts:
-            if field is None:
-                continue
-            if not field.isidentifier():
+            if field is not None and not field.isidentifier():
                 raise ValueError(f"{where}: {{{field}}} is not a field name "
                                  "(name a task field, e.g. {question}; write {{ and }} for literal braces)")
         return cls(name, text, frozenset(variables), where)
@@ -105,15 +101,101 @@ class Template:
         return self.text.format_map({**row, **variables})
 
 
-def _rows(where: str, value: Any) -> tuple[dict[str, Any], ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise ValueError(f"{where}: must be a non-empty list of rows (mappings of field -> value)")
-    for number, row in enumerate(value):
-        if not isinstance(row, Mapping) or not all(isinstance(k, str) for k in row):
-            raise ValueError(f"{where}[{number}]: must be a mapping of field -> value, got {row!r}")
-    return tuple(dict(row) for row in value)
+class WorkflowConfig(_ConfigModel):
+    """The `environment.config` keys every workflow takes (docs/workflows.md)."""
+
+    reward: RewardSpec
+    """The team's check: `function` of the team's final answer against the row's `field` (what `success`
+    notes); also the reward of every role `rewards` does not name."""
+    rewards: dict[str, RewardSpec] = Field(default_factory=dict)
+    """Role -> its reward, for the roles that differ from `reward` (each workflow's roles: docs/workflows.md)."""
+    tasks: list[dict[str, Any]] | None = Field(None, min_length=1)
+    """Task rows given here, for a job without `environment.dataset`: task i is a row of a seeded
+    shuffle per epoch."""
+    eval_tasks: list[dict[str, Any]] | None = Field(None, min_length=1)
+    """Held-out task rows given here (what evaluation plays), for a job without `environment.dataset`."""
+    chat: bool = True
+    """Send each prompt as one user chat message (the agent's chat template applies); false: the plain text."""
+    system: str | None = None
+    """A system message before each chat prompt."""
+    success_threshold: float = 1.0
+    """A score at or above it counts as correct (the team's `success`, a verdict's truth, `role_correct`)."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """The time limit of one reward call in a worker process (`math_equiv`, a user's function): past it the
+    worker is killed and the episode fails."""
+    reward_workers: int = Field(2, ge=1)
+    """Worker processes for `math_equiv` and users' reward functions, at most, per rolloutd job."""
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """Role -> the agents playing it, from the config (each workflow's own)."""
+        raise NotImplementedError
+
+    def templates(self) -> dict[str, Template]:
+        """Prompt name -> its template; ValueError naming the key of a bad one."""
+        raise NotImplementedError
+
+    def role_reward(self, role: str) -> RewardSpec:
+        """``role``'s reward: its entry in ``rewards``, else ``reward``."""
+        return self.rewards.get(role, self.reward)
+
+    def required_fields(self) -> dict[str, str]:
+        """Each task-row field the workflow reads -> where the config names it (``prompts.solve``)."""
+        fields: dict[str, str] = {}
+        for template in self.templates().values():
+            for field in sorted(template.row_fields):
+                fields.setdefault(field, template.where)
+        fields.setdefault(self.reward.field, "reward.field")
+        for role, spec in self.rewards.items():
+            fields.setdefault(spec.field, f"rewards.{role}.field")
+        return fields
+
+    @pydantic.model_validator(mode="after")
+    def _consistent(self) -> WorkflowConfig:
+        roles = self.roles()
+        unknown = sorted(set(self.rewards) - set(roles))
+        if unknown:
+            raise ValueError(f"rewards.{unknown[0]}: not a role of this workflow (roles: {', '.join(roles)})")
+        required = self.required_fields()  # parses the templates: a bad one raises here
+        for where, rows in (("tasks", self.tasks), ("eval_tasks", self.eval_tasks)):
+            for number, row in enumerate(rows or ()):
+                for field, named_by in required.items():
+                    if field not in row:
+                        raise ValueError(f"{named_by}: names field {field!r}, which {where}[{number}] lacks "
+                                         f"(it has {', '.join(sorted(row)) or 'none'})")
+        return self
+
+
+class PromptedConfig(WorkflowConfig):
+    """A workflow whose prompts have names and defaults (`prompts`)."""
+
+    #: Prompt name -> (default template, the workflow's variables it may name); each workflow's own.
+    PROMPTS: ClassVar[Mapping[str, tuple[str, frozenset[str]]]] = {}
+
+    prompts: dict[str, str] = Field(default_factory=dict)
+    """Prompt name -> template over the task row's fields and the workflow's variables (`{question}`;
+    `{{`/`}}` are literal braces); a prompt not named keeps its default (docs/workflows.md)."""
+
+    def templates(self) -> dict[str, Template]:
+        """Prompt name -> its template (the config's, else the default)."""
+        unknown = sorted(set(self.prompts) - set(self.PROMPTS))
+        if unknown:
+            raise ValueError(f"prompts.{unknown[0]}: not a prompt of this workflow (it has {', '.join(self.PROMPTS)})")
+        return {name: Template.parse(name, self.prompts.get(name, default), variables)
+                for name, (default, variables) in self.PROMPTS.items()}
+
+
+def _location(loc: Sequence[int | str]) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def config_error(exc: pydantic.ValidationError) -> str:
+    """A config's first validation error as one line naming the key (``rewards.solver.function: ...``)."""
+    first = exc.errors()[0]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    where = _location(first["loc"])
+    if not where or message.startswith(f"{where}"):  # a model-level check names its own key
+        return message
+    return f"{where}: {message}"
 
 
 def join_outputs(outputs: Sequence[tuple[str, str]]) -> str:
@@ -121,85 +203,50 @@ def join_outputs(outputs: Sequence[tuple[str, str]]) -> str:
     return "\n\n".join(f"[{name}] {text}" for name, text in outputs)
 
 
-class Workflow(Environment):
-    """Base of the ready-made workflows: prompts, rewards per role, tasks and the team's notes.
+def _signature(config: type[WorkflowConfig]) -> inspect.Signature:
+    """The constructor's signature as the preflight reads it: the config model's keys as keyword parameters."""
+    parameters = []
+    for name, field in config.model_fields.items():
+        default = inspect.Parameter.empty if field.is_required() else field.get_default(call_default_factory=True)
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=field.annotation))
+    return inspect.Signature(parameters)
 
-    Subclasses set ``self.agents`` (from their config), call :meth:`_setup_common` in their
-    constructor and implement :meth:`episode`. Notes each episode leaves in ``ctx.notes``:
-    ``success`` (the team's final answer passes ``reward`` at ``success_threshold``),
-    ``role_correct`` (role -> the share of that role's scored outputs that pass) and ``answer``
-    (the team's final answer).
+
+class Workflow(Environment):
+    """Base of the ready-made workflows: config, prompts, rewards per role, tasks and the team's notes.
+
+    A subclass names its config model (``Config``) and implements :meth:`episode`. Notes each
+    episode leaves in ``ctx.notes``: ``success`` (the team's final answer passes ``reward`` at
+    ``success_threshold``), ``role_correct`` (role -> the share of that role's scored outputs
+    that pass) and ``answer`` (the team's final answer).
     """
 
-    #: Role name -> the agents playing it; set by each subclass's constructor.
-    roles: Mapping[str, tuple[str, ...]] = {}
-    #: Prompt name -> (default template, the workflow variables it may name).
-    PROMPTS: Mapping[str, tuple[str, frozenset[str]]] = {}
+    Config: ClassVar[type[WorkflowConfig]] = WorkflowConfig
 
-    def _setup_common(self, *, roles: Mapping[str, Sequence[str]], prompts: Mapping[str, Any] | None,
-                      reward: Any, rewards: Mapping[str, Any] | None, tasks: Any, eval_tasks: Any,
-                      chat: bool, system: str | None, success_threshold: float, reward_timeout_s: float,
-                      reward_workers: int) -> None:
-        self.roles = {role: tuple(agents) for role, agents in roles.items()}
-        agents = [agent for members in self.roles.values() for agent in members]
-        for agent in agents:
-            if not isinstance(agent, str) or not agent:
-                raise ValueError(f"agent names must be non-empty strings, got {agent!r}")
-        self.agents = tuple(dict.fromkeys(agents))
-        if prompts is not None and not isinstance(prompts, Mapping):
-            raise ValueError("prompts: must be a mapping of prompt name -> template")
-        unknown = sorted(set(prompts or {}) - set(self.PROMPTS))
-        if unknown:
-            raise ValueError(f"prompts.{unknown[0]}: not a prompt of this workflow (it has {', '.join(self.PROMPTS)})")
-        self.templates = {
-            name: Template.parse(name, (prompts or {}).get(name, default), variables, self.prompt_location(name))
-            for name, (default, variables) in self.PROMPTS.items()
-        }
-        self.reward_spec = parse_reward("reward", reward)
-        if rewards is not None and not isinstance(rewards, Mapping):
-            raise ValueError("rewards: must be a mapping of role -> {function, field, weight}")
-        unknown = sorted(set(rewards or {}) - set(self.roles))
-        if unknown:
-            raise ValueError(f"rewards.{unknown[0]}: not a role of this workflow (roles: {', '.join(self.roles)})")
-        self.role_rewards = {role: parse_reward(f"rewards.{role}", (rewards or {})[role]) if role in (rewards or {})
-                             else self.reward_spec for role in self.roles}
-        if not isinstance(chat, bool):
-            raise ValueError("chat: must be true or false")
-        if system is not None and not isinstance(system, str):
-            raise ValueError("system: must be a string")
-        self.chat, self.system = chat, system
-        self.success_threshold = float(success_threshold)
-        if not reward_timeout_s > 0 or int(reward_workers) < 1:
-            raise ValueError("reward_timeout_s must be > 0 and reward_workers >= 1")
-        self.reward_timeout_s, self.reward_workers = float(reward_timeout_s), int(reward_workers)
-        self.tasks = _rows("tasks", tasks)
-        self.eval_tasks = _rows("eval_tasks", eval_tasks)
-        for where, rows in (("tasks", self.tasks), ("eval_tasks", self.eval_tasks)):
-            self._check_rows(where, rows)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        setattr(cls, "__signature__", _signature(cls.Config))  # noqa: B010 - what inspect.signature(cls) reads
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__(**config)
+        try:
+            self.settings = self.Config.model_validate(config)
+        except pydantic.ValidationError as exc:
+            raise ValueError(config_error(exc)) from None
+        self.roles = self.settings.roles()
+        self.agents = tuple(dict.fromkeys(agent for members in self.roles.values() for agent in members))
+        self.templates = self.settings.templates()
+        self.reward_spec = self.settings.reward
+        self.role_rewards = {role: self.settings.role_reward(role) for role in self.roles}
+        self.tasks = tuple(self.settings.tasks or ())
+        self.eval_tasks = tuple(self.settings.eval_tasks or ())
         self._rewards: RewardRunner | None = None
-
-    def prompt_location(self, name: str) -> str:
-        """Where the config sets prompt ``name``, for messages."""
-        return f"prompts.{name}"
 
     @property
     def required_fields(self) -> dict[str, str]:
-        """Each task-row field the workflow reads -> where the config names it (``prompts.solver``)."""
-        fields: dict[str, str] = {}
-        for template in self.templates.values():
-            for field in sorted(template.row_fields):
-                fields.setdefault(field, template.where)
-        fields.setdefault(self.reward_spec.field, "reward.field")
-        for role, spec in self.role_rewards.items():
-            fields.setdefault(spec.field, f"rewards.{role}.field")
-        return fields
-
-    def _check_rows(self, where: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        for number, row in enumerate(rows):
-            for field, named_by in self.required_fields.items():
-                if field not in row:
-                    raise ValueError(f"{named_by}: names field {field!r}, which {where}[{number}] lacks "
-                                     f"(it has {', '.join(sorted(row)) or 'none'})")
+        """Each task-row field the workflow reads -> where the config names it (``prompts.solve``)."""
+        return self.settings.required_fields()
 
     # --- tasks ---------------------------------------------------------------------------------
 
@@ -228,15 +275,15 @@ class Workflow(Environment):
     def prompt(self, name: str, row: Mapping[str, Any], **variables: str) -> list[ChatMessage] | str:
         """Template ``name`` rendered for ``row``: one user message (after ``system``), or plain text."""
         text = self.templates[name].render(row, **variables)
-        if not self.chat:
+        if not self.settings.chat:
             return text
-        messages: list[ChatMessage] = [{"role": "system", "content": self.system}] if self.system else []
+        system = self.settings.system
+        messages: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
         return [*messages, {"role": "user", "content": text}]
 
     async def score(self, role: str, response: str, row: Mapping[str, Any]) -> float:
         """The unweighted score of ``response`` by ``role``'s reward function against its field of ``row``."""
-        spec = self.role_rewards[role] if role in self.role_rewards else self.reward_spec
-        return await self._score(spec, response, row)
+        return await self._score(self.role_rewards[role], response, row)
 
     async def team_score(self, response: str, row: Mapping[str, Any]) -> float:
         """The unweighted score of a team answer by ``reward``."""
@@ -248,13 +295,13 @@ class Workflow(Environment):
         if self._rewards is None:
             isolated = {s.function for s in (self.reward_spec, *self.role_rewards.values())
                         if s.function in ISOLATED_BUILTINS or s.function not in BUILTIN_REWARDS}
-            self._rewards = RewardRunner(timeout_s=self.reward_timeout_s, workers=self.reward_workers,
-                                         preload=tuple(sorted(isolated)))
+            self._rewards = RewardRunner(timeout_s=self.settings.reward_timeout_s,
+                                         workers=self.settings.reward_workers, preload=tuple(sorted(isolated)))
         return await self._rewards.score(spec.function, response, row[spec.field])
 
     def passes(self, score: float) -> bool:
         """Whether a score counts as correct (``success_threshold``)."""
-        return score >= self.success_threshold
+        return score >= self.settings.success_threshold
 
     def reward_role(self, ctx: EpisodeContext, role: str, agent: str, score: float, *, turn: int | None = None) -> None:
         """Gives ``agent`` its role's weight times ``score`` (episode-level, or at its ``turn``)."""
@@ -272,4 +319,3 @@ class Workflow(Environment):
         if self._rewards is not None:
             await self._rewards.aclose()
             self._rewards = None
-

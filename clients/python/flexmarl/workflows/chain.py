@@ -12,73 +12,67 @@ to), episode-level, once per episode whatever its number of steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 import pydantic
+from pydantic import Field
 
 from flexmarl.episode import EpisodeContext, Task
-from flexmarl.workflows.base import Template, Workflow
+from flexmarl.workflows.base import Template, Workflow, WorkflowConfig
 
-DEFAULT_STEPS = (
-    {"agent": "planner", "prompt": "Write a short plan for solving this problem.\n\n{question}"},
-    {"agent": "worker", "prompt": "Problem: {question}\n\nPlan: {previous}\n\n"
-                                  "Follow the plan. End with 'Answer: <answer>'."},
-    {"agent": "reviewer", "prompt": "Problem: {question}\n\nSolution: {previous}\n\n"
-                                    "Check the solution and correct it if needed. End with 'Answer: <answer>'."},
-)
+PLAN = "Write a short plan for solving this problem.\n\n{question}"
+WORK = "Problem: {question}\n\nPlan: {previous}\n\nFollow the plan. End with 'Answer: <answer>'."
+REVIEW = ("Problem: {question}\n\nSolution: {previous}\n\n"
+          "Check the solution and correct it if needed. End with 'Answer: <answer>'.")
 
 
 class ChainStep(pydantic.BaseModel):
-    """One step of a chain: ``agent`` answers ``prompt``."""
+    """One step of a chain: `agent` answers `prompt`."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
 
-    agent: str = pydantic.Field(min_length=1)
-    prompt: str = pydantic.Field(min_length=1)
+    agent: str = Field(min_length=1)
+    """The agent that takes this step."""
+    prompt: str = Field(min_length=1)
+    """A template over the task row's fields and `{previous}`, the previous step's output (not in the first)."""
+
+
+def _default_steps() -> list[ChainStep]:
+    return [ChainStep(agent="planner", prompt=PLAN), ChainStep(agent="worker", prompt=WORK),
+            ChainStep(agent="reviewer", prompt=REVIEW)]
+
+
+class ChainConfig(WorkflowConfig):
+    """`environment.config` of `flexmarl.workflows:Chain`: each agent transforms the previous agent's output.
+
+    A role per agent (its name); step k's prompt is `steps[k].prompt`.
+    """
+
+    steps: list[ChainStep] = Field(default_factory=_default_steps, min_length=2)
+    """The steps in order, two or more (default: planner -> worker -> reviewer); an agent may take several."""
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """One role per agent, named after it."""
+        return {step.agent: (step.agent,) for step in self.steps}
+
+    def templates(self) -> dict[str, Template]:
+        """``step<k>``: step k's prompt; the first may not name ``{previous}``."""
+        templates = {f"step{k}": Template.parse(f"step{k}", step.prompt, {"previous"} if k else (),
+                                                f"steps[{k}].prompt") for k, step in enumerate(self.steps)}
+        if "previous" in templates["step0"].fields:
+            raise ValueError("steps[0].prompt: the first step has no {previous} output to read")
+        return templates
 
 
 class Chain(Workflow):
-    """A chain of agents over task rows; config keys: the parameters (docs/workflows.md)."""
+    """A chain of agents over task rows; config: :class:`ChainConfig` (docs/workflows.md)."""
 
-    def __init__(self, *, reward: Mapping[str, Any], steps: Sequence[Mapping[str, Any]] = DEFAULT_STEPS,
-                 rewards: Mapping[str, Any] | None = None,
-                 tasks: list[Mapping[str, Any]] | None = None, eval_tasks: list[Mapping[str, Any]] | None = None,
-                 chat: bool = True, system: str | None = None, success_threshold: float = 1.0,
-                 reward_timeout_s: float = 10.0, reward_workers: int = 2) -> None:
-        super().__init__(reward=reward, steps=steps, rewards=rewards, tasks=tasks, eval_tasks=eval_tasks, chat=chat,
-                         system=system, success_threshold=success_threshold, reward_timeout_s=reward_timeout_s,
-                         reward_workers=reward_workers)
-        if isinstance(steps, str) or not isinstance(steps, Sequence) or len(steps) < 2:
-            raise ValueError("steps: must list two steps or more ({agent, prompt} each)")
-        parsed = []
-        for number, step in enumerate(steps):
-            try:
-                parsed.append(ChainStep.model_validate(step))
-            except pydantic.ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                raise ValueError(f"steps[{number}]{'.' + where if where else ''}: {first['msg']}") from None
-        self.steps = tuple(parsed)
-        if "previous" in Template.parse("step0", self.steps[0].prompt, where="steps[0].prompt").fields:
-            raise ValueError("steps[0].prompt: the first step has no {previous} output to read")
-        # Each step's prompt is a template of its own, named step<k> (what its messages name).
-        self.PROMPTS = {f"step{k}": (s.prompt, frozenset({"previous"}) if k else frozenset())
-                        for k, s in enumerate(self.steps)}
-        self._setup_common(roles={s.agent: (s.agent,) for s in self.steps}, prompts=None, reward=reward,
-                           rewards=rewards, tasks=tasks, eval_tasks=eval_tasks, chat=chat, system=system,
-                           success_threshold=success_threshold, reward_timeout_s=reward_timeout_s,
-                           reward_workers=reward_workers)
-
-    def prompt_location(self, name: str) -> str:
-        """Step k's prompt (template ``step<k>``) is ``steps[k].prompt``."""
-        return f"steps[{name.removeprefix('step')}].prompt"
+    Config = ChainConfig
+    settings: ChainConfig
 
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """The steps in order, each reading the previous output; see the module docstring."""
         row = task.data
         previous = ""
-        for k, step in enumerate(self.steps):
+        for k, step in enumerate(self.settings.steps):
             variables = {"previous": previous} if k else {}
             previous = (await ctx.generate(step.agent, self.prompt(f"step{k}", row, **variables))).text.strip()
         correct: dict[str, list[bool]] = {}

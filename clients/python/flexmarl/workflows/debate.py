@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+
+import pydantic
+from pydantic import Field
 
 from flexmarl.episode import EpisodeContext, Task
 from flexmarl.rewards import answer_key
-from flexmarl.workflows.base import Workflow, join_outputs
+from flexmarl.workflows.base import PromptedConfig, Template, Workflow, join_outputs
 
 ANSWER = "Solve the problem. End with 'Answer: <answer>'.\n\n{question}"
 DEBATE = ("Problem: {question}\n\nYour previous answer: {previous}\n\nThe other agents answered:\n\n{others}\n\n"
@@ -30,8 +32,12 @@ JUDGE = ("Problem: {question}\n\nThe agents answered:\n\n{answers}\n\n"
          "Which answer is right? Give the final answer. End with 'Answer: <answer>'.")
 
 
-class Debate(Workflow):
-    """N debaters and an optional judge over task rows; config keys: the parameters (docs/workflows.md)."""
+class DebateConfig(PromptedConfig):
+    """`environment.config` of `flexmarl.workflows:Debate`: N agents answer, read each other's answers, R rounds.
+
+    The final answer by majority or by a judge. Roles `debater`, `judge`; prompts `answer`, `debate`
+    (`{previous}`, `{others}`), `judge` (`{answers}`).
+    """
 
     PROMPTS = {
         "answer": (ANSWER, frozenset()),
@@ -39,61 +45,69 @@ class Debate(Workflow):
         "judge": (JUDGE, frozenset({"answers"})),
     }
 
-    def __init__(self, *, reward: Mapping[str, Any], debaters: Sequence[str] = ("debater_0", "debater_1"),
-                 judge: str | None = None, rounds: int = 2,
-                 prompts: Mapping[str, str] | None = None, rewards: Mapping[str, Any] | None = None,
-                 tasks: list[Mapping[str, Any]] | None = None, eval_tasks: list[Mapping[str, Any]] | None = None,
-                 chat: bool = True, system: str | None = None, success_threshold: float = 1.0,
-                 reward_timeout_s: float = 10.0, reward_workers: int = 2) -> None:
-        super().__init__(reward=reward, debaters=debaters, judge=judge, rounds=rounds, prompts=prompts,
-                         rewards=rewards, tasks=tasks, eval_tasks=eval_tasks, chat=chat, system=system,
-                         success_threshold=success_threshold, reward_timeout_s=reward_timeout_s,
-                         reward_workers=reward_workers)
-        if isinstance(debaters, str) or not isinstance(debaters, Sequence) or len(debaters) < 2:
-            raise ValueError(f"debaters: must list two agents or more, got {debaters!r}")
-        if len(set(debaters)) != len(debaters) or judge in debaters:
-            raise ValueError("debaters and judge must be distinct agents")
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"rounds: must be an integer >= 1, got {rounds!r}")
-        self.debaters, self.judge, self.rounds = tuple(debaters), judge, rounds
-        roles: dict[str, Sequence[str]] = {"debater": self.debaters}
-        if judge is not None:
-            roles["judge"] = (judge,)
-        self._setup_common(roles=roles, prompts=prompts, reward=reward, rewards=rewards, tasks=tasks,
-                           eval_tasks=eval_tasks, chat=chat, system=system, success_threshold=success_threshold,
-                           reward_timeout_s=reward_timeout_s, reward_workers=reward_workers)
-        if judge is None:  # the judge prompt is never used: it may name what it likes
-            self.templates.pop("judge")
+    debaters: list[str] = Field(default_factory=lambda: ["debater_0", "debater_1"], min_length=2)
+    """The debaters' agent names (two or more)."""
+    judge: str | None = None
+    """An agent that reads the last round's answers and gives the team's answer; unset: the majority does."""
+    rounds: int = Field(2, ge=1)
+    """Rounds of answers; from the second on, each debater reads the others' last answers."""
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """``debater`` (every debater) and, with one, ``judge``."""
+        roles = {"debater": tuple(self.debaters)}
+        if self.judge is not None:
+            roles["judge"] = (self.judge,)
+        return roles
+
+    def templates(self) -> dict[str, Template]:
+        """The prompts; without a judge the ``judge`` prompt is never used (it may name what it likes)."""
+        templates = super().templates()
+        if self.judge is None:
+            templates.pop("judge")
+        return templates
+
+    @pydantic.model_validator(mode="after")
+    def _distinct(self) -> DebateConfig:
+        agents = [*self.debaters, *([self.judge] if self.judge is not None else [])]
+        if len(set(agents)) != len(agents) or not all(agents):
+            raise ValueError("debaters and judge must be distinct, non-empty agent names")
+        return self
+
+
+class Debate(Workflow):
+    """N debaters and an optional judge over task rows; config: :class:`DebateConfig` (docs/workflows.md)."""
+
+    Config = DebateConfig
+    settings: DebateConfig
 
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """R rounds of concurrent answers, then the judge or the majority; see the module docstring."""
-        row = task.data
+        row, debaters, judge = task.data, tuple(self.settings.debaters), self.settings.judge
 
         async def answer(debater: str, previous: Mapping[str, str] | None) -> str:
             if previous is None:
                 prompt = self.prompt("answer", row)
             else:
-                others = join_outputs([(d, previous[d]) for d in self.debaters if d != debater])
+                others = join_outputs([(d, previous[d]) for d in debaters if d != debater])
                 prompt = self.prompt("debate", row, previous=previous[debater], others=others)
             return (await ctx.generate(debater, prompt)).text.strip()
 
-        answers: dict[str, str] | None = None
-        for _ in range(self.rounds):
-            texts = await asyncio.gather(*(answer(d, answers) for d in self.debaters))
-            answers = dict(zip(self.debaters, texts, strict=True))
-        assert answers is not None  # rounds >= 1
-        scores = [await self.score("debater", answers[d], row) for d in self.debaters]
-        for debater, score in zip(self.debaters, scores, strict=True):
+        answers: dict[str, str] = {}
+        for round_number in range(self.settings.rounds):
+            texts = await asyncio.gather(*(answer(d, answers if round_number else None) for d in debaters))
+            answers = dict(zip(debaters, texts, strict=True))
+        scores = [await self.score("debater", answers[d], row) for d in debaters]
+        for debater, score in zip(debaters, scores, strict=True):
             self.reward_role(ctx, "debater", debater, score)
         correct: dict[str, list[bool]] = {"debater": [self.passes(s) for s in scores]}
-        if self.judge is not None:
-            listed = join_outputs([(d, answers[d]) for d in self.debaters])
-            final = (await ctx.generate(self.judge, self.prompt("judge", row, answers=listed))).text.strip()
+        if judge is not None:
+            listed = join_outputs([(d, answers[d]) for d in debaters])
+            final = (await ctx.generate(judge, self.prompt("judge", row, answers=listed))).text.strip()
             judge_score = await self.score("judge", final, row)
-            self.reward_role(ctx, "judge", self.judge, judge_score)
+            self.reward_role(ctx, "judge", judge, judge_score)
             correct["judge"] = [self.passes(judge_score)]
         else:
-            final = self.majority([answers[d] for d in self.debaters])
+            final = self.majority([answers[d] for d in debaters])
         self.note_outcome(ctx, final, await self.team_score(final, row), correct)
 
     def majority(self, answers: Sequence[str]) -> str:

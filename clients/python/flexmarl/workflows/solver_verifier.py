@@ -16,11 +16,11 @@ answer, episode-level; the verifier, at each of its turns, its weight when its v
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import pydantic
+from pydantic import Field
 
 from flexmarl.episode import EpisodeContext, Task
-from flexmarl.workflows.base import Workflow
+from flexmarl.workflows.base import PromptedConfig, Workflow
 
 SOLVE = "Solve the problem. End with 'Answer: <answer>'.\n\n{question}"
 VERIFY = ("Problem: {question}\n\nProposed solution: {attempt}\n\n"
@@ -29,8 +29,12 @@ REVISE = ("Problem: {question}\n\nYour solution: {attempt}\n\nA reviewer replied
           "Write a corrected solution. End with 'Answer: <answer>'.")
 
 
-class SolverVerifier(Workflow):
-    """A solver and a verifier over task rows; config keys: the parameters (docs/workflows.md)."""
+class SolverVerifierConfig(PromptedConfig):
+    """`environment.config` of `flexmarl.workflows:SolverVerifier`: a solver answers, a verifier judges.
+
+    The verifier accepts or rejects with a reason; the solver may revise. Roles `solver`, `verifier`;
+    prompts `solve`, `verify` (`{attempt}`), `revise` (`{attempt}`, `{feedback}`).
+    """
 
     PROMPTS = {
         "solve": (SOLVE, frozenset()),
@@ -38,54 +42,59 @@ class SolverVerifier(Workflow):
         "revise": (REVISE, frozenset({"attempt", "feedback"})),
     }
 
-    def __init__(self, *, reward: Mapping[str, Any], solver: str = "solver", verifier: str = "verifier",
-                 rounds: int = 1, accept_word: str = "ACCEPT", reject_word: str = "REJECT",
-                 prompts: Mapping[str, str] | None = None, rewards: Mapping[str, Any] | None = None,
-                 tasks: list[Mapping[str, Any]] | None = None, eval_tasks: list[Mapping[str, Any]] | None = None,
-                 chat: bool = True, system: str | None = None, success_threshold: float = 1.0,
-                 reward_timeout_s: float = 10.0, reward_workers: int = 2) -> None:
-        super().__init__(reward=reward, solver=solver, verifier=verifier, rounds=rounds, accept_word=accept_word,
-                         reject_word=reject_word, prompts=prompts, rewards=rewards, tasks=tasks,
-                         eval_tasks=eval_tasks, chat=chat, system=system, success_threshold=success_threshold,
-                         reward_timeout_s=reward_timeout_s, reward_workers=reward_workers)
-        if solver == verifier:
-            raise ValueError(f"solver and verifier must be different agents, both are {solver!r}")
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-            raise ValueError(f"rounds: must be an integer >= 1, got {rounds!r}")
-        for key, word in (("accept_word", accept_word), ("reject_word", reject_word)):
-            if not isinstance(word, str) or not word.strip():
-                raise ValueError(f"{key}: must be a non-empty string")
-        if accept_word.casefold() == reject_word.casefold():
+    solver: str = Field("solver", min_length=1)
+    """The solver's agent name."""
+    verifier: str = Field("verifier", min_length=1)
+    """The verifier's agent name."""
+    rounds: int = Field(1, ge=1)
+    """Verifier turns at most; the solver revises after each rejection."""
+    accept_word: str = Field("ACCEPT", min_length=1)
+    """A verifier's reply accepts when this word comes in it before `reject_word` (case-insensitive)."""
+    reject_word: str = Field("REJECT", min_length=1)
+    """A verifier's reply with neither word rejects."""
+
+    def roles(self) -> dict[str, tuple[str, ...]]:
+        """``solver`` and ``verifier``."""
+        return {"solver": (self.solver,), "verifier": (self.verifier,)}
+
+    @pydantic.model_validator(mode="after")
+    def _distinct(self) -> SolverVerifierConfig:
+        if self.solver == self.verifier:
+            raise ValueError(f"solver and verifier must be different agents, both are {self.solver!r}")
+        if self.accept_word.casefold() == self.reject_word.casefold():
             raise ValueError("accept_word and reject_word must differ")
-        self.solver, self.verifier, self.rounds = solver, verifier, rounds
-        self.accept_word, self.reject_word = accept_word.casefold(), reject_word.casefold()
-        self._setup_common(roles={"solver": (solver,), "verifier": (verifier,)}, prompts=prompts, reward=reward,
-                           rewards=rewards, tasks=tasks, eval_tasks=eval_tasks, chat=chat, system=system,
-                           success_threshold=success_threshold, reward_timeout_s=reward_timeout_s,
-                           reward_workers=reward_workers)
+        return self
+
+
+class SolverVerifier(Workflow):
+    """A solver and a verifier over task rows; config: :class:`SolverVerifierConfig` (docs/workflows.md)."""
+
+    Config = SolverVerifierConfig
+    settings: SolverVerifierConfig
 
     def accepts(self, verdict: str) -> bool:
         """Whether a verifier's reply accepts: ``accept_word`` before ``reject_word`` (neither: rejects)."""
         text = verdict.casefold()
-        accept, reject = text.find(self.accept_word), text.find(self.reject_word)
+        accept = text.find(self.settings.accept_word.casefold())
+        reject = text.find(self.settings.reject_word.casefold())
         return accept >= 0 and (reject < 0 or accept < reject)
 
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         """Solve, then up to ``rounds`` of verify and (on rejection) revise; see the module docstring."""
-        row = task.data
-        attempt = (await ctx.generate(self.solver, self.prompt("solve", row))).text.strip()
+        row, solver, verifier = task.data, self.settings.solver, self.settings.verifier
+        attempt = (await ctx.generate(solver, self.prompt("solve", row))).text.strip()
         verdicts_right: list[bool] = []
-        for _ in range(self.rounds):
-            verdict = (await ctx.generate(self.verifier, self.prompt("verify", row, attempt=attempt))).text.strip()
+        for _ in range(self.settings.rounds):
+            verdict = (await ctx.generate(verifier, self.prompt("verify", row, attempt=attempt))).text.strip()
             accepted = self.accepts(verdict)
             right = accepted == self.passes(await self.score("verifier", attempt, row))
             verdicts_right.append(right)
-            self.reward_role(ctx, "verifier", self.verifier, 1.0 if right else 0.0, turn=-1)
+            self.reward_role(ctx, "verifier", verifier, 1.0 if right else 0.0, turn=-1)
             if accepted:
                 break
-            revised = await ctx.generate(self.solver, self.prompt("revise", row, attempt=attempt, feedback=verdict))
+            revised = await ctx.generate(solver, self.prompt("revise", row, attempt=attempt, feedback=verdict))
             attempt = revised.text.strip()
         solver_score = await self.score("solver", attempt, row)
-        self.reward_role(ctx, "solver", self.solver, solver_score)
+        self.reward_role(ctx, "solver", solver, solver_score)
         team = solver_score if self.role_rewards["solver"] == self.reward_spec else await self.team_score(attempt, row)
         self.note_outcome(ctx, attempt, team, {"solver": [self.passes(solver_score)], "verifier": verdicts_right})
