@@ -7,6 +7,7 @@ experiences carry (episode-level rewards on every turn of the agent, gamma 1).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 import yaml
 from byte_tokenizers import ContentBytes
 
+from flexmarl.datasets import open_dataset
 from flexmarl.episode import EpisodeRecord, Task, TurnRecord, load_environment
 from flexmarl.errors import InvalidArgument
 from flexmarl.jobspec import parse_job_spec
@@ -188,7 +190,9 @@ def test_tasks_are_a_seeded_shuffle_per_epoch() -> None:
     epoch1 = [env.task(i, seed=3).data["answer"] for i in range(5, 10)]
     assert sorted(epoch0) == sorted(epoch1) == list(range(5)) and epoch0 != list(range(5))
     assert epoch0 == [env.task(i, seed=3).data["answer"] for i in range(5)]  # deterministic
-    assert {env.eval_task(i, seed=3).data["answer"] for i in range(4)} == {0, 1}
+    assert [env.eval_task(i, seed=3).data["answer"] for i in range(2)] == [0, 1] and env.held_out_tasks() == 2
+    with pytest.raises(InvalidArgument, match="held-out task 2: eval_tasks has 2 rows"):
+        env.eval_task(2, seed=3)
     assert env.required_fields == {"question": "prompts.solve", "answer": "reward.field"}
 
 
@@ -242,10 +246,74 @@ def test_the_agents_come_from_the_config() -> None:
     assert chain.agents == ("a", "b")
 
 
-def test_the_preflight_refuses_a_misspelt_key_and_accepts_agents_from_the_config() -> None:
-    spec = yaml.safe_load((REPO_ROOT / "examples" / "arithmetic" / "job.yaml").read_text())
+def arithmetic_job() -> dict[str, Any]:
+    """examples/arithmetic's job (agents solver and verifier) without its warm starts."""
+    spec: dict[str, Any] = yaml.safe_load((REPO_ROOT / "examples" / "arithmetic" / "job.yaml").read_text())
     for agent in spec["agents"]:
         agent.pop("warm_start")
+    return spec
+
+
+WORD_PROBLEMS = REPO_ROOT / "examples" / "word_problems"
+
+
+def test_the_preflight_checks_the_fields_the_workflow_reads_against_the_dataset(tmp_path: Path) -> None:
+    spec = arithmetic_job()
+    dataset = {"train": str(WORD_PROBLEMS / "train.jsonl"), "eval": str(WORD_PROBLEMS / "eval.jsonl")}
+    spec["environment"] = {"entrypoint": "flexmarl.workflows:SolverVerifier", "dataset": dataset,
+                           "config": {"reward": NUMERIC}}
+    assert preflight_problems(parse_job_spec(spec)) == []
+    spec["environment"]["config"] = {"reward": {"function": "multiple_choice", "field": "label"},
+                                     "prompts": {"solve": "{questoin} {choices}"}}
+    train = dataset["train"]
+    assert preflight_problems(parse_job_spec(spec)) == [
+        f"environment.config.prompts.solve: names field 'questoin', which the rows of {train} lack (they have "
+        "answer, choices, expression, id, label, operation, question)",
+        f"environment.config.prompts.solve: names field 'questoin', which the rows of {dataset['eval']} lack (they "
+        "have answer, choices, expression, id, label, operation, question)"]
+    rows = [json.loads(line) for line in Path(train).read_text().splitlines()[:5]]
+    del rows[3]["answer"]
+    partial = tmp_path / "train.jsonl"
+    partial.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec["environment"]["dataset"] = {"train": str(partial)}
+    spec["environment"]["config"] = {"reward": NUMERIC}
+    assert preflight_problems(parse_job_spec(spec)) == [
+        f"environment.config.reward.field: names field 'answer', which 1 rows of {partial} lack (the first: row 3, "
+        "counting from 0)"]
+    spec["environment"]["config"] = {"reward": NUMERIC, "tasks": [ROW]}
+    assert preflight_problems(parse_job_spec(spec)) == [
+        "environment.config.tasks: the job reads its tasks from environment.dataset; give one task source"]
+    del spec["environment"]["dataset"]
+    spec["environment"]["config"] = {"reward": NUMERIC}
+    assert preflight_problems(parse_job_spec(spec)) == [
+        "environment.dataset: workflow 'flexmarl.workflows:SolverVerifier' has no tasks: give environment.dataset "
+        "(or rows in environment.config.tasks)"]
+
+
+async def test_a_workflow_plays_the_dataset_rows() -> None:
+    spec = arithmetic_job()
+    spec["environment"] = {"entrypoint": "flexmarl.workflows:SolverVerifier", "config": {"reward": NUMERIC},
+                           "dataset": {"train": str(WORD_PROBLEMS / "train.jsonl"),
+                                       "eval": str(WORD_PROBLEMS / "eval.jsonl"), "fields": ["question", "answer"]}}
+    job = parse_job_spec(spec)
+    assert job.environment.dataset is not None
+    env = load_environment(job.environment.entrypoint, job.environment.config, open_dataset(job.environment.dataset))
+    assert isinstance(env, Workflow)
+    row = env.task(5, seed=0).data
+    assert env.dataset is not None and row == env.dataset.train_row(5, 0)
+    held_out = env.eval_task(0, seed=0).data
+    assert held_out["id"] == "wp-eval-0" and env.held_out_tasks() == 100
+    backend = Scripted({"solver": [f"Answer: {row['answer']}"], "verifier": ["ACCEPT"]})
+    runtimes = {agent: AgentRuntime(ContentBytes(), {}) for agent in env.agents}
+    result = await RolloutRunner(env, runtimes, backend, coalesce_first_turn=False).run(
+        RolloutTaskInput("job", "job/0/5", 5, 0, 1))
+    await env.aclose()
+    assert result.ok and row["question"] in backend.prompts("solver")[0]
+    assert {(e.agent, e.reward) for e in result.experiences} == {("solver", 1.0), ("verifier", 1.0)}
+
+
+def test_the_preflight_refuses_a_misspelt_key_and_accepts_agents_from_the_config() -> None:
+    spec = arithmetic_job()
     spec["environment"] = {"entrypoint": "flexmarl.workflows:SolverVerifier",
                            "config": {"reward": NUMERIC, "tasks": [ROW], "round": 2}}
     assert preflight_problems(parse_job_spec(spec)) == [

@@ -137,7 +137,44 @@ def preflight_problems(spec: JobSpec) -> list[str]:
         stale = _stale_module_problems(entrypoint)
         warm_starts = _warm_start_problems(spec)
     return (stale + _agent_problems(spec, tuple(env.agents)) + _task_source_problems(spec, env)
-            + dataset_problems(spec) + warm_starts + trackers)
+            + dataset_problems(spec) + _workflow_field_problems(spec, env) + warm_starts + trackers)
+
+
+def _workflow_field_problems(spec: JobSpec, env: Environment) -> list[str]:
+    """The task fields a ready-made workflow reads (its prompts, its rewards) against the job's task source.
+
+    One line per field that rows of ``environment.dataset``'s files lack, naming the config key
+    that reads it, the file and the first row (a row of ``environment.config.tasks`` is checked
+    when the workflow is built). A file that does not read is :func:`dataset_problems`'s to report.
+    """
+    from flexmarl.datasets import read_rows
+    from flexmarl.workflows import Workflow
+
+    dataset = spec.environment.dataset
+    if not isinstance(env, Workflow):
+        return []
+    if dataset is None:
+        return [] if env.tasks else [f"environment.dataset: workflow {spec.environment.entrypoint!r} has no tasks: "
+                                     "give environment.dataset (or rows in environment.config.tasks)"]
+    if env.tasks or env.eval_tasks:
+        return ["environment.config.tasks: the job reads its tasks from environment.dataset; give one task source"]
+    problems = []
+    for path in (dataset.train, dataset.eval):
+        if path is None:
+            continue
+        try:
+            rows = read_rows(path).rows
+        except InvalidArgument:
+            continue
+        for field, named_by in env.required_fields.items():
+            lacking = [number for number, row in enumerate(rows) if row.get(field) is None]
+            if len(lacking) == len(rows) and rows:
+                problems.append(f"environment.config.{named_by}: names field {field!r}, which the rows of {path} "
+                                f"lack (they have {', '.join(sorted(rows[0]))})")
+            elif lacking:
+                problems.append(f"environment.config.{named_by}: names field {field!r}, which {len(lacking)} rows "
+                                f"of {path} lack (the first: row {lacking[0]}, counting from 0)")
+    return problems
 
 
 def _task_source_problems(spec: JobSpec, env: Environment) -> list[str]:

@@ -113,7 +113,7 @@ class WorkflowConfig(_ConfigModel):
     """Task rows given here, for a job without `environment.dataset`: task i is a row of a seeded
     shuffle per epoch."""
     eval_tasks: list[dict[str, Any]] | None = Field(None, min_length=1)
-    """Held-out task rows given here (what evaluation plays), for a job without `environment.dataset`."""
+    """Held-out task rows given here, for a job without `environment.dataset`: held-out task i is row i."""
     chat: bool = True
     """Send each prompt as one user chat message (the agent's chat template applies); false: the plain text."""
     system: str | None = None
@@ -259,16 +259,24 @@ class Workflow(Environment):
         return dict(rows[order[position]])
 
     def task(self, index: int, seed: int) -> Task:
-        """Row ``index`` of the config's ``tasks`` (a seeded shuffle per epoch)."""
-        if not self.tasks:
-            raise InvalidArgument("the workflow has no tasks: set environment.config.tasks")
+        """Row ``index`` of the job's ``environment.dataset``, else of the config's ``tasks`` (shuffled per epoch)."""
+        if self.dataset is not None or not self.tasks:
+            return super().task(index, seed)  # the dataset's row; without one it says what is missing
         return Task(index=index, seed=seed, data=self._pick(self.tasks, index, seed, "tasks"))
 
     def eval_task(self, index: int, seed: int) -> Task:
-        """Row ``index`` of ``eval_tasks`` when given, else the default held-out draw."""
-        if not self.eval_tasks:
+        """The dataset's eval row ``index``; without a dataset, row ``index`` of ``eval_tasks``; else the default."""
+        if self.dataset is not None or not self.eval_tasks:
             return super().eval_task(index, seed)
-        return Task(index=index, seed=seed, data=self._pick(self.eval_tasks, index, seed, "eval"))
+        if not 0 <= index < len(self.eval_tasks):
+            raise InvalidArgument(f"held-out task {index}: eval_tasks has {len(self.eval_tasks)} rows")
+        return Task(index=index, seed=seed, data=dict(self.eval_tasks[index]))
+
+    def held_out_tasks(self) -> int | None:
+        """How many distinct held-out tasks there are: the eval file's rows, or ``eval_tasks``'s."""
+        if self.dataset is None and self.eval_tasks:
+            return len(self.eval_tasks)
+        return super().held_out_tasks()
 
     # --- episode helpers ---------------------------------------------------------------------
 
