@@ -3,18 +3,19 @@
 The strings are a persisted contract (etcd keys, stored rows, lease ids held by
 workers), so each ``__str__`` below writes exactly what earlier releases wrote:
 
-==================  ==========================================  ======================
-ref                 wire format                                 built by
-==================  ==========================================  ======================
-job id              ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``         SDK / orchestratord
-:class:`TaskRef`    ``<job>/b<batch>/t<position>``              planner (admission)
-:class:`GroupRef`   ``<task>/<agent>``                          rolloutd
-experience id       ``<task>/<sample>/<agent>/<turn>``          rolloutd
-:class:`StepRef`    ``<job>/<agent>/step<step>``                orchestratord -> stored
-attempt step id     ``<job>/<agent>/s<step>[/e<epoch>]/a<k>``   planner -> traind
-micro-batch subject ``<agent>/<step>/<attempt>/<index>``        planner (leases)
-lease id            ``<job>/<epoch>-<kind>-<n>``                planner (leases)
-==================  ==========================================  ======================
+====================  ==========================================  ======================
+ref                   wire format                                 built by
+====================  ==========================================  ======================
+job id                ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``         SDK / orchestratord
+:class:`TaskRef`      ``<job>/b<batch>/t<position>``              planner (admission)
+:class:`EvalTaskRef`  ``<job>/ev<version>/t<index>``              planner (evaluation)
+:class:`GroupRef`     ``<task>/<agent>``                          rolloutd
+experience id         ``<task>/<sample>/<agent>/<turn>``          rolloutd
+:class:`StepRef`      ``<job>/<agent>/step<step>``                orchestratord -> stored
+attempt step id       ``<job>/<agent>/s<step>[/e<epoch>]/a<k>``   planner -> traind
+micro-batch subject   ``<agent>/<step>/<attempt>/<index>``        planner (leases)
+lease id              ``<job>/<epoch>-<kind>-<n>``                planner (leases)
+====================  ==========================================  ======================
 
 Group and experience ids take the task id as an opaque string: stored and the
 SDK accept experiences of any task id, not only the planner's. Parsers check
@@ -36,6 +37,7 @@ AGENT_NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 _NUMBER = r"(0|[1-9][0-9]*)"  # canonical, so that str(parse(text)) == text
 _TASK_RE = re.compile(rf"([^/]+)/b{_NUMBER}/t{_NUMBER}", re.ASCII)
+_EVAL_TASK_RE = re.compile(rf"([^/]+)/ev{_NUMBER}/t{_NUMBER}", re.ASCII)
 _STEP_RE = re.compile(rf"([^/]+)/([^/]+)/step{_NUMBER}", re.ASCII)
 _ATTEMPT_RE = re.compile(rf"([^/]+)/([^/]+)/s{_NUMBER}(?:/e([^/]+))?/a{_NUMBER}", re.ASCII)
 _MICRO_BATCH_RE = re.compile(rf"([^/]+)/{_NUMBER}/{_NUMBER}/{_NUMBER}", re.ASCII)
@@ -86,6 +88,29 @@ class TaskRef:
         except InvalidArgument:
             return None
         return ref if ref.job_id == job_id else None
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class EvalTaskRef:
+    """A held-out evaluation task: task ``index`` of the round that evaluates the team's version ``version``.
+
+    Never a :class:`TaskRef`: nothing an evaluation plays is stored as an experience or trained on.
+    """
+
+    job_id: str
+    version: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/ev{self.version}/t{self.index}"
+
+    @classmethod
+    def parse(cls, text: str) -> EvalTaskRef:
+        """``<job>/ev<version>/t<index>`` -> EvalTaskRef; raises InvalidArgument otherwise."""
+        match = _EVAL_TASK_RE.fullmatch(text)
+        if match is None:
+            raise InvalidArgument(f"bad eval task id {text!r}: expected <job>/ev<version>/t<index>")
+        return cls(_job(match[1], "eval task id", text), int(match[2]), int(match[3]))
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -489,6 +489,36 @@ class TrackingSpec(_SpecModel):
         return value
 
 
+EvalSampling = Literal["greedy", "policy"]
+#: The namespace of the team's evaluation figures beside each agent's (trackers, plots): no agent may take it.
+TEAM = "team"
+
+
+class EvaluationSpec(_SpecModel):
+    """Held-out evaluation beside training (docs/evaluation.md).
+
+    A round plays `tasks` held-out tasks (`Environment.eval_task`, never a training task), `samples_per_task`
+    episodes each, on the agents' current versions, when the team's version (the lowest over the agents) reaches a
+    multiple of `every_versions`, and at the final version. Its episodes are never trained on. Rounds run beside
+    training: an eval task is leased when the job has no training task to hand out, or as the only eval task in
+    flight (at most one while training tasks wait). A job with `evaluation` ends when its final round is recorded.
+    """
+
+    every_versions: Annotated[int, Field(ge=1, le=MAX_TOTAL_STEPS)] = 1
+    """A round each time the team's version reaches a multiple of this (and at the final version)."""
+    tasks: Annotated[int, Field(ge=1, le=100_000)] = 16
+    """Held-out tasks per round: `eval_task(0..tasks-1)`, the same tasks every round."""
+    samples_per_task: Annotated[int, Field(ge=1, le=1024)] = 1
+    """Episodes per held-out task; pass@k is over these k samples."""
+    sampling: EvalSampling = "greedy"
+    """`greedy` (temperature 0 for every turn, whatever the episode asks) or `policy` (the agents' own sampling)."""
+    before_training: bool = False
+    """Also evaluate version 0 (after any warm start), before the first optimizer step: the starting point."""
+    success_threshold: float = 1.0
+    """An agent's episode counts as a success when its return is >= this; the team's when the environment's
+    `ctx.notes["success"]` is true, or without that note when every agent's is."""
+
+
 class JobSpec(_SpecModel):
     """A whole FlexMARL job."""
 
@@ -516,6 +546,8 @@ class JobSpec(_SpecModel):
     """What traind keeps of each agent's versions."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment trackers and sample dumps written each committed step."""
+    evaluation: EvaluationSpec | None = None
+    """Held-out evaluation rounds beside training (docs/evaluation.md); unset: none."""
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
@@ -583,6 +615,8 @@ CROSS_FIELD_RULES = (
     "LoRA agents with the same base (`model`) have the same `dtype` (they share one copy of it). A base may also "
     "be a full-model agent's `model`: that agent trains its own copy.",
     "A LoRA agent needs `rollout.weight_sync: disk` (its versions are adapter directories, not whole models).",
+    "`evaluation.samples_per_task` > 1 needs `evaluation.sampling: policy` (greedy samples are all the same).",
+    "With `evaluation`, no agent is named `team` (the team's evaluation figures go under that name).",
 )
 
 
@@ -618,6 +652,12 @@ def _cross_field_problems(spec: JobSpec) -> list[str]:
                             f"(also agents[{seen[agent.name]}])")
         else:
             seen[agent.name] = index
+    evaluation = spec.evaluation
+    if evaluation is not None and evaluation.sampling == "greedy" and evaluation.samples_per_task > 1:
+        problems.append(f"evaluation.samples_per_task: greedy sampling draws the same episode "
+                        f"{evaluation.samples_per_task} times; use sampling: policy for pass@k over several samples")
+    if evaluation is not None and TEAM in seen:
+        problems.append(f"agents[{seen[TEAM]}].name: {TEAM!r} names the team's evaluation figures; rename the agent")
     problems += _warm_start_problems(spec)
     problems += _lora_problems(spec)
     return problems
