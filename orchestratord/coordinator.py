@@ -26,6 +26,7 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
@@ -51,6 +52,7 @@ from orchestratord.planner import (
 )
 from orchestratord.resume import ResumePlan, plan_resume
 from orchestratord.state import (
+    EvalRecorded,
     JobState,
     JobStateChanged,
     StateChange,
@@ -335,6 +337,8 @@ class JobCoordinator:
             elif isinstance(change, WarmStartPublished):
                 log.info("job %s: agent %s warm-started, version 0 is %s", change.job_id, change.agent,
                          change.weights_uri)
+            elif isinstance(change, EvalRecorded):
+                self._observe_eval(change)
             elif isinstance(change, JobStateChanged) and change.state.terminal:
                 self._spawn(self._finish_in_store(change.job_id, change.state))
                 self._spawn(self._tracking.job_ended(change.job_id))
@@ -375,6 +379,12 @@ class JobCoordinator:
         if record is not None and job.spec.tracking.trackers:
             self._spawn(self._tracking.step_committed(commit.job_id, job.spec, record,
                                                       manifest.experience_ids if manifest is not None else ()))
+
+    def _observe_eval(self, change: EvalRecorded) -> None:
+        """After an evaluation round's record is durable: write it to the job's trackers."""
+        job = self.planner.job(change.job_id)
+        if job.spec.tracking.trackers:
+            self._spawn(self._tracking.eval_recorded(change.job_id, job.spec, change.record))
 
     async def _read_experiences(self, job_id: str, ids: Sequence[str]) -> list[ExperienceRecord]:
         """Whole experiences from stored (the trackers' sample dumps)."""
@@ -570,8 +580,8 @@ class JobCoordinator:
         await self._notify()
         return peers
 
-    async def history(self, job_id: str) -> list[dict[str, Any]]:
-        """Per-step records of a job, at least as new as the job's status read before this call.
+    async def history(self, job_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Per-step records and evaluation rounds of a job, at least as new as the job's status read before.
 
         Status is served from the planner, which holds a change before :meth:`mutate` has written
         it; waiting for the lock lets a write in progress land first, so a caller who saw the job
@@ -580,7 +590,7 @@ class JobCoordinator:
         self.planner.job(job_id)
         async with self._lock:
             pass
-        return await self.state.load_history(job_id)
+        return await self.state.load_history(job_id), await self.state.load_evals(job_id)
 
     # ---- workers -------------------------------------------------------------------------------------
 
@@ -632,10 +642,11 @@ class JobCoordinator:
 
     async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                           experiences: Sequence[ExperienceSummary],
-                          reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
-        """A task finished or failed."""
+                          reason: ErrorReason = ErrorReason.UNSPECIFIED,
+                          eval_episodes: Sequence[EvalEpisode] = ()) -> None:
+        """A task (or an eval task: ``eval_episodes``) finished or failed."""
         await self.mutate(lambda: self.planner.report_rollout_task(lease_id, worker_id, task_id, succeeded, error,
-                                                                   experiences, reason))
+                                                                   experiences, reason, eval_episodes))
         self._metrics.tasks_reported.labels("ok" if succeeded else "failed").inc()
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],

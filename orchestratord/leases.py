@@ -23,6 +23,7 @@ class LeaseKind(enum.Enum):
     ROLLOUT_TASK = "task"
     MICRO_BATCH = "mb"
     WARM_START = "warm"
+    EVAL_TASK = "eval"
 
 
 class LeaseStatus(enum.Enum):

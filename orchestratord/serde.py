@@ -11,6 +11,7 @@ from typing import Any
 
 from flexmarl import weight_group
 from flexmarl.errors import InvalidArgument
+from flexmarl.evaluation import EvalEpisode, EvalRecord
 from flexmarl.experience import ExperienceSummary
 from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
 from flexmarl.weight_group import WeightGroupRecord
@@ -90,6 +91,7 @@ def rollout_task(task: RolloutTaskLease, spec_digest: str) -> orchestrator_pb2.R
         batch_index=task.batch_index, group_size=task.group_size,
         agent_versions=[agent_version(v) for v in task.agent_versions],
         deadline_unix_ms=_ms(task.deadline_s), attempt=task.attempt, spec_digest=spec_digest,
+        evaluation=task.evaluation, greedy=task.greedy,
     )
 
 
@@ -106,6 +108,33 @@ def experience_summaries(msgs: Iterable[orchestrator_pb2.ExperienceSummary]) -> 
                           m.response_tokens, m.reward)
         for m in msgs
     ]
+
+
+def eval_episodes(msgs: Iterable[orchestrator_pb2.EvalEpisode]) -> list[EvalEpisode]:
+    """An eval task's reported episodes (the planner checks them against its round)."""
+    return [
+        EvalEpisode(task_index=m.task_index, sample_index=m.sample_index, returns=dict(m.returns),
+                    team_success=m.team_success if m.has_team_success else None,
+                    versions={v.agent: tuple(v.versions) for v in m.versions})
+        for m in msgs
+    ]
+
+
+def eval_record(row: dict[str, Any]) -> orchestrator_pb2.EvalRecord:
+    """A stored evaluation round as an EvalRecord message."""
+    record = EvalRecord.from_dict(row)
+
+    def scores(s: Any) -> orchestrator_pb2.EvalScores:
+        return orchestrator_pb2.EvalScores(reward_mean=s.reward_mean, success=s.success, pass_at_k=s.pass_at_k,
+                                           episodes=s.episodes)
+
+    return orchestrator_pb2.EvalRecord(
+        version=record.version, tasks=record.tasks, samples_per_task=record.samples_per_task,
+        failed_tasks=record.failed_tasks, sampling=record.sampling, team=scores(record.team),
+        agents=[orchestrator_pb2.EvalAgentScores(agent=a.agent, version=a.version, versions_seen=list(a.versions_seen),
+                                                 scores=scores(a.scores)) for a in record.agents],
+        team_success_from_env=record.team_success_from_env, finished_unix_ms=record.finished_unix_ms,
+    )
 
 
 def resident_agents(msgs: Iterable[orchestrator_pb2.ResidentAgent]) -> list[ResidentAgent]:

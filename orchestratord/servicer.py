@@ -83,8 +83,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> orchestrator_pb2.JobHistory:
         """Per-step records of a job."""
         job_id = require_id("job_id", request.job_id)
-        rows = await self._coordinator.history(job_id)
-        return orchestrator_pb2.JobHistory(job_id=job_id, steps=[serde.step_record(r) for r in rows])
+        rows, evals = await self._coordinator.history(job_id)
+        return orchestrator_pb2.JobHistory(job_id=job_id, steps=[serde.step_record(r) for r in rows],
+                                           evals=[serde.eval_record(r) for r in evals])
 
     async def WatchAgentVersions(  # noqa: N802
         self, request: orchestrator_pb2.WatchAgentVersionsRequest, context: grpc.aio.ServicerContext
@@ -153,10 +154,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         """A task finished (experiences durable in stored) or failed."""
         if len(request.experiences) > MAX_REPORTED_EXPERIENCES:
             raise InvalidArgument(f"experiences: more than {MAX_REPORTED_EXPERIENCES}")
+        if len(request.eval_episodes) > MAX_REPORTED_EXPERIENCES:
+            raise InvalidArgument(f"eval_episodes: more than {MAX_REPORTED_EXPERIENCES}")
         await self._coordinator.report_task(
             require_id("lease_id", request.lease_id), require_id("worker_id", request.worker_id),
             require_id("task_id", request.task_id), request.succeeded, request.error[:4096],
             serde.experience_summaries(request.experiences), ErrorReason.parse(request.reason),
+            serde.eval_episodes(request.eval_episodes),
         )
         return orchestrator_pb2.ReportRolloutTaskResponse()
 

@@ -17,6 +17,7 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
                                                   warm start fills version 0's "weights_uri")
     jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
     jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
+    jobs/<job>/eval/<version>                     a held-out evaluation round's record
 
 Soft state is not persisted: leases in flight (re-issued after a restart),
 agent-to-slot bindings (re-derived from the slots' next polls), micro-batch
@@ -142,6 +143,8 @@ class PersistedJob:
     commits: dict[tuple[str, int], StepCommit]
     #: Committed (agent, step)s whose experiences stored has not yet confirmed consumed.
     pending_marks: frozenset[tuple[str, int]] = frozenset()
+    #: The versions whose held-out evaluation round is recorded.
+    eval_versions: frozenset[int] = frozenset()
 
 
 # ---- changes emitted by the planner --------------------------------------------------------------
@@ -211,7 +214,17 @@ class WarmStartPublished:
     updated_s: float
 
 
-StateChange = JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved | WarmStartPublished
+@dataclasses.dataclass(frozen=True)
+class EvalRecorded:
+    """A held-out evaluation round finished: its record (``flexmarl.evaluation.EvalRecord.as_dict``)."""
+
+    job_id: str
+    version: int
+    record: Mapping[str, Any]
+
+
+StateChange = (JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved | WarmStartPublished
+               | EvalRecorded)
 
 
 # ---- key layout ------------------------------------------------------------------------------------
@@ -235,6 +248,11 @@ def manifest_key(prefix: str, job_id: str, agent: str, step: int) -> str:
 def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
     """Key of a step's commit record."""
     return job_key(prefix, job_id, "agents", agent, "steps", str(step), "commit")
+
+
+def eval_key(prefix: str, job_id: str, version: int) -> str:
+    """Key of the record of the evaluation round of ``version``."""
+    return job_key(prefix, job_id, "eval", f"{version:08d}")
 
 
 def pending_mark_key(prefix: str, job_id: str, agent: str, step: int) -> str:
@@ -318,6 +336,14 @@ class StateStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def put_eval(self, job_id: str, version: int, record: Mapping[str, Any]) -> None:
+        """Records the evaluation round of ``version`` (the same record again is a no-op).
+
+        Raises:
+            NotFound: unknown job.
+        """
+
+    @abc.abstractmethod
     async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
         """Stored confirmed the step's experiences consumed: drops its pending mark (idempotent)."""
 
@@ -360,6 +386,7 @@ class InMemoryStateStore(StateStore):
             "manifests": {},
             "commits": {},
             "pending_marks": set(),
+            "evals": {},
         }
         return True
 
@@ -423,6 +450,10 @@ class InMemoryStateStore(StateStore):
         job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
         job["updated_s"] = max(job["updated_s"], updated_s)
 
+    async def put_eval(self, job_id: str, version: int, record: Mapping[str, Any]) -> None:
+        """See :meth:`StateStore.put_eval`."""
+        self._job(job_id)["evals"][version] = dict(record)
+
     async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
         """See :meth:`StateStore.clear_pending_mark`."""
         job = self._jobs.get(job_id)
@@ -445,6 +476,7 @@ class InMemoryStateStore(StateStore):
             manifests=dict(job["manifests"]),
             commits=dict(job["commits"]),
             pending_marks=frozenset(job["pending_marks"]),
+            eval_versions=frozenset(job["evals"]),
         )
 
     async def list_job_ids(self) -> list[str]:
@@ -480,5 +512,7 @@ async def apply_changes(
         elif isinstance(change, WarmStartPublished):
             await store.publish_warm_start(change.job_id, change.agent, change.weights_uri, change.state_uri,
                                            change.updated_s)
+        elif isinstance(change, EvalRecorded):
+            await store.put_eval(change.job_id, change.version, change.record)
         else:  # pragma: no cover - exhaustive over StateChange
             raise InvalidArgument(f"unknown state change {change!r}")

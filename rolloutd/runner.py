@@ -17,6 +17,10 @@ replica that holds its KV prefix.
 A group is all-or-nothing: if any episode fails (an exception in user code or in the
 backend), the result carries the errors and no experiences; the orchestrator retries the
 task.
+
+:meth:`RolloutRunner.evaluate` plays a held-out evaluation task the same way
+(``Environment.eval_task``; greedy: every turn at temperature 0) and returns each episode's
+outcome (:class:`flexmarl.evaluation.EvalEpisode`) instead of experiences.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from flexmarl.episode import (
     reward_shaper,
 )
 from flexmarl.errors import DataLoss, InvalidArgument
+from flexmarl.evaluation import EvalEpisode, team_success_note
 from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
 
@@ -53,6 +58,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AgentRuntime",
     "EpisodeError",
+    "EvaluationResult",
     "FirstTurnCoalescer",
     "GenerationBackend",
     "GenerationOutput",
@@ -153,6 +159,32 @@ class RolloutResult:
     def ok(self) -> bool:
         """True when the whole group succeeded."""
         return not self.errors
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationResult:
+    """Outcome of one eval task: every episode's outcome when all succeeded, else the errors."""
+
+    task_id: str
+    episodes: tuple[EvalEpisode, ...]
+    errors: tuple[EpisodeError, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every episode succeeded."""
+        return not self.errors
+
+
+def _greedy(request: TurnRequest) -> TurnRequest:
+    """The request at temperature 0 (an evaluation's greedy sampling, whatever the episode asked)."""
+    return dataclasses.replace(request, sampling={**request.sampling, "temperature": 0.0})
+
+
+def _versions_of(turns: Sequence[TurnRecord], agent: str) -> tuple[int, ...]:
+    """Every policy version that generated a token of ``agent``'s turns, ascending."""
+    seen = {turn.behavior_version for turn in turns if turn.agent == agent}
+    seen.update(version for turn in turns if turn.agent == agent for _, version in turn.version_spans)
+    return tuple(sorted(seen))
 
 
 def _sampling_key(sampling: Mapping[str, Any]) -> str:
@@ -313,9 +345,48 @@ class RolloutRunner:
             error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
             return RolloutResult(task_input.task_id, (), (error,), {}, 0, 0)
         backend = _CountingBackend(self._backend, task_input.progress)
+        outcomes, errors = await self._play_group(task_input, task, backend)
+        returns = {i: o.returns for i, o in outcomes.items() if o.error is None}
+        if errors:
+            logger.warning("task %s failed: %s", task_input.task_id, errors[0].message)
+            return RolloutResult(task_input.task_id, (), errors, returns, backend.calls, backend.coalesced)
+        try:
+            experiences = self._experiences(task_input, task, outcomes)
+        except Exception as exc:  # the environment's shape_reward is user code too
+            error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
+            logger.warning("task %s failed: %s", task_input.task_id, error.message)
+            return RolloutResult(task_input.task_id, (), (error,), returns, backend.calls, backend.coalesced)
+        return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced)
+
+    async def evaluate(self, task_input: RolloutTaskInput, greedy: bool) -> EvaluationResult:
+        """Plays ``group_size`` episodes of held-out task ``task_index`` (``Environment.eval_task``); no experiences.
+
+        ``greedy``: every turn at temperature 0, whatever the episode asks. Never raises for a failed episode.
+        """
+        if task_input.group_size < 1:
+            raise InvalidArgument(f"group_size must be >= 1, got {task_input.group_size}")
+        try:
+            task = self._env.eval_task(task_input.task_index, task_input.seed)
+        except Exception as exc:
+            return EvaluationResult(task_input.task_id, (), (
+                EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc()),))
+        backend = _CountingBackend(self._backend, task_input.progress)
+        outcomes, errors = await self._play_group(task_input, task, backend, greedy=greedy)
+        if errors:
+            logger.warning("eval task %s failed: %s", task_input.task_id, errors[0].message)
+            return EvaluationResult(task_input.task_id, (), errors)
+        return EvaluationResult(task_input.task_id, tuple(
+            EvalEpisode(task_index=task_input.task_index, sample_index=i, returns=dict(o.returns),
+                        team_success=team_success_note(o.notes),
+                        versions={agent: _versions_of(o.turns, agent) for agent in self._env.agents})
+            for i, o in sorted(outcomes.items())), ())
+
+    async def _play_group(self, task_input: RolloutTaskInput, task: Any, backend: _CountingBackend,
+                          greedy: bool = False) -> tuple[dict[int, _EpisodeOutcome], tuple[EpisodeError, ...]]:
+        """Plays the task's ``group_size`` episodes concurrently: their outcomes and, in sample order, the errors."""
         coalescer = FirstTurnCoalescer(task_input.group_size, task_input.task_id, backend.generate)
         episodes = [
-            asyncio.create_task(self._play(task_input, task, i, backend, coalescer))
+            asyncio.create_task(self._play(task_input, task, i, backend, coalescer, greedy))
             for i in range(task_input.group_size)
         ]
         try:
@@ -330,18 +401,7 @@ class RolloutRunner:
             await asyncio.gather(*episodes, return_exceptions=True)
             await coalescer.aclose()
         outcomes = {i: t.result() for i, t in enumerate(episodes) if t.done() and not t.cancelled()}
-        errors = tuple(o.error for _, o in sorted(outcomes.items()) if o.error is not None)
-        returns = {i: o.returns for i, o in outcomes.items() if o.error is None}
-        if errors:
-            logger.warning("task %s failed: %s", task_input.task_id, errors[0].message)
-            return RolloutResult(task_input.task_id, (), errors, returns, backend.calls, backend.coalesced)
-        try:
-            experiences = self._experiences(task_input, task, outcomes)
-        except Exception as exc:  # the environment's shape_reward is user code too
-            error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
-            logger.warning("task %s failed: %s", task_input.task_id, error.message)
-            return RolloutResult(task_input.task_id, (), (error,), returns, backend.calls, backend.coalesced)
-        return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced)
+        return outcomes, tuple(o.error for _, o in sorted(outcomes.items()) if o.error is not None)
 
     async def _play(
         self,
@@ -350,11 +410,14 @@ class RolloutRunner:
         sample_index: int,
         backend: _CountingBackend,
         coalescer: FirstTurnCoalescer,
+        greedy: bool = False,
     ) -> _EpisodeOutcome:
         first_request_made = False
 
         async def sampler(index: int, request: TurnRequest) -> GenerationOutput:
             nonlocal first_request_made
+            if greedy:
+                request = _greedy(request)
             if self._coalesce and not first_request_made:
                 first_request_made = True
                 return await coalescer.submit(index, request)
@@ -364,6 +427,8 @@ class RolloutRunner:
 
         async def multi_sampler(index: int, request: TurnRequest, n: int) -> list[GenerationOutput]:
             nonlocal first_request_made
+            if greedy:
+                request = _greedy(request)
             if self._coalesce and not first_request_made:
                 coalescer.withdraw(index)  # an n-request is never merged with other episodes' first turns
             first_request_made = True

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from flexmarl import weight_group
 from flexmarl.client import JobState
 from flexmarl.errors import InvalidArgument
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary
-from flexmarl.ids import TaskRef
+from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
 from rolloutd.types import (
     AgentDemand,
@@ -35,13 +36,14 @@ def lease_request(worker_id: str, max_tasks: int, wait_ms: int) -> orchestrator_
 
 def rollout_task(msg: orchestrator_pb2.RolloutTask) -> RolloutTask:
     """A leased task; raises InvalidArgument when its task id is malformed or names another job."""
-    ref = TaskRef.parse(msg.task_id)
+    ref: TaskRef | EvalTaskRef = EvalTaskRef.parse(msg.task_id) if msg.evaluation else TaskRef.parse(msg.task_id)
     if msg.job_id != ref.job_id:
         raise InvalidArgument(f"task {msg.task_id!r} leased for job {msg.job_id!r}")
     return RolloutTask(
         lease_id=msg.lease_id, ref=ref, task_index=msg.task_index, group_size=msg.group_size,
         attempt=msg.attempt, spec_digest=msg.spec_digest,
         agent_versions=tuple(AgentVersion(v.agent, v.version, v.weights_uri) for v in msg.agent_versions),
+        evaluation=msg.evaluation, greedy=msg.greedy,
     )
 
 
@@ -82,12 +84,23 @@ def experience_summary(summary: ExperienceSummary) -> orchestrator_pb2.Experienc
     )
 
 
+def eval_episode(episode: EvalEpisode) -> orchestrator_pb2.EvalEpisode:
+    """An eval episode message."""
+    return orchestrator_pb2.EvalEpisode(
+        task_index=episode.task_index, sample_index=episode.sample_index, returns=dict(episode.returns),
+        has_team_success=episode.team_success is not None, team_success=bool(episode.team_success),
+        versions=[orchestrator_pb2.AgentVersionsSeen(agent=agent, versions=list(versions))
+                  for agent, versions in sorted(episode.versions.items())],
+    )
+
+
 def report_request(worker_id: str, report: TaskReport) -> orchestrator_pb2.ReportRolloutTaskRequest:
     """A ReportRolloutTask request (the error cut to :data:`MAX_REPORT_ERROR_CHARS`)."""
     return orchestrator_pb2.ReportRolloutTaskRequest(
         lease_id=report.lease_id, worker_id=worker_id, task_id=report.task_id, succeeded=report.succeeded,
         error=report.error[:MAX_REPORT_ERROR_CHARS],
         experiences=[experience_summary(e) for e in report.experiences], reason=str(report.reason),
+        eval_episodes=[eval_episode(e) for e in report.eval_episodes],
     )
 
 

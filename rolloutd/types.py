@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 from flexmarl.errors import ErrorReason
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary
-from flexmarl.ids import TaskRef
+from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.weight_group import WeightGroupRecord
 
 
@@ -45,8 +46,9 @@ class RolloutTask:
     """A rollout task leased to this worker: one environment prompt, ``group_size`` episodes."""
 
     lease_id: str
-    ref: TaskRef
-    #: Index into the environment's seeded task stream.
+    #: A training task, or a held-out evaluation task (``evaluation``).
+    ref: TaskRef | EvalTaskRef
+    #: Index into the environment's seeded task stream (an eval task's: into its held-out stream).
     task_index: int
     group_size: int
     #: 1 for a first attempt; more for a task re-issued after a lost lease.
@@ -54,6 +56,10 @@ class RolloutTask:
     #: JobStatus.spec_digest of the job (the spec is fetched once per job, checked against it).
     spec_digest: str
     agent_versions: tuple[AgentVersion, ...] = ()
+    #: Play ``Environment.eval_task(task_index)``, store nothing, report the episodes (:class:`TaskReport`).
+    evaluation: bool = False
+    #: With ``evaluation``: every turn at temperature 0.
+    greedy: bool = False
 
     @property
     def job_id(self) -> str:
@@ -78,6 +84,8 @@ class TaskReport:
     experiences: tuple[ExperienceSummary, ...] = ()
     #: Why it failed, machine-readable (JOB_UNRUNNABLE: the job's environment does not load).
     reason: ErrorReason = ErrorReason.UNSPECIFIED
+    #: An eval task's episodes (its experiences stay empty: nothing of it is stored).
+    eval_episodes: tuple[EvalEpisode, ...] = ()
 
     @property
     def succeeded(self) -> bool:

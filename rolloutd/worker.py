@@ -57,7 +57,7 @@ from flexmarl.errors import (
     Unavailable,
 )
 from flexmarl.experience import ExperienceSummary, group_id
-from flexmarl.ids import TaskRef
+from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.jobspec import JobSpec, JobSpecCache
 from flexmarl.registry import Registry
 from flexmarl.retry import RetryPolicy, retry
@@ -113,7 +113,7 @@ class _ServedJob:
 class _InFlightTask:
     """A leased rollout task being run (keyed by its lease id, which renewals speak)."""
 
-    ref: TaskRef
+    ref: TaskRef | EvalTaskRef
     runner: asyncio.Task[None]
     #: What its lease renewals report as the task's progress.
     progress: TaskProgress
@@ -412,6 +412,9 @@ class RolloutWorker:
                 base = job.spec.agent(version.agent).model
                 job.router.require(agent_key(task.job_id, version.agent), version.version,
                                    version.weights_uri or base)
+            if task.evaluation:
+                await self._evaluate(job, task, progress)
+                return
             stored = await self._durable_experiences(job, task) if task.attempt > 1 else None
             if stored is not None:
                 # An earlier attempt's experiences are durable: they are the task's result (exactly once).
@@ -439,6 +442,18 @@ class RolloutWorker:
                 await self._report(TaskReport(task.lease_id, task.task_id, error=f"{type(exc).__name__}: {exc}"))
         finally:
             self._in_flight.pop(task.lease_id, None)
+
+    async def _evaluate(self, job: _ServedJob, task: RolloutTask, progress: TaskProgress) -> None:
+        """A held-out evaluation task: its episodes are reported, nothing is stored (never trained on)."""
+        result = await job.runner.evaluate(RolloutTaskInput(task.job_id, task.task_id, task.task_index, job.spec.seed,
+                                                            task.group_size, progress), greedy=task.greedy)
+        if result.ok:
+            await self._report(TaskReport(task.lease_id, task.task_id, eval_episodes=result.episodes))
+            return
+        first = result.errors[0]
+        message = f"episode {first.sample_index}: {first.error_type}: {first.message}"
+        log.warning("eval task %s failed: %s", task.task_id, message)
+        await self._report(TaskReport(task.lease_id, task.task_id, error=message))
 
     async def _store_experiences(self, result: RolloutResult) -> None:
         """Appends a task's experiences, retrying while stored is full, down or slow (see the module doc).

@@ -9,12 +9,12 @@ from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.ids import MicroBatchRef, StepAttemptRef
 from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
-from orchestratord.planner import warm_start
+from orchestratord.planner import evaluation, warm_start
 from orchestratord.planner.ids import batch_of_lease, is_durable_state
 from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
 from orchestratord.planner.manifests import needs_step_statistics
 from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork, WarmStartWork
-from orchestratord.state import JobState, StateMoved, StepCommit, StepCommitted
+from orchestratord.state import StateMoved, StepCommit, StepCommitted
 
 
 def agent_may_train(job: JobPlan, agent: str, step: int) -> bool:
@@ -201,6 +201,7 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
     """
     if new_version == 0:
         warm_start.commit(job, worker_id, slot_id, agent, step, weights_uri, state_uri)
+        evaluation.on_version(job)  # version 0 of every agent may now be final: the before_training round
         return
     job.require_running()
     state = job.agent(agent)
@@ -235,8 +236,7 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
     job.updated_s = commit.committed_s
     del job.plans[(agent, step)]
     _prune_batch(job, step)
-    if job.min_version() >= job.spec.total_steps:
-        job.set_state(JobState.SUCCEEDED, "")
+    evaluation.on_version(job)  # an evaluation round when due; the job succeeds at total_steps (after its last round)
 
 
 def _prune_batch(job: JobPlan, step: int) -> None:
@@ -250,8 +250,8 @@ def _prune_batch(job: JobPlan, step: int) -> None:
     for task_id in gone:
         del job.tasks[task_id]
     job.leases.forget(
-        lease.lease_id for lease in job.leases.all()
-        if (lease.subject in gone if lease.kind is LeaseKind.ROLLOUT_TASK else batch_of_lease(lease) == step))
+        lease.lease_id for lease in job.leases.all() if lease.kind is not LeaseKind.EVAL_TASK  # forgotten by round
+        and (lease.subject in gone if lease.kind is LeaseKind.ROLLOUT_TASK else batch_of_lease(lease) == step))
     job.tasks_per_step.pop(step, None)
     job.forget_history()
 

@@ -7,13 +7,14 @@ import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from flexmarl.errors import ErrorReason
+from flexmarl.errors import ErrorReason, InvalidArgument
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
 from orchestratord.binding import AgentDemand, DataParallelGroup
-from orchestratord.leases import LeaseTable
-from orchestratord.planner import admission, demand, dispatch, recovery, reports
+from orchestratord.leases import LeaseKind, LeaseTable
+from orchestratord.planner import admission, demand, dispatch, evaluation, recovery, reports
 from orchestratord.planner.estimator import RolloutDemandEstimator
 from orchestratord.planner.job_plan import AgentState, JobPlan, StepPlan
 from orchestratord.planner.types import (
@@ -54,6 +55,7 @@ class JobPlanner:
         commits: Mapping[tuple[str, int], StepCommit] | None = None,
         state: JobState = JobState.RUNNING,
         error: str = "",
+        eval_versions: Iterable[int] = (),
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -74,8 +76,8 @@ class JobPlanner:
         job.open_step = job.min_version()  # step_fill completion: the first step still to fill
         for agent in spec.agents:
             job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
-        if not state.terminal and job.min_version() >= spec.total_steps:
-            job.set_state(JobState.SUCCEEDED, "")
+        job.eval_done.update(eval_versions)
+        evaluation.on_version(job)  # a due evaluation round; a job at total_steps with none open succeeds
         self._job = job
 
     @classmethod
@@ -108,7 +110,8 @@ class JobPlanner:
         spec = parse_job_spec(json.loads(persisted.spec_json))  # JSON text, never read as a path
         planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
                       created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
-                      commits=persisted.commits, state=persisted.state, error=persisted.error)
+                      commits=persisted.commits, state=persisted.state, error=persisted.error,
+                      eval_versions=persisted.eval_versions)
         planner._job.updated_s = persisted.updated_s
         return planner
 
@@ -220,12 +223,24 @@ class JobPlanner:
         return frozenset(self._job.tasks)
 
     def has_leasable_tasks(self) -> bool:
-        """Whether :meth:`lease_tasks` would hand out a task now (a re-issue or an admissible one)."""
-        return admission.has_leasable_tasks(self._job)
+        """Whether :meth:`lease_tasks` would hand out a task now (a re-issue, an admissible one or an eval task)."""
+        return admission.has_leasable_tasks(self._job) or evaluation.has_leasable(self._job)
 
     def lease_tasks(self, worker_id: str, max_tasks: int) -> list[RolloutTaskLease]:
-        """Leases up to ``max_tasks`` tasks: re-issues first, then newly admitted ones."""
-        return admission.lease_tasks(self._job, worker_id, max_tasks)
+        """Leases up to ``max_tasks`` tasks: re-issues first, then newly admitted ones, then eval tasks.
+
+        An eval task goes out only when no training task waits, or as the only one in flight
+        (:mod:`.evaluation`): one may come first while none is in flight.
+        """
+        job = self._job
+        leased = []
+        if job.eval_rounds and evaluation.in_flight(job) == 0:
+            leased = evaluation.lease(job, worker_id, min(1, max_tasks), training_waiting=True)
+        leased += admission.lease_tasks(job, worker_id, max_tasks - len(leased))
+        if job.eval_rounds:
+            leased += evaluation.lease(job, worker_id, max_tasks - len(leased),
+                                       training_waiting=admission.has_leasable_tasks(job))
+        return leased
 
     def renew(self, worker_id: str, lease_ids: Sequence[str], progress: Sequence[int] = ()) -> RenewResult:
         """Extends the leases ``worker_id`` still holds and whose work progresses; the others are reported lost.
@@ -238,8 +253,21 @@ class JobPlanner:
         return dataclasses.replace(result, stalled_slots=tuple(recovery.expire_stalled(self._job, stalled)))
 
     def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
-                    experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
-        """A rollout worker finished or failed a task; see :func:`.reports.report_task` for what it raises."""
+                    experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED,
+                    eval_episodes: Sequence[EvalEpisode] = ()) -> None:
+        """A rollout worker finished or failed a task; see :func:`.reports.report_task` for what it raises.
+
+        An eval task's report (:func:`.evaluation.report`) carries episodes and no experiences; a
+        training task's the reverse (else InvalidArgument).
+        """
+        granted = self._job.leases.get(lease_id)
+        if granted is not None and granted.kind is LeaseKind.EVAL_TASK:
+            if experiences:
+                raise InvalidArgument(f"eval task {task_id!r}: an evaluation stores no experiences")
+            evaluation.report(self._job, granted, worker_id, task_id, succeeded, error, eval_episodes)
+            return
+        if eval_episodes and granted is not None:  # (an unknown lease: NotFound below)
+            raise InvalidArgument(f"task {task_id!r}: eval_episodes belong to an eval task's report")
         reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences, reason)
 
     # ---- demand (demand.py) -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from flexmarl.errors import FailedPrecondition, NotFound
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.jobspec import JobSpec
 from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import LeaseStatus, LeaseTable
@@ -178,6 +179,34 @@ class WarmStartAttempt:
 
 
 @dataclasses.dataclass
+class EvalTask:
+    """One held-out task of an evaluation round (``samples_per_task`` episodes of ``eval_task(index)``)."""
+
+    task_id: str
+    index: int
+    status: TaskStatus = TaskStatus.PENDING
+    attempts: int = 0
+    lease_id: str = ""
+    #: Given up after too many failed attempts (counts as done, not in the metrics).
+    failed: bool = False
+
+
+@dataclasses.dataclass
+class EvalRound:
+    """An evaluation round of the team's version ``version``, played on at least ``agent_versions``."""
+
+    version: int
+    agent_versions: tuple[AgentVersion, ...]
+    tasks: dict[str, EvalTask]
+    episodes: list[EvalEpisode] = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        """Whether every task reported or was given up."""
+        return all(task.status is TaskStatus.DONE for task in self.tasks.values())
+
+
+@dataclasses.dataclass
 class JobPlan:
     """Everything the planner knows about one job (built by ``JobPlanner``)."""
 
@@ -212,6 +241,9 @@ class JobPlan:
     rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
     # Warm starts issued and not yet committed, by agent (``planner.warm_start``).
     warm_starts: dict[str, WarmStartAttempt] = dataclasses.field(default_factory=dict)
+    # Held-out evaluation (``planner.evaluation``): open rounds by version, and the versions whose round is over.
+    eval_rounds: dict[int, EvalRound] = dataclasses.field(default_factory=dict)
+    eval_done: set[int] = dataclasses.field(default_factory=set)
 
     def agent(self, agent: str) -> AgentState:
         """An agent of the job; raises NotFound."""

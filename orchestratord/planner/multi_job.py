@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, InvalidArgument, NotFound
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
@@ -207,12 +208,13 @@ class Planner:
 
     def report_rollout_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                             experiences: Sequence[ExperienceSummary],
-                            reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
+                            reason: ErrorReason = ErrorReason.UNSPECIFIED,
+                            eval_episodes: Sequence[EvalEpisode] = ()) -> None:
         """See :meth:`JobPlanner.report_task`."""
         self.tick()
         try:
             self._job_of_lease(lease_id).report_task(lease_id, worker_id, task_id, succeeded, error, experiences,
-                                                     reason)
+                                                     reason, eval_episodes)
         finally:
             self._sweep()
 

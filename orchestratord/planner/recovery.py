@@ -13,7 +13,7 @@ from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
-from orchestratord.planner import warm_start
+from orchestratord.planner import evaluation, warm_start
 from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
 from orchestratord.planner.ids import task_index_of
@@ -46,6 +46,9 @@ def expire_lease(job: JobPlan, lease: Lease, reason: str) -> str:
     job.leases.end(lease, LeaseStatus.EXPIRED, reason)
     if lease.kind is LeaseKind.ROLLOUT_TASK:
         requeue_task(job, lease.subject, f"lease expired ({reason})")
+        return ""
+    if lease.kind is LeaseKind.EVAL_TASK:
+        evaluation.requeue(job, lease.subject, f"lease expired ({reason})")
         return ""
     if lease.kind is LeaseKind.WARM_START:
         return warm_start.lost(job, lease.subject, f"warm-start lease {lease.lease_id} expired ({reason})") or ""
@@ -100,6 +103,9 @@ def revoke_worker(job: JobPlan, worker_id: str) -> None:
         if lease.kind is LeaseKind.ROLLOUT_TASK:
             job.leases.end(lease, LeaseStatus.REVOKED, f"worker {worker_id} gone")
             requeue_task(job, lease.subject, f"worker {worker_id} gone")
+        elif lease.kind is LeaseKind.EVAL_TASK:
+            job.leases.end(lease, LeaseStatus.REVOKED, f"worker {worker_id} gone")
+            evaluation.requeue(job, lease.subject, f"worker {worker_id} gone")
     for agent in job.agents.values():
         if agent.state_worker_id == worker_id:
             job.fail(f"training state of agent {agent.name!r} at version {agent.version} was only in the "

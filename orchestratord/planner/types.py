@@ -33,6 +33,10 @@ class RolloutTaskLease:
     agent_versions: tuple[AgentVersion, ...]
     deadline_s: float
     attempt: int
+    #: A held-out evaluation task (``planner.evaluation``): play it, store nothing, report its episodes.
+    evaluation: bool = False
+    #: With ``evaluation``: every turn at temperature 0.
+    greedy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

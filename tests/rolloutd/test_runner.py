@@ -207,3 +207,34 @@ async def test_signaling_example_through_the_runner(monkeypatch: pytest.MonkeyPa
     assert backend.calls[0][3] == 8  # the sender's prompt is the same for the whole group
     assert all(r.response_tokens == 2 for r in result.experiences)
     assert {r.reward for r in result.experiences} <= {0.0, 1.0}
+
+
+class HeldOutGame(EchoGame):
+    """EchoGame whose held-out tasks differ from its training ones, asks for temperature 1.5 and notes success."""
+
+    def eval_task(self, index: int, seed: int) -> Task:
+        return Task(index, seed, {"q": f"held-out {index}"})
+
+    async def episode(self, ctx: EpisodeContext, task: Task) -> None:
+        said = await ctx.generate("speaker", f"{task.data['q']}>", temperature=1.5)
+        await ctx.generate("listener", f"heard {said.text}>")
+        ctx.reward("speaker", float(ctx.sample_index))
+        ctx.notes["success"] = ctx.sample_index == 1
+
+
+async def test_an_evaluation_plays_the_held_out_task_greedily_and_makes_no_experience() -> None:
+    backend = FakeBackend(versions={"speaker": 3, "listener": 1})
+    runner = RolloutRunner(HeldOutGame(), runtimes(HeldOutGame.agents), backend)
+    result = await runner.evaluate(RolloutTaskInput("job", "job/ev2/t3", 3, 0, 2), greedy=True)
+    assert result.ok
+    assert {call[1] for call in backend.calls if call[0] == "speaker"} == {tuple(b"held-out 3>")}
+    assert all(call[2]["temperature"] == 0.0 for call in backend.calls)  # the episode's 1.5 is overridden
+    assert [(e.task_index, e.sample_index) for e in result.episodes] == [(3, 0), (3, 1)]
+    assert [e.returns["speaker"] for e in result.episodes] == [0.0, 1.0]
+    assert [e.team_success for e in result.episodes] == [False, True]
+    assert all(e.versions == {"speaker": (3,), "listener": (1,)} for e in result.episodes)
+
+    policy = FakeBackend()
+    await RolloutRunner(HeldOutGame(), runtimes(HeldOutGame.agents), policy).evaluate(
+        RolloutTaskInput("job", "job/ev2/t3", 3, 0, 2), greedy=False)
+    assert {call[2]["temperature"] for call in policy.calls if call[0] == "speaker"} == {1.5}

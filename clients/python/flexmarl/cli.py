@@ -325,14 +325,17 @@ def _watch_lines(client: Any, job_id: str, quiet: bool) -> Any:
     return final
 
 
-def plot_history(history: Sequence[Any], out: Path, title: str) -> Path:
-    """Reward and throughput curves per agent, written as a PNG."""
+def plot_history(history: Sequence[Any], out: Path, title: str, evals: Sequence[Any] = ()) -> Path:
+    """Reward and throughput curves per agent (and held-out success per agent and team: ``evals``), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+    ax_reward, ax_tps = axes[0], axes[1]
+    if evals:
+        _plot_evals(axes[2], evals)
     agents = sorted({r.agent for r in history})
     for agent in agents:
         rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
@@ -355,6 +358,22 @@ def plot_history(history: Sequence[Any], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _plot_evals(ax: Any, evals: Sequence[Any]) -> None:
+    """The held-out success curve of each agent and of the team, by version."""
+    from flexmarl.evaluation import eval_rows
+
+    rows = eval_rows(evals)
+    for scope in dict.fromkeys(r["scope"] for r in rows):
+        mine = [r for r in rows if r["scope"] == scope]
+        ax.plot([r["version"] for r in mine], [r["success"] for r in mine], marker="o",
+                linestyle="--" if scope == "team" else "-", label=scope)
+    ax.set_xlabel("version")
+    ax.set_ylabel("held-out success")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 # ---------------------------------------------------------------- commands
@@ -559,6 +578,9 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     with _client(args) as client:
         history = client.history(args.job_id)
+        evals = client.evaluations(args.job_id)
+    if args.eval:
+        return _print_evals(evals, args.agent, args.csv)
     rows = sorted(history, key=lambda r: (r.agent, r.step))
     if args.agent:
         rows = [r for r in rows if r.agent == args.agent]
@@ -579,6 +601,31 @@ def cmd_history(args: argparse.Namespace) -> int:
                       f"{r.grad_norm:.3f}", f"{r.figures.get('kl', 0.0):.4f}",
                       f"{r.figures.get('clip_fraction', 0.0):.3f}",
                       f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}", f"{r.step_seconds:.2f}")
+    _console().print(table)
+    if evals:
+        _print_evals(evals, args.agent, False)
+    return EXIT_OK
+
+
+def _print_evals(evals: Sequence[Any], agent: str, as_csv: bool) -> int:
+    """The held-out evaluation rounds: one row per version and scope (each agent, then the team)."""
+    import csv
+
+    from flexmarl.evaluation import EVAL_ROW_FIELDS, eval_rows
+
+    rows = [r for r in eval_rows(evals) if not agent or r["scope"] == agent]
+    if as_csv:
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(EVAL_ROW_FIELDS)
+        writer.writerows([r[f] for f in EVAL_ROW_FIELDS] for r in rows)
+        return EXIT_OK
+    from rich.table import Table
+
+    table = Table("version", "scope", "agent v", "versions seen", "reward", "success", "pass@k", "episodes",
+                  "failed tasks", title="held-out evaluation")
+    for r in rows:
+        table.add_row(str(r["version"]), r["scope"], r["agent_version"], r["versions_seen"], f"{r['reward_mean']:.3f}",
+                      f"{r['success']:.3f}", f"{r['pass_at_k']:.3f}", str(r["episodes"]), str(r["failed_tasks"]))
     _console().print(table)
     return EXIT_OK
 
@@ -621,10 +668,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     """Writes reward and throughput curves of a job to a PNG."""
     with _client(args) as client:
         history = client.history(args.job_id)
+        evals = client.evaluations(args.job_id)
         info = client.status(args.job_id)
-    if not history:
+    if not history and not evals:
         raise CliError(f"job {args.job_id} has no committed step yet")
-    out = plot_history(history, Path(args.out or f"{args.job_id}.png"), f"{info.name} ({args.job_id})")
+    out = plot_history(history, Path(args.out or f"{args.job_id}.png"), f"{info.name} ({args.job_id})", evals)
     print(out)
     return EXIT_OK
 
@@ -777,6 +825,8 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("job_id")
     history.add_argument("--agent", default="", help="only this agent")
     history.add_argument("--csv", action="store_true")
+    history.add_argument("--eval", action="store_true",
+                         help="the held-out evaluation rounds instead (one row per version and agent or team)")
     history.set_defaults(func=cmd_history)
     samples = sub.add_parser("samples", parents=[common],
                              help="an agent's episodes of a committed step as text (prompt, response, reward)")

@@ -22,6 +22,7 @@ import grpc.aio
 
 from flexmarl.config import ConfigError
 from flexmarl.errors import FlexmarlError, InvalidArgument, NotFound, Unavailable, error_for_rpc
+from flexmarl.evaluation import EvalAgentScores, EvalRecord, EvalScores
 from flexmarl.jobspec import JobSpec, load_job_spec, parse_job_spec
 from flexmarl.registry import PLAINTEXT_ETCD, EtcdSecurity, Registry
 from flexmarl.retry import Backoff
@@ -130,6 +131,19 @@ class StepRecord:
         """Decodes a StepRecord message."""
         return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "figures"},
                    figures=dict(msg.figures))
+
+
+def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:
+    """Decodes an EvalRecord message (a held-out evaluation round)."""
+
+    def scores(s: orchestrator_pb2.EvalScores) -> EvalScores:
+        return EvalScores(s.reward_mean, s.success, s.pass_at_k, s.episodes)
+
+    return EvalRecord(
+        version=msg.version, tasks=msg.tasks, samples_per_task=msg.samples_per_task, failed_tasks=msg.failed_tasks,
+        sampling=msg.sampling, team=scores(msg.team),
+        agents=tuple(EvalAgentScores(a.agent, a.version, tuple(a.versions_seen), scores(a.scores)) for a in msg.agents),
+        team_success_from_env=msg.team_success_from_env, finished_unix_ms=msg.finished_unix_ms)
 
 
 def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:
@@ -349,6 +363,12 @@ class AsyncClient:
         stub = await self._connect()
         reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return [StepRecord.from_proto(r) for r in reply.steps]
+
+    async def evaluations(self, job_id: str) -> list[EvalRecord]:
+        """Every recorded held-out evaluation round of a job (``evaluation:``), by version."""
+        stub = await self._connect()
+        reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
+        return [eval_record_of(r) for r in reply.evals]
 
     async def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent (version 0 = the spec's model), with what the policy retains."""
@@ -608,6 +628,10 @@ class Client:
     def history(self, job_id: str) -> list[StepRecord]:
         """Every committed step of every agent, in commit order."""
         return self._run(self._async.history(job_id))
+
+    def evaluations(self, job_id: str) -> list[EvalRecord]:
+        """Every recorded held-out evaluation round of a job, by version (see AsyncClient.evaluations)."""
+        return self._run(self._async.evaluations(job_id))
 
     def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent, with what the checkpoint policy retains (see AsyncClient.versions)."""

@@ -14,7 +14,10 @@ so every committed step is written once, whether or not a client watches, under
 The figures are whatever the step's history record holds (the one ``flexmarl history`` shows:
 reward_mean, loss, grad_norm, staleness_mean, tokens_per_s, step_seconds, episodes,
 response_tokens, version), plus ``response_length`` (mean response tokens per episode); each is
-logged as ``<agent>/<figure>`` at the agent's step. tensorboard, wandb and mlflow are optional
+logged as ``<agent>/<figure>`` at the agent's step. A held-out evaluation round (``evaluation:``,
+docs/evaluation.md) is logged at its version as ``<agent>/eval_reward_mean``, ``<agent>/eval_success``
+and ``<agent>/eval_pass_at_k`` for each agent and ``team/eval_*`` for the team (no agent may be
+called ``team`` in a job with evaluation). tensorboard, wandb and mlflow are optional
 packages imported when a job first writes to them; ``flexmarl submit`` checks they are installed
 (:func:`missing_packages`), and in orchestratord a tracker that cannot be created or written is
 logged and switched off for that job, never raised: a tracker never fails a job or the daemon.
@@ -36,8 +39,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from flexmarl.evaluation import EvalRecord, EvalScores
 from flexmarl.experience import ExperienceRecord
-from flexmarl.jobspec import TRACKER_PACKAGES, JobSpec, TrackingSpec
+from flexmarl.jobspec import TEAM, TRACKER_PACKAGES, JobSpec, TrackingSpec
 from flexmarl.samples import Sample, TokenizerCache, decode_samples, pick
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,17 @@ class StepFigures:
         if episodes > 0 and "response_tokens" in values:
             values["response_length"] = values["response_tokens"] / episodes
         return cls(str(record["agent"]), int(record["step"]), int(record.get("committed_unix_ms", 0)), values)
+
+
+def eval_figures(record: EvalRecord) -> list[StepFigures]:
+    """An evaluation round as figures at its version: one set per agent and one for the team (``team``)."""
+
+    def values(scores: EvalScores) -> dict[str, float]:
+        return {"eval_reward_mean": scores.reward_mean, "eval_success": scores.success,
+                "eval_pass_at_k": scores.pass_at_k}
+
+    rows = [StepFigures(a.agent, record.version, record.finished_unix_ms, values(a.scores)) for a in record.agents]
+    return [*rows, StepFigures(TEAM, record.version, record.finished_unix_ms, values(record.team))]
 
 
 def missing_packages(spec: TrackingSpec) -> list[str]:
@@ -337,6 +352,18 @@ class StepTracking:
                 log.warning("no samples of step %d of %s/%s: %s", figures.step, job_id, figures.agent, exc)
                 return
             await self._in_pool(lambda: trackers.write_samples(figures.agent, figures.step, samples))
+
+    async def eval_recorded(self, job_id: str, spec: JobSpec, record: Mapping[str, Any]) -> None:
+        """Writes one evaluation round's figures (at its version), in order with the job's steps."""
+        if not spec.tracking.trackers:
+            return
+        lock = self._locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            trackers = self._jobs.get(job_id)
+            if trackers is None:
+                trackers = self._jobs[job_id] = JobTrackers(job_id, spec)
+            for figures in eval_figures(EvalRecord.from_dict(record)):
+                await self._in_pool(lambda figures=figures: trackers.write_step(figures))  # type: ignore[misc]
 
     async def job_ended(self, job_id: str) -> None:
         """Closes a job's trackers once its pending writes are done."""

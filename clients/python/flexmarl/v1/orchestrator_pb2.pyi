@@ -422,22 +422,144 @@ class JobHistory(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
+    EVALS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     @_builtins.property
     def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRecord]: ...
+    @_builtins.property
+    def evals(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalRecord]:
+        """Held-out evaluation rounds (JobSpec evaluation), by version."""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         steps: _abc.Iterable[Global___StepRecord] | None = ...,
+        evals: _abc.Iterable[Global___EvalRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evals", b"evals", "job_id", b"job_id", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobHistory: _TypeAlias = JobHistory  # noqa: Y015
+
+@_typing.final
+class EvalScores(_message.Message):
+    """Metrics of one scope (an agent or the team) over an evaluation round."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REWARD_MEAN_FIELD_NUMBER: _builtins.int
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    PASS_AT_K_FIELD_NUMBER: _builtins.int
+    EPISODES_FIELD_NUMBER: _builtins.int
+    reward_mean: _builtins.float
+    success: _builtins.float
+    """Fraction of episodes that succeeded."""
+    pass_at_k: _builtins.float
+    """Fraction of tasks with a successful episode among their samples_per_task samples."""
+    episodes: _builtins.int
+    def __init__(
+        self,
+        *,
+        reward_mean: _builtins.float = ...,
+        success: _builtins.float = ...,
+        pass_at_k: _builtins.float = ...,
+        episodes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes", b"episodes", "pass_at_k", b"pass_at_k", "reward_mean", b"reward_mean", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalScores: _TypeAlias = EvalScores  # noqa: Y015
+
+@_typing.final
+class EvalAgentScores(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    VERSIONS_SEEN_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    version: _builtins.int
+    """The agent's committed version when the round was created."""
+    @_builtins.property
+    def versions_seen(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every version that generated a turn of the agent in the round."""
+
+    @_builtins.property
+    def scores(self) -> Global___EvalScores: ...
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        version: _builtins.int = ...,
+        versions_seen: _abc.Iterable[_builtins.int] | None = ...,
+        scores: Global___EvalScores | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["scores", b"scores"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "scores", b"scores", "version", b"version", "versions_seen", b"versions_seen"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalAgentScores: _TypeAlias = EvalAgentScores  # noqa: Y015
+
+@_typing.final
+class EvalRecord(_message.Message):
+    """One held-out evaluation round."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    SAMPLES_PER_TASK_FIELD_NUMBER: _builtins.int
+    FAILED_TASKS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    TEAM_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
+    TEAM_SUCCESS_FROM_ENV_FIELD_NUMBER: _builtins.int
+    FINISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """The team's version evaluated: the lowest committed version over the agents at the round's creation."""
+    tasks: _builtins.int
+    samples_per_task: _builtins.int
+    failed_tasks: _builtins.int
+    """Tasks given up after too many failed attempts (not in the metrics)."""
+    sampling: _builtins.str
+    """"greedy" or "policy"."""
+    team_success_from_env: _builtins.bool
+    """Whether the team's success came from the environment's ctx.notes["success"] (else: every agent succeeded)."""
+    finished_unix_ms: _builtins.int
+    @_builtins.property
+    def team(self) -> Global___EvalScores: ...
+    @_builtins.property
+    def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalAgentScores]: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        tasks: _builtins.int = ...,
+        samples_per_task: _builtins.int = ...,
+        failed_tasks: _builtins.int = ...,
+        sampling: _builtins.str = ...,
+        team: Global___EvalScores | None = ...,
+        agents: _abc.Iterable[Global___EvalAgentScores] | None = ...,
+        team_success_from_env: _builtins.bool = ...,
+        finished_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["team", b"team"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalRecord: _TypeAlias = EvalRecord  # noqa: Y015
 
 @_typing.final
 class RolloutTask(_message.Message):
@@ -455,6 +577,8 @@ class RolloutTask(_message.Message):
     DEADLINE_UNIX_MS_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    EVALUATION_FIELD_NUMBER: _builtins.int
+    GREEDY_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     task_id: _builtins.str
@@ -469,6 +593,14 @@ class RolloutTask(_message.Message):
     """JobStatus.spec_digest of the job: the worker fetches the spec once per job (GetJob),
     checks it against this digest and caches it.
     """
+    evaluation: _builtins.bool
+    """A held-out evaluation task (JobSpec evaluation): task_id is "<job>/ev<version>/t<index>",
+    task_index indexes the held-out stream (Environment.eval_task), group_size is
+    samples_per_task. Play the episodes on at least agent_versions, store nothing, and report
+    eval_episodes (ReportRolloutTask).
+    """
+    greedy: _builtins.bool
+    """With evaluation: every turn at temperature 0, whatever the episode asks."""
     @_builtins.property
     def agent_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AgentVersion]:
         """Minimum policy version of each agent to use."""
@@ -486,10 +618,12 @@ class RolloutTask(_message.Message):
         deadline_unix_ms: _builtins.int = ...,
         attempt: _builtins.int = ...,
         spec_digest: _builtins.str = ...,
+        evaluation: _builtins.bool = ...,
+        greedy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "evaluation", b"evaluation", "greedy", b"greedy", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -609,6 +743,7 @@ class ReportRolloutTaskRequest(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     EXPERIENCES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EVAL_EPISODES_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     worker_id: _builtins.str
     task_id: _builtins.str
@@ -622,6 +757,10 @@ class ReportRolloutTaskRequest(_message.Message):
     def experiences(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExperienceSummary]:
         """The experiences written to stored (arrays omitted)."""
 
+    @_builtins.property
+    def eval_episodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalEpisode]:
+        """An evaluation task's episodes (RolloutTask.evaluation); experiences stay empty."""
+
     def __init__(
         self,
         *,
@@ -632,14 +771,103 @@ class ReportRolloutTaskRequest(_message.Message):
         error: _builtins.str = ...,
         experiences: _abc.Iterable[Global___ExperienceSummary] | None = ...,
         reason: _builtins.str = ...,
+        eval_episodes: _abc.Iterable[Global___EvalEpisode] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "experiences", b"experiences", "lease_id", b"lease_id", "reason", b"reason", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "eval_episodes", b"eval_episodes", "experiences", b"experiences", "lease_id", b"lease_id", "reason", b"reason", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportRolloutTaskRequest: _TypeAlias = ReportRolloutTaskRequest  # noqa: Y015
+
+@_typing.final
+class AgentVersionsSeen(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Ascending, distinct."""
+
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+        versions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentVersionsSeen: _TypeAlias = AgentVersionsSeen  # noqa: Y015
+
+@_typing.final
+class EvalEpisode(_message.Message):
+    """One held-out episode's outcome (nothing of it is stored or trained on)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ReturnsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_INDEX_FIELD_NUMBER: _builtins.int
+    SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
+    RETURNS_FIELD_NUMBER: _builtins.int
+    HAS_TEAM_SUCCESS_FIELD_NUMBER: _builtins.int
+    TEAM_SUCCESS_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    task_index: _builtins.int
+    sample_index: _builtins.int
+    has_team_success: _builtins.bool
+    """Whether the environment set ctx.notes["success"], and its value."""
+    team_success: _builtins.bool
+    @_builtins.property
+    def returns(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Each agent's episode return."""
+
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentVersionsSeen]:
+        """The policy versions that generated each agent's turns."""
+
+    def __init__(
+        self,
+        *,
+        task_index: _builtins.int = ...,
+        sample_index: _builtins.int = ...,
+        returns: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        has_team_success: _builtins.bool = ...,
+        team_success: _builtins.bool = ...,
+        versions: _abc.Iterable[Global___AgentVersionsSeen] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_team_success", b"has_team_success", "returns", b"returns", "sample_index", b"sample_index", "task_index", b"task_index", "team_success", b"team_success", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvalEpisode: _TypeAlias = EvalEpisode  # noqa: Y015
 
 @_typing.final
 class ExperienceSummary(_message.Message):

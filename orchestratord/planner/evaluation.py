@@ -1,0 +1,228 @@
+"""Held-out evaluation rounds (``evaluation:`` in the job spec): created at versions, leased beside training.
+
+When the team's version (the lowest committed version over the agents) reaches a multiple of
+``every_versions``, the final version (``total_steps``), or 0 with ``before_training`` (once every
+warm start committed), :func:`on_version` opens a round: ``tasks`` eval tasks
+(:class:`flexmarl.ids.EvalTaskRef`, task ``i`` plays ``Environment.eval_task(i)``), each
+``samples_per_task`` episodes on at least the agents' committed versions of that moment.
+
+Eval tasks go through the rollout-task lease machinery under their own lease kind
+(``LeaseKind.EVAL_TASK``): renewed with the task leases, re-issued when the lease expires or its
+worker dies, a late report refused. They never starve training: :func:`lease` hands one out only
+when the job has no training task to hand out, except that one eval task may be in flight at any
+time (so rounds progress while rollouts are the bottleneck). An eval task's report carries
+episode outcomes and never experiences: nothing of a round is stored or joins a step.
+
+A task that fails ``max_task_attempts`` times is given up (counted in the round's
+``failed_tasks``), never failing the job. When every task of a round reported or was given up,
+the round's :class:`flexmarl.evaluation.EvalRecord` is emitted (``EvalRecorded``, durable before
+the reply). A job with ``evaluation`` succeeds only once its final round is recorded
+(:func:`maybe_succeed`). After an orchestrator restart the versions whose round is recorded come
+from etcd; a round that was in flight then is opened again if its version is the current one, and
+abandoned otherwise (the engines have moved on from it).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from flexmarl.errors import InvalidArgument
+from flexmarl.evaluation import EvalEpisode, aggregate
+from flexmarl.ids import EvalTaskRef
+from orchestratord.leases import Lease, LeaseKind, LeaseStatus
+from orchestratord.planner import warm_start
+from orchestratord.planner.job_plan import EvalRound, EvalTask, JobPlan, TaskStatus
+from orchestratord.planner.types import RolloutTaskLease
+from orchestratord.state import EvalRecorded, JobState
+
+logger = logging.getLogger(__name__)
+
+
+def due(job: JobPlan, version: int) -> bool:
+    """Whether the team's ``version`` gets an evaluation round."""
+    spec = job.spec.evaluation
+    if spec is None:
+        return False
+    if version == 0:
+        return spec.before_training
+    return version % spec.every_versions == 0 or version == job.spec.total_steps
+
+
+def on_version(job: JobPlan) -> None:
+    """After a commit (or at creation / restore): opens the current version's round if due, then maybe succeeds."""
+    version = job.min_version()
+    if (not job.state.terminal and due(job, version) and version not in job.eval_done
+            and version not in job.eval_rounds and not warm_start.any_pending(job)):
+        _open_round(job, version)
+    maybe_succeed(job)
+
+
+def _open_round(job: JobPlan, version: int) -> None:
+    spec = job.spec.evaluation
+    assert spec is not None  # due() said so
+    refs = [EvalTaskRef(job.job_id, version, index) for index in range(spec.tasks)]
+    job.eval_rounds[version] = EvalRound(
+        version=version, agent_versions=tuple(job.versions()),
+        tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs})
+    logger.info("job %s: evaluation round of version %d opened (%d tasks x %d samples, %s)", job.job_id, version,
+                spec.tasks, spec.samples_per_task, spec.sampling)
+
+
+def maybe_succeed(job: JobPlan) -> None:
+    """The job succeeds once every agent reached ``total_steps`` and no evaluation round is open."""
+    if not job.state.terminal and job.min_version() >= job.spec.total_steps and not job.eval_rounds:
+        job.set_state(JobState.SUCCEEDED, "")
+
+
+def in_flight(job: JobPlan) -> int:
+    """Eval tasks leased now."""
+    return sum(1 for r in job.eval_rounds.values() for t in r.tasks.values() if t.status is TaskStatus.LEASED)
+
+
+def has_leasable(job: JobPlan) -> bool:
+    """Whether some round has a task waiting for a lease."""
+    return not job.state.terminal and any(
+        t.status is TaskStatus.PENDING for r in job.eval_rounds.values() for t in r.tasks.values())
+
+
+def lease(job: JobPlan, worker_id: str, max_tasks: int, training_waiting: bool) -> list[RolloutTaskLease]:
+    """Leases up to ``max_tasks`` eval tasks, oldest round first; at most one in flight while training waits."""
+    if job.state.terminal or max_tasks <= 0:
+        return []
+    allowed = min(max_tasks, max(0, 1 - in_flight(job))) if training_waiting else max_tasks
+    leased: list[RolloutTaskLease] = []
+    for version in sorted(job.eval_rounds):
+        round_ = job.eval_rounds[version]
+        for task in round_.tasks.values():
+            if len(leased) >= allowed:
+                return leased
+            if task.status is TaskStatus.PENDING:
+                leased.append(_lease_task(job, round_, task, worker_id))
+    return leased
+
+
+def _lease_task(job: JobPlan, round_: EvalRound, task: EvalTask, worker_id: str) -> RolloutTaskLease:
+    spec = job.spec.evaluation
+    assert spec is not None
+    task.attempts += 1
+    granted = job.leases.issue(LeaseKind.EVAL_TASK, worker_id, task.task_id, job.spec.leases.rollout_timeout_s)
+    task.status = TaskStatus.LEASED
+    task.lease_id = granted.lease_id
+    return RolloutTaskLease(
+        lease_id=granted.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.index,
+        batch_index=round_.version, group_size=spec.samples_per_task, agent_versions=round_.agent_versions,
+        deadline_s=granted.deadline_s, attempt=task.attempts, evaluation=True, greedy=spec.sampling == "greedy",
+    )
+
+
+def _find(job: JobPlan, task_id: str) -> tuple[EvalRound, EvalTask] | None:
+    try:
+        ref = EvalTaskRef.parse(task_id)
+    except InvalidArgument:
+        return None
+    round_ = job.eval_rounds.get(ref.version)
+    task = round_.tasks.get(task_id) if round_ is not None else None
+    return (round_, task) if round_ is not None and task is not None else None
+
+
+def requeue(job: JobPlan, task_id: str, reason: str) -> None:
+    """A leased eval task's attempt ended without a result: lease it again, or give it up after too many tries."""
+    found = _find(job, task_id)
+    if found is None or found[1].status is not TaskStatus.LEASED:
+        return
+    round_, task = found
+    task.lease_id = ""
+    if task.attempts >= job.options.max_task_attempts:
+        logger.warning("job %s: eval task %s given up after %d attempts (last: %s)", job.job_id, task_id,
+                       task.attempts, reason)
+        task.status = TaskStatus.DONE
+        task.failed = True
+        _finish_if_done(job, round_)
+        return
+    logger.info("re-issuing eval task %s after attempt %d: %s", task_id, task.attempts, reason)
+    task.status = TaskStatus.PENDING
+
+
+def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded: bool, error: str,
+           episodes: Sequence[EvalEpisode]) -> None:
+    """An eval task finished (its episodes) or failed.
+
+    Raises:
+        FailedPrecondition: the lease ended, expired or is another worker's (from ``require_active``).
+        InvalidArgument: a malformed report (the task is re-issued).
+    """
+    job.require_running()
+    held = job.leases.require_active(granted.lease_id, worker_id, LeaseKind.EVAL_TASK)
+    if held.subject != task_id:
+        raise InvalidArgument(f"lease {held.lease_id!r} is for eval task {held.subject!r}, not {task_id!r}")
+    found = _find(job, task_id)
+    if found is None:  # pragma: no cover - a held lease's round is open
+        raise InvalidArgument(f"eval task {task_id!r} is not open")
+    round_, task = found
+    if not succeeded:
+        job.leases.end(held, LeaseStatus.RELEASED, "failed")
+        requeue(job, task_id, f"worker reported failure: {error}")
+        return
+    try:
+        _validate(job, round_, task, episodes)
+    except InvalidArgument:
+        job.leases.end(held, LeaseStatus.RELEASED, "rejected")
+        requeue(job, task_id, "malformed report")
+        raise
+    job.leases.end(held, LeaseStatus.RELEASED, "reported")
+    task.status = TaskStatus.DONE
+    task.lease_id = ""
+    round_.episodes.extend(episodes)
+    _finish_if_done(job, round_)
+
+
+def _validate(job: JobPlan, round_: EvalRound, task: EvalTask, episodes: Sequence[EvalEpisode]) -> None:
+    spec = job.spec.evaluation
+    assert spec is not None
+    where = f"eval task {task.task_id}"
+    samples = sorted(e.sample_index for e in episodes)
+    if samples != list(range(spec.samples_per_task)):
+        raise InvalidArgument(f"{where}: expected episodes 0..{spec.samples_per_task - 1}, got {samples}")
+    for episode in episodes:
+        if episode.task_index != task.index:
+            raise InvalidArgument(f"{where}: episode of task index {episode.task_index}, expected {task.index}")
+        for agent, value in episode.returns.items():
+            if agent not in job.agents:
+                raise InvalidArgument(f"{where}: unknown agent {agent!r}")
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{where}: return of {agent!r} is {value}")
+        for agent, versions in episode.versions.items():
+            if agent not in job.agents:
+                raise InvalidArgument(f"{where}: unknown agent {agent!r}")
+            if any(v < 0 or v > job.agents[agent].version for v in versions):
+                raise InvalidArgument(f"{where}: versions {list(versions)} of {agent!r}, which is at version "
+                                      f"{job.agents[agent].version}")
+
+
+def _finish_if_done(job: JobPlan, round_: EvalRound) -> None:
+    if not round_.done:
+        return
+    spec = job.spec.evaluation
+    assert spec is not None
+    record = aggregate(
+        round_.episodes, agents=job.spec.agent_names,
+        agent_versions={v.agent: v.version for v in round_.agent_versions}, version=round_.version,
+        tasks=len(round_.tasks), samples_per_task=spec.samples_per_task,
+        failed_tasks=sum(1 for t in round_.tasks.values() if t.failed), sampling=spec.sampling,
+        success_threshold=spec.success_threshold, finished_unix_ms=int(job.now_s() * 1000))
+    del job.eval_rounds[round_.version]
+    job.eval_done.add(round_.version)
+    job.leases.forget(lease.lease_id for lease in job.leases.all()
+                      if lease.kind is LeaseKind.EVAL_TASK and lease.subject in round_.tasks)
+    job.changes.append(EvalRecorded(job.job_id, round_.version, record.as_dict()))
+    logger.info("job %s: evaluation of version %d: team success %.3f over %d episodes", job.job_id,
+                round_.version, record.team.success, record.team.episodes)
+    maybe_succeed(job)
+
+
+def restore(job: JobPlan, recorded: Sequence[int]) -> None:
+    """After a restart: the versions whose round is recorded; the current version's round opens again if due."""
+    job.eval_done.update(recorded)
+    on_version(job)

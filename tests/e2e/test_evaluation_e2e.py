@@ -1,0 +1,79 @@
+"""Held-out evaluation through the daemons: rounds at versions beside training, never trained on."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+from e2e_support import E2ECluster, assert_succeeded
+
+from flexmarl import cli
+from flexmarl.cluster import wait_until
+from flexmarl.ids import ExperienceKey, TaskRef
+
+EVAL_TASKS = 3
+
+
+@pytest.mark.timeout(240)
+def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained_on(
+        shared_cluster: E2ECluster, tmp_path: Path) -> None:
+    e2e = shared_cluster
+    spec = e2e.spec(environment={"entrypoint": "held_out_signaling:HeldOutSignaling", "config": {"num_objects": 4}},
+                    evaluation={"every_versions": 2, "tasks": EVAL_TASKS, "before_training": True},
+                    tracking={"trackers": ["jsonl"], "dir": str(tmp_path / "tracking")},
+                    batch={"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4})
+    job_id = e2e.client.submit(spec)
+    info = e2e.wait_job(job_id)
+    assert_succeeded(e2e, info, spec["total_steps"])
+
+    records = e2e.client.evaluations(job_id)
+    # before_training (0) and the final version (2, also a multiple of every_versions).
+    assert [r.version for r in records] == [0, 2]
+    start = records[0]
+    assert {a.agent: (a.version, a.versions_seen) for a in start.agents} == {"sender": (0, (0,)),
+                                                                           "receiver": (0, (0,))}
+    for record in records:
+        assert (record.tasks, record.samples_per_task, record.failed_tasks, record.sampling) == (
+            EVAL_TASKS, 1, 0, "greedy")
+        for agent in record.agents:
+            assert agent.version >= record.version and min(agent.versions_seen) >= agent.version
+        # By hand (held_out_signaling.py): tasks 0, 1, 2; the sender succeeds on 0 and 2, the receiver's 0.5
+        # never reaches the threshold 1.0, the team (its note) on task 0 only.
+        sender, receiver = record.scores_of("sender"), record.scores_of("receiver")
+        assert (sender.reward_mean, sender.success, sender.pass_at_k, sender.episodes) == (2 / 3, 2 / 3, 2 / 3, 3)
+        assert (receiver.reward_mean, receiver.success) == (0.5, 0.0)
+        assert record.team.success == pytest.approx(1 / 3) and record.team_success_from_env
+        assert record.team.reward_mean == pytest.approx((0.75 + 0.25 + 0.75) / 3)
+
+    # Never trained on: no manifest and no stored experience belongs to an eval task.
+    for agent in ("sender", "receiver"):
+        for manifest in e2e.manifests(job_id, agent).values():
+            for eid in manifest["experience_ids"]:
+                TaskRef.parse(ExperienceKey.parse(eid).task_id)
+        for ref in e2e.stored_refs(job_id, agent):
+            TaskRef.parse(ExperienceKey.parse(ref.experience_id).task_id)
+
+    # The CLI's history and the trackers show the rounds.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["history", job_id, "--eval", "--csv", "--etcd", e2e.cluster.etcd_endpoint,
+                         "--etcd-prefix", e2e.prefix]) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("version,scope,") and len(lines) == 1 + 2 * 3  # 2 rounds x (2 agents + team)
+    assert any(line.startswith("2,team,") for line in lines)
+    metrics = tmp_path / "tracking" / job_id / "metrics.jsonl"
+
+    def team_rows() -> list[dict[str, float]]:
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        return [row for row in rows if row["agent"] == "team"]
+
+    wait_until(lambda: len(team_rows()) == 2, 30, "the team's evaluation figures in metrics.jsonl")
+    assert [row["step"] for row in team_rows()] == [0, 2]
+    png = tmp_path / "plot.png"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["plot", job_id, "--out", str(png), "--etcd", e2e.cluster.etcd_endpoint,
+                         "--etcd-prefix", e2e.prefix]) == 0
+    assert png.stat().st_size > 0

@@ -1,0 +1,206 @@
+"""Held-out evaluation in the planner: rounds at versions, leased beside training, never trained on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
+from flexmarl.evaluation import EvalEpisode, EvalRecord, aggregate
+from flexmarl.ids import EvalTaskRef, ExperienceKey, TaskRef
+from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
+from orchestratord.state import EvalRecorded, InMemoryStateStore, JobState, ManifestFixed, apply_changes
+
+from .helpers import FakeClock, experiences_for, make_spec
+
+AGENTS = ("sender", "receiver")
+EVAL = {"every_versions": 2, "tasks": 3, "samples_per_task": 2, "sampling": "policy", "before_training": True,
+        "success_threshold": 1.0}
+
+
+def episodes_for(lease: RolloutTaskLease, returns: Any = None) -> list[EvalEpisode]:
+    """Sample i of task t: the sender returns float(t == i), the receiver 1.0; at the lease's versions."""
+    versions = {v.agent: (v.version,) for v in lease.agent_versions}
+    return [EvalEpisode(lease.task_index, i, returns or {"sender": float(lease.task_index == i), "receiver": 1.0},
+                        None, versions) for i in range(lease.group_size)]
+
+
+def drive(planner: Planner, job_id: str, changes: list[Any], max_rounds: int = 2000) -> list[RolloutTaskLease]:
+    """Runs a job with one rollout worker and one slot; returns every lease in order. Collects durable changes."""
+    job = planner.job(job_id)
+    leases: list[RolloutTaskLease] = []
+    for _ in range(max_rounds):
+        changes.extend(planner.take_changes())
+        if job.state.terminal:
+            return leases
+        for lease in planner.lease_rollout_tasks("roll-0", 2):
+            leases.append(lease)
+            if lease.evaluation:
+                planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "", (),
+                                            eval_episodes=episodes_for(lease))
+            else:
+                planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "",
+                                            experiences_for(lease, AGENTS))
+        work = planner.poll_trainer_work("trainer-0", "slot-0")
+        if isinstance(work, MicroBatchWork):
+            planner.ack_micro_batch(work.lease_id, "trainer-0", "slot-0")
+        elif isinstance(work, OptimizerStepWork):
+            planner.commit_step("trainer-0", "slot-0", work.job_id, work.agent, work.step, work.new_version,
+                                f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}/{work.new_version}")
+    raise AssertionError(f"job did not finish: {job.snapshot()}")
+
+
+def test_aggregation_equals_a_hand_computation() -> None:
+    # Two tasks x 2 samples; threshold 1.0.
+    eps = [
+        EvalEpisode(0, 0, {"a": 1.0, "b": 0.0}, None, {"a": (3,), "b": (2,)}),
+        EvalEpisode(0, 1, {"a": 0.0, "b": 1.0}, None, {"a": (3, 4), "b": (2,)}),
+        EvalEpisode(1, 0, {"a": 0.5, "b": 1.0}, None, {"a": (3,), "b": (2,)}),
+        EvalEpisode(1, 1, {"a": 1.0, "b": 1.0}, None, {"a": (4,), "b": (2,)}),
+    ]
+    record = aggregate(eps, agents=("a", "b"), agent_versions={"a": 3, "b": 2}, version=2, tasks=2,
+                       samples_per_task=2, failed_tasks=0, sampling="policy", success_threshold=1.0)
+    a, b = record.scores_of("a"), record.scores_of("b")
+    assert (a.reward_mean, a.success, a.pass_at_k, a.episodes) == (2.5 / 4, 2 / 4, 2 / 2, 4)
+    assert (b.reward_mean, b.success, b.pass_at_k) == (3.0 / 4, 3 / 4, 2 / 2)
+    # Team: mean of the agents' returns per episode; success = both agents succeeded (no note): only (1, 1).
+    assert record.team.reward_mean == pytest.approx((0.5 + 0.5 + 0.75 + 1.0) / 4)
+    assert (record.team.success, record.team.pass_at_k) == (1 / 4, 1 / 2)
+    assert record.agents[0].versions_seen == (3, 4) and record.agents[1].versions_seen == (2,)
+    assert not record.team_success_from_env
+    # The environment's note decides the team's success where an episode sets it.
+    noted = [EvalEpisode(e.task_index, e.sample_index, e.returns, e.task_index == 0, e.versions) for e in eps]
+    team = aggregate(noted, agents=("a", "b"), agent_versions={}, version=2, tasks=2, samples_per_task=2,
+                     failed_tasks=0, sampling="policy", success_threshold=1.0)
+    assert (team.team.success, team.team.pass_at_k, team.team_success_from_env) == (2 / 4, 1 / 2, True)
+    assert EvalRecord.from_dict(record.as_dict()) == record
+
+
+def test_rounds_run_beside_training_are_never_trained_on_and_the_job_ends_after_the_last() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e"))
+    spec = make_spec(evaluation=EVAL)
+    planner.submit_job("ev", spec)
+    changes: list[Any] = []
+    leases = drive(planner, "ev", changes)
+    assert planner.job("ev").state is JobState.SUCCEEDED
+
+    records = [c for c in changes if isinstance(c, EvalRecorded)]
+    # before_training (0), every 2nd version (2) and the final one (3 = total_steps).
+    assert [r.version for r in records] == [0, 2, 3]
+    state_changes = [c for c in changes if type(c).__name__ == "JobStateChanged"]
+    assert state_changes[-1].state is JobState.SUCCEEDED
+    assert changes.index(records[-1]) < changes.index(state_changes[-1]), "the job ended before its last round"
+
+    eval_leases = [lease for lease in leases if lease.evaluation]
+    assert {EvalTaskRef.parse(lease.task_id).version for lease in eval_leases} == {0, 2, 3}
+    assert all(lease.group_size == 2 and not lease.greedy for lease in eval_leases)
+    # No manifest holds anything but training tasks' experiences.
+    manifests = [c.manifest for c in changes if isinstance(c, ManifestFixed)]
+    assert manifests
+    for manifest in manifests:
+        for eid in manifest.experience_ids:
+            TaskRef.parse(ExperienceKey.parse(eid).task_id)  # raises for an eval task id
+    # Training tasks and their indices are the ones a job without evaluation gets.
+    plain = Planner(FakeClock(), PlannerOptions(lease_epoch="e"))
+    plain.submit_job("ev", make_spec())
+    plain_leases = drive(plain, "ev", [])
+    assert [(t.task_id, t.task_index) for t in leases if not t.evaluation] == \
+        [(t.task_id, t.task_index) for t in plain_leases]
+
+    # The recorded figures are the hand-computed ones: sender succeeds in sample t of task t (tasks 0, 1 of 3).
+    final = EvalRecord.from_dict(records[-1].record)
+    sender = final.scores_of("sender")
+    assert (sender.success, sender.pass_at_k, sender.episodes) == (2 / 6, 2 / 3, 6)
+    assert final.scores_of("receiver").success == 1.0
+    assert final.team.success == 2 / 6
+    assert final.version == 3 and {a.agent: a.version for a in final.agents} == {"sender": 3, "receiver": 3}
+
+
+def test_while_training_tasks_wait_at_most_one_eval_task_is_in_flight() -> None:
+    planner = Planner(FakeClock(), PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec(evaluation=EVAL, pipeline={"mode": "async", "max_staleness": 1}))
+    first = planner.lease_rollout_tasks("roll-0", 8)
+    assert sum(lease.evaluation for lease in first) == 1  # 8 training tasks admissible: one eval goes along
+    assert sum(not lease.evaluation for lease in first) == 7
+    more = planner.lease_rollout_tasks("roll-1", 1)
+    assert [lease.evaluation for lease in more] == [False]  # training still waits: no second eval task
+    # No training task left to hand out: the round's other tasks go out.
+    rest = planner.lease_rollout_tasks("roll-1", 8)
+    assert len(rest) == 2 and all(lease.evaluation for lease in rest)
+
+
+def test_an_eval_lease_lost_to_expiry_or_a_dead_worker_is_issued_again_and_its_late_report_refused() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e", max_task_attempts=3))
+    planner.submit_job("ev", make_spec(evaluation={**EVAL, "tasks": 1}, pipeline={"mode": "sync"}))
+    lease = next(t for t in planner.lease_rollout_tasks("roll-0", 8) if t.evaluation)
+    clock.advance(11)  # past rollout_timeout_s
+    again = next(t for t in planner.lease_rollout_tasks("roll-1", 8) if t.evaluation)
+    assert again.task_id == lease.task_id and again.attempt == 2
+    with pytest.raises(FailedPrecondition):
+        planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "", (),
+                                    eval_episodes=episodes_for(lease))
+    planner.worker_gone("roll-1")
+    third = next(t for t in planner.lease_rollout_tasks("roll-2", 8) if t.evaluation)
+    assert third.attempt == 3
+    # A failed third attempt gives the task up: the round is recorded without it, the job goes on.
+    planner.report_rollout_task(third.lease_id, "roll-2", third.task_id, False, "boom", ())
+    recorded = [c for c in planner.take_changes() if isinstance(c, EvalRecorded)]
+    assert len(recorded) == 1 and recorded[0].record["failed_tasks"] == 1
+    assert planner.job("ev").state is JobState.RUNNING
+    with pytest.raises(NotFound):  # the round is over: its leases are forgotten
+        planner.report_rollout_task(third.lease_id, "roll-2", third.task_id, True, "", (),
+                                    eval_episodes=episodes_for(third))
+
+
+def test_malformed_eval_reports_are_refused_and_the_task_issued_again() -> None:
+    planner = Planner(FakeClock(), PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec(evaluation={**EVAL, "tasks": 1}, pipeline={"mode": "sync"}))
+    training: list[RolloutTaskLease] = []
+    for bad in (lambda lease: {"experiences": experiences_for(lease, AGENTS)},
+                lambda lease: {"eval_episodes": episodes_for(lease)[:1]},
+                lambda lease: {"eval_episodes": episodes_for(lease, {"sender": 1.0, "nobody": 1.0})},
+                lambda lease: {"eval_episodes": [EvalEpisode(lease.task_index, i, {}, None, {"sender": (7,)})
+                                                 for i in range(2)]}):
+        leased = planner.lease_rollout_tasks("roll-0", 8)
+        training.extend(t for t in leased if not t.evaluation)
+        lease = next(t for t in leased if t.evaluation)
+        kwargs = bad(lease)
+        with pytest.raises(InvalidArgument):
+            planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "",
+                                        kwargs.get("experiences", ()), eval_episodes=kwargs.get("eval_episodes", ()))
+        # a rejected report with experiences leaves the lease held: it expires; the others were re-queued
+        if "experiences" in kwargs:
+            planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, False, "retry", ())
+    task = training[0]
+    with pytest.raises(InvalidArgument):
+        planner.report_rollout_task(task.lease_id, "roll-0", task.task_id, True, "",
+                                    experiences_for(task, AGENTS), eval_episodes=episodes_for(task))
+
+
+async def test_a_restored_orchestrator_skips_recorded_rounds_and_reopens_the_current_one() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec(evaluation=EVAL))
+    store = InMemoryStateStore()
+    changes: list[Any] = []
+    drive(planner, "ev", changes)
+    await apply_changes(store, changes)
+    persisted = await store.load_job("ev")
+    assert persisted is not None and persisted.eval_versions == frozenset({0, 2, 3})
+    restored = Planner(clock, PlannerOptions(lease_epoch="f")).restore_job(persisted, [])
+    assert restored.state is JobState.SUCCEEDED
+
+    # A job restored at version 0 whose before_training round was never recorded opens it again.
+    fresh = Planner(clock, PlannerOptions(lease_epoch="e"))
+    fresh.submit_job("ev0", make_spec(evaluation=EVAL))
+    store0 = InMemoryStateStore()
+    await apply_changes(store0, fresh.take_changes())
+    persisted0 = await store0.load_job("ev0")
+    assert persisted0 is not None
+    again = Planner(clock, PlannerOptions(lease_epoch="f"))
+    again.restore_job(persisted0, [])
+    assert any(t.evaluation and EvalTaskRef.parse(t.task_id).version == 0
+               for t in again.lease_rollout_tasks("roll-0", 8))
