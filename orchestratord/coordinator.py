@@ -26,10 +26,10 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
-from flexmarl.evaluation import EvalEpisode
+from flexmarl.evaluation import EvalEpisode, EvalRecord
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
-from flexmarl.jobspec import JobSpec, parse_job_spec
+from flexmarl.jobspec import EvaluationSpec, JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import TransportSecurity, open_channel
@@ -383,7 +383,8 @@ class JobCoordinator:
     def _observe_eval(self, change: EvalRecorded) -> None:
         """After an evaluation round's record is durable: write it to the job's trackers."""
         job = self.planner.job(change.job_id)
-        if job.spec.tracking.trackers:
+        # An on-demand round's versions are the asker's: the trackers' curves are the periodic rounds'.
+        if job.spec.tracking.trackers and not EvalRecord.from_dict(change.record).on_demand:
             self._spawn(self._tracking.eval_recorded(change.job_id, job.spec, change.record))
 
     async def _read_experiences(self, job_id: str, ids: Sequence[str]) -> list[ExperienceRecord]:
@@ -591,6 +592,49 @@ class JobCoordinator:
         async with self._lock:
             pass
         return await self.state.load_history(job_id), await self.state.load_evals(job_id)
+
+    async def evaluate_job(self, job_id: str, versions: Mapping[str, int], tasks: int) -> str:
+        """Opens an on-demand evaluation round (``flexmarl eval``) on kept versions; returns its round id.
+
+        ``versions``: agent -> version (an agent not named: its committed version); ``tasks`` 0: the
+        job's ``evaluation.tasks``. An older version's weights come from its step's history record.
+
+        Raises:
+            NotFound: no such job.
+            InvalidArgument: an unknown agent, or a version the agent has not reached.
+            FailedPrecondition: the job failed or was cancelled, or a version's weights are not kept.
+        """
+        job = self.planner.job(job_id)
+        current = {v.agent: v for v in job.versions()}
+        unknown = sorted(set(versions) - set(current))
+        if unknown:
+            raise InvalidArgument(f"agent_versions: job {job_id!r} has no agents {unknown} (it has {sorted(current)})")
+        history: list[dict[str, Any]] | None = None
+        pinned: list[AgentVersion] = []
+        for agent, now in current.items():
+            version = versions.get(agent, now.version)
+            uri = now.weights_uri
+            if version != now.version:
+                if not 0 <= version < now.version:
+                    raise InvalidArgument(f"agent_versions: {agent} has versions 0..{now.version}, not {version}")
+                if not job.spec.checkpoint.keeps_weights(version, now.version) or (
+                        version == 0 and job.spec.agent(agent).warm_start is not None):
+                    raise FailedPrecondition(f"agent_versions: version {version} of {agent} is not kept "
+                                             f"({job.spec.checkpoint.describe()})")
+                if version == 0:
+                    uri = ""  # the spec's own model
+                else:
+                    history = history if history is not None else await self.state.load_history(job_id)
+                    uri = next((str(row.get("weights_uri", "")) for row in history
+                                if row.get("agent") == agent and row.get("version") == version), "")
+                    if not uri:
+                        raise FailedPrecondition(f"agent_versions: no weights recorded for version {version} "
+                                                 f"of {agent}")
+            pinned.append(AgentVersion(job_id, agent, version, uri))
+        count = tasks or (job.spec.evaluation or EvaluationSpec()).tasks
+        round_id = await self.mutate(lambda: job.open_evaluation(pinned, count))
+        log.info("job %s: on-demand evaluation %s of %s", job_id, round_id, {v.agent: v.version for v in pinned})
+        return round_id
 
     # ---- workers -------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ Key layout under the registry prefix (DESIGN §7)::
     jobs/<job>/agents/<agent>/steps/<n>/manifest    the step's fixed membership
     jobs/<job>/agents/<agent>/steps/<n>/commit      the step's commit record
     jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory)
-    jobs/<job>/eval/<version>                       held-out evaluation rounds (JobHistory.evals)
+    jobs/<job>/eval/<round>                         held-out evaluation rounds (JobHistory.evals)
 
 Every write that can race is a transaction that compares the value it read.
 
@@ -205,17 +205,20 @@ class EtcdStateStore(StateStore):
         return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
 
     @_retrying
-    async def put_eval(self, job_id: str, version: int, record: Mapping[str, Any]) -> None:
+    async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
         """See :meth:`StateStore.put_eval`."""
         if await self._registry.get(self._key(job_id, "spec")) is None:
             raise NotFound(f"job {job_id!r} not found")
-        await self._registry.put(eval_key(self._prefix, job_id, version), _dump(dict(record)))
+        await self._registry.put(eval_key(self._prefix, job_id, round_id), _dump(dict(record)))
 
     @_retrying
     async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
-        """Every recorded evaluation round of a job, by version."""
+        """Every recorded evaluation round of a job: periodic ones by version, then on-demand ones by finish."""
         values, _ = await self._registry.get_prefix(self._key(job_id, "eval") + "/")
-        return sorted((json.loads(v) for v in values.values()), key=lambda r: int(r.get("version", 0)))
+        return sorted((json.loads(v) for v in values.values()),
+                      key=lambda r: (str(r.get("round_id", "")).startswith("d"),
+                                     int(r.get("finished_unix_ms", 0)) if str(r.get("round_id", "")).startswith("d")
+                                     else int(r.get("version", 0))))
 
     @_retrying
     async def load_job(self, job_id: str) -> PersistedJob | None:
@@ -232,7 +235,7 @@ class EtcdStateStore(StateStore):
         pending: set[tuple[str, int]] = set()
         agents_prefix = self._key(job_id, "agents") + "/"
         eval_prefix = self._key(job_id, "eval") + "/"
-        evals = {int(key[len(eval_prefix):]) for key in values if key.startswith(eval_prefix)}
+        evals = {key[len(eval_prefix):] for key in values if key.startswith(eval_prefix)}
         for key, value in values.items():
             if not key.startswith(agents_prefix):
                 continue
@@ -257,7 +260,7 @@ class EtcdStateStore(StateStore):
             manifests=manifests,
             commits=commits,
             pending_marks=frozenset(pending),
-            eval_versions=frozenset(evals),
+            eval_rounds=frozenset(evals),
         )
 
     @_retrying

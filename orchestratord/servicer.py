@@ -18,6 +18,7 @@ MAX_TASKS_PER_LEASE = 256
 MAX_REPORTED_EXPERIENCES = 1 << 16
 MAX_DP_ADDRESS_LENGTH = 256
 MAX_RESUME_SOURCE_LENGTH = 4096
+MAX_EVAL_TASKS = 100_000  # as JobSpec evaluation.tasks
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -86,6 +87,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         rows, evals = await self._coordinator.history(job_id)
         return orchestrator_pb2.JobHistory(job_id=job_id, steps=[serde.step_record(r) for r in rows],
                                            evals=[serde.eval_record(r) for r in evals])
+
+    async def EvaluateJob(  # noqa: N802
+        self, request: orchestrator_pb2.EvaluateJobRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.EvaluateJobResponse:
+        """Opens an on-demand evaluation round on kept versions."""
+        job_id = require_id("job_id", request.job_id)
+        for agent in request.agent_versions:
+            require_id("agent_versions", agent)
+        if request.tasks > MAX_EVAL_TASKS:
+            raise InvalidArgument(f"tasks: at most {MAX_EVAL_TASKS}, got {request.tasks}")
+        round_id = await self._coordinator.evaluate_job(job_id, dict(request.agent_versions), request.tasks)
+        return orchestrator_pb2.EvaluateJobResponse(round_id=round_id)
 
     async def WatchAgentVersions(  # noqa: N802
         self, request: orchestrator_pb2.WatchAgentVersionsRequest, context: grpc.aio.ServicerContext

@@ -17,7 +17,7 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
                                                   warm start fills version 0's "weights_uri")
     jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
     jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
-    jobs/<job>/eval/<version>                     a held-out evaluation round's record
+    jobs/<job>/eval/<round>                       a held-out evaluation round's record (v<version> or d<n>)
 
 Soft state is not persisted: leases in flight (re-issued after a restart),
 agent-to-slot bindings (re-derived from the slots' next polls), micro-batch
@@ -143,8 +143,8 @@ class PersistedJob:
     commits: dict[tuple[str, int], StepCommit]
     #: Committed (agent, step)s whose experiences stored has not yet confirmed consumed.
     pending_marks: frozenset[tuple[str, int]] = frozenset()
-    #: The versions whose held-out evaluation round is recorded.
-    eval_versions: frozenset[int] = frozenset()
+    #: The held-out evaluation rounds recorded (``v<version>``, ``d<n>``: :mod:`flexmarl.ids`).
+    eval_rounds: frozenset[str] = frozenset()
 
 
 # ---- changes emitted by the planner --------------------------------------------------------------
@@ -219,7 +219,7 @@ class EvalRecorded:
     """A held-out evaluation round finished: its record (``flexmarl.evaluation.EvalRecord.as_dict``)."""
 
     job_id: str
-    version: int
+    round_id: str
     record: Mapping[str, Any]
 
 
@@ -250,9 +250,9 @@ def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
     return job_key(prefix, job_id, "agents", agent, "steps", str(step), "commit")
 
 
-def eval_key(prefix: str, job_id: str, version: int) -> str:
-    """Key of the record of the evaluation round of ``version``."""
-    return job_key(prefix, job_id, "eval", f"{version:08d}")
+def eval_key(prefix: str, job_id: str, round_id: str) -> str:
+    """Key of the record of evaluation round ``round_id``."""
+    return job_key(prefix, job_id, "eval", round_id)
 
 
 def pending_mark_key(prefix: str, job_id: str, agent: str, step: int) -> str:
@@ -336,8 +336,8 @@ class StateStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def put_eval(self, job_id: str, version: int, record: Mapping[str, Any]) -> None:
-        """Records the evaluation round of ``version`` (the same record again is a no-op).
+    async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
+        """Records evaluation round ``round_id`` (the same record again is a no-op).
 
         Raises:
             NotFound: unknown job.
@@ -450,9 +450,9 @@ class InMemoryStateStore(StateStore):
         job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
         job["updated_s"] = max(job["updated_s"], updated_s)
 
-    async def put_eval(self, job_id: str, version: int, record: Mapping[str, Any]) -> None:
+    async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
         """See :meth:`StateStore.put_eval`."""
-        self._job(job_id)["evals"][version] = dict(record)
+        self._job(job_id)["evals"][round_id] = dict(record)
 
     async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
         """See :meth:`StateStore.clear_pending_mark`."""
@@ -476,7 +476,7 @@ class InMemoryStateStore(StateStore):
             manifests=dict(job["manifests"]),
             commits=dict(job["commits"]),
             pending_marks=frozenset(job["pending_marks"]),
-            eval_versions=frozenset(job["evals"]),
+            eval_rounds=frozenset(job["evals"]),
         )
 
     async def list_job_ids(self) -> list[str]:
@@ -513,6 +513,6 @@ async def apply_changes(
             await store.publish_warm_start(change.job_id, change.agent, change.weights_uri, change.state_uri,
                                            change.updated_s)
         elif isinstance(change, EvalRecorded):
-            await store.put_eval(change.job_id, change.version, change.record)
+            await store.put_eval(change.job_id, change.round_id, change.record)
         else:  # pragma: no cover - exhaustive over StateChange
             raise InvalidArgument(f"unknown state change {change!r}")

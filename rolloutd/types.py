@@ -60,6 +60,8 @@ class RolloutTask:
     evaluation: bool = False
     #: With ``evaluation``: every turn at temperature 0.
     greedy: bool = False
+    #: With ``evaluation``: ``agent_versions`` are exact (an on-demand round), served under agent keys of their own.
+    pinned: bool = False
 
     @property
     def job_id(self) -> str:

@@ -107,6 +107,11 @@ class _ServedJob:
     router: RolloutRouter
     #: The WatchAgentVersions loop of a partial-rollout job (None: the job does not interrupt).
     version_watch: asyncio.Task[None] | None = None
+    #: Each agent's runtime (tokenizer, sampling), shared with the job's pinned evaluation rounds.
+    runtimes: dict[str, AgentRuntime] = dataclasses.field(default_factory=dict)
+    #: A pinned evaluation round served under agent keys of its own (:meth:`RolloutWorker._pinned`):
+    #: its environment is its job's, closed with that one.
+    pinned_of: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,8 @@ class _InFlightTask:
     runner: asyncio.Task[None]
     #: What its lease renewals report as the task's progress.
     progress: TaskProgress
+    #: The served job it runs under (its job id, or a pinned evaluation round's key: :func:`served_key`).
+    key: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +326,7 @@ class RolloutWorker:
             for task in tasks:
                 progress = TaskProgress()
                 self._in_flight[task.lease_id] = _InFlightTask(task.ref, asyncio.get_running_loop().create_task(
-                    self._run(task, progress), name=f"task {task.task_id}"), progress)
+                    self._run(task, progress), name=f"task {task.task_id}"), progress, served_key(task))
 
     async def _renew_loop(self) -> None:
         last_sweep_s = time.monotonic()
@@ -360,7 +367,7 @@ class RolloutWorker:
 
     async def _forget_finished_jobs(self) -> None:
         """Stops serving the agents of jobs that ended (their replicas go to the live jobs)."""
-        busy = {entry.ref.job_id for entry in self._in_flight.values()}
+        busy = {key for entry in self._in_flight.values() for key in (entry.key, entry.ref.job_id)}
         ended = []
         for job_id in list(self._jobs):
             if job_id in busy:
@@ -385,7 +392,7 @@ class RolloutWorker:
                     for name in job.spec.agent_names:
                         self.router.set_partial_rollout(agent_key(job_id, name), False)
                         self.router.set_distributed_sync(agent_key(job_id, name), False)
-                if job is not None:
+                if job is not None and not job.pinned_of:
                     with contextlib.suppress(Exception):
                         await job.env.aclose()  # an ExternalAgents job's gateway stops listening
             self._set_lora_agents(self.router)
@@ -408,9 +415,11 @@ class RolloutWorker:
                 return
             finally:
                 progress.setting_up = False
+            if task.pinned:
+                job = await self._pinned(job, task)
             for version in task.agent_versions:
                 base = job.spec.agent(version.agent).model
-                job.router.require(agent_key(task.job_id, version.agent), version.version,
+                job.router.require(agent_key(job.job_id, version.agent), version.version,
                                    version.weights_uri or base)
             if task.evaluation:
                 await self._evaluate(job, task, progress)
@@ -563,7 +572,7 @@ class RolloutWorker:
             runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()),
                                                 gamma=spec.algorithm_of(agent.name).gamma)
         runner = RolloutRunner(env, runtimes, router.backend(task.job_id, spec.seed))
-        job = _ServedJob(task.job_id, spec, env, runner, router)
+        job = _ServedJob(task.job_id, spec, env, runner, router, runtimes=runtimes)
         self._jobs[task.job_id] = job
         self._set_lora_agents(router)
         await router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values() for a in j.spec.agent_names])
@@ -576,6 +585,30 @@ class RolloutWorker:
                 self._watch_versions(job), name=f"versions of {task.job_id}")
         log.info("serving job %s (%s)", task.job_id, spec.name)
         return job
+
+    async def _pinned(self, job: _ServedJob, task: RolloutTask) -> _ServedJob:
+        """The served entry of an on-demand evaluation round: the job's agents under keys ``<job>@<round>/<agent>``.
+
+        The router only ever moves an agent key to a newer version; the round's exact (older) versions
+        get keys of their own, so training tasks keep theirs. Forgotten with the round (the job sweep
+        finds no job of that id).
+        """
+        key = served_key(task)
+        served = self._jobs.get(key)
+        if served is not None:
+            return served
+        async with self._job_lock:
+            served = self._jobs.get(key)
+            if served is not None:
+                return served
+            runner = RolloutRunner(job.env, job.runtimes, job.router.backend(key, job.spec.seed))
+            served = _ServedJob(key, job.spec, job.env, runner, job.router, runtimes=job.runtimes, pinned_of=job.job_id)
+            self._jobs[key] = served
+            self._set_lora_agents(job.router)
+            await job.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
+                                         for a in j.spec.agent_names])
+        log.info("serving on-demand evaluation %s of job %s", key, job.job_id)
+        return served
 
     async def _watch_versions(self, job: _ServedJob) -> None:
         """Hands each version of a partial-rollout or distributed-sync job's agents to the router as it comes.
@@ -677,6 +710,13 @@ class RolloutWorker:
             return
         for hint in demand:
             self.router.set_demand_hint(agent_key(hint.job_id, hint.agent), hint.tokens)
+
+
+def served_key(task: RolloutTask) -> str:
+    """The served job a task runs under: its job, or ``<job>@<round>`` for a pinned evaluation round."""
+    if task.pinned and isinstance(task.ref, EvalTaskRef):
+        return f"{task.job_id}@{task.ref.round_id}"
+    return task.job_id
 
 
 def _report_retryable(exc: BaseException) -> bool:

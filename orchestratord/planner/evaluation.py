@@ -13,6 +13,11 @@ when the job has no training task to hand out, except that one eval task may be 
 time (so rounds progress while rollouts are the bottleneck). An eval task's report carries
 episode outcomes and never experiences: nothing of a round is stored or joins a step.
 
+An on-demand round (``flexmarl eval``, :func:`open_on_demand`) plays exactly the versions it was
+asked for (kept ones: the coordinator checks ``checkpoint.keep_*``), also after the job succeeded;
+rolloutd serves them under agent keys of their own, so older weights never replace the training
+agents' newer ones. It does not hold the job's success back.
+
 A task that fails ``max_task_attempts`` times is given up (counted in the round's
 ``failed_tasks``), never failing the job. When every task of a round reported or was given up,
 the round's :class:`flexmarl.evaluation.EvalRecord` is emitted (``EvalRecorded``, durable before
@@ -28,13 +33,14 @@ import logging
 import math
 from collections.abc import Sequence
 
-from flexmarl.errors import InvalidArgument
+from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.evaluation import EvalEpisode, aggregate
-from flexmarl.ids import EvalTaskRef
+from flexmarl.ids import EvalTaskRef, on_demand_round, periodic_round
+from flexmarl.jobspec import EvaluationSpec
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import warm_start
 from orchestratord.planner.job_plan import EvalRound, EvalTask, JobPlan, TaskStatus
-from orchestratord.planner.types import RolloutTaskLease
+from orchestratord.planner.types import AgentVersion, RolloutTaskLease
 from orchestratord.state import EvalRecorded, JobState
 
 logger = logging.getLogger(__name__)
@@ -50,30 +56,78 @@ def due(job: JobPlan, version: int) -> bool:
     return version % spec.every_versions == 0 or version == job.spec.total_steps
 
 
+def settings(job: JobPlan) -> EvaluationSpec:
+    """The job's evaluation settings (the defaults for an on-demand round of a job without ``evaluation``)."""
+    return job.spec.evaluation or EvaluationSpec()
+
+
+def evaluable(job: JobPlan) -> bool:
+    """Whether the job's eval tasks may be leased and reported: while it runs, and (on-demand) once it succeeded."""
+    return job.state in (JobState.RUNNING, JobState.SUCCEEDED)
+
+
 def on_version(job: JobPlan) -> None:
     """After a commit (or at creation / restore): opens the current version's round if due, then maybe succeeds."""
     version = job.min_version()
-    if (not job.state.terminal and due(job, version) and version not in job.eval_done
-            and version not in job.eval_rounds and not warm_start.any_pending(job)):
-        _open_round(job, version)
+    round_id = periodic_round(version)
+    if (not job.state.terminal and due(job, version) and round_id not in job.eval_done
+            and round_id not in job.eval_rounds and not warm_start.any_pending(job)):
+        _open_round(job, round_id, version, tuple(job.versions()), settings(job).tasks, on_demand=False)
     maybe_succeed(job)
 
 
-def _open_round(job: JobPlan, version: int) -> None:
-    spec = job.spec.evaluation
-    assert spec is not None  # due() said so
-    refs = [EvalTaskRef(job.job_id, version, index) for index in range(spec.tasks)]
-    job.eval_rounds[version] = EvalRound(
-        version=version, agent_versions=tuple(job.versions()),
-        tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs})
-    logger.info("job %s: evaluation round of version %d opened (%d tasks x %d samples, %s)", job.job_id, version,
-                spec.tasks, spec.samples_per_task, spec.sampling)
+def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int) -> str:
+    """Opens an on-demand round on exactly the ``pinned`` versions (every agent's); returns its round id.
+
+    One at a time per job (a bound on what askers can make the planner hold).
+
+    Raises:
+        FailedPrecondition: the job failed or was cancelled, or an on-demand round of it is still open.
+        InvalidArgument: not one version per agent, a version the agent has not reached, or ``tasks`` < 1.
+    """
+    if not evaluable(job):
+        raise FailedPrecondition(f"job {job.job_id!r} is {job.state.name.lower()}: nothing to evaluate")
+    running = [r.round_id for r in job.eval_rounds.values() if r.on_demand]
+    if running:
+        raise FailedPrecondition(f"job {job.job_id!r}: on-demand evaluation {running[0]} is still running")
+    if sorted(v.agent for v in pinned) != sorted(job.agents):
+        raise InvalidArgument(f"agent_versions: one version of each agent {sorted(job.agents)}, got "
+                              f"{sorted(v.agent for v in pinned)}")
+    for version in pinned:
+        if not 0 <= version.version <= job.agents[version.agent].version:
+            latest = job.agents[version.agent].version
+            raise InvalidArgument(f"agent_versions: {version.agent} has versions 0..{latest}, not {version.version}")
+    if tasks < 1:
+        raise InvalidArgument(f"tasks: must be >= 1, got {tasks}")
+    number = 1 + sum(1 for r in [*job.eval_done, *job.eval_rounds] if r.startswith("d"))
+    round_id = on_demand_round(number)
+    ordered = tuple(sorted(pinned, key=lambda v: job.spec.agent_names.index(v.agent)))
+    _open_round(job, round_id, min(v.version for v in pinned), ordered, tasks, on_demand=True)
+    return round_id
+
+
+def _open_round(job: JobPlan, round_id: str, version: int, agent_versions: tuple[AgentVersion, ...], tasks: int,
+                on_demand: bool) -> None:
+    spec = settings(job)
+    refs = [EvalTaskRef(job.job_id, round_id, index) for index in range(tasks)]
+    job.eval_rounds[round_id] = EvalRound(
+        round_id=round_id, version=version, agent_versions=agent_versions,
+        tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs}, on_demand=on_demand,
+        samples_per_task=spec.samples_per_task)
+    logger.info("job %s: evaluation round %s opened on %s (%d tasks x %d samples, %s)", job.job_id, round_id,
+                {v.agent: v.version for v in agent_versions}, tasks, spec.samples_per_task, spec.sampling)
 
 
 def maybe_succeed(job: JobPlan) -> None:
-    """The job succeeds once every agent reached ``total_steps`` and no evaluation round is open."""
-    if not job.state.terminal and job.min_version() >= job.spec.total_steps and not job.eval_rounds:
+    """The job succeeds once every agent reached ``total_steps`` and no periodic evaluation round is open."""
+    if (not job.state.terminal and job.min_version() >= job.spec.total_steps
+            and not any(not r.on_demand for r in job.eval_rounds.values())):
         job.set_state(JobState.SUCCEEDED, "")
+        # Success revokes every lease: an on-demand round's tasks in flight go out again.
+        for round_ in job.eval_rounds.values():
+            for task in round_.tasks.values():
+                if task.status is TaskStatus.LEASED:
+                    task.status, task.lease_id = TaskStatus.PENDING, ""
 
 
 def in_flight(job: JobPlan) -> int:
@@ -83,18 +137,17 @@ def in_flight(job: JobPlan) -> int:
 
 def has_leasable(job: JobPlan) -> bool:
     """Whether some round has a task waiting for a lease."""
-    return not job.state.terminal and any(
+    return evaluable(job) and any(
         t.status is TaskStatus.PENDING for r in job.eval_rounds.values() for t in r.tasks.values())
 
 
 def lease(job: JobPlan, worker_id: str, max_tasks: int, training_waiting: bool) -> list[RolloutTaskLease]:
     """Leases up to ``max_tasks`` eval tasks, oldest round first; at most one in flight while training waits."""
-    if job.state.terminal or max_tasks <= 0:
+    if not evaluable(job) or max_tasks <= 0:
         return []
     allowed = min(max_tasks, max(0, 1 - in_flight(job))) if training_waiting else max_tasks
     leased: list[RolloutTaskLease] = []
-    for version in sorted(job.eval_rounds):
-        round_ = job.eval_rounds[version]
+    for round_ in list(job.eval_rounds.values()):
         for task in round_.tasks.values():
             if len(leased) >= allowed:
                 return leased
@@ -104,16 +157,16 @@ def lease(job: JobPlan, worker_id: str, max_tasks: int, training_waiting: bool) 
 
 
 def _lease_task(job: JobPlan, round_: EvalRound, task: EvalTask, worker_id: str) -> RolloutTaskLease:
-    spec = job.spec.evaluation
-    assert spec is not None
+    spec = settings(job)
     task.attempts += 1
     granted = job.leases.issue(LeaseKind.EVAL_TASK, worker_id, task.task_id, job.spec.leases.rollout_timeout_s)
     task.status = TaskStatus.LEASED
     task.lease_id = granted.lease_id
     return RolloutTaskLease(
         lease_id=granted.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.index,
-        batch_index=round_.version, group_size=spec.samples_per_task, agent_versions=round_.agent_versions,
+        batch_index=round_.version, group_size=round_.samples_per_task, agent_versions=round_.agent_versions,
         deadline_s=granted.deadline_s, attempt=task.attempts, evaluation=True, greedy=spec.sampling == "greedy",
+        pinned=round_.on_demand,
     )
 
 
@@ -122,7 +175,7 @@ def _find(job: JobPlan, task_id: str) -> tuple[EvalRound, EvalTask] | None:
         ref = EvalTaskRef.parse(task_id)
     except InvalidArgument:
         return None
-    round_ = job.eval_rounds.get(ref.version)
+    round_ = job.eval_rounds.get(ref.round_id)
     task = round_.tasks.get(task_id) if round_ is not None else None
     return (round_, task) if round_ is not None and task is not None else None
 
@@ -153,7 +206,8 @@ def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded
         FailedPrecondition: the lease ended, expired or is another worker's (from ``require_active``).
         InvalidArgument: a malformed report (the task is re-issued).
     """
-    job.require_running()
+    if not evaluable(job):
+        job.require_running()
     held = job.leases.require_active(granted.lease_id, worker_id, LeaseKind.EVAL_TASK)
     if held.subject != task_id:
         raise InvalidArgument(f"lease {held.lease_id!r} is for eval task {held.subject!r}, not {task_id!r}")
@@ -179,12 +233,10 @@ def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded
 
 
 def _validate(job: JobPlan, round_: EvalRound, task: EvalTask, episodes: Sequence[EvalEpisode]) -> None:
-    spec = job.spec.evaluation
-    assert spec is not None
     where = f"eval task {task.task_id}"
     samples = sorted(e.sample_index for e in episodes)
-    if samples != list(range(spec.samples_per_task)):
-        raise InvalidArgument(f"{where}: expected episodes 0..{spec.samples_per_task - 1}, got {samples}")
+    if samples != list(range(round_.samples_per_task)):
+        raise InvalidArgument(f"{where}: expected episodes 0..{round_.samples_per_task - 1}, got {samples}")
     for episode in episodes:
         if episode.task_index != task.index:
             raise InvalidArgument(f"{where}: episode of task index {episode.task_index}, expected {task.index}")
@@ -204,25 +256,20 @@ def _validate(job: JobPlan, round_: EvalRound, task: EvalTask, episodes: Sequenc
 def _finish_if_done(job: JobPlan, round_: EvalRound) -> None:
     if not round_.done:
         return
-    spec = job.spec.evaluation
-    assert spec is not None
+    spec = settings(job)
     record = aggregate(
         round_.episodes, agents=job.spec.agent_names,
         agent_versions={v.agent: v.version for v in round_.agent_versions}, version=round_.version,
-        tasks=len(round_.tasks), samples_per_task=spec.samples_per_task,
+        tasks=len(round_.tasks), samples_per_task=round_.samples_per_task,
         failed_tasks=sum(1 for t in round_.tasks.values() if t.failed), sampling=spec.sampling,
-        success_threshold=spec.success_threshold, finished_unix_ms=int(job.now_s() * 1000))
-    del job.eval_rounds[round_.version]
-    job.eval_done.add(round_.version)
+        success_threshold=spec.success_threshold, finished_unix_ms=int(job.now_s() * 1000), round_id=round_.round_id)
+    del job.eval_rounds[round_.round_id]
+    job.eval_done.add(round_.round_id)
     job.leases.forget(lease.lease_id for lease in job.leases.all()
                       if lease.kind is LeaseKind.EVAL_TASK and lease.subject in round_.tasks)
-    job.changes.append(EvalRecorded(job.job_id, round_.version, record.as_dict()))
-    logger.info("job %s: evaluation of version %d: team success %.3f over %d episodes", job.job_id,
-                round_.version, record.team.success, record.team.episodes)
+    job.changes.append(EvalRecorded(job.job_id, round_.round_id, record.as_dict()))
+    logger.info("job %s: evaluation round %s (version %d): team success %.3f over %d episodes", job.job_id,
+                round_.round_id, round_.version, record.team.success, record.team.episodes)
     maybe_succeed(job)
 
 
-def restore(job: JobPlan, recorded: Sequence[int]) -> None:
-    """After a restart: the versions whose round is recorded; the current version's round opens again if due."""
-    job.eval_done.update(recorded)
-    on_version(job)

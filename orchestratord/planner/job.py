@@ -55,7 +55,7 @@ class JobPlanner:
         commits: Mapping[tuple[str, int], StepCommit] | None = None,
         state: JobState = JobState.RUNNING,
         error: str = "",
-        eval_versions: Iterable[int] = (),
+        eval_rounds: Iterable[str] = (),
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -76,7 +76,7 @@ class JobPlanner:
         job.open_step = job.min_version()  # step_fill completion: the first step still to fill
         for agent in spec.agents:
             job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
-        job.eval_done.update(eval_versions)
+        job.eval_done.update(eval_rounds)
         evaluation.on_version(job)  # a due evaluation round; a job at total_steps with none open succeeds
         self._job = job
 
@@ -111,7 +111,7 @@ class JobPlanner:
         planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
                       created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
                       commits=persisted.commits, state=persisted.state, error=persisted.error,
-                      eval_versions=persisted.eval_versions)
+                      eval_rounds=persisted.eval_rounds)
         planner._job.updated_s = persisted.updated_s
         return planner
 
@@ -216,6 +216,15 @@ class JobPlanner:
     def admitted_tasks(self) -> int:
         """Tasks admitted so far (N of the admission rule, in tasks)."""
         return self._job.admitted
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether an evaluation round is open and may run (an on-demand one also after the job succeeded)."""
+        return bool(self._job.eval_rounds) and evaluation.evaluable(self._job)
+
+    def open_evaluation(self, pinned: Sequence[AgentVersion], tasks: int) -> str:
+        """Opens an on-demand evaluation round on exactly ``pinned``; see :func:`.evaluation.open_on_demand`."""
+        return evaluation.open_on_demand(self._job, tuple(pinned), tasks)
 
     @property
     def tracked_task_ids(self) -> frozenset[str]:

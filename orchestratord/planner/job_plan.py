@@ -193,12 +193,19 @@ class EvalTask:
 
 @dataclasses.dataclass
 class EvalRound:
-    """An evaluation round of the team's version ``version``, played on at least ``agent_versions``."""
+    """An evaluation round of the team's version ``version``, played on at least ``agent_versions``.
 
+    An on-demand round (``flexmarl eval``) is played on exactly its ``agent_versions`` (pinned).
+    """
+
+    round_id: str
     version: int
     agent_versions: tuple[AgentVersion, ...]
     tasks: dict[str, EvalTask]
     episodes: list[EvalEpisode] = dataclasses.field(default_factory=list)
+    on_demand: bool = False
+    #: The settings it runs with (an on-demand round may ask for another number of tasks).
+    samples_per_task: int = 1
 
     @property
     def done(self) -> bool:
@@ -241,9 +248,9 @@ class JobPlan:
     rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
     # Warm starts issued and not yet committed, by agent (``planner.warm_start``).
     warm_starts: dict[str, WarmStartAttempt] = dataclasses.field(default_factory=dict)
-    # Held-out evaluation (``planner.evaluation``): open rounds by version, and the versions whose round is over.
-    eval_rounds: dict[int, EvalRound] = dataclasses.field(default_factory=dict)
-    eval_done: set[int] = dataclasses.field(default_factory=set)
+    # Held-out evaluation (``planner.evaluation``): open rounds by round id (in opening order), and the rounds over.
+    eval_rounds: dict[str, EvalRound] = dataclasses.field(default_factory=dict)
+    eval_done: set[str] = dataclasses.field(default_factory=set)
 
     def agent(self, agent: str) -> AgentState:
         """An agent of the job; raises NotFound."""

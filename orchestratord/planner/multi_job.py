@@ -108,6 +108,10 @@ class Planner:
     def _running(self) -> list[JobPlanner]:
         return [job for job in self._jobs.values() if not job.state.terminal]
 
+    def _leasing(self) -> list[JobPlanner]:
+        """Jobs whose rollout or eval work may be leased: running ones, and ended ones with an evaluation open."""
+        return [job for job in self._jobs.values() if not job.state.terminal or job.evaluating]
+
     def _sweep(self) -> None:
         for job in self._jobs.values():
             if job.state.terminal:
@@ -123,7 +127,7 @@ class Planner:
 
     def tick(self) -> None:
         """Expires overdue leases everywhere and forgets silent slots. Call often (and before every RPC)."""
-        for job in self._running():
+        for job in self._leasing():
             for slot_id in job.tick():
                 self._slot_lost(slot_id, "work expired")
         now_s = self._now_s()
@@ -142,7 +146,7 @@ class Planner:
         """A worker's registration expired: its task leases and slots are dead."""
         for slot_id in self.binder.slots_of_worker(worker_id):
             self._slot_lost(slot_id, f"worker {worker_id} gone")
-        for job in self._running():
+        for job in self._leasing():
             job.revoke_worker(worker_id)
         self._sweep()
 
@@ -155,7 +159,7 @@ class Planner:
         progress = True
         while len(leased) < max_tasks and progress:
             progress = False
-            for job in self._running():
+            for job in self._leasing():
                 if len(leased) >= max_tasks:
                     break
                 got = job.lease_tasks(worker_id, 1)

@@ -27,7 +27,10 @@ logger = logging.getLogger(__name__)
 def tick(job: JobPlan) -> list[str]:
     """Expires overdue leases and optimizer steps; returns slots whose work expired (treat as dead)."""
     dead_slots: list[str] = []
-    if job.state.terminal:
+    if job.state.terminal:  # an on-demand evaluation round may still run (planner.evaluation)
+        for lease in job.leases.due():
+            if lease.kind is LeaseKind.EVAL_TASK and evaluation.evaluable(job):
+                expire_lease(job, lease, "deadline passed")
         return dead_slots
     for lease in job.leases.due():
         dead = expire_lease(job, lease, "deadline passed")

@@ -37,6 +37,8 @@ class RolloutTaskLease:
     evaluation: bool = False
     #: With ``evaluation``: every turn at temperature 0.
     greedy: bool = False
+    #: With ``evaluation``: ``agent_versions`` are exact (an on-demand round on kept versions), not minimums.
+    pinned: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ PUBLIC_RPCS = {
     "CancelJob": "cancel",
     "WatchJob": "watch",
     "GetJobHistory": "history",
+    "EvaluateJob": "evaluate",
 }
 #: RPCs that only rolloutd and traind call; deliberately not part of the SDK.
 WORKER_RPCS = {
@@ -73,6 +74,10 @@ class RecordingOrchestrator(orchestrator_pb2_grpc.OrchestratorServicer):
     def GetJobHistory(self, request: Any, context: Any) -> Any:  # noqa: N802
         self.calls.append("GetJobHistory")
         return orchestrator_pb2.JobHistory(steps=[orchestrator_pb2.StepRecord(agent="sender", step=0, version=1)])
+
+    def EvaluateJob(self, request: Any, context: Any) -> Any:  # noqa: N802
+        self.calls.append("EvaluateJob")
+        return orchestrator_pb2.EvaluateJobResponse(round_id="d1")
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
 
     records = e2e.client.evaluations(job_id)
     # before_training (0) and the final version (2, also a multiple of every_versions).
-    assert [r.version for r in records] == [0, 2]
+    assert [(r.round_id, r.version) for r in records] == [("v0", 0), ("v2", 2)]
     start = records[0]
     assert {a.agent: (a.version, a.versions_seen) for a in start.agents} == {"sender": (0, (0,)),
                                                                            "receiver": (0, (0,))}
@@ -62,8 +62,8 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
         assert cli.main(["history", job_id, "--eval", "--csv", "--etcd", e2e.cluster.etcd_endpoint,
                          "--etcd-prefix", e2e.prefix]) == 0
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith("version,scope,") and len(lines) == 1 + 2 * 3  # 2 rounds x (2 agents + team)
-    assert any(line.startswith("2,team,") for line in lines)
+    assert lines[0].startswith("round,version,scope,") and len(lines) == 1 + 2 * 3  # 2 rounds x (2 agents + team)
+    assert any(line.startswith("v2,2,team,") for line in lines)
     metrics = tmp_path / "tracking" / job_id / "metrics.jsonl"
 
     def team_rows() -> list[dict[str, float]]:
@@ -72,6 +72,18 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
 
     wait_until(lambda: len(team_rows()) == 2, 30, "the team's evaluation figures in metrics.jsonl")
     assert [row["step"] for row in team_rows()] == [0, 2]
+    # On demand, after the end: version 1 of the sender (kept: checkpoint.keep_last 3), the receiver's last.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(["eval", job_id, "--agent-versions", "sender=1", "--tasks", "2", "--csv", "--timeout", "120",
+                         "--etcd", e2e.cluster.etcd_endpoint, "--etcd-prefix", e2e.prefix]) == 0
+    rows = {line.split(",")[2]: line.split(",") for line in out.getvalue().splitlines()[1:]}
+    assert rows["sender"][:5] == ["d1", "1", "sender", "1", "1"]  # round, version, scope, asked, seen
+    assert rows["receiver"][3:5] == ["2", "2"]
+    assert float(rows["sender"][6]) == 0.5 and float(rows["team"][6]) == 0.5  # success on task 0 of 0, 1
+    on_demand = [r for r in e2e.client.evaluations(job_id) if r.on_demand]
+    assert [r.round_id for r in on_demand] == ["d1"]
+
     png = tmp_path / "plot.png"
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli.main(["plot", job_id, "--out", str(png), "--etcd", e2e.cluster.etcd_endpoint,

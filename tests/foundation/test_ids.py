@@ -156,3 +156,19 @@ def test_bad_job_ids(job_id: str) -> None:
 
 def test_job_spec_names_follow_the_job_id_rule() -> None:
     assert JOB_NAME_PATTERN == r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+def test_eval_task_ids_name_their_round_and_are_never_task_ids() -> None:
+    from flexmarl.ids import EvalTaskRef, on_demand_round, periodic_round
+
+    periodic = EvalTaskRef("job-1", periodic_round(2), 5)
+    on_demand = EvalTaskRef("job-1", on_demand_round(1), 0)
+    assert (str(periodic), str(on_demand)) == ("job-1/ev2/t5", "job-1/ed1/t0")
+    assert EvalTaskRef.parse(str(periodic)) == periodic and not periodic.on_demand
+    assert EvalTaskRef.parse(str(on_demand)) == on_demand and on_demand.on_demand
+    for text in ("job-1/ev2/t5", "job-1/ed1/t0"):
+        with pytest.raises(InvalidArgument):
+            TaskRef.parse(text)
+    for text in ("job-1/b0/t0", "job-1/ex2/t0", "job-1/ev02/t0", "job 1/ev2/t0", "job-1/ev2"):
+        with pytest.raises(InvalidArgument):
+            EvalTaskRef.parse(text)

@@ -9,7 +9,14 @@ import pytest
 from flexmarl.errors import FailedPrecondition, InvalidArgument, NotFound
 from flexmarl.evaluation import EvalEpisode, EvalRecord, aggregate
 from flexmarl.ids import EvalTaskRef, ExperienceKey, TaskRef
-from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
+from orchestratord.planner import (
+    AgentVersion,
+    MicroBatchWork,
+    OptimizerStepWork,
+    Planner,
+    PlannerOptions,
+    RolloutTaskLease,
+)
 from orchestratord.state import EvalRecorded, InMemoryStateStore, JobState, ManifestFixed, apply_changes
 
 from .helpers import FakeClock, experiences_for, make_spec
@@ -88,14 +95,14 @@ def test_rounds_run_beside_training_are_never_trained_on_and_the_job_ends_after_
 
     records = [c for c in changes if isinstance(c, EvalRecorded)]
     # before_training (0), every 2nd version (2) and the final one (3 = total_steps).
-    assert [r.version for r in records] == [0, 2, 3]
+    assert [r.round_id for r in records] == ["v0", "v2", "v3"]
     state_changes = [c for c in changes if type(c).__name__ == "JobStateChanged"]
     assert state_changes[-1].state is JobState.SUCCEEDED
     assert changes.index(records[-1]) < changes.index(state_changes[-1]), "the job ended before its last round"
 
     eval_leases = [lease for lease in leases if lease.evaluation]
-    assert {EvalTaskRef.parse(lease.task_id).version for lease in eval_leases} == {0, 2, 3}
-    assert all(lease.group_size == 2 and not lease.greedy for lease in eval_leases)
+    assert {EvalTaskRef.parse(lease.task_id).round_id for lease in eval_leases} == {"v0", "v2", "v3"}
+    assert all(lease.group_size == 2 and not lease.greedy and not lease.pinned for lease in eval_leases)
     # No manifest holds anything but training tasks' experiences.
     manifests = [c.manifest for c in changes if isinstance(c, ManifestFixed)]
     assert manifests
@@ -189,7 +196,7 @@ async def test_a_restored_orchestrator_skips_recorded_rounds_and_reopens_the_cur
     drive(planner, "ev", changes)
     await apply_changes(store, changes)
     persisted = await store.load_job("ev")
-    assert persisted is not None and persisted.eval_versions == frozenset({0, 2, 3})
+    assert persisted is not None and persisted.eval_rounds == frozenset({"v0", "v2", "v3"})
     restored = Planner(clock, PlannerOptions(lease_epoch="f")).restore_job(persisted, [])
     assert restored.state is JobState.SUCCEEDED
 
@@ -202,5 +209,43 @@ async def test_a_restored_orchestrator_skips_recorded_rounds_and_reopens_the_cur
     assert persisted0 is not None
     again = Planner(clock, PlannerOptions(lease_epoch="f"))
     again.restore_job(persisted0, [])
-    assert any(t.evaluation and EvalTaskRef.parse(t.task_id).version == 0
+    assert any(t.evaluation and EvalTaskRef.parse(t.task_id).round_id == "v0"
                for t in again.lease_rollout_tasks("roll-0", 8))
+
+
+def test_an_on_demand_round_plays_exactly_the_asked_versions_also_after_the_job_succeeded() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec())  # no evaluation section: the defaults apply
+    drive(planner, "ev", [])
+    job = planner.job("ev")
+    assert job.state is JobState.SUCCEEDED
+    pinned = [AgentVersion("ev", "sender", 1, "file:///w/sender/1"), AgentVersion("ev", "receiver", 3, "file:///r")]
+    with pytest.raises(InvalidArgument):  # not every agent
+        job.open_evaluation(pinned[:1], 2)
+    with pytest.raises(InvalidArgument):  # a version not reached
+        job.open_evaluation([pinned[0], AgentVersion("ev", "receiver", 4, "")], 2)
+    assert job.open_evaluation(pinned, 2) == "d1"
+    with pytest.raises(FailedPrecondition):  # one at a time
+        job.open_evaluation(pinned, 2)
+    leases = planner.lease_rollout_tasks("roll-0", 8)
+    assert [EvalTaskRef.parse(t.task_id).round_id for t in leases] == ["d1", "d1"]
+    assert all(t.pinned and t.evaluation and t.group_size == 1 for t in leases)
+    assert {v.agent: (v.version, v.weights_uri) for v in leases[0].agent_versions} == {
+        "sender": (1, "file:///w/sender/1"), "receiver": (3, "file:///r")}
+    clock.advance(11)  # an expired lease of an ended job's round is issued again
+    again = planner.lease_rollout_tasks("roll-1", 8)
+    assert [t.attempt for t in again] == [2, 2]
+    for lease in again:
+        planner.report_rollout_task(lease.lease_id, "roll-1", lease.task_id, True, "", (),
+                                    eval_episodes=episodes_for(lease))
+    recorded = [c for c in planner.take_changes() if isinstance(c, EvalRecorded)]
+    assert [c.round_id for c in recorded] == ["d1"]
+    record = EvalRecord.from_dict(recorded[0].record)
+    assert record.on_demand and record.version == 1
+    assert {a.agent: (a.version, a.versions_seen) for a in record.agents} == {"sender": (1, (1,)),
+                                                                            "receiver": (3, (3,))}
+    assert job.open_evaluation(pinned, 1) == "d2"
+    job.cancel()
+    with pytest.raises(FailedPrecondition):
+        job.open_evaluation(pinned, 1)

@@ -119,13 +119,14 @@ async def test_a_commit_leaves_a_pending_consumption_mark_until_cleared(store: S
 
 async def test_evaluation_rounds_are_recorded_by_version(store: StateStore) -> None:
     await store.create_job("j", "{}", ["a"], 1.0)
-    await store.put_eval("j", 2, {"version": 2})
-    await store.put_eval("j", 2, {"version": 2})  # the same record again
-    await store.put_eval("j", 0, {"version": 0})
+    await store.put_eval("j", "v2", {"version": 2})
+    await store.put_eval("j", "v2", {"version": 2})  # the same record again
+    await store.put_eval("j", "v0", {"version": 0})
+    await store.put_eval("j", "d1", {"version": 1})
     job = await store.load_job("j")
-    assert job is not None and job.eval_versions == {0, 2}
+    assert job is not None and job.eval_rounds == {"v0", "v2", "d1"}
     with pytest.raises(NotFound):
-        await store.put_eval("nope", 0, {"version": 0})
+        await store.put_eval("nope", "v0", {"version": 0})
 
 
 async def test_manifests_are_immutable(store: StateStore) -> None:

@@ -365,6 +365,7 @@ def _plot_evals(ax: Any, evals: Sequence[Any]) -> None:
     from flexmarl.evaluation import eval_rows
 
     rows = eval_rows(evals)
+    rows = [r for r in rows if not r["round"].startswith("d")]  # on-demand rounds are not the curve
     for scope in dict.fromkeys(r["scope"] for r in rows):
         mine = [r for r in rows if r["scope"] == scope]
         ax.plot([r["version"] for r in mine], [r["success"] for r in mine], marker="o",
@@ -621,13 +622,46 @@ def _print_evals(evals: Sequence[Any], agent: str, as_csv: bool) -> int:
         return EXIT_OK
     from rich.table import Table
 
-    table = Table("version", "scope", "agent v", "versions seen", "reward", "success", "pass@k", "episodes",
+    table = Table("round", "version", "scope", "agent v", "versions seen", "reward", "success", "pass@k", "episodes",
                   "failed tasks", title="held-out evaluation")
     for r in rows:
-        table.add_row(str(r["version"]), r["scope"], r["agent_version"], r["versions_seen"], f"{r['reward_mean']:.3f}",
-                      f"{r['success']:.3f}", f"{r['pass_at_k']:.3f}", str(r["episodes"]), str(r["failed_tasks"]))
+        table.add_row(r["round"], str(r["version"]), r["scope"], r["agent_version"], r["versions_seen"],
+                      f"{r['reward_mean']:.3f}", f"{r['success']:.3f}", f"{r['pass_at_k']:.3f}", str(r["episodes"]),
+                      str(r["failed_tasks"]))
     _console().print(table)
     return EXIT_OK
+
+
+def _agent_versions(args: argparse.Namespace, agents: Sequence[str]) -> dict[str, int]:
+    """--version V (every agent at V) or --agent-versions a=3,b=5 as agent -> version."""
+    if args.version is not None and args.agent_versions:
+        raise CliError("give --version or --agent-versions, not both", EXIT_USAGE)
+    if args.version is not None:
+        return dict.fromkeys(agents, args.version)
+    versions: dict[str, int] = {}
+    for item in filter(None, (args.agent_versions or "").split(",")):
+        agent, sep, number = item.partition("=")
+        if not sep or not number.strip().isdigit() or agent.strip() not in agents:
+            raise CliError(f"--agent-versions: expected agent=version with agents {list(agents)}, got {item!r}",
+                           EXIT_USAGE)
+        versions[agent.strip()] = int(number)
+    return versions
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluates kept versions of a job on its held-out tasks now (an on-demand round) and prints the record."""
+    if args.tasks < 0:
+        raise CliError(f"--tasks: must be >= 0, got {args.tasks}", EXIT_USAGE)
+    with _client(args) as client:
+        info = client.status(args.job_id)
+        versions = _agent_versions(args, [a.agent for a in info.agents])
+        round_id = client.evaluate(args.job_id, versions, args.tasks)
+        print(f"evaluation {round_id} of {args.job_id} opened; waiting for its record", file=sys.stderr)
+        try:
+            record = client.wait_evaluation(args.job_id, round_id, args.timeout)
+        except TimeoutError as exc:
+            raise CliError(str(exc)) from None
+    return _print_evals([record], "", args.csv)
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
@@ -842,7 +876,16 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--markdown", action="store_true")
     schema.set_defaults(func=cmd_schema)
 
-    plot = sub.add_parser("plot", parents=[common], help="reward/throughput curves to PNG")
+    evaluate = sub.add_parser("eval", parents=[common],
+                              help="evaluate kept versions on the job's held-out tasks now (docs/evaluation.md)")
+    evaluate.add_argument("job_id")
+    evaluate.add_argument("--version", type=int, default=None, help="every agent at this version")
+    evaluate.add_argument("--agent-versions", default="", help="agent=version,... (others: their committed version)")
+    evaluate.add_argument("--tasks", type=int, default=0, help="held-out tasks (0: the job's evaluation.tasks)")
+    evaluate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the record")
+    evaluate.add_argument("--csv", action="store_true")
+    evaluate.set_defaults(func=cmd_eval)
+    plot = sub.add_parser("plot", parents=[common], help="reward/throughput (and held-out) curves to PNG")
     plot.add_argument("job_id")
     plot.add_argument("--out", default="")
     plot.set_defaults(func=cmd_plot)

@@ -143,7 +143,8 @@ def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:
         version=msg.version, tasks=msg.tasks, samples_per_task=msg.samples_per_task, failed_tasks=msg.failed_tasks,
         sampling=msg.sampling, team=scores(msg.team),
         agents=tuple(EvalAgentScores(a.agent, a.version, tuple(a.versions_seen), scores(a.scores)) for a in msg.agents),
-        team_success_from_env=msg.team_success_from_env, finished_unix_ms=msg.finished_unix_ms)
+        team_success_from_env=msg.team_success_from_env, finished_unix_ms=msg.finished_unix_ms,
+        round_id=msg.round_id)
 
 
 def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:
@@ -369,6 +370,30 @@ class AsyncClient:
         stub = await self._connect()
         reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return [eval_record_of(r) for r in reply.evals]
+
+    async def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str:
+        """Opens an on-demand held-out evaluation round on kept versions; returns its round id (``d<n>``).
+
+        ``agent_versions``: agent -> version (an agent not named: its committed version); ``tasks`` 0:
+        the job's ``evaluation.tasks``. The job must be running or succeeded; its record joins
+        :meth:`evaluations` when done (:meth:`wait_evaluation`).
+        """
+        stub = await self._connect()
+        reply = await _call(stub.EvaluateJob(orchestrator_pb2.EvaluateJobRequest(
+            job_id=job_id, agent_versions=dict(agent_versions or {}), tasks=tasks), timeout=self._timeout_s))
+        return str(reply.round_id)
+
+    async def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0,
+                              interval_s: float = 0.5) -> EvalRecord:
+        """Waits for an evaluation round's record; raises TimeoutError after ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            found = [r for r in await self.evaluations(job_id) if r.round_id == round_id]
+            if found:
+                return found[0]
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TimeoutError(f"evaluation {round_id} of job {job_id} not recorded within {timeout_s:g} s")
+            await asyncio.sleep(interval_s)
 
     async def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent (version 0 = the spec's model), with what the policy retains."""
@@ -632,6 +657,14 @@ class Client:
     def evaluations(self, job_id: str) -> list[EvalRecord]:
         """Every recorded held-out evaluation round of a job, by version (see AsyncClient.evaluations)."""
         return self._run(self._async.evaluations(job_id))
+
+    def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str:
+        """Opens an on-demand evaluation round on kept versions; returns its round id (see AsyncClient.evaluate)."""
+        return self._run(self._async.evaluate(job_id, agent_versions, tasks))
+
+    def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
+        """Waits for an evaluation round's record (see AsyncClient.wait_evaluation)."""
+        return self._run(self._async.wait_evaluation(job_id, round_id, timeout_s))
 
     def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent, with what the checkpoint policy retains (see AsyncClient.versions)."""

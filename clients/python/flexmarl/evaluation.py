@@ -84,6 +84,13 @@ class EvalRecord:
     #: Whether some episode's team success came from the environment's ``ctx.notes["success"]``.
     team_success_from_env: bool
     finished_unix_ms: int = 0
+    #: ``v<version>`` for a round opened at a version, ``d<n>`` for one asked for (``flexmarl eval``).
+    round_id: str = ""
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether the round was asked for, on versions chosen by the asker."""
+        return self.round_id.startswith("d")
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (what etcd stores)."""
@@ -93,6 +100,7 @@ class EvalRecord:
             "agents": [{"agent": a.agent, "version": a.version, "versions_seen": list(a.versions_seen),
                         "scores": a.scores.as_dict()} for a in self.agents],
             "team_success_from_env": self.team_success_from_env, "finished_unix_ms": self.finished_unix_ms,
+            "round_id": self.round_id,
         }
 
     @classmethod
@@ -106,7 +114,7 @@ class EvalRecord:
                                          tuple(int(v) for v in a["versions_seen"]), EvalScores(**a["scores"]))
                          for a in data["agents"]),
             team_success_from_env=bool(data["team_success_from_env"]),
-            finished_unix_ms=int(data.get("finished_unix_ms", 0)),
+            finished_unix_ms=int(data.get("finished_unix_ms", 0)), round_id=str(data.get("round_id", "")),
         )
 
     def scores_of(self, agent: str) -> EvalScores:
@@ -129,7 +137,7 @@ def _scores(successes_by_task: Mapping[int, list[bool]], rewards: Sequence[float
 
 def aggregate(episodes: Iterable[EvalEpisode], *, agents: Sequence[str], agent_versions: Mapping[str, int],
               version: int, tasks: int, samples_per_task: int, failed_tasks: int, sampling: str,
-              success_threshold: float, finished_unix_ms: int = 0) -> EvalRecord:
+              success_threshold: float, finished_unix_ms: int = 0, round_id: str = "") -> EvalRecord:
     """A round's :class:`EvalRecord` from its episodes (see the module doc for the metrics)."""
     episodes = sorted(episodes, key=lambda e: (e.task_index, e.sample_index))
     agent_success: dict[str, dict[int, list[bool]]] = {a: defaultdict(list) for a in agents}
@@ -155,26 +163,27 @@ def aggregate(episodes: Iterable[EvalEpisode], *, agents: Sequence[str], agent_v
         sampling=sampling, team=_scores(team_success, team_rewards),
         agents=tuple(EvalAgentScores(a, int(agent_versions.get(a, version)), tuple(sorted(seen[a])),
                                      _scores(agent_success[a], agent_rewards[a])) for a in agents),
-        team_success_from_env=from_env, finished_unix_ms=finished_unix_ms,
+        team_success_from_env=from_env, finished_unix_ms=finished_unix_ms, round_id=round_id,
     )
 
 
 #: The columns of one evaluation row (``flexmarl history --eval``): a round's scope (an agent or the team).
-EVAL_ROW_FIELDS = ("version", "scope", "agent_version", "versions_seen", "reward_mean", "success", "pass_at_k",
-                   "episodes", "tasks", "samples_per_task", "failed_tasks", "sampling")
+EVAL_ROW_FIELDS = ("round", "version", "scope", "agent_version", "versions_seen", "reward_mean", "success",
+                   "pass_at_k", "episodes", "tasks", "samples_per_task", "failed_tasks", "sampling")
 
 
 def eval_rows(records: Iterable[EvalRecord], team: str = "team") -> list[dict[str, Any]]:
-    """One flat row per round and scope (each agent, then the team), by version: what ``flexmarl history`` prints."""
+    """One flat row per round and scope (each agent, then the team): periodic rounds by version, then on-demand ones."""
     rows: list[dict[str, Any]] = []
-    for record in sorted(records, key=lambda r: r.version):
+    for record in sorted(records, key=lambda r: (r.on_demand, r.version, r.round_id)):
         common = {"tasks": record.tasks, "samples_per_task": record.samples_per_task,
                   "failed_tasks": record.failed_tasks, "sampling": record.sampling}
         scopes = [(a.agent, str(a.version), " ".join(map(str, a.versions_seen)), a.scores) for a in record.agents]
         seen = sorted({v for a in record.agents for v in a.versions_seen})
         scopes.append((team, "", " ".join(map(str, seen)), record.team))
         for scope, agent_version, versions_seen, scores in scopes:
-            rows.append({"version": record.version, "scope": scope, "agent_version": agent_version,
+            rows.append({"round": record.round_id, "version": record.version, "scope": scope,
+                         "agent_version": agent_version,
                          "versions_seen": versions_seen, "reward_mean": scores.reward_mean,
                          "success": scores.success, "pass_at_k": scores.pass_at_k, "episodes": scores.episodes,
                          **common})

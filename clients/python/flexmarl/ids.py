@@ -8,7 +8,7 @@ ref                   wire format                                 built by
 ====================  ==========================================  ======================
 job id                ``[A-Za-z0-9][A-Za-z0-9_.-]{0,63}``         SDK / orchestratord
 :class:`TaskRef`      ``<job>/b<batch>/t<position>``              planner (admission)
-:class:`EvalTaskRef`  ``<job>/ev<version>/t<index>``              planner (evaluation)
+:class:`EvalTaskRef`  ``<job>/e<round>/t<index>``                 planner (evaluation)
 :class:`GroupRef`     ``<task>/<agent>``                          rolloutd
 experience id         ``<task>/<sample>/<agent>/<turn>``          rolloutd
 :class:`StepRef`      ``<job>/<agent>/step<step>``                orchestratord -> stored
@@ -37,7 +37,8 @@ AGENT_NAME_PATTERN = r"[a-z][a-z0-9_-]{0,31}"
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 _NUMBER = r"(0|[1-9][0-9]*)"  # canonical, so that str(parse(text)) == text
 _TASK_RE = re.compile(rf"([^/]+)/b{_NUMBER}/t{_NUMBER}", re.ASCII)
-_EVAL_TASK_RE = re.compile(rf"([^/]+)/ev{_NUMBER}/t{_NUMBER}", re.ASCII)
+_EVAL_TASK_RE = re.compile(rf"([^/]+)/e([vd]{_NUMBER})/t{_NUMBER}", re.ASCII)
+_EVAL_ROUND_RE = re.compile(rf"[vd]{_NUMBER}", re.ASCII)
 _STEP_RE = re.compile(rf"([^/]+)/([^/]+)/step{_NUMBER}", re.ASCII)
 _ATTEMPT_RE = re.compile(rf"([^/]+)/([^/]+)/s{_NUMBER}(?:/e([^/]+))?/a{_NUMBER}", re.ASCII)
 _MICRO_BATCH_RE = re.compile(rf"([^/]+)/{_NUMBER}/{_NUMBER}/{_NUMBER}", re.ASCII)
@@ -90,27 +91,47 @@ class TaskRef:
         return ref if ref.job_id == job_id else None
 
 
+def periodic_round(version: int) -> str:
+    """The id of the evaluation round of the team's version ``version``: ``v<version>``."""
+    return f"v{version}"
+
+
+def on_demand_round(number: int) -> str:
+    """The id of a job's ``number``-th on-demand evaluation round (``flexmarl eval``): ``d<number>``."""
+    return f"d{number}"
+
+
+def is_eval_round(round_id: str) -> bool:
+    """Whether ``round_id`` is a round id (:func:`periodic_round` or :func:`on_demand_round`)."""
+    return _EVAL_ROUND_RE.fullmatch(round_id) is not None
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class EvalTaskRef:
-    """A held-out evaluation task: task ``index`` of the round that evaluates the team's version ``version``.
+    """A held-out evaluation task: task ``index`` of evaluation round ``round_id`` (``v<version>`` or ``d<n>``).
 
     Never a :class:`TaskRef`: nothing an evaluation plays is stored as an experience or trained on.
     """
 
     job_id: str
-    version: int
+    round_id: str
     index: int
 
     def __str__(self) -> str:
-        return f"{self.job_id}/ev{self.version}/t{self.index}"
+        return f"{self.job_id}/e{self.round_id}/t{self.index}"
 
     @classmethod
     def parse(cls, text: str) -> EvalTaskRef:
-        """``<job>/ev<version>/t<index>`` -> EvalTaskRef; raises InvalidArgument otherwise."""
+        """``<job>/e<round>/t<index>`` -> EvalTaskRef; raises InvalidArgument otherwise."""
         match = _EVAL_TASK_RE.fullmatch(text)
         if match is None:
-            raise InvalidArgument(f"bad eval task id {text!r}: expected <job>/ev<version>/t<index>")
-        return cls(_job(match[1], "eval task id", text), int(match[2]), int(match[3]))
+            raise InvalidArgument(f"bad eval task id {text!r}: expected <job>/e<v|d><number>/t<index>")
+        return cls(_job(match[1], "eval task id", text), match[2], int(match[4]))
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether the round was asked for (``flexmarl eval``) rather than opened at a version."""
+        return self.round_id.startswith("d")
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -417,6 +417,77 @@ class StepRecord(_message.Message):
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
 
 @_typing.final
+class EvaluateJobRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class AgentVersionsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    AGENT_VERSIONS_FIELD_NUMBER: _builtins.int
+    TASKS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    tasks: _builtins.int
+    """Held-out tasks (eval_task(0..tasks-1)); 0 = the job's evaluation.tasks (its default without one)."""
+    @_builtins.property
+    def agent_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """agent -> version to evaluate; an agent not named is evaluated at its committed version. Each
+        version must be kept (checkpoint.keep_last / keep_every) or the committed one.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        agent_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        tasks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "job_id", b"job_id", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluateJobRequest: _TypeAlias = EvaluateJobRequest  # noqa: Y015
+
+@_typing.final
+class EvaluateJobResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_ID_FIELD_NUMBER: _builtins.int
+    round_id: _builtins.str
+    """The round's id ("d<n>"): EvalRecord.round_id of its record."""
+    def __init__(
+        self,
+        *,
+        round_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["round_id", b"round_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvaluateJobResponse: _TypeAlias = EvaluateJobResponse  # noqa: Y015
+
+@_typing.final
 class JobHistory(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -525,6 +596,7 @@ class EvalRecord(_message.Message):
     AGENTS_FIELD_NUMBER: _builtins.int
     TEAM_SUCCESS_FROM_ENV_FIELD_NUMBER: _builtins.int
     FINISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    ROUND_ID_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """The team's version evaluated: the lowest committed version over the agents at the round's creation."""
     tasks: _builtins.int
@@ -536,6 +608,8 @@ class EvalRecord(_message.Message):
     team_success_from_env: _builtins.bool
     """Whether the team's success came from the environment's ctx.notes["success"] (else: every agent succeeded)."""
     finished_unix_ms: _builtins.int
+    round_id: _builtins.str
+    """"v<version>" for a round opened at a version, "d<n>" for an on-demand one (EvaluateJob)."""
     @_builtins.property
     def team(self) -> Global___EvalScores: ...
     @_builtins.property
@@ -552,10 +626,11 @@ class EvalRecord(_message.Message):
         agents: _abc.Iterable[Global___EvalAgentScores] | None = ...,
         team_success_from_env: _builtins.bool = ...,
         finished_unix_ms: _builtins.int = ...,
+        round_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["team", b"team"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "round_id", b"round_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -579,6 +654,7 @@ class RolloutTask(_message.Message):
     SPEC_DIGEST_FIELD_NUMBER: _builtins.int
     EVALUATION_FIELD_NUMBER: _builtins.int
     GREEDY_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     task_id: _builtins.str
@@ -601,6 +677,10 @@ class RolloutTask(_message.Message):
     """
     greedy: _builtins.bool
     """With evaluation: every turn at temperature 0, whatever the episode asks."""
+    pinned: _builtins.bool
+    """With evaluation: agent_versions are exact, not minimums (an on-demand round on kept versions);
+    play them without changing the versions the job's training tasks use.
+    """
     @_builtins.property
     def agent_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AgentVersion]:
         """Minimum policy version of each agent to use."""
@@ -620,10 +700,11 @@ class RolloutTask(_message.Message):
         spec_digest: _builtins.str = ...,
         evaluation: _builtins.bool = ...,
         greedy: _builtins.bool = ...,
+        pinned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "evaluation", b"evaluation", "greedy", b"greedy", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "evaluation", b"evaluation", "greedy", b"greedy", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "pinned", b"pinned", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

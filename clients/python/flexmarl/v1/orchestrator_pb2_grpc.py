@@ -65,6 +65,11 @@ class OrchestratorStub:
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
                 _registered_method=True)
+        self.EvaluateJob = channel.unary_unary(
+                '/flexmarl.v1.Orchestrator/EvaluateJob',
+                request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobRequest.SerializeToString,
+                response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobResponse.FromString,
+                _registered_method=True)
         self.WatchAgentVersions = channel.unary_stream(
                 '/flexmarl.v1.Orchestrator/WatchAgentVersions',
                 request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.WatchAgentVersionsRequest.SerializeToString,
@@ -149,6 +154,14 @@ class OrchestratorServicer:
 
     def GetJobHistory(self, request, context):
         """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvaluateJob(self, request, context):
+        """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
+        its record joins JobHistory.evals when every task reported.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -252,6 +265,11 @@ def add_OrchestratorServicer_to_server(servicer, server):
                     servicer.GetJobHistory,
                     request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.SerializeToString,
+            ),
+            'EvaluateJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvaluateJob,
+                    request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobRequest.FromString,
+                    response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobResponse.SerializeToString,
             ),
             'WatchAgentVersions': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAgentVersions,
@@ -461,6 +479,33 @@ class Orchestrator:
             '/flexmarl.v1.Orchestrator/GetJobHistory',
             flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
             flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvaluateJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/flexmarl.v1.Orchestrator/EvaluateJob',
+            flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobRequest.SerializeToString,
+            flexmarl_dot_v1_dot_orchestrator__pb2.EvaluateJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

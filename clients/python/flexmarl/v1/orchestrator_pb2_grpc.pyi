@@ -43,6 +43,10 @@ class OrchestratorStub:
     """Streams a status snapshot on every change until the job ends."""
     GetJobHistory: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]
     """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+    EvaluateJob: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.EvaluateJobRequest, _orchestrator_pb2.EvaluateJobResponse]
+    """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
+    its record joins JobHistory.evals when every task reported.
+    """
     WatchAgentVersions: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.WatchAgentVersionsRequest, _common_pb2.AgentVersion]
     """Current and future versions of a job's agents (rolloutd, SDK)."""
     LeaseRolloutTasks: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.LeaseRolloutTasksRequest, _orchestrator_pb2.LeaseRolloutTasksResponse]
@@ -80,6 +84,10 @@ class OrchestratorAsyncStub(OrchestratorStub):
     """Streams a status snapshot on every change until the job ends."""
     GetJobHistory: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]  # type: ignore[assignment]
     """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+    EvaluateJob: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.EvaluateJobRequest, _orchestrator_pb2.EvaluateJobResponse]  # type: ignore[assignment]
+    """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
+    its record joins JobHistory.evals when every task reported.
+    """
     WatchAgentVersions: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.WatchAgentVersionsRequest, _common_pb2.AgentVersion]  # type: ignore[assignment]
     """Current and future versions of a job's agents (rolloutd, SDK)."""
     LeaseRolloutTasks: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.LeaseRolloutTasksRequest, _orchestrator_pb2.LeaseRolloutTasksResponse]  # type: ignore[assignment]
@@ -150,6 +158,16 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.JobHistory, _abc.Awaitable[_orchestrator_pb2.JobHistory]]:
         """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+
+    @_abc_1.abstractmethod
+    def EvaluateJob(
+        self,
+        request: _orchestrator_pb2.EvaluateJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_orchestrator_pb2.EvaluateJobResponse, _abc.Awaitable[_orchestrator_pb2.EvaluateJobResponse]]:
+        """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
+        its record joins JobHistory.evals when every task reported.
+        """
 
     @_abc_1.abstractmethod
     def WatchAgentVersions(
