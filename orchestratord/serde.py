@@ -91,7 +91,8 @@ def rollout_task(task: RolloutTaskLease, spec_digest: str) -> orchestrator_pb2.R
         batch_index=task.batch_index, group_size=task.group_size,
         agent_versions=[agent_version(v) for v in task.agent_versions],
         deadline_unix_ms=_ms(task.deadline_s), attempt=task.attempt, spec_digest=spec_digest,
-        evaluation=task.evaluation, greedy=task.greedy, pinned=task.pinned,
+        evaluation=task.evaluation, greedy=task.greedy, pinned=task.pinned, eval_file=task.eval_file,
+        eval_sha256=task.eval_sha256,
     )
 
 
@@ -134,7 +135,7 @@ def eval_record(row: dict[str, Any]) -> orchestrator_pb2.EvalRecord:
         agents=[orchestrator_pb2.EvalAgentScores(agent=a.agent, version=a.version, versions_seen=list(a.versions_seen),
                                                  scores=scores(a.scores)) for a in record.agents],
         team_success_from_env=record.team_success_from_env, finished_unix_ms=record.finished_unix_ms,
-        round_id=record.round_id,
+        round_id=record.round_id, eval_file=record.eval_file,
     )
 
 

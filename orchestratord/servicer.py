@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ MAX_REPORTED_EXPERIENCES = 1 << 16
 MAX_DP_ADDRESS_LENGTH = 256
 MAX_RESUME_SOURCE_LENGTH = 4096
 MAX_EVAL_TASKS = 100_000  # as JobSpec evaluation.tasks
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -97,7 +99,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             require_id("agent_versions", agent)
         if request.tasks > MAX_EVAL_TASKS:
             raise InvalidArgument(f"tasks: at most {MAX_EVAL_TASKS}, got {request.tasks}")
-        round_id = await self._coordinator.evaluate_job(job_id, dict(request.agent_versions), request.tasks)
+        if request.eval_file and (not request.eval_file.startswith("/") or len(request.eval_file) > 4096
+                                  or not request.eval_file.isprintable()):
+            raise InvalidArgument(f"eval_file: an absolute path every rolloutd host sees, got {request.eval_file!r}")
+        if request.eval_file and not _SHA256.fullmatch(request.eval_sha256):
+            raise InvalidArgument("eval_sha256: the file's content sha256 (64 hex digits) goes with eval_file")
+        if request.eval_sha256 and not request.eval_file:
+            raise InvalidArgument("eval_sha256: given without eval_file")
+        round_id = await self._coordinator.evaluate_job(job_id, dict(request.agent_versions), request.tasks,
+                                                        request.eval_file, request.eval_sha256)
         return orchestrator_pb2.EvaluateJobResponse(round_id=round_id)
 
     async def WatchAgentVersions(  # noqa: N802

@@ -43,7 +43,8 @@ def rollout_task(msg: orchestrator_pb2.RolloutTask) -> RolloutTask:
         lease_id=msg.lease_id, ref=ref, task_index=msg.task_index, group_size=msg.group_size,
         attempt=msg.attempt, spec_digest=msg.spec_digest,
         agent_versions=tuple(AgentVersion(v.agent, v.version, v.weights_uri) for v in msg.agent_versions),
-        evaluation=msg.evaluation, greedy=msg.greedy, pinned=msg.pinned,
+        evaluation=msg.evaluation, greedy=msg.greedy, pinned=msg.pinned, eval_file=msg.eval_file,
+        eval_sha256=msg.eval_sha256,
     )
 
 

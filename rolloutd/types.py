@@ -62,6 +62,9 @@ class RolloutTask:
     greedy: bool = False
     #: With ``evaluation``: ``agent_versions`` are exact (an on-demand round), served under agent keys of their own.
     pinned: bool = False
+    #: With ``pinned``: held-out task i is row i of this task file, whose content has sha256 ``eval_sha256``.
+    eval_file: str = ""
+    eval_sha256: str = ""
 
     @property
     def job_id(self) -> str:

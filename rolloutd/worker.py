@@ -43,7 +43,7 @@ import grpc.aio
 
 from flexmarl.artifacts import resolve_dir
 from flexmarl.connections import PeerConnections, describe_error
-from flexmarl.datasets import open_dataset
+from flexmarl.datasets import TaskDataset, open_dataset, read_rows
 from flexmarl.devices import DeviceSet
 from flexmarl.entrypoints import loaded_digest
 from flexmarl.episode import Environment, load_environment
@@ -110,8 +110,10 @@ class _ServedJob:
     #: Each agent's runtime (tokenizer, sampling), shared with the job's pinned evaluation rounds.
     runtimes: dict[str, AgentRuntime] = dataclasses.field(default_factory=dict)
     #: A pinned evaluation round served under agent keys of its own (:meth:`RolloutWorker._pinned`):
-    #: its environment is its job's, closed with that one.
+    #: the job it evaluates.
     pinned_of: str = ""
+    #: Whether ``env`` is another served entry's (a pinned round's without a task file): closed with that one.
+    shares_env: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +394,7 @@ class RolloutWorker:
                     for name in job.spec.agent_names:
                         self.router.set_partial_rollout(agent_key(job_id, name), False)
                         self.router.set_distributed_sync(agent_key(job_id, name), False)
-                if job is not None and not job.pinned_of:
+                if job is not None and not job.shares_env:
                     with contextlib.suppress(Exception):
                         await job.env.aclose()  # an ExternalAgents job's gateway stops listening
             self._set_lora_agents(self.router)
@@ -416,7 +418,12 @@ class RolloutWorker:
             finally:
                 progress.setting_up = False
             if task.pinned:
-                job = await self._pinned(job, task)
+                try:
+                    job = await self._pinned(job, task)
+                except InvalidArgument as exc:  # its task file: this round cannot run, the job can
+                    log.error("evaluation task %s cannot run: %s", task.task_id, exc)
+                    await self._report(TaskReport(task.lease_id, task.task_id, error=str(exc)))
+                    return
             for version in task.agent_versions:
                 base = job.spec.agent(version.agent).model
                 job.router.require(agent_key(job.job_id, version.agent), version.version,
@@ -591,7 +598,11 @@ class RolloutWorker:
 
         The router only ever moves an agent key to a newer version; the round's exact (older) versions
         get keys of their own, so training tasks keep theirs. Forgotten with the round (the job sweep
-        finds no job of that id).
+        finds no job of that id). With a task file (``flexmarl eval --dataset``) the round gets an
+        environment of its own whose held-out tasks are the file's rows.
+
+        Raises:
+            InvalidArgument: the task file is unreadable, changed since it was named, or has no usable row.
         """
         key = served_key(task)
         served = self._jobs.get(key)
@@ -601,14 +612,30 @@ class RolloutWorker:
             served = self._jobs.get(key)
             if served is not None:
                 return served
-            runner = RolloutRunner(job.env, job.runtimes, job.router.backend(key, job.spec.seed))
-            served = _ServedJob(key, job.spec, job.env, runner, job.router, runtimes=job.runtimes, pinned_of=job.job_id)
+            env = job.env if not task.eval_file else await self._eval_file_environment(job.spec, task)
+            runner = RolloutRunner(env, job.runtimes, job.router.backend(key, job.spec.seed))
+            served = _ServedJob(key, job.spec, env, runner, job.router, runtimes=job.runtimes, pinned_of=job.job_id,
+                                shares_env=env is job.env)
             self._jobs[key] = served
             self._set_lora_agents(job.router)
             await job.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                          for a in j.spec.agent_names])
         log.info("serving on-demand evaluation %s of job %s", key, job.job_id)
         return served
+
+    @staticmethod
+    async def _eval_file_environment(spec: JobSpec, task: RolloutTask) -> Environment:
+        """The job's environment over a task file's rows as its held-out tasks (a pinned round's ``eval_file``)."""
+        fields = spec.environment.dataset.fields if spec.environment.dataset is not None else ()
+        rows = await asyncio.to_thread(read_rows, task.eval_file, fields)
+        if rows.sha256 != task.eval_sha256:
+            raise InvalidArgument(f"eval_file: {task.eval_file} changed since it was named (sha256 "
+                                  f"{task.eval_sha256[:12]}... then, {rows.sha256[:12]}... now)")
+        if not rows.rows:
+            raise InvalidArgument(f"eval_file: {task.eval_file}: no usable rows")
+        # Only eval_task is played here: the train split is a placeholder the dataset requires.
+        dataset = TaskDataset(rows.rows, rows.rows, skipped={"eval": rows.problems})
+        return await asyncio.to_thread(load_environment, spec.environment.entrypoint, spec.environment.config, dataset)
 
     async def _watch_versions(self, job: _ServedJob) -> None:
         """Hands each version of a partial-rollout or distributed-sync job's agents to the router as it comes.

@@ -29,6 +29,7 @@ abandoned otherwise (the engines have moved on from it).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -76,8 +77,11 @@ def on_version(job: JobPlan) -> None:
     maybe_succeed(job)
 
 
-def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int) -> str:
+def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int, eval_file: str = "",
+                   eval_sha256: str = "") -> str:
     """Opens an on-demand round on exactly the ``pinned`` versions (every agent's); returns its round id.
+
+    ``eval_file`` (with its content's ``eval_sha256``): the held-out tasks are that file's rows.
 
     One at a time per job (a bound on what askers can make the planner hold).
 
@@ -103,6 +107,8 @@ def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int) -
     round_id = on_demand_round(number)
     ordered = tuple(sorted(pinned, key=lambda v: job.spec.agent_names.index(v.agent)))
     _open_round(job, round_id, min(v.version for v in pinned), ordered, tasks, on_demand=True)
+    job.eval_rounds[round_id].eval_file = eval_file
+    job.eval_rounds[round_id].eval_sha256 = eval_sha256
     return round_id
 
 
@@ -166,7 +172,7 @@ def _lease_task(job: JobPlan, round_: EvalRound, task: EvalTask, worker_id: str)
         lease_id=granted.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.index,
         batch_index=round_.version, group_size=round_.samples_per_task, agent_versions=round_.agent_versions,
         deadline_s=granted.deadline_s, attempt=task.attempts, evaluation=True, greedy=spec.sampling == "greedy",
-        pinned=round_.on_demand,
+        pinned=round_.on_demand, eval_file=round_.eval_file, eval_sha256=round_.eval_sha256,
     )
 
 
@@ -263,6 +269,8 @@ def _finish_if_done(job: JobPlan, round_: EvalRound) -> None:
         tasks=len(round_.tasks), samples_per_task=round_.samples_per_task,
         failed_tasks=sum(1 for t in round_.tasks.values() if t.failed), sampling=spec.sampling,
         success_threshold=spec.success_threshold, finished_unix_ms=int(job.now_s() * 1000), round_id=round_.round_id)
+    if round_.eval_file:
+        record = dataclasses.replace(record, eval_file=round_.eval_file)
     del job.eval_rounds[round_.round_id]
     job.eval_done.add(round_.round_id)
     job.leases.forget(lease.lease_id for lease in job.leases.all()

@@ -222,9 +222,10 @@ class JobPlanner:
         """Whether an evaluation round is open and may run (an on-demand one also after the job succeeded)."""
         return bool(self._job.eval_rounds) and evaluation.evaluable(self._job)
 
-    def open_evaluation(self, pinned: Sequence[AgentVersion], tasks: int) -> str:
+    def open_evaluation(self, pinned: Sequence[AgentVersion], tasks: int, eval_file: str = "",
+                        eval_sha256: str = "") -> str:
         """Opens an on-demand evaluation round on exactly ``pinned``; see :func:`.evaluation.open_on_demand`."""
-        return evaluation.open_on_demand(self._job, tuple(pinned), tasks)
+        return evaluation.open_on_demand(self._job, tuple(pinned), tasks, eval_file, eval_sha256)
 
     @property
     def tracked_task_ids(self) -> frozenset[str]:

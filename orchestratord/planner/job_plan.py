@@ -206,6 +206,9 @@ class EvalRound:
     on_demand: bool = False
     #: The settings it runs with (an on-demand round may ask for another number of tasks).
     samples_per_task: int = 1
+    #: An on-demand round's task file (its rows are the held-out tasks) and its content's sha256.
+    eval_file: str = ""
+    eval_sha256: str = ""
 
     @property
     def done(self) -> bool:

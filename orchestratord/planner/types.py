@@ -39,6 +39,9 @@ class RolloutTaskLease:
     greedy: bool = False
     #: With ``evaluation``: ``agent_versions`` are exact (an on-demand round on kept versions), not minimums.
     pinned: bool = False
+    #: With ``pinned``: held-out rows from this task file and the sha256 of its content ("": the job's tasks).
+    eval_file: str = ""
+    eval_sha256: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """DenseSignaling with held-out tasks whose outcome is fixed by the task, so an evaluation's metrics are known.
 
 Held-out task i plays the game's two turns (so the versions that answered are recorded) and then
-rewards by its index alone: the sender 1.0 when i is even, the receiver 0.5, and the team succeeds
-(``ctx.notes["success"]``) on task 0 only. tests/e2e/test_evaluation_e2e.py computes the expected
-figures by hand from this.
+rewards by its index alone (over a task file: by its row's ``held_out`` field): the sender 1.0 when
+it is even, the receiver 0.5, and the team succeeds (``ctx.notes["success"]``) when it is 0.
+tests/e2e/test_evaluation_e2e.py computes the expected figures by hand from this.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ class HeldOutSignaling(DenseSignaling):
     """Training tasks as DenseSignaling's; held-out task i rewarded by i (see the module doc)."""
 
     def eval_task(self, index: int, seed: int) -> Task:
-        task = super().eval_task(index, seed)
-        return Task(task.index, task.seed, {**task.data, "held_out": index})
+        task = super().eval_task(index, seed)  # over a task file: its row (candidates, target, held_out)
+        return Task(task.index, task.seed, {"held_out": index, **task.data})
 
     async def episode(self, ctx: EpisodeContext, task: Task) -> None:
         if "held_out" not in task.data:

@@ -81,8 +81,16 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
     assert rows["sender"][:5] == ["d1", "1", "sender", "1", "1"]  # round, version, scope, asked, seen
     assert rows["receiver"][3:5] == ["2", "2"]
     assert float(rows["sender"][6]) == 0.5 and float(rows["team"][6]) == 0.5  # success on task 0 of 0, 1
-    on_demand = [r for r in e2e.client.evaluations(job_id) if r.on_demand]
-    assert [r.round_id for r in on_demand] == ["d1"]
+    # On demand over a task file's rows: both rows say held_out 1 (odd: no sender success, no team success).
+    task_file = tmp_path / "held_out.jsonl"
+    task_file.write_text("".join(json.dumps({"candidates": "abcd", "target": t, "held_out": 1}) + "\n"
+                                 for t in (0, 3)))
+    record = e2e.client.wait_evaluation(job_id, e2e.client.evaluate(job_id, dataset=task_file), timeout_s=120)
+    assert (record.round_id, record.tasks, record.eval_file) == ("d2", 2, str(task_file))
+    assert (record.scores_of("sender").success, record.team.success, record.scores_of("receiver").reward_mean) == (
+        0.0, 0.0, 0.5)
+    assert [a.versions_seen for a in record.agents] == [(2,), (2,)]
+    assert [r.round_id for r in e2e.client.evaluations(job_id) if r.on_demand] == ["d1", "d2"]
 
     png = tmp_path / "plot.png"
     with contextlib.redirect_stdout(io.StringIO()):

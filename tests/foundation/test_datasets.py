@@ -217,6 +217,9 @@ def test_submit_refuses_bad_files_with_one_line_naming_the_file_row_and_field(tm
         f"environment.dataset.eval: {no_column}: row 0: no field 'answer' (no such column")
     # 2 steps x 3 prompts = 6 tasks; one pass over 7 rows is enough, over 2 rows is not.
     assert dataset_problems(parse_job_spec(job({"train": str(good), "epochs": 1}))) == []
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", ROWS[:3])
+    assert _one_line(job({"train": str(good), "eval": str(held_out)}, evaluation={"tasks": 4})) == (
+        f"evaluation.tasks: 4 held-out tasks, but environment.dataset.eval {held_out} has 3 rows")
     two = write_jsonl(tmp_path / "two.jsonl", ROWS[:2])
     assert _one_line(job({"train": str(two), "epochs": 2})) == (
         f"environment.dataset.epochs: 2 passes over {two} (2 rows) are 4 tasks; total_steps 2 x "

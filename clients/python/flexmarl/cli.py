@@ -652,10 +652,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluates kept versions of a job on its held-out tasks now (an on-demand round) and prints the record."""
     if args.tasks < 0:
         raise CliError(f"--tasks: must be >= 0, got {args.tasks}", EXIT_USAGE)
+    if args.version is not None and args.agent_versions:
+        raise CliError("give --version or --agent-versions, not both", EXIT_USAGE)
     with _client(args) as client:
         info = client.status(args.job_id)
         versions = _agent_versions(args, [a.agent for a in info.agents])
-        round_id = client.evaluate(args.job_id, versions, args.tasks)
+        try:
+            round_id = client.evaluate(args.job_id, versions, args.tasks, args.dataset)
+        except InvalidArgument as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
         print(f"evaluation {round_id} of {args.job_id} opened; waiting for its record", file=sys.stderr)
         try:
             record = client.wait_evaluation(args.job_id, round_id, args.timeout)
@@ -882,6 +887,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--version", type=int, default=None, help="every agent at this version")
     evaluate.add_argument("--agent-versions", default="", help="agent=version,... (others: their committed version)")
     evaluate.add_argument("--tasks", type=int, default=0, help="held-out tasks (0: the job's evaluation.tasks)")
+    evaluate.add_argument("--dataset", default="",
+                          help="held-out rows from this task file (JSONL, Parquet, save_to_disk dir) instead")
     evaluate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the record")
     evaluate.add_argument("--csv", action="store_true")
     evaluate.set_defaults(func=cmd_eval)

@@ -144,7 +144,7 @@ def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:
         sampling=msg.sampling, team=scores(msg.team),
         agents=tuple(EvalAgentScores(a.agent, a.version, tuple(a.versions_seen), scores(a.scores)) for a in msg.agents),
         team_success_from_env=msg.team_success_from_env, finished_unix_ms=msg.finished_unix_ms,
-        round_id=msg.round_id)
+        round_id=msg.round_id, eval_file=msg.eval_file)
 
 
 def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:
@@ -371,17 +371,46 @@ class AsyncClient:
         reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
         return [eval_record_of(r) for r in reply.evals]
 
-    async def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str:
+    async def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0,
+                       dataset: str | Path = "") -> str:
         """Opens an on-demand held-out evaluation round on kept versions; returns its round id (``d<n>``).
 
         ``agent_versions``: agent -> version (an agent not named: its committed version); ``tasks`` 0:
-        the job's ``evaluation.tasks``. The job must be running or succeeded; its record joins
-        :meth:`evaluations` when done (:meth:`wait_evaluation`).
+        the job's ``evaluation.tasks``. ``dataset``: a task file (JSONL, Parquet, a ``save_to_disk``
+        directory) on a filesystem every rolloutd host sees, whose rows are the held-out tasks (in file
+        order; ``tasks`` 0: every row); it is read here first and refused, naming the row and field, when
+        a row lacks a field of the job's ``environment.dataset.fields``. The job must be running or
+        succeeded; its record joins :meth:`evaluations` when done (:meth:`wait_evaluation`).
+
+        Raises:
+            InvalidArgument: a bad task file, or more ``tasks`` than it has rows.
         """
+        eval_file, eval_sha256 = "", ""
+        if dataset:
+            eval_file, eval_sha256, rows = await self._eval_file(job_id, Path(dataset))
+            if tasks > rows:
+                raise InvalidArgument(f"tasks: {tasks} held-out tasks, but {eval_file} has {rows} rows")
+            tasks = tasks or rows
         stub = await self._connect()
         reply = await _call(stub.EvaluateJob(orchestrator_pb2.EvaluateJobRequest(
-            job_id=job_id, agent_versions=dict(agent_versions or {}), tasks=tasks), timeout=self._timeout_s))
+            job_id=job_id, agent_versions=dict(agent_versions or {}), tasks=tasks, eval_file=eval_file,
+            eval_sha256=eval_sha256), timeout=self._timeout_s))
         return str(reply.round_id)
+
+    async def _eval_file(self, job_id: str, path: Path) -> tuple[str, str, int]:
+        """(absolute path, content sha256, rows) of an evaluation task file, checked against the job's fields."""
+        from flexmarl.datasets import read_rows
+
+        spec = parse_job_spec(json.loads((await self.status(job_id)).spec_json))
+        fields = spec.environment.dataset.fields if spec.environment.dataset is not None else ()
+        read = await asyncio.to_thread(read_rows, path.resolve(), fields)
+        if read.problems:
+            more = len(read.problems) - 1
+            raise InvalidArgument(f"dataset: {read.path}: {read.problems[0]}" + (f" ({more} more bad rows)"
+                                                                                 if more else ""))
+        if not read.rows:
+            raise InvalidArgument(f"dataset: {read.path}: no rows")
+        return read.path, read.sha256, len(read.rows)
 
     async def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0,
                               interval_s: float = 0.5) -> EvalRecord:
@@ -658,9 +687,10 @@ class Client:
         """Every recorded held-out evaluation round of a job, by version (see AsyncClient.evaluations)."""
         return self._run(self._async.evaluations(job_id))
 
-    def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str:
+    def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0,
+                 dataset: str | Path = "") -> str:
         """Opens an on-demand evaluation round on kept versions; returns its round id (see AsyncClient.evaluate)."""
-        return self._run(self._async.evaluate(job_id, agent_versions, tasks))
+        return self._run(self._async.evaluate(job_id, agent_versions, tasks, dataset))
 
     def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
         """Waits for an evaluation round's record (see AsyncClient.wait_evaluation)."""

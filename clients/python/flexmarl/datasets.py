@@ -388,13 +388,14 @@ def dataset_problems(spec: JobSpec) -> list[str]:
 
     Each line names the field, the file, the first bad row and the field it lacks, e.g.
     ``environment.dataset.train: /data/train.jsonl: line 7: no field 'answer' (2 more bad rows)``.
-    Also checks ``epochs`` against the tasks the job needs.
+    Also checks ``epochs`` against the tasks the job needs, and ``evaluation.tasks`` against the eval file's rows.
     """
     dataset = spec.environment.dataset
     if dataset is None:
         return []
     problems = []
     train_rows = 0
+    eval_rows = 0
     for split, path, _ in _split_paths(dataset):
         try:
             rows = read_rows(path, dataset.fields)
@@ -409,6 +410,11 @@ def dataset_problems(spec: JobSpec) -> list[str]:
             problems.append(f"environment.dataset.{split}: {path}: no rows")
         if split == "train":
             train_rows = len(rows.rows)
+        else:
+            eval_rows = len(rows.rows)
+    if spec.evaluation is not None and eval_rows and spec.evaluation.tasks > eval_rows:
+        problems.append(f"evaluation.tasks: {spec.evaluation.tasks} held-out tasks, but environment.dataset.eval "
+                        f"{dataset.eval} has {eval_rows} rows")
     needed = spec.total_steps * spec.batch.prompts_per_step
     if dataset.epochs is not None and train_rows and needed > dataset.epochs * train_rows:
         problems.append(f"environment.dataset.epochs: {dataset.epochs} passes over {dataset.train} "

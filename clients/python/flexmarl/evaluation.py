@@ -86,6 +86,8 @@ class EvalRecord:
     finished_unix_ms: int = 0
     #: ``v<version>`` for a round opened at a version, ``d<n>`` for one asked for (``flexmarl eval``).
     round_id: str = ""
+    #: The task file an on-demand round's rows came from (``flexmarl eval --dataset``); "": the job's held-out tasks.
+    eval_file: str = ""
 
     @property
     def on_demand(self) -> bool:
@@ -100,7 +102,7 @@ class EvalRecord:
             "agents": [{"agent": a.agent, "version": a.version, "versions_seen": list(a.versions_seen),
                         "scores": a.scores.as_dict()} for a in self.agents],
             "team_success_from_env": self.team_success_from_env, "finished_unix_ms": self.finished_unix_ms,
-            "round_id": self.round_id,
+            "round_id": self.round_id, "eval_file": self.eval_file,
         }
 
     @classmethod
@@ -115,6 +117,7 @@ class EvalRecord:
                          for a in data["agents"]),
             team_success_from_env=bool(data["team_success_from_env"]),
             finished_unix_ms=int(data.get("finished_unix_ms", 0)), round_id=str(data.get("round_id", "")),
+            eval_file=str(data.get("eval_file", "")),
         )
 
     def scores_of(self, agent: str) -> EvalScores:

@@ -443,9 +443,16 @@ class EvaluateJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     AGENT_VERSIONS_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
+    EVAL_FILE_FIELD_NUMBER: _builtins.int
+    EVAL_SHA256_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     tasks: _builtins.int
     """Held-out tasks (eval_task(0..tasks-1)); 0 = the job's evaluation.tasks (its default without one)."""
+    eval_file: _builtins.str
+    """Optional: held-out rows from this task file instead (absolute path every rolloutd host sees;
+    JSONL, Parquet or a save_to_disk directory), with the sha256 of its content (flexmarl.datasets).
+    """
+    eval_sha256: _builtins.str
     @_builtins.property
     def agent_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """agent -> version to evaluate; an agent not named is evaluated at its committed version. Each
@@ -458,10 +465,12 @@ class EvaluateJobRequest(_message.Message):
         job_id: _builtins.str = ...,
         agent_versions: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         tasks: _builtins.int = ...,
+        eval_file: _builtins.str = ...,
+        eval_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "job_id", b"job_id", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "eval_file", b"eval_file", "eval_sha256", b"eval_sha256", "job_id", b"job_id", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -597,6 +606,7 @@ class EvalRecord(_message.Message):
     TEAM_SUCCESS_FROM_ENV_FIELD_NUMBER: _builtins.int
     FINISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
     ROUND_ID_FIELD_NUMBER: _builtins.int
+    EVAL_FILE_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """The team's version evaluated: the lowest committed version over the agents at the round's creation."""
     tasks: _builtins.int
@@ -610,6 +620,8 @@ class EvalRecord(_message.Message):
     finished_unix_ms: _builtins.int
     round_id: _builtins.str
     """"v<version>" for a round opened at a version, "d<n>" for an on-demand one (EvaluateJob)."""
+    eval_file: _builtins.str
+    """The task file an on-demand round's held-out rows came from ("" = the job's own held-out tasks)."""
     @_builtins.property
     def team(self) -> Global___EvalScores: ...
     @_builtins.property
@@ -627,10 +639,11 @@ class EvalRecord(_message.Message):
         team_success_from_env: _builtins.bool = ...,
         finished_unix_ms: _builtins.int = ...,
         round_id: _builtins.str = ...,
+        eval_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["team", b"team"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "round_id", b"round_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "eval_file", b"eval_file", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "round_id", b"round_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -655,6 +668,8 @@ class RolloutTask(_message.Message):
     EVALUATION_FIELD_NUMBER: _builtins.int
     GREEDY_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    EVAL_FILE_FIELD_NUMBER: _builtins.int
+    EVAL_SHA256_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     job_id: _builtins.str
     task_id: _builtins.str
@@ -681,6 +696,9 @@ class RolloutTask(_message.Message):
     """With evaluation: agent_versions are exact, not minimums (an on-demand round on kept versions);
     play them without changing the versions the job's training tasks use.
     """
+    eval_file: _builtins.str
+    """With pinned: held-out task task_index is row task_index of this file (its content's sha256 below)."""
+    eval_sha256: _builtins.str
     @_builtins.property
     def agent_versions(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.AgentVersion]:
         """Minimum policy version of each agent to use."""
@@ -701,10 +719,12 @@ class RolloutTask(_message.Message):
         evaluation: _builtins.bool = ...,
         greedy: _builtins.bool = ...,
         pinned: _builtins.bool = ...,
+        eval_file: _builtins.str = ...,
+        eval_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "evaluation", b"evaluation", "greedy", b"greedy", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "pinned", b"pinned", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "attempt", b"attempt", "batch_index", b"batch_index", "deadline_unix_ms", b"deadline_unix_ms", "eval_file", b"eval_file", "eval_sha256", b"eval_sha256", "evaluation", b"evaluation", "greedy", b"greedy", "group_size", b"group_size", "job_id", b"job_id", "lease_id", b"lease_id", "pinned", b"pinned", "spec_digest", b"spec_digest", "task_id", b"task_id", "task_index", b"task_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,35 @@
+"""`flexmarl eval` and `flexmarl history --eval` without a cluster: usage errors, and the rows they print."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from flexmarl import cli
+from flexmarl.evaluation import EVAL_ROW_FIELDS, EvalAgentScores, EvalRecord, EvalScores, eval_rows
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_eval_refuses_both_version_flags_before_reaching_a_cluster() -> None:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli.main(["eval", "job-1", "--version", "1", "--agent-versions", "a=1", "--etcd", "127.0.0.1:1"])
+    assert code == cli.EXIT_USAGE and "--version or --agent-versions" in err.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(["eval", "job-1", "--tasks", "-1", "--etcd", "127.0.0.1:1"]) == cli.EXIT_USAGE
+
+
+def test_eval_rows_list_each_agent_then_the_team_periodic_rounds_first() -> None:
+    def record(round_id: str, version: int, success: float) -> EvalRecord:
+        scores = EvalScores(0.5, success, success, 4)
+        return EvalRecord(version, 4, 1, 0, "greedy", scores, (EvalAgentScores("a", version, (version, version + 1),
+                                                                               scores),), False, 0, round_id)
+
+    rows = eval_rows([record("d1", 1, 0.25), record("v2", 2, 1.0), record("v0", 0, 0.0)])
+    assert [(r["round"], r["scope"]) for r in rows] == [("v0", "a"), ("v0", "team"), ("v2", "a"), ("v2", "team"),
+                                                        ("d1", "a"), ("d1", "team")]
+    assert rows[2]["versions_seen"] == "2 3" and rows[3]["versions_seen"] == "2 3"
+    assert set(rows[0]) == set(EVAL_ROW_FIELDS)
