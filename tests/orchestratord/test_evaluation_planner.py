@@ -249,3 +249,46 @@ def test_an_on_demand_round_plays_exactly_the_asked_versions_also_after_the_job_
     job.cancel()
     with pytest.raises(FailedPrecondition):
         job.open_evaluation(pinned, 1)
+
+
+class HistoryStore(InMemoryStateStore):
+    """The in-memory store with the etcd store's history reads (what JobCoordinator.evaluate_job reads)."""
+
+    async def load_history(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self._jobs[job_id].get("history", {}).values())
+
+    async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
+        return list(self._jobs[job_id]["evals"].values())
+
+
+async def test_flexmarl_eval_takes_kept_versions_only_with_their_weights_from_the_history() -> None:
+    import json
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from orchestratord.coordinator import JobCoordinator
+    from orchestratord.metrics import OrchestratorMetrics
+
+    from .helpers import spec_dict
+
+    registry: Any = types.SimpleNamespace(prefix="/test")  # nothing here reaches etcd or stored
+    coordinator = JobCoordinator(registry, OrchestratorMetrics(CollectorRegistry()), now_s=FakeClock())
+    coordinator.state = HistoryStore()  # type: ignore[assignment]
+    await coordinator.submit_job(json.dumps(spec_dict(checkpoint={"keep_last": 2}, total_steps=3)), "ev")
+    changes: list[Any] = []
+    await coordinator.mutate(lambda: drive(coordinator.planner, "ev", changes))
+    await coordinator._persist(changes)  # drive took them from the planner's outbox: write them as mutate would
+    assert coordinator.planner.job("ev").state is JobState.SUCCEEDED
+
+    with pytest.raises(FailedPrecondition, match="version 1 of sender is not kept"):
+        await coordinator.evaluate_job("ev", {"sender": 1}, 2)  # keep_last 2 of 3: versions 2 and 3 (and 0)
+    with pytest.raises(InvalidArgument, match="sender has versions 0..3, not 4"):
+        await coordinator.evaluate_job("ev", {"sender": 4}, 2)
+    with pytest.raises(InvalidArgument, match="no agents"):
+        await coordinator.evaluate_job("ev", {"nobody": 1}, 2)
+    assert await coordinator.evaluate_job("ev", {"sender": 2, "receiver": 0}, 2) == "d1"
+    leases = coordinator.planner.lease_rollout_tasks("roll-0", 4)
+    assert {v.agent: (v.version, v.weights_uri) for v in leases[0].agent_versions} == {
+        "sender": (2, "file:///w/sender/2"), "receiver": (0, "")}
+    assert all(lease.pinned for lease in leases)
