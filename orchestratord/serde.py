@@ -116,7 +116,7 @@ def eval_episodes(msgs: Iterable[orchestrator_pb2.EvalEpisode]) -> list[EvalEpis
     return [
         EvalEpisode(task_index=m.task_index, sample_index=m.sample_index, returns=dict(m.returns),
                     team_success=m.team_success if m.has_team_success else None,
-                    versions={v.agent: tuple(v.versions) for v in m.versions})
+                    versions={v.agent: tuple(v.versions) for v in m.versions}, role_correct=dict(m.role_correct))
         for m in msgs
     ]
 
@@ -135,7 +135,7 @@ def eval_record(row: dict[str, Any]) -> orchestrator_pb2.EvalRecord:
         agents=[orchestrator_pb2.EvalAgentScores(agent=a.agent, version=a.version, versions_seen=list(a.versions_seen),
                                                  scores=scores(a.scores)) for a in record.agents],
         team_success_from_env=record.team_success_from_env, finished_unix_ms=record.finished_unix_ms,
-        round_id=record.round_id, eval_file=record.eval_file,
+        round_id=record.round_id, eval_file=record.eval_file, role_correct=dict(record.role_correct),
     )
 
 

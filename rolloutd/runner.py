@@ -49,7 +49,7 @@ from flexmarl.episode import (
     reward_shaper,
 )
 from flexmarl.errors import DataLoss, InvalidArgument
-from flexmarl.evaluation import EvalEpisode, team_success_note
+from flexmarl.evaluation import EvalEpisode, role_correct_note, team_success_note
 from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
 
@@ -378,7 +378,8 @@ class RolloutRunner:
         return EvaluationResult(task_input.task_id, tuple(
             EvalEpisode(task_index=task_input.task_index, sample_index=i, returns=dict(o.returns),
                         team_success=team_success_note(o.notes),
-                        versions={agent: _versions_of(o.turns, agent) for agent in self._env.agents})
+                        versions={agent: _versions_of(o.turns, agent) for agent in self._env.agents},
+                        role_correct=role_correct_note(o.notes))
             for i, o in sorted(outcomes.items())), ())
 
     async def _play_group(self, task_input: RolloutTaskInput, task: Any, backend: _CountingBackend,

@@ -92,6 +92,7 @@ def eval_episode(episode: EvalEpisode) -> orchestrator_pb2.EvalEpisode:
         has_team_success=episode.team_success is not None, team_success=bool(episode.team_success),
         versions=[orchestrator_pb2.AgentVersionsSeen(agent=agent, versions=list(versions))
                   for agent, versions in sorted(episode.versions.items())],
+        role_correct=dict(episode.role_correct),
     )
 
 

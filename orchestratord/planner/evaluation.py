@@ -46,6 +46,9 @@ from orchestratord.state import EvalRecorded, JobState
 
 logger = logging.getLogger(__name__)
 
+#: Most workflow roles an eval episode may name (``ctx.notes["role_correct"]``).
+MAX_ROLES = 64
+
 
 def due(job: JobPlan, version: int) -> bool:
     """Whether the team's ``version`` gets an evaluation round."""
@@ -251,6 +254,12 @@ def _validate(job: JobPlan, round_: EvalRound, task: EvalTask, episodes: Sequenc
                 raise InvalidArgument(f"{where}: unknown agent {agent!r}")
             if not math.isfinite(value):
                 raise InvalidArgument(f"{where}: return of {agent!r} is {value}")
+        if len(episode.role_correct) > MAX_ROLES:
+            raise InvalidArgument(f"{where}: role_correct names {len(episode.role_correct)} roles "
+                                  f"(at most {MAX_ROLES})")
+        for role, share in episode.role_correct.items():
+            if not role or len(role) > 64 or not role.isprintable() or not 0.0 <= share <= 1.0:
+                raise InvalidArgument(f"{where}: role_correct {role!r}: a share in [0, 1] of a named role, got {share}")
         for agent, versions in episode.versions.items():
             if agent not in job.agents:
                 raise InvalidArgument(f"{where}: unknown agent {agent!r}")

@@ -33,3 +33,4 @@ class HeldOutSignaling(DenseSignaling):
         ctx.reward("sender", 1.0 if index % 2 == 0 else 0.0)
         ctx.reward("receiver", 0.5)
         ctx.notes["success"] = index == 0
+        ctx.notes["role_correct"] = {"solver": 1.0 if index % 2 == 0 else 0.0}  # as a workflow's roles

@@ -47,6 +47,7 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
         assert (receiver.reward_mean, receiver.success) == (0.5, 0.0)
         assert record.team.success == pytest.approx(1 / 3) and record.team_success_from_env
         assert record.team.reward_mean == pytest.approx((0.75 + 0.25 + 0.75) / 3)
+        assert record.role_correct == {"solver": pytest.approx(2 / 3)}
 
     # Never trained on: no manifest and no stored experience belongs to an eval task.
     for agent in ("sender", "receiver"):

@@ -82,6 +82,13 @@ def test_aggregation_equals_a_hand_computation() -> None:
                      failed_tasks=0, sampling="policy", success_threshold=1.0)
     assert (team.team.success, team.team.pass_at_k, team.team_success_from_env) == (2 / 4, 1 / 2, True)
     assert EvalRecord.from_dict(record.as_dict()) == record
+    # A workflow's per-role share of correct outputs: the mean over the episodes that name the role.
+    roles = [EvalEpisode(0, i, {"a": 1.0}, None, {}, {"solver": share, **({"judge": 1.0} if i else {})})
+             for i, share in enumerate((0.5, 1.0, 0.0))]
+    by_role = aggregate(roles, agents=("a",), agent_versions={}, version=0, tasks=1, samples_per_task=3,
+                        failed_tasks=0, sampling="policy", success_threshold=1.0)
+    assert by_role.role_correct == {"judge": 1.0, "solver": 0.5}
+    assert EvalRecord.from_dict(by_role.as_dict()) == by_role
 
 
 def test_rounds_run_beside_training_are_never_trained_on_and_the_job_ends_after_the_last() -> None:
@@ -170,6 +177,8 @@ def test_malformed_eval_reports_are_refused_and_the_task_issued_again() -> None:
                 lambda lease: {"eval_episodes": episodes_for(lease)[:1]},
                 lambda lease: {"eval_episodes": episodes_for(lease, {"sender": 1.0, "nobody": 1.0})},
                 lambda lease: {"eval_episodes": [EvalEpisode(lease.task_index, i, {}, None, {"sender": (7,)})
+                                                 for i in range(2)]},
+                lambda lease: {"eval_episodes": [EvalEpisode(lease.task_index, i, {}, None, {}, {"solver": 1.5})
                                                  for i in range(2)]}):
         leased = planner.lease_rollout_tasks("roll-0", 8)
         training.extend(t for t in leased if not t.evaluation)

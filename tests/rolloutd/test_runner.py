@@ -220,6 +220,7 @@ class HeldOutGame(EchoGame):
         await ctx.generate("listener", f"heard {said.text}>")
         ctx.reward("speaker", float(ctx.sample_index))
         ctx.notes["success"] = ctx.sample_index == 1
+        ctx.notes["role_correct"] = {"speaker": float(ctx.sample_index)}
 
 
 async def test_an_evaluation_plays_the_held_out_task_greedily_and_makes_no_experience() -> None:
@@ -233,6 +234,7 @@ async def test_an_evaluation_plays_the_held_out_task_greedily_and_makes_no_exper
     assert [e.returns["speaker"] for e in result.episodes] == [0.0, 1.0]
     assert [e.team_success for e in result.episodes] == [False, True]
     assert all(e.versions == {"speaker": (3,), "listener": (1,)} for e in result.episodes)
+    assert [e.role_correct for e in result.episodes] == [{"speaker": 0.0}, {"speaker": 1.0}]
 
     policy = FakeBackend()
     await RolloutRunner(HeldOutGame(), runtimes(HeldOutGame.agents), policy).evaluate(

@@ -144,7 +144,7 @@ def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:
         sampling=msg.sampling, team=scores(msg.team),
         agents=tuple(EvalAgentScores(a.agent, a.version, tuple(a.versions_seen), scores(a.scores)) for a in msg.agents),
         team_success_from_env=msg.team_success_from_env, finished_unix_ms=msg.finished_unix_ms,
-        round_id=msg.round_id, eval_file=msg.eval_file)
+        round_id=msg.round_id, eval_file=msg.eval_file, role_correct=dict(msg.role_correct))
 
 
 def to_spec(spec: JobSpec | Mapping[str, Any] | str | Path) -> JobSpec:

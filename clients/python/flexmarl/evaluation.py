@@ -14,6 +14,9 @@ Metrics of a scope (an agent, or the team), over the round's episodes:
   agent succeeded.
 * ``pass_at_k``: the fraction of tasks with at least one successful episode among their k
   (``evaluation.samples_per_task``) samples.
+
+Per workflow role (a ready-made workflow leaves ``ctx.notes["role_correct"]``, role -> the share of
+that role's outputs that were correct): ``role_correct``, the mean over the episodes that name the role.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any
 
 #: The note an environment sets (``ctx.notes["success"] = True``) to say whether the team succeeded.
 SUCCESS_NOTE = "success"
+#: The note a ready-made workflow sets: role -> the share of the role's outputs that were correct.
+ROLE_CORRECT_NOTE = "role_correct"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,8 @@ class EvalEpisode:
     team_success: bool | None
     #: The policy versions that generated each agent's turns (every token's), ascending.
     versions: Mapping[str, tuple[int, ...]]
+    #: A workflow's ``ctx.notes["role_correct"]`` (role -> share correct in [0, 1]); empty otherwise.
+    role_correct: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +95,8 @@ class EvalRecord:
     round_id: str = ""
     #: The task file an on-demand round's rows came from (``flexmarl eval --dataset``); "": the job's held-out tasks.
     eval_file: str = ""
+    #: Per workflow role: the mean share of correct outputs over the episodes that name the role.
+    role_correct: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def on_demand(self) -> bool:
@@ -102,7 +111,7 @@ class EvalRecord:
             "agents": [{"agent": a.agent, "version": a.version, "versions_seen": list(a.versions_seen),
                         "scores": a.scores.as_dict()} for a in self.agents],
             "team_success_from_env": self.team_success_from_env, "finished_unix_ms": self.finished_unix_ms,
-            "round_id": self.round_id, "eval_file": self.eval_file,
+            "round_id": self.round_id, "eval_file": self.eval_file, "role_correct": dict(self.role_correct),
         }
 
     @classmethod
@@ -118,6 +127,7 @@ class EvalRecord:
             team_success_from_env=bool(data["team_success_from_env"]),
             finished_unix_ms=int(data.get("finished_unix_ms", 0)), round_id=str(data.get("round_id", "")),
             eval_file=str(data.get("eval_file", "")),
+            role_correct={str(k): float(v) for k, v in dict(data.get("role_correct", {})).items()},
         )
 
     def scores_of(self, agent: str) -> EvalScores:
@@ -148,6 +158,7 @@ def aggregate(episodes: Iterable[EvalEpisode], *, agents: Sequence[str], agent_v
     seen: dict[str, set[int]] = {a: set() for a in agents}
     team_success: dict[int, list[bool]] = defaultdict(list)
     team_rewards: list[float] = []
+    roles: dict[str, list[float]] = defaultdict(list)
     from_env = False
     for episode in episodes:
         succeeded = {}
@@ -158,6 +169,8 @@ def aggregate(episodes: Iterable[EvalEpisode], *, agents: Sequence[str], agent_v
             agent_success[agent][episode.task_index].append(succeeded[agent])
             seen[agent].update(episode.versions.get(agent, ()))
         team_rewards.append(math.fsum(agent_rewards[a][-1] for a in agents) / len(agents) if agents else 0.0)
+        for role, share in episode.role_correct.items():
+            roles[role].append(float(share))
         from_env = from_env or episode.team_success is not None
         team = episode.team_success if episode.team_success is not None else all(succeeded.values())
         team_success[episode.task_index].append(team)
@@ -167,12 +180,13 @@ def aggregate(episodes: Iterable[EvalEpisode], *, agents: Sequence[str], agent_v
         agents=tuple(EvalAgentScores(a, int(agent_versions.get(a, version)), tuple(sorted(seen[a])),
                                      _scores(agent_success[a], agent_rewards[a])) for a in agents),
         team_success_from_env=from_env, finished_unix_ms=finished_unix_ms, round_id=round_id,
+        role_correct={role: math.fsum(shares) / len(shares) for role, shares in sorted(roles.items())},
     )
 
 
 #: The columns of one evaluation row (``flexmarl history --eval``): a round's scope (an agent or the team).
 EVAL_ROW_FIELDS = ("round", "version", "scope", "agent_version", "versions_seen", "reward_mean", "success",
-                   "pass_at_k", "episodes", "tasks", "samples_per_task", "failed_tasks", "sampling")
+                   "pass_at_k", "episodes", "tasks", "samples_per_task", "failed_tasks", "sampling", "role_correct")
 
 
 def eval_rows(records: Iterable[EvalRecord], team: str = "team") -> list[dict[str, Any]]:
@@ -184,13 +198,23 @@ def eval_rows(records: Iterable[EvalRecord], team: str = "team") -> list[dict[st
         scopes = [(a.agent, str(a.version), " ".join(map(str, a.versions_seen)), a.scores) for a in record.agents]
         seen = sorted({v for a in record.agents for v in a.versions_seen})
         scopes.append((team, "", " ".join(map(str, seen)), record.team))
+        roles = " ".join(f"{role}={share:.3f}" for role, share in sorted(record.role_correct.items()))
         for scope, agent_version, versions_seen, scores in scopes:
             rows.append({"round": record.round_id, "version": record.version, "scope": scope,
                          "agent_version": agent_version,
                          "versions_seen": versions_seen, "reward_mean": scores.reward_mean,
                          "success": scores.success, "pass_at_k": scores.pass_at_k, "episodes": scores.episodes,
-                         **common})
+                         **common, "role_correct": roles if scope == team and not agent_version else ""})
     return rows
+
+
+def role_correct_note(notes: Mapping[str, Any]) -> dict[str, float]:
+    """The episode's ``ctx.notes["role_correct"]`` as role -> share (numbers only; {} without the note)."""
+    value = notes.get(ROLE_CORRECT_NOTE)
+    if not isinstance(value, Mapping):
+        return {}
+    return {str(role): float(share) for role, share in value.items()
+            if isinstance(share, int | float) and not isinstance(share, bool)}
 
 
 def team_success_note(notes: Mapping[str, Any]) -> bool | None:

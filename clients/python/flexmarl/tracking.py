@@ -78,7 +78,8 @@ def eval_figures(record: EvalRecord) -> list[StepFigures]:
                 "eval_pass_at_k": scores.pass_at_k}
 
     rows = [StepFigures(a.agent, record.version, record.finished_unix_ms, values(a.scores)) for a in record.agents]
-    return [*rows, StepFigures(TEAM, record.version, record.finished_unix_ms, values(record.team))]
+    roles = {f"eval_role_correct_{role}": share for role, share in record.role_correct.items()}
+    return [*rows, StepFigures(TEAM, record.version, record.finished_unix_ms, {**values(record.team), **roles})]
 
 
 def missing_packages(spec: TrackingSpec) -> list[str]:

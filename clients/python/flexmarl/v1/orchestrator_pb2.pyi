@@ -596,6 +596,26 @@ class EvalRecord(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class RoleCorrectEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     VERSION_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
     SAMPLES_PER_TASK_FIELD_NUMBER: _builtins.int
@@ -607,6 +627,7 @@ class EvalRecord(_message.Message):
     FINISHED_UNIX_MS_FIELD_NUMBER: _builtins.int
     ROUND_ID_FIELD_NUMBER: _builtins.int
     EVAL_FILE_FIELD_NUMBER: _builtins.int
+    ROLE_CORRECT_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """The team's version evaluated: the lowest committed version over the agents at the round's creation."""
     tasks: _builtins.int
@@ -626,6 +647,10 @@ class EvalRecord(_message.Message):
     def team(self) -> Global___EvalScores: ...
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalAgentScores]: ...
+    @_builtins.property
+    def role_correct(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Per workflow role: the mean of its episodes' ctx.notes["role_correct"] (roles of a ready-made workflow)."""
+
     def __init__(
         self,
         *,
@@ -640,10 +665,11 @@ class EvalRecord(_message.Message):
         finished_unix_ms: _builtins.int = ...,
         round_id: _builtins.str = ...,
         eval_file: _builtins.str = ...,
+        role_correct: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["team", b"team"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "eval_file", b"eval_file", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "round_id", b"round_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "eval_file", b"eval_file", "failed_tasks", b"failed_tasks", "finished_unix_ms", b"finished_unix_ms", "role_correct", b"role_correct", "round_id", b"round_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks", "team", b"team", "team_success_from_env", b"team_success_from_env", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -933,12 +959,33 @@ class EvalEpisode(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RoleCorrectEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     TASK_INDEX_FIELD_NUMBER: _builtins.int
     SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
     RETURNS_FIELD_NUMBER: _builtins.int
     HAS_TEAM_SUCCESS_FIELD_NUMBER: _builtins.int
     TEAM_SUCCESS_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
+    ROLE_CORRECT_FIELD_NUMBER: _builtins.int
     task_index: _builtins.int
     sample_index: _builtins.int
     has_team_success: _builtins.bool
@@ -952,6 +999,10 @@ class EvalEpisode(_message.Message):
     def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentVersionsSeen]:
         """The policy versions that generated each agent's turns."""
 
+    @_builtins.property
+    def role_correct(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """A ready-made workflow's ctx.notes["role_correct"]: role -> its share of correct outputs in [0, 1]."""
+
     def __init__(
         self,
         *,
@@ -961,10 +1012,11 @@ class EvalEpisode(_message.Message):
         has_team_success: _builtins.bool = ...,
         team_success: _builtins.bool = ...,
         versions: _abc.Iterable[Global___AgentVersionsSeen] | None = ...,
+        role_correct: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_team_success", b"has_team_success", "returns", b"returns", "sample_index", b"sample_index", "task_index", b"task_index", "team_success", b"team_success", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_team_success", b"has_team_success", "returns", b"returns", "role_correct", b"role_correct", "sample_index", b"sample_index", "task_index", b"task_index", "team_success", b"team_success", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
