@@ -83,6 +83,20 @@ def _tail(path: Path, max_bytes: int = 4000) -> str:
         return ""
 
 
+#: torch.distributed's rendezvous variables. A daemon forms its own process groups (traind's world of
+#: one, its data-parallel groups); inherited from the launching process (a torchrun or Slurm shell, a
+#: test process that initialised a group) they would make every traind bind the same MASTER_PORT.
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                        "MASTER_PORT")
+
+
+def daemon_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child, without :data:`RENDEZVOUS_VARIABLES` unless ``env`` sets them."""
+    full_env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+    full_env.update(env or {})
+    return full_env
+
+
 class _Child:
     """A subprocess whose stdout/stderr go to log files in a run dir."""
 
@@ -96,8 +110,7 @@ class _Child:
     def _spawn(self, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
-        full_env = dict(os.environ)
-        full_env.update(env or {})
+        full_env = daemon_environment(env)
         self.proc = subprocess.Popen(
             list(cmd), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
             start_new_session=True,
