@@ -9,7 +9,7 @@ prompts of 16 random token ids, ``--new-tokens`` new tokens each with ``ignore_e
   own users drive it;
 * **(b) rolloutd-vllm**: rolloutd's :class:`~rolloutd.engines.vllm.VLLMClient` (the engine
   protocol rolloutd's router uses: ``/inference/v1/generate``) against the *same* vLLM server;
-* **(c) rolloutd-embedded**: :class:`~rolloutd.engines.sglang_client.SGLangClient` against the
+* **(c) rolloutd-embedded**: :class:`~rolloutd.engines.sglang.client.SGLangClient` against the
   embedded engine (one torch thread, seeds honoured: rolloutd's defaults).
 
 Each runs at fixed client concurrencies (``--concurrency``, default 16 and 64; vLLM launched with
@@ -46,7 +46,7 @@ from benchmarks.report import Column, percentile, render_table
 from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.vllm import VLLMClient
 
 REPO = Path(__file__).resolve().parents[1]

@@ -79,7 +79,7 @@ def sync():
 
 
 # ---- 1. generation: the embedded engine's model loader, on CUDA --------------------------------------
-from rolloutd.engines.embedded import load_model  # noqa: E402
+from rolloutd.engines.embedded.model import load_model  # noqa: E402
 
 loaded = load_model(str(model_dir), "calibration")
 model = loaded.model.to(device=device, dtype=torch.bfloat16 if cuda else torch.float32).eval()
@@ -116,7 +116,8 @@ if cuda:
     torch.cuda.empty_cache()
 
 # The embedded engine's own scheduler (CPU), for reference: tokens/s through /generate's path.
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig  # noqa: E402
+from rolloutd.engines.embedded.engine import EmbeddedEngine  # noqa: E402
 
 try:
     import asyncio
@@ -124,10 +125,10 @@ try:
     async def embedded_rate():
         engine = EmbeddedEngine(EmbeddedEngineConfig(model_path=str(build_tiny_checkpoint(work / "tiny"))))
         engine.start()
-        from rolloutd.engines.embedded import _Job
+        from rolloutd.engines.embedded.work import GenerationJob
         from rolloutd.engines.protocol import SamplingParams
         loop = asyncio.get_running_loop()
-        jobs = [_Job(f"r{i}", [1, 2, 3, 4], SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i), False, loop,
+        jobs = [GenerationJob(f"r{i}", [1, 2, 3, 4], SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i), False, loop,
                      loop.create_future()) for i in range(16)]
         t = time.perf_counter()
         for job in jobs:

@@ -49,7 +49,7 @@ from flexmarl import devicemodel
 from rolloutd.balancer import BalancerConfig
 from rolloutd.engines.launcher import free_port
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.router import Replica, RolloutRouter
 
 log = logging.getLogger("benchmarks.router_compare")

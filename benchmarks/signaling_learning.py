@@ -252,7 +252,7 @@ class BatchedBackend:
             if self._engine_seed is None:
                 tokens = torch.multinomial(logprobs.exp(), 1, generator=self._generator).squeeze(-1)
             else:
-                from rolloutd.engines.embedded import gumbel_max_token
+                from rolloutd.engines.embedded.sampling import gumbel_max_token
 
                 tokens = torch.tensor([gumbel_max_token(logprobs[j].exp(), int(seeds[r]),  # type: ignore[arg-type]
                                                         len(rows[r][1]) + len(out_ids[r]))

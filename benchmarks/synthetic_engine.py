@@ -1,7 +1,7 @@
 """The synthetic engine: many modelled replicas in one process, lengths only, no neural net.
 
 It serves SGLang's native HTTP API through the same server as the embedded engine
-(:mod:`rolloutd.engines.sglang_server`: routes, parsing, validation, rids, abort and error
+(:mod:`rolloutd.engines.embedded.server`: routes, parsing, validation, rids, abort and error
 shapes as SGLang 0.5.23) plus ``/get_load`` (polled by sglang-router's ``power_of_two``
 policy), one aiohttp application per port, so rolloutd and sglang-router drive it through
 their ordinary clients. It exists for the scale-out benchmarks and the engine contract suite
@@ -35,7 +35,7 @@ sequences at the end of the waiting queue; they re-prefill prompt plus output wh
 again). A weight update made while paused blocks the replica for the reload at once, under the
 paused sequences, which record the version change (``meta_info.weight_versions``). Pause,
 continue and ``/update_weight_version`` are commands applied in order at the next iteration
-boundary, as embedded.py's controls (a command wakes the replica, which finishes the iteration in
+boundary, as embedded/engine.py's controls (a command wakes the replica, which finishes the iteration in
 progress first). A running sequence that is aborted runs one more decode step and then answers
 with the tokens it has (scheduler.py; while paused in place, that step comes after continue); one
 in the waiting queue (a retracted one included) answers at once.
@@ -64,22 +64,24 @@ from typing import Any
 from flexmarl import devicemodel
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.engines import lora, weight_messages
-from rolloutd.engines.launcher import stop_process
-from rolloutd.engines.lora import AdapterPool, LoraRef, LoraSettings, LoraUpdate
-from rolloutd.engines.protocol import SamplingParams
-from rolloutd.engines.sglang_server import (
-    FLUSH_AFTER_UPDATE_FAILED,
+from rolloutd.engines.embedded.interface import (
     DistributedUpdate,
     EngineBackend,
     LoadSnapshot,
     SampleRequest,
-    SGLangServer,
     VersionChange,
+)
+from rolloutd.engines.embedded.outputs import (
+    FLUSH_AFTER_UPDATE_FAILED,
     first_sample,
     queued_abort_output,
     running_abort_reason,
     sample_output,
 )
+from rolloutd.engines.embedded.server import SGLangServer
+from rolloutd.engines.launcher import stop_process
+from rolloutd.engines.lora import AdapterPool, LoraRef, LoraSettings, LoraUpdate
+from rolloutd.engines.protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +186,7 @@ class _WeightUpdate:
 
 @dataclasses.dataclass
 class _Control:
-    """A scheduler command applied between iterations (embedded.py ``_Control``): pause, resume or rename."""
+    """A scheduler command applied between iterations (embedded/work.py ``Control``): pause, resume or rename."""
 
     kind: str  # "in_place" | "retract" | "resume" | "rename"
     future: asyncio.Future[None]
@@ -226,7 +228,7 @@ class SyntheticReplica:
 
     # ---- LoRA adapters (lora_manager.py; configs only, no weights) ------------------------------------------
     def _init_lora(self, settings: LoraSettings) -> None:
-        """Resolve targets and max rank, then load the ``--lora-paths`` adapters (as embedded.py).
+        """Resolve targets and max rank, then load the ``--lora-paths`` adapters (as embedded/adapters.py).
 
         Raises:
             InvalidArgument: A ``--lora-paths`` adapter cannot be loaded.
@@ -403,7 +405,7 @@ class SyntheticReplica:
         await self._control("rename", weight_version)
 
     async def _control(self, kind: str, weight_version: str = "") -> None:
-        """Queue a command for the scheduler (embedded.py's control FIFO) and wait until it is applied."""
+        """Queue a command for the scheduler (embedded/engine.py's control FIFO) and wait until it is applied."""
         if not self.ready:
             raise Unavailable("engine stopped")
         control = _Control(kind, asyncio.get_running_loop().create_future(), weight_version)
@@ -454,7 +456,7 @@ class SyntheticReplica:
         prompt_tokens = 0
         index = 0
         # scheduler.py can_schedule_lora_req: a request whose adapter does not fit the batch's
-        # --max-loras-per-batch is skipped, later ones still join (embedded.py admitted_indices).
+        # --max-loras-per-batch is skipped, later ones still join (embedded/admission.py admitted_indices).
         adapters = {seq.request.lora_id for seq in self._running}
         while index < len(self._waiting) and not self._updates:
             item = self._waiting[index]
@@ -566,7 +568,7 @@ class SyntheticReplica:
         for seq in self._running:
             seq.generated += steps
             if seq.request.aborted:
-                # scheduler.py (embedded.py ``_step``): a running request aborted by /abort_request runs
+                # scheduler.py (embedded/engine.py ``_step``): a running request aborted by /abort_request runs
                 # one more decode step, then finishes with FINISH_ABORT and the tokens it has.
                 self._finish(seq, running_abort_reason())
                 continue
@@ -585,7 +587,7 @@ class SyntheticReplica:
         """Apply the queued pause, continue and rename commands in order at this iteration boundary.
 
         scheduler.py ``pause_generation``, ``continue_generation`` and the version rename, in the
-        order they came (embedded.py's control FIFO): a continue sent right behind a pause ends
+        order they came (embedded/engine.py's control FIFO): a continue sent right behind a pause ends
         unpaused, and a rename splits the weight-version spans where the batch stands now.
         """
         while self._controls:

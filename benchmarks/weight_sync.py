@@ -71,7 +71,7 @@ from flexmarl.store_client import StoreClient  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch  # noqa: E402
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams  # noqa: E402
-from rolloutd.engines.sglang_client import SGLangClient  # noqa: E402
+from rolloutd.engines.sglang.client import SGLangClient  # noqa: E402
 from rolloutd.router import Replica, RolloutRouter  # noqa: E402
 from traind.weight_sync import AgentBroadcast, distinct_tensors  # noqa: E402
 

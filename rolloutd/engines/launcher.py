@@ -55,7 +55,7 @@ from typing import Literal
 from flexmarl.devices import CUDA_VISIBLE_DEVICES, DeviceSet
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
 from rolloutd.engines.lora import LoraSettings
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.vllm import VLLMClient, vllm_command, vllm_env
 
 logger = logging.getLogger(__name__)

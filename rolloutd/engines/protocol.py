@@ -3,7 +3,7 @@
 The dataclasses mirror the subset of SGLang's native ``/generate`` API that RL needs
 (sglang ``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput``; sampling fields of
 ``python/sglang/srt/sampling/sampling_params.py``), but carry no HTTP or JSON: the balancer and
-the episode runner use them, and :mod:`rolloutd.engines.sglang_client` maps them to the wire.
+the episode runner use them, and :mod:`rolloutd.engines.sglang.client` maps them to the wire.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from benchmarks.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, 
 from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 
 
 def _profile(tmp_path: Path, time_scale: float = 0.0005) -> Path:

@@ -1,4 +1,4 @@
-"""The synthetic engine's pause, continue, rename and abort follow embedded.py's semantics (in process, no HTTP)."""
+"""The synthetic engine's pause, continue, rename and abort follow embedded/engine.py's (in process, no HTTP)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from benchmarks.synthetic_engine import SyntheticBackend, SyntheticEngineConfig, SyntheticReplica
 from flexmarl import devicemodel
+from rolloutd.engines.embedded.interface import SampleRequest
 from rolloutd.engines.protocol import SamplingParams
-from rolloutd.engines.sglang_server import SampleRequest
 
 PROMPT = (1, 2, 3, 4, 5, 6, 7, 8)
 # One modelled H100 decode iteration of one sequence is ~12.5 ms; at this time scale it lasts ~1 wall ms.

@@ -12,7 +12,7 @@ from sglang_fake import FakeSGLang
 from flexmarl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolloutd.engines.http_client import EngineBusy, GenerationSlots
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient, sglang_error_message
+from rolloutd.engines.sglang.client import SGLangClient, sglang_error_message
 
 PROMPT = (5, 6, 7)
 # aiohttp's default connector: 100 connections per session, the old client's only bound.

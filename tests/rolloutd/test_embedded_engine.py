@@ -16,18 +16,14 @@ import torch
 
 from flexmarl import devicemodel
 from flexmarl.errors import Unavailable
-from rolloutd.engines.embedded import (
-    BatchLimits,
-    Demand,
-    EmbeddedEngine,
-    EmbeddedEngineConfig,
-    EmbeddedServer,
-    gumbel_max_token,
-    plan_admission,
-)
+from rolloutd.engines.embedded.admission import BatchLimits, Demand, plan_admission
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.embedded.sampling import gumbel_max_token
 from rolloutd.engines.launcher import ReplicaSpec, attach, launch, sglang_command
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 
 PROMPT = (104, 105)
 

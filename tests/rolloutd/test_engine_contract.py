@@ -1,7 +1,7 @@
 """The SGLang contract, run against every server FlexMARL ships (embedded and synthetic subprocesses).
 
 Each test names the SGLang 0.5.23 behaviour it pins (the file under sglang/ it comes from is in
-rolloutd/engines/sglang_server.py and docs/engines.md). Tests that need real logits or a
+rolloutd/engines/embedded/server.py and docs/engines.md). Tests that need real logits or a
 tokenizer run against the embedded engine only and say so in their name (``_embedded``).
 """
 
@@ -19,7 +19,7 @@ import torch
 from flexmarl.errors import FailedPrecondition, InvalidArgument, Unavailable
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 
 PROMPT = (104, 101, 108, 108, 111)  # "hello"
 # Logprobs served by a batched, KV-cached decode vs one full forward pass of the same fp32 model.

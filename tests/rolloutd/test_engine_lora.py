@@ -23,20 +23,15 @@ from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticReplica,
 from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from rolloutd.engines import lora
-from rolloutd.engines.embedded import (
-    BatchLimits,
-    Demand,
-    EmbeddedEngine,
-    EmbeddedEngineConfig,
-    EmbeddedServer,
-    admitted_indices,
-    plan_admission,
-)
+from rolloutd.engines.embedded.admission import BatchLimits, Demand, admitted_indices, plan_admission
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.embedded.server import SGLangServer
 from rolloutd.engines.launcher import ReplicaSpec, embedded_command, sglang_command
 from rolloutd.engines.lora import AdapterPool, LoraRef, LoraSettings
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.engines.sglang_server import SGLangServer
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
 
 PROMPTS = ((104, 101, 108, 108, 111), (119, 111, 114, 108, 100, 33))
@@ -180,14 +175,14 @@ def test_pinned_adapters_leave_a_slot_and_settings_checks_are_sglangs() -> None:
 
 def test_both_engines_parse_sglangs_lora_flags() -> None:
     from benchmarks import synthetic_engine
-    from rolloutd.engines import embedded
+    from rolloutd.engines.embedded import cli
 
     flags = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj",
              "--max-loras-per-batch", "2", "--lora-paths", "a=/adapters/a"]
-    config = embedded._parse_args(["--model-path", "/m", *flags])
+    config = cli.parse_args(["--model-path", "/m", *flags])
     assert config.lora == LoraSettings(True, 8, ("q_proj", "v_proj"), ("a=/adapters/a",), 2, None)
     with pytest.raises(SystemExit):  # SGLang refuses to start: no --lora-paths, no --lora-target-modules
-        embedded._parse_args(["--model-path", "/m", "--enable-lora", "--max-lora-rank", "8"])
+        cli.parse_args(["--model-path", "/m", "--enable-lora", "--max-lora-rank", "8"])
     synthetic = SyntheticEngineConfig(lora=config.lora)
     assert synthetic_engine._parse_args(synthetic_engine.to_args(synthetic))[0].lora == config.lora
 

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 from flexmarl.errors import FailedPrecondition
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer, gumbel_max_token
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.embedded.interface import VersionChange
+from rolloutd.engines.embedded.outputs import FORCE_STREAM_INTERVAL, weight_version_spans
+from rolloutd.engines.embedded.sampling import gumbel_max_token
 from rolloutd.engines.protocol import (
     FinishReason,
     GenerationRequest,
@@ -30,8 +35,7 @@ from rolloutd.engines.protocol import (
     SamplingParams,
     WeightVersionSpan,
 )
-from rolloutd.engines.sglang_client import SGLangClient
-from rolloutd.engines.sglang_server import FORCE_STREAM_INTERVAL, VersionChange, weight_version_spans
+from rolloutd.engines.sglang.client import SGLangClient
 
 PROMPT = (104, 101, 108, 108, 111)
 TOKENS = 200  # long enough for a pause to land inside it

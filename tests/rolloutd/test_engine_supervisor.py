@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.engines.launcher import ReplicaSpec, attach, launch
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.timeout(180)

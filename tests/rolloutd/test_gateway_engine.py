@@ -17,8 +17,10 @@ from openai import AsyncOpenAI
 
 from flexmarl.episode import Environment, EpisodeContext, Task, load_environment
 from flexmarl.tiny import build_tiny_checkpoint
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.external_env import ExternalAgents
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput

@@ -31,9 +31,11 @@ from flexmarl.registry import Registry
 from flexmarl.retry import RetryPolicy
 from flexmarl.v1 import common_pb2, orchestrator_pb2
 from rolloutd import worker as worker_module
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
 from rolloutd.engines.protocol import PauseMode
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter

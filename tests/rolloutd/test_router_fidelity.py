@@ -16,7 +16,7 @@ from sglang_fake import FakeSGLang, seeded_tokens
 
 from flexmarl.episode import GenerationOutput
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.router import Replica, RolloutRouter, agent_key
 
 JOB = "job-1"

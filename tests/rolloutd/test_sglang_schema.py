@@ -59,7 +59,7 @@ from aiohttp import web
 
 from flexmarl.tiny import build_tiny_tokenizer
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams, WeightVersionSpan
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 
 SGLANG_VERSION = "0.5.23"
 PROMPT = (104, 101, 108, 108, 111)  # "hello" in the tiny byte-level tokenizer

@@ -30,7 +30,7 @@ from rolloutd.config import RolloutConfig
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch, replica_env
 from rolloutd.engines.lora import LoraSettings
 from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequest, PauseMode, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 from rolloutd.engines.vllm.jobs import refuse_unservable

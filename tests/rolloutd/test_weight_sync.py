@@ -27,7 +27,7 @@ from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument
 from flexmarl.weight_group import GroupPlan, MemberPost, WeightGroupRecord, WeightTensor, decide_plan
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch_many
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams
-from rolloutd.engines.sglang_client import SGLangClient
+from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.weight_messages import DESTROY_MISSING
 from rolloutd.router import Replica, RolloutRouter
 from rolloutd.weight_sync import AgentWeightGroup, SyncOutcome

@@ -31,7 +31,9 @@ from flexmarl.registry import Registry
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2
 from rolloutd import worker as worker_module
-from rolloutd.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig, EmbeddedServer
+from rolloutd.engines.embedded.backend import EmbeddedServer
+from rolloutd.engines.embedded.config import EmbeddedEngineConfig
+from rolloutd.engines.embedded.engine import EmbeddedEngine
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.types import AgentVersion, RenewResult, RolloutTask, TaskReport

@@ -1,7 +1,8 @@
 """The SGLang-protocol HTTP server every engine FlexMARL ships speaks, over a small backend interface.
 
-The embedded engine (:mod:`rolloutd.engines.embedded`) and the synthetic engine
-(:mod:`benchmarks.synthetic_engine`) implement :class:`EngineBackend`; this module owns what a
+The embedded engine (:class:`rolloutd.engines.embedded.backend.EmbeddedBackend`) and the synthetic
+engine (:mod:`benchmarks.synthetic_engine`) implement
+:class:`~rolloutd.engines.embedded.interface.EngineBackend`; this module owns what a
 client sees: routes, methods, body parsing, validation, rids and error shapes, each as SGLang
 0.5.23 does it, never kinder. The SGLang files mirrored:
 
@@ -79,11 +80,8 @@ The synthetic engine also serves ``/get_load`` (``serve_get_load``), which sglan
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -93,14 +91,28 @@ from typing import Any
 from aiohttp import web
 
 from flexmarl.errors import FlexmarlError, InvalidArgument
-from rolloutd.engines.lora import NOT_ENABLED_MESSAGE, LoraRef, LoraRegistry, LoraSettings, LoraUpdate
-from rolloutd.engines.protocol import (
-    ContractViolation,
-    SamplingParams,
-    check_lora_path_contract,
-    check_sampling_contract,
-    parse_input_ids,
+from rolloutd.engines.embedded.interface import DistributedUpdate, EngineBackend, SampleRequest
+from rolloutd.engines.embedded.outputs import FLUSH_AFTER_UPDATE_FAILED
+from rolloutd.engines.embedded.schemas import (
+    PAUSE_MODES,
+    WEIGHT_UPDATE_SELECTORS,
+    ValidationFailure,
+    check_base_req_fields,
+    check_generate_fields,
+    check_sampling_contracts,
+    contract_error,
+    json_object,
+    lax_bool,
+    lax_int,
+    optional_str,
+    required_str,
+    shape_list,
+    str_list,
+    validation_error,
+    value_error,
 )
+from rolloutd.engines.lora import NOT_ENABLED_MESSAGE, LoraRef, LoraRegistry, LoraUpdate
+from rolloutd.engines.protocol import ContractViolation, SamplingParams, parse_input_ids
 
 logger = logging.getLogger(__name__)
 
@@ -115,448 +127,8 @@ FLUSH_CACHE_OK_TEXT = (
 )
 FLUSH_CACHE_FAILED_TEXT = "Flush cache failed.\n"
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
-#: io_struct.py PauseGenerationReqInput.mode.
-PAUSE_MODES = ("abort", "retract", "in_place")
 #: tokenizer_manager.py pause_generation(mode="abort"): abort all, then re-check every second.
 PAUSE_ABORT_POLL_S = 1.0
-#: output_streamer.py: a non-streaming request's tokens reach the tokenizer manager every
-#: SGLANG_FORCE_STREAM_INTERVAL (50) tokens and when it finishes.
-FORCE_STREAM_INTERVAL = 50
-FLUSH_AFTER_UPDATE_FAILED = (
-    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
-    "Retract or finish them, then call /flush_cache."
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class SampleRequest:
-    """One sample to generate: SGLang's scheduler request after the tokenizer manager expanded ``n``.
-
-    ``params.n`` is always 1 here; an ``n > 1`` request becomes ``n`` of these with fresh rids.
-    """
-
-    rid: str
-    input_ids: tuple[int, ...]
-    params: SamplingParams
-    return_logprob: bool
-    created_s: float = dataclasses.field(default_factory=time.monotonic)
-    lora_id: str | None = None  # the adapter the sample runs with (the registry's id); None: the base
-    top_logprobs_num: int = 0  # io_struct.py GenerateReqInput.top_logprobs_num (read with return_logprob)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadSnapshot:
-    """One replica's load in the vocabulary of sglang/srt/managers/scheduler_components/load_inquirer.py.
-
-    ``num_total_tokens`` is the used KV tokens plus the tokens of the queued requests, as
-    SGLang's ``get_loads`` computes it (not the capacity: that is ``max_total_num_tokens``).
-    """
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_used_tokens: int
-    num_waiting_tokens: int
-    max_total_num_tokens: int
-    max_running_requests: int
-    gen_throughput: float
-
-    @property
-    def num_total_tokens(self) -> int:
-        """Used KV tokens plus queued request tokens."""
-        return self.num_used_tokens + self.num_waiting_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class VersionChange:
-    """The weight version changed after a request's first ``output_tokens`` tokens (weight_versions.py).
-
-    ``old_version`` served those tokens (from the previous change on).
-    """
-
-    old_version: str
-    output_tokens: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedUpdate:
-    """The tensors of one ``/update_weights_from_distributed`` call (io_struct.py field names).
-
-    Zipped as SGLang zips them: lists of different lengths are not refused.
-    """
-
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    group_name: str = "weight_update_group"
-    load_format: str | None = None
-
-
-def weight_version_spans(
-    changes: Sequence[VersionChange], current_version: str, output_tokens: int
-) -> list[dict[str, Any]]:
-    """The ``{"version", "start", "end"}`` spans of a request's tokens (``compute_weight_version_spans``)."""
-    spans: list[dict[str, Any]] = []
-    for version, end in [*((c.old_version, c.output_tokens) for c in changes), (current_version, output_tokens)]:
-        end = min(end, output_tokens)
-        if spans and end <= spans[-1]["end"]:
-            continue
-        if spans and version == spans[-1]["version"]:
-            spans[-1]["end"] = end
-            continue
-        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
-    return spans
-
-
-def _add_weight_versions(meta_info: dict[str, Any], spans: list[dict[str, Any]], visible_tokens: int) -> None:
-    """``add_weight_versions_to_meta_info``: the spans of the tokens the answer carries, and the last version."""
-    visible = [span for span in spans if span["start"] < visible_tokens or span["start"] == 0]
-    meta_info["weight_versions"] = [{**span, "end": min(span["end"], visible_tokens)} for span in visible]
-    meta_info["weight_version"] = visible[-1]["version"]
-
-
-class EngineBackend(abc.ABC):
-    """What an engine implements under :class:`SGLangServer` (the scheduler and model side).
-
-    Methods run on the server's event loop; a backend with a worker thread hands results back
-    through the futures it returns.
-    """
-
-    #: Name in error messages and ``/server_info`` (``"embedded"``, ``"synthetic"``).
-    name: str = "engine"
-    #: ``version`` field of ``/server_info`` and ``/v1/loads``.
-    version: str = "flexmarl"
-
-    @abc.abstractmethod
-    async def start(self, port: int) -> None:
-        """Start scheduling (the server listens on ``port``)."""
-
-    @abc.abstractmethod
-    async def stop(self) -> None:
-        """Stop scheduling; whatever is pending fails (idempotent)."""
-
-    @abc.abstractmethod
-    def check(self, request: SampleRequest) -> None:
-        """Raise :class:`InvalidArgument` when the backend cannot serve ``request`` (context, vocab)."""
-
-    @abc.abstractmethod
-    def submit(self, request: SampleRequest) -> asyncio.Future[dict[str, Any]]:
-        """Queue one sample; the future resolves with its ``/generate`` output object.
-
-        Raises:
-            Unavailable: The backend is stopping.
-        """
-
-    @abc.abstractmethod
-    def abort(self, rid: str, abort_all: bool) -> None:
-        """Abort queued and running samples whose rid starts with ``rid`` (or all): scheduler.py semantics."""
-
-    @abc.abstractmethod
-    async def update_weights_from_disk(
-        self,
-        model_path: str,
-        load_format: str | None,
-        weight_version: str | None,
-        *,
-        paused: bool,
-        flush_cache: bool,
-    ) -> bool:
-        """Swap in the checkpoint at ``model_path``; returns False when the cache flush after it was refused.
-
-        Not ``paused`` (tokenizer_manager.py: the update takes the model lock): the running and
-        queued samples finish on the old weights first, later ones wait. ``paused``: the weights
-        change at the next iteration boundary under whatever runs or was retracted, and a
-        version change is recorded for each of them. ``weight_version`` None keeps the version.
-        With ``flush_cache`` the cache is then flushed, which is refused (False) while samples
-        run, or, unless the scheduler is paused, wait (weight_updater.py).
-
-        Raises:
-            InvalidArgument: The checkpoint cannot be loaded or does not fit the served model.
-        """
-
-    @abc.abstractmethod
-    async def set_weight_version(self, weight_version: str) -> None:
-        """Rename the weights being served (``/update_weight_version``); live samples record the change."""
-
-    @abc.abstractmethod
-    async def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-    ) -> tuple[bool, str]:
-        """Join a trainer's weight-update group as rank ``rank_offset`` (blocks until all ranks joined)."""
-
-    @abc.abstractmethod
-    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
-        """Leave the group (``(False, "The group to be destroyed does not exist.")`` when not in it)."""
-
-    @abc.abstractmethod
-    async def begin_weight_update(self, selector: str, *, paused: bool) -> tuple[bool, str]:
-        """Open the update session (not ``paused``: after the running samples, like a disk update)."""
-
-    @abc.abstractmethod
-    async def end_weight_update(self, *, paused: bool) -> tuple[bool, str]:
-        """Close the update session."""
-
-    @abc.abstractmethod
-    async def update_weights_from_distributed(
-        self, update: DistributedUpdate, weight_version: str | None, *, paused: bool, flush_cache: bool
-    ) -> tuple[bool, str]:
-        """Receive ``update`` from rank 0 of its group and load it at once; SGLang's ``(success, message)``.
-
-        Placed as :meth:`update_weights_from_disk` (``paused`` or not). On success the version
-        changes when ``weight_version`` is given, then the cache flush is checked (refused: the
-        flush message, success False).
-        """
-
-    @abc.abstractmethod
-    async def pause(self, mode: str) -> None:
-        """Pause the scheduler (scheduler.py ``pause_generation``), ``mode`` ``"in_place"`` or ``"retract"``.
-
-        Returns once the scheduler is between iterations and paused: ``in_place`` keeps the
-        running samples and their KV cache; ``retract`` moves them to the end of the waiting
-        queue (they re-prefill their prompt plus their tokens when generation continues).
-        Aborts still reach paused samples (a running one answers after continue).
-        """
-
-    @abc.abstractmethod
-    async def resume(self) -> None:
-        """Un-pause the scheduler (scheduler.py ``continue_generation``; a no-op when not paused)."""
-
-    @property
-    @abc.abstractmethod
-    def weight_version(self) -> str:
-        """The weight version being served."""
-
-    @property
-    @abc.abstractmethod
-    def last_output_s(self) -> float:
-        """``time.monotonic()`` of the scheduler's last output (a decode step or a finished sample)."""
-
-    @abc.abstractmethod
-    def load_snapshot(self) -> LoadSnapshot:
-        """Current queue and batch sizes."""
-
-    @abc.abstractmethod
-    def flush_cache(self) -> bool:
-        """Flush cached prefixes; False (refused) while samples run or wait (waiting ignored while paused)."""
-
-    @abc.abstractmethod
-    def model_info(self) -> dict[str, Any]:
-        """``/model_info`` fields."""
-
-    @abc.abstractmethod
-    def server_info(self) -> dict[str, Any]:
-        """``/server_info`` fields (server arguments and internal state)."""
-
-    # ----- LoRA adapters (the scheduler's half: sglang/srt/lora/lora_manager.py) -----------------
-    @property
-    @abc.abstractmethod
-    def lora_settings(self) -> LoraSettings:
-        """The server's LoRA flags (its ``--lora-paths`` adapters are loaded before :meth:`start`)."""
-
-    @abc.abstractmethod
-    async def load_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
-        """Load ``ref``'s adapter between iterations; SGLang's result (``validate_new_adapter`` errors included)."""
-
-    @abc.abstractmethod
-    async def unload_lora_adapter(self, ref: LoraRef) -> LoraUpdate:
-        """Drop adapter ``ref.lora_id`` (no request uses it any more: the server waited)."""
-
-
-# ----- output objects shared by the backends --------------------------------------------
-def first_sample(job: asyncio.Future[list[dict[str, Any]]]) -> asyncio.Future[dict[str, Any]]:
-    """A future of the one output of a one-sample job's future (cancellation and errors carried over)."""
-    sample: asyncio.Future[dict[str, Any]] = job.get_loop().create_future()
-
-    def relay(done: asyncio.Future[list[dict[str, Any]]]) -> None:
-        if sample.done():
-            return
-        if done.cancelled():
-            sample.cancel()
-        elif (exc := done.exception()) is not None:
-            sample.set_exception(exc)
-        else:
-            sample.set_result(done.result()[0])
-
-    job.add_done_callback(relay)
-    return sample
-
-
-def running_abort_reason() -> dict[str, Any]:
-    """``finish_reason`` of a sample aborted while running (schedule_batch.py ``FINISH_ABORT()``)."""
-    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
-
-
-def sample_output(
-    request: SampleRequest,
-    output_ids: Sequence[int],
-    logprobs: Sequence[float],
-    reason: Mapping[str, Any],
-    *,
-    text: str,
-    weight_version: str,
-    model_path: str,
-    version_changes: Sequence[VersionChange] = (),
-    top_logprobs: Sequence[Sequence[tuple[float, int]]] = (),
-) -> dict[str, Any]:
-    """The ``/generate`` object of a finished (or running-aborted) sample.
-
-    ``weight_version`` is the version served now; ``version_changes`` the changes recorded
-    while the sample ran; ``meta_info`` carries their spans. ``model_path`` in ``meta_info`` is
-    a FlexMARL extension: the checkpoint serving when it finished.
-    """
-    meta_info: dict[str, Any] = {
-        "id": request.rid,
-        "finish_reason": dict(reason),
-        "prompt_tokens": len(request.input_ids),
-        "completion_tokens": len(output_ids),
-        "cached_tokens": 0,
-        "weight_version": weight_version,
-        "model_path": model_path,
-        "e2e_latency": time.monotonic() - request.created_s,
-    }
-    spans = weight_version_spans(version_changes, weight_version, len(output_ids))
-    _add_weight_versions(meta_info, spans, len(output_ids))
-    if request.return_logprob:
-        # SGLang's shape: one [logprob, token_id, text-or-null] triple per output token.
-        meta_info["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(logprobs, output_ids, strict=True)]
-        if request.top_logprobs_num:  # tokenizer_manager.py detokenize_top_logprobs_tokens: per token, k triples
-            meta_info["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in top] for top in top_logprobs]
-    return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
-
-
-def received_tokens(generated: int) -> int:
-    """How many of a running non-streaming request's tokens the tokenizer manager has (output_streamer.py)."""
-    return generated - generated % FORCE_STREAM_INTERVAL
-
-
-def queued_abort_output(
-    request: SampleRequest,
-    weight_version: str,
-    *,
-    output_ids: Sequence[int] = (),
-    logprobs: Sequence[float] = (),
-    text: str = "",
-    version_changes: Sequence[VersionChange] = (),
-    top_logprobs: Sequence[Sequence[tuple[float, int]]] = (),
-) -> dict[str, Any]:
-    """The object of a sample aborted in the waiting queue (tokenizer_manager.py ``_handle_abort_req``).
-
-    SGLang answers it with fewer ``meta_info`` fields than a finished sample: no
-    ``prompt_tokens`` and no ``cached_tokens``. A sample retracted there by a pause has
-    ``output_ids``; the answer carries the :func:`received_tokens` of them (the tokenizer
-    manager's copy), the spans clipped to those.
-    """
-    shown = received_tokens(len(output_ids))
-    meta_info: dict[str, Any] = {
-        "id": request.rid,
-        "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
-        "weight_version": weight_version,
-        "e2e_latency": time.monotonic() - request.created_s,
-    }
-    _add_weight_versions(meta_info, weight_version_spans(version_changes, weight_version, len(output_ids)), shown)
-    if request.return_logprob:
-        meta_info["output_token_logprobs"] = [
-            [lp, tid, None] for lp, tid in zip(logprobs[:shown], output_ids[:shown], strict=True)
-        ]
-        if request.top_logprobs_num:
-            meta_info["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in top] for top in top_logprobs[:shown]]
-    meta_info["completion_tokens"] = shown
-    return {"text": text, "output_ids": list(output_ids[:shown]), "meta_info": meta_info}
-
-
-# ----- error bodies (http_server.py) ------------------------------------------------------
-def validation_error(message: str) -> web.Response:
-    """FastAPI request-validation failure: ``validation_exception_handler``'s ErrorResponse, 400."""
-    body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-    return web.json_response(body, status=400)
-
-
-def contract_error(message: str) -> web.Response:
-    """The ``/generate`` contract gate: 400 ``{"error": "<text>"}``."""
-    return web.json_response({"error": message}, status=400)
-
-
-def value_error(message: str, status: int = 400) -> web.Response:
-    """A ``ValueError`` of request handling: ``_create_error_response``'s ``{"error": {"message"}}``."""
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-class _ValidationFailure(Exception):
-    """The body failed FastAPI-level parsing (not JSON, wrong content type, missing field)."""
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    """The JSON object body, parsed as FastAPI parses a body parameter.
-
-    FastAPI reads the body as JSON only when the content type is absent or ``application/json``
-    (or ``application/*+json``); anything else, or bytes that are not a JSON object, fail
-    validation.
-    """
-    content_type = request.headers.get("Content-Type", "")
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type and not (media_type == "application/json" or media_type.endswith("+json")):
-        raise _ValidationFailure(f"body of content type {media_type!r} is not a JSON object")
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _ValidationFailure(f"JSON decode error: {exc}") from exc
-    if not isinstance(body, dict):
-        raise _ValidationFailure("Input should be a valid dictionary or object to extract fields from")
-    return body
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_generate_fields(body: Mapping[str, Any]) -> None:
-    """Raise :class:`_ValidationFailure` where FastAPI's parse of ``GenerateReqInput`` would fail.
-
-    Unknown top-level keys are ignored by SGLang (sglang/api/v1/api_types.py ``GenerateRequest``:
-    "unknown keys ignored") and here; the fields FlexMARL's engines read are type-checked.
-    """
-    for key in ("stream", "return_text_in_logprobs"):
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise _ValidationFailure(f"{key}: Input should be a valid boolean")
-    rid = body.get("rid")
-    if rid is not None and not (
-        isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
-    ):
-        raise _ValidationFailure("rid: Input should be a valid string or a list of strings")
-    logprob = body.get("return_logprob")
-    if logprob is not None and not (
-        isinstance(logprob, bool) or (isinstance(logprob, list) and all(isinstance(v, bool) for v in logprob))
-    ):
-        raise _ValidationFailure("return_logprob: Input should be a valid boolean or a list of booleans")
-    top = body.get("top_logprobs_num")
-    if top is not None and not (_is_int(top) or (isinstance(top, list) and all(_is_int(k) for k in top))):
-        raise _ValidationFailure("top_logprobs_num: Input should be a valid integer or a list of integers")
-    input_ids = body.get("input_ids")
-    if input_ids is not None:
-        flat = isinstance(input_ids, list) and all(_is_int(t) for t in input_ids)
-        nested = isinstance(input_ids, list) and all(
-            isinstance(p, list) and all(_is_int(t) for t in p) for p in input_ids
-        )
-        if not (flat or nested):
-            raise _ValidationFailure("input_ids: Input should be a list of integers or a list of lists of integers")
-    sampling = body.get("sampling_params")
-    if sampling is not None and not isinstance(sampling, (dict, list)):
-        raise _ValidationFailure("sampling_params: Input should be a valid dictionary or list")
-    lora_path = body.get("lora_path")
-    if lora_path is not None and not (
-        isinstance(lora_path, str)
-        or (isinstance(lora_path, list) and all(name is None or isinstance(name, str) for name in lora_path))
-    ):
-        raise _ValidationFailure("lora_path: Input should be a valid string or a list of strings or nulls")
-
-
-def _check_sampling_contracts(body: Mapping[str, Any]) -> None:
-    """The contract gate on every ``sampling_params`` object and ``lora_path`` (raises :class:`ContractViolation`)."""
-    check_lora_path_contract(body.get("lora_path"))
-    sampling = body.get("sampling_params")
-    if sampling is not None:
-        for wire in sampling if isinstance(sampling, list) else [sampling]:
-            check_sampling_contract(wire)
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -577,80 +149,11 @@ class _Layout:
     created_s: float = dataclasses.field(default_factory=time.monotonic)  # e2e latency counts a pause wait
 
 
-def _lax_bool(value: Any, name: str) -> bool:
-    """A ``bool`` field as pydantic's lax mode reads it (FastAPI validates SGLang's request structs so)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _LAX_TRUE | _LAX_FALSE:
-        return value.strip().lower() in _LAX_TRUE
-    raise _ValidationFailure(f"{name}: Input should be a valid boolean")
-
-
-_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def _check_base_req_fields(body: Mapping[str, Any]) -> None:
-    """io_struct.py ``BaseReq``: ``rid`` and ``http_worker_ipc`` are optional strings; unknown keys are dropped."""
-    for key in ("rid", "http_worker_ipc"):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise _ValidationFailure(f"{key}: Input should be a valid string")
-
-
-#: io_struct.py ``selector`` of the weight-update requests.
-WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")
-
 
 def _outcome(success: bool, message: str) -> web.Response:
     """The ``{"success", "message"}`` answer of SGLang's weight-update routes: 200, or 400 on failure."""
     return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
-
-def _required_str(body: Mapping[str, Any], name: str) -> str:
-    value = body.get(name)
-    if not isinstance(value, str):
-        raise _ValidationFailure(f"{name}: Field required (a string)")
-    return value
-
-
-def _optional_str(body: Mapping[str, Any], name: str, default: str | None) -> Any:
-    value = body.get(name, default)
-    if value is not None and not isinstance(value, str):
-        raise _ValidationFailure(f"{name}: Input should be a valid string")
-    return value
-
-
-def _lax_int(body: Mapping[str, Any], name: str) -> int:
-    """A required ``int`` field as pydantic's lax mode reads it (integral floats and numeric strings too)."""
-    if name not in body:
-        raise _ValidationFailure(f"{name}: Field required")
-    value = body[name]
-    if _is_int(value):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return int(value.strip())
-    raise _ValidationFailure(f"{name}: Input should be a valid integer")
-
-
-def _str_list(body: Mapping[str, Any], name: str) -> list[str]:
-    value = body.get(name)
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise _ValidationFailure(f"{name}: Field required (a list of strings)")
-    return list(value)
-
-
-def _shape_list(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
-    value = body.get("shapes")
-    if not isinstance(value, list) or not all(
-        isinstance(shape, list) and all(_is_int(dim) for dim in shape) for shape in value
-    ):
-        raise _ValidationFailure("shapes: Field required (a list of lists of integers)")
-    return [tuple(int(dim) for dim in shape) for shape in value]
 
 
 def _model_card(model_id: str, root: str, parent: str | None, max_model_len: Any, created: int) -> dict[str, Any]:
@@ -753,12 +256,12 @@ class SGLangServer:
         request here), then the sampling parameters and the engine's limits.
         """
         try:
-            body = await _json_object(request)
-            _check_generate_fields(body)
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+            check_generate_fields(body)
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         try:
-            _check_sampling_contracts(body)
+            check_sampling_contracts(body)
         except ContractViolation as exc:
             return contract_error(str(exc))
         try:
@@ -967,12 +470,12 @@ class SGLangServer:
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """``/load_lora_adapter`` ``{"lora_name", "lora_path", "pinned"}``: LoRAUpdateOutput, 200 or 400."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
-            lora_name, lora_path = _required_str(body, "lora_name"), _required_str(body, "lora_path")
-            pinned = _lax_bool(body.get("pinned", False), "pinned")
-            _optional_str(body, "lora_id", None)
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+            check_base_req_fields(body)
+            lora_name, lora_path = required_str(body, "lora_name"), required_str(body, "lora_path")
+            pinned = lax_bool(body.get("pinned", False), "pinned")
+            optional_str(body, "lora_id", None)
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         result = await self._load_lora(lora_name, lora_path, pinned)
         return web.json_response(result.to_json(), status=200 if result.success else 400)
@@ -980,11 +483,11 @@ class SGLangServer:
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         """``/unload_lora_adapter`` ``{"lora_name"}``: waits for the requests using it; 200 or 400."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
-            lora_name = _required_str(body, "lora_name")
-            _optional_str(body, "lora_id", None)
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+            check_base_req_fields(body)
+            lora_name = required_str(body, "lora_name")
+            optional_str(body, "lora_id", None)
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         if not self._lora.enabled:
             result = LoraUpdate(False, NOT_ENABLED_MESSAGE)
@@ -1038,8 +541,8 @@ class SGLangServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         """``/abort_request`` ``{"rid", "abort_all"}`` with tokenizer_manager.py's gates."""
         try:
-            body = await _json_object(request)
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
         if not isinstance(rid, str) or not isinstance(abort_all, bool):
@@ -1053,12 +556,12 @@ class SGLangServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         """``/pause_generation`` ``{"mode": "abort" | "retract" | "in_place"}`` (tokenizer_manager.py)."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
+            body = await json_object(request)
+            check_base_req_fields(body)
             mode = body.get("mode", "abort")
             if mode not in PAUSE_MODES:
-                raise _ValidationFailure("mode: Input should be 'abort', 'retract' or 'in_place'")
-        except _ValidationFailure as exc:
+                raise ValidationFailure("mode: Input should be 'abort', 'retract' or 'in_place'")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         async with self._pause_cond:
             self._paused = True
@@ -1076,11 +579,11 @@ class SGLangServer:
     async def continue_generation(self, request: web.Request) -> web.Response:
         """``/continue_generation`` ``{}``: un-pause the scheduler, then release the waiting requests."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
+            body = await json_object(request)
+            check_base_req_fields(body)
             if "torch_empty_cache" in body:
-                _lax_bool(body["torch_empty_cache"], "torch_empty_cache")
-        except _ValidationFailure as exc:
+                lax_bool(body["torch_empty_cache"], "torch_empty_cache")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         async with self._pause_cond:
             self._paused = False
@@ -1091,18 +594,18 @@ class SGLangServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: ``{"success", "message", "num_paused_requests"}``, 400 on failure."""
         try:
-            body = await _json_object(request)
+            body = await json_object(request)
             model_path, load_format = body.get("model_path"), body.get("load_format")
             version = body.get("weight_version")
             if not isinstance(model_path, str):
-                raise _ValidationFailure("model_path: Field required (a string)")
+                raise ValidationFailure("model_path: Field required (a string)")
             if load_format is not None and not isinstance(load_format, str):
-                raise _ValidationFailure("load_format must be a string")
+                raise ValidationFailure("load_format must be a string")
             if version is not None and not isinstance(version, str):
-                raise _ValidationFailure("weight_version must be a string")
-            flush = _lax_bool(body.get("flush_cache", True), "flush_cache")
-            abort_all = _lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
-        except _ValidationFailure as exc:
+                raise ValidationFailure("weight_version must be a string")
+            flush = lax_bool(body.get("flush_cache", True), "flush_cache")
+            abort_all = lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         if abort_all:
             self.backend.abort("", abort_all=True)
@@ -1133,17 +636,17 @@ class SGLangServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """``/init_weights_update_group``: join the trainer's group; 400 when the group cannot be formed."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
+            body = await json_object(request)
+            check_base_req_fields(body)
             fields = {
-                "master_address": _required_str(body, "master_address"),
-                "master_port": _lax_int(body, "master_port"),
-                "rank_offset": _lax_int(body, "rank_offset"),
-                "world_size": _lax_int(body, "world_size"),
-                "group_name": _optional_str(body, "group_name", "weight_update_group"),
-                "backend": _optional_str(body, "backend", "nccl"),
+                "master_address": required_str(body, "master_address"),
+                "master_port": lax_int(body, "master_port"),
+                "rank_offset": lax_int(body, "rank_offset"),
+                "world_size": lax_int(body, "world_size"),
+                "group_name": optional_str(body, "group_name", "weight_update_group"),
+                "backend": optional_str(body, "backend", "nccl"),
             }
-        except _ValidationFailure as exc:
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         success, message = await self.backend.init_weights_update_group(**fields)
         return _outcome(success, message)
@@ -1151,22 +654,22 @@ class SGLangServer:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         """``/destroy_weights_update_group`` ``{"group_name"}``."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
-            group_name = _optional_str(body, "group_name", "weight_update_group")
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+            check_base_req_fields(body)
+            group_name = optional_str(body, "group_name", "weight_update_group")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         return _outcome(*await self.backend.destroy_weights_update_group(group_name))
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """``/begin_weight_update`` ``{"selector"}``: open the session (under the model lock unless paused)."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
-            selector = _optional_str(body, "selector", "all")
+            body = await json_object(request)
+            check_base_req_fields(body)
+            selector = optional_str(body, "selector", "all")
             if selector not in WEIGHT_UPDATE_SELECTORS:
-                raise _ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
-        except _ValidationFailure as exc:
+                raise ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         return _outcome(
             *await self._locked_update(lambda paused: self.backend.begin_weight_update(selector, paused=paused))
@@ -1175,32 +678,32 @@ class SGLangServer:
     async def end_weight_update(self, request: web.Request) -> web.Response:
         """``/end_weight_update`` ``{}``: close the session."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
-        except _ValidationFailure as exc:
+            body = await json_object(request)
+            check_base_req_fields(body)
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         return _outcome(*await self._locked_update(lambda paused: self.backend.end_weight_update(paused=paused)))
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive one call's tensors from rank 0 and load them."""
         try:
-            body = await _json_object(request)
-            _check_base_req_fields(body)
+            body = await json_object(request)
+            check_base_req_fields(body)
             update = DistributedUpdate(
-                names=tuple(_str_list(body, "names")),
-                dtypes=tuple(_str_list(body, "dtypes")),
-                shapes=tuple(_shape_list(body)),
-                group_name=_optional_str(body, "group_name", "weight_update_group"),
-                load_format=_optional_str(body, "load_format", None),
+                names=tuple(str_list(body, "names")),
+                dtypes=tuple(str_list(body, "dtypes")),
+                shapes=tuple(shape_list(body)),
+                group_name=optional_str(body, "group_name", "weight_update_group"),
+                load_format=optional_str(body, "load_format", None),
             )
-            version = _optional_str(body, "weight_version", None)
-            selector = _optional_str(body, "selector", "all")
+            version = optional_str(body, "weight_version", None)
+            selector = optional_str(body, "selector", "all")
             if selector not in WEIGHT_UPDATE_SELECTORS:
-                raise _ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
-            flush = _lax_bool(body.get("flush_cache", True), "flush_cache")
-            abort_all = _lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
-            _lax_bool(body.get("torch_empty_cache", False), "torch_empty_cache")
-        except _ValidationFailure as exc:
+                raise ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
+            flush = lax_bool(body.get("flush_cache", True), "flush_cache")
+            abort_all = lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
+            lax_bool(body.get("torch_empty_cache", False), "torch_empty_cache")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         if abort_all:
             self.backend.abort("", abort_all=True)
@@ -1234,11 +737,11 @@ class SGLangServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version`` ``{"new_version", "abort_all_requests" = true}``."""
         try:
-            body = await _json_object(request)
+            body = await json_object(request)
             new_version = body.get("new_version")
             if not isinstance(new_version, str):
-                raise _ValidationFailure("new_version: Field required (a string)")
-        except _ValidationFailure as exc:
+                raise ValidationFailure("new_version: Field required (a string)")
+        except ValidationFailure as exc:
             return validation_error(str(exc))
         if body.get("abort_all_requests", True):
             self.backend.abort("", abort_all=True)
@@ -1345,21 +848,3 @@ class SGLangServer:
                 }
             ]
         )
-
-
-__all__ = [
-    "FORCE_STREAM_INTERVAL",
-    "PAUSE_MODES",
-    "WEIGHT_UPDATE_SELECTORS",
-    "DistributedUpdate",
-    "EngineBackend",
-    "LoadSnapshot",
-    "SGLangServer",
-    "SampleRequest",
-    "VersionChange",
-    "queued_abort_output",
-    "received_tokens",
-    "running_abort_reason",
-    "sample_output",
-    "weight_version_spans",
-]

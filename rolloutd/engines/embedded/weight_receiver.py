@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from flexmarl import collective
-from rolloutd.engines.sglang_server import DistributedUpdate
+from rolloutd.engines.embedded.interface import DistributedUpdate
 from rolloutd.engines.weight_messages import (
     DESTROY_MISSING,
     DESTROY_OK,
