@@ -58,6 +58,7 @@ import pytest
 from aiohttp import web
 
 from flexmarl.tiny import build_tiny_tokenizer
+from rolloutd.engines.embedded import schemas as embedded_schemas
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams, WeightVersionSpan
 from rolloutd.engines.sglang.client import SGLangClient
 
@@ -726,6 +727,7 @@ def test_unknown_top_level_key_is_flagged(sglang_schema: SGLangSchema) -> None:
         ("UpdateWeightsFromDistributedReqInput", {"names": ["a"], "dtypes": ["float32"], "shapes": [["1"]],
                                                   "selector": "both"}),
         ("DestroyWeightsUpdateGroupReqInput", {"group_name": 3}),
+        ("DestroyWeightsUpdateGroupReqInput", {"group_name": None}),  # a str with a default: null is no name
         # What rolloutd's engines refuse on the LoRA routes.
         ("LoadLoRAAdapterReqInput", {"lora_name": "a"}),  # lora_path is required
         ("LoadLoRAAdapterReqInput", {"lora_name": "a", "lora_path": "/p", "pinned": "maybe"}),
@@ -737,6 +739,10 @@ def test_unknown_top_level_key_is_flagged(sglang_schema: SGLangSchema) -> None:
 def test_bad_control_bodies_are_refused(sglang_schema: SGLangSchema, name: str, body: dict[str, Any]) -> None:
     with pytest.raises((ValueError, TypeError)):
         _check_struct_body(sglang_schema, name, body)
+    model = _server_model(name)
+    if set(body) <= set(model.model_fields):  # a key SGLang's FastAPI route drops is dropped by ours too
+        with pytest.raises(ValueError):
+            model.model_validate(body)
 
 
 @pytest.mark.parametrize(
@@ -760,6 +766,56 @@ def test_control_bodies_rolloutds_engines_accept_pass_sglang(
     sglang_schema: SGLangSchema, name: str, body: dict[str, Any]
 ) -> None:
     sglang_schema.struct_adapters[name].validate_python(body)
+    _server_model(name).model_validate(body)  # the embedded server's model of the request accepts it too
+
+
+def _server_model(name: str) -> type[embedded_schemas.SGLangRequest]:
+    """The embedded server's model of SGLang's request struct ``name`` (same class name)."""
+    model = getattr(embedded_schemas, name)
+    assert isinstance(model, type) and issubclass(model, embedded_schemas.SGLangRequest)
+    return model
+
+
+_SERVER_MODELS = sorted(
+    (m for m in vars(embedded_schemas).values()
+     if isinstance(m, type) and issubclass(m, embedded_schemas.SGLangRequest)
+     and m not in (embedded_schemas.SGLangRequest, embedded_schemas.BaseReq)),
+    key=lambda m: m.__name__,
+)
+_REQUIRED = object()
+
+
+def _sglang_fields(struct: Any) -> dict[str, Any]:
+    """Field name -> default (``_REQUIRED`` when it has none) of an io_struct.py dataclass or msgspec struct."""
+    import dataclasses
+
+    import msgspec
+
+    if dataclasses.is_dataclass(struct):
+        return {f.name: _REQUIRED if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                else f.default for f in dataclasses.fields(struct)}
+    # msgspec.structs.fields would resolve the annotations, which need io_struct.py's namespace: read the
+    # defaults as it does (NODEFAULT for a required field, a trailing tuple aligned with the last fields).
+    names, defaults = struct.__struct_fields__, struct.__struct_defaults__
+    padded = (msgspec.NODEFAULT,) * (len(names) - len(defaults)) + tuple(defaults)
+    return {name: _REQUIRED if default is msgspec.NODEFAULT else default
+            for name, default in zip(names, padded, strict=True)}
+
+
+@pytest.mark.parametrize("model", _SERVER_MODELS, ids=lambda m: m.__name__)
+def test_the_embedded_servers_request_models_declare_sglangs_fields(
+    sglang_schema: SGLangSchema, model: type[embedded_schemas.SGLangRequest]
+) -> None:
+    # Every field the embedded server reads is a field of SGLang's struct of the same name, required
+    # where SGLang requires it and with SGLang's default (AbortReq's __post_init__ turns rid None into "").
+    theirs = _sglang_fields(sglang_schema.cls(model.__name__))
+    for name, field_info in model.model_fields.items():
+        assert name in theirs, f"{model.__name__}.{name} is not a field of SGLang's {model.__name__}"
+        if model is embedded_schemas.GenerateReqInput:
+            continue  # its fields are read strictly and default to None; SGLang normalises them later
+        ours = _REQUIRED if field_info.is_required() else field_info.default
+        expected = "" if (model.__name__, name, theirs[name]) == ("AbortReq", "rid", None) else theirs[name]
+        assert ours == expected, f"{model.__name__}.{name}: default {ours!r}, SGLang's {expected!r}"
 
 
 def test_pause_modes_are_sglangs(sglang_schema: SGLangSchema) -> None:

@@ -8,7 +8,8 @@ module mirrors one part of it and names the SGLang source files it follows:
 * :mod:`.server`: the HTTP surface (routes, rids, abort, pause, LoRA names, weight-update
   routes, error shapes; sglang/srt/entrypoints/http_server.py, sglang/srt/managers/tokenizer_manager.py),
   with the request schemas in :mod:`.schemas` (sglang/srt/managers/io_struct.py,
-  sglang/api/v1/api_types.py) and the answer objects in :mod:`.outputs`. It drives any
+  sglang/api/v1/api_types.py), the answer objects in :mod:`.outputs` and the LoRA adapters' names in
+  :mod:`.adapter_names` (tokenizer_control_mixin.py). It drives any
   :class:`~.interface.EngineBackend` (:mod:`.interface`): the synthetic engine
   (``benchmarks/synthetic_engine.py``) serves through it too.
 * :mod:`.backend`: the embedded engine under that server.

@@ -1,31 +1,214 @@
-"""Requests of SGLang's HTTP API as the server parses them, and SGLang's error bodies.
+"""The requests of SGLang's HTTP API as pydantic models, and SGLang's error bodies.
 
-Mirrors FastAPI's parse of SGLang's request structs (sglang/srt/managers/io_struct.py,
-sglang/api/v1/api_types.py; pydantic lax mode) and the error shapes of
-sglang/srt/entrypoints/http_server.py: a request-validation failure (``validation_exception_handler``),
-the ``/generate`` contract gate (sglang/srt/entrypoints/api_contract.py) and a ``ValueError``
-of request handling (``_create_error_response``).
+Each model is named after, and declares the fields the server reads of, its SGLang 0.5.23
+request struct (sglang/srt/managers/io_struct.py; ``/generate`` also
+sglang/api/v1/api_types.py ``GenerateRequest``): unknown keys are dropped as SGLang drops
+them, and fields are parsed as FastAPI parses SGLang's structs (pydantic lax mode: ``"yes"`` is
+a bool, ``"8"`` an int), except where SGLang's contract gate is stricter (``/generate``'s fields
+are strict). tests/rolloutd/test_sglang_schema.py compares these models with SGLang's structs.
+
+Error bodies are those of sglang/srt/entrypoints/http_server.py: a body that fails a model is
+``validation_exception_handler``'s ErrorResponse (400, :func:`validation_error`); the
+``/generate`` contract gate (sglang/srt/entrypoints/api_contract.py, the sampling parameters
+checked by :func:`rolloutd.engines.protocol.check_sampling_contract`) answers 400
+``{"error": "<text>"}`` (:func:`contract_error`); a ``ValueError`` of request handling is
+``_create_error_response``'s ``{"error": {"message"}}`` (:func:`value_error`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from rolloutd.engines.protocol import check_lora_path_contract, check_sampling_contract
 
 #: io_struct.py PauseGenerationReqInput.mode.
 PAUSE_MODES = ("abort", "retract", "in_place")
-
+PauseMode = Literal["abort", "retract", "in_place"]
 #: io_struct.py ``selector`` of the weight-update requests.
 WEIGHT_UPDATE_SELECTORS = ("target", "draft", "all")
+WeightUpdateSelector = Literal["target", "draft", "all"]
+DEFAULT_GROUP_NAME = "weight_update_group"
 
 
-# ----- error bodies (http_server.py) ------------------------------------------------------
+class RequestInvalid(Exception):
+    """The body failed FastAPI-level parsing (not JSON, wrong content type, a field of the wrong type)."""
+
+
+class SGLangRequest(BaseModel):
+    """A request body: unknown keys are dropped (SGLang's structs ignore them)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class BaseReq(SGLangRequest):
+    """io_struct.py ``BaseReq``: what every control request may carry."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class GenerateReqInput(SGLangRequest):
+    """io_struct.py ``GenerateReqInput``: the fields FlexMARL's engines read, type-checked strictly.
+
+    ``sampling_params`` objects are checked by the contract gate
+    (:func:`check_generate_contracts`), then parsed by :meth:`SamplingParams.from_wire`.
+    """
+
+    text: Any = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    sampling_params: dict[str, Any] | list[Any] | None = None
+    rid: StrictStr | list[StrictStr] | None = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    stream: StrictBool | None = None
+    return_text_in_logprobs: StrictBool | None = None
+    lora_path: StrictStr | list[StrictStr | None] | None = None
+
+
+class AbortReq(SGLangRequest):
+    """io_struct.py ``AbortReq`` (``rid`` None or empty: ``""``, as its ``__post_init__``)."""
+
+    rid: StrictStr = ""
+    abort_all: StrictBool = False
+
+    @field_validator("rid", mode="before")
+    @classmethod
+    def _empty_rid(cls, value: Any) -> Any:
+        return value or ""
+
+
+class UpdateWeightFromDiskReqInput(SGLangRequest):
+    """io_struct.py ``UpdateWeightFromDiskReqInput``."""
+
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class UpdateWeightVersionReqInput(SGLangRequest):
+    """io_struct.py ``UpdateWeightVersionReqInput``."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class PauseGenerationReqInput(BaseReq):
+    """io_struct.py ``PauseGenerationReqInput``."""
+
+    mode: PauseMode = "abort"
+
+
+class ContinueGenerationReqInput(BaseReq):
+    """io_struct.py ``ContinueGenerationReqInput``."""
+
+    torch_empty_cache: bool = True  # read, not acted on: no CUDA cache to empty
+
+
+class InitWeightsUpdateGroupReqInput(BaseReq):
+    """io_struct.py ``InitWeightsUpdateGroupReqInput``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: str = "nccl"
+
+
+class DestroyWeightsUpdateGroupReqInput(BaseReq):
+    """io_struct.py ``DestroyWeightsUpdateGroupReqInput``."""
+
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class BeginWeightUpdateReqInput(BaseReq):
+    """io_struct.py ``BeginWeightUpdateReqInput``."""
+
+    selector: WeightUpdateSelector = "all"
+
+
+class EndWeightUpdateReqInput(BaseReq):
+    """io_struct.py ``EndWeightUpdateReqInput``."""
+
+
+class UpdateWeightsFromDistributedReqInput(BaseReq):
+    """io_struct.py ``UpdateWeightsFromDistributedReqInput``."""
+
+    names: list[StrictStr]
+    dtypes: list[StrictStr]
+    shapes: list[list[StrictInt]]
+    group_name: str = DEFAULT_GROUP_NAME
+    load_format: str | None = None
+    weight_version: str | None = None
+    selector: WeightUpdateSelector = "all"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    torch_empty_cache: bool = False
+
+
+class LoadLoRAAdapterReqInput(BaseReq):
+    """io_struct.py ``LoadLoRAAdapterReqInput``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqInput(BaseReq):
+    """io_struct.py ``UnloadLoRAAdapterReqInput``."""
+
+    lora_name: str
+    lora_id: str | None = None
+
+
+RequestT = TypeVar("RequestT", bound=SGLangRequest)
+
+
+async def parse_body(request: web.Request, model: type[RequestT]) -> RequestT:
+    """The JSON object body, parsed as FastAPI parses a body parameter, validated by ``model``.
+
+    FastAPI reads the body as JSON only when the content type is absent or ``application/json``
+    (or ``application/*+json``); anything else, or bytes that are not a JSON object, fail
+    validation.
+
+    Raises:
+        RequestInvalid: The body is not a JSON object or fails the model (the message lists the fields).
+    """
+    content_type = request.headers.get("Content-Type", "")
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type and not (media_type == "application/json" or media_type.endswith("+json")):
+        raise RequestInvalid(f"body of content type {media_type!r} is not a JSON object")
+    raw = await request.read()
+    try:
+        body = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestInvalid(f"JSON decode error: {exc}") from exc
+    if not isinstance(body, dict):
+        raise RequestInvalid("Input should be a valid dictionary or object to extract fields from")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestInvalid(
+            "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
+        ) from exc
+
+
+def check_generate_contracts(request: GenerateReqInput) -> None:
+    """The contract gate on every ``sampling_params`` object and ``lora_path`` (raises ``ContractViolation``)."""
+    check_lora_path_contract(request.lora_path)
+    sampling = request.sampling_params
+    if sampling is not None:
+        for wire in sampling if isinstance(sampling, list) else [sampling]:
+            check_sampling_contract(wire)
+
+
 def validation_error(message: str) -> web.Response:
     """FastAPI request-validation failure: ``validation_exception_handler``'s ErrorResponse, 400."""
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
@@ -40,156 +223,3 @@ def contract_error(message: str) -> web.Response:
 def value_error(message: str, status: int = 400) -> web.Response:
     """A ``ValueError`` of request handling: ``_create_error_response``'s ``{"error": {"message"}}``."""
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-class ValidationFailure(Exception):
-    """The body failed FastAPI-level parsing (not JSON, wrong content type, missing field)."""
-
-
-async def json_object(request: web.Request) -> dict[str, Any]:
-    """The JSON object body, parsed as FastAPI parses a body parameter.
-
-    FastAPI reads the body as JSON only when the content type is absent or ``application/json``
-    (or ``application/*+json``); anything else, or bytes that are not a JSON object, fail
-    validation.
-    """
-    content_type = request.headers.get("Content-Type", "")
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    if media_type and not (media_type == "application/json" or media_type.endswith("+json")):
-        raise ValidationFailure(f"body of content type {media_type!r} is not a JSON object")
-    raw = await request.read()
-    try:
-        body = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValidationFailure(f"JSON decode error: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ValidationFailure("Input should be a valid dictionary or object to extract fields from")
-    return body
-
-
-def is_int(value: Any) -> bool:
-    """Whether ``value`` is a JSON integer (a bool is not)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_generate_fields(body: Mapping[str, Any]) -> None:
-    """Raise :class:`ValidationFailure` where FastAPI's parse of ``GenerateReqInput`` would fail.
-
-    Unknown top-level keys are ignored by SGLang (sglang/api/v1/api_types.py ``GenerateRequest``:
-    "unknown keys ignored") and here; the fields FlexMARL's engines read are type-checked.
-    """
-    for key in ("stream", "return_text_in_logprobs"):
-        if body.get(key) is not None and not isinstance(body[key], bool):
-            raise ValidationFailure(f"{key}: Input should be a valid boolean")
-    rid = body.get("rid")
-    if rid is not None and not (
-        isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
-    ):
-        raise ValidationFailure("rid: Input should be a valid string or a list of strings")
-    logprob = body.get("return_logprob")
-    if logprob is not None and not (
-        isinstance(logprob, bool) or (isinstance(logprob, list) and all(isinstance(v, bool) for v in logprob))
-    ):
-        raise ValidationFailure("return_logprob: Input should be a valid boolean or a list of booleans")
-    top = body.get("top_logprobs_num")
-    if top is not None and not (is_int(top) or (isinstance(top, list) and all(is_int(k) for k in top))):
-        raise ValidationFailure("top_logprobs_num: Input should be a valid integer or a list of integers")
-    input_ids = body.get("input_ids")
-    if input_ids is not None:
-        flat = isinstance(input_ids, list) and all(is_int(t) for t in input_ids)
-        nested = isinstance(input_ids, list) and all(
-            isinstance(p, list) and all(is_int(t) for t in p) for p in input_ids
-        )
-        if not (flat or nested):
-            raise ValidationFailure("input_ids: Input should be a list of integers or a list of lists of integers")
-    sampling = body.get("sampling_params")
-    if sampling is not None and not isinstance(sampling, (dict, list)):
-        raise ValidationFailure("sampling_params: Input should be a valid dictionary or list")
-    lora_path = body.get("lora_path")
-    if lora_path is not None and not (
-        isinstance(lora_path, str)
-        or (isinstance(lora_path, list) and all(name is None or isinstance(name, str) for name in lora_path))
-    ):
-        raise ValidationFailure("lora_path: Input should be a valid string or a list of strings or nulls")
-
-
-def check_sampling_contracts(body: Mapping[str, Any]) -> None:
-    """The contract gate on every ``sampling_params`` object and ``lora_path`` (raises :class:`ContractViolation`)."""
-    check_lora_path_contract(body.get("lora_path"))
-    sampling = body.get("sampling_params")
-    if sampling is not None:
-        for wire in sampling if isinstance(sampling, list) else [sampling]:
-            check_sampling_contract(wire)
-
-
-
-def lax_bool(value: Any, name: str) -> bool:
-    """A ``bool`` field as pydantic's lax mode reads it (FastAPI validates SGLang's request structs so)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in LAX_TRUE | LAX_FALSE:
-        return value.strip().lower() in LAX_TRUE
-    raise ValidationFailure(f"{name}: Input should be a valid boolean")
-
-
-LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
-
-
-def check_base_req_fields(body: Mapping[str, Any]) -> None:
-    """io_struct.py ``BaseReq``: ``rid`` and ``http_worker_ipc`` are optional strings; unknown keys are dropped."""
-    for key in ("rid", "http_worker_ipc"):
-        if body.get(key) is not None and not isinstance(body[key], str):
-            raise ValidationFailure(f"{key}: Input should be a valid string")
-
-
-
-def required_str(body: Mapping[str, Any], name: str) -> str:
-    """The required string field ``name``."""
-    value = body.get(name)
-    if not isinstance(value, str):
-        raise ValidationFailure(f"{name}: Field required (a string)")
-    return value
-
-
-def optional_str(body: Mapping[str, Any], name: str, default: str | None) -> Any:
-    """The optional string field ``name`` (``default`` when absent)."""
-    value = body.get(name, default)
-    if value is not None and not isinstance(value, str):
-        raise ValidationFailure(f"{name}: Input should be a valid string")
-    return value
-
-
-def lax_int(body: Mapping[str, Any], name: str) -> int:
-    """A required ``int`` field as pydantic's lax mode reads it (integral floats and numeric strings too)."""
-    if name not in body:
-        raise ValidationFailure(f"{name}: Field required")
-    value = body[name]
-    if is_int(value):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return int(value.strip())
-    raise ValidationFailure(f"{name}: Input should be a valid integer")
-
-
-def str_list(body: Mapping[str, Any], name: str) -> list[str]:
-    """The required list-of-strings field ``name``."""
-    value = body.get(name)
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ValidationFailure(f"{name}: Field required (a list of strings)")
-    return list(value)
-
-
-def shape_list(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
-    """The required ``shapes`` field: a list of lists of integers."""
-    value = body.get("shapes")
-    if not isinstance(value, list) or not all(
-        isinstance(shape, list) and all(is_int(dim) for dim in shape) for shape in value
-    ):
-        raise ValidationFailure("shapes: Field required (a list of lists of integers)")
-    return [tuple(int(dim) for dim in shape) for shape in value]

@@ -91,27 +91,30 @@ from typing import Any
 from aiohttp import web
 
 from flexmarl.errors import FlexmarlError, InvalidArgument
+from rolloutd.engines.embedded.adapter_names import AdapterNames
 from rolloutd.engines.embedded.interface import DistributedUpdate, EngineBackend, SampleRequest
 from rolloutd.engines.embedded.outputs import FLUSH_AFTER_UPDATE_FAILED
 from rolloutd.engines.embedded.schemas import (
-    PAUSE_MODES,
-    WEIGHT_UPDATE_SELECTORS,
-    ValidationFailure,
-    check_base_req_fields,
-    check_generate_fields,
-    check_sampling_contracts,
+    AbortReq,
+    BeginWeightUpdateReqInput,
+    ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
+    EndWeightUpdateReqInput,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
+    PauseGenerationReqInput,
+    RequestInvalid,
+    UnloadLoRAAdapterReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightVersionReqInput,
+    check_generate_contracts,
     contract_error,
-    json_object,
-    lax_bool,
-    lax_int,
-    optional_str,
-    required_str,
-    shape_list,
-    str_list,
+    parse_body,
     validation_error,
     value_error,
 )
-from rolloutd.engines.lora import NOT_ENABLED_MESSAGE, LoraRef, LoraRegistry, LoraUpdate
 from rolloutd.engines.protocol import ContractViolation, SamplingParams, parse_input_ids
 
 logger = logging.getLogger(__name__)
@@ -189,7 +192,7 @@ class SGLangServer:
         self._updating = 0
         # The tokenizer manager's weight_version (/model_info): set by a successful update only.
         self._info_weight_version: str | None = None
-        self._lora = LoraRegistry(backend.lora_settings)
+        self._lora = AdapterNames(backend)
 
     @property
     def paused(self) -> bool:
@@ -256,12 +259,11 @@ class SGLangServer:
         request here), then the sampling parameters and the engine's limits.
         """
         try:
-            body = await json_object(request)
-            check_generate_fields(body)
-        except ValidationFailure as exc:
+            body = await parse_body(request, GenerateReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         try:
-            check_sampling_contracts(body)
+            check_generate_contracts(body)
         except ContractViolation as exc:
             return contract_error(str(exc))
         try:
@@ -283,9 +285,10 @@ class SGLangServer:
         async with self._pause_cond:
             await self._pause_cond.wait_for(lambda: not self._paused)
 
-    async def _run(self, body: Mapping[str, Any], layout: _Layout) -> web.Response:
+    async def _run(self, body: GenerateReqInput, layout: _Layout) -> web.Response:
         try:
-            lora_ids = await self._resolve_lora(body, layout)
+            names = AdapterNames.sample_names(body.lora_path, len(layout.prompts), layout.n)
+            lora_ids = await self._lora.resolve(names, len(layout.prompts) * layout.n)
         except ValueError as exc:
             return value_error(str(exc))
         futures: list[asyncio.Future[dict[str, Any]]] = []
@@ -295,12 +298,12 @@ class SGLangServer:
                 self.backend.check(sample)
             for sample in samples:
                 futures.append(self.backend.submit(sample))
-                futures[-1].add_done_callback(self._lora_releaser(sample.lora_id))
+                futures[-1].add_done_callback(self._lora.releaser(sample.lora_id))
         except InvalidArgument as exc:
-            self._release_unsubmitted(lora_ids, len(futures))
+            self._lora.release_unsubmitted(lora_ids, len(futures))
             return value_error(str(exc))
         except FlexmarlError as exc:
-            self._release_unsubmitted(lora_ids, len(futures))
+            self._lora.release_unsubmitted(lora_ids, len(futures))
             return value_error(str(exc), status=503)
         try:
             outputs = await asyncio.gather(*futures)
@@ -313,17 +316,17 @@ class SGLangServer:
             return value_error(str(exc), status=503)
         return web.json_response(outputs[0] if layout.single else list(outputs))
 
-    def _layout(self, body: Mapping[str, Any]) -> _Layout:
+    def _layout(self, body: GenerateReqInput) -> _Layout:
         """Prompts, rids and ``n`` of a ``/generate`` body (GenerateReqInput.normalize_batch_and_arguments)."""
-        if body.get("stream"):
+        if body.stream:
             raise InvalidArgument(f"stream is not supported by the {self.backend.name} engine")
-        if body.get("input_ids") is None:
-            if body.get("text") is not None:
+        if body.input_ids is None:
+            if body.text is not None:
                 raise InvalidArgument(f"text input is not supported by the {self.backend.name} engine (send input_ids)")
             raise InvalidArgument("Either text, input_ids or input_embeds should be provided.")
-        prompts = parse_input_ids(body["input_ids"])
-        batch = isinstance(body["input_ids"][0], list)
-        raw_params = body.get("sampling_params") or {}
+        prompts = parse_input_ids(body.input_ids)
+        batch = isinstance(body.input_ids[0], list)
+        raw_params = body.sampling_params or {}
         params_list = raw_params if isinstance(raw_params, list) else [raw_params] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidArgument("The number of sampling_params does not match the number of prompts.")
@@ -331,22 +334,22 @@ class SGLangServer:
         if any(count != counts[0] for count in counts):
             raise InvalidArgument("The parallel_sample_num should be the same for all samples in sample params.")
         n = counts[0]
-        logprob_field = body.get("return_logprob")
+        logprob_field = body.return_logprob
         if isinstance(logprob_field, list) and len(logprob_field) != len(prompts):
             raise InvalidArgument("return_logprob must have one entry per prompt")
-        prompt_rids = self._prompt_rids(body.get("rid"), len(prompts), batch or n > 1)
+        prompt_rids = self._prompt_rids(body.rid, len(prompts), batch or n > 1)
         if n == 1:
             rids = prompt_rids
         else:  # regenerate_rid: every sample of a parallel-sampling request gets a fresh rid
             rids = [uuid.uuid4().hex for _ in range(len(prompts) * n)]
         return _Layout(prompts, params_list, rids, max(n, 1), not batch and n == 1)
 
-    def _samples(self, body: Mapping[str, Any], layout: _Layout, lora_ids: Sequence[str | None]) -> list[SampleRequest]:
+    def _samples(self, body: GenerateReqInput, layout: _Layout, lora_ids: Sequence[str | None]) -> list[SampleRequest]:
         """The samples of a laid-out body, their sampling parameters parsed (after the pause gate)."""
         engine = f"the {self.backend.name} engine"
         parsed = [SamplingParams.from_wire(raw, engine=engine) for raw in layout.params]
-        logprob_field = body.get("return_logprob")
-        top_field = body.get("top_logprobs_num") or 0
+        logprob_field = body.return_logprob
+        top_field = body.top_logprobs_num or 0
         if isinstance(top_field, list) and len(top_field) != len(layout.prompts):
             raise InvalidArgument("top_logprobs_num must have one entry per prompt")
         samples: list[SampleRequest] = []
@@ -362,141 +365,23 @@ class SGLangServer:
             ]
         return samples
 
-    # ----- LoRA adapters (tokenizer_manager.py, tokenizer_control_mixin.py, lora_registry.py) --------
-    @staticmethod
-    def _lora_names(body: Mapping[str, Any], layout: _Layout) -> list[str | None] | None:
-        """The adapter name of every sample (prompt-major, as :meth:`_samples`); None without ``lora_path``.
-
-        io_struct.py ``_normalize_lora_paths``: a string names the adapter of every prompt; a list
-        names one per prompt (an entry null: the base) and must have one entry per prompt.
-        """
-        lora_path = body.get("lora_path")
-        if not lora_path:  # _validate_and_resolve_lora: None, "" or [] run on the base
-            return None
-        count = len(layout.prompts)
-        if isinstance(lora_path, str):
-            per_prompt: list[str | None] = [lora_path] * count
-        else:
-            if len(lora_path) != count:
-                raise ValueError(f"lora_path list length ({len(lora_path)}) must match batch size ({count})")
-            per_prompt = list(lora_path)
-        return [name for name in per_prompt for _ in range(layout.n)]
-
-    async def _resolve_lora(self, body: Mapping[str, Any], layout: _Layout) -> list[str | None]:
-        """tokenizer_manager.py ``_validate_and_resolve_lora``: each sample's adapter id, counted as in use.
-
-        An adapter that was loaded once and unloaded since is loaded again from its path (SGLang's
-        "Reloading evicted adapter"); a name never loaded is an error.
-
-        Raises:
-            ValueError: LoRA off, too many adapters, an unknown name, or a failed implicit reload.
-        """
-        names = self._lora_names(body, layout)
-        if names is None:
-            return [None] * (len(layout.prompts) * layout.n)
-        registry = self._lora
-        registry.check_request(names)
-        for name in registry.unregistered(dict.fromkeys(names)):
-            if name is None:
-                continue
-            ref = registry.ref_cache.get(name)
-            if ref is None:
-                raise registry.never_loaded(name)
-            logger.info("Reloading evicted adapter: %s", name)
-            result = await self._load_lora(ref.lora_name, ref.lora_path, ref.pinned)
-            if not result.success and "already loaded" not in (result.error_message or ""):
-                raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {result.error_message}")
-        return registry.acquire(names)
-
-    def _lora_releaser(self, lora_id: str | None) -> Callable[[asyncio.Future[dict[str, Any]]], None]:
-        """A done-callback that releases a finished sample's adapter (``_release_lora_once``)."""
-
-        def release(_: asyncio.Future[dict[str, Any]]) -> None:
-            self._lora.release(lora_id)
-
-        return release
-
-    def _release_unsubmitted(self, lora_ids: Sequence[str | None], submitted: int) -> None:
-        for lora_id in lora_ids[submitted:]:
-            self._lora.release(lora_id)
-
-    async def _load_lora(self, lora_name: str, lora_path: str, pinned: bool) -> LoraUpdate:
-        """tokenizer_control_mixin.py ``load_lora_adapter``: load, register, then evict LRU adapters past the cap."""
-        registry = self._lora
-        if not registry.enabled:
-            return LoraUpdate(False, NOT_ENABLED_MESSAGE)
-        try:
-            async with registry.lock:
-                if lora_name in registry.pending_unloads:
-                    raise ValueError(
-                        f"LoRA adapter '{lora_name}' has an incomplete unload. "
-                        "Retry the unload before loading it again."
-                    )
-                ref = LoraRef.new(lora_name, lora_path, pinned)
-                result = await self.backend.load_lora_adapter(ref)
-                if result.success:
-                    registry.register(ref)
-                limit = registry.settings.max_loaded_loras
-                loaded = dict(result.loaded_adapters or {})
-                while limit is not None and len(registry.adapters()) > limit:
-                    lru = registry.lru_name(exclude_pinned=True)
-                    if lru is None:
-                        raise ValueError(
-                            "Didn't find any LoRA adapters when trying to evict LRU LoRA adapter. "
-                            f"LoRA registry is: {registry.adapters()}"
-                        )
-                    logger.info("Unloading least recently used LoRA adapter '%s'", lru)
-                    unloaded = await self._unload_lora_locked(lru)
-                    if not unloaded.success:
-                        raise ValueError(f"Error while unloading LRU LoRA adapter '{lru}': {unloaded.error_message}")
-                    loaded.pop(lru, None)
-                return dataclasses.replace(result, loaded_adapters=None if result.loaded_adapters is None else loaded)
-        except ValueError as exc:
-            return LoraUpdate(False, str(exc))
-
-    async def _unload_lora_locked(self, lora_name: str) -> LoraUpdate:
-        """``_unload_lora_adapter_locked``: unregister, wait until no request uses it, then unload."""
-        registry = self._lora
-        lora_id = registry.pending_unloads.get(lora_name)
-        if lora_id is None:
-            lora_id = registry.unregister(lora_name)
-            registry.pending_unloads[lora_name] = lora_id
-        await registry.wait_for_unload(lora_id)
-        result = await self.backend.unload_lora_adapter(LoraRef(lora_id, lora_name, ""))
-        if result.success:
-            registry.pending_unloads.pop(lora_name, None)
-        return result
-
+    # ----- LoRA adapters (adapter_names.py) ----------------------------------------------------
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """``/load_lora_adapter`` ``{"lora_name", "lora_path", "pinned"}``: LoRAUpdateOutput, 200 or 400."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            lora_name, lora_path = required_str(body, "lora_name"), required_str(body, "lora_path")
-            pinned = lax_bool(body.get("pinned", False), "pinned")
-            optional_str(body, "lora_id", None)
-        except ValidationFailure as exc:
+            body = await parse_body(request, LoadLoRAAdapterReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        result = await self._load_lora(lora_name, lora_path, pinned)
+        result = await self._lora.load(body.lora_name, body.lora_path, body.pinned)
         return web.json_response(result.to_json(), status=200 if result.success else 400)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         """``/unload_lora_adapter`` ``{"lora_name"}``: waits for the requests using it; 200 or 400."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            lora_name = required_str(body, "lora_name")
-            optional_str(body, "lora_id", None)
-        except ValidationFailure as exc:
+            lora_name = (await parse_body(request, UnloadLoRAAdapterReqInput)).lora_name
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        if not self._lora.enabled:
-            result = LoraUpdate(False, NOT_ENABLED_MESSAGE)
-        else:
-            try:
-                async with self._lora.lock:
-                    result = await self._unload_lora_locked(lora_name)
-            except ValueError as exc:
-                result = LoraUpdate(False, str(exc))
+        result = await self._lora.unload(lora_name)
         return web.json_response(result.to_json(), status=200 if result.success else 400)
 
     async def available_models(self, request: web.Request) -> web.Response:
@@ -507,7 +392,7 @@ class SGLangServer:
         created = int(time.time())
         cards: list[dict[str, Any]] = [_model_card(served, served, None, context, created)]
         if self._lora.enabled:
-            for ref in self._lora.adapters().values():
+            for ref in self._lora.registry.adapters().values():
                 cards.append(_model_card(ref.lora_name, ref.lora_path, served, None, created))
         return web.json_response({"object": "list", "data": cards})
 
@@ -541,12 +426,10 @@ class SGLangServer:
     async def abort_request(self, request: web.Request) -> web.Response:
         """``/abort_request`` ``{"rid", "abort_all"}`` with tokenizer_manager.py's gates."""
         try:
-            body = await json_object(request)
-        except ValidationFailure as exc:
+            body = await parse_body(request, AbortReq)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        rid, abort_all = body.get("rid") or "", body.get("abort_all", False)
-        if not isinstance(rid, str) or not isinstance(abort_all, bool):
-            return validation_error("rid must be a string and abort_all a boolean")
+        rid, abort_all = body.rid, body.abort_all
         if not abort_all and not rid:
             logger.warning("Ignore abort_request with empty rid and abort_all=False")
         elif abort_all or rid in self._inflight:
@@ -556,17 +439,13 @@ class SGLangServer:
     async def pause_generation(self, request: web.Request) -> web.Response:
         """``/pause_generation`` ``{"mode": "abort" | "retract" | "in_place"}`` (tokenizer_manager.py)."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            mode = body.get("mode", "abort")
-            if mode not in PAUSE_MODES:
-                raise ValidationFailure("mode: Input should be 'abort', 'retract' or 'in_place'")
-        except ValidationFailure as exc:
+            mode = (await parse_body(request, PauseGenerationReqInput)).mode
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         async with self._pause_cond:
             self._paused = True
             if mode != "abort":
-                await self.backend.pause(str(mode))
+                await self.backend.pause(mode)
             else:
                 # Abort everything until no /generate (nor weight update) holds the model lock.
                 while True:
@@ -579,11 +458,8 @@ class SGLangServer:
     async def continue_generation(self, request: web.Request) -> web.Response:
         """``/continue_generation`` ``{}``: un-pause the scheduler, then release the waiting requests."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            if "torch_empty_cache" in body:
-                lax_bool(body["torch_empty_cache"], "torch_empty_cache")
-        except ValidationFailure as exc:
+            await parse_body(request, ContinueGenerationReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         async with self._pause_cond:
             self._paused = False
@@ -594,20 +470,11 @@ class SGLangServer:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         """``/update_weights_from_disk``: ``{"success", "message", "num_paused_requests"}``, 400 on failure."""
         try:
-            body = await json_object(request)
-            model_path, load_format = body.get("model_path"), body.get("load_format")
-            version = body.get("weight_version")
-            if not isinstance(model_path, str):
-                raise ValidationFailure("model_path: Field required (a string)")
-            if load_format is not None and not isinstance(load_format, str):
-                raise ValidationFailure("load_format must be a string")
-            if version is not None and not isinstance(version, str):
-                raise ValidationFailure("weight_version must be a string")
-            flush = lax_bool(body.get("flush_cache", True), "flush_cache")
-            abort_all = lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
-        except ValidationFailure as exc:
+            body = await parse_body(request, UpdateWeightFromDiskReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        if abort_all:
+        version = body.weight_version
+        if body.abort_all_requests:
             self.backend.abort("", abort_all=True)
         async with self._pause_cond:
             paused = self._paused
@@ -615,7 +482,7 @@ class SGLangServer:
             self._updating += 1
         try:
             flushed = await self.backend.update_weights_from_disk(
-                model_path, load_format, version, paused=paused, flush_cache=flush
+                body.model_path, body.load_format, version, paused=paused, flush_cache=body.flush_cache
             )
         except InvalidArgument as exc:
             failed = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
@@ -636,40 +503,32 @@ class SGLangServer:
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """``/init_weights_update_group``: join the trainer's group; 400 when the group cannot be formed."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            fields = {
-                "master_address": required_str(body, "master_address"),
-                "master_port": lax_int(body, "master_port"),
-                "rank_offset": lax_int(body, "rank_offset"),
-                "world_size": lax_int(body, "world_size"),
-                "group_name": optional_str(body, "group_name", "weight_update_group"),
-                "backend": optional_str(body, "backend", "nccl"),
-            }
-        except ValidationFailure as exc:
+            body = await parse_body(request, InitWeightsUpdateGroupReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        success, message = await self.backend.init_weights_update_group(**fields)
+        success, message = await self.backend.init_weights_update_group(
+            master_address=body.master_address,
+            master_port=body.master_port,
+            rank_offset=body.rank_offset,
+            world_size=body.world_size,
+            group_name=body.group_name,
+            backend=body.backend,
+        )
         return _outcome(success, message)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         """``/destroy_weights_update_group`` ``{"group_name"}``."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            group_name = optional_str(body, "group_name", "weight_update_group")
-        except ValidationFailure as exc:
+            group_name = (await parse_body(request, DestroyWeightsUpdateGroupReqInput)).group_name
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         return _outcome(*await self.backend.destroy_weights_update_group(group_name))
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """``/begin_weight_update`` ``{"selector"}``: open the session (under the model lock unless paused)."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            selector = optional_str(body, "selector", "all")
-            if selector not in WEIGHT_UPDATE_SELECTORS:
-                raise ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
-        except ValidationFailure as exc:
+            selector = (await parse_body(request, BeginWeightUpdateReqInput)).selector
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         return _outcome(
             *await self._locked_update(lambda paused: self.backend.begin_weight_update(selector, paused=paused))
@@ -678,34 +537,26 @@ class SGLangServer:
     async def end_weight_update(self, request: web.Request) -> web.Response:
         """``/end_weight_update`` ``{}``: close the session."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-        except ValidationFailure as exc:
+            await parse_body(request, EndWeightUpdateReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
         return _outcome(*await self._locked_update(lambda paused: self.backend.end_weight_update(paused=paused)))
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """``/update_weights_from_distributed``: receive one call's tensors from rank 0 and load them."""
         try:
-            body = await json_object(request)
-            check_base_req_fields(body)
-            update = DistributedUpdate(
-                names=tuple(str_list(body, "names")),
-                dtypes=tuple(str_list(body, "dtypes")),
-                shapes=tuple(shape_list(body)),
-                group_name=optional_str(body, "group_name", "weight_update_group"),
-                load_format=optional_str(body, "load_format", None),
-            )
-            version = optional_str(body, "weight_version", None)
-            selector = optional_str(body, "selector", "all")
-            if selector not in WEIGHT_UPDATE_SELECTORS:
-                raise ValidationFailure("selector: Input should be 'target', 'draft' or 'all'")
-            flush = lax_bool(body.get("flush_cache", True), "flush_cache")
-            abort_all = lax_bool(body.get("abort_all_requests", False), "abort_all_requests")
-            lax_bool(body.get("torch_empty_cache", False), "torch_empty_cache")
-        except ValidationFailure as exc:
+            body = await parse_body(request, UpdateWeightsFromDistributedReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        if abort_all:
+        update = DistributedUpdate(
+            names=tuple(body.names),
+            dtypes=tuple(body.dtypes),
+            shapes=tuple(tuple(shape) for shape in body.shapes),
+            group_name=body.group_name,
+            load_format=body.load_format,
+        )
+        version, flush = body.weight_version, body.flush_cache
+        if body.abort_all_requests:
             self.backend.abort("", abort_all=True)
         success, message = await self._locked_update(
             lambda paused: self.backend.update_weights_from_distributed(
@@ -737,13 +588,11 @@ class SGLangServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """``/update_weight_version`` ``{"new_version", "abort_all_requests" = true}``."""
         try:
-            body = await json_object(request)
-            new_version = body.get("new_version")
-            if not isinstance(new_version, str):
-                raise ValidationFailure("new_version: Field required (a string)")
-        except ValidationFailure as exc:
+            body = await parse_body(request, UpdateWeightVersionReqInput)
+        except RequestInvalid as exc:
             return validation_error(str(exc))
-        if body.get("abort_all_requests", True):
+        new_version = body.new_version
+        if body.abort_all_requests:
             self.backend.abort("", abort_all=True)
         await self.backend.set_weight_version(new_version)
         self._info_weight_version = new_version
