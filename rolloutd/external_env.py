@@ -14,8 +14,8 @@ its environment; no job-spec schema change is involved::
         episode_timeout_s: 600
         gateway: {host: 127.0.0.1, port: 0, advertise_host: "", token_file: ""}
 
-Each episode opens a :class:`~rolloutd.gateway.Session` on the environment's
-:class:`~rolloutd.gateway.Gateway` (started with the first episode, in the episode's event loop),
+Each episode opens a :class:`~rolloutd.gateway.server.Session` on the environment's
+:class:`~rolloutd.gateway.server.Gateway` (started with the first episode, in the episode's event loop),
 runs the program against it and closes the session when the program returns; the program's
 calls become the episode's turns. ``task`` is a plain dict ``{"index", "seed", "sample_index",
 "agents", "data"}``. Rewards: the program posts them (``POST <session>/reward``) or a Python
@@ -50,7 +50,7 @@ from flexmarl.entrypoints import load_entrypoint
 from flexmarl.episode import Environment, EpisodeContext, Task
 from flexmarl.errors import InvalidArgument
 from flexmarl.security import read_token
-from rolloutd.gateway import Gateway, GatewayConfig, Session
+from rolloutd.gateway.server import Gateway, GatewayConfig, Session
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from flexmarl.episode import EpisodeContext, Task, load_environment
 from flexmarl.experience import ExperienceRecord
 from flexmarl.tiny import IM_END_TOKEN, build_tiny_tokenizer
 from rolloutd.external_env import ExternalAgents
-from rolloutd.gateway import Gateway, GatewayConfig, ParsedToolCalls, parse_hermes, parse_qwen25
+from rolloutd.gateway.server import Gateway, GatewayConfig
+from rolloutd.gateway.tool_calls import ParsedToolCalls, parse_hermes, parse_qwen25
 from rolloutd.runner import AgentRuntime, GenerationOutput, RolloutResult, RolloutRunner, RolloutTaskInput
 from rolloutd.tokenizers import HFTokenizer
 
