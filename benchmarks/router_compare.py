@@ -43,7 +43,8 @@ from typing import Any
 import aiohttp
 
 from benchmarks.report import Column, percentile, render_table
-from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet
+from benchmarks.synthetic_engine import SyntheticFleet
+from benchmarks.synthetic_replica import SyntheticEngineConfig
 from benchmarks.workloads import LONG_TAIL_SHAPES, LengthDistribution
 from flexmarl import devicemodel
 from rolloutd.balancer import BalancerConfig

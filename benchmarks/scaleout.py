@@ -39,7 +39,8 @@ import psutil  # noqa: E402
 
 from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.run import CONFIGS, RunResult, job_spec, measure  # noqa: E402
-from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet  # noqa: E402
+from benchmarks.synthetic_engine import SyntheticFleet  # noqa: E402
+from benchmarks.synthetic_replica import SyntheticEngineConfig  # noqa: E402
 from benchmarks.workloads import Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.synthetic_engine import SyntheticEngine, SyntheticEngineConfig, SyntheticFleet
+from benchmarks.synthetic_engine import SyntheticEngine, SyntheticFleet
+from benchmarks.synthetic_replica import SyntheticEngineConfig
 from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks.synthetic_engine import SyntheticBackend, SyntheticEngineConfig, SyntheticReplica
+from benchmarks.synthetic_engine import SyntheticBackend
+from benchmarks.synthetic_replica import SyntheticEngineConfig, SyntheticReplica
 from flexmarl import devicemodel
 from rolloutd.engines.embedded.interface import SampleRequest
 from rolloutd.engines.protocol import SamplingParams

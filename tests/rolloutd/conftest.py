@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticFleet
+from benchmarks.synthetic_engine import SyntheticFleet
+from benchmarks.synthetic_replica import SyntheticEngineConfig
 from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch
 

@@ -19,7 +19,8 @@ import aiohttp
 import pytest
 import torch
 
-from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticReplica, SyntheticServer
+from benchmarks.synthetic_engine import SyntheticServer
+from benchmarks.synthetic_replica import SyntheticEngineConfig, SyntheticReplica
 from flexmarl import devicemodel
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from rolloutd.engines import lora

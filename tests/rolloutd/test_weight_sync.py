@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.synthetic_engine import SyntheticEngineConfig, SyntheticReplica, SyntheticServer
+from benchmarks.synthetic_engine import SyntheticServer
+from benchmarks.synthetic_replica import SyntheticEngineConfig, SyntheticReplica
 from flexmarl import weight_group
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument
 from flexmarl.weight_group import GroupPlan, MemberPost, WeightGroupRecord, WeightTensor, decide_plan
