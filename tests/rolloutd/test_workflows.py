@@ -331,3 +331,19 @@ def test_the_preflight_refuses_a_misspelt_key_and_accepts_agents_from_the_config
     spec["environment"]["config"]["reward"] = {"function": "numeric"}
     (problem,) = preflight_problems(parse_job_spec(spec))
     assert problem.startswith("environment.config: ") and "reward.function: unknown reward 'numeric'" in problem
+
+
+def test_the_word_problem_warm_start_teaches_the_workflow_prompts() -> None:
+    """examples/word_problems/warm_start.py: the workflow's own prompts over train rows, answered with the digits."""
+    from examples.word_problems.warm_start import answer_examples
+
+    train = {row["question"]: row for row in map(json.loads, (WORD_PROBLEMS / "train.jsonl").read_text().splitlines())}
+    pairs = answer_examples(0, prompt="{question} Answer:", others=["debater_1"],
+                            followup_prompt="{question} You: {previous} Others: {others} Answer:")
+    for _ in range(50):
+        (first, answer), (followup, again) = next(pairs), next(pairs)
+        question = first.removesuffix(" Answer:")
+        assert answer == again == str(train[question]["answer"])  # a train row, never a held-out one
+        shown = followup.removeprefix(f"{question} You: ").removesuffix(" Answer:")
+        previous, others = shown.split(" Others: [debater_1] ")
+        assert all(abs(int(n) - int(answer)) <= 2 for n in (previous, others))

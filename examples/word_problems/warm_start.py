@@ -1,0 +1,50 @@
+"""Supervised warm-start data for the word-problem workflows: prompts of train.jsonl's rows and their answers.
+
+``agents[i].warm_start.dataset: "examples.word_problems.warm_start:answer_examples"``: traind calls it
+with the job's ``seed`` and ``warm_start.config``: ``prompt``, the agent's first prompt, and for an
+agent that answers again (a solver revising, a debater in round 2) ``followup_prompt``, its second
+prompt: the workflow's own templates, so the warm start teaches the very prompts the workflow
+sends. It yields endless epochs over the training rows, each in its own seeded order; the
+response is the answer's digits (traind appends the end-of-sequence token). Only
+``train.jsonl``: the held-out rows are never trained on.
+
+With ``followup_prompt`` every other example is a second answer: its variables show earlier
+answers, each the answer or a near miss (``{attempt}`` / ``{previous}``: the agent's own;
+``{feedback}``: a reviewer's ``y`` or ``n``; ``{others}``: one ``[name] answer`` paragraph per
+name in ``others``, as the debate workflow writes them), and the response is still the answer:
+the agent learns to keep a right answer whatever it reads, not to copy.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+TRAIN = Path(__file__).resolve().parent / "train.jsonl"
+
+
+def _shown(rng: random.Random, answer: int) -> int:
+    """The answer or, half the time, a near miss (never negative)."""
+    return answer if rng.random() < 0.5 else max(0, answer + rng.choice((-2, -1, 1, 2)))
+
+
+def answer_examples(seed: int, prompt: str = "{question} Answer:", followup_prompt: str | None = None,
+                    others: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
+    """``(prompt.format(**row), str(row["answer"]))`` over train.jsonl (with second answers: see the module)."""
+    rows = [json.loads(line) for line in TRAIN.read_text().splitlines() if line.strip()]
+    rng = random.Random(f"word-problems-warm-start/{seed}")
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for number in order:
+            row = rows[number]
+            answer = int(row["answer"])
+            yield prompt.format(**row), str(answer)
+            if followup_prompt is not None:
+                attempt = _shown(rng, answer)
+                feedback = "y" if attempt == answer and rng.random() < 0.5 else "n"
+                shown = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in others)
+                yield followup_prompt.format(**row, attempt=attempt, previous=attempt, feedback=feedback,
+                                             others=shown), str(answer)
