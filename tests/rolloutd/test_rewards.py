@@ -26,7 +26,7 @@ from flexmarl.rewards import (
     ("1,000", 1000), ("1000.0", "1e3"), (" 1e3", "1,000"), ("$1,000", 1000.0), ("Answer: 1000.", "1000"),
     ("1/2", 0.5), ("0.1", 0.1), ("-3", "-3.0"), ("+7", 7), (".5", "1/2"), ("\\boxed{42} and then 7", 42),
     ("3 apples, then 5 more: the answer is 8 apples", 8), ("working: 12 ... #### 72", "#### 72"),
-    ("the answer: 12; check 12 - 4 = 8", 12), ("1,000,000", "1e6"),
+    ("the answer: 12; check 12 - 4 = 8", 12), ("1,000,000", "1e6"), ("I answered 5 at first; it is 7", 7),
 ])
 def test_numeric_match_normalizes(response: str, reference: object) -> None:
     assert numeric_match(response, reference) == 1.0
@@ -67,6 +67,7 @@ def test_exact_match_trims_and_collapses_whitespace_only() -> None:
     ("(B)", "B"), ("Answer: b", "B"), ("b", "B"), (" C) ", "C"), ("The answer is (d).", "D"),
     ("I pick a letter: (A) looks wrong, (C) is right", "C"), ("Reasoning...\nD) 42\n", "D"),
     ("answer is E", "E"), ("Answer:c because", "C"), ("a bad day", None), ("", None),
+    ("I answered b first, now (D)", "D"),
 ])
 def test_multiple_choice_finds_the_letter(response: str, letter: str | None) -> None:
     assert extract_choice(response) == letter

@@ -83,7 +83,7 @@ def exact_match(response: str, reference: Any) -> float:
 _NUMBER = re.compile(
     r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?"
 )
-_ANSWER_MARKER = re.compile(r"(?:answer\s*(?:is|:|=)?|####)", re.IGNORECASE)
+_ANSWER_MARKER = re.compile(r"(?:\banswer\b\s*(?:is|:|=)?|####)", re.IGNORECASE)
 _BOXED = "\\boxed{"
 _FRACTION = re.compile(r"\\[dt]?frac\{\s*([-+]?\d+)\s*\}\{\s*(\d+)\s*\}")
 
@@ -168,7 +168,7 @@ def numeric_match(response: str, reference: Any) -> float:
 
 # --- multiple_choice --------------------------------------------------------------------------
 
-_CHOICE_AFTER_MARKER = re.compile(r"answer\s*(?:is|:|=)?\s*[:\-]?\s*\(?([A-Za-z])\)?(?![A-Za-z])", re.IGNORECASE)
+_CHOICE_AFTER_MARKER = re.compile(r"\banswer\b\s*(?:is|:|=)?\s*[:\-]?\s*\(?([A-Za-z])\)?(?![A-Za-z])", re.IGNORECASE)
 _CHOICE_PARENTHESIZED = re.compile(r"\(([A-Za-z])\)")
 _CHOICE_ALONE = re.compile(r"\s*\(?([A-Za-z])[).:]?\s*")
 _CHOICE_LINE = re.compile(r"^\s*([A-Z])[).:](?:\s|$)", re.MULTILINE)
