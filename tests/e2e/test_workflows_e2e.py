@@ -1,9 +1,10 @@
 """The word-problem workflow examples through the daemons, in a short form.
 
 examples/word_problems/job_solver_verifier.yaml and job_debate.yaml, submitted together to the
-session's cluster with 1 step of 2 tasks x 2 episodes and their tiny models shrunk: the full path
-(submit's preflight over the dataset, rolloutd playing each workflow over the file's rows with
-its rewards, traind's GRPO step per agent), not learning.
+session's cluster with 1 step of 2 tasks x 2 episodes, one held-out round of 2 tasks and their
+tiny models shrunk: the full path (submit's preflight over the dataset, rolloutd playing each
+workflow over the file's rows with its rewards, traind's GRPO step per agent, the held-out round
+reading the workflow's notes), not learning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def short_form(job: Path, models_dir: Path) -> dict[str, Any]:
     spec: dict[str, Any] = resolve_dataset_paths(yaml.safe_load(job.read_text()), job.parent)
     spec["total_steps"] = 1
     spec["batch"] = {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4}
+    spec["evaluation"] = {**spec["evaluation"], "tasks": 2, "before_training": False}  # one round, at the end
     for agent in spec["agents"]:
         agent["model"] = f"{agent['model']}&{SMALL}"
     return materialize_models(spec, models_dir)
@@ -50,3 +52,8 @@ def test_the_word_problem_workflows_train_through_the_daemons(shared_cluster: E2
             assert {r.reward for r in records} <= {0.0, 1.0, 2.0}, (name, agent)
             prompts = {bytes(r.prompt_token_ids[r.prompt_token_ids < 256].astype("uint8")).decode() for r in records}
             assert all(any(p.startswith(q) for q in questions) for p in prompts), prompts  # rows of the file
+    roles = {"solver_verifier": {"solver", "verifier"}, "debate": {"debater"}}
+    for name, job_id in jobs.items():
+        (record,) = e2e.client.evaluations(job_id)  # the final version's held-out round: the workflow's notes
+        assert record.tasks == 2 and record.team_success_from_env, record
+        assert set(record.role_correct) == roles[name] and all(0 <= v <= 1 for v in record.role_correct.values())
