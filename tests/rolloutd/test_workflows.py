@@ -143,6 +143,17 @@ async def test_chain_passes_each_output_on_and_shares_the_final_reward() -> None
     assert notes["success"] is True and notes["role_correct"] == {"planner": 1.0, "worker": 1.0, "reviewer": 1.0}
 
 
+async def test_an_agent_that_takes_two_chain_steps_is_rewarded_once() -> None:
+    steps = [{"agent": "a", "prompt": "{question}"}, {"agent": "b", "prompt": "b {previous}"},
+             {"agent": "a", "prompt": "a {previous}"}]
+    env = Chain(**config(steps=steps))
+    backend = Scripted({"a": ["draft", "Answer: 7"], "b": ["7?"]})
+    _, rewards, notes = await play(env, backend)
+    assert [agent for agent, _ in backend.calls] == ["a", "b", "a"] and backend.prompts("a")[1] == "a 7?"
+    assert rewards == {("a", 0): 1.0, ("a", 1): 1.0, ("b", 0): 1.0}  # a's one episode reward, on both its turns
+    assert notes["role_correct"] == {"a": 1.0, "b": 1.0}
+
+
 async def test_mixture_aggregates_the_proposals() -> None:
     env = Mixture(**config(proposers=["p0", "p1", "p2"], prompts={"aggregate": "{proposals}\nso?"}))
     backend = Scripted({"p0": ["Answer: 7"], "p1": ["Answer: 8"], "p2": ["7"], "aggregator": ["Answer: 7.0"]})
