@@ -34,6 +34,7 @@ from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 from rolloutd.engines.vllm.jobs import refuse_unservable
+from rolloutd.engines.vllm.launch import vllm_max_lora_rank
 from rolloutd.worker import WorkerSettings, attached_engines, launch_dtype, replica_specs
 
 # A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
@@ -153,6 +154,21 @@ async def test_token_ids_logprobs_versions_and_length(served: Served) -> None:
         assert [lp for lp, _ in top] == sorted((lp for lp, _ in top), reverse=True)
     # Differs: the embedded engine (as SGLang) answers the decoded text; vLLM's token route none.
     assert (result.text == "") == (served.kind == "vllm")
+
+
+async def test_top_logprobs_of_the_whole_vocabulary(served: Served, engine_reference_model: Any) -> None:
+    # The signaling example asks the receiver's logprobs of every token. vLLM refuses the k + 1 the client asks
+    # first (more than the vocabulary under --max-logprobs -1); the client then asks for every token (-1).
+    vocab = int(engine_reference_model.config.vocab_size)
+    request = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=2, ignore_eos=True), top_logprobs_num=vocab)
+    for _ in range(2):  # the second request goes to -1 at once
+        [result] = await served.client.generate(request)
+        assert [len(top) for top in result.output_top_logprobs] == [vocab, vocab]
+        for top, token, logprob in zip(result.output_top_logprobs, result.output_ids, result.output_token_logprobs,
+                                       strict=True):
+            assert sorted({t for _, t in top}) == list(range(vocab))
+            assert [lp for lp, _ in top] == sorted((lp for lp, _ in top), reverse=True)
+            assert dict((t, lp) for lp, t in top)[token] == pytest.approx(logprob, abs=1e-5)
 
 
 async def test_seeds_repeat(served: Served) -> None:
@@ -439,6 +455,14 @@ def test_command_and_environment(tmp_path: Path) -> None:
     assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--enable-scale-out" in command and command[command.index("--port") + 1] == "8123"
     assert command[command.index("--logprobs-mode") + 1] == "processed_logprobs" and command[-1] == "--enforce-eager"
+    assert command[command.index("--max-logprobs") + 1] == "-1"
+    # vLLM takes only some --max-lora-rank values: the smallest that serves the job's rank.
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 4, 8, 9, 64, 512)] == [1, 8, 8, 8, 16, 64, 512]
+    with pytest.raises(InvalidArgument, match="lora.rank 513"):
+        vllm_max_lora_rank(513)
+    lora = LoraSettings(enable_lora=True, max_lora_rank=4)
+    lora_command = vllm_command(dataclasses.replace(spec, lora=lora), 8123)
+    assert lora_command[lora_command.index("--max-lora-rank") + 1] == "8"
     env = replica_env(spec, {"PATH": "/bin"})
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     with pytest.raises(InvalidArgument, match="vllm_python"):

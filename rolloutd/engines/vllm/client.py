@@ -69,6 +69,10 @@ DEFAULT_VLLM_MAX_NUM_SEQS = 256
 #: The token-in/token-out route prefixes the caller's ``request_id`` with this to make the
 #: engine's id (``serving.py`` ``serve_tokens``); ``/abort_requests`` takes the engine's id.
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
+#: ``sampling_params.logprobs`` for every token of the vocabulary (``vllm/sampling_params.py``).
+ALL_LOGPROBS = -1
+#: The start of vLLM's refusal of more logprobs than ``--max-logprobs`` allows (``_validate_logprobs``).
+LOGPROBS_ABOVE_MAX = "which is greater than max allowed"
 
 
 class VLLMPauseMode(enum.StrEnum):
@@ -174,6 +178,8 @@ class VLLMClient(HttpEngineClient):
             max_concurrent_generations=max_concurrent_generations, retries=retries, retry_backoff_s=retry_backoff_s)
         # vLLM does not report which directory its weights came from after a reload: the last one this client loaded.
         self._loaded_path: str | None = None
+        # The smallest ``logprobs`` vLLM refused as above its maximum: from there on the client asks for every token.
+        self._all_logprobs_from: float = math.inf
 
     #: How error messages name the replica.
     engine_label = "vLLM engine"
@@ -200,7 +206,9 @@ class VLLMClient(HttpEngineClient):
             stop=list(sampling.stop) or None, stop_token_ids=list(sampling.stop_token_ids) or None,
             ignore_eos=sampling.ignore_eos, max_tokens=sampling.max_new_tokens,
             # The route answers the sampled token plus the first k - 1 of the engine's k best
-            # (serving.py _create_tokens_logprobs): ask one more to get the k best.
+            # (serving.py _create_tokens_logprobs): ask one more to get the k best. When k + 1 is more
+            # than the vocabulary, vLLM refuses it (with --max-logprobs -1, the launcher's) and
+            # generate() asks for every token instead (-1): the k best are then the first k by rank.
             logprobs=(request.top_logprobs_num + 1 if request.top_logprobs_num else 0) if wants_logprobs else None,
         )
         return VLLMGenerateRequest(request_id=rid, token_ids=list(request.input_ids), sampling_params=params,
@@ -210,16 +218,20 @@ class VLLMClient(HttpEngineClient):
         """POST ``/inference/v1/generate`` for one prompt; returns ``n`` results in sample order."""
         request.validate()
         rid = request.rid or uuid.uuid4().hex
-        body = self.to_wire(request, rid).model_dump(exclude_none=True)
-        deadline_s = self.generate_timeout_s(request.sampling.max_new_tokens)
+        wire = self.to_wire(request, rid)
+        if wire.sampling_params.logprobs and wire.sampling_params.logprobs >= self._all_logprobs_from:
+            wire.sampling_params.logprobs = ALL_LOGPROBS
         async with self._slots.hold(request.sampling.n):
             try:
-                async with asyncio.timeout(deadline_s):
-                    _, payload = await self._request("POST", "/inference/v1/generate", body=body, timeout_s=None)
-            except TimeoutError as exc:
-                tokens = request.sampling.max_new_tokens
-                raise Unavailable(f"vLLM engine {self.url}: generation (max_new_tokens={tokens}) "
-                                  f"ran past its {deadline_s:.0f}s deadline") from exc
+                payload = await self._post_generate(wire)
+            except InvalidArgument as exc:
+                asked = wire.sampling_params.logprobs
+                if not asked or asked == ALL_LOGPROBS or LOGPROBS_ABOVE_MAX not in str(exc):
+                    raise
+                # k + 1 exceeds the vocabulary (--max-logprobs -1 caps at it): every token, ranked, holds the k best.
+                self._all_logprobs_from = min(self._all_logprobs_from, asked)
+                wire.sampling_params.logprobs = ALL_LOGPROBS
+                payload = await self._post_generate(wire)
         try:
             response = VLLMGenerateResponse.model_validate(payload)
         except pydantic.ValidationError as exc:
@@ -230,6 +242,19 @@ class VLLMClient(HttpEngineClient):
         prompt_tokens = response.usage.prompt_tokens if response.usage is not None else len(request.input_ids)
         choices = sorted(response.choices, key=lambda choice: choice.index)
         return [self._result(choice, rid, prompt_tokens, request) for choice in choices]
+
+    async def _post_generate(self, wire: VLLMGenerateRequest) -> Any:
+        """POSTs one generation within its deadline; its JSON answer."""
+        deadline_s = self.generate_timeout_s(wire.sampling_params.max_tokens)
+        try:
+            async with asyncio.timeout(deadline_s):
+                _, payload = await self._request("POST", "/inference/v1/generate",
+                                                 body=wire.model_dump(exclude_none=True), timeout_s=None)
+        except TimeoutError as exc:
+            tokens = wire.sampling_params.max_tokens
+            raise Unavailable(f"vLLM engine {self.url}: generation (max_new_tokens={tokens}) "
+                              f"ran past its {deadline_s:.0f}s deadline") from exc
+        return payload
 
     def _result(self, choice: VLLMChoice, rid: str, prompt_tokens: int, request: GenerationRequest) -> GenerationResult:
         output_ids = tuple(choice.token_ids or ())

@@ -3,7 +3,7 @@
 Flags are vLLM's (``vllm/engine/arg_utils.py`` ``EngineArgs.add_cli_args``; the server's own in
 ``vllm/entrypoints/launchers/cli_args.py``): ``--model``, ``--host``, ``--port``, ``--dtype``,
 ``--seed``, ``--tensor-parallel-size``, ``--logprobs-mode``, ``--enable-scale-out`` (serves the
-token-in/token-out ``/inference/v1/generate``), ``--enable-lora``, ``--max-lora-rank``,
+token-in/token-out ``/inference/v1/generate``), ``--max-logprobs``, ``--enable-lora``, ``--max-lora-rank``,
 ``--max-loras`` (adapters in one batch: SGLang's ``--max-loras-per-batch``), ``--max-cpu-loras``
 (adapters kept loaded: SGLang's ``--max-loaded-loras``), ``--lora-target-modules``,
 ``--lora-modules name=path``.
@@ -25,6 +25,8 @@ from rolloutd.engines.lora import DEFAULT_MAX_LORAS_PER_BATCH
 if TYPE_CHECKING:
     from rolloutd.engines.launcher import ReplicaSpec
 
+#: The values vLLM 0.32's ``--max-lora-rank`` accepts (``vllm/config/lora.py`` ``MaxLoRARanks``).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: The module a vLLM replica runs.
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -67,8 +69,26 @@ def vllm_command(spec: ReplicaSpec, port: int) -> list[str]:
         # Logprobs of the distribution tokens are sampled from (after temperature), as SGLang's.
         "--logprobs-mode", "processed_logprobs",
         "--enable-scale-out",
+        # As many top logprobs as the vocabulary (SGLang has no cap; vLLM's default is 20). A larger
+        # value lets a request ask torch.topk for more than the vocabulary, which kills the engine core.
+        "--max-logprobs", "-1",
     ]
     return command + _lora_args(spec) + list(spec.extra_args)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that serves adapters of ``rank``.
+
+    vLLM 0.32 takes only the ranks of ``MaxLoRARanks`` (``vllm/config/lora.py``); an adapter of a
+    lower rank is served under a higher maximum (its buffers are padded).
+
+    Raises:
+        InvalidArgument: ``rank`` is above vLLM's largest.
+    """
+    fitting = [choice for choice in VLLM_MAX_LORA_RANKS if choice >= rank]
+    if not fitting:
+        raise InvalidArgument(f"agents[].lora.rank {rank}: vLLM 0.32 serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}")
+    return fitting[0]
 
 
 def _lora_args(spec: ReplicaSpec) -> list[str]:
@@ -79,7 +99,7 @@ def _lora_args(spec: ReplicaSpec) -> list[str]:
         return []
     args = ["--enable-lora"]
     if lora.max_lora_rank is not None:
-        args += ["--max-lora-rank", str(lora.max_lora_rank)]
+        args += ["--max-lora-rank", str(vllm_max_lora_rank(lora.max_lora_rank))]
     if lora.max_loras_per_batch != DEFAULT_MAX_LORAS_PER_BATCH:
         args += ["--max-loras", str(lora.max_loras_per_batch)]
     if lora.max_loaded_loras is not None:
