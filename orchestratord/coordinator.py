@@ -25,6 +25,7 @@ import grpc
 import grpc.aio
 
 from flexmarl.connections import PeerConnections
+from flexmarl.engine_limits import EngineLimits, unservable
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.evaluation import EvalEpisode, EvalRecord
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
@@ -488,6 +489,8 @@ class JobCoordinator:
             job_id = f"{spec.name}-{int(self._now_s() * 1000):x}"
         if plan is not None and job_id == plan.source.job_id:
             raise InvalidArgument(f"job_id: a resumed job needs a new id, not its source's ({job_id!r})")
+        # What a registered rolloutd's replicas would serve wrongly is refused now (a later one checks it itself).
+        await asyncio.to_thread(_refuse_unservable, spec, self._engine_limits())  # reads the agents' config.json
         initial = plan.initial_versions() if plan is not None else None
         job = await self.mutate(lambda: self.planner.submit_job(job_id, spec, initial))
         if plan is not None:
@@ -498,6 +501,15 @@ class JobCoordinator:
         log.info("job %s submitted (%s, %d agents, mode %s, max_staleness %d)", job_id, spec.name,
                  len(spec.agents), spec.pipeline.mode, spec.pipeline.max_staleness)
         return job_id
+
+    def _engine_limits(self) -> list[tuple[str, EngineLimits]]:
+        """Each registered rolloutd's published engine limits (:mod:`flexmarl.engine_limits`), by service id."""
+        if not self._directories:  # before start()
+            return []
+        rolloutds = sorted(self._directories[0].services.values(), key=lambda r: r.service_id)
+        published = ((r.service_id, EngineLimits.from_info(r.info)) for r in rolloutds)
+        return [(service_id, limits) for service_id, limits in published if limits is not None]
+
 
     def snapshot(self, job_id: str) -> JobSnapshot:
         """A job's status."""
@@ -731,6 +743,14 @@ def _unavailable(exc: BaseException) -> bool:
 
 def _empty_spec() -> JobSpec:
     raise InvalidArgument("spec_json: must not be empty")
+
+
+def _refuse_unservable(spec: JobSpec, rolloutds: list[tuple[str, EngineLimits]]) -> None:
+    """Raises InvalidArgument (one line naming the setting) if some rolloutd's replicas cannot serve ``spec``."""
+    for service_id, limits in rolloutds:
+        problem = unservable(spec, limits)
+        if problem is not None:
+            raise InvalidArgument(f"{problem} ({service_id} runs {limits.backend} replicas)")
 
 
 def _spec_from_json(spec_json: str) -> JobSpec:

@@ -8,8 +8,11 @@ from typing import Any
 import grpc.aio
 
 from flexmarl.daemon import DaemonApp, DaemonContext
+from flexmarl.engine_limits import INFO_KEY as ENGINE_LIMITS_KEY
+from flexmarl.engine_limits import EngineLimits
 from flexmarl.v1 import rollout_pb2_grpc
 from rolloutd.config import RolloutConfig
+from rolloutd.engines.vllm.jobs import vllm_limits
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.servicer import RolloutServicer
 from rolloutd.worker import RolloutWorker, WorkerSettings
@@ -55,9 +58,15 @@ class RolloutApp(DaemonApp):
 
     def registration_info(self) -> dict[str, Any]:
         """Advertises the engine pool."""
-        devices = self.worker.settings.engine_device_sets
+        settings = self.worker.settings
+        devices = settings.engine_device_sets
+        if settings.engine_backend == "vllm":  # orchestratord refuses at submission what they cannot serve
+            limits = vllm_limits(on_cpu=not settings.engine_urls and devices is None)
+        else:
+            limits = EngineLimits(backend=settings.engine_backend)
         return {"engine_backend": self.config.engine_backend, "engine_replicas": self.config.engine_replicas,
-                "engine_devices": [str(d) for d in devices] if devices is not None else []}
+                "engine_devices": [str(d) for d in devices] if devices is not None else [],
+                ENGINE_LIMITS_KEY: limits.to_info()}
 
 
 def build_app(config: RolloutConfig, ctx: DaemonContext) -> DaemonApp:

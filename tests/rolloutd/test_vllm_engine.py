@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -23,6 +24,7 @@ import yaml
 from vllm_support import VLLM_TEST_ARGS, require_vllm_python
 
 from flexmarl.config import ConfigError, load_config
+from flexmarl.engine_limits import EngineLimits, unservable
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
 from flexmarl.jobspec import JobSpec
 from flexmarl.tiny import build_tiny_checkpoint
@@ -33,7 +35,7 @@ from rolloutd.engines.protocol import EngineClient, FinishReason, GenerationRequ
 from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
-from rolloutd.engines.vllm.jobs import refuse_unservable
+from rolloutd.engines.vllm.jobs import refuse_unservable, vllm_limits
 from rolloutd.engines.vllm.launch import vllm_max_lora_rank
 from rolloutd.worker import WorkerSettings, attached_engines, launch_dtype, replica_specs
 
@@ -514,6 +516,12 @@ def test_jobs_vllm_would_serve_wrongly_are_refused(tmp_path: Path) -> None:
     job["rollout"] = {"weight_sync": "distributed"}
     with pytest.raises(InvalidArgument, match="^rollout.weight_sync: 'distributed'"):
         refuse_unservable(JobSpec.model_validate(job), on_cpu=False)
+    # What rolloutd publishes in etcd and orchestratord reads back; other backends refuse nothing.
+    limits = vllm_limits(on_cpu=True)
+    assert EngineLimits.from_info(json.loads(json.dumps({"engine_limits": limits.to_info()}))) == limits
+    assert EngineLimits.from_info({"engine_backend": "vllm"}) is None  # a rolloutd that publishes none
+    job["agents"][1]["model"] = str(tied)
+    assert unservable(JobSpec.model_validate(job), EngineLimits(backend="embedded")) is None
 
 
 def test_config_refuses_what_vllm_cannot_do(tmp_path: Path) -> None:
