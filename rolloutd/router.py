@@ -852,7 +852,7 @@ class RolloutRouter:
             answers = await asyncio.gather(*(self._answers_health(r) for r in dropped))
             for replica, healthy in zip(dropped, answers, strict=True):
                 if healthy:
-                    self._readmit(replica)
+                    self.readmit(replica)
 
     @staticmethod
     async def _answers_health(replica: Replica) -> bool:
@@ -862,8 +862,10 @@ class RolloutRouter:
             log.debug("replica %s still down: %s", replica.replica_id, exc)
             return False
 
-    def _readmit(self, replica: Replica) -> None:
-        """A dropped replica serves again; its weights are loaded afresh (it may have restarted)."""
+    def readmit(self, replica: Replica, *, relaunched: bool = False) -> None:
+        """A dropped replica, or one ``relaunched`` (maybe unseen by requests), serves again; weights load afresh."""
+        if relaunched:
+            self._drop_replica(replica, "its engine was relaunched")
         if replica.healthy:
             return
         replica.healthy = True

@@ -692,7 +692,7 @@ class RolloutWorker:
                 path_map = EnginePathMap()  # launched replicas see rolloutd's filesystem
                 self._supervisor = EngineSupervisor(
                     launched, s.work_dir / "engines", launch_timeout_s=s.engine_launch_timeout_s,
-                    on_restart=lambda _: self._metrics.engine_restarts.inc(),
+                    on_restart=self._engine_restarted,
                     on_give_up=lambda _: self._metrics.engine_gave_up.inc())
                 self._supervisor.start()
             replicas = [Replica(f"replica-{i}", e.client()) for i, e in enumerate(engines)]
@@ -707,6 +707,14 @@ class RolloutWorker:
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
                                         owner=s.worker_id)
             return self.router
+
+    def _engine_restarted(self, name: str) -> None:
+        """The supervisor relaunched launched replica ``engine-<i>``: counted; the router forgets its weights."""
+        self._metrics.engine_restarts.inc()
+        router, replica_id = self.router, f"replica-{name.removeprefix('engine-')}"
+        for replica in router.replicas() if router is not None else ():
+            if replica.replica_id == replica_id and router is not None:
+                router.readmit(replica, relaunched=True)
 
     # ---- rolloutd's own API --------------------------------------------------------------------------
 

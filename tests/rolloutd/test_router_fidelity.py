@@ -184,6 +184,29 @@ async def test_a_restarted_replica_is_readmitted_and_serves_again() -> None:
         await _close(router, [])
 
 
+async def test_a_replica_relaunched_unseen_loads_its_weights_again() -> None:
+    # The supervisor relaunched the engine between two requests: no request failed, so only its word tells
+    # the router that the replica serves its launch weights again (seen on vLLM: v0 served as v1).
+    [server] = await _start(1)
+    router = await _router([server])
+    try:
+        await router.generate(KEY, PROMPT, SAMPLING, 1, "task-7")
+        [replica] = router.replicas()
+        await server.stop()
+        restarted = FakeSGLang()
+        restarted.port = server.port
+        await restarted.start()
+        try:
+            router.readmit(replica, relaunched=True)
+            assert replica.healthy and (replica.loaded_agent, replica.loaded_version) == ("", -1)
+            [output] = await router.generate(KEY, PROMPT, SAMPLING, 1, "task-8")
+            assert output.version == 3 and [b["model_path"] for b in restarted.weight_bodies] == ["/weights/v3"]
+        finally:
+            await restarted.stop()
+    finally:
+        await _close(router, [])
+
+
 async def test_queued_requests_wait_for_the_first_replica_back() -> None:
     servers = await _start(2)
     router = await _router(servers, health_probe_interval_s=0.05)
