@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from rolloutd.engines.supervisor import EngineSupervisor
 from rolloutd.engines.vllm import VLLMClient, VLLMPauseMode, vllm_command
 from rolloutd.engines.vllm.jobs import refuse_unservable, vllm_limits
 from rolloutd.engines.vllm.launch import vllm_max_lora_rank
+from rolloutd.engines.vllm.wire import VLLMNcclInitInfo, VLLMNcclUpdateInfo
 from rolloutd.worker import WorkerSettings, attached_engines, launch_dtype, replica_specs
 
 # A test that starts the shared server may wait for it; on a loaded 2-core machine that took 70 s.
@@ -50,6 +52,18 @@ LOGPROB_TOLERANCE = 1e-4
 # --max-model-len 512), the embedded engine ~1,000.
 LONG_TOKENS = 480
 EMBEDDED_LONG_TOKENS = 1500
+
+
+#: vLLM's weight-transfer routes need a transfer engine configured at launch (the server starts so on CPU too).
+WEIGHT_TRANSFER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
+#: Validates the client's weight-transfer bodies with vLLM's own dataclasses, in vLLM's environment.
+VLLM_VALIDATES_TRANSFER_BODIES = """
+import json, sys
+from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+init, update = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(NCCLWeightTransferInitInfo(**init["init_info"]), NCCLWeightTransferUpdateInfo(**update["update_info"]))
+"""
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,7 @@ def vllm_server(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
     python = require_vllm_python()
     spec = ReplicaSpec("vllm", str(engine_checkpoint), seed=0, dtype="float32", vllm_python=python,
                        lora=LoraSettings(enable_lora=True, max_lora_rank=8, max_loras_per_batch=2),
-                       extra_args=VLLM_TEST_ARGS)
+                       extra_args=(*VLLM_TEST_ARGS, *WEIGHT_TRANSFER_ARGS))
     run_dir = tmp_path_factory.mktemp("vllm-run")
     replica = asyncio.run(launch(spec, run_dir, timeout_s=150, name="vllm"))
     try:
@@ -432,6 +446,30 @@ async def test_a_sigkilled_replica_is_relaunched_on_its_port(vllm_server: VLLMSe
 
 
 # Last of the server tests: it leaves the shared server dead.
+async def test_weight_transfer_requests_reach_vllms_accelerator_check(client: VLLMClient) -> None:
+    # The NCCL path of rollout.weight_sync: distributed, mapped onto vLLM's routes. On CPU vLLM refuses the join
+    # for lack of a device: each later step answers vLLM's own refusal, and the replica serves on.
+    join = {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}
+    with pytest.raises(FailedPrecondition, match="init_weight_transfer_engine: .*Cannot access accelerator device"):
+        await client.init_weights_update_group(**join)
+    with pytest.raises(InvalidArgument, match="NCCL only"):
+        await client.init_weights_update_group(**join, backend="gloo")
+    assert (await client.begin_weight_update()).message == "Weight update started"
+    with pytest.raises(FailedPrecondition, match="update_weights: .*NCCL weight transfer not initialized"):
+        await client.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]], weight_version="1")
+    with pytest.raises(FailedPrecondition, match="finish_weight_update: .*without a matching start_weight_update"):
+        await client.end_weight_update()
+    assert (await client.destroy_weights_update_group()).message == "Weight transfer shut down"
+    assert await client.health() and (await client.model_info()).weight_version == "default"
+    # The bodies sent are what vLLM's own init and update dataclasses take.
+    init = {"init_info": VLLMNcclInitInfo(**join).model_dump()}
+    update = {"update_info": VLLMNcclUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[2]]).model_dump()}
+    checked = await asyncio.to_thread(
+        subprocess.run, [require_vllm_python(), "-c", VLLM_VALIDATES_TRANSFER_BODIES, json.dumps(init),
+                         json.dumps(update)], capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0 and "master_port=29555" in checked.stdout, checked.stderr[-2000:]
+
+
 async def test_a_failed_reload_kills_the_replica(
     client: VLLMClient, vllm_replica: EngineReplica, tmp_path: Path
 ) -> None:

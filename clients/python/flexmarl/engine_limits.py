@@ -67,7 +67,7 @@ def unservable(spec: JobSpec, limits: EngineLimits) -> str | None:
     """
     if spec.rollout.weight_sync == "distributed" and not limits.distributed_weight_sync:
         return (f"rollout.weight_sync: 'distributed' is not supported on {limits.backend} replicas yet "
-                "(their weight-transfer API is not mapped); use 'disk'")
+                "(rolloutd's weight sync does not drive their weight-transfer API); use 'disk'")
     if not limits.reloads_tied_output_head:
         for agent in spec.agents:
             if tied_embeddings(agent.model):

@@ -19,6 +19,12 @@ weights from a directory          ``POST /collective_rpc {"method": "reload_weig
                                   ``POST /update_weight_version {"new_version"}`` and
                                   ``POST /reset_prefix_cache`` (``serve/dev/cache/api_router.py``)
 weight version                    ``GET /weight_info`` (``rl/online/api_router.py``)
+weights over a collective (NCCL)  ``POST /init_weight_transfer_engine {"init_info"}``,
+                                  ``/start_weight_update``, ``/update_weights {"update_info"}``,
+                                  ``/finish_weight_update {"weight_version"}``,
+                                  ``/shutdown_weight_transfer_engine`` (``rl/online/api_router.py``;
+                                  bodies: ``distributed/weight_transfer/nccl_*.py``); needs
+                                  ``--weight-transfer-config``; on CPU the join is refused
 LoRA adapters                     ``POST /v1/load_lora_adapter``, ``/v1/unload_lora_adapter``
                                   (``serve/lora/api_router.py``); a request names its adapter in
                                   ``model``
@@ -60,7 +66,14 @@ from rolloutd.engines.protocol import (
     WeightUpdateResult,
     WeightVersionSpan,
 )
-from rolloutd.engines.vllm.wire import VLLMChoice, VLLMGenerateRequest, VLLMGenerateResponse, VLLMSamplingParams
+from rolloutd.engines.vllm.wire import (
+    VLLMChoice,
+    VLLMGenerateRequest,
+    VLLMGenerateResponse,
+    VLLMNcclInitInfo,
+    VLLMNcclUpdateInfo,
+    VLLMSamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +193,8 @@ class VLLMClient(HttpEngineClient):
         self._loaded_path: str | None = None
         # The smallest ``logprobs`` vLLM refused as above its maximum: from there on the client asks for every token.
         self._all_logprobs_from: float = math.inf
+        # The version the current weight-transfer session's rounds named: vLLM tags it at finish_weight_update.
+        self._transfer_version: str | None = None
 
     #: How error messages name the replica.
     engine_label = "vLLM engine"
@@ -375,6 +390,73 @@ class VLLMClient(HttpEngineClient):
         """POST ``/update_weight_version {"new_version"}``: tokens sampled from now on carry this version."""
         await self._request("POST", "/update_weight_version", body={"new_version": weight_version},
                             timeout_s=self._control_timeout_s)
+
+    # ----- weight transfer over a collective (NCCL; the GPU path) ---------------------------------
+    async def _transfer_call(self, path: str, body: dict[str, Any], timeout_s: float | None) -> WeightUpdateResult:
+        status, payload = await self._request("POST", path, body=body, timeout_s=timeout_s or self._request_timeout_s,
+                                              allowed_statuses=(400, 500))
+        if status != 200:
+            raise FailedPrecondition(f"vLLM engine {self.url} refused {path}: {vllm_error_message(payload)}")
+        return WeightUpdateResult(success=True, message=str(payload.get("message", "")) if isinstance(payload, dict)
+                                  else "")
+
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """SGLang's join, as vLLM's ``POST /init_weight_transfer_engine {"init_info": {...}}`` (NCCL).
+
+        The replica must run ``--weight-transfer-config '{"backend": "nccl"}'``. vLLM has one
+        transfer engine per server, so ``group_name`` names nothing there. On CPU vLLM refuses
+        ("Cannot access accelerator device"): this is the GPU path.
+
+        Raises:
+            InvalidArgument: ``backend`` other than nccl (vLLM has no gloo weight transfer).
+            FailedPrecondition: vLLM refused (its message).
+        """
+        if backend != "nccl":
+            raise InvalidArgument(f"backend {backend!r}: vLLM's weight transfer over a group is NCCL only")
+        info = VLLMNcclInitInfo(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                                world_size=world_size)
+        return await self._transfer_call("/init_weight_transfer_engine", {"init_info": info.model_dump()}, timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> WeightUpdateResult:
+        """``POST /shutdown_weight_transfer_engine``."""
+        return await self._transfer_call("/shutdown_weight_transfer_engine", {}, None)
+
+    async def begin_weight_update(self) -> WeightUpdateResult:
+        """``POST /start_weight_update``: opens the update session (SGLang's ``/begin_weight_update``)."""
+        self._transfer_version = None
+        return await self._transfer_call("/start_weight_update", {}, None)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        group_name: str = "weight_update_group", weight_version: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, load_format: str | None = None, timeout_s: float | None = None,
+    ) -> WeightUpdateResult:
+        """One broadcast round: ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}``.
+
+        vLLM tags the version when the session finishes: ``weight_version`` is kept for
+        :meth:`end_weight_update`; ``flush_cache`` is vLLM's to decide (it has no such flag here).
+
+        Raises:
+            InvalidArgument: ``load_format`` other than None/"auto".
+            FailedPrecondition: vLLM refused (its message).
+        """
+        if load_format not in (None, "auto"):
+            raise InvalidArgument(f"load_format {load_format!r}: vLLM's weight transfer has no load formats")
+        if abort_all_requests:
+            await self.abort(abort_all=True)
+        info = VLLMNcclUpdateInfo(names=names, dtype_names=dtypes, shapes=shapes)
+        result = await self._transfer_call("/update_weights", {"update_info": info.model_dump()}, timeout_s)
+        if weight_version is not None:
+            self._transfer_version = weight_version
+        return result
+
+    async def end_weight_update(self) -> WeightUpdateResult:
+        """``POST /finish_weight_update {"weight_version"}`` (the version the last round named, if any)."""
+        body = {} if self._transfer_version is None else {"weight_version": self._transfer_version}
+        return await self._transfer_call("/finish_weight_update", body, None)
 
     # ----- LoRA adapters -------------------------------------------------------------------
     async def _lora_call(self, path: str, body: dict[str, Any], what: str) -> LoraAdapterResult:

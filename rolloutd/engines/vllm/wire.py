@@ -118,3 +118,33 @@ class VLLMGenerateResponse(BaseModel):
     request_id: str
     choices: list[VLLMChoice]
     usage: VLLMUsage | None = None
+
+
+class VLLMNcclInitInfo(BaseModel):
+    """``init_info`` of ``POST /init_weight_transfer_engine`` for the NCCL backend (the worker's side).
+
+    ``vllm/distributed/weight_transfer/nccl_common.py`` ``NCCLWeightTransferInitInfo``: the trainer
+    is rank 0 of the group at ``master_address:master_port`` (a TCPStore rendezvous), the
+    replica's workers ranks ``rank_offset`` onwards; ``packed`` must agree with the trainer's.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+
+
+class VLLMNcclUpdateInfo(BaseModel):
+    """``update_info`` of ``POST /update_weights``: the tensors of one broadcast round, in order.
+
+    ``nccl_engine.py`` ``NCCLWeightTransferUpdateInfo`` (the three lists of one length).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
