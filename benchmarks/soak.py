@@ -9,7 +9,7 @@ simulated rollout tasks and trainer slots of ``benchmarks/fake_workers.py`` (no 
 Every ``--every`` steps (the lowest agent's version) it records orchestratord's and stored's RSS,
 etcd's database size (``etcd_mvcc_db_total_size_in_bytes`` and ``..._in_use_in_bytes`` from its
 /metrics), the size of stored's files, and the median latency of a status call (GetJob) and a
-history call (GetJobHistory, the whole job's history as the SDK reads it).
+history call (GetJobHistory's page of the latest 100 steps; the history is paged by step).
 
 Prints a table and the growth per committed step after warm-up (a least-squares slope over the
 samples from ``--warmup-steps`` on), writes JSON (``--out``) and a PNG of the curves (``--png``).
@@ -55,6 +55,8 @@ from flexmarl.v1 import orchestrator_pb2  # noqa: E402
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "soak.json"
 PNG = REPO_ROOT / "docs" / "images" / "soak.png"
 AGENT_NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
+#: Steps of the history page the soak reads at each sample (the latest ones).
+HISTORY_WINDOW = 100
 #: Targets of issue 36: after warm-up, each daemon's RSS grows less than this per committed step.
 TARGET_GROWTH_KIB_PER_STEP = 1.0
 _DB_SIZE = re.compile(r"^(etcd_mvcc_db_total_size_in_bytes|etcd_mvcc_db_total_size_in_use_in_bytes) (\S+)$", re.M)
@@ -107,8 +109,11 @@ class Soak:
         rss = {name: self.sampler.rss(name) for name in ("orchestratord", "stored")}  # before this row's calls
         request = orchestrator_pb2.GetJobRequest(job_id=job_id)
         status_ms = await median_ms(orch.GetJob, request, 5)
-        history_ms = await median_ms(orch.GetJobHistory, request, 3)
-        history = await orch.GetJobHistory(request, timeout=60)
+        # The latest page of HISTORY_WINDOW steps, as a dashboard polls it (GetJobHistory is paged by step).
+        page = orchestrator_pb2.GetJobHistoryRequest(job_id=job_id, from_step=max(0, step - HISTORY_WINDOW),
+                                                     max_steps=HISTORY_WINDOW)
+        history_ms = await median_ms(orch.GetJobHistory, page, 3)
+        history = await orch.GetJobHistory(page, timeout=60)
         files = file_sizes(self.data_dir)
         row = {"step": step, "wall_s": time.monotonic() - self.start_s,
                "orchestratord_rss_bytes": rss["orchestratord"], "stored_rss_bytes": rss["stored"],

@@ -91,6 +91,9 @@ def require_id(name: str, value: str) -> str:
     return value
 
 
+#: Steps of a history page when GetJobHistory asks for none (``max_steps`` 0), and the most it may ask for.
+HISTORY_PAGE_STEPS = 1000
+MAX_HISTORY_PAGE_STEPS = 100_000
 #: The history record's own fields (:meth:`JobCoordinator._history_record`); a trainer figure may not reuse one.
 HISTORY_FIELDS = frozenset({
     "agent", "step", "version", "reward_mean", "loss", "grad_norm", "step_seconds", "tokens_per_s", "staleness_mean",
@@ -593,17 +596,22 @@ class JobCoordinator:
         await self._notify()
         return peers
 
-    async def history(self, job_id: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Per-step records and evaluation rounds of a job, at least as new as the job's status read before.
+    async def history(self, job_id: str, from_step: int = 0, max_steps: int = HISTORY_PAGE_STEPS,
+                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
+        """A page of a job's step records, whether more follow, and (from step 0) its evaluation rounds.
 
+        The page holds every agent's records of steps ``from_step .. from_step + max_steps - 1``, at
+        least as new as the job's status read before.
         Status is served from the planner, which holds a change before :meth:`mutate` has written
         it; waiting for the lock lets a write in progress land first, so a caller who saw the job
         SUCCEEDED finds its last commit's record (it was missing now and then under CI load).
         """
-        self.planner.job(job_id)
+        job = self.planner.job(job_id)
         async with self._lock:
             pass
-        return await self.state.load_history(job_id), await self.state.load_evals(job_id)
+        rows, more = await self.state.load_history_page(job_id, job.spec.agent_names, from_step, max_steps)
+        evals = await self.state.load_evals(job_id) if from_step == 0 else []
+        return rows, evals, more
 
     async def evaluate_job(self, job_id: str, versions: Mapping[str, int], tasks: int, eval_file: str = "",
                            eval_sha256: str = "") -> str:

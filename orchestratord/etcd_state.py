@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
@@ -203,6 +203,28 @@ class EtcdStateStore(StateStore):
         values, _ = await self._registry.get_prefix(self._key(job_id, "history") + "/")
         rows = [json.loads(v) for v in values.values()]
         return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
+
+    @_retrying
+    async def load_history_page(self, job_id: str, agents: Sequence[str], from_step: int,
+                                max_steps: int) -> tuple[list[dict[str, Any]], bool]:
+        """The records of steps ``from_step .. from_step + max_steps - 1`` of ``agents``, by commit time.
+
+        Also whether any of them has a record past that range. One bounded range read per agent
+        (its keys are in step order), so the cost is the page's, not the job's history's.
+        """
+        rows: list[dict[str, Any]] = []
+        more = False
+        end = from_step + max_steps
+        for agent in agents:
+            prefix = self._key(job_id, "history", agent) + "/"
+            values, _ = await self._registry.get_prefix(
+                prefix, start=self._history_key(job_id, agent, from_step), limit=max_steps + 1)
+            for key, value in values.items():
+                if int(key[len(prefix):]) < end:
+                    rows.append(json.loads(value))
+                else:
+                    more = True
+        return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0))), more
 
     @_retrying
     async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:

@@ -12,7 +12,13 @@ import grpc.aio
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
-from orchestratord.coordinator import JobCoordinator, require_id, step_figures
+from orchestratord.coordinator import (
+    HISTORY_PAGE_STEPS,
+    MAX_HISTORY_PAGE_STEPS,
+    JobCoordinator,
+    require_id,
+    step_figures,
+)
 
 MAX_SPEC_BYTES = 1 << 20
 MAX_TASKS_PER_LEASE = 256
@@ -82,13 +88,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 return
 
     async def GetJobHistory(  # noqa: N802
-        self, request: orchestrator_pb2.GetJobRequest, context: grpc.aio.ServicerContext
+        self, request: orchestrator_pb2.GetJobHistoryRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.JobHistory:
-        """Per-step records of a job."""
+        """A page of a job's per-step records (and, on the first page, its evaluation rounds)."""
         job_id = require_id("job_id", request.job_id)
-        rows, evals = await self._coordinator.history(job_id)
+        if request.from_step < 0:
+            raise InvalidArgument(f"from_step: must be >= 0, got {request.from_step}")
+        if request.max_steps > MAX_HISTORY_PAGE_STEPS:
+            raise InvalidArgument(f"max_steps: at most {MAX_HISTORY_PAGE_STEPS}, got {request.max_steps}")
+        max_steps = request.max_steps or HISTORY_PAGE_STEPS
+        rows, evals, more = await self._coordinator.history(job_id, request.from_step, max_steps)
         return orchestrator_pb2.JobHistory(job_id=job_id, steps=[serde.step_record(r) for r in rows],
-                                           evals=[serde.eval_record(r) for r in evals])
+                                           evals=[serde.eval_record(r) for r in evals], more=more,
+                                           next_from_step=request.from_step + max_steps if more else 0)
 
     async def EvaluateJob(  # noqa: N802
         self, request: orchestrator_pb2.EvaluateJobRequest, context: grpc.aio.ServicerContext

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aetcd.exceptions
+import grpc
+import grpc.aio
 import pytest
 
 from flexmarl.client import AsyncClient
@@ -25,6 +27,7 @@ from flexmarl.cluster import DaemonProcess, EtcdServer
 from flexmarl.ids import ExperienceKey, TaskRef
 from flexmarl.jobspec import parse_job_spec
 from flexmarl.registry import Registry
+from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.state import JobState, StepCommit, StepManifest
 
@@ -117,6 +120,24 @@ async def test_orchestratord_starts_over_20_mb_of_history(etcd: EtcdServer, star
         history = await client.history("history00-0000")
         assert sorted((r.agent, r.step) for r in history) == sorted(
             (agent, step) for agent in ("receiver", "sender") for step in range(STEPS))
+        # Paged by step: a page holds every agent's records of its steps and says whether more follow.
+        channel = grpc.aio.insecure_channel(orchestratord.address)
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        page = await stub.GetJobHistory(orchestrator_pb2.GetJobHistoryRequest(
+            job_id="history00-0000", from_step=10, max_steps=5), timeout=30)
+        assert sorted((r.agent, r.step) for r in page.steps) == sorted(
+            (agent, step) for agent in ("receiver", "sender") for step in range(10, 15))
+        assert page.more and page.next_from_step == 15 and not page.evals
+        last = await stub.GetJobHistory(orchestrator_pb2.GetJobHistoryRequest(
+            job_id="history00-0000", from_step=STEPS - 2, max_steps=5), timeout=30)
+        assert {r.step for r in last.steps} == {STEPS - 2, STEPS - 1} and not last.more and last.next_from_step == 0
+        assert await client.history("history00-0000", page_steps=3) == history  # many pages, the same records
+        for bad in (orchestrator_pb2.GetJobHistoryRequest(job_id="history00-0000", from_step=-1),
+                    orchestrator_pb2.GetJobHistoryRequest(job_id="history00-0000", max_steps=100_001)):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.GetJobHistory(bad, timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await channel.close()
     finally:
         with contextlib.suppress(Exception):
             await client.close()

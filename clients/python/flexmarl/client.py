@@ -36,6 +36,10 @@ T = TypeVar("T")
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+#: Steps per GetJobHistory page that :meth:`AsyncClient.history` asks for (a long job's history never
+#: has to fit one message).
+HISTORY_PAGE_STEPS = 500
+
 class JobState(enum.Enum):
     """Lifecycle of a job."""
 
@@ -359,16 +363,26 @@ class AsyncClient:
         """The agents of a job with their progress."""
         return (await self.status(job_id)).agents
 
-    async def history(self, job_id: str) -> list[StepRecord]:
-        """Every committed step of every agent, in commit order."""
+    async def history(self, job_id: str, page_steps: int = HISTORY_PAGE_STEPS) -> list[StepRecord]:
+        """Every committed step of every agent, in commit order, read ``page_steps`` steps per call."""
         stub = await self._connect()
-        reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
-        return [StepRecord.from_proto(r) for r in reply.steps]
+        records: list[StepRecord] = []
+        from_step = 0
+        while True:
+            reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobHistoryRequest(
+                job_id=job_id, from_step=from_step, max_steps=page_steps), timeout=self._timeout_s))
+            records.extend(StepRecord.from_proto(r) for r in reply.steps)
+            if not reply.more:
+                break
+            from_step = reply.next_from_step
+        # Pages are by step: an agent's later step may have committed before another's earlier one.
+        return sorted(records, key=lambda r: (r.committed_unix_ms, r.agent, r.step))
 
     async def evaluations(self, job_id: str) -> list[EvalRecord]:
         """Every recorded held-out evaluation round of a job (``evaluation:``), by version."""
         stub = await self._connect()
-        reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobRequest(job_id=job_id), timeout=self._timeout_s))
+        reply = await _call(stub.GetJobHistory(orchestrator_pb2.GetJobHistoryRequest(job_id=job_id, max_steps=1),
+                                               timeout=self._timeout_s))
         return [eval_record_of(r) for r in reply.evals]
 
     async def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0,
@@ -679,9 +693,9 @@ class Client:
         """The agents of a job with their progress."""
         return self._run(self._async.agents(job_id))
 
-    def history(self, job_id: str) -> list[StepRecord]:
-        """Every committed step of every agent, in commit order."""
-        return self._run(self._async.history(job_id))
+    def history(self, job_id: str, page_steps: int = HISTORY_PAGE_STEPS) -> list[StepRecord]:
+        """Every committed step of every agent, in commit order (see :meth:`AsyncClient.history`)."""
+        return self._run(self._async.history(job_id, page_steps))
 
     def evaluations(self, job_id: str) -> list[EvalRecord]:
         """Every recorded held-out evaluation round of a job, by version (see AsyncClient.evaluations)."""

@@ -434,17 +434,18 @@ class Registry:
         result = await self.client.get(key.encode())
         return None if result is None else bytes(result.value)
 
-    async def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]:
-        """Every key under a prefix and the store revision the read saw.
+    async def get_prefix(self, prefix: str, *, start: str = "", limit: int = 0) -> tuple[dict[str, bytes], int]:
+        """Every key under a prefix (in key order) and the store revision the read saw.
 
         Read in pages of at most :data:`RANGE_PAGE_KEYS` keys, every page at the first page's
         revision, so the result is one consistent snapshot however much it holds. A page whose reply
         is over the receive limit is read again in halves; a single value over the limit raises
-        :class:`EtcdRangeTooLarge` naming the key (never retried as "unavailable").
+        :class:`EtcdRangeTooLarge` naming the key (never retried as "unavailable"). ``start`` (a key
+        under the prefix) skips the keys before it; ``limit`` > 0 stops after that many keys.
         """
         values: dict[str, bytes] = {}
         revision = 0
-        async for kvs, page_revision in self._paged_range(prefix, keys_only=False):
+        async for kvs, page_revision in self._paged_range(prefix, keys_only=False, start=start, limit=limit):
             values.update((kv.key.decode(), bytes(kv.value)) for kv in kvs)
             revision = page_revision
         return values, revision

@@ -497,29 +497,65 @@ class EvaluateJobResponse(_message.Message):
 Global___EvaluateJobResponse: _TypeAlias = EvaluateJobResponse  # noqa: Y015
 
 @_typing.final
+class GetJobHistoryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    FROM_STEP_FIELD_NUMBER: _builtins.int
+    MAX_STEPS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    from_step: _builtins.int
+    """The page: every agent's records of steps from_step .. from_step + max_steps - 1."""
+    max_steps: _builtins.int
+    """0 = the server's default page (1,000 steps); at most 100,000."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        from_step: _builtins.int = ...,
+        max_steps: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_step", b"from_step", "job_id", b"job_id", "max_steps", b"max_steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobHistoryRequest: _TypeAlias = GetJobHistoryRequest  # noqa: Y015
+
+@_typing.final
 class JobHistory(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    NEXT_FROM_STEP_FIELD_NUMBER: _builtins.int
     EVALS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    more: _builtins.bool
+    """Whether some agent has records past this page; ask again from next_from_step."""
+    next_from_step: _builtins.int
     @_builtins.property
-    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRecord]: ...
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRecord]:
+        """The page's step records, in commit order."""
+
     @_builtins.property
     def evals(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalRecord]:
-        """Held-out evaluation rounds (JobSpec evaluation), by version."""
+        """Held-out evaluation rounds (JobSpec evaluation), by version: on the page from step 0 only."""
 
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         steps: _abc.Iterable[Global___StepRecord] | None = ...,
+        more: _builtins.bool = ...,
+        next_from_step: _builtins.int = ...,
         evals: _abc.Iterable[Global___EvalRecord] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["evals", b"evals", "job_id", b"job_id", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evals", b"evals", "job_id", b"job_id", "more", b"more", "next_from_step", b"next_from_step", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -62,7 +62,7 @@ class OrchestratorStub:
                 _registered_method=True)
         self.GetJobHistory = channel.unary_unary(
                 '/flexmarl.v1.Orchestrator/GetJobHistory',
-                request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
+                request_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobHistoryRequest.SerializeToString,
                 response_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
                 _registered_method=True)
         self.EvaluateJob = channel.unary_unary(
@@ -154,6 +154,7 @@ class OrchestratorServicer:
 
     def GetJobHistory(self, request, context):
         """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
+        Paged by step (GetJobHistoryRequest): a long job's history never has to fit one message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -263,7 +264,7 @@ def add_OrchestratorServicer_to_server(servicer, server):
             ),
             'GetJobHistory': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJobHistory,
-                    request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.FromString,
+                    request_deserializer=flexmarl_dot_v1_dot_orchestrator__pb2.GetJobHistoryRequest.FromString,
                     response_serializer=flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.SerializeToString,
             ),
             'EvaluateJob': grpc.unary_unary_rpc_method_handler(
@@ -477,7 +478,7 @@ class Orchestrator:
             request,
             target,
             '/flexmarl.v1.Orchestrator/GetJobHistory',
-            flexmarl_dot_v1_dot_orchestrator__pb2.GetJobRequest.SerializeToString,
+            flexmarl_dot_v1_dot_orchestrator__pb2.GetJobHistoryRequest.SerializeToString,
             flexmarl_dot_v1_dot_orchestrator__pb2.JobHistory.FromString,
             options,
             channel_credentials,

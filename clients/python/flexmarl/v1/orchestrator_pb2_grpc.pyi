@@ -41,8 +41,10 @@ class OrchestratorStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelJobRequest, _orchestrator_pb2.JobStatus]
     WatchJob: _grpc.UnaryStreamMultiCallable[_orchestrator_pb2.WatchJobRequest, _orchestrator_pb2.JobStatus]
     """Streams a status snapshot on every change until the job ends."""
-    GetJobHistory: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]
-    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+    GetJobHistory: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobHistoryRequest, _orchestrator_pb2.JobHistory]
+    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
+    Paged by step (GetJobHistoryRequest): a long job's history never has to fit one message.
+    """
     EvaluateJob: _grpc.UnaryUnaryMultiCallable[_orchestrator_pb2.EvaluateJobRequest, _orchestrator_pb2.EvaluateJobResponse]
     """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
     its record joins JobHistory.evals when every task reported.
@@ -82,8 +84,10 @@ class OrchestratorAsyncStub(OrchestratorStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.CancelJobRequest, _orchestrator_pb2.JobStatus]  # type: ignore[assignment]
     WatchJob: _aio.UnaryStreamMultiCallable[_orchestrator_pb2.WatchJobRequest, _orchestrator_pb2.JobStatus]  # type: ignore[assignment]
     """Streams a status snapshot on every change until the job ends."""
-    GetJobHistory: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobRequest, _orchestrator_pb2.JobHistory]  # type: ignore[assignment]
-    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+    GetJobHistory: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.GetJobHistoryRequest, _orchestrator_pb2.JobHistory]  # type: ignore[assignment]
+    """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
+    Paged by step (GetJobHistoryRequest): a long job's history never has to fit one message.
+    """
     EvaluateJob: _aio.UnaryUnaryMultiCallable[_orchestrator_pb2.EvaluateJobRequest, _orchestrator_pb2.EvaluateJobResponse]  # type: ignore[assignment]
     """Opens an on-demand held-out evaluation round on kept versions of a running or succeeded job;
     its record joins JobHistory.evals when every task reported.
@@ -154,10 +158,12 @@ class OrchestratorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def GetJobHistory(
         self,
-        request: _orchestrator_pb2.GetJobRequest,
+        request: _orchestrator_pb2.GetJobHistoryRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_orchestrator_pb2.JobHistory, _abc.Awaitable[_orchestrator_pb2.JobHistory]]:
-        """Per-agent, per-step records of a job (rewards, throughput, losses), for plots."""
+        """Per-agent, per-step records of a job (rewards, throughput, losses), for plots.
+        Paged by step (GetJobHistoryRequest): a long job's history never has to fit one message.
+        """
 
     @_abc_1.abstractmethod
     def EvaluateJob(
