@@ -631,7 +631,6 @@ class JobCoordinator:
         unknown = sorted(set(versions) - set(current))
         if unknown:
             raise InvalidArgument(f"agent_versions: job {job_id!r} has no agents {unknown} (it has {sorted(current)})")
-        history: list[dict[str, Any]] | None = None
         pinned: list[AgentVersion] = []
         for agent, now in current.items():
             version = versions.get(agent, now.version)
@@ -646,9 +645,9 @@ class JobCoordinator:
                 if version == 0:
                     uri = ""  # the spec's own model
                 else:
-                    history = history if history is not None else await self.state.load_history(job_id)
-                    uri = next((str(row.get("weights_uri", "")) for row in history
-                                if row.get("agent") == agent and row.get("version") == version), "")
+                    # Version v is the commit of step v - 1: one record, not the job's whole history.
+                    rows, _ = await self.state.load_history_page(job_id, [agent], version - 1, 1)
+                    uri = next((str(row.get("weights_uri", "")) for row in rows if row.get("version") == version), "")
                     if not uri:
                         raise FailedPrecondition(f"agent_versions: no weights recorded for version {version} "
                                                  f"of {agent}")

@@ -198,13 +198,6 @@ class EtcdStateStore(StateStore):
         return self._key(job_id, "history", agent, f"{step:08d}")
 
     @_retrying
-    async def load_history(self, job_id: str) -> list[dict[str, Any]]:
-        """Every stored per-step record of a job, ordered by commit time."""
-        values, _ = await self._registry.get_prefix(self._key(job_id, "history") + "/")
-        rows = [json.loads(v) for v in values.values()]
-        return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
-
-    @_retrying
     async def load_history_page(self, job_id: str, agents: Sequence[str], from_step: int,
                                 max_steps: int) -> tuple[list[dict[str, Any]], bool]:
         """The records of steps ``from_step .. from_step + max_steps - 1`` of ``agents``, by commit time.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -263,8 +264,11 @@ def test_an_on_demand_round_plays_exactly_the_asked_versions_also_after_the_job_
 class HistoryStore(InMemoryStateStore):
     """The in-memory store with the etcd store's history reads (what JobCoordinator.evaluate_job reads)."""
 
-    async def load_history(self, job_id: str) -> list[dict[str, Any]]:
-        return list(self._jobs[job_id].get("history", {}).values())
+    async def load_history_page(self, job_id: str, agents: Sequence[str], from_step: int,
+                                max_steps: int) -> tuple[list[dict[str, Any]], bool]:
+        rows = [r for r in self._jobs[job_id].get("history", {}).values() if r["agent"] in agents]
+        end = from_step + max_steps
+        return [r for r in rows if from_step <= r["step"] < end], any(r["step"] >= end for r in rows)
 
     async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
         return list(self._jobs[job_id]["evals"].values())
