@@ -230,5 +230,4 @@ def check_job(spec: JobSpec) -> JobSpec:
     problems = preflight_problems(spec)
     if problems:
         raise InvalidArgument("\n".join(problems))
-    with _current_dir_importable():
-        return stamped(spec)
+    return stamped(spec)  # the entrypoint's module is imported now: its file is known without sys.path
