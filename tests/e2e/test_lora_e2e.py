@@ -15,41 +15,16 @@ import copy
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from e2e_support import E2ECluster, assert_succeeded, running_cluster, weights_dir
+from lora_support import MIXED_STEPS, mixed_spec, peft_logprobs
 
 from flexmarl.artifacts import checkpoint_tensors
-from flexmarl.cli import materialize_models
-from flexmarl.experience import ExperienceRecord
 
 BASE = "tiny://qwen2?seed=1"
-LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-STEPS = 2
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 1, "stop_token_ids": []}
-OPTIMIZER = {"name": "adamw", "lr": 5.0e-2, "betas": [0.9, 0.999], "eps": 1.0e-8, "weight_decay": 0.0, "grad_clip": 1.0}
-
-
-def mixed_spec(models_dir: Path, **overrides: Any) -> dict[str, Any]:
-    """sender0/receiver0 as adapters of BASE, observer a full model of the same checkpoint; dense reward."""
-    agents = [{"name": name, "model": BASE, "lora": LORA, "sampling": SAMPLING, "optimizer": OPTIMIZER}
-              for name in ("sender0", "receiver0")]
-    agents.append({"name": "observer", "model": BASE, "sampling": SAMPLING, "optimizer": OPTIMIZER})
-    raw: dict[str, Any] = {
-        "name": "lora-mixed", "seed": 0,
-        "environment": {"entrypoint": "examples.signaling_lora.env:PairedSignaling",
-                        "config": {"num_objects": 4, "pairs": 1, "observer": True, "dense": True}},
-        "agents": agents,
-        "algorithm": {"name": "grpo"},
-        "batch": {"prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8},
-        "total_steps": STEPS,
-        "pipeline": {"mode": "async", "max_staleness": 0},
-        "leases": {"rollout_timeout_s": 60, "train_timeout_s": 120},
-    }
-    raw.update(overrides)
-    return materialize_models(raw, models_dir)
+STEPS = MIXED_STEPS
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +38,6 @@ def _digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
-def _peft_logprobs(base: Path, adapter: Path | None, record: ExperienceRecord) -> list[float]:
-    """Logprobs of the record's response tokens under base + adapter (the base alone: None), by PEFT."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    prompt, response = record.prompt_token_ids.tolist(), record.response_token_ids.tolist()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return [float(logprobs[i, token]) for i, token in enumerate(response)]
-
-
 def _final(e2e: E2ECluster, job_id: str) -> dict[str, dict[str, torch.Tensor]]:
     info = e2e.wait_job(job_id)
     assert_succeeded(e2e, info, STEPS)
@@ -87,7 +47,7 @@ def _final(e2e: E2ECluster, job_id: str) -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.timeout(400)
 def test_a_mixed_job_trains_adapters_over_an_untouched_base_and_async_equals_sync(lora_cluster: E2ECluster) -> None:
     e2e = lora_cluster
-    spec = mixed_spec(e2e.models_dir)
+    spec = mixed_spec(e2e.models_dir, BASE, "lora-mixed")
     base = Path(spec["agents"][0]["model"])
     before = _digest(base)
     job_id = e2e.client.submit(copy.deepcopy(spec), job_id="lora-mixed")  # strict async (max_staleness 0)
@@ -111,10 +71,10 @@ def test_a_mixed_job_trains_adapters_over_an_untouched_base_and_async_equals_syn
         assert versions >= {0, 1}, f"{agent}: experiences only of versions {versions}"
         for version in sorted(versions):
             record = next(r for r in records if r.behavior_version == version)
-            expected = _peft_logprobs(base, adapters[version], record)
+            expected = peft_logprobs(base, adapters[version], record)
             assert record.response_logprobs.tolist() == pytest.approx(expected, abs=1e-4), f"{agent} v{version}"
             if version > 0:  # not vacuous: the adapter changes what the base alone would give
-                base_alone = _peft_logprobs(base, None, record)
+                base_alone = peft_logprobs(base, None, record)
                 assert max(abs(x - y) for x, y in zip(expected, base_alone, strict=True)) > 1e-3, agent
 
     # The same job in sync mode trains the same adapters and the same full model, bit for bit.

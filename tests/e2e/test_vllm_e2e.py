@@ -49,6 +49,7 @@ from e2e_support import (
     running_cluster,
     weights_dir,
 )
+from lora_support import MIXED_STEPS, mixed_spec, peft_logprobs
 from partial_support import interruptions, partial_spec, span_summaries
 
 from flexmarl.artifacts import checkpoint_tensors
@@ -402,44 +403,7 @@ def test_strict_sync_and_async_on_vllm_train_equal_parameters(vllm_cluster: E2EC
 
 
 # ----- LoRA agents beside a full-model agent (last: on a replica relaunched with LoRA on) -------------------
-LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-LORA_STEPS = 2
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 1, "stop_token_ids": []}
-OPTIMIZER = {"name": "adamw", "lr": 5.0e-2, "betas": [0.9, 0.999], "eps": 1.0e-8, "weight_decay": 0.0, "grad_clip": 1.0}
-
-
-def mixed_spec(models_dir: Path) -> dict[str, Any]:
-    """tests/e2e/test_lora_e2e.py's mixed job on the untied base: two adapters and a full model of one base."""
-    agents = [{"name": name, "model": UNTIED_BASE, "lora": LORA, "sampling": SAMPLING, "optimizer": OPTIMIZER}
-              for name in ("sender0", "receiver0")]
-    agents.append({"name": "observer", "model": UNTIED_BASE, "sampling": SAMPLING, "optimizer": OPTIMIZER})
-    raw: dict[str, Any] = {
-        "name": "vllm-lora-mixed", "seed": 0,
-        "environment": {"entrypoint": "examples.signaling_lora.env:PairedSignaling",
-                        "config": {"num_objects": 4, "pairs": 1, "observer": True, "dense": True}},
-        "agents": agents,
-        "algorithm": {"name": "grpo"},
-        "batch": {"prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8},
-        "total_steps": LORA_STEPS,
-        "pipeline": {"mode": "async", "max_staleness": 0},
-        "leases": {"rollout_timeout_s": 60, "train_timeout_s": 120},
-    }
-    return materialize_models(raw, models_dir)
-
-
-def peft_logprobs(base: Path, adapter: Path | None, record: ExperienceRecord) -> list[float]:
-    """Logprobs of the record's response tokens under base + adapter (the base alone: None), by PEFT."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter))
-    prompt, response = record.prompt_token_ids.tolist(), record.response_token_ids.tolist()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0].float()
-    logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return [float(logprobs[i, token]) for i, token in enumerate(response)]
+LORA_STEPS = MIXED_STEPS
 
 
 def relaunch_rolloutd(e2e: E2ECluster, replica_groups: list[int]) -> None:
@@ -458,7 +422,7 @@ def relaunch_rolloutd(e2e: E2ECluster, replica_groups: list[int]) -> None:
 def test_lora_agents_and_a_full_model_agent_train_on_vllm(vllm_cluster: E2ECluster, replica_groups: list[int]) -> None:
     e2e = vllm_cluster
     relaunch_rolloutd(e2e, replica_groups)  # its next job launches the replica, with this job's LoRA flags
-    spec = mixed_spec(e2e.models_dir)
+    spec = mixed_spec(e2e.models_dir, UNTIED_BASE, "vllm-lora-mixed")
     base = Path(spec["agents"][0]["model"])
     before = checkpoint_tensors(base)
     started = time.monotonic()
