@@ -96,8 +96,8 @@ HISTORY_PAGE_STEPS = 1000
 MAX_HISTORY_PAGE_STEPS = 100_000
 #: The history record's own fields (:meth:`JobCoordinator._history_record`); a trainer figure may not reuse one.
 HISTORY_FIELDS = frozenset({
-    "agent", "step", "version", "reward_mean", "loss", "grad_norm", "step_seconds", "tokens_per_s", "staleness_mean",
-    "episodes", "response_tokens", "committed_unix_ms", "weights_uri",
+    "agent", "step", "version", "reward_mean", "return_mean", "loss", "grad_norm", "step_seconds", "tokens_per_s",
+    "staleness_mean", "episodes", "response_tokens", "committed_unix_ms", "weights_uri",
 })
 MAX_STEP_FIGURES = 16
 _FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -359,7 +359,8 @@ class JobCoordinator:
         tokens = manifest.step_response_tokens if manifest is not None else 0
         record: dict[str, Any] = {
             "agent": commit.agent, "step": commit.step, "version": commit.new_version,
-            "reward_mean": progress.reward_mean if progress else 0.0, "loss": commit.loss,
+            "reward_mean": progress.reward_mean if progress else 0.0,
+            "return_mean": progress.return_mean if progress else 0.0, "loss": commit.loss,
             "grad_norm": commit.grad_norm, "step_seconds": commit.step_seconds or since_s,
             "tokens_per_s": tokens / since_s, "staleness_mean": progress.staleness_mean if progress else 0.0,
             "episodes": manifest.step_episodes if manifest is not None else 0, "response_tokens": tokens,

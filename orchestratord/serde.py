@@ -53,6 +53,7 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, weights_uri=a.weights_uri,
                 slot_id=a.slot_id, step_seconds=a.step_seconds,
                 tokens_per_s=(tokens_per_s or {}).get(a.agent, 0.0), slot_ids=list(a.slot_ids),
+                return_mean=a.return_mean,
             )
             for a in snap.agents
         ],
@@ -106,7 +107,8 @@ def experience_summaries(msgs: Iterable[orchestrator_pb2.ExperienceSummary]) -> 
     """Reported experiences (the one proto -> :class:`flexmarl.experience.ExperienceSummary` decoder)."""
     return [
         ExperienceSummary(m.experience_id, m.agent, m.group_id, m.sample_index, m.behavior_version,
-                          m.response_tokens, m.reward)
+                          m.response_tokens, m.reward,
+                          m.episode_return if m.HasField("episode_return") else None)
         for m in msgs
     ]
 

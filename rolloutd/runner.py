@@ -498,6 +498,7 @@ class RolloutRunner:
                         turn=turn.turn,
                         behavior_version=turn.behavior_version,
                         reward=returns[(turn.agent, turn.turn)],
+                        episode_return=float(outcome.returns.get(turn.agent, 0.0)),
                         prompt_token_ids=np.asarray(turn.prompt_token_ids, dtype=np.int32),
                         response_token_ids=np.asarray(turn.response_token_ids, dtype=np.int32),
                         response_logprobs=np.asarray(turn.response_logprobs, dtype=np.float32),

@@ -81,7 +81,7 @@ def experience_summary(summary: ExperienceSummary) -> orchestrator_pb2.Experienc
     return orchestrator_pb2.ExperienceSummary(
         experience_id=summary.experience_id, agent=summary.agent, group_id=summary.group_id,
         sample_index=summary.sample_index, behavior_version=summary.behavior_version,
-        response_tokens=summary.response_tokens, reward=summary.reward,
+        response_tokens=summary.response_tokens, reward=summary.reward, episode_return=summary.episode_return,
     )
 
 

@@ -72,6 +72,8 @@ CREATE TABLE IF NOT EXISTS experiences (
     response_version_spans BLOB NOT NULL DEFAULT x'',
     -- assistant messages of the prompt re-tokenized from text (OpenAI gateway); 0: none.
     retokenized_messages INTEGER NOT NULL DEFAULT 0,
+    -- the agent's unshaped episode return (reward is the turn's trained one); NULL: not recorded.
+    episode_return REAL,
     UNIQUE (job_id, experience_id)
 );
 CREATE INDEX IF NOT EXISTS exp_partition ON experiences (job_id, agent, state, behavior_version);
@@ -228,6 +230,9 @@ class Database:
         if "retokenized_messages" not in columns:
             self._writer.execute("ALTER TABLE experiences ADD COLUMN retokenized_messages INTEGER NOT NULL DEFAULT 0")
             log.info("%s: added experiences.retokenized_messages", self.path)
+        if "episode_return" not in columns:
+            self._writer.execute("ALTER TABLE experiences ADD COLUMN episode_return REAL")
+            log.info("%s: added experiences.episode_return", self.path)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(

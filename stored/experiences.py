@@ -143,9 +143,9 @@ def content_digest(
 ) -> bytes:
     """sha256 over every immutable field of a record (not state, step or times).
 
-    The version spans of an interrupted response and a re-tokenized message count are hashed
-    only when there are any, so the digest of every record without them is what it was before
-    they existed.
+    The version spans of an interrupted response, a re-tokenized message count and the episode
+    return are hashed only when there are any, so the digest of every record without them is
+    what it was before they existed.
     """
     h = hashlib.sha256()
     for text in (
@@ -169,6 +169,9 @@ def content_digest(
     if record.retokenized_messages:
         h.update(b"retokenized")
         h.update(struct.pack("<Q", record.retokenized_messages))
+    if record.episode_return is not None:
+        h.update(b"episode_return")
+        h.update(struct.pack("<d", record.episode_return))
     return h.digest()
 
 
@@ -213,6 +216,8 @@ def validate_record(record: ExperienceRecord, limits: ExperienceLimits) -> _Pack
         raise InvalidArgument(f"experience {exp_id!r}: bad group_id {record.group_id!r}, expected {expected_group!r}")
     if not math.isfinite(record.reward):
         raise InvalidArgument(f"experience {exp_id!r}: reward must be finite, got {record.reward}")
+    if record.episode_return is not None and not math.isfinite(record.episode_return):
+        raise InvalidArgument(f"experience {exp_id!r}: episode_return must be finite, got {record.episode_return}")
     if record.state != ExperienceState.READY or record.step_id:
         raise InvalidArgument(f"experience {exp_id!r}: appended experiences must be READY with no step_id")
     prompt = _pack(record.prompt_token_ids, TOKEN_DTYPE, "prompt_token_ids", exp_id)
@@ -263,17 +268,17 @@ def _bump_stats(
 _RECORD_COLUMNS = (
     "experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, turn, behavior_version, "
     "reward, group_size, state, step_id, created_unix_ms, prompt_token_ids, response_token_ids, "
-    "response_logprobs, content_sha256, response_version_spans, retokenized_messages"
+    "response_logprobs, content_sha256, response_version_spans, retokenized_messages, episode_return"
 )
 _REF_COLUMNS = (
     "seq, experience_id, group_id, task_id, sample_index, behavior_version, response_tokens, prompt_tokens, "
-    "reward, state, step_id, group_size"
+    "reward, state, step_id, group_size, episode_return"
 )
 
 
 def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
     (exp_id, job_id, agent, task_id, group, sample, episode, turn, version, reward, group_size, state, step_id,
-     created, prompt, response, logprobs, digest, spans, retokenized) = row
+     created, prompt, response, logprobs, digest, spans, retokenized, episode_return) = row
     try:
         version_spans = check_version_spans(
             np.frombuffer(spans, dtype=SPAN_DTYPE), int(version), len(response) // TOKEN_DTYPE.itemsize,
@@ -302,6 +307,7 @@ def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
         created_unix_ms=int(created),
         response_version_spans=version_spans,
         retokenized_messages=int(retokenized),
+        episode_return=None if episode_return is None else float(episode_return),
     )
     actual = content_digest(record, prompt, response, logprobs, bytes(spans))
     if actual != digest:
@@ -312,7 +318,7 @@ def _row_to_record(row: tuple[Any, ...]) -> ExperienceRecord:
 
 def _row_to_ref(row: tuple[Any, ...]) -> ExperienceRef:
     (_seq, exp_id, group, task_id, sample, version, response_tokens, prompt_tokens, reward, state, step_id,
-     _group_size) = row
+     _group_size, episode_return) = row
     return ExperienceRef(
         experience_id=str(exp_id),
         group_id=str(group),
@@ -324,6 +330,7 @@ def _row_to_ref(row: tuple[Any, ...]) -> ExperienceRef:
         reward=float(reward),
         state=ExperienceState(int(state)),
         step_id=str(step_id),
+        episode_return=None if episode_return is None else float(episode_return),
     )
 
 
@@ -423,15 +430,15 @@ class ExperienceStore:
             "INSERT INTO experiences (experience_id, job_id, agent, task_id, group_id, sample_index, episode_id, "
             "turn, behavior_version, reward, group_size, state, step_id, created_unix_ms, state_unix_ms, "
             "prompt_tokens, response_tokens, payload_bytes, prompt_token_ids, response_token_ids, "
-            "response_logprobs, content_sha256, response_version_spans, retokenized_messages) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "response_logprobs, content_sha256, response_version_spans, retokenized_messages, episode_return) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, '', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             [
                 (
                     p.record.experience_id, p.record.job_id, p.record.agent, p.record.task_id, p.record.group_id,
                     p.record.sample_index, p.record.episode_id, p.record.turn, p.record.behavior_version,
                     p.record.reward, p.record.group_size, int(ExperienceState.READY), now_ms, now_ms,
                     len(p.prompt) // 4, len(p.response) // 4, p.payload_bytes, p.prompt, p.response,
-                    p.logprobs, p.digest, p.spans, p.record.retokenized_messages,
+                    p.logprobs, p.digest, p.spans, p.record.retokenized_messages, p.record.episode_return,
                 )
                 for p in rows
             ],

@@ -70,6 +70,7 @@ def ref_to_proto(ref: ExperienceRef) -> store_pb2.ExperienceRef:
         reward=ref.reward,
         state=proto_state(ref.state),
         step_id=ref.step_id,
+        episode_return=ref.episode_return,
     )
 
 

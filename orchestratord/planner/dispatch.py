@@ -230,6 +230,7 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
     state.state_uri = state_uri
     state.state_worker_id = "" if is_durable_state(state_uri) else worker_id
     state.reward_mean = sum(group.reward_sum for group in plan.groups) / experiences
+    state.return_mean = sum(group.return_sum for group in plan.groups) / episodes
     state.staleness_mean = sum((step - group.min_behavior_version) * group.episodes
                                for group in plan.groups) / episodes
     state.step_seconds = step_seconds

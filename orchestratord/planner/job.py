@@ -162,7 +162,7 @@ class JobPlanner:
                 weights_uri=a.weights_uri, state_uri=a.state_uri,
                 slot_id=slot_of(a.name) if slot_of is not None else "",
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, step_seconds=a.step_seconds,
-                slot_ids=members_of(a.name) if members_of is not None else (),
+                slot_ids=members_of(a.name) if members_of is not None else (), return_mean=a.return_mean,
             )
             for a in job.agents.values()
         )

@@ -68,12 +68,14 @@ class Group:
     experience_ids: tuple[str, ...]
     episodes: int
     response_tokens: int
+    # Sum of the experiences' trained rewards; sum of the episodes' unshaped returns (one per episode).
     reward_sum: float
     min_behavior_version: int
     max_behavior_version: int
     # Each experience's return, in experience_ids order (advantage_norm agent's step statistics).
     returns: tuple[float, ...] = ()
     batch: int = 0  # the task's rollout batch: (batch, position) orders a step's groups
+    return_sum: float = 0.0
 
     @property
     def task_order(self) -> tuple[int, int]:
@@ -164,7 +166,9 @@ class AgentState:
     state_uri: str
     # Worker whose memory alone holds the committed state (non-durable state_uri), else "".
     state_worker_id: str = ""
+    # The last step's mean trained reward (per experience) and mean unshaped episode return (per episode).
     reward_mean: float = 0.0
+    return_mean: float = 0.0
     staleness_mean: float = 0.0
     step_seconds: float = 0.0
 

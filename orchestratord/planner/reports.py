@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from flexmarl.errors import ErrorReason, FailedPrecondition, InvalidArgument
-from flexmarl.experience import ExperienceSummary
+from flexmarl.experience import ExperienceSummary, reported_return
 from flexmarl.ids import GroupRef
 from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner.admission import requeue_task
@@ -111,6 +111,8 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
             returns=tuple(float(exp.reward) for exp in members),
             episodes=group_size, response_tokens=sum(exp.response_tokens for exp in members),
             reward_sum=sum(exp.reward for exp in members),
+            return_sum=sum({exp.sample_index: reported_return(exp.reward, exp.episode_return)
+                            for exp in members}.values()),
             min_behavior_version=min(exp.behavior_version for exp in members),
             max_behavior_version=max(exp.behavior_version for exp in members),
         )

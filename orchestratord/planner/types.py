@@ -157,11 +157,14 @@ class AgentProgress:
     weights_uri: str
     state_uri: str
     slot_id: str
+    # Mean trained reward (shaped, discounted turn return) over the last step's experiences.
     reward_mean: float
     staleness_mean: float
     step_seconds: float
     # Every bound slot in data-parallel rank order (slot_ids[0] == slot_id).
     slot_ids: tuple[str, ...] = ()
+    # Mean unshaped episode return over the last step's episodes: the reported reward.
+    return_mean: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,8 @@ One cluster serves the whole module; the last test takes it down with `flexmarl 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 import subprocess
@@ -107,6 +109,41 @@ def test_status_json_and_table(run_dir: Path, finished_job: tuple[str, CliResult
     table = run_cli("status", job_id, "--run-dir", str(run_dir))
     assert table.returncode == 0, table.explain()
     assert f"job {job_id} (signaling): succeeded  tasks 8/8" in table.stdout, table.explain()
+
+
+def test_history_status_and_watch_show_the_reported_return_beside_the_trained_reward(
+        run_dir: Path, finished_job: tuple[str, CliResult]) -> None:
+    """The example's sender trains on the receiver's probability of the target (shape_reward); both report 0/1."""
+    job_id, watched = finished_job
+    history = run_cli("history", job_id, "--csv", "--run-dir", str(run_dir))
+    assert history.returncode == 0, history.explain()
+    rows = {(r["agent"], int(r["step"])): r for r in csv.DictReader(io.StringIO(history.stdout))}
+    assert sorted(rows) == [("receiver", 0), ("receiver", 1), ("sender", 0), ("sender", 1)], history.explain()
+    for step in (0, 1):
+        sender, receiver = rows[("sender", step)], rows[("receiver", step)]
+        episodes = int(sender["episodes"])
+        assert episodes == int(receiver["episodes"]) == 16
+        # the same episodes' shared 0/1 success, reported unshaped for both agents
+        assert float(sender["return_mean"]) == float(receiver["return_mean"])
+        assert (float(receiver["return_mean"]) * episodes).is_integer()
+        # the receiver trains on that success; the sender on a probability, so its trained mean is another number
+        assert float(receiver["reward_mean"]) == float(receiver["return_mean"])
+        assert float(sender["reward_mean"]) != float(sender["return_mean"]), history.explain()
+
+    status = run_cli("status", job_id, "--json", "--run-dir", str(run_dir))
+    assert status.returncode == 0, status.explain()
+    agents = {a["agent"]: a for a in json.loads(status.stdout)["agents"]}
+    for agent, progress in agents.items():  # the last step's two means, under their own names
+        assert progress["return_mean"] == float(rows[(agent, 1)]["return_mean"]), status.explain()
+        assert progress["reward_mean"] == float(rows[(agent, 1)]["reward_mean"]), status.explain()
+    sender = agents["sender"]
+    watch_line = (f"{job_id} sender step 2/2 v2 return {sender['return_mean']:.3f} "
+                  f"trained_reward {sender['reward_mean']:.3f} ")
+    assert watch_line in watched.stdout, watched.explain()
+    table = run_cli("status", job_id, "--run-dir", str(run_dir))
+    assert re.search(r"return\s*\S\s*trained reward", table.stdout), table.explain()
+    assert re.search(rf"sender\s*\S\s*2/2\s*\S\s*2\s*\S\s*{sender['return_mean']:.3f}\s*\S\s*"
+                     rf"{sender['reward_mean']:.3f}", table.stdout), table.explain()
 
 
 def test_jobs_lists_the_finished_job(run_dir: Path, finished_job: tuple[str, CliResult]) -> None:

@@ -112,7 +112,7 @@ def _drive(planner: Planner, job_id: str) -> None:
             versions = {v.agent: v.version for v in lease.agent_versions}
             planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "", [
                 ExperienceSummary(f"{lease.task_id}/{sample}/{agent}/0", agent, f"{lease.task_id}/{agent}", sample,
-                                  versions[agent], 3 + sample, float(sample))
+                                  versions[agent], 3 + sample, float(sample), episode_return=10.0 + sample)
                 for sample in range(lease.group_size) for agent in AGENTS])
         work = planner.poll_trainer_work("trainer-0", "slot-0")
         if isinstance(work, MicroBatchWork):
@@ -152,6 +152,9 @@ async def test_every_committed_step_reaches_jsonl_and_tensorboard_with_samples(t
         for figure in ("reward_mean", "loss", "grad_norm", "staleness_mean", "tokens_per_s", "step_seconds"):
             assert line[figure] == pytest.approx(record[figure]), figure
         assert line["loss"] == 0.5 and line["grad_norm"] == 0.25 and line["step_seconds"] == 1.5
+        # the trained reward (the experiences' rewards 0, 1) and the reported return (10, 11) under their own names
+        assert (record["reward_mean"], record["return_mean"]) == (0.5, 10.5)
+        assert (line["reward_mean"], line["return_mean"]) == (0.5, 10.5)
         assert line["response_length"] == pytest.approx(record["response_tokens"] / record["episodes"])
 
     samples = [json.loads(line) for line in (tmp_path / job_id / "samples.jsonl").read_text().splitlines()]
@@ -168,6 +171,8 @@ async def test_every_committed_step_reaches_jsonl_and_tensorboard_with_samples(t
         assert [e.step for e in events.Tensors(f"{agent}/reward_mean")] == sorted(
             r["step"] for r in history if r["agent"] == agent)
         assert [float(e.tensor_proto.float_val[0]) for e in events.Tensors(f"{agent}/loss")] == [0.5, 0.5]
+        assert [float(e.tensor_proto.float_val[0]) for e in events.Tensors(f"{agent}/return_mean")] == [10.5, 10.5]
+        assert [float(e.tensor_proto.float_val[0]) for e in events.Tensors(f"{agent}/reward_mean")] == [0.5, 0.5]
         assert events.SummaryMetadata(f"{agent}/loss").plugin_data.plugin_name == "scalars"
     text = events.Tensors("sender/samples")[0].tensor_proto.string_val[0].decode()
     assert "sender says" in text and "reward" in text

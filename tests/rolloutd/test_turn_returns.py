@@ -71,6 +71,8 @@ async def play(env: Environment, gamma: float) -> dict[tuple[str, int], float]:
     assert result.ok, result.errors
     assert all(r[s] == {"pro": 16.0, "judge": 1.5}[s] for r in result.returns.values() for s in r)
     rewards = {(e.agent, e.turn, e.sample_index): e.reward for e in result.experiences}
+    # beside its trained return (shaped, discounted) every turn carries its agent's unshaped episode return
+    assert {(e.agent, e.episode_return) for e in result.experiences} == {("pro", 16.0), ("judge", 1.5)}
     assert all(rewards[(a, k, 0)] == rewards[(a, k, 1)] for a, k, _ in rewards)
     return {(a, k): v for (a, k, s), v in rewards.items() if s == 0}
 

@@ -259,6 +259,11 @@ def _fmt_state(state: Any) -> str:
     return str(state.name).lower()
 
 
+def _fmt_return(value: float | None) -> str:
+    """A reported episode return; "-" for a history record written before orchestratord recorded it."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _print_status(info: Any) -> None:
     from rich.table import Table
 
@@ -267,9 +272,10 @@ def _print_status(info: Any) -> None:
                   f"  tasks {info.tasks_done}/{info.tasks_total}")
     if info.error:
         console.print(f"error: {info.error}")
-    table = Table("agent", "step", "version", "reward", "tokens/s", "staleness", "step s", "slot")
+    table = Table("agent", "step", "version", "return", "trained reward", "tokens/s", "staleness", "step s", "slot")
     for a in info.agents:
-        table.add_row(a.agent, f"{a.step}/{a.total_steps}", str(a.version), f"{a.reward_mean:.3f}",
+        table.add_row(a.agent, f"{a.step}/{a.total_steps}", str(a.version), f"{a.return_mean:.3f}",
+                      f"{a.reward_mean:.3f}",
                       f"{a.tokens_per_s:.0f}", f"{a.staleness_mean:.2f}", f"{a.step_seconds:.2f}", a.slot_id or "-")
     console.print(table)
 
@@ -303,7 +309,8 @@ def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
             for a in info.agents:
                 if a.agent not in bars:
                     bars[a.agent] = progress.add_task(a.agent, total=a.total_steps, detail="")
-                detail = (f"reward {a.reward_mean:.3f}  {a.tokens_per_s:.0f} tok/s  "
+                detail = (f"return {a.return_mean:.3f}  trained reward {a.reward_mean:.3f}  "
+                          f"{a.tokens_per_s:.0f} tok/s  "
                           f"staleness {a.staleness_mean:.2f}  v{a.version}")
                 progress.update(bars[a.agent], completed=a.step, detail=detail)
     return final
@@ -318,7 +325,8 @@ def _watch_lines(client: Any, job_id: str, quiet: bool) -> Any:
         for a in info.agents:
             if not quiet and shown.get(a.agent, -1) != a.step:
                 shown[a.agent] = a.step
-                print(f"{job_id} {a.agent} step {a.step}/{a.total_steps} v{a.version} reward {a.reward_mean:.3f} "
+                print(f"{job_id} {a.agent} step {a.step}/{a.total_steps} v{a.version} return {a.return_mean:.3f} "
+                      f"trained_reward {a.reward_mean:.3f} "
                       f"{a.tokens_per_s:.0f} tok/s staleness {a.staleness_mean:.2f}", flush=True)
     if final is not None and not quiet:
         print(f"{job_id} {final.state.name.lower()}", flush=True)
@@ -340,11 +348,18 @@ def plot_history(history: Sequence[Any], out: Path, title: str, evals: Sequence[
     for agent in agents:
         rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
         steps = [r.step for r in rows]
-        ax_reward.plot(steps, [r.reward_mean for r in rows], marker="o", label=agent)
+        reported = [(r.step, r.return_mean) for r in rows if r.return_mean is not None]
+        line = ax_reward.plot([s for s, _ in reported], [v for _, v in reported], marker="o",
+                              label=f"{agent} return")[0]
+        if any(r.return_mean is None or r.return_mean != r.reward_mean for r in rows):  # shaped, or not recorded
+            ax_reward.plot(steps, [r.reward_mean for r in rows], linestyle="--", marker=".",
+                           color=line.get_color(), label=f"{agent} trained reward")
         ax_tps.plot(steps, [r.tokens_per_s for r in rows], marker=".", label=agent)
     ax_reward.set_xlabel("step")
-    ax_reward.set_ylabel("mean reward (episodes of the step)")
-    ax_reward.set_ylim(-0.05, 1.05)
+    ax_reward.set_ylabel("mean episode return (dashed: trained reward)")
+    plotted = [v for r in history for v in (r.return_mean, r.reward_mean) if v is not None]
+    if all(0.0 <= v <= 1.0 for v in plotted):
+        ax_reward.set_ylim(-0.05, 1.05)
     ax_reward.grid(alpha=0.3)
     ax_tps.set_xlabel("step")
     ax_tps.set_ylabel("rollout tokens/s")
@@ -525,10 +540,10 @@ def cmd_versions(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(v) for v in versions], indent=2))
         return EXIT_OK
-    table = Table("agent", "version", "step", "reward", "kept", "weights")
+    table = Table("agent", "version", "step", "return", "trained reward", "kept", "weights")
     for v in versions:
         if v.retained or args.all:
-            table.add_row(v.agent, str(v.version), "-" if v.step < 0 else str(v.step),
+            table.add_row(v.agent, str(v.version), "-" if v.step < 0 else str(v.step), _fmt_return(v.return_mean),
                           "-" if v.version == 0 else f"{v.reward_mean:.3f}", "yes" if v.retained else "pruned",
                           v.weights_uri if v.retained else "")
     _console().print(table)
@@ -569,8 +584,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-HISTORY_FIELDS = ("agent", "step", "version", "reward_mean", "loss", "grad_norm", "staleness_mean", "episodes",
-                  "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms")
+HISTORY_FIELDS = ("agent", "step", "version", "reward_mean", "return_mean", "loss", "grad_norm", "staleness_mean",
+                  "episodes", "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms")
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -589,16 +604,17 @@ def cmd_history(args: argparse.Namespace) -> int:
         figures = sorted({name for r in rows for name in r.figures})
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow([*HISTORY_FIELDS, *figures])
-        writer.writerows([*(getattr(r, f) for f in HISTORY_FIELDS), *(r.figures.get(n, "") for n in figures)]
-                         for r in rows)
+        writer.writerows([*("" if (v := getattr(r, f)) is None else v for f in HISTORY_FIELDS),
+                          *(r.figures.get(n, "") for n in figures)] for r in rows)
         return EXIT_OK
     from rich.table import Table
 
-    table = Table("agent", "step", "version", "reward", "loss", "grad norm", "kl", "clip", "staleness", "episodes",
-                  "tokens/s", "step s")
+    table = Table("agent", "step", "version", "return", "trained reward", "loss", "grad norm", "kl", "clip",
+                  "staleness", "episodes", "tokens/s", "step s")
     for r in rows:
         # GRPO's loss is ~0 by construction (advantages have mean 0 within a group): print its scale.
-        table.add_row(r.agent, str(r.step), str(r.version), f"{r.reward_mean:.3f}", f"{r.loss:+.3e}",
+        table.add_row(r.agent, str(r.step), str(r.version), _fmt_return(r.return_mean), f"{r.reward_mean:.3f}",
+                      f"{r.loss:+.3e}",
                       f"{r.grad_norm:.3f}", f"{r.figures.get('kl', 0.0):.4f}",
                       f"{r.figures.get('clip_fraction', 0.0):.3f}",
                       f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}", f"{r.step_seconds:.2f}")
@@ -749,11 +765,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if final is None:
         raise CliError("the job's status stream ended early")
     png = plot_history(history, run_dir / f"{job_id}-reward.png", f"{spec['name']} ({job_id})")
+    # "reward" here is the reported one: each step's mean unshaped episode return (docs/environments.md)
     table = Table("agent", "steps", "first reward", "last reward", "best reward", "tokens/s", "step s")
     for agent in sorted({r.agent for r in history}):
         rows = sorted((r for r in history if r.agent == agent), key=lambda r: r.step)
-        table.add_row(agent, str(len(rows)), f"{rows[0].reward_mean:.3f}", f"{rows[-1].reward_mean:.3f}",
-                      f"{max(r.reward_mean for r in rows):.3f}",
+        returns = [r.return_mean for r in rows if r.return_mean is not None]
+        table.add_row(agent, str(len(rows)), _fmt_return(rows[0].return_mean), _fmt_return(rows[-1].return_mean),
+                      _fmt_return(max(returns, default=None)),
                       f"{sum(r.tokens_per_s for r in rows) / len(rows):.0f}",
                       f"{sum(r.step_seconds for r in rows) / len(rows):.2f}")
     console.print(table)

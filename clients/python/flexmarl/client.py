@@ -63,12 +63,15 @@ class AgentProgress:
     step: int
     version: int
     total_steps: int
+    #: Mean trained reward of the last step: each turn's return after shaping and discounting, over its experiences.
     reward_mean: float
     tokens_per_s: float
     staleness_mean: float
     weights_uri: str
     slot_id: str
     step_seconds: float
+    #: Mean unshaped episode return of the last step, over its episodes: the reported reward.
+    return_mean: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +101,7 @@ class JobInfo:
                     agent=a.agent, step=a.step, version=a.version, total_steps=a.total_steps,
                     reward_mean=a.reward_mean, tokens_per_s=a.tokens_per_s, staleness_mean=a.staleness_mean,
                     weights_uri=a.weights_uri, slot_id=a.slot_id, step_seconds=a.step_seconds,
+                    return_mean=a.return_mean,
                 )
                 for a in msg.agents
             ),
@@ -117,6 +121,7 @@ class StepRecord:
     agent: str
     step: int
     version: int
+    #: Mean trained reward over the step's experiences (each turn's return after shaping and discounting).
     reward_mean: float
     loss: float
     grad_norm: float
@@ -129,12 +134,17 @@ class StepRecord:
     weights_uri: str
     #: The trainer's other figures of the step (``kl``, ``clip_fraction``, ``ratio_mean``), by name.
     figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Mean unshaped episode return over the step's episodes: the reported reward (None: a record written
+    #: before orchestratord recorded it).
+    return_mean: float | None = None
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.StepRecord) -> StepRecord:
         """Decodes a StepRecord message."""
-        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name != "figures"},
-                   figures=dict(msg.figures))
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)
+                      if f.name not in ("figures", "return_mean")},
+                   figures=dict(msg.figures),
+                   return_mean=msg.return_mean if msg.HasField("return_mean") else None)
 
 
 def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:
@@ -224,10 +234,13 @@ class VersionInfo:
     version: int
     #: The step whose commit produced it (-1 for version 0, the spec's model).
     step: int
+    #: The step's mean trained reward (shaped, discounted turn returns); 0.0 for version 0.
     reward_mean: float
     weights_uri: str
     #: False once the job's checkpoint policy pruned the weights (checkpoint.keep_last/keep_every).
     retained: bool
+    #: The step's mean unshaped episode return, the reported reward (None: version 0, or not recorded).
+    return_mean: float | None = None
 
 
 class AsyncClient:
@@ -447,7 +460,8 @@ class AsyncClient:
         out = [VersionInfo(a.name, 0, -1, 0.0, a.model, True) for a in spec.agents]
         for r in sorted(history, key=lambda r: (spec.agent_names.index(r.agent), r.version)):
             retained = spec.checkpoint.keeps_weights(r.version, latest.get(r.agent, r.version))
-            out.append(VersionInfo(r.agent, r.version, r.step, r.reward_mean, r.weights_uri, retained))
+            out.append(VersionInfo(r.agent, r.version, r.step, r.reward_mean, r.weights_uri, retained,
+                                   r.return_mean))
         return sorted(out, key=lambda v: (spec.agent_names.index(v.agent), v.version))
 
     async def weights_uri(self, job_id: str, agent: str, version: int) -> str:

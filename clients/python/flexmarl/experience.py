@@ -2,7 +2,7 @@
 
 Three shapes, each carrying different data, with one conversion between each pair that meets:
 
-- :class:`ExperienceRecord`: the whole experience (token ids, logprobs, reward), written to and read
+- :class:`ExperienceRecord`: the whole experience (token ids, logprobs, rewards), written to and read
   from stored. Token ids and logprobs are numpy arrays in memory and packed little-endian bytes on
   the wire (int32 ids, float32 logprobs), as are the per-token versions (int32 ``(start, version)``
   spans, :func:`version_spans_array`).
@@ -12,6 +12,11 @@ Three shapes, each carrying different data, with one conversion between each pai
   reported by rolloutd. Built from a record (:meth:`ExperienceSummary.of_record`, a fresh rollout)
   or from a ref (:meth:`ExperienceSummary.of_ref`, what an earlier attempt already stored); the
   daemons' serde modules are the only places it meets its proto.
+
+Each shape carries two rewards under their own names: ``reward``, the return the turn is trained
+with (shaped by :meth:`flexmarl.episode.Environment.shape_reward`, discounted by ``gamma``), and
+``episode_return``, the agent's unshaped episode return, what is reported (``None`` on an
+experience written before the field existed: :func:`reported_return` falls back to ``reward``).
 """
 
 from __future__ import annotations
@@ -66,6 +71,13 @@ class _StoredRef(typing.Protocol):
     def response_tokens(self) -> int: ...  # noqa: D102
     @property
     def reward(self) -> float: ...  # noqa: D102
+    @property
+    def episode_return(self) -> float | None: ...  # noqa: D102
+
+
+def reported_return(reward: float, episode_return: float | None) -> float:
+    """The episode return to report of an experience: ``episode_return``, or ``reward`` where it was not recorded."""
+    return reward if episode_return is None else episode_return
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +90,10 @@ class ExperienceSummary:
     sample_index: int
     behavior_version: int
     response_tokens: int
+    #: The trained return of the turn (shaped, discounted).
     reward: float = 0.0
+    #: The agent's unshaped episode return (None: not recorded, see :func:`reported_return`).
+    episode_return: float | None = None
 
     @property
     def task_id(self) -> str:
@@ -89,13 +104,13 @@ class ExperienceSummary:
     def of_record(cls, record: ExperienceRecord) -> ExperienceSummary:
         """The summary of a whole record (what rolloutd reports after a rollout)."""
         return cls(record.experience_id, record.agent, record.group_id, record.sample_index,
-                   record.behavior_version, record.response_tokens, record.reward)
+                   record.behavior_version, record.response_tokens, record.reward, record.episode_return)
 
     @classmethod
     def of_ref(cls, ref: _StoredRef, agent: str) -> ExperienceSummary:
         """The summary of one of stored's query results for ``agent`` (what is already durable)."""
         return cls(ref.experience_id, agent, ref.group_id, ref.sample_index, ref.behavior_version,
-                   ref.response_tokens, ref.reward)
+                   ref.response_tokens, ref.reward, ref.episode_return)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +140,9 @@ class ExperienceRecord:
     #: Assistant messages of the prompt re-tokenized from their text because they matched no earlier turn's
     #: recorded tokens (OpenAI gateway chat calls, docs/gateway.md); 0: the prompt holds what was sampled.
     retokenized_messages: int = 0
+    #: The agent's unshaped episode return, the same on each of its turns of the episode (``reward`` is
+    #: the turn's trained return); None: written before the field existed (:func:`reported_return`).
+    episode_return: float | None = None
 
     @property
     def response_tokens(self) -> int:
@@ -160,6 +178,7 @@ class ExperienceRecord:
             group_size=self.group_size,
             response_version_spans=np.ascontiguousarray(self.response_version_spans, dtype=SPAN_DTYPE).tobytes(),
             retokenized_messages=self.retokenized_messages,
+            episode_return=self.episode_return,
         )
 
     @classmethod
@@ -198,6 +217,7 @@ class ExperienceRecord:
             created_unix_ms=msg.created_unix_ms,
             response_version_spans=spans,
             retokenized_messages=msg.retokenized_messages,
+            episode_return=msg.episode_return if msg.HasField("episode_return") else None,
         )
 
 

@@ -57,6 +57,8 @@ class ExperienceRef:
     reward: float
     state: ExperienceState
     step_id: str = ""
+    #: The agent's unshaped episode return (None: stored before the field existed).
+    episode_return: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ def ref_from_proto(msg: store_pb2.ExperienceRef) -> ExperienceRef:
         reward=msg.reward,
         state=ExperienceState(msg.state),
         step_id=msg.step_id,
+        episode_return=msg.episode_return if msg.HasField("episode_return") else None,
     )
 
 

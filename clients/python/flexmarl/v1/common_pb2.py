@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lexmarl/v1/common.proto\x12\x0b\x66lexmarl.v1\"\xc1\x03\n\nExperience\x12\x15\n\rexperience_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x61gent\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x12\n\nepisode_id\x18\x07 \x01(\t\x12\x0c\n\x04turn\x18\x08 \x01(\r\x12\x18\n\x10\x62\x65havior_version\x18\t \x01(\x03\x12\x0e\n\x06reward\x18\n \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x0b \x01(\x0c\x12\x1a\n\x12response_token_ids\x18\x0c \x01(\x0c\x12\x19\n\x11response_logprobs\x18\r \x01(\x0c\x12+\n\x05state\x18\x0e \x01(\x0e\x32\x1c.flexmarl.v1.ExperienceState\x12\x0f\n\x07step_id\x18\x0f \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x12\n\ngroup_size\x18\x11 \x01(\r\x12\x1e\n\x16response_version_spans\x18\x12 \x01(\x0c\x12\x1c\n\x14retokenized_messages\x18\x13 \x01(\r\"\x9e\x01\n\x0c\x41gentVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x13\n\x0bweights_uri\x18\x04 \x01(\t\x12\x19\n\x11published_unix_ms\x18\x05 \x01(\x03\x12.\n\x0cweight_group\x18\x06 \x01(\x0b\x32\x18.flexmarl.v1.WeightGroup\":\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\":\n\x0cWeightBucket\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.flexmarl.v1.WeightTensor\"\xbb\x01\n\x0bWeightGroup\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x11\n\tbase_name\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12*\n\x07\x62uckets\x18\x07 \x03(\x0b\x32\x19.flexmarl.v1.WeightBucket\x12\r\n\x05peers\x18\x08 \x03(\t*\x8b\x01\n\x0f\x45xperienceState\x12 \n\x1c\x45XPERIENCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45XPERIENCE_STATE_READY\x10\x01\x12\x1b\n\x17\x45XPERIENCE_STATE_LEASED\x10\x02\x12\x1d\n\x19\x45XPERIENCE_STATE_CONSUMED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66lexmarl/v1/common.proto\x12\x0b\x66lexmarl.v1\"\xf1\x03\n\nExperience\x12\x15\n\rexperience_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\r\n\x05\x61gent\x18\x03 \x01(\t\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08group_id\x18\x05 \x01(\t\x12\x14\n\x0csample_index\x18\x06 \x01(\r\x12\x12\n\nepisode_id\x18\x07 \x01(\t\x12\x0c\n\x04turn\x18\x08 \x01(\r\x12\x18\n\x10\x62\x65havior_version\x18\t \x01(\x03\x12\x0e\n\x06reward\x18\n \x01(\x01\x12\x18\n\x10prompt_token_ids\x18\x0b \x01(\x0c\x12\x1a\n\x12response_token_ids\x18\x0c \x01(\x0c\x12\x19\n\x11response_logprobs\x18\r \x01(\x0c\x12+\n\x05state\x18\x0e \x01(\x0e\x32\x1c.flexmarl.v1.ExperienceState\x12\x0f\n\x07step_id\x18\x0f \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x10 \x01(\x03\x12\x12\n\ngroup_size\x18\x11 \x01(\r\x12\x1e\n\x16response_version_spans\x18\x12 \x01(\x0c\x12\x1c\n\x14retokenized_messages\x18\x13 \x01(\r\x12\x1b\n\x0e\x65pisode_return\x18\x14 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_episode_return\"\x9e\x01\n\x0c\x41gentVersion\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x13\n\x0bweights_uri\x18\x04 \x01(\t\x12\x19\n\x11published_unix_ms\x18\x05 \x01(\x03\x12.\n\x0cweight_group\x18\x06 \x01(\x0b\x32\x18.flexmarl.v1.WeightGroup\":\n\x0cWeightTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\":\n\x0cWeightBucket\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.flexmarl.v1.WeightTensor\"\xbb\x01\n\x0bWeightGroup\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x11\n\tbase_name\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12*\n\x07\x62uckets\x18\x07 \x03(\x0b\x32\x19.flexmarl.v1.WeightBucket\x12\r\n\x05peers\x18\x08 \x03(\t*\x8b\x01\n\x0f\x45xperienceState\x12 \n\x1c\x45XPERIENCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45XPERIENCE_STATE_READY\x10\x01\x12\x1b\n\x17\x45XPERIENCE_STATE_LEASED\x10\x02\x12\x1d\n\x19\x45XPERIENCE_STATE_CONSUMED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'flexmarl.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXPERIENCESTATE']._serialized_start=965
-  _globals['_EXPERIENCESTATE']._serialized_end=1104
+  _globals['_EXPERIENCESTATE']._serialized_start=1013
+  _globals['_EXPERIENCESTATE']._serialized_end=1152
   _globals['_EXPERIENCE']._serialized_start=42
-  _globals['_EXPERIENCE']._serialized_end=491
-  _globals['_AGENTVERSION']._serialized_start=494
-  _globals['_AGENTVERSION']._serialized_end=652
-  _globals['_WEIGHTTENSOR']._serialized_start=654
-  _globals['_WEIGHTTENSOR']._serialized_end=712
-  _globals['_WEIGHTBUCKET']._serialized_start=714
-  _globals['_WEIGHTBUCKET']._serialized_end=772
-  _globals['_WEIGHTGROUP']._serialized_start=775
-  _globals['_WEIGHTGROUP']._serialized_end=962
+  _globals['_EXPERIENCE']._serialized_end=539
+  _globals['_AGENTVERSION']._serialized_start=542
+  _globals['_AGENTVERSION']._serialized_end=700
+  _globals['_WEIGHTTENSOR']._serialized_start=702
+  _globals['_WEIGHTTENSOR']._serialized_end=760
+  _globals['_WEIGHTBUCKET']._serialized_start=762
+  _globals['_WEIGHTBUCKET']._serialized_end=820
+  _globals['_WEIGHTGROUP']._serialized_start=823
+  _globals['_WEIGHTGROUP']._serialized_end=1010
 # @@protoc_insertion_point(module_scope)

@@ -75,6 +75,7 @@ class Experience(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     RESPONSE_VERSION_SPANS_FIELD_NUMBER: _builtins.int
     RETOKENIZED_MESSAGES_FIELD_NUMBER: _builtins.int
+    EPISODE_RETURN_FIELD_NUMBER: _builtins.int
     experience_id: _builtins.str
     """Globally unique, deterministic: "<task_id>/<sample_index>/<agent>/<turn>"."""
     job_id: _builtins.str
@@ -88,6 +89,9 @@ class Experience(_message.Message):
     behavior_version: _builtins.int
     """Policy version of `agent` that generated the response."""
     reward: _builtins.float
+    """The return the turn is trained with: its reward after Environment.shape_reward, plus the
+    agent's later rewards discounted by gamma.
+    """
     prompt_token_ids: _builtins.bytes
     """Packed little-endian int32."""
     response_token_ids: _builtins.bytes
@@ -109,6 +113,11 @@ class Experience(_message.Message):
     """Assistant messages of the prompt that matched no earlier turn's recorded tokens and were
     re-tokenized from their text (OpenAI gateway chat calls); 0: the prompt is what was sampled
     and templated (native episodes, raw completions).
+    """
+    episode_return: _builtins.float
+    """The agent's unshaped episode return (the undiscounted sum of every reward the episode gave
+    it), the same on each of its turns in the episode: what is reported. Unset on experiences
+    written before the field existed (they report `reward`).
     """
     def __init__(
         self,
@@ -132,12 +141,15 @@ class Experience(_message.Message):
         group_size: _builtins.int = ...,
         response_version_spans: _builtins.bytes = ...,
         retokenized_messages: _builtins.int = ...,
+        episode_return: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "episode_return", b"episode_return"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "response_version_spans", b"response_version_spans", "retokenized_messages", b"retokenized_messages", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "agent", b"agent", "behavior_version", b"behavior_version", "created_unix_ms", b"created_unix_ms", "episode_id", b"episode_id", "episode_return", b"episode_return", "experience_id", b"experience_id", "group_id", b"group_id", "group_size", b"group_size", "job_id", b"job_id", "prompt_token_ids", b"prompt_token_ids", "response_logprobs", b"response_logprobs", "response_token_ids", b"response_token_ids", "response_version_spans", b"response_version_spans", "retokenized_messages", b"retokenized_messages", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__episode_return: _TypeAlias = _typing.Literal["episode_return"]  # noqa: Y015
+    _WhichOneofArgType__episode_return: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__episode_return) -> _WhichOneofReturnType__episode_return | None: ...
 
 Global___Experience: _TypeAlias = Experience  # noqa: Y015
 

@@ -240,12 +240,14 @@ class AgentProgress(_message.Message):
     SLOT_ID_FIELD_NUMBER: _builtins.int
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
     SLOT_IDS_FIELD_NUMBER: _builtins.int
+    RETURN_MEAN_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     """Committed optimizer steps (= current policy version)."""
     version: _builtins.int
     total_steps: _builtins.int
     reward_mean: _builtins.float
+    """Mean trained reward over the last step's experiences (each turn's shaped, discounted return)."""
     tokens_per_s: _builtins.float
     staleness_mean: _builtins.float
     """Mean (trainer version - behaviour version) over the last step."""
@@ -253,6 +255,8 @@ class AgentProgress(_message.Message):
     slot_id: _builtins.str
     """Trainer slot bound now ("" when unbound)."""
     step_seconds: _builtins.float
+    return_mean: _builtins.float
+    """Mean unshaped episode return over the last step's episodes: the reported reward."""
     @_builtins.property
     def slot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Every slot bound now, data-parallel rank order (slot_ids[0] == slot_id); more than one
@@ -273,10 +277,11 @@ class AgentProgress(_message.Message):
         slot_id: _builtins.str = ...,
         step_seconds: _builtins.float = ...,
         slot_ids: _abc.Iterable[_builtins.str] | None = ...,
+        return_mean: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "slot_ids", b"slot_ids", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "slot_ids", b"slot_ids", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -373,10 +378,12 @@ class StepRecord(_message.Message):
     COMMITTED_UNIX_MS_FIELD_NUMBER: _builtins.int
     WEIGHTS_URI_FIELD_NUMBER: _builtins.int
     FIGURES_FIELD_NUMBER: _builtins.int
+    RETURN_MEAN_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     version: _builtins.int
     reward_mean: _builtins.float
+    """Mean trained reward over the step's experiences (each turn's shaped, discounted return)."""
     loss: _builtins.float
     grad_norm: _builtins.float
     step_seconds: _builtins.float
@@ -386,6 +393,10 @@ class StepRecord(_message.Message):
     response_tokens: _builtins.int
     committed_unix_ms: _builtins.int
     weights_uri: _builtins.str
+    return_mean: _builtins.float
+    """Mean unshaped episode return over the step's episodes: the reported reward. Unset in records
+    written before the field existed.
+    """
     @_builtins.property
     def figures(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """The trainer's other per-step figures (CommitStepRequest.figures: kl, clip_fraction, ratio_mean)."""
@@ -407,12 +418,15 @@ class StepRecord(_message.Message):
         committed_unix_ms: _builtins.int = ...,
         weights_uri: _builtins.str = ...,
         figures: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        return_mean: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean", "return_mean", b"return_mean"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "figures", b"figures", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean", "agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "figures", b"figures", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__return_mean: _TypeAlias = _typing.Literal["return_mean"]  # noqa: Y015
+    _WhichOneofArgType__return_mean: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__return_mean) -> _WhichOneofReturnType__return_mean | None: ...
 
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
 
@@ -1069,6 +1083,7 @@ class ExperienceSummary(_message.Message):
     BEHAVIOR_VERSION_FIELD_NUMBER: _builtins.int
     RESPONSE_TOKENS_FIELD_NUMBER: _builtins.int
     REWARD_FIELD_NUMBER: _builtins.int
+    EPISODE_RETURN_FIELD_NUMBER: _builtins.int
     experience_id: _builtins.str
     agent: _builtins.str
     group_id: _builtins.str
@@ -1076,6 +1091,9 @@ class ExperienceSummary(_message.Message):
     behavior_version: _builtins.int
     response_tokens: _builtins.int
     reward: _builtins.float
+    """Experience.reward: the trained (shaped, discounted) return of the turn."""
+    episode_return: _builtins.float
+    """Experience.episode_return: the agent's unshaped episode return (unset: reported as `reward`)."""
     def __init__(
         self,
         *,
@@ -1086,12 +1104,15 @@ class ExperienceSummary(_message.Message):
         behavior_version: _builtins.int = ...,
         response_tokens: _builtins.int = ...,
         reward: _builtins.float = ...,
+        episode_return: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "episode_return", b"episode_return"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "behavior_version", b"behavior_version", "experience_id", b"experience_id", "group_id", b"group_id", "response_tokens", b"response_tokens", "reward", b"reward", "sample_index", b"sample_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "agent", b"agent", "behavior_version", b"behavior_version", "episode_return", b"episode_return", "experience_id", b"experience_id", "group_id", b"group_id", "response_tokens", b"response_tokens", "reward", b"reward", "sample_index", b"sample_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__episode_return: _TypeAlias = _typing.Literal["episode_return"]  # noqa: Y015
+    _WhichOneofArgType__episode_return: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__episode_return) -> _WhichOneofReturnType__episode_return | None: ...
 
 Global___ExperienceSummary: _TypeAlias = ExperienceSummary  # noqa: Y015
 

@@ -165,6 +165,7 @@ class ExperienceRef(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     STEP_ID_FIELD_NUMBER: _builtins.int
     TASK_ID_FIELD_NUMBER: _builtins.int
+    EPISODE_RETURN_FIELD_NUMBER: _builtins.int
     experience_id: _builtins.str
     group_id: _builtins.str
     sample_index: _builtins.int
@@ -175,6 +176,8 @@ class ExperienceRef(_message.Message):
     state: _common_pb2.ExperienceState.ValueType
     step_id: _builtins.str
     task_id: _builtins.str
+    episode_return: _builtins.float
+    """Experience.episode_return (unset for experiences stored before the field existed)."""
     def __init__(
         self,
         *,
@@ -188,12 +191,15 @@ class ExperienceRef(_message.Message):
         state: _common_pb2.ExperienceState.ValueType = ...,
         step_id: _builtins.str = ...,
         task_id: _builtins.str = ...,
+        episode_return: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "episode_return", b"episode_return"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["behavior_version", b"behavior_version", "experience_id", b"experience_id", "group_id", b"group_id", "prompt_tokens", b"prompt_tokens", "response_tokens", b"response_tokens", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return", "behavior_version", b"behavior_version", "episode_return", b"episode_return", "experience_id", b"experience_id", "group_id", b"group_id", "prompt_tokens", b"prompt_tokens", "response_tokens", b"response_tokens", "reward", b"reward", "sample_index", b"sample_index", "state", b"state", "step_id", b"step_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__episode_return: _TypeAlias = _typing.Literal["episode_return"]  # noqa: Y015
+    _WhichOneofArgType__episode_return: _TypeAlias = _typing.Literal["_episode_return", b"_episode_return"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__episode_return) -> _WhichOneofReturnType__episode_return | None: ...
 
 Global___ExperienceRef: _TypeAlias = ExperienceRef  # noqa: Y015
 
