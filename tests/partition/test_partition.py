@@ -54,6 +54,8 @@ CUT_OFF = ("rolloutd-part", "traind-part")
 #: The test hosts of the cut-off workers (rolloutd-part on "r", traind-part on "t").
 CUT_HOSTS = ("r", "t")
 CUT_ATTEMPTS = 3
+#: How long both namespaced workers may take to hold work before a cut.
+CUT_WAIT_S = 120.0
 
 
 def _worker_env() -> dict[str, str]:
@@ -114,27 +116,45 @@ def _gone_count(orch_log: Path, name: str) -> int:
 def _cut_while_busy(e2e: E2ECluster, job_id: str, lan: Lan, rolloutd: DaemonProcess) -> float:
     """Cuts both hosts off while the namespaced rolloutd holds task leases and traind an agent; returns when.
 
-    The rolloutd's engine is paused (SIGSTOP) meanwhile, so the tasks it leased wait for it and
-    hold their leases, and resumed right after the cut: the cut-off rolloutd keeps generating.
+    Both are awaited with the rolloutd's engine running: paused early, it could hold back the very
+    experiences the traind waits for before the planner issues more tasks (under load that wait
+    outlasted the deadline now and then). Once both hold work, the engine is paused (SIGSTOP) so
+    the leased tasks wait on it, holding their leases; if a task finished between the check and
+    the pause, the engine resumes and the wait goes on. After the cut the engine resumes: the
+    cut-off rolloutd keeps generating.
     """
     paused = _engine_pids(rolloutd)
     assert paused, "the namespaced rolloutd has no engine replica"
-    for pid in paused:
-        os.kill(pid, signal.SIGSTOP)
-    try:
 
-        def both_busy() -> bool:
-            progress = e2e.client.status(job_id).agents
-            bound = any(a.slot_id.startswith("traind-part/") and a.version < STEPS - 1 for a in progress)
-            return bound and _rollout_status(rolloutd.address).tasks_in_flight > 0
+    def holding() -> tuple[list[str], int]:
+        progress = e2e.client.status(job_id).agents
+        bound = [f"{a.agent}@v{a.version}" for a in progress
+                 if a.slot_id.startswith("traind-part/") and a.version < STEPS - 1]
+        return bound, _rollout_status(rolloutd.address).tasks_in_flight
 
-        wait_until(both_busy, 60, "the namespaced rolloutd and traind to hold work", 0.05)
-        lan.cut(*CUT_HOSTS)
-        return time.monotonic()
-    finally:
+    def both_busy() -> bool:
+        bound, in_flight = holding()
+        return bool(bound) and in_flight > 0
+
+    deadline = time.monotonic() + CUT_WAIT_S
+    while True:
+        try:
+            wait_until(both_busy, max(deadline - time.monotonic(), 0.0), "", 0.02)
+        except TimeoutError:
+            bound, in_flight = holding()
+            raise TimeoutError(f"timed out after {CUT_WAIT_S:.0f}s waiting for the namespaced rolloutd and traind "
+                               f"to hold work (traind-part holds {bound or 'no agent'} with steps to go; "
+                               f"rolloutd-part has {in_flight} tasks in flight)") from None
         for pid in paused:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            if both_busy():
+                lan.cut(*CUT_HOSTS)
+                return time.monotonic()
+        finally:
+            for pid in paused:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
 
 def _samples(text: str, name: str) -> list[tuple[str, float]]:
@@ -147,7 +167,7 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_partitioned_workers_lose_their_work_and_late_reports_are_refused(tmp_path: Path) -> None:
     models_dir = tmp_path / "models"
     run_dir = tmp_path / "run"
@@ -230,10 +250,9 @@ def _run_partition(cluster: LocalCluster, lan: Lan, models_dir: Path, engines: s
     agents = [a["name"] for a in spec["agents"]]
     job_id = e2e.client.submit(spec)
 
-    # The namespaced workers work through their links: the rolloutd finishes a task. Then its
-    # engine is paused (SIGSTOP) so that the tasks it leases wait on generation, holding their
-    # leases, until the cut, which comes once it has some and the namespaced traind holds an
-    # agent with steps to go.
+    # The namespaced workers work through their links: the rolloutd finishes a task. The cut comes
+    # once it holds task leases and the namespaced traind an agent with steps to go, its engine
+    # paused meanwhile so those tasks wait on generation, holding their leases (_cut_while_busy).
     wait_until(lambda: _episodes_done(rollout_part.address) > 0, 150, "the namespaced rolloutd to run a task", 0.1)
     orch_log = run_dir / "orchestratord.log"
 
