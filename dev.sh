@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine with Python 3.11 (run as root or with sudo rights):
 #   ./dev.sh demo   set up, start a local cluster and train the signaling-game example on CPU
-#   ./dev.sh test   set up, then lint (ruff), type-check (mypy) and run the test suite
+#   ./dev.sh test   set up, then lint (ruff), type-check (mypy) and run the test suite (2 pytest workers)
 #   ./dev.sh setup  set up only
 # `test` also installs vLLM (the rolloutd `vllm` engine's tests run a real server) into a virtual
 # environment of its own, .venv-vllm; `demo` and `setup` do not need it.
@@ -103,7 +103,10 @@ case "$cmd" in
     "$PY" -m ruff check .
     "$PY" -m mypy
     shift
-    "$PY" -m pytest -q --durations=25 "$@"
+    # Two pytest workers, one test module each at a time (--dist loadscope keeps a module's shared
+    # cluster in one process): most tests wait on daemons and engines, so one worker leaves a core
+    # idle. FLEXMARL_TEST_WORKERS=0 runs in one process (as for a single test); more on a larger host.
+    "$PY" -m pytest -q --durations=25 -n "${FLEXMARL_TEST_WORKERS:-2}" --dist loadscope "$@"
     ;;
   demo)
     setup
