@@ -4,18 +4,27 @@
     python -m examples.word_problems.make_data --check  # exit 1 if the files differ from what it makes
 
 Each row is one short problem a tiny byte-level model can read (a question under ~60 bytes, a
-small non-negative integer answer), with what the ready-made workflows need besides:
+one-digit answer), with what the ready-made workflows need besides:
 
 * ``id``: ``wp-<split>-<n>``;
 * ``question``: ``"Ana has 3 apples and gets 4 more. How many apples now?"``;
-* ``answer``: the integer answer (7), what a solver must produce and a verifier check;
+* ``answer``: the integer answer (7, always 0-9), what a solver must produce and a verifier check;
 * ``expression``: the arithmetic behind it (``"3+4"``), for a verifier's or a debater's reasoning;
-* ``operation``: ``add``, ``sub``, ``mul`` or ``div``;
+* ``operation``: ``add`` or ``sub``;
 * ``choices``: four distinct integers, the answer among them; ``label``: its letter (``A``-``D``),
-  for a multiple-choice reward.
+  for a multiple-choice reward;
+* ``held_out`` (eval rows only): ``fact`` or ``wording``, see below.
 
-The split is by arithmetic fact: no (operation, a, b) of an eval problem appears in train, so the
-held-out accuracy measures arithmetic the agents never trained on, not memorised wordings.
+The facts are every one-digit sum of two positive operands up to 9 (36) and every difference
+``a - b`` with ``1 <= b <= a <= 9`` (45). Train has 400 rows over 73 of them, each fact at least
+five times, in random wordings (template, name, item). The eval rows share structure with train
+but are never in it, in two kinds, interleaved:
+
+* ``fact`` (32 rows): the 8 held-out sums ``a + b`` with ``a > b`` (4 wordings each); train has
+  none of them, but it has every commuted ``b + a``: the held-out success of these rows measures
+  arithmetic the agents saw only the other way round;
+* ``wording`` (68 rows): train's facts in questions that appear nowhere in train (a template,
+  name and item combination train has not got for that fact).
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ import argparse
 import json
 import random
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,8 @@ HERE = Path(__file__).resolve().parent
 TRAIN_PATH = HERE / "train.jsonl"
 EVAL_PATH = HERE / "eval.jsonl"
 TRAIN_ROWS = 400
+HELD_OUT_FACTS = 8
+FACT_WORDINGS = 4
 EVAL_ROWS = 100
 SEED = 2026
 LABELS = "ABCD"
@@ -45,78 +55,87 @@ TEMPLATES: tuple[tuple[str, str], ...] = (
     ("add", "{n} buys {a} {i}, then {b} {i}. How many in all?"),
     ("sub", "{n} has {a} {i} and gives away {b}. How many are left?"),
     ("sub", "{n} had {a} {i} and lost {b}. How many now?"),
-    ("mul", "{n} has {a} bags of {b} {i}. How many {i}?"),
-    ("div", "{n} shares {a} {i} among {b} friends. How many each?"),
 )
 
+Fact = tuple[str, int, int]
 
-def _operands(operation: str, rng: random.Random) -> tuple[int, int]:
-    if operation == "add":
-        return rng.randint(1, 20), rng.randint(1, 20)
-    if operation == "sub":
-        a = rng.randint(2, 30)
-        return a, rng.randint(1, a)
-    if operation == "mul":
-        return rng.randint(2, 9), rng.randint(2, 9)
-    b = rng.randint(2, 9)  # div: exact, so the answer is an integer
-    return b * rng.randint(1, 9), b
+
+def all_facts() -> list[Fact]:
+    """Every fact: sums of two positive operands up to 9, differences a - b with 1 <= b <= a <= 9."""
+    sums = [("add", a, b) for a in range(1, 10) for b in range(1, 10) if a + b <= 9]
+    differences = [("sub", a, b) for a in range(1, 10) for b in range(1, a + 1)]
+    return sums + differences
 
 
 def _answer(operation: str, a: int, b: int) -> int:
-    return {"add": a + b, "sub": a - b, "mul": a * b, "div": a // b}[operation]
+    return a + b if operation == "add" else a - b
 
 
 def _choices(answer: int, rng: random.Random) -> list[int]:
-    """The answer and three distinct near misses (non-negative), shuffled."""
+    """The answer and three distinct near misses (0-9), shuffled."""
     wrong: set[int] = set()
     while len(wrong) < 3:
-        candidate = answer + rng.choice((-10, -2, -1, 1, 2, 10))
-        if candidate >= 0 and candidate != answer:
+        candidate = answer + rng.choice((-3, -2, -1, 1, 2, 3))
+        if 0 <= candidate <= 9 and candidate != answer:
             wrong.add(candidate)
     choices = [answer, *sorted(wrong)]
     rng.shuffle(choices)
     return choices
 
 
-def _facts(rng: random.Random) -> Iterator[tuple[str, int, int]]:
-    """Distinct (operation, a, b) arithmetic facts, operations in turn."""
-    seen: set[tuple[str, int, int]] = set()
-    operations = ("add", "sub", "mul", "div")
-    turn = 0
-    while True:
-        operation = operations[turn % len(operations)]
-        turn += 1
-        a, b = _operands(operation, rng)
-        if (operation, a, b) not in seen:
-            seen.add((operation, a, b))
-            yield operation, a, b
-
-
-def _row(split: str, number: int, fact: tuple[str, int, int], rng: random.Random) -> dict[str, Any]:
+def _question(fact: Fact, rng: random.Random) -> str:
     operation, a, b = fact
     template = rng.choice([text for op, text in TEMPLATES if op == operation])
+    return template.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b)
+
+
+def _row(split: str, number: int, fact: Fact, question: str, rng: random.Random) -> dict[str, Any]:
+    operation, a, b = fact
     answer = _answer(operation, a, b)
     choices = _choices(answer, rng)
-    symbol = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[operation]
     return {
         "id": f"wp-{split}-{number}",
-        "question": template.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b),
+        "question": question,
         "answer": answer,
-        "expression": f"{a}{symbol}{b}",
+        "expression": f"{a}{'+' if operation == 'add' else '-'}{b}",
         "operation": operation,
         "choices": choices,
         "label": LABELS[choices.index(answer)],
     }
 
 
+def _fresh_question(fact: Fact, taken: set[str], rng: random.Random) -> str:
+    """A wording of ``fact`` not in ``taken`` (which it joins)."""
+    while True:
+        question = _question(fact, rng)
+        if question not in taken:
+            taken.add(question)
+            return question
+
+
 def make_rows(seed: int = SEED) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train rows, eval rows): disjoint arithmetic facts, deterministic in ``seed``."""
+    """(train rows, eval rows), deterministic in ``seed``; the split is in the module docstring."""
     rng = random.Random(f"word-problems/{seed}")
-    facts = _facts(rng)
-    held_out = [next(facts) for _ in range(EVAL_ROWS)]
-    training = [next(facts) for _ in range(TRAIN_ROWS)]
-    train = [_row("train", n, fact, rng) for n, fact in enumerate(training)]
-    eval_rows = [_row("eval", n, fact, rng) for n, fact in enumerate(held_out)]
+    facts = all_facts()
+    commutable = [f for f in facts if f[0] == "add" and f[1] > f[2]]
+    held_out = sorted(rng.sample(commutable, HELD_OUT_FACTS))
+    training = [f for f in facts if f not in held_out]
+    # Every training fact about equally often: whole shuffled passes over them, the last one cut short.
+    picks: list[Fact] = []
+    while len(picks) < TRAIN_ROWS:
+        shuffled = list(training)
+        rng.shuffle(shuffled)
+        picks.extend(shuffled)
+    taken: set[str] = set()
+    train = [_row("train", n, fact, _fresh_question(fact, taken, rng), rng)
+             for n, fact in enumerate(picks[:TRAIN_ROWS])]
+    kinds = [("fact", fact) for fact in held_out for _ in range(FACT_WORDINGS)]
+    kinds += [("wording", rng.choice(training)) for _ in range(EVAL_ROWS - len(kinds))]
+    rng.shuffle(kinds)
+    eval_rows = []
+    for n, (kind, fact) in enumerate(kinds):
+        row = _row("eval", n, fact, _fresh_question(fact, taken, rng), rng)
+        eval_rows.append({**row, "held_out": kind})
     return train, eval_rows
 
 

@@ -13,6 +13,10 @@ answers, each the answer or a near miss (``{attempt}`` / ``{previous}``: the age
 ``{feedback}``: a reviewer's ``y`` or ``n``; ``{others}``: one ``[name] answer`` paragraph per
 name in ``others``, as the debate workflow writes them), and the response is still the answer:
 the agent learns to keep a right answer whatever it reads, not to copy.
+
+``verdict_examples`` is a verifier's: ``prompt`` (the workflow's ``verify`` prompt) over a row with
+``{attempt}`` the answer or a near miss, half each, and the response ``accept`` or ``reject``:
+a verifier that starts out judging, and says each word about as often.
 """
 
 from __future__ import annotations
@@ -21,8 +25,13 @@ import json
 import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 TRAIN = Path(__file__).resolve().parent / "train.jsonl"
+
+
+def _rows() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in TRAIN.read_text().splitlines() if line.strip()]
 
 
 def _shown(rng: random.Random, answer: int) -> int:
@@ -33,7 +42,7 @@ def _shown(rng: random.Random, answer: int) -> int:
 def answer_examples(seed: int, prompt: str = "{question} Answer:", followup_prompt: str | None = None,
                     others: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
     """``(prompt.format(**row), str(row["answer"]))`` over train.jsonl (with second answers: see the module)."""
-    rows = [json.loads(line) for line in TRAIN.read_text().splitlines() if line.strip()]
+    rows = _rows()
     rng = random.Random(f"word-problems-warm-start/{seed}")
     while True:
         order = list(range(len(rows)))
@@ -48,3 +57,27 @@ def answer_examples(seed: int, prompt: str = "{question} Answer:", followup_prom
                 shown = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in others)
                 yield followup_prompt.format(**row, attempt=attempt, previous=attempt, feedback=feedback,
                                              others=shown), str(answer)
+
+
+def _near_miss(rng: random.Random, answer: int) -> int:
+    """A wrong one-digit answer one to three away from ``answer``."""
+    return rng.choice([n for n in range(10) if 0 < abs(n - answer) <= 3])
+
+
+def verdict_examples(seed: int, prompt: str = "{question} Answer: {attempt} Right?", accept: str = "y",
+                     reject: str = "n") -> Iterator[tuple[str, str]]:
+    """``(prompt.format(**row, attempt=shown), accept or reject)`` over train.jsonl rows.
+
+    Half the shown answers are right, half near misses (one to three away).
+    """
+    rows = _rows()
+    rng = random.Random(f"word-problems-verdicts/{seed}")
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for number in order:
+            row = rows[number]
+            answer = int(str(row["answer"]))
+            right = rng.random() < 0.5
+            shown = answer if right else _near_miss(rng, answer)
+            yield prompt.format(**row, attempt=shown), accept if right else reject

@@ -1,10 +1,10 @@
 """The word-problem workflow examples through the daemons, in a short form.
 
 examples/word_problems/job_solver_verifier.yaml and job_debate.yaml, submitted together to the
-session's cluster with 1 step of 2 tasks x 2 episodes and one held-out round of 2 tasks: the full
-path (submit's preflight over the dataset, rolloutd playing each workflow over the file's rows with
-its rewards, traind's GRPO step per agent, the held-out round reading the workflow's notes), not
-learning.
+session's cluster with 1 step of 2 tasks x 2 episodes and one held-out round of 2 tasks, without
+the examples' warm starts: the full path (submit's preflight over the dataset, rolloutd playing each
+workflow over the file's rows with its rewards, traind's GRPO step per agent, the held-out round
+reading the workflow's notes), not learning.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ EXAMPLES = REPO_ROOT / "examples" / "word_problems"
 
 
 def short_form(job: Path, models_dir: Path) -> dict[str, Any]:
-    """The example job with 1 step of 2 tasks x 2 episodes.
+    """The example job with 1 step of 2 tasks x 2 episodes, without its warm starts.
 
     Its tiny models keep the examples' default shape: the session cluster's engine replica was
     launched for the first job it served and refuses weights of another shape (a shrunk model
@@ -34,6 +34,8 @@ def short_form(job: Path, models_dir: Path) -> dict[str, Any]:
     spec["total_steps"] = 1
     spec["batch"] = {"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4}
     spec["evaluation"] = {**spec["evaluation"], "tasks": 2, "before_training": False}  # one round, at the end
+    for agent in spec["agents"]:  # no warm start: the CI form stays as short as before it had one
+        agent.pop("warm_start", None)  # (its data functions: tests/rolloutd/test_workflows.py)
     return materialize_models(spec, models_dir)
 
 

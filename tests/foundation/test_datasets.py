@@ -259,16 +259,20 @@ def test_an_environment_over_a_dataset_needs_no_task_code(tmp_path: Path) -> Non
         bare.task(0, 0)
 
 
-def test_the_word_problem_files_are_what_make_data_writes_and_split_by_fact() -> None:
+def test_the_word_problem_files_are_what_make_data_writes_and_split_as_documented() -> None:
     assert make_data.main(["--check"]) == 0
     train = read_rows(make_data.TRAIN_PATH, ["question", "answer", "choices", "label"])
-    held_out = read_rows(make_data.EVAL_PATH, ["question", "answer", "choices", "label"])
+    held_out = read_rows(make_data.EVAL_PATH, ["question", "answer", "choices", "label", "held_out"])
     assert (len(train.rows), len(held_out.rows)) == (make_data.TRAIN_ROWS, make_data.EVAL_ROWS)
     assert train.problems == held_out.problems == ()
-    facts = {(r["operation"], r["expression"]) for r in train.rows}
-    assert not facts & {(r["operation"], r["expression"]) for r in held_out.rows}
+    facts = {r["expression"] for r in train.rows}
+    assert not {r["question"] for r in train.rows} & {r["question"] for r in held_out.rows}  # no eval row is in train
+    new_facts = {r["expression"] for r in held_out.rows if r["held_out"] == "fact"}
+    assert len(new_facts) == make_data.HELD_OUT_FACTS and not new_facts & facts
+    assert all("+".join(reversed(fact.split("+"))) in facts for fact in new_facts)  # the commuted sum is in train
+    assert {r["expression"] for r in held_out.rows if r["held_out"] == "wording"} <= facts
     for row in (*train.rows, *held_out.rows):
-        assert len(row["question"]) <= 64 and isinstance(row["answer"], int) and row["answer"] >= 0
+        assert len(row["question"]) <= 64 and isinstance(row["answer"], int) and 0 <= row["answer"] <= 9
         assert row["choices"]["ABCD".index(row["label"])] == row["answer"] and len(set(row["choices"])) == 4
 
 

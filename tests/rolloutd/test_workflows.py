@@ -105,6 +105,18 @@ async def test_solver_verifier_revises_after_the_last_rejection_unverified() -> 
     assert notes["success"] is True and notes["answer"] == "Answer: 7"
 
 
+async def test_solver_verifier_accept_weight_scales_only_a_right_acceptance() -> None:
+    env = SolverVerifier(**config(rounds=2, accept_weight=2.5))
+    backend = Scripted({"solver": ["Answer: 8", "Answer: 7"], "verifier": ["REJECT", "ACCEPT"]})
+    _, rewards, notes = await play(env, backend)
+    # A right rejection earns 1, the right acceptance after it 2.5 (turn 0's return adds turn 1's).
+    assert rewards == {("solver", 0): 1.0, ("solver", 1): 1.0, ("verifier", 0): 3.5, ("verifier", 1): 2.5}
+    assert notes["role_correct"] == {"solver": 1.0, "verifier": 1.0}
+    backend = Scripted({"solver": ["Answer: 8"], "verifier": ["ACCEPT"]})  # a wrong acceptance: still nothing
+    _, rewards, _ = await play(SolverVerifier(**config(rounds=2, accept_weight=2.5)), backend)
+    assert rewards == {("solver", 0): 0.0, ("verifier", 0): 0.0}
+
+
 async def test_debate_rounds_read_the_others_and_the_majority_decides() -> None:
     env = Debate(**config(debaters=["ann", "bob", "cy"], rounds=2,
                           prompts={"debate": "{question} mine: {previous} theirs: {others}"}))
@@ -281,7 +293,7 @@ def test_the_preflight_checks_the_fields_the_workflow_reads_against_the_dataset(
         f"environment.config.prompts.solve: names field 'questoin', which the rows of {train} lack (they have "
         "answer, choices, expression, id, label, operation, question)",
         f"environment.config.prompts.solve: names field 'questoin', which the rows of {dataset['eval']} lack (they "
-        "have answer, choices, expression, id, label, operation, question)"]
+        "have answer, choices, expression, held_out, id, label, operation, question)"]
     rows = [json.loads(line) for line in Path(train).read_text().splitlines()[:5]]
     del rows[3]["answer"]
     partial = tmp_path / "train.jsonl"
@@ -330,7 +342,7 @@ def test_the_preflight_refuses_a_misspelt_key_and_accepts_agents_from_the_config
     assert preflight_problems(parse_job_spec(spec)) == [
         "environment.config.round: not a parameter of 'flexmarl.workflows:SolverVerifier' (it takes reward, rewards, "
         "tasks, eval_tasks, chat, system, success_threshold, reward_timeout_s, reward_workers, prompts, solver, "
-        "verifier, rounds, accept_word, reject_word)"]
+        "verifier, rounds, accept_word, reject_word, accept_weight)"]
     spec["environment"]["config"] = {"reward": NUMERIC, "tasks": [ROW], "solver": "alice"}
     assert preflight_problems(parse_job_spec(spec)) == [
         "agents: environment 'flexmarl.workflows:SolverVerifier' plays agents ['alice', 'verifier']; the job has none "
@@ -358,3 +370,20 @@ def test_the_word_problem_warm_start_teaches_the_workflow_prompts() -> None:
         shown = followup.removeprefix(f"{question} You: ").removesuffix(" Answer:")
         previous, others = shown.split(" Others: [debater_1] ")
         assert all(abs(int(n) - int(answer)) <= 2 for n in (previous, others))
+
+
+def test_the_word_problem_verdict_warm_start_accepts_right_answers_and_rejects_near_misses() -> None:
+    """warm_start.verdict_examples: the verify prompt over train rows, ``y`` for the answer, ``n`` for a near miss."""
+    from examples.word_problems.warm_start import verdict_examples
+
+    train = {row["question"]: row for row in map(json.loads, (WORD_PROBLEMS / "train.jsonl").read_text().splitlines())}
+    pairs = verdict_examples(0, prompt="{question} Answer: {attempt} Right?")
+    verdicts = []
+    for _ in range(200):
+        prompt, verdict = next(pairs)
+        question, shown = prompt.removesuffix(" Right?").split(" Answer: ")
+        answer = train[question]["answer"]  # a train row, never a held-out one
+        assert verdict == ("y" if int(shown) == answer else "n")
+        assert 0 <= int(shown) <= 9 and abs(int(shown) - answer) <= 3
+        verdicts.append(verdict)
+    assert 80 <= verdicts.count("y") <= 120  # about as many of each

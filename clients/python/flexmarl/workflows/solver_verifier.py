@@ -11,7 +11,10 @@ A verdict accepts when ``accept_word`` appears in the verifier's reply before ``
 
 Rewards (roles ``solver``, ``verifier``): the solver's weight times the score of the team's
 answer, episode-level; the verifier, at each of its turns, its weight when its verdict was right
-(it accepted an attempt that passes its reward's check, or rejected one that fails), else 0.
+(it accepted an attempt that passes its reward's check, or rejected one that fails), times
+``accept_weight`` for a right acceptance, else 0. While most attempts are wrong, rejecting
+everything is right most of the time; ``accept_weight`` > 1 makes a right acceptance worth more,
+so that judging beats rejecting everything.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class SolverVerifierConfig(PromptedConfig):
     """A verifier's reply accepts when this word comes in it before `reject_word` (case-insensitive)."""
     reject_word: str = Field("REJECT", min_length=1)
     """A verifier's reply with neither word rejects."""
+    accept_weight: float = Field(1.0, gt=0)
+    """A right acceptance earns the verifier this times its weight (a right rejection: its weight); above 1 it
+    offsets the pull to reject everything while most attempts are wrong."""
 
     def roles(self) -> dict[str, tuple[str, ...]]:
         """``solver`` and ``verifier``."""
@@ -89,7 +95,8 @@ class SolverVerifier(Workflow):
             accepted = self.accepts(verdict)
             right = accepted == self.passes(await self.score("verifier", attempt, row))
             verdicts_right.append(right)
-            self.reward_role(ctx, "verifier", verifier, 1.0 if right else 0.0, turn=-1)
+            earned = (self.settings.accept_weight if accepted else 1.0) if right else 0.0
+            self.reward_role(ctx, "verifier", verifier, earned, turn=-1)
             if accepted:
                 break
             revised = await ctx.generate(solver, self.prompt("revise", row, attempt=attempt, feedback=verdict))
