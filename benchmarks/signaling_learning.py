@@ -92,6 +92,9 @@ def tiny_kwargs(uri: str) -> dict[str, Any]:
     for key, value in params.items():
         if key == "seed":
             continue
+        if key == "tie":  # the CLI's flag: tie=0 unties the output head from the embedding
+            kwargs["tie_word_embeddings"] = value not in ("0", "false", "no")
+            continue
         if key not in TINY_KEYS:
             raise ValueError(f"unknown tiny:// parameter {key!r}")
         kwargs[key] = int(value)
