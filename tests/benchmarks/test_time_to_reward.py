@@ -1,0 +1,95 @@
+"""benchmarks.time_to_reward: the curve, the target, the speedups and the verdicts from step records (no cluster);
+the whole benchmark on a real cluster is a ``long`` test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import time_to_reward as ttr
+from flexmarl.client import StepRecord
+
+TIME_SCALE = 0.5
+
+
+def record(agent: str, step: int, reward: float, committed_s: float) -> StepRecord:
+    return StepRecord(agent=agent, step=step, version=step + 1, reward_mean=reward, loss=0.0, grad_norm=0.0,
+                      step_seconds=0.0, tokens_per_s=0.0, staleness_mean=0.0, episodes=8, response_tokens=8,
+                      committed_unix_ms=int(committed_s * 1000), weights_uri="")
+
+
+def history(rewards: list[float], step_wall_s: float, t0: float = 1000.0) -> list[StepRecord]:
+    """Two agents; agent b commits each step 0.5 wall s after a and reports 0.1 less reward."""
+    out = []
+    for step, reward in enumerate(rewards):
+        out.append(record("a", step, reward + 0.05, t0 + step_wall_s * (step + 1) - 0.5))
+        out.append(record("b", step, reward - 0.05, t0 + step_wall_s * (step + 1)))
+    return out
+
+
+def run_of(config: str, rewards: list[float], step_wall_s: float, seed: int = 0) -> ttr.RewardRun:
+    curve = ttr.reward_curve(history(rewards, step_wall_s), 2, 1000.0, TIME_SCALE)
+    return ttr.RewardRun("signaling", config, seed, "SUCCEEDED", len(curve), curve, bound_s=1.0, bound_by="train",
+                         overrun_s=0.0, wall_s=100.0, start_wall_s=0.0, steady_overrun_s=0.0,
+                         steady_wall_s=90.0)
+
+
+def test_the_curve_is_the_mean_over_agents_at_the_last_commit_in_modelled_seconds() -> None:
+    records = history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], step_wall_s=2.0)
+    records.append(record("a", 6, 1.0, 1020.0))  # step 6: only one agent committed, not a point
+    curve = ttr.reward_curve(records, 2, 1000.0, TIME_SCALE)
+    assert [p.step for p in curve] == [0, 1, 2, 3, 4, 5]
+    assert [p.reward for p in curve] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    assert [p.modelled_s for p in curve] == pytest.approx([4.0, 8.0, 12.0, 16.0, 20.0, 24.0])  # 2 wall s / 0.5
+    assert all(p.window_reward != p.window_reward for p in curve[:4])  # nan before 5 steps
+    assert curve[4].window_reward == pytest.approx(0.3) and curve[5].window_reward == pytest.approx(0.4)
+
+
+def test_time_to_target_speedups_and_verdicts() -> None:
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    sync = run_of("sync", rising, step_wall_s=3.0)
+    sequential = run_of("sequential", rising, step_wall_s=6.0)
+    fast = run_of("flexmarl-partial-eta4", rising, step_wall_s=1.0)
+    stale = run_of("flexmarl-partial-eta8", [0.2] * 10, step_wall_s=0.5)  # faster steps, never learns
+    runs = [sync, sequential, fast, stale]
+    ttr.set_targets(runs, {"signaling": 0.9})
+    # 5-step means: steps 0-4 0.69, 1-5 0.85, 2-6 0.97: first reached at step 6 (the 7th commit)
+    assert sync.target_point is not None and sync.target_point.step == 6
+    assert sync.time_to_target_s == pytest.approx(7 * 3.0 / TIME_SCALE)
+    assert ttr.speedup(runs, fast, "sync") == pytest.approx(3.0)
+    assert ttr.speedup(runs, fast, "sequential") == pytest.approx(6.0)
+    assert stale.target_point is None and ttr.speedup(runs, stale, "sync") != ttr.speedup(runs, stale, "sync")
+    lines = ttr.verdicts(runs)
+    assert lines[0].startswith("signaling: best FlexMARL configuration flexmarl-partial-eta4")
+    assert ">= 3x sooner than sync on every seed: met (3.00x)" in lines[0]
+    assert ">= 5x sooner than sequential on every seed: met (6.00x)" in lines[0]
+    assert "final >= sync's - 0.02: met (1.000 vs 1.000)" in lines[0]
+    table = ttr.table(runs)
+    assert "flexmarl-partial-eta8" in table and "3.00x" in table
+
+
+def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
+    sync = run_of("sync", [0.5] * 8, step_wall_s=2.0)
+    flex = run_of("flexmarl", [0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], step_wall_s=1.0)
+    flex.overrun_s = flex.steady_overrun_s = 6.0  # 6.7 % of its 90 wall s after step 0
+    runs = [sync, flex]
+    ttr.set_targets(runs, {"signaling": None})
+    assert flex.target == pytest.approx(0.48)
+    assert flex.machine_set and not sync.machine_set
+    assert "machine-set (overrun)" in ttr.table(runs)
+    lines = ttr.verdicts(runs)
+    assert "vs sequential: not run" in lines[0] and "machine-set runs (overrun > limit): flexmarl s0" in lines[0]
+
+
+@pytest.mark.long
+def test_the_benchmark_runs_signaling_through_the_daemons(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code = ttr.main(["--workloads", "signaling", "--configs", "sync", "flexmarl", "--seeds", "0", "--steps", "6",
+                     "--time-scale", "0.5", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "time_to_reward.json").read_text())
+    assert [(r["config"], r["steps"]) for r in data["runs"]] == [("sync", 6), ("flexmarl", 6)]
+    assert all(r["bound_s"] > 0 and r["curve"][-1]["modelled_s"] > r["bound_s"] * 0.5 for r in data["runs"])
+    assert (out / "time_to_reward-signaling.png").stat().st_size > 0
