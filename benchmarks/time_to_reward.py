@@ -28,7 +28,9 @@ Per run, from the job's step records and the device traces:
   the modelled seconds at that commit, counted from the first modelled device work of the job
   (``(commit wall s - first trace start) / time_scale``; start-up and a warm start left out);
 * time to target: modelled seconds at the first step whose 5-step mean reward (that step and the
-  four before it) reaches the target; the steps to target; the final reward (5-step mean at the
+  four before it) reaches the target, also counted from step 0's commit (start-up left out: the
+  engines' and DeepSpeed's construction are real CPU seconds, 1 / time_scale enlarged, the same in
+  every configuration; the speedups are taken on this figure); the steps to target; the final reward (5-step mean at the
   last step). Targets: 0.9 on signaling; the same seed's ``sync`` run's final reward - 0.02 on
   the others (``--target`` overrides both);
 * the run's device-work bound: the sum over its steps of ``benchmarks.bound.device_work_bound``
@@ -76,7 +78,7 @@ from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.workloads import make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.cli import materialize_models  # noqa: E402
-from flexmarl.client import Client  # noqa: E402
+from flexmarl.client import Client, StepRecord  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 
@@ -186,6 +188,12 @@ class RewardRun:
         """Modelled seconds to the target (nan: not reached)."""
         point = self.target_point
         return point.modelled_s if point is not None else float("nan")
+
+    @property
+    def after_step0_s(self) -> float:
+        """Modelled seconds from step 0's commit to the target: start-up (engine and DeepSpeed construction,
+        real CPU time at 1 / time_scale) left out, which is the same in every configuration."""
+        return self.time_to_target_s - self.curve[0].modelled_s if self.curve else float("nan")
 
     @property
     def bound_to_target_s(self) -> float:
@@ -311,20 +319,41 @@ def run_one(
                 client.cancel(job_id)
             history = client.history(job_id)
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in history]))
+    (run_dir / "run.json").write_text(json.dumps({"workload": workload.name, "config": config, "seed": seed,
+                                                  "state": info.state.name, "agents": len(spec["agents"]),
+                                                  "submitted_s": submitted_s, "replicas": replicas, "slots": slots}))
+    return measure(workload, config, seed, info.state.name, history, len(spec["agents"]), profile, trace_dir,
+                   submitted_s, replicas, slots)
+
+
+def measure(
+    workload: LearningWorkload,
+    config: str,
+    seed: int,
+    state: str,
+    history: Sequence[Any],
+    agents: int,
+    profile: devicemodel.DeviceProfile,
+    trace_dir: Path,
+    submitted_s: float,
+    replicas: int,
+    slots: int,
+) -> RewardRun:
+    """One run's figures from its step records and device traces."""
     traces = devicemodel.read_traces(trace_dir)
     device = [r for who, records in traces.items() if who.startswith(("engine-", "traind-")) for r in records]
     t0 = min((float(r["start_s"]) for r in device), default=submitted_s)
-    curve = reward_curve(history, len(spec["agents"]), t0, args.time_scale)
+    curve = reward_curve(history, agents, t0, profile.time_scale)
     end = max((r.committed_unix_ms / 1000.0 for r in history), default=t0)
-    step0 = t0 + curve[0].modelled_s * args.time_scale if curve else end
+    step0 = t0 + curve[0].modelled_s * profile.time_scale if curve else end
     step_bounds, bound_by = run_bounds(
-        history, profile, workload.prompt_real_tokens * args.token_scale, replicas, slots
+        history, profile, workload.prompt_real_tokens * profile.token_scale, replicas, slots
     )
     return RewardRun(
         workload=workload.name,
         config=config,
         seed=seed,
-        state=info.state.name,
+        state=state,
         steps=len(curve),
         curve=curve,
         bound_s=sum(step_bounds),
@@ -339,6 +368,20 @@ def run_one(
     )
 
 
+def reanalyse(root: Path) -> list[RewardRun]:
+    """The runs kept under ``root`` (``--keep``), measured again from their step records and traces."""
+    runs = []
+    for meta_path in sorted(root.glob("*/run.json"), key=lambda p: p.stat().st_mtime):
+        meta = json.loads(meta_path.read_text())
+        run_dir = meta_path.parent
+        history = [StepRecord(**r) for r in json.loads((run_dir / "history.json").read_text())]
+        profile = devicemodel.load_profile(run_dir / "device.json")
+        runs.append(measure(WORKLOADS[meta["workload"]], meta["config"], meta["seed"], meta["state"], history,
+                            meta["agents"], profile, run_dir / "traces", meta["submitted_s"], meta["replicas"],
+                            meta["slots"]))
+    return runs
+
+
 def set_targets(runs: Sequence[RewardRun], fixed: Mapping[str, float | None]) -> None:
     """Each run's target: the workload's fixed one, else the same seed's sync run's final reward - tolerance."""
     sync_final = {(r.workload, r.seed): r.final_reward for r in runs if r.config == "sync"}
@@ -350,11 +393,11 @@ def set_targets(runs: Sequence[RewardRun], fixed: Mapping[str, float | None]) ->
 
 
 def speedup(runs: Sequence[RewardRun], run: RewardRun, baseline: str) -> float:
-    """How many times sooner ``run`` reached the target than the same seed's ``baseline`` run."""
+    """How many times sooner ``run`` reached the target than the same seed's ``baseline`` run (after step 0)."""
     base = next((r for r in runs if (r.workload, r.seed, r.config) == (run.workload, run.seed, baseline)), None)
-    if base is None or math.isnan(base.time_to_target_s) or math.isnan(run.time_to_target_s):
+    if base is None or math.isnan(base.after_step0_s) or not run.after_step0_s > 0:
         return float("nan")
-    return base.time_to_target_s / run.time_to_target_s
+    return base.after_step0_s / run.after_step0_s
 
 
 def table(runs: Sequence[RewardRun]) -> str:
@@ -368,6 +411,7 @@ def table(runs: Sequence[RewardRun]) -> str:
         Column("target", 6, fmt=".3f"),
         Column("steps to", 8),
         Column("s to target", 11, fmt=".0f"),
+        Column("after step 0", 12, fmt=".0f"),
         Column("final", 6, fmt=".3f"),
         Column("bound s", 8, fmt=".0f"),
         Column("bound to tgt", 12, fmt=".0f"),
@@ -375,7 +419,7 @@ def table(runs: Sequence[RewardRun]) -> str:
         Column("stale", 5, fmt=".2f"),
         Column("overrun s", 9, fmt=".1f"),
         Column("overrun", 7, fmt=".1%"),
-        Column("after step 0", 12, fmt=".1%"),
+        Column("steady", 6, fmt=".1%"),
         Column("vs sync", 7, fmt=".2f", suffix="x"),
         Column("vs seq", 6, fmt=".2f", suffix="x"),
         Column("note", 0, "<", gap="  "),
@@ -387,16 +431,17 @@ def table(runs: Sequence[RewardRun]) -> str:
         note = "machine-set (overrun)" if r.machine_set else ""
         rows.append([
             r.workload, r.config, r.seed, r.state, r.steps, r.target, "-" if point is None else point.step,
-            r.time_to_target_s, r.final_reward, r.bound_s, r.bound_to_target_s, run_s, r.staleness_mean,
-            r.overrun_s, r.overrun_share, r.steady_overrun_share, speedup(runs, r, "sync"),
+            r.time_to_target_s, r.after_step0_s, r.final_reward, r.bound_s, r.bound_to_target_s, run_s,
+            r.staleness_mean, r.overrun_s, r.overrun_share, r.steady_overrun_share, speedup(runs, r, "sync"),
             speedup(runs, r, "sequential"), note,
         ])
     lines = render_table(columns, rows)
     lines.append(
-        "modelled seconds from the first device work; target on the 5-step mean reward; steps to = first step "
+        "modelled seconds from the first device work (after step 0: from step 0's commit, start-up left out; the "
+        "speedups use it); target on the 5-step mean reward; steps to = first step "
         "(0-based) it is reached; final = 5-step mean at the last step; bound = sum of the steps' device-work "
         "bounds (benchmarks/bound.py); run s = modelled s at the last step; overrun = engines' and trainers' real "
-        f"compute past modelled time (wall s; share of the run's wall s; the same after step 0's commit, > "
+        f"compute past modelled time (wall s; share of the run's wall s; steady: the same after step 0's commit, > "
         f"{OVERRUN_LIMIT:.0%}: machine-set); "
         "vs sync / vs seq = that run's time to target / this one's, same seed"
     )
@@ -484,6 +529,7 @@ def payload(runs: Sequence[RewardRun], args: argparse.Namespace, report: str, lo
                 **{k: v for k, v in dataclasses.asdict(r).items() if k != "curve"},
                 "final_reward": r.final_reward,
                 "time_to_target_s": r.time_to_target_s,
+                "after_step0_s": r.after_step0_s,
                 "steps_to_target": None if r.target_point is None else r.target_point.step,
                 "bound_to_target_s": r.bound_to_target_s,
                 "overrun_share": r.overrun_share,
@@ -514,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--stem", default="time_to_reward")
     parser.add_argument("--keep", type=Path, default=None, help="run the clusters in this new directory and keep it")
+    parser.add_argument("--reanalyse", type=Path, default=None,
+                        help="run nothing: measure the runs a --keep directory holds again and report them")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("aetcd", "grpc", "httpx", "urllib3"):
@@ -522,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
     log.info("load average at start: %.2f %.2f %.2f", *load)
     fixed = {name: (args.target if args.target is not None else w.fixed_target) for name, w in WORKLOADS.items()}
     runs: list[RewardRun] = []
+    if args.reanalyse is not None:
+        runs = reanalyse(args.reanalyse)
+        set_targets(runs, fixed)
+        return report_and_write(runs, args, load, "load average now (a reanalysis; the runs' is in their log)")
     if args.keep is not None:
         args.keep.mkdir(parents=True, exist_ok=False)
     keep = contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="flexmarl-ttr-")
@@ -540,12 +592,18 @@ def main(argv: list[str] | None = None) -> int:
                              result.time_to_target_s, result.overrun_s)
                     # partial results survive an interrupted matrix
                     (args.out / f"{args.stem}.json").write_text(json.dumps(payload(runs, args, "", load), indent=2))
+    return report_and_write(runs, args, load, "load average at start")
+
+
+def report_and_write(runs: list[RewardRun], args: argparse.Namespace, load: Sequence[float], load_label: str) -> int:
+    """Prints the table and verdicts, writes the JSON and one chart per workload; 0 when every job succeeded."""
+    args.out.mkdir(parents=True, exist_ok=True)
     report = table(runs) + "\n" + "\n".join(verdicts(runs))
-    report += f"\nload average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end " + " ".join(
+    report += f"\n{load_label} {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end " + " ".join(
         f"{x:.2f}" for x in os.getloadavg())
     print(report)  # noqa: T201 (a CLI report)
     (args.out / f"{args.stem}.json").write_text(json.dumps(payload(runs, args, report, load), indent=2))
-    for name in args.workloads:
+    for name in dict.fromkeys(r.workload for r in runs):
         chart(runs, name, args.out / f"{args.stem}-{name}.png")
     return 0 if all(r.state == "SUCCEEDED" for r in runs) else 1
 

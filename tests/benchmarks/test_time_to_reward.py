@@ -3,12 +3,14 @@ the whole benchmark on a real cluster is a ``long`` test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from benchmarks import time_to_reward as ttr
+from flexmarl import devicemodel
 from flexmarl.client import StepRecord
 
 TIME_SCALE = 0.5
@@ -81,6 +83,29 @@ def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
     assert "machine-set (overrun)" in ttr.table(runs)
     lines = ttr.verdicts(runs)
     assert "vs sequential: not run" in lines[0] and "machine-set runs (overrun > limit): flexmarl s0" in lines[0]
+
+
+def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "signaling-sync-s0"
+    (run_dir / "traces").mkdir(parents=True)
+    profile = devicemodel.H100_SXM.with_changes(token_scale=128.0, time_scale=TIME_SCALE, train_devices_per_slot=1)
+    (run_dir / "device.json").write_text(profile.to_json())
+    records = history([0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0], step_wall_s=2.0)
+    (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    traces = [{"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0},
+              {"kind": "train", "start_s": 1001.0, "end_s": 1002.5, "modelled_s": 2.0, "overrun_s": 0.5}]
+    (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(traces[0]) + "\n")
+    (run_dir / "traces" / "traind-1-a.jsonl").write_text(json.dumps(traces[1]) + "\n")
+    (run_dir / "run.json").write_text(json.dumps({"workload": "signaling", "config": "sync", "seed": 0,
+                                                  "state": "SUCCEEDED", "agents": 2, "submitted_s": 990.0,
+                                                  "replicas": 2, "slots": 2}))
+    [run] = ttr.reanalyse(tmp_path)
+    ttr.set_targets([run], {"signaling": 0.9})
+    assert (run.config, run.steps, run.start_wall_s) == ("sync", 7, 10.0)
+    assert run.target_point is not None and run.target_point.step == 6
+    assert run.time_to_target_s == pytest.approx(14.0 / TIME_SCALE)
+    assert run.overrun_s == 0.5 and run.steady_overrun_s == 0.0  # the train record started before step 0's commit
+    assert len(run.step_bounds_s) == 7 and run.bound_s == pytest.approx(sum(run.step_bounds_s)) and run.bound_s > 0
 
 
 @pytest.mark.long
