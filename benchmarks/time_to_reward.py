@@ -155,6 +155,10 @@ class RewardRun:
     # DeepSpeed engine's construction (~8 wall s on this machine, in every configuration alike)
     steady_overrun_s: float = float("nan")
     steady_wall_s: float = float("nan")
+    # after step 0's commit, the share of wall time in which no engine and no trainer did modelled work: the
+    # daemons' own real work between device work (polls, commits, publishes, reload requests), 1 / time_scale
+    # enlarged in modelled time, which the overrun does not count
+    all_idle_share: float = float("nan")
     target: float = float("nan")
     staleness_mean: float = float("nan")
 
@@ -362,6 +366,7 @@ def measure(
         wall_s=end - t0,
         steady_overrun_s=sum(float(r.get("overrun_s", 0.0)) for r in device if float(r["start_s"]) >= step0),
         steady_wall_s=end - step0,
+        all_idle_share=1.0 - devicemodel.busy_seconds(device, step0, end) / (end - step0) if end > step0 else math.nan,
         start_wall_s=t0 - submitted_s,
         step_bounds_s=step_bounds,
         staleness_mean=statistics.fmean(r.staleness_mean for r in history) if history else float("nan"),
@@ -420,6 +425,7 @@ def table(runs: Sequence[RewardRun]) -> str:
         Column("overrun s", 9, fmt=".1f"),
         Column("overrun", 7, fmt=".1%"),
         Column("steady", 6, fmt=".1%"),
+        Column("all idle", 8, fmt=".1%"),
         Column("vs sync", 7, fmt=".2f", suffix="x"),
         Column("vs seq", 6, fmt=".2f", suffix="x"),
         Column("note", 0, "<", gap="  "),
@@ -432,7 +438,8 @@ def table(runs: Sequence[RewardRun]) -> str:
         rows.append([
             r.workload, r.config, r.seed, r.state, r.steps, r.target, "-" if point is None else point.step,
             r.time_to_target_s, r.after_step0_s, r.final_reward, r.bound_s, r.bound_to_target_s, run_s,
-            r.staleness_mean, r.overrun_s, r.overrun_share, r.steady_overrun_share, speedup(runs, r, "sync"),
+            r.staleness_mean, r.overrun_s, r.overrun_share, r.steady_overrun_share, r.all_idle_share,
+            speedup(runs, r, "sync"),
             speedup(runs, r, "sequential"), note,
         ])
     lines = render_table(columns, rows)
@@ -442,7 +449,8 @@ def table(runs: Sequence[RewardRun]) -> str:
         "(0-based) it is reached; final = 5-step mean at the last step; bound = sum of the steps' device-work "
         "bounds (benchmarks/bound.py); run s = modelled s at the last step; overrun = engines' and trainers' real "
         f"compute past modelled time (wall s; share of the run's wall s; steady: the same after step 0's commit, > "
-        f"{OVERRUN_LIMIT:.0%}: machine-set); "
+        f"{OVERRUN_LIMIT:.0%}: machine-set); all idle = share of the wall time after step 0 with no engine or "
+        "trainer busy (the daemons' own real work, not counted as overrun); "
         "vs sync / vs seq = that run's time to target / this one's, same seed"
     )
     return "\n".join(lines)

@@ -105,6 +105,7 @@ def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
     assert run.target_point is not None and run.target_point.step == 6
     assert run.time_to_target_s == pytest.approx(14.0 / TIME_SCALE)
     assert run.overrun_s == 0.5 and run.steady_overrun_s == 0.0  # the train record started before step 0's commit
+    assert run.all_idle_share == pytest.approx(1.0 - 0.5 / 12.0)  # busy 1002-1002.5 of step 0's commit (1002)-1014
     assert len(run.step_bounds_s) == 7 and run.bound_s == pytest.approx(sum(run.step_bounds_s)) and run.bound_s > 0
 
 
