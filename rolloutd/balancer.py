@@ -219,6 +219,16 @@ class _Replica:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _GroupIndex:
+    """What HierarchicalBalancer derives from its replicas' groups and phases, valid for one epoch."""
+
+    epoch: int
+    counts: Mapping[str, int]  # replicas serving or moving to each model group (target)
+    rates: Mapping[str, float]  # their tokens_per_s
+    serving: Mapping[str, list[_Replica]]  # SERVING replicas by the group they serve now, in replica id order
+
+
 class TokenEstimator:
     """Estimates a request's token cost from the agent's observed response lengths.
 
@@ -298,6 +308,12 @@ class HierarchicalBalancer:
                 raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
             self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
         self._replica_order: tuple[str, ...] = tuple(sorted(self._replicas))
+        # Derived from the replicas' groups and phases, rebuilt after a move, a load or a membership change
+        # (rare) instead of scanning every replica on each request: O(group) routing at thousands of replicas.
+        self._groups_epoch = 0
+        self._groups_cache: _GroupIndex | None = None
+        # Replicas that may have reached AWAITING_LOAD since the last replicas_awaiting_load (a superset).
+        self._maybe_awaiting: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
         self._detached: set[int] = set()  # in flight on a replica that was removed since
         self._queued: dict[str, collections.deque[int]] = {key: collections.deque() for key in self._model_keys}
@@ -321,11 +337,7 @@ class HierarchicalBalancer:
 
     def replica_counts(self) -> dict[str, int]:
         """Replicas serving or moving to each model group."""
-        counts = dict.fromkeys(self._model_keys, 0)
-        for replica in self._replicas.values():
-            if replica.target_model_key in counts:
-                counts[replica.target_model_key] += 1
-        return counts
+        return dict(self._groups().counts)
 
     def model_key_of(self, agent: str) -> str:
         """The model group of an agent (a LoRA agent's: its base's pool).
@@ -449,15 +461,14 @@ class HierarchicalBalancer:
                 del replica.adapter_requests[ticket.adapter]
         if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
             replica.phase = ReplicaPhase.AWAITING_LOAD
+            self._maybe_awaiting.add(replica.spec.replica_id)
         return ticket
 
     def _try_place(self, ticket: Ticket) -> Ticket | None:
         model_key = self._agent_model[ticket.agent]
         candidates = [
-            self._replicas[r]
-            for r in self._replica_order
-            if self._replicas[r].phase is ReplicaPhase.SERVING and self._replicas[r].model_key == model_key
-            and self._has_adapter_slot(self._replicas[r], ticket.adapter)
+            replica for replica in self._groups().serving.get(model_key, ())
+            if self._has_adapter_slot(replica, ticket.adapter)
         ]
         if not candidates:
             return None
@@ -540,11 +551,14 @@ class HierarchicalBalancer:
             raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
         self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
         self._replica_order = tuple(sorted(self._replicas))
+        self._groups_epoch += 1
 
     def remove_replica(self, replica_id: str) -> None:
         """Forgets a dead replica: nothing is routed to it again; its group is re-served by a rebalance."""
         replica = self._replica(replica_id)
         del self._replicas[replica_id]
+        self._groups_epoch += 1
+        self._maybe_awaiting.discard(replica_id)
         for request_id, ticket in self._tickets.items():
             if ticket.replica_id == replica_id:
                 self._detached.add(request_id)
@@ -605,6 +619,9 @@ class HierarchicalBalancer:
             return [move for move, *_ in planned]
         for _move, replica, target, last_move_s, phase in reversed(planned):  # not worth it: undo
             replica.target_model_key, replica.last_move_s, replica.phase = target, last_move_s, phase
+            self._groups_epoch += 1
+            if phase is ReplicaPhase.AWAITING_LOAD:
+                self._maybe_awaiting.add(replica.spec.replica_id)
             self.reassignments -= 1
         return []
 
@@ -680,16 +697,20 @@ class HierarchicalBalancer:
         replica.target_model_key = to_model_key
         replica.last_move_s = now_s
         replica.phase = ReplicaPhase.DRAINING if replica.in_flight_requests else ReplicaPhase.AWAITING_LOAD
+        if replica.phase is ReplicaPhase.AWAITING_LOAD:
+            self._maybe_awaiting.add(replica.spec.replica_id)
+        self._groups_epoch += 1
         self.reassignments += 1
         return move
 
     def replicas_awaiting_load(self) -> list[ReplicaMove]:
-        """Drained replicas whose new weights the caller must now load."""
-        return [
-            ReplicaMove(r.spec.replica_id, r.model_key, r.target_model_key)
-            for r in (self._replicas[i] for i in self._replica_order)
-            if r.phase is ReplicaPhase.AWAITING_LOAD
-        ]
+        """Drained replicas whose new weights the caller must now load (in replica id order)."""
+        awaiting = sorted(
+            i for i in self._maybe_awaiting
+            if i in self._replicas and self._replicas[i].phase is ReplicaPhase.AWAITING_LOAD
+        )
+        self._maybe_awaiting = set(awaiting)
+        return [ReplicaMove(i, self._replicas[i].model_key, self._replicas[i].target_model_key) for i in awaiting]
 
     def begin_load(self, replica_id: str) -> None:
         """Marks that the caller started loading the replica's new weights."""
@@ -697,6 +718,7 @@ class HierarchicalBalancer:
         if replica.phase is not ReplicaPhase.AWAITING_LOAD:
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not awaiting a load")
         replica.phase = ReplicaPhase.LOADING
+        self._groups_epoch += 1
 
     def complete_load(self, replica_id: str) -> None:
         """The replica now serves its new group; call place_queued() next."""
@@ -705,17 +727,32 @@ class HierarchicalBalancer:
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not loading")
         replica.model_key = replica.target_model_key
         replica.phase = ReplicaPhase.SERVING
+        self._groups_epoch += 1
         stale = [k for k, r in self._affinity.items() if r == replica_id]
         for key in stale:  # its KV cache is gone with the old weights
             del self._affinity[key]
 
     # ------------------------------------------------------------ helpers
-    def _group_rates(self) -> dict[str, float]:
+    def _groups(self) -> _GroupIndex:
+        """Per model group: serving replicas (id order), replica counts and rates (of targets), up to date."""
+        cache = self._groups_cache
+        if cache is not None and cache.epoch == self._groups_epoch:
+            return cache
+        counts = dict.fromkeys(self._model_keys, 0)
         rates = dict.fromkeys(self._model_keys, 0.0)
-        for replica in self._replicas.values():
-            if replica.target_model_key in rates:
+        serving: dict[str, list[_Replica]] = {}
+        for replica_id in self._replica_order:
+            replica = self._replicas[replica_id]
+            if replica.target_model_key in counts:
+                counts[replica.target_model_key] += 1
                 rates[replica.target_model_key] += replica.spec.tokens_per_s
-        return rates
+            if replica.phase is ReplicaPhase.SERVING:
+                serving.setdefault(replica.model_key, []).append(replica)
+        self._groups_cache = _GroupIndex(self._groups_epoch, counts, rates, serving)
+        return self._groups_cache
+
+    def _group_rates(self) -> dict[str, float]:
+        return dict(self._groups().rates)
 
     @staticmethod
     def _drain_time_s(demand_tokens: float, rate_tokens_per_s: float) -> float:
@@ -724,6 +761,8 @@ class HierarchicalBalancer:
         return math.inf if rate_tokens_per_s <= 0 else demand_tokens / rate_tokens_per_s
 
     def _has_replica(self, model_key: str) -> bool:
+        if model_key in self._groups().counts:
+            return self._groups().counts[model_key] > 0
         return any(r.target_model_key == model_key for r in self._replicas.values())
 
     def _model_of(self, agent: str) -> str:

@@ -215,3 +215,50 @@ def test_add_replica_rejects_a_served_replica() -> None:
     b = make({"r0": "m"}, {"a": "m"})
     with pytest.raises(AlreadyExists):
         b.add_replica(ReplicaAssignment("r0", "m"))
+
+
+def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_membership_changes() -> None:
+    """Routing, counts and awaiting loads come from an index rebuilt on change (O(group) per request at scale).
+
+    A random run of submits, finishes, rebalances, loads and replica removals: after every operation
+    the balancer's answers equal a recount over its replicas' views, and a request is only ever
+    placed on a replica serving its group.
+    """
+    import random
+
+    rng = random.Random(7)
+    b = make({f"r{i}": "abc"[i % 3] for i in range(9)}, {"a": "a", "b": "b", "c": "c"}, reassignment_cost_s=0.0,
+             rebalance_interval_s=0.0, min_residency_s=0.0)
+    running: list[int] = []
+    removed: list[str] = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.4:
+            ticket = b.submit(rng.choice("abc"), rng.randint(1, 5000))
+            if ticket.replica_id is not None:
+                running.append(ticket.request_id)
+        elif op < 0.65 and running:
+            b.finish(running.pop(rng.randrange(len(running))))
+        elif op < 0.75:
+            b.set_demand_hint(rng.choice("abc"), rng.choice([0, 10_000, 1_000_000]))
+            b.rebalance(now_s=float(step))
+        elif op < 0.9:
+            for move in b.replicas_awaiting_load():
+                b.begin_load(move.replica_id)
+                b.complete_load(move.replica_id)
+        elif op < 0.95 and len(removed) < 3:
+            victim = rng.choice([v.replica_id for v in b.replicas()])
+            b.remove_replica(victim)
+            removed.append(victim)
+        elif removed:
+            b.add_replica(ReplicaAssignment(removed.pop(), rng.choice("abc"), 100.0))
+        for ticket in b.place_queued():
+            running.append(ticket.request_id)
+        views = b.replicas()
+        assert b.replica_counts() == {key: sum(1 for v in views if v.target_model_key == key) for key in "abc"}
+        awaiting = [v.replica_id for v in views if v.phase is ReplicaPhase.AWAITING_LOAD]
+        assert [m.replica_id for m in b.replicas_awaiting_load()] == awaiting
+        ticket = b.submit("a", 1)
+        serving_a = {v.replica_id for v in views if v.phase is ReplicaPhase.SERVING and v.model_key == "a"}
+        assert (ticket.replica_id in serving_a) if serving_a else ticket.replica_id is None
+        b.finish(ticket.request_id)
