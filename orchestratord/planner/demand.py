@@ -10,7 +10,7 @@ from orchestratord.planner import warm_start
 from orchestratord.planner.admission import admission_limit
 from orchestratord.planner.dispatch import agent_may_train
 from orchestratord.planner.ids import is_durable_state
-from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan
+from orchestratord.planner.job_plan import JobPlan, StepPlan
 
 
 def demand(job: JobPlan, agent: str) -> AgentDemand:
@@ -22,10 +22,9 @@ def demand(job: JobPlan, agent: str) -> AgentDemand:
     plan = job.current_plan(agent)
     if job.state.terminal or plan is None or not agent_may_train(job, agent, plan.step):
         return AgentDemand(key)
-    ready = [mb for mb in plan.micro_batches if mb.status is MicroBatchStatus.READY]
-    taken = sum(1 for mb in plan.micro_batches if mb.status is not MicroBatchStatus.READY)
+    taken = len(plan.micro_batches) - plan.ready_count
     return _with_parallelism(job, AgentDemand(
-        key=key, ready_micro_batches=len(ready), ready_tokens=sum(mb.response_tokens for mb in ready),
+        key=key, ready_micro_batches=plan.ready_count, ready_tokens=plan.ready_tokens,
         optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
     ), max(0, _expected_micro_batches(job, plan) - taken))
 
@@ -47,8 +46,7 @@ def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
     """Micro-batches a step will have: its formed ones plus those its missing groups will form."""
     per = job.spec.batch.groups_per_micro_batch
     formed = len(plan.micro_batches) if plan is not None else 0
-    pending_groups = job.spec.batch.prompts_per_step - (
-        sum(len(mb.groups) for mb in plan.micro_batches) if plan is not None else 0)
+    pending_groups = job.spec.batch.prompts_per_step - (plan.formed_groups if plan is not None else 0)
     return formed + -(-max(0, pending_groups) // per)
 
 

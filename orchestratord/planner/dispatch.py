@@ -50,19 +50,18 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str, gr
         return None
     if not members and group is not None and slot_id not in group.members:
         return None
-    for mb in plan.micro_batches:
-        if mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id:
-            lease = job.leases.get(mb.lease_id)
-            if lease is not None and lease.holder == worker_id:
-                return _micro_batch_work(job, plan, mb, lease)  # lost response: deliver again
-            return None
-    if plan.group is None and (group is None or group.world_size == 1) and any(
-            mb.status is MicroBatchStatus.LEASED for mb in plan.micro_batches):
+    held = plan.leased_to(slot_id)
+    if held is not None:
+        lease = job.leases.get(held.lease_id)
+        if lease is not None and lease.holder == worker_id:
+            return _micro_batch_work(job, plan, held, lease)  # lost response: deliver again
+        return None
+    if plan.group is None and (group is None or group.world_size == 1) and plan.leased_count:
         return None  # one slot: one micro-batch at a time
-    for mb in plan.micro_batches:
-        if mb.status is MicroBatchStatus.READY:
-            _start_attempt(plan, slot_id, group)
-            return _lease_micro_batch(job, plan, mb, slot_id, worker_id)
+    ready = plan.first_ready_micro_batch()
+    if ready is not None:
+        _start_attempt(plan, slot_id, group)
+        return _lease_micro_batch(job, plan, ready, slot_id, worker_id)
     if plan.ready_for_optimizer and plan.manifest is not None:
         _start_attempt(plan, slot_id, group)
         rank = plan.group.rank_of(slot_id) if plan.group is not None else 0
@@ -109,9 +108,7 @@ def _lease_micro_batch(job: JobPlan, plan: StepPlan, mb: MicroBatch, slot_id: st
             return None
     subject = str(MicroBatchRef(plan.agent, plan.step, plan.attempt, mb.index))
     lease = job.leases.issue(LeaseKind.MICRO_BATCH, worker_id, subject, job.spec.leases.train_timeout_s)
-    mb.status = MicroBatchStatus.LEASED
-    mb.lease_id = lease.lease_id
-    mb.slot_id = slot_id
+    plan.set_status(mb, MicroBatchStatus.LEASED, lease_id=lease.lease_id, slot_id=slot_id)
     return _micro_batch_work(job, plan, mb, lease)
 
 
@@ -174,11 +171,11 @@ def ack_micro_batch(job: JobPlan, lease_id: str, worker_id: str, slot_id: str, e
     found = micro_batch_of_lease(job, lease)
     if found is None or found[1].slot_id != slot_id:
         raise FailedPrecondition(f"lease {lease_id!r} does not belong to slot {slot_id!r}")
-    mb = found[1]
+    plan, mb = found
     if episodes and episodes != mb.episodes:
         raise InvalidArgument(f"lease {lease_id!r}: micro-batch has {mb.episodes} episodes, ack says {episodes}")
     job.leases.end(lease, LeaseStatus.RELEASED, "acked")
-    mb.status = MicroBatchStatus.ACKED
+    plan.set_status(mb, MicroBatchStatus.ACKED)
 
 
 def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
@@ -260,8 +257,7 @@ def _prune_batch(job: JobPlan, step: int) -> None:
 def slot_busy(job: JobPlan, slot_id: str) -> bool:
     """Whether some step has work in flight on the slot (a warm start, a leased micro-batch or an optimizer step)."""
     return warm_start.slot_busy(job, slot_id) or any(
-        (plan.optimizer_deadline_s is not None and slot_id in plan.members) or any(
-            mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot_id for mb in plan.micro_batches)
+        (plan.optimizer_deadline_s is not None and slot_id in plan.members) or slot_id in plan.leased_by_slot
         for plan in job.plans.values())
 
 

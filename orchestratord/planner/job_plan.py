@@ -135,6 +135,65 @@ class StepPlan:
     group: DataParallelGroup | None = None
     # Members that were given the optimizer step of this attempt.
     optimizer_issued: set[str] = dataclasses.field(default_factory=set)
+    # Tallies of micro_batches by status, kept by add_micro_batch and set_status (their only writers), so
+    # that a trainer poll (demand, dispatch) reads them in O(1) instead of scanning the step's micro-batches.
+    ready_count: int = 0
+    ready_tokens: int = 0
+    leased_count: int = 0
+    acked_count: int = 0
+    formed_groups: int = 0
+    first_ready: int = 0  # no READY micro-batch below this index
+    leased_by_slot: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # slot -> LEASED indices
+
+    def add_micro_batch(self, groups: tuple[Group, ...]) -> MicroBatch:
+        """Appends a READY micro-batch of ``groups``."""
+        mb = MicroBatch(len(self.micro_batches), groups)
+        self.micro_batches.append(mb)
+        self.ready_count += 1
+        self.ready_tokens += mb.response_tokens
+        self.formed_groups += len(groups)
+        return mb
+
+    def set_status(self, mb: MicroBatch, status: MicroBatchStatus, *, lease_id: str | None = None,
+                   slot_id: str | None = None) -> None:
+        """Moves one of the plan's micro-batches to ``status`` (and sets its lease and slot where given)."""
+        if mb.status is MicroBatchStatus.READY:
+            self.ready_count -= 1
+            self.ready_tokens -= mb.response_tokens
+        elif mb.status is MicroBatchStatus.ACKED:
+            self.acked_count -= 1
+        else:
+            self.leased_count -= 1
+            held = self.leased_by_slot[mb.slot_id]
+            held.discard(mb.index)
+            if not held:
+                del self.leased_by_slot[mb.slot_id]
+        mb.status = status
+        if lease_id is not None:
+            mb.lease_id = lease_id
+        if slot_id is not None:
+            mb.slot_id = slot_id
+        if status is MicroBatchStatus.READY:
+            self.ready_count += 1
+            self.ready_tokens += mb.response_tokens
+            self.first_ready = min(self.first_ready, mb.index)
+        elif status is MicroBatchStatus.ACKED:
+            self.acked_count += 1
+        else:
+            self.leased_count += 1
+            self.leased_by_slot.setdefault(mb.slot_id, set()).add(mb.index)
+        while self.first_ready < len(self.micro_batches) and (
+                self.micro_batches[self.first_ready].status is not MicroBatchStatus.READY):
+            self.first_ready += 1
+
+    def first_ready_micro_batch(self) -> MicroBatch | None:
+        """The READY micro-batch of the lowest index, or None."""
+        return self.micro_batches[self.first_ready] if self.ready_count else None
+
+    def leased_to(self, slot_id: str) -> MicroBatch | None:
+        """The LEASED micro-batch of the lowest index held by ``slot_id``, or None."""
+        held = self.leased_by_slot.get(slot_id)
+        return self.micro_batches[min(held)] if held else None
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -146,14 +205,13 @@ class StepPlan:
     @property
     def mid_step(self) -> bool:
         """Whether the attempt has work out or done (a slot holds gradients of it)."""
-        return self.optimizer_deadline_s is not None or any(
-            mb.status is not MicroBatchStatus.READY for mb in self.micro_batches)
+        return self.optimizer_deadline_s is not None or self.ready_count < len(self.micro_batches)
 
     @property
     def ready_for_optimizer(self) -> bool:
         """Whether every micro-batch of the fixed manifest is accumulated."""
         return (self.manifest is not None and not self.unformed and bool(self.micro_batches)
-                and all(mb.status is MicroBatchStatus.ACKED for mb in self.micro_batches))
+                and self.acked_count == len(self.micro_batches))
 
 
 @dataclasses.dataclass

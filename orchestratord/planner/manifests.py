@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from orchestratord.planner.job_plan import Group, JobPlan, MicroBatch, StepPlan, Task, TaskStatus
+from orchestratord.planner.job_plan import Group, JobPlan, StepPlan, Task, TaskStatus
 from orchestratord.state import ManifestFixed, StepManifest
 
 logger = logging.getLogger(__name__)
@@ -159,4 +159,4 @@ def form_micro_batches(job: JobPlan, plan: StepPlan, batch_complete: bool) -> No
         plan.unformed.sort(key=lambda group: group.task_order)
     while len(plan.unformed) >= per_micro_batch or (batch_complete and plan.unformed):
         taken, plan.unformed = plan.unformed[:per_micro_batch], plan.unformed[per_micro_batch:]
-        plan.micro_batches.append(MicroBatch(len(plan.micro_batches), tuple(taken)))
+        plan.add_micro_batch(tuple(taken))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -41,6 +42,9 @@ class Planner:
                                  recruit_fresh_s=self._options.dp_recruit_fresh_s,
                                  dp_timeout_s=self._options.dp_timeout_s, incarnation=self._options.lease_epoch)
         self._next_job = 0
+        # No slot can be silent before then (the earliest last_seen_s at the last sweep + slot_silence_s; a
+        # slot's last_seen_s only grows, a new one starts at now): tick skips its sweep over every slot.
+        self._silence_sweep_after_s = -math.inf
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -131,10 +135,13 @@ class Planner:
             for slot_id in job.tick():
                 self._slot_lost(slot_id, "work expired")
         now_s = self._now_s()
-        for slot in self.binder.slots():
-            if now_s - slot.last_seen_s > self._options.slot_silence_s and not any(
-                    job.slot_busy(slot.slot_id) for job in self._running()):
-                self._slot_lost(slot.slot_id, f"slot silent for {now_s - slot.last_seen_s:.0f} s")
+        if now_s > self._silence_sweep_after_s:
+            for slot in self.binder.slots():
+                if now_s - slot.last_seen_s > self._options.slot_silence_s and not any(
+                        job.slot_busy(slot.slot_id) for job in self._running()):
+                    self._slot_lost(slot.slot_id, f"slot silent for {now_s - slot.last_seen_s:.0f} s")
+            earliest_s = min((slot.last_seen_s for slot in self.binder.slots()), default=now_s)
+            self._silence_sweep_after_s = min(earliest_s, now_s) + self._options.slot_silence_s
         self._sweep()
 
     def _slot_lost(self, slot_id: str, reason: str) -> None:

@@ -121,9 +121,7 @@ def replay(job: JobPlan, plan: StepPlan, reason: str) -> None:
         lease = job.leases.get(mb.lease_id) if mb.lease_id else None
         if lease is not None:
             job.leases.end(lease, LeaseStatus.REVOKED, f"step replayed: {reason}")
-        mb.status = MicroBatchStatus.READY
-        mb.lease_id = ""
-        mb.slot_id = ""
+        plan.set_status(mb, MicroBatchStatus.READY, lease_id="", slot_id="")
     plan.attempt += 1
     plan.slot_id = ""
     plan.group = None

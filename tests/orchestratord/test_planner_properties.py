@@ -17,6 +17,7 @@ from orchestratord.planner import (
     SlotEventKind,
     SwapOutWork,
 )
+from orchestratord.planner.job_plan import MicroBatchStatus
 from orchestratord.state import JobState
 
 from .helpers import FakeClock, experiences_for, make_spec
@@ -214,6 +215,27 @@ class PlannerMachine(RuleBasedStateMachine):
                                   for eid in exps if eid.split("/")[-2] == agent)
                 assert list(manifest.experience_ids) == expected
                 self.manifests_seen[key] = manifest.experience_ids
+
+    @invariant()
+    def micro_batch_tallies_match_a_recount(self) -> None:
+        """The counts a trainer poll reads in O(1) (StepPlan.set_status keeps them) agree with the micro-batches."""
+        if not hasattr(self, "job"):
+            return
+        for agent in AGENTS:
+            plan = self.job.current_plan(agent)
+            if plan is None:
+                continue
+            statuses = [mb.status for mb in plan.micro_batches]
+            ready = [mb for mb in plan.micro_batches if mb.status is MicroBatchStatus.READY]
+            assert plan.ready_count == len(ready)
+            assert plan.ready_tokens == sum(mb.response_tokens for mb in ready)
+            assert plan.leased_count == statuses.count(MicroBatchStatus.LEASED)
+            assert plan.acked_count == statuses.count(MicroBatchStatus.ACKED)
+            assert plan.formed_groups == sum(len(mb.groups) for mb in plan.micro_batches)
+            assert plan.first_ready_micro_batch() is (ready[0] if ready else None)
+            for slot in SLOTS:
+                held = [mb for mb in plan.micro_batches if mb.status is MicroBatchStatus.LEASED and mb.slot_id == slot]
+                assert plan.leased_to(slot) is (held[0] if held else None)
 
     @invariant()
     def versions_count_commits(self) -> None:
