@@ -63,13 +63,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import heapq
+import inspect
 import json
 import math
+import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +96,17 @@ from orchestratord.planner import (
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
 from rolloutd.balancer import ReplicaAssignment as BalancerReplica
 
-# name -> (pipeline section, rollout balancing), the same settings as benchmarks.run.CONFIGS
-SIM_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
-    "flexmarl": ({"mode": "async", "max_staleness": 1}, "hierarchical"),
-    "static": ({"mode": "static"}, "static"),
-    "sequential": ({"mode": "sequential"}, "static"),
-    "no-lb": ({"mode": "async", "max_staleness": 1}, "static"),
+# name -> (pipeline section, rollout balancing, rest of the rollout section), the settings of benchmarks.run.CONFIGS
+SIM_CONFIGS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
+    "flexmarl": ({"mode": "async", "max_staleness": 1}, "hierarchical", {}),
+    "static": ({"mode": "static"}, "static", {}),
+    "sequential": ({"mode": "sequential"}, "static", {}),
+    "no-lb": ({"mode": "async", "max_staleness": 1}, "static", {}),
+    "flexmarl-partial": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        "hierarchical",
+        {"partial_rollout": True, "mask_stale_tokens": True},
+    ),
 }
 EPOCH_S = 1.0e9  # the planner's clock is unix seconds; any fixed origin will do
 WORKER = "rollout-0"
@@ -178,6 +187,31 @@ class SimOutcome:
     max_group_size: int = 1
     bound_s: float = math.nan  # device-work bound of a step (benchmarks/bound.py), modelled seconds
     bound_by: str = ""
+    # Real CPU seconds (thread time) inside the planner's and the balancer's code over the whole run, the
+    # modelled seconds of the run, and the lease operations it made (CpuMeter, Simulation.lease_ops).
+    agents: int = 0
+    planner_cpu_s: float = 0.0
+    balancer_cpu_s: float = 0.0
+    planner_calls: int = 0
+    balancer_calls: int = 0
+    modelled_s: float = 0.0
+    lease_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def control_cpu_share(self) -> float:
+        """Planner + balancer CPU seconds per modelled second (= CPU per step / step, the core share they need)."""
+        return (self.planner_cpu_s + self.balancer_cpu_s) / self.modelled_s if self.modelled_s > 0 else math.nan
+
+    @property
+    def control_cpu_per_step_s(self) -> float:
+        """Planner + balancer CPU seconds per modelled step (at the run's mean rate)."""
+        return self.control_cpu_share * self.step_s
+
+    @property
+    def lease_ops_per_s(self) -> float:
+        """Lease operations per modelled second (polls that found no work not counted)."""
+        ops = sum(n for kind, n in self.lease_ops.items() if kind != "empty poll")
+        return ops / self.modelled_s if self.modelled_s > 0 else math.nan
 
 
 @dataclasses.dataclass
@@ -237,13 +271,57 @@ def allreduce_s(profile: devicemodel.DeviceProfile, members: int) -> float:
     return 2.0 * (members - 1) / members * gradient_bytes / profile.link_bytes_per_s
 
 
+class CpuMeter:
+    """Thread CPU seconds spent inside the real control-plane code the simulation calls.
+
+    :meth:`wrap` replaces an object's public methods, on the instance only (its type stays the
+    real class), by ones that add ``time.thread_time()`` around the call to the object's
+    component ("planner", "balancer"). Only the outermost call is timed, so a public method
+    calling another is not counted twice. The meter's own two clock reads per call (well under a
+    microsecond each) fall inside the figure: an upper bound, not a discount.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._depth = 0
+
+    def wrap(self, component: str, target: object) -> None:
+        """Times every public method of ``target`` (defined on its class) as ``component``."""
+        self.seconds.setdefault(component, 0.0)
+        self.calls.setdefault(component, 0)
+        for name in dir(type(target)):
+            if name.startswith("_") or not inspect.isfunction(inspect.getattr_static(type(target), name)):
+                continue
+            setattr(target, name, self._timed(component, getattr(target, name)))
+
+    def _timed(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.thread_time
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            started = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[component] += clock() - started
+                self.calls[component] += 1
+                self._depth -= 1
+
+        return timed
+
+
 class Simulation:
     """One configuration of one cluster size, to completion of ``steps`` steps."""
 
     def __init__(
         self, config: str, settings: SimSettings, workload: Workload, profile: devicemodel.DeviceProfile | None = None
     ) -> None:
-        pipeline, balancing = SIM_CONFIGS[config]
+        pipeline, balancing, rollout = SIM_CONFIGS[config]
+        self.partial_rollout = bool(rollout.get("partial_rollout", False))
         self.config, self.settings, self.workload = config, settings, workload
         self.profile = (profile or devicemodel.H100_SXM).with_changes(
             train_devices_per_slot=settings.devices_per_slot, rollout_devices_per_replica=1
@@ -266,7 +344,7 @@ class Simulation:
                 },
                 "total_steps": settings.steps,
                 "pipeline": {"max_staleness": 0, **pipeline},
-                "rollout": {"balancing": balancing},
+                "rollout": {"balancing": balancing, **rollout},
                 "leases": {"rollout_timeout_s": 86_400.0, "train_timeout_s": 86_400.0},
             }
         )
@@ -286,6 +364,17 @@ class Simulation:
         self.balancer = self.make_balancer(balancer_config)
         self.demand_hints: dict[str, int] = {}
         self.estimator = TokenEstimator()
+        # CPU of the real code: the planner (orchestratord), the balancer and its estimator (rolloutd).
+        self.cpu = CpuMeter()
+        self.cpu.wrap("planner", self.planner)
+        self.cpu.wrap("balancer", self.balancer)
+        self.cpu.wrap("balancer", self.estimator)
+        # Lease operations as orchestratord counts them (benchmarks/load.py): a task leased, a task
+        # reported, a lease renewed (RenewLeases of k leases = k); a trainer's work leased, acked,
+        # committed, a slot event. Polls that found no work are counted apart (a long poll's wake-ups).
+        self.lease_ops: Counter[str] = Counter()
+        self.held_leases: dict[str, str] = {}  # task id -> lease id, held by rolloutd until reported
+        self.task_progress: dict[str, int] = {}  # task id -> turns finished (what its renewals report)
         # One traind process per slot (the GPU deployment): its own worker id and rendezvous.
         self.slots = [_Slot(f"trainer-{i}/slot0", f"trainer-{i}", f"trainer-{i}:29500") for i in range(settings.slots)]
         self.by_slot = {slot.slot_id: slot for slot in self.slots}
@@ -392,6 +481,9 @@ class Simulation:
     def lease_tasks(self) -> None:
         """Lease every task the planner admits (rolloutd's lease loop, unbounded concurrency)."""
         for task in self.planner.lease_rollout_tasks(WORKER, 10_000):
+            self.lease_ops["lease"] += 1
+            self.held_leases[task.task_id] = task.lease_id
+            self.task_progress[task.task_id] = 0
             episodes = []
             for sample in range(task.group_size):
                 lengths = tuple(self.lengths[a].sample(self.rng) for a in self.agents)
@@ -459,6 +551,7 @@ class Simulation:
         self.balancer.finish(seq.request_id)
         self.rebalance()  # RolloutRouter._release
         self.estimator.observe(agent, episode.lengths[episode.turn])
+        self.task_progress[episode.task.task_id] += 1
         episode.turn += 1
         if episode.turn < len(self.agents):
             self.submit_turn(episode)
@@ -494,10 +587,25 @@ class Simulation:
                     )
                 )
         self.planner.report_rollout_task(task.lease_id, WORKER, task_id, True, "", experiences)
+        self.lease_ops["report"] += 1
+        del self.held_leases[task_id]
+        del self.task_progress[task_id]
         self.reported = True
         self.response_tokens[task.batch_index] = self.response_tokens.get(task.batch_index, 0) + sum(
             e.response_tokens for e in experiences
         )
+
+    def renew(self) -> None:
+        """rolloutd's renewal: one RenewLeases of every task lease it holds, every RENEW_INTERVAL_S (= TICK_S).
+
+        With each lease its task's progress (turns finished), as rolloutd reports its tasks' progress, so that a
+        task of long episodes (64 turns) is not taken for stalled after ``leases.progress_timeout_s``.
+        """
+        if self.held_leases:
+            self.planner.renew_leases(
+                WORKER, list(self.held_leases.values()), [self.task_progress[t] for t in self.held_leases]
+            )
+            self.lease_ops["renew"] += len(self.held_leases)
 
     def balance(self) -> None:
         """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent."""
@@ -547,7 +655,9 @@ class Simulation:
             resident = [slot.resident] if slot.resident is not None else []
             work = self.planner.poll_trainer_work(slot.worker_id, slot.slot_id, resident, slot.dp_address)
             if work is None:
+                self.lease_ops["empty poll"] += 1
                 continue
+            self.lease_ops["trainer lease"] += 1
             duration_s = self.work_seconds(slot, work)
             slot.pending = work
             slot.busy_s += duration_s
@@ -632,6 +742,7 @@ class Simulation:
         work, slot.pending = slot.pending, None
         if isinstance(work, MicroBatchWork):
             self.planner.ack_micro_batch(work.lease_id, slot.worker_id, slot_id, len(work.experience_ids))
+            self.lease_ops["ack"] += 1
         elif isinstance(work, OptimizerStepWork):
             # Every member holds the new version; only rank 0 publishes, saves and commits.
             slot.resident = ResidentAgent(self.job_id, work.agent, work.new_version)
@@ -640,7 +751,10 @@ class Simulation:
                 self.planner.commit_step(
                     slot.worker_id, slot_id, self.job_id, work.agent, work.step, work.new_version, uri, uri
                 )
+                self.lease_ops["commit"] += 1
                 self.commits[(work.agent, work.step)] = self.now_s
+                if self.partial_rollout:
+                    self.interrupt(work.agent, work.new_version)
         elif isinstance(work, SwapOutWork):
             version = slot.resident.version if slot.resident is not None else 0
             self.planner.report_slot_event(
@@ -651,7 +765,24 @@ class Simulation:
                 SlotEventKind.SWAPPED_OUT,
                 f"file:///sim/{work.agent}/v{version}",
             )
+            self.lease_ops["slot event"] += 1
             slot.resident = None
+
+    def interrupt(self, agent: str, version: int) -> None:
+        """A partial-rollout agent's new version interrupts its replicas (RolloutRouter.publish, in place).
+
+        Every replica holding an older version of the agent pauses its batch, loads the new
+        weights (``weight_transfer_s``) and continues its running generations on them; their
+        behaviour version stays the oldest token's (the version they started with).
+        """
+        self.wanted[agent] = max(self.wanted[agent], version)
+        for replica in self.replicas.values():
+            if replica.loaded[0] != agent or replica.loaded[1] >= version:
+                continue
+            self.settle(replica)
+            stall_s = self.load_stall_s(replica, -1, agent, version)
+            replica.resume_s = max(replica.resume_s, self.now_s) + stall_s
+            self.reschedule(replica)
 
     # ---- main loop ------------------------------------------------------------------------------------------
     def run(self, max_events: int = 5_000_000) -> SimOutcome:
@@ -680,6 +811,7 @@ class Simulation:
             if kind in ("slot", "tick"):
                 self.lease_tasks()
             if kind == "tick":
+                self.renew()
                 self.balance()
             else:
                 self.place()
@@ -688,7 +820,17 @@ class Simulation:
                 self.poll_slots()
         for replica in self.replicas.values():
             self.settle(replica)
-        return self.outcome(job.state.name, time.perf_counter() - started)
+        outcome = self.outcome(job.state.name, time.perf_counter() - started)
+        return dataclasses.replace(
+            outcome,
+            planner_cpu_s=self.cpu.seconds["planner"],
+            balancer_cpu_s=self.cpu.seconds["balancer"],
+            planner_calls=self.cpu.calls["planner"],
+            balancer_calls=self.cpu.calls["balancer"],
+            modelled_s=self.now_s,
+            lease_ops=dict(self.lease_ops),
+            agents=len(self.agents),
+        )
 
     def outcome(self, state: str, sim_wall_s: float) -> SimOutcome:
         """Step seconds between the first and last complete steps (step 0 left out, as in benchmarks.run)."""
@@ -760,14 +902,25 @@ def work_version(work: MicroBatchWork | OptimizerStepWork) -> int:
     return work.base_version if isinstance(work, MicroBatchWork) else work.new_version - 1
 
 
-def sweep(devices: Sequence[int], configs: Sequence[str], base: SimSettings) -> list[SimOutcome]:
-    """Every configuration at every size (same workload shape and seed)."""
+def sweep(
+    devices: Sequence[int], configs: Sequence[str], base: SimSettings, progress: bool = False
+) -> list[SimOutcome]:
+    """Every configuration at every size (same workload shape and seed); ``progress`` prints each run's line."""
     workload = make_workload(base.agents, base.variant)
     outcomes = []
     for count in devices:
         settings = dataclasses.replace(base, devices=count)
         for config in configs:
-            outcomes.append(Simulation(config, settings, workload).run())
+            outcome = Simulation(config, settings, workload).run()
+            outcomes.append(outcome)
+            if progress:
+                print(  # noqa: T201 (a CLI report)
+                    f"{count} devices {config}: {outcome.state} step {outcome.step_s:.1f} s, bound "
+                    f"{outcome.bound_s:.1f} s, control cpu {outcome.control_cpu_per_step_s:.3f} s/step "
+                    f"({outcome.control_cpu_share:.2%}), sim wall {outcome.sim_wall_s:.0f} s, load "
+                    f"{os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
     return outcomes
 
 
@@ -804,6 +957,59 @@ def table(outcomes: Sequence[SimOutcome]) -> str:
     lines.append(
         "modelled seconds (H100/Qwen2.5-14B roofline); bound = device-work bound of a step (benchmarks/bound.py); "
         "dp max = largest data-parallel group (slots); speedup = config step s / flexmarl step s"
+    )
+    return "\n".join(lines)
+
+
+#: Issue 35's target: planner + balancer CPU per modelled step below this share of the step.
+CONTROL_CPU_TARGET = 0.01
+
+
+def growth_exponents(outcomes: Sequence[SimOutcome]) -> dict[tuple[str, int], float]:
+    """Per configuration and size: d log(CPU per step) / d log(devices) from the next smaller size run."""
+    exponents: dict[tuple[str, int], float] = {}
+    for config in dict.fromkeys(o.config for o in outcomes):
+        runs = sorted((o for o in outcomes if o.config == config), key=lambda o: o.devices)
+        for smaller, larger in zip(runs, runs[1:], strict=False):
+            a, b = smaller.control_cpu_per_step_s, larger.control_cpu_per_step_s
+            if a > 0 and b > 0 and larger.devices > smaller.devices:
+                exponents[(config, larger.devices)] = math.log(b / a) / math.log(larger.devices / smaller.devices)
+    return exponents
+
+
+def cpu_table(outcomes: Sequence[SimOutcome]) -> str:
+    """The control plane's real CPU per modelled step beside the step, its bound and the lease rate."""
+    exponents = growth_exponents(outcomes)
+    columns = [
+        Column("devices", 7),
+        Column("agents", 6),
+        Column("config", 16, "<"),
+        Column("step s", 8, fmt=".1f"),
+        Column("bound s", 7, fmt=".1f"),
+        Column("planner cpu/step s", 18, fmt=".3f"),
+        Column("balancer cpu/step s", 19, fmt=".3f"),
+        Column("cpu/step", 8, fmt=".2%"),
+        Column("growth exp", 10, fmt=".2f"),
+        Column("lease op/s", 10, fmt=".0f"),
+        Column("empty polls/s", 13, fmt=".0f"),
+        Column("target", 6, "<"),
+    ]
+    rows = []
+    for o in outcomes:
+        share = o.control_cpu_share
+        per_modelled_s = o.step_s / o.modelled_s if o.modelled_s > 0 else math.nan
+        rows.append(
+            [o.devices, o.agents, o.config, o.step_s, o.bound_s, o.planner_cpu_s * per_modelled_s,
+             o.balancer_cpu_s * per_modelled_s, share, exponents.get((o.config, o.devices), math.nan),
+             o.lease_ops_per_s, o.lease_ops.get("empty poll", 0) / o.modelled_s if o.modelled_s > 0 else math.nan,
+             "met" if share < CONTROL_CPU_TARGET else "MISSED"]
+        )
+    lines = render_table(columns, rows)
+    lines.append(
+        "cpu = real thread CPU seconds inside the real Planner and HierarchicalBalancer (+ TokenEstimator) calls, per "
+        "modelled step; cpu/step = that / the modelled step (target < 1%); growth exp = d log(cpu/step s) / d log "
+        "(devices) from the next smaller size (target <= 1); lease op/s per modelled second (lease, report, renew, "
+        "trainer lease, ack, commit, slot event), empty polls apart"
     )
     return "\n".join(lines)
 
@@ -847,6 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--hysteresis", type=float, default=None, help="balancer hysteresis (default: rolloutd's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--name", default="sim", help="file stem of the results (<out>/<name>.json, .png)")
     args = parser.parse_args(argv)
     base = SimSettings(
         rollout_fraction=args.rollout_fraction,
@@ -860,17 +1067,25 @@ def main(argv: list[str] | None = None) -> int:
         max_slots=args.max_slots,
         hysteresis=args.hysteresis,
     )
-    outcomes = sweep(args.devices, args.configs, base)
-    report = table(outcomes)
+    outcomes = sweep(args.devices, args.configs, base, progress=True)
+    report = table(outcomes) + "\n\n" + cpu_table(outcomes)
     print(report)  # noqa: T201 (a CLI report)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
+        "command": "python -m benchmarks.sim " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_avg": os.getloadavg(),
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "outcomes": [dataclasses.asdict(o) for o in outcomes],
+        "outcomes": [
+            {**dataclasses.asdict(o), "control_cpu_share": o.control_cpu_share,
+             "control_cpu_per_step_s": o.control_cpu_per_step_s, "lease_ops_per_s": o.lease_ops_per_s}
+            for o in outcomes
+        ],
+        "cpu_growth_exponents": {f"{c}@{d}": e for (c, d), e in growth_exponents(outcomes).items()},
         "table": report,
     }
-    (args.out / "sim.json").write_text(json.dumps(payload, indent=2))
-    chart(outcomes, args.out / "sim.png")
+    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=2))
+    chart(outcomes, args.out / f"{args.name}.png")
     return 0 if all(o.state == "SUCCEEDED" for o in outcomes) else 1
 
 

@@ -114,3 +114,23 @@ def test_the_hysteresis_applies_to_the_whole_plan_so_a_group_of_ten_still_grows(
     assert blocked.rebalance(0.0) == []
     assert blocked.replica_counts() == {"a": 10, "b": 10, "c": 10}
     assert blocked.reassignments == 0
+
+
+def test_the_control_plane_cpu_is_measured_around_the_real_calls_and_leases_are_counted() -> None:
+    """Partial rollouts (interruption on publish) finish; CPU is timed inside the planner and balancer themselves."""
+    settings = sim.SimSettings(devices=12, devices_per_slot=2, group_size=4, steps=3)
+    simulation = sim.Simulation("flexmarl-partial", settings, make_workload(3, "long-tail"))
+    assert type(simulation.planner) is Planner and type(simulation.balancer) is HierarchicalBalancer
+    outcome = simulation.run()
+    assert outcome.state == "SUCCEEDED"
+    assert outcome.planner_cpu_s > 0 and outcome.balancer_cpu_s > 0
+    assert outcome.planner_calls > 0 and outcome.balancer_calls > 0
+    ops = outcome.lease_ops
+    # step_fill completion at eta 8 leases ahead: the steps take the first tasks to finish; the rest are abandoned.
+    assert ops["lease"] >= ops["report"] >= 3 * settings.prompts_per_step
+    assert ops["commit"] == 3 * 3 and ops["renew"] > 0
+    assert outcome.modelled_s > 0 and 0 < outcome.control_cpu_share < 1
+    assert outcome.control_cpu_per_step_s == outcome.control_cpu_share * outcome.step_s
+    # A published version interrupted replicas serving the agent: they reloaded while generations ran.
+    assert len(simulation.reload_log) > 3
+    assert "cpu/step" in sim.cpu_table([outcome])
