@@ -247,6 +247,10 @@ def essential_work_ms_per_mb(directory: Path, mb: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in figures.items()}
 
 
+#: Issue 35: a blob put or get moves at least this share of the lowest bound of its path.
+BOUND_TARGET = 0.9
+
+
 def cpu_bounds(work: dict[str, float], raw_up_cpu: float, raw_down_cpu: float, cpus: int) -> dict[str, float]:
     """MiB/s no put / get can beat on ``cpus`` cores: the raw stream's CPU plus the essential passes, all parallel.
 
@@ -359,6 +363,18 @@ def main() -> None:
     table_rows = [tuple("-" if v != v else v for v in row) for row in rows]
     print("\n".join(render_table(columns, table_rows, sep="")))
     print("essential passes alone, CPU ms/MiB: " + ", ".join(f"{k} {v:.2f}" for k, v in work.items()))
+    for path in ("put", "get"):
+        share = b[f"median_{path}_mb_per_s"] / report[f"{path}_bound_mb_per_s"]
+        report.setdefault("targets", {})[path] = {"of_bound": share, "target": BOUND_TARGET,
+                                                  "met": share >= BOUND_TARGET}
+        print(f"blob {path}: {share:.0%} of its bound ({report[f'{path}_bound_mb_per_s']:.0f} MiB/s; target >= "
+              f"{BOUND_TARGET:.0%}, issue 35): {'met' if share >= BOUND_TARGET else 'MISSED'}")
+        # What a loaded machine disturbs least: the CPU the transfer took per MiB against the floor of its work.
+        floor = bounds[f"{path}_cpu_ms_per_mb_floor"] / b[f"median_{path}_cpu_ms_per_mb"]
+        report["targets"][path]["cpu_floor_over_cpu"] = floor
+        print(f"blob {path}: CPU floor / CPU spent per MiB {floor:.0%} ({bounds[f'{path}_cpu_ms_per_mb_floor']:.2f} / "
+              f"{b[f'median_{path}_cpu_ms_per_mb']:.2f} ms; target >= {BOUND_TARGET:.0%}): "
+              f"{'met' if floor >= BOUND_TARGET else 'MISSED'}")
     print(f"append latency p50 {result['append_p50_ms']:.1f} ms, p99 {result['append_p99_ms']:.1f} ms; load average "
           f"{report['machine']['load_avg_at_start'][0]:.1f} at start, {report['machine']['load_avg_at_end'][0]:.1f} "
           f"at end on {os.cpu_count()} CPUs (a loaded machine makes blob throughput follow CPU ms/MiB)")
