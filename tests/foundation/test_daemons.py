@@ -122,3 +122,25 @@ def test_port_in_use_is_one_line(etcd) -> None:
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("orchestratord: error: gRPC: cannot bind")
     assert "Traceback" not in result.stderr
+
+
+def test_the_event_loop_is_uvloop_unless_asyncio_is_asked_for() -> None:
+    import uvloop
+
+    from flexmarl.daemon import event_loop_factory
+
+    assert event_loop_factory("") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    assert event_loop_factory(" AsyncIO ") is None
+
+
+def test_an_unknown_event_loop_is_one_line() -> None:
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "orchestratord", "--etcd-endpoints", f"127.0.0.1:{free_port()}"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "FLEXMARL_EVENT_LOOP": "trio"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "orchestratord: error: FLEXMARL_EVENT_LOOP='trio': expected uvloop or asyncio")
+    assert "Traceback" not in result.stderr

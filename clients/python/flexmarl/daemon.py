@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=DaemonConfig)
 
+#: Environment variable choosing the daemons' event loop: ``uvloop`` (the default where uvloop is
+#: installed; it cut orchestratord's CPU per RPC, docs/benchmarks-scale.md) or ``asyncio``.
+EVENT_LOOP_ENV = "FLEXMARL_EVENT_LOOP"
+
 #: Exit codes of every daemon (documented in docs/architecture.md).
 EXIT_OK = 0
 EXIT_STARTUP = 1
@@ -117,10 +121,40 @@ def main(
     log.info("%s %s starting with %s", kind, __version__, json.dumps(config.masked(), sort_keys=True))
     runner = DaemonRunner(kind, config, build)
     try:
-        return asyncio.run(runner.run())
+        loop_factory = event_loop_factory(os.environ.get(EVENT_LOOP_ENV, ""))
+    except ValueError as exc:
+        print(f"{kind}: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    log.info("%s event loop: %s", kind, "asyncio" if loop_factory is None else "uvloop")
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as loop_runner:
+            return loop_runner.run(runner.run())
     except StartupError as exc:
         print(f"{kind}: error: {exc}", file=sys.stderr)
         return EXIT_STARTUP
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop a daemon runs on, from ``FLEXMARL_EVENT_LOOP`` (None: asyncio's own).
+
+    "" (unset) is uvloop where it is installed, else asyncio; "uvloop" requires it.
+
+    Raises:
+        ValueError: an unknown choice, or "uvloop" without uvloop installed.
+    """
+    choice = choice.strip().lower()
+    if choice not in ("", "uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV}={choice!r}: expected uvloop or asyncio")
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ValueError(f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed (pip install uvloop)") from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 def exit_process(code: int) -> None:
