@@ -28,7 +28,7 @@ from flexmarl.connections import PeerConnections, cancelled_from_outside, descri
 from flexmarl.errors import FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable, error_for_rpc
 from flexmarl.v1 import orchestrator_pb2_grpc
 from rolloutd import serde
-from rolloutd.types import PublishedVersion, RenewResult, RolloutTask, TaskReport
+from rolloutd.types import ActiveJob, PublishedVersion, RenewResult, RolloutTask, TaskReport
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ REPORT_TIMEOUT_S = 30.0
 RENEW_TIMEOUT_S = 10.0
 JOB_STATE_TIMEOUT_S = 10.0
 JOB_SPEC_TIMEOUT_S = 30.0
+ACTIVE_JOBS_TIMEOUT_S = 10.0
 
 
 class OrchestratorLink(abc.ABC):
@@ -81,6 +82,15 @@ class OrchestratorLink(abc.ABC):
         Raises:
             NotFound: orchestratord does not know the job (it ended and was deleted).
         """
+
+    async def active_jobs(self) -> list[ActiveJob]:
+        """The pending and running jobs, whose engines the worker prepares before their first task.
+
+        Raises:
+            FailedPrecondition: this link cannot list jobs (the worker then learns of a job from its
+                first leased task, and prepares its engines then).
+        """
+        raise FailedPrecondition(f"{type(self).__name__} does not list jobs")
 
     def watch_versions(self, job_id: str, worker_id: str = "") -> AsyncIterator[PublishedVersion]:
         """Every committed version of a job's agents: the current ones, then each new one as it is committed.
@@ -145,6 +155,12 @@ class GrpcOrchestratorLink(OrchestratorLink):
         status = await self._call(f"asking for job {job_id}",
                                   lambda stub: stub.GetJob(request, timeout=JOB_STATE_TIMEOUT_S))
         return serde.job_state(status)
+
+    async def active_jobs(self) -> list[ActiveJob]:
+        """See :meth:`OrchestratorLink.active_jobs` (ListJobs, pending and running)."""
+        request = serde.active_jobs_request()
+        reply = await self._call("listing jobs", lambda stub: stub.ListJobs(request, timeout=ACTIVE_JOBS_TIMEOUT_S))
+        return serde.active_jobs(reply)
 
     async def watch_versions(self, job_id: str, worker_id: str = "") -> AsyncIterator[PublishedVersion]:
         """See :meth:`OrchestratorLink.watch_versions` (one WatchAgentVersions stream, no deadline)."""

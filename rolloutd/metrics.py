@@ -43,6 +43,9 @@ class RolloutMetrics:
         self.backpressure_seconds = Counter("flexmarl_rolloutd_backpressure_seconds_total",
                                             "Time the lease loop held back because stored pushed back.",
                                             registry=registry)
+        self.engines_preparing = Gauge("flexmarl_rolloutd_engines_preparing",
+                                       "Jobs whose engines (launch or attach, LoRA flags, router, weight groups), "
+                                       "environment and runner are being prepared.", registry=registry)
         self.pending_appends = Gauge("flexmarl_rolloutd_pending_appends",
                                      "Finished tasks whose experiences are not yet durable in stored.",
                                      registry=registry)

@@ -12,6 +12,7 @@ from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
 from rolloutd.types import (
+    ActiveJob,
     AgentDemand,
     AgentVersion,
     PublishedVersion,
@@ -104,6 +105,17 @@ def report_request(worker_id: str, report: TaskReport) -> orchestrator_pb2.Repor
         experiences=[experience_summary(e) for e in report.experiences], reason=str(report.reason),
         eval_episodes=[eval_episode(e) for e in report.eval_episodes],
     )
+
+
+def active_jobs_request() -> orchestrator_pb2.ListJobsRequest:
+    """A ListJobs request for the jobs whose tasks may still come: pending and running."""
+    return orchestrator_pb2.ListJobsRequest(states=[orchestrator_pb2.JOB_STATE_PENDING,
+                                                    orchestrator_pb2.JOB_STATE_RUNNING])
+
+
+def active_jobs(msg: orchestrator_pb2.ListJobsResponse) -> list[ActiveJob]:
+    """The listed jobs' ids and spec digests."""
+    return [ActiveJob(job.job_id, job.spec_digest) for job in msg.jobs]
 
 
 def job_request(job_id: str) -> orchestrator_pb2.GetJobRequest:

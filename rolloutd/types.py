@@ -42,6 +42,15 @@ class PublishedVersion:
 
 
 @dataclasses.dataclass(frozen=True)
+class ActiveJob:
+    """A pending or running job, as rolloutd learns of it before any of its tasks (its engines are prepared then)."""
+
+    job_id: str
+    #: JobStatus.spec_digest: the spec the job's tasks will name.
+    spec_digest: str
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutTask:
     """A rollout task leased to this worker: one environment prompt, ``group_size`` episodes."""
 

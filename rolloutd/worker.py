@@ -17,6 +17,17 @@ The worker speaks dataclasses (:mod:`rolloutd.types`): to orchestratord through 
 :mod:`rolloutd.serde`), to stored through :class:`flexmarl.store_client.StoreClient`; every retry
 is :mod:`flexmarl.retry`'s.
 
+A job's engines are made ready when the worker learns of the job, not inside its first task: the
+job loop lists the pending and running jobs every :data:`JOB_DISCOVERY_INTERVAL_S`
+(:meth:`~rolloutd.link.OrchestratorLink.active_jobs`) and prepares each new one in a background task
+(:meth:`RolloutWorker._prepare`: launch or attach the engines, LoRA flags, router, weight groups,
+environment, runner). A leased task finds its job ready or waits on that same preparation (a job first
+seen in a lease starts it then), logged and counted (``flexmarl_rolloutd_engines_preparing``); while
+it waits its lease renewals count as progress (:attr:`TaskProgress.setting_up`), so orchestratord's
+progress bound does not take it for hung: the wait is bounded by ``engine_launch_timeout_s`` per
+launched replica. A preparation that fails is the error of the tasks waiting on it (a job that cannot
+run: ``JOB_UNRUNNABLE``, as before), then forgotten, so the next task of the job tries again.
+
 Partial rollouts (``rollout.partial_rollout``) and distributed weight sync (``rollout.weight_sync:
 distributed``, :mod:`rolloutd.weight_sync`): for each such job the worker keeps one
 WatchAgentVersions stream open (:meth:`~rolloutd.link.OrchestratorLink.watch_versions`) and
@@ -82,6 +93,8 @@ log = logging.getLogger(__name__)
 
 RENEW_INTERVAL_S = 2.0
 JOB_SWEEP_INTERVAL_S = 10.0
+#: Between listings of the pending and running jobs whose engines the worker prepares ahead of their tasks.
+JOB_DISCOVERY_INTERVAL_S = 5.0
 LEASE_WAIT_MS = 2000
 #: Between failed lease polls: 0.2 s doubling to 5 s, back to 0.2 s after a poll that answers.
 LEASE_POLL_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
@@ -231,6 +244,10 @@ class RolloutWorker:
         self._engines: list[EngineReplica] = []
         self.router: RolloutRouter | None = None
         self._jobs: dict[str, _ServedJob] = {}
+        #: Each job's preparation in progress, or failed and not yet handed to a task (:meth:`_prepare`).
+        self._preparing: dict[str, asyncio.Task[_ServedJob]] = {}
+        #: Jobs the job loop has started preparing (listed and still active).
+        self._discovered: set[str] = set()
         self._in_flight: dict[str, _InFlightTask] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._peers = PeerConnections(registry, orchestrator_address=settings.orchestrator_address,
@@ -252,15 +269,16 @@ class RolloutWorker:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Starts the lease and renewal loops (engines start with the first job)."""
+        """Starts the job, lease and renewal loops (engines start with the first job the worker learns of)."""
         loop = asyncio.get_running_loop()
-        self._loops = [loop.create_task(self._lease_loop(), name="lease loop"),
+        self._loops = [loop.create_task(self._job_loop(), name="job loop"),
+                       loop.create_task(self._lease_loop(), name="lease loop"),
                        loop.create_task(self._renew_loop(), name="renew loop")]
 
     async def stop(self) -> None:
         """Stops leasing, cancels running tasks (their leases expire and are re-issued), stops engines."""
         self._stopping = True
-        running = [*self._loops, *(entry.runner for entry in self._in_flight.values()),
+        running = [*self._loops, *(entry.runner for entry in self._in_flight.values()), *self._preparing.values(),
                    *(job.version_watch for job in self._jobs.values() if job.version_watch is not None)]
         for task in running:
             task.cancel()
@@ -542,18 +560,77 @@ class RolloutWorker:
 
     # ---- jobs and engines --------------------------------------------------------------------------
 
+    async def _job_loop(self) -> None:
+        """Prepares the engines of every pending or running job as soon as it is listed, before its first task."""
+        while not self._stopping:
+            try:
+                active = await self._link.active_jobs()
+            except FailedPrecondition as exc:
+                log.info("jobs are prepared when their first task is leased: %s", describe_error(exc))
+                return
+            except FlexmarlError as exc:  # orchestratord unreachable right now: list again later
+                log.debug("listing jobs failed (%s)", describe_error(exc))
+            else:
+                listed = {job.job_id for job in active}
+                for job in active:
+                    if job.job_id not in self._discovered and job.job_id not in self._jobs:
+                        self._discovered.add(job.job_id)
+                        self._prepare(job.job_id, job.spec_digest)
+                self._discovered &= listed
+                for job_id in [j for j, prep in self._preparing.items() if prep.done() and j not in listed]:
+                    del self._preparing[job_id]  # a failed preparation of a job that ended before any task
+            await asyncio.sleep(JOB_DISCOVERY_INTERVAL_S)
+
+    def _prepare(self, job_id: str, spec_digest: str) -> asyncio.Task[_ServedJob]:
+        """The job's preparation (:meth:`_prepared`), started in the background unless under way already."""
+        prep = self._preparing.get(job_id)
+        if prep is None:
+            prep = asyncio.get_running_loop().create_task(self._prepared(job_id, spec_digest),
+                                                          name=f"prepare job {job_id}")
+            prep.add_done_callback(lambda done: done.cancelled() or done.exception())  # raised to its tasks
+            self._preparing[job_id] = prep
+        return prep
+
+    async def _prepared(self, job_id: str, spec_digest: str) -> _ServedJob:
+        """Makes the job ready to run tasks (:meth:`_new_job`), once, whoever asked first; logged and counted."""
+        started = time.monotonic()
+        self._metrics.engines_preparing.inc()
+        log.info("preparing job %s: its engines, environment and runner", job_id)
+        try:
+            async with self._job_lock:  # one set-up at a time: they share this worker's engines
+                job = self._jobs.get(job_id) or await self._new_job(job_id, spec_digest)
+        except Exception as exc:
+            log.error("preparing job %s failed: %s", job_id, describe_error(exc))
+            raise
+        finally:
+            self._metrics.engines_preparing.dec()
+        self._preparing.pop(job_id, None)
+        log.info("job %s ready in %.1f s", job_id, time.monotonic() - started)
+        return job
+
     async def _job(self, task: RolloutTask) -> _ServedJob:
+        """The task's job, ready: at once, or when its preparation ends (started now if nobody started it)."""
         job = self._jobs.get(task.job_id)
         if job is not None:
             return job
-        async with self._job_lock:  # one set-up per job, however many of its tasks arrive at once
-            job = self._jobs.get(task.job_id)
-            if job is not None:
-                return job
-            return await self._new_job(task)
+        failed = self._preparing.get(task.job_id)
+        if failed is not None and failed.done() and (failed.cancelled()
+                                                     or not isinstance(failed.exception(), InvalidArgument)):
+            del self._preparing[task.job_id]  # failed for a passing reason before this task: it tries again
+        prep = self._prepare(task.job_id, task.spec_digest)
+        if not prep.done():
+            log.info("task %s waits for job %s to be prepared", task.task_id, task.job_id)
+        try:
+            return await asyncio.shield(prep)  # a lost lease cancels the task, not the job's preparation
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self._preparing.get(task.job_id) is prep:
+                del self._preparing[task.job_id]  # handed to this task: the job's next task tries again
+            raise
 
-    async def _new_job(self, task: RolloutTask) -> _ServedJob:
-        spec = await self._specs.get(task.job_id, task.spec_digest)
+    async def _new_job(self, job_id: str, spec_digest: str) -> _ServedJob:
+        spec = await self._specs.get(job_id, spec_digest)
         if self.settings.engine_backend == "vllm":
             launched_on_cpu = not self.settings.engine_urls and self.settings.engine_device_sets is None
             refuse_unservable(spec, on_cpu=launched_on_cpu)
@@ -578,19 +655,19 @@ class RolloutWorker:
             tokenizer = await asyncio.to_thread(HFTokenizer, agent.model)
             runtimes[agent.name] = AgentRuntime(tokenizer, _sampling_of(agent.sampling.model_dump()),
                                                 gamma=spec.algorithm_of(agent.name).gamma)
-        runner = RolloutRunner(env, runtimes, router.backend(task.job_id, spec.seed))
-        job = _ServedJob(task.job_id, spec, env, runner, router, runtimes=runtimes)
-        self._jobs[task.job_id] = job
+        runner = RolloutRunner(env, runtimes, router.backend(job_id, spec.seed))
+        job = _ServedJob(job_id, spec, env, runner, router, runtimes=runtimes)
+        self._jobs[job_id] = job
         self._set_lora_agents(router)
         await router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values() for a in j.spec.agent_names])
         distributed = spec.rollout.weight_sync == "distributed"
         if spec.rollout.partial_rollout or distributed:
             for name in spec.agent_names:
-                router.set_partial_rollout(agent_key(task.job_id, name), spec.rollout.partial_rollout)
-                router.set_distributed_sync(agent_key(task.job_id, name), distributed)
+                router.set_partial_rollout(agent_key(job_id, name), spec.rollout.partial_rollout)
+                router.set_distributed_sync(agent_key(job_id, name), distributed)
             job.version_watch = asyncio.get_running_loop().create_task(
-                self._watch_versions(job), name=f"versions of {task.job_id}")
-        log.info("serving job %s (%s)", task.job_id, spec.name)
+                self._watch_versions(job), name=f"versions of {job_id}")
+        log.info("serving job %s (%s)", job_id, spec.name)
         return job
 
     async def _pinned(self, job: _ServedJob, task: RolloutTask) -> _ServedJob:

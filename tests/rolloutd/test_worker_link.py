@@ -36,7 +36,7 @@ from rolloutd.engines.embedded.config import EmbeddedEngineConfig
 from rolloutd.engines.embedded.engine import EmbeddedEngine
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
-from rolloutd.types import AgentVersion, RenewResult, RolloutTask, TaskReport
+from rolloutd.types import ActiveJob, AgentVersion, RenewResult, RolloutTask, TaskReport
 from rolloutd.worker import RolloutWorker, WorkerSettings, _append_retry_code
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +59,7 @@ class FakeOrchestrator(OrchestratorLink):
         self.lost: set[str] = set()
         self.renewed: set[str] = set()
         self.spec_fetches = 0
+        self.active: list[ActiveJob] = []  # what the worker's job loop lists
 
     async def lease_tasks(self, worker_id: str, max_tasks: int, wait_ms: int) -> list[RolloutTask]:
         self.lease_calls += 1
@@ -90,6 +91,9 @@ class FakeOrchestrator(OrchestratorLink):
 
     async def job_state(self, job_id: str) -> JobState:
         return JobState.RUNNING
+
+    async def active_jobs(self) -> list[ActiveJob]:
+        return list(self.active)
 
 
 def _spec(model: Path) -> JobSpec:
@@ -150,6 +154,7 @@ async def served(
 ) -> AsyncIterator[Served]:
     """The worker, over two in-process engines and a real stored; renewals every 50 ms."""
     monkeypatch.setattr(worker_module, "RENEW_INTERVAL_S", 0.05)
+    monkeypatch.setattr(worker_module, "JOB_DISCOVERY_INTERVAL_S", 0.05)
     spec = _spec(engine_checkpoint)
     link = FakeOrchestrator(spec)
     settings = WorkerSettings(
@@ -272,6 +277,44 @@ async def test_a_job_whose_environment_does_not_load_is_reported_unrunnable(serv
     assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE
     assert "examples.signalling.env" in report.error
     await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
+async def test_a_listed_job_is_prepared_before_its_first_task_is_leased(
+        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    worker, link, spec, metrics = served.worker, served.link, served.spec, served.metrics
+    caplog.set_level("INFO", logger="rolloutd.worker")
+    assert worker.router is None and worker.status().replicas == ()  # no job yet: no engines
+    link.active = [ActiveJob(JOB, spec.digest())]  # submitted: listed, none of its tasks leasable yet
+    await _until(lambda: f"job {JOB} ready in" in caplog.text, "the listed job to be prepared")
+    status = worker.status()
+    assert len(status.replicas) == 2 and status.tasks_in_flight == 0 and link.spec_fetches == 1
+    assert link.to_lease.empty() and link.reports.empty()  # prepared with no task leased
+    assert _metric(metrics, "flexmarl_rolloutd_engines_preparing") == 0
+
+    task = _task(spec, 0)
+    link.to_lease.put_nowait(task)  # the first task finds the job ready: nothing is prepared inside it
+    report = await asyncio.wait_for(link.reports.get(), 60)
+    assert report.succeeded, report.error
+    assert "waits for job" not in caplog.text and caplog.text.count(f"preparing job {JOB}") == 1
+    assert link.spec_fetches == 1
+    await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
+async def test_a_listed_job_that_cannot_run_fails_its_first_task_as_unrunnable(
+        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    worker, link = served.worker, served.link
+    caplog.set_level("INFO", logger="rolloutd.worker")
+    broken = served.spec.model_copy(update={"environment": served.spec.environment.model_copy(
+        update={"entrypoint": "examples.signalling.env:SignalingGame"})})  # a typo in the module
+    link.spec_json = broken.to_json()
+    link.active = [ActiveJob(JOB, broken.digest())]
+    await _until(lambda: f"preparing job {JOB} failed" in caplog.text, "the listed job's preparation to fail")
+    link.to_lease.put_nowait(_task(broken, 3))
+    report = await asyncio.wait_for(link.reports.get(), 30)  # the failure the preparation met, not a hang
+    assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE
+    assert "examples.signalling.env" in report.error
+    await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+    assert caplog.text.count(f"preparing job {JOB}:") == 1  # the failure was handed over, not prepared again
 
 
 async def test_a_job_checked_against_other_environment_code_than_the_worker_runs_is_refused(served: Served) -> None:
