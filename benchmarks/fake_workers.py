@@ -32,9 +32,11 @@ T = TypeVar("T")
 
 
 @contextlib.contextmanager
-def control_plane(tmp: Path, etcd_env: Mapping[str, str] | None = None
+def control_plane(tmp: Path, etcd_env: Mapping[str, str] | None = None, orch_args: Sequence[str] = (),
                   ) -> Iterator[tuple[EtcdServer, DaemonProcess, DaemonProcess]]:
     """A real etcd (with ``etcd_env``'s ETCD_* settings), stored and orchestratord under ``tmp``; stopped after.
+
+    ``orch_args``: further orchestratord flags.
 
     Yields (etcd, stored, orchestratord): what the simulated workers drive.
     """
@@ -45,7 +47,8 @@ def control_plane(tmp: Path, etcd_env: Mapping[str, str] | None = None
     orch: DaemonProcess | None = None
     try:
         stored.start()
-        orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING"],
+        orch = DaemonProcess("orchestratord", ["--store-address", stored.address, "--log-level", "WARNING",
+                                               *orch_args],
                              etcd_endpoint=etcd.endpoint, run_dir=tmp / "run")
         orch.start()
         yield etcd, stored, orch

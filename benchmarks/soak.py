@@ -1,6 +1,7 @@
 """Soak: a long synthetic job through real etcd, orchestratord and stored; what grows with each step.
 
 Usage: python -m benchmarks.soak [--steps 10000] [--every 500] [--agents 4] [--out benchmarks/results/soak.json]
+[--history-page-steps 500] [--defrag-check-s 60] [--defrag-min-free-mib 4]
 
 Starts etcd (with the auto-compaction settings of deploy/config/etcd.env's soak comment, given as
 ETCD_* variables: ``--etcd-compaction-retention 0`` turns it off), a real stored and a real
@@ -8,10 +9,12 @@ orchestratord, and drives one job of ``--agents`` agents for ``--steps`` committ
 simulated rollout tasks and trainer slots of ``benchmarks/fake_workers.py`` (no model is loaded).
 Every ``--every`` steps (the lowest agent's version) it records orchestratord's and stored's RSS,
 etcd's database size (``etcd_mvcc_db_total_size_in_bytes`` and ``..._in_use_in_bytes`` from its
-/metrics), the size of stored's files, and the median latency of a status call (GetJob) and a
+/metrics) and the job's etcd keys, the size of stored's files, and the median latency of a status call (GetJob) and a
 history call (GetJobHistory's page of the latest 100 steps; the history is paged by step).
 
-Prints a table and the growth per committed step after warm-up (a least-squares slope over the
+orchestratord runs with its history archive (``--history-page-steps``: pages of per-step history move
+from etcd to stored) and its etcd defragmentation check (``--defrag-*``); at the end the whole history
+is read page by page. Prints a table and the growth per committed step after warm-up (a least-squares slope over the
 samples from ``--warmup-steps`` on), writes JSON (``--out``) and a PNG of the curves (``--png``).
 The load average of the machine is printed with it: the daemons share the cores with the client.
 """
@@ -50,6 +53,7 @@ from benchmarks.fake_workers import (  # noqa: E402
 )
 from benchmarks.report import Column, render_table  # noqa: E402
 from flexmarl.cluster import EtcdServer  # noqa: E402
+from flexmarl.registry import Registry  # noqa: E402
 from flexmarl.v1 import orchestrator_pb2  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "soak.json"
@@ -115,15 +119,37 @@ class Soak:
         history_ms = await median_ms(orch.GetJobHistory, page, 3)
         history = await orch.GetJobHistory(page, timeout=60)
         files = file_sizes(self.data_dir)
+        keys = await self.etcd_job_keys(job_id)
         row = {"step": step, "wall_s": time.monotonic() - self.start_s,
                "orchestratord_rss_bytes": rss["orchestratord"], "stored_rss_bytes": rss["stored"],
                **etcd_db_bytes(self.etcd),
                "stored_files_bytes": sum(files.values()), "stored_files": files,
                "status_ms": status_ms, "history_ms": history_ms, "history_records": len(history.steps),
+               "etcd_job_keys": keys,
                "load_avg_1m": os.getloadavg()[0]}
         self.rows.append(row)
         print(_row_line(row), flush=True)
         return row
+
+    async def etcd_job_keys(self, job_id: str) -> int:
+        """How many keys the job holds in etcd (keys only)."""
+        registry = Registry(self.etcd.endpoint)
+        await registry.connect()
+        try:
+            return len(await registry.list_keys(registry.key("jobs", job_id) + "/"))
+        finally:
+            await registry.close()
+
+    async def whole_history(self, job_id: str) -> int:
+        """Reads the job's whole history page by page (archived pages from stored): how many records."""
+        orch, records, from_step = self.cluster.orch[0], 0, 0
+        while True:
+            page = await orch.GetJobHistory(orchestrator_pb2.GetJobHistoryRequest(
+                job_id=job_id, from_step=from_step, max_steps=1000), timeout=60)
+            records += len(page.steps)
+            if not page.more:
+                return records
+            from_step = page.next_from_step
 
     async def run(self) -> dict[str, Any]:
         """Submits the job, drives it to the end (or the time limit) and samples along the way."""
@@ -162,7 +188,10 @@ class Soak:
         await asyncio.gather(*workers)
         wall_s = time.monotonic() - self.start_s
         errors = {rpc: dict(codes) for rpc, codes in rec.errors.items() if codes}
+        history_records = await self.whole_history(job_id)
+        print(f"whole history: {history_records} records for {len(commits)} agent commits", flush=True)
         return {"job_state": state, "wall_s": wall_s, "committed_steps": self.rows[-1]["step"],
+                "whole_history_records": history_records,
                 "agent_commits": len(commits), "steps_per_s": self.rows[-1]["step"] / max(wall_s, 1e-9),
                 "rpc_errors": errors, "rows": self.rows}
 
@@ -191,6 +220,7 @@ COLUMNS = [
     Column("stored RSS MiB", 15, fmt=".1f"),
     Column("etcd db MiB", 12, fmt=".2f"),
     Column("etcd in use MiB", 16, fmt=".2f"),
+    Column("etcd keys", 10),
     Column("stored files MiB", 17, fmt=".2f"),
     Column("status ms", 10, fmt=".2f"),
     Column("history ms", 11, fmt=".1f"),
@@ -202,7 +232,8 @@ _HEADER = render_table(COLUMNS, [])[0]
 def _cells(row: dict[str, Any]) -> list[object]:
     mib = 2**20
     return [row["step"], row["wall_s"], row["orchestratord_rss_bytes"] / mib, row["stored_rss_bytes"] / mib,
-            row["db_bytes"] / mib, row["db_in_use_bytes"] / mib, row["stored_files_bytes"] / mib,
+            row["db_bytes"] / mib, row["db_in_use_bytes"] / mib, row.get("etcd_job_keys", 0),
+            row["stored_files_bytes"] / mib,
             row["status_ms"], row["history_ms"], row["load_avg_1m"]]
 
 
@@ -284,6 +315,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="the job's rollout and train lease timeouts")
     parser.add_argument("--etcd-compaction-retention", type=int, default=10_000,
                         help="etcd --auto-compaction-mode revision --auto-compaction-retention N (0: off)")
+    parser.add_argument("--history-page-steps", type=int, default=500,
+                        help="orchestratord --history-page-steps: history pages moved from etcd to stored")
+    parser.add_argument("--defrag-check-s", type=float, default=60.0,
+                        help="orchestratord --etcd-defrag-check-s (0: no defragmentation)")
+    parser.add_argument("--defrag-min-free-mib", type=float, default=4.0,
+                        help="orchestratord --etcd-defrag-min-free-mib")
+    parser.add_argument("--defrag-min-interval-s", type=float, default=120.0,
+                        help="orchestratord --etcd-defrag-min-interval-s")
     parser.add_argument("--time-limit-s", type=float, default=3600.0, help="stop driving after this long")
     parser.add_argument("--label", default="", help="a note in the JSON and the PNG's title (before/after)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -301,8 +340,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def etcd_compaction_env(retention: int) -> dict[str, str]:
     """The ETCD_* variables of etcd's revision auto-compaction (etcd reads its flags from them too)."""
     if retention <= 0:
-        return {}
+        return {"ETCD_AUTO_COMPACTION_RETENTION": "0"}  # off (EtcdServer turns it on by default)
     return {"ETCD_AUTO_COMPACTION_MODE": "revision", "ETCD_AUTO_COMPACTION_RETENTION": str(retention)}
+
+
+def orchestratord_args(args: argparse.Namespace) -> list[str]:
+    """orchestratord's history archive and etcd defragmentation settings for the run."""
+    return ["--history-page-steps", str(args.history_page_steps), "--etcd-defrag-check-s", str(args.defrag_check_s),
+            "--etcd-defrag-min-free-mib", str(args.defrag_min_free_mib),
+            "--etcd-defrag-min-interval-s", str(args.defrag_min_interval_s)]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -312,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     compaction = etcd_compaction_env(args.etcd_compaction_retention)
     with tempfile.TemporaryDirectory(prefix="soak-bench-") as tmp_name:
         tmp = Path(tmp_name)
-        with control_plane(tmp, compaction) as (etcd, stored, orch):
+        with control_plane(tmp, compaction, orchestratord_args(args)) as (etcd, stored, orch):
             pids = {"orchestratord": orch.pid, "stored": stored.pid}
             result = asyncio.run(_drive(orch.address, stored.address, etcd, tmp / "data", pids, args))
     rows = result["rows"]
@@ -328,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     "load_avg_at_start": load_at_start, "load_avg_at_end": os.getloadavg()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "etcd_env": compaction,
+        "orchestratord_args": orchestratord_args(args),
         "warmup_steps": args.warmup_steps,
         **result,
         "growth_per_step": per_step,

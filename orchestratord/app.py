@@ -8,6 +8,7 @@ from flexmarl.daemon import DaemonApp, DaemonContext
 from flexmarl.v1 import orchestrator_pb2_grpc
 from orchestratord.config import OrchestratorConfig
 from orchestratord.coordinator import JobCoordinator
+from orchestratord.etcd_maintenance import DefragPolicy, EtcdDefragmenter
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import PlannerOptions
 from orchestratord.servicer import OrchestratorServicer
@@ -24,8 +25,12 @@ class OrchestratorApp(DaemonApp):
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
             options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,
-            max_message_bytes=config.max_message_bytes,
+            max_message_bytes=config.max_message_bytes, history_page_steps=config.history_page_steps,
         )
+        self.defragmenter = EtcdDefragmenter(ctx.registry, DefragPolicy(
+            check_interval_s=config.etcd_defrag_check_s,
+            min_free_bytes=int(config.etcd_defrag_min_free_mib * 2**20),
+            min_interval_s=config.etcd_defrag_min_interval_s))
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Adds the Orchestrator service."""
@@ -34,9 +39,11 @@ class OrchestratorApp(DaemonApp):
     async def start(self) -> None:
         """Restores jobs from etcd and starts the planner loops."""
         await self.coordinator.start()
+        self.defragmenter.start()
 
     async def stop(self) -> None:
         """Stops the loops."""
+        await self.defragmenter.stop()
         await self.coordinator.stop()
 
 

@@ -20,11 +20,30 @@ class OrchestratorConfig(DaemonConfig):
     lease_poll_max_ms: int = dataclasses.field(
         default=5000, metadata={"help": "longest long-poll a worker may ask for"}
     )
+    history_page_steps: int = dataclasses.field(
+        default=500, metadata={"help": "steps per page of per-step history moved from etcd to stored once "
+                                       "every agent is a page past it (a job's first archive fixes it)"}
+    )
+    etcd_defrag_check_s: float = dataclasses.field(
+        default=300.0, metadata={"help": "how often to check etcd's db for space to defragment (0: never)"}
+    )
+    etcd_defrag_min_free_mib: float = dataclasses.field(
+        default=64.0, metadata={"help": "defragment a member when at least this much of its db file is free "
+                                        "and it is at least half the file"}
+    )
+    etcd_defrag_min_interval_s: float = dataclasses.field(
+        default=3600.0, metadata={"help": "at most one defragmentation of a member in this long"}
+    )
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
         super().validate()
         if not 0 < self.lease_poll_max_ms <= 60_000:
             raise ConfigError(f"lease_poll_max_ms: must be in 1..60000, got {self.lease_poll_max_ms}")
+        if not 1 <= self.history_page_steps <= 100_000:
+            raise ConfigError(f"history_page_steps: must be in 1..100000, got {self.history_page_steps}")
+        for name in ("etcd_defrag_check_s", "etcd_defrag_min_free_mib", "etcd_defrag_min_interval_s"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.swap_location not in ("mem", "file", "stored"):
             raise ConfigError(f"swap_location: must be mem, file or stored, got {self.swap_location!r}")

@@ -26,7 +26,7 @@ import grpc.aio
 
 from flexmarl.connections import PeerConnections
 from flexmarl.engine_limits import EngineLimits, unservable
-from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, NotFound, Unavailable
 from flexmarl.evaluation import EvalEpisode, EvalRecord
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
@@ -39,6 +39,7 @@ from flexmarl.v1 import rollout_pb2_grpc
 from flexmarl.weight_group import WeightGroupRecord
 from orchestratord import serde
 from orchestratord.etcd_state import EtcdStateStore
+from orchestratord.history_archive import DEFAULT_PAGE_STEPS, HistoryArchive, HistoryBlobs, consumed_steps
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import (
     AgentVersion,
@@ -57,6 +58,7 @@ from orchestratord.state import (
     JobState,
     JobStateChanged,
     StateChange,
+    StateStore,
     StepCommitted,
     WarmStartPublished,
     apply_changes,
@@ -132,12 +134,14 @@ class JobCoordinator:
         now_s: Callable[[], float] = time.time,
         security: TransportSecurity | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
+        history_page_steps: int = DEFAULT_PAGE_STEPS,
     ) -> None:
         self._registry = registry
         self._security = security
         self._metrics = metrics
         self._now_s = now_s
         self.planner = Planner(now_s, options)
+        self._history_page_steps = history_page_steps
         self.state = EtcdStateStore(registry)
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
@@ -165,6 +169,21 @@ class JobCoordinator:
         #: The job's experiment trackers (``tracking:``), written once a commit is durable.
         self._tracking = StepTracking(self._read_experiences)
         self._step_records: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._archiving: set[str] = set()
+
+    @property
+    def state(self) -> StateStore:
+        """Durable job state (etcd)."""
+        return self._state
+
+    @state.setter
+    def state(self, store: StateStore) -> None:
+        self._state = store
+        #: Old pages of per-step history move to stored and their etcd keys go (etcd stays bounded).
+        self.history_archive = HistoryArchive(store, self._peers_store, self._history_page_steps)
+
+    async def _peers_store(self) -> HistoryBlobs:
+        return await self._peers.store()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -175,9 +194,10 @@ class JobCoordinator:
             if persisted is None:
                 continue
             reported: list[ExperienceSummary] = []
+            consumed_by: dict[str, int] = {}
             if not persisted.state.terminal:
-                reported = await self._reported_experiences(job_id, list(persisted.agents))
-            job = self.planner.restore_job(persisted, reported)
+                reported, consumed_by = await self._reported_experiences(job_id, list(persisted.agents))
+            job = self.planner.restore_job(persisted, reported, consumed_by)
             for agent in job.spec.agent_names:
                 self._last_commit_s[(job_id, agent)] = self._now_s()
             # Marking a committed step's experiences consumed runs after the commit; the commit left a
@@ -185,7 +205,9 @@ class JobCoordinator:
             for agent, step in sorted(persisted.pending_marks):
                 manifest = persisted.manifests.get((agent, step))
                 if manifest is not None:
+                    self.history_archive.mark_pending(job_id, agent, step)
                     self._spawn(self._mark_consumed(job_id, agent, step, manifest.experience_ids))
+            self._archive_history(job_id)
             if persisted.state.terminal:  # idempotent: a restart may have cut the first call short
                 self._spawn(self._finish_in_store(job_id, persisted.state))
             log.info("restored job %s (%s) with %d reported experiences", job_id, persisted.state.name, len(reported))
@@ -212,13 +234,22 @@ class JobCoordinator:
         await self._tracking.close()
         await self._peers.reset_store()
 
-    async def _reported_experiences(self, job_id: str, agents: Sequence[str]) -> list[ExperienceSummary]:
-        """What rollouts already wrote to stored for a job (so a restart does not redo them)."""
+    async def _reported_experiences(self, job_id: str,
+                                    agents: Sequence[str]) -> tuple[list[ExperienceSummary], dict[str, int]]:
+        """What rollouts already wrote to stored for a job (so a restart does not redo them).
 
-        async def query() -> list[ExperienceSummary]:
+        Also the step that consumed each consumed one (:func:`consumed_steps`).
+        """
+
+        async def query() -> tuple[list[ExperienceSummary], dict[str, int]]:
             store = await self._peers.store()
-            return [ExperienceSummary.of_ref(ref, agent)
-                    for agent in agents for ref in await store.query(job_id, agent)]
+            summaries: list[ExperienceSummary] = []
+            consumed: dict[str, int] = {}
+            for agent in agents:
+                refs = await store.query(job_id, agent)
+                summaries += [ExperienceSummary.of_ref(ref, agent) for ref in refs]
+                consumed.update(consumed_steps(refs))
+            return summaries, consumed
 
         async def rediscover(exc: BaseException, attempt: int, delay_s: float) -> None:
             log.warning("waiting for stored to recover job %s: %s", job_id, exc)
@@ -379,6 +410,7 @@ class JobCoordinator:
         self._metrics.steps_committed.labels(commit.job_id, commit.agent).inc()
         job = self.planner.job(commit.job_id)
         if manifest is not None:
+            self.history_archive.mark_pending(commit.job_id, commit.agent, commit.step)
             self._spawn(self._mark_consumed(commit.job_id, commit.agent, commit.step, manifest.experience_ids))
         record = self._step_records.pop((commit.job_id, commit.agent, commit.step), None)
         if record is not None and job.spec.tracking.trackers:
@@ -426,6 +458,30 @@ class JobCoordinator:
             await self.state.clear_pending_mark(job_id, agent, step)
         except Exception as exc:  # etcd away: the mark stays pending and the next start drains it again
             log.warning("could not clear the pending mark of step %d of %s/%s: %s", step, job_id, agent, exc)
+            return
+        self.history_archive.mark_cleared(job_id, agent, step)
+        self._archive_history(job_id)
+
+    def _archive_history(self, job_id: str) -> None:
+        """Starts an archive pass of the job's old history pages when one may be due (one at a time a job)."""
+        try:
+            job = self.planner.job(job_id)
+        except NotFound:
+            return
+        min_version = min(v.version for v in job.versions())
+        if job_id in self._archiving or not self.history_archive.due(job_id, min_version):
+            return
+        self._archiving.add(job_id)
+
+        async def archive() -> None:
+            try:
+                await self.history_archive.archive(job_id, job.spec.agent_names, min_version)
+            except Exception as exc:  # stored or etcd away: the next commit or restart tries again
+                log.warning("job %s: archiving old history failed (%s); will retry", job_id, exc)
+            finally:
+                self._archiving.discard(job_id)
+
+        self._spawn(archive())
 
     async def _finish_in_store(self, job_id: str, state: JobState) -> None:
         """Tells stored a job ended, so an explicit CollectGarbage of it may reclaim its rows.
@@ -610,7 +666,7 @@ class JobCoordinator:
         job = self.planner.job(job_id)
         async with self._lock:
             pass
-        rows, more = await self.state.load_history_page(job_id, job.spec.agent_names, from_step, max_steps)
+        rows, more = await self.history_archive.page(job_id, job.spec.agent_names, from_step, max_steps)
         evals = await self.state.load_evals(job_id) if from_step == 0 else []
         return rows, evals, more
 
@@ -647,7 +703,7 @@ class JobCoordinator:
                     uri = ""  # the spec's own model
                 else:
                     # Version v is the commit of step v - 1: one record, not the job's whole history.
-                    rows, _ = await self.state.load_history_page(job_id, [agent], version - 1, 1)
+                    rows, _ = await self.history_archive.page(job_id, [agent], version - 1, 1)
                     uri = next((str(row.get("weights_uri", "")) for row in rows if row.get("version") == version), "")
                     if not uri:
                         raise FailedPrecondition(f"agent_versions: no weights recorded for version {version} "

@@ -8,7 +8,8 @@ Key layout under the registry prefix (DESIGN §7)::
     jobs/<job>/agents/<agent>/version               {version, weights_uri, state_uri, updated_s}
     jobs/<job>/agents/<agent>/steps/<n>/manifest    the step's fixed membership
     jobs/<job>/agents/<agent>/steps/<n>/commit      the step's commit record
-    jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory)
+    jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory), n 8 digits
+    jobs/<job>/history_archive                      the pages of history moved to stored (HistoryArchiveIndex)
     jobs/<job>/eval/<round>                         held-out evaluation rounds (JobHistory.evals)
 
 Every write that can race is a transaction that compares the value it read.
@@ -34,6 +35,7 @@ from flexmarl.registry import ETCD_ERRORS, Registry, prefix_range_end
 from flexmarl.retry import RetryPolicy, retry
 from orchestratord.state import (
     AgentVersionRecord,
+    HistoryArchiveIndex,
     JobState,
     PersistedJob,
     StateStore,
@@ -43,12 +45,17 @@ from orchestratord.state import (
     check_warm_start_target,
     commit_key,
     eval_key,
+    history_archive_key,
     job_key,
     manifest_key,
     pending_mark_key,
+    sort_evals,
+    sort_history,
 )
 
 _CAS_RETRIES = 5
+#: Deletions per transaction (etcd's --max-txn-ops is 128 by default).
+_DELETES_PER_TXN = 100
 #: How long a state operation waits for etcd to come back before its RPC fails.
 ETCD_RETRY_S = 60.0
 ETCD_RETRY = RetryPolicy(initial_s=0.05, max_s=1.0, deadline_s=ETCD_RETRY_S)
@@ -217,7 +224,7 @@ class EtcdStateStore(StateStore):
                     rows.append(json.loads(value))
                 else:
                     more = True
-        return sorted(rows, key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0))), more
+        return sort_history(rows), more
 
     @_retrying
     async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
@@ -230,19 +237,56 @@ class EtcdStateStore(StateStore):
     async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
         """Every recorded evaluation round of a job: periodic ones by version, then on-demand ones by finish."""
         values, _ = await self._registry.get_prefix(self._key(job_id, "eval") + "/")
-        return sorted((json.loads(v) for v in values.values()),
-                      key=lambda r: (str(r.get("round_id", "")).startswith("d"),
-                                     int(r.get("finished_unix_ms", 0)) if str(r.get("round_id", "")).startswith("d")
-                                     else int(r.get("version", 0))))
+        return sort_evals(json.loads(v) for v in values.values())
+
+    @_retrying
+    async def load_history_archive(self, job_id: str) -> HistoryArchiveIndex | None:
+        """See :meth:`StateStore.load_history_archive`."""
+        raw = await self._registry.get(history_archive_key(self._prefix, job_id))
+        return None if raw is None else HistoryArchiveIndex.from_json(raw)
+
+    @_retrying
+    async def put_history_archive(self, job_id: str, expected: HistoryArchiveIndex | None,
+                                  index: HistoryArchiveIndex) -> None:
+        """See :meth:`StateStore.put_history_archive`."""
+        key = history_archive_key(self._prefix, job_id)
+        value = index.to_json().encode()
+        if await self._registry.get(self._key(job_id, "spec")) is None:
+            raise NotFound(f"job {job_id!r} not found")
+        if await self._registry.transact({key: None if expected is None else expected.to_json().encode()},
+                                         {key: value}):
+            return
+        raw = await self._registry.get(key)
+        if raw == value:
+            return  # a write whose reply was lost
+        raise Aborted(f"job {job_id!r}: history archive index is {raw!r}, not {expected}")
+
+    @_retrying
+    async def delete_steps(self, job_id: str, agents: Sequence[str], from_step: int, to_step: int) -> None:
+        """See :meth:`StateStore.delete_steps`.
+
+        History keys are zero-padded, so each agent's are one range; manifest and commit keys are
+        not (``steps/10/`` sorts between ``steps/1/`` and ``steps/2/``), so they go key by key.
+        """
+        if to_step <= from_step:
+            return
+        ranges = [(self._history_key(job_id, agent, from_step), self._history_key(job_id, agent, to_step))
+                  for agent in agents]
+        keys = [key_of(self._prefix, job_id, agent, step) for agent in agents for step in range(from_step, to_step)
+                for key_of in (manifest_key, commit_key)]
+        await self._registry.delete_many([], ranges)
+        for start in range(0, len(keys), _DELETES_PER_TXN):
+            await self._registry.delete_many(keys[start:start + _DELETES_PER_TXN])
 
     @_retrying
     async def load_job(self, job_id: str) -> PersistedJob | None:
         """See :meth:`StateStore.load_job`."""
-        values, _ = await self._registry.get_prefix(self._key(job_id) + "/")
-        spec = values.get(self._key(job_id, "spec"))
-        meta_raw = values.get(self._key(job_id, "meta"))
+        # Not the job's history records: a restart needs none of them (GetJobHistory reads them by page).
+        spec = await self._registry.get(self._key(job_id, "spec"))
+        meta_raw = await self._registry.get(self._key(job_id, "meta"))
         if spec is None or meta_raw is None:
             return None
+        values, _ = await self._registry.get_prefix(self._key(job_id, "agents") + "/")
         meta = json.loads(meta_raw)
         agents: dict[str, AgentVersionRecord] = {}
         manifests: dict[tuple[str, int], StepManifest] = {}
@@ -250,7 +294,7 @@ class EtcdStateStore(StateStore):
         pending: set[tuple[str, int]] = set()
         agents_prefix = self._key(job_id, "agents") + "/"
         eval_prefix = self._key(job_id, "eval") + "/"
-        evals = {key[len(eval_prefix):] for key in values if key.startswith(eval_prefix)}
+        evals = {key[len(eval_prefix):] for key in await self._registry.list_keys(eval_prefix)}
         for key, value in values.items():
             if not key.startswith(agents_prefix):
                 continue

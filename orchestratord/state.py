@@ -17,7 +17,14 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
                                                   warm start fills version 0's "weights_uri")
     jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
     jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
+    jobs/<job>/history/<agent>/<t>                the step's figures for plots (JobHistory)
+    jobs/<job>/history_archive                    :class:`HistoryArchiveIndex`: the pages of history in stored
     jobs/<job>/eval/<round>                       a held-out evaluation round's record (v<version> or d<n>)
+
+What grows with a job's steps is bounded: once every agent committed a page of steps (and stored
+confirmed their experiences consumed), orchestratord copies the page's history records into one
+stored blob and deletes the page's manifests, commits and history records from etcd
+(``orchestratord/history_archive.py``).
 
 Soft state is not persisted: leases in flight (re-issued after a restart),
 agent-to-slot bindings (re-derived from the slots' next polls), micro-batch
@@ -36,7 +43,7 @@ import abc
 import dataclasses
 import enum
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flexmarl.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
@@ -147,6 +154,51 @@ class PersistedJob:
     eval_rounds: frozenset[str] = frozenset()
 
 
+@dataclasses.dataclass(frozen=True)
+class HistoryArchiveIndex:
+    """How much of a job's per-step history was moved to stored (``orchestratord/history_archive.py``).
+
+    Steps ``0 .. pages * page_steps - 1`` are archived: their records are read from one stored blob a
+    page. Their etcd keys (manifests, commits, history records) are deleted after the index advanced;
+    ``cleaned`` pages are known deleted (a crash in between leaves ``cleaned < pages``, finished later).
+    """
+
+    page_steps: int
+    pages: int = 0
+    cleaned: int = 0
+
+    @property
+    def archived_steps(self) -> int:
+        """Steps below this are read from stored."""
+        return self.pages * self.page_steps
+
+    def to_json(self) -> str:
+        """Stable JSON encoding."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> HistoryArchiveIndex:
+        """Decodes :meth:`to_json`."""
+        data = json.loads(text)
+        return cls(int(data["page_steps"]), int(data["pages"]), int(data["cleaned"]))
+
+
+def sort_history(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Step records in commit order (ties: agent, step): the order of a GetJobHistory page."""
+    return sorted((dict(r) for r in rows),
+                  key=lambda r: (r.get("committed_unix_ms", 0), r.get("agent", ""), r.get("step", 0)))
+
+
+def sort_evals(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Evaluation rounds: periodic ones (``v<version>``) by version, then on-demand ones by finish."""
+
+    def order(r: Mapping[str, Any]) -> tuple[bool, int]:
+        on_demand = str(r.get("round_id", "")).startswith("d")
+        return on_demand, int(r.get("finished_unix_ms", 0)) if on_demand else int(r.get("version", 0))
+
+    return sorted((dict(r) for r in records), key=order)
+
+
 # ---- changes emitted by the planner --------------------------------------------------------------
 
 
@@ -255,6 +307,11 @@ def eval_key(prefix: str, job_id: str, round_id: str) -> str:
     return job_key(prefix, job_id, "eval", round_id)
 
 
+def history_archive_key(prefix: str, job_id: str) -> str:
+    """Key of a job's :class:`HistoryArchiveIndex`."""
+    return job_key(prefix, job_id, "history_archive")
+
+
 def pending_mark_key(prefix: str, job_id: str, agent: str, step: int) -> str:
     """Key that exists while a committed step's experiences are not yet confirmed consumed in stored."""
     return job_key(prefix, job_id, "agents", agent, "steps", str(step), "pending_mark")
@@ -349,7 +406,42 @@ class StateStore(abc.ABC):
 
     @abc.abstractmethod
     async def load_job(self, job_id: str) -> PersistedJob | None:
-        """Everything durable about a job, or None."""
+        """Everything durable about a job, or None (per-step history records excluded)."""
+
+    @abc.abstractmethod
+    async def load_history_page(self, job_id: str, agents: Sequence[str], from_step: int,
+                                max_steps: int) -> tuple[list[dict[str, Any]], bool]:
+        """The history records of steps ``from_step .. from_step + max_steps - 1`` of ``agents`` held here.
+
+        In commit order (:func:`sort_history`), and whether any of them has a record past that range.
+        The cost is the page's, not the job's history's. Archived steps are not here (see
+        :class:`HistoryArchiveIndex`).
+        """
+
+    @abc.abstractmethod
+    async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
+        """Every recorded evaluation round of a job, in :func:`sort_evals` order."""
+
+    @abc.abstractmethod
+    async def load_history_archive(self, job_id: str) -> HistoryArchiveIndex | None:
+        """The job's history archive index, or None when nothing was ever archived."""
+
+    @abc.abstractmethod
+    async def put_history_archive(self, job_id: str, expected: HistoryArchiveIndex | None,
+                                  index: HistoryArchiveIndex) -> None:
+        """Replaces the archive index if it is ``expected`` (None: absent); the same index again is a no-op.
+
+        Raises:
+            Aborted: the stored index is neither ``expected`` nor ``index``.
+            NotFound: unknown job.
+        """
+
+    @abc.abstractmethod
+    async def delete_steps(self, job_id: str, agents: Sequence[str], from_step: int, to_step: int) -> None:
+        """Deletes the manifests, commits and history records of steps ``from_step .. to_step - 1`` (idempotent).
+
+        Only for steps every agent committed whose history is archived: nothing reads them any more.
+        """
 
     @abc.abstractmethod
     async def list_job_ids(self) -> list[str]:
@@ -387,6 +479,8 @@ class InMemoryStateStore(StateStore):
             "commits": {},
             "pending_marks": set(),
             "evals": {},
+            "history": {},
+            "archive": None,
         }
         return True
 
@@ -424,7 +518,7 @@ class InMemoryStateStore(StateStore):
         job["commits"][key] = commit
         job["pending_marks"].add(key)
         if history is not None:
-            job.setdefault("history", {})[key] = dict(history)
+            job["history"][key] = dict(history)
         job["updated_s"] = max(job["updated_s"], commit.committed_s)
 
     async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
@@ -482,6 +576,45 @@ class InMemoryStateStore(StateStore):
     async def list_job_ids(self) -> list[str]:
         """See :meth:`StateStore.list_job_ids`."""
         return sorted(self._jobs)
+
+    async def load_history_page(self, job_id: str, agents: Sequence[str], from_step: int,
+                                max_steps: int) -> tuple[list[dict[str, Any]], bool]:
+        """See :meth:`StateStore.load_history_page`."""
+        job = self._jobs.get(job_id)
+        history: dict[tuple[str, int], dict[str, Any]] = job["history"] if job is not None else {}
+        end = from_step + max_steps
+        wanted = set(agents)
+        rows = [r for (agent, step), r in history.items() if agent in wanted and from_step <= step < end]
+        more = any(agent in wanted and step >= end for agent, step in history)
+        return sort_history(rows), more
+
+    async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
+        """See :meth:`StateStore.load_evals`."""
+        job = self._jobs.get(job_id)
+        return sort_evals(job["evals"].values()) if job is not None else []
+
+    async def load_history_archive(self, job_id: str) -> HistoryArchiveIndex | None:
+        """See :meth:`StateStore.load_history_archive`."""
+        job = self._jobs.get(job_id)
+        return job["archive"] if job is not None else None
+
+    async def put_history_archive(self, job_id: str, expected: HistoryArchiveIndex | None,
+                                  index: HistoryArchiveIndex) -> None:
+        """See :meth:`StateStore.put_history_archive`."""
+        job = self._job(job_id)
+        if job["archive"] not in (expected, index):
+            raise Aborted(f"job {job_id!r}: history archive index is {job['archive']}, not {expected}")
+        job["archive"] = index
+
+    async def delete_steps(self, job_id: str, agents: Sequence[str], from_step: int, to_step: int) -> None:
+        """See :meth:`StateStore.delete_steps`."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        for agent in agents:
+            for step in range(from_step, to_step):
+                for table in ("manifests", "commits", "history"):
+                    job[table].pop((agent, step), None)
 
 
 async def apply_changes(

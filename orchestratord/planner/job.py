@@ -197,12 +197,14 @@ class JobPlanner:
         """A rollout worker died: its task leases end now and the tasks are re-issued."""
         recovery.revoke_worker(self._job, worker_id)
 
-    def recover(self, reported: Iterable[ExperienceSummary]) -> int:
+    def recover(self, reported: Iterable[ExperienceSummary], consumed_by: Mapping[str, int] | None = None) -> int:
         """After :meth:`restore`: marks done the tasks stored holds every experience of; returns how many.
 
+        ``consumed_by`` (experience id -> the step whose commit consumed it, stored's record) stands in
+        for the manifests of steps whose keys were archived away (``orchestratord/history_archive.py``).
         Then forgets the history recovery needed (older manifests and commits stay in etcd only).
         """
-        recovered = recovery.recover(self._job, reported)
+        recovered = recovery.recover(self._job, reported, consumed_by or {})
         self._job.forget_history()
         return recovered
 

@@ -70,10 +70,14 @@ class Planner:
         if job.spec.pipeline.effective_binding == "static" and not job.state.terminal:
             self.binder.set_static(job.job_id, job.spec.agent_names)
 
-    def restore_job(self, persisted: PersistedJob, reported: Iterable[ExperienceSummary]) -> JobPlanner:
-        """Rebuilds a job after a restart from its durable state and the experiences stored holds."""
+    def restore_job(self, persisted: PersistedJob, reported: Iterable[ExperienceSummary],
+                    consumed_by: Mapping[str, int] | None = None) -> JobPlanner:
+        """Rebuilds a job after a restart from its durable state and the experiences stored holds.
+
+        ``consumed_by``: experience id -> the step stored says consumed it (see :meth:`JobPlanner.recover`).
+        """
         job = JobPlanner.restore(persisted, self._now_s, self._options)
-        job.recover(reported)
+        job.recover(reported, consumed_by)
         self._jobs[persisted.job_id] = job
         self._register_binding(job)
         return job

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
@@ -133,7 +133,7 @@ def replay(job: JobPlan, plan: StepPlan, reason: str) -> None:
         job.fail(f"step {plan.step} of agent {plan.agent!r} failed {plan.attempt} times (last: {reason})")
 
 
-def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
+def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Mapping[str, int] | None = None) -> int:
     """Marks done the tasks whose experiences stored already holds (after a restore).
 
     ``reported`` = every experience of the job in stored. A task counts as
@@ -146,7 +146,7 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
     for exp in reported:
         by_task[exp.task_id].append(exp)
     if job.spec.pipeline.fills_by_completion:
-        return _recover_completion_fill(job, by_task)
+        return _recover_completion_fill(job, by_task, consumed_by or {})
     prompts = job.spec.batch.prompts_per_step
     min_version = job.min_version()
     recovered = 0
@@ -173,7 +173,8 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary]) -> int:
     return recovered
 
 
-def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSummary]]) -> int:
+def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSummary]],
+                             consumed_by: Mapping[str, int]) -> int:
     """:func:`recover` under ``pipeline.step_fill: completion``, where a task's step is not its batch.
 
     The persisted manifests say where the tasks of every full step went: those of a step some
@@ -182,10 +183,12 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     they would be on arrival (:func:`fill_steps`), so a step that was not full may take other
     tasks than before; nothing trained depends on that. Admission goes on after the highest task
     stored holds (tasks that were running are abandoned, not re-run: any task may fill a step).
+    Where a step's manifests were archived away, ``consumed_by`` (stored's record of the step that
+    consumed each experience) tells the same.
     """
     prompts = job.spec.batch.prompts_per_step
     min_version = job.min_version()
-    step_of: dict[str, int] = {}
+    step_of: dict[str, int] = dict(consumed_by)
     for (_, step), manifest in job.persisted_manifests.items():
         for eid in manifest.experience_ids:
             step_of[eid] = step

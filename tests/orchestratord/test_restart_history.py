@@ -7,6 +7,9 @@ of state that grows with history is now paged (flexmarl.registry.Registry.get_pr
 
 The state is written through orchestratord's own EtcdStateStore (the records a real job leaves:
 spec, meta, manifests of 256 experiences, commits, per-step history), then the daemons start on it.
+It is old state (no history archive index): orchestratord, run with pages of 4 steps, moves the old
+pages of every job's history to stored and deletes their etcd keys while it serves; history reads the
+same records before, during and after, and across a restart.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from flexmarl.jobspec import parse_job_spec
 from flexmarl.registry import Registry
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord.etcd_state import EtcdStateStore
-from orchestratord.state import JobState, StepCommit, StepManifest
+from orchestratord.state import HistoryArchiveIndex, JobState, StepCommit, StepManifest
 
 from .helpers import spec_dict
 
@@ -42,6 +45,9 @@ STEPS = 22
 PROMPTS, GROUP = 16, 16  # 256 episodes per step: each manifest lists 256 experience ids
 MIN_STATE_BYTES = 20 * 1024 * 1024
 GRPC_DEFAULT_RECEIVE_BYTES = 4 * 1024 * 1024
+PAGE_STEPS = 4
+#: A finished job keeps the page after the last archived one live: steps 0..15 of 22 are archived.
+ARCHIVED_STEPS = 16
 
 
 def _spec_json(index: int) -> str:
@@ -106,7 +112,8 @@ async def test_orchestratord_starts_over_20_mb_of_history(etcd: EtcdServer, star
     assert state_bytes >= MIN_STATE_BYTES > GRPC_DEFAULT_RECEIVE_BYTES
 
     stored = start_daemon("stored", "--data-dir", str(tmp_path / "stored-data"))
-    orchestratord = start_daemon("orchestratord", "--store-address", stored.address, timeout_s=120)
+    orchestratord = start_daemon("orchestratord", "--store-address", stored.address,
+                                 "--history-page-steps", str(PAGE_STEPS), timeout_s=120)
     client = AsyncClient(orchestratord.address)
     try:
         jobs = await client.list_jobs()
@@ -138,6 +145,14 @@ async def test_orchestratord_starts_over_20_mb_of_history(etcd: EtcdServer, star
                 await stub.GetJobHistory(bad, timeout=30)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         await channel.close()
+
+        # The old pages went to stored, their manifests, commits and records left etcd; reads are unchanged.
+        await _wait_archived(etcd, "history00-0000", ARCHIVED_STEPS)
+        assert await client.history("history00-0000") == history
+        assert await client.history("history00-0000", page_steps=3) == history
+        assert sorted(await _step_keys(etcd, "history00-0000")) == sorted(
+            (agent, step, kind) for agent in ("receiver", "sender") for step in range(ARCHIVED_STEPS, STEPS)
+            for kind in ("manifest", "commit"))
     finally:
         with contextlib.suppress(Exception):
             await client.close()
@@ -146,5 +161,42 @@ async def test_orchestratord_starts_over_20_mb_of_history(etcd: EtcdServer, star
     client = AsyncClient(orchestratord.address)
     try:
         assert len(await client.list_jobs()) == JOBS
+        assert await client.history("history00-0000") == history
+        running = await client.status(f"history{JOBS - 1:02d}-{JOBS - 1:04x}")
+        assert sorted((a.agent, a.version) for a in running.agents) == [("receiver", STEPS // 2),
+                                                                         ("sender", STEPS // 2)]
     finally:
         await client.close()
+
+
+async def _step_keys(etcd: EtcdServer, job_id: str) -> list[tuple[str, int, str]]:
+    """(agent, step, manifest|commit) of every step key of a job in etcd."""
+    registry = Registry(etcd.endpoint, "/flexmarl")
+    await registry.connect()
+    try:
+        keys = await registry.list_keys(registry.key("jobs", job_id, "agents") + "/")
+    finally:
+        await registry.close()
+    out = []
+    for key in keys:
+        parts = key.split("/")
+        if parts[-3] == "steps" and parts[-1] in ("manifest", "commit"):
+            out.append((parts[-4], int(parts[-2]), parts[-1]))
+    return out
+
+
+async def _wait_archived(etcd: EtcdServer, job_id: str, steps: int, timeout_s: float = 90.0) -> None:
+    """Waits until the job's history archive index says ``steps`` steps are archived and cleaned."""
+    registry = Registry(etcd.endpoint, "/flexmarl")
+    await registry.connect()
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    try:
+        while True:
+            raw = await registry.get(registry.key("jobs", job_id, "history_archive"))
+            index = HistoryArchiveIndex.from_json(raw) if raw is not None else None
+            if index is not None and index.archived_steps == steps and index.cleaned == index.pages:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"{job_id}: history not archived: {index}"
+            await asyncio.sleep(0.2)
+    finally:
+        await registry.close()

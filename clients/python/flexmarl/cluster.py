@@ -178,6 +178,14 @@ class EtcdTls:
     client_cert_auth: bool = False
 
 
+#: etcd's history auto-compaction for every etcd started here (``flexmarl up``, tests, benchmarks): keep
+#: the last 10,000 revisions (etcd 3.4 compacts every 5 minutes in revision mode). Without it etcd keeps
+#: every revision of every key and its db grows with every step. Production: deploy/config/etcd.env.
+#: Defragmentation (returning the freed pages to the file system) is orchestratord's
+#: (``orchestratord/etcd_maintenance.py``).
+AUTO_COMPACTION_ENV = {"ETCD_AUTO_COMPACTION_MODE": "revision", "ETCD_AUTO_COMPACTION_RETENTION": "10000"}
+
+
 class EtcdServer(_Child):
     """A real etcd on free loopback ports; its data dir is ``<run_dir>/etcd-data`` (or a temp dir), removed on stop.
 
@@ -209,8 +217,9 @@ class EtcdServer(_Child):
         self.auth = auth
         #: Its member name, and (a member of a cluster of several) every member's name=peer URL.
         self.member = member
-        #: Further ETCD_* settings for the process (etcd reads every flag from its environment too).
-        self.env = dict(env or {})
+        #: Further ETCD_* settings for the process (etcd reads every flag from its environment too);
+        #: :data:`AUTO_COMPACTION_ENV` unless ``env`` sets them.
+        self.env = {**AUTO_COMPACTION_ENV, **(env or {})}
         self.initial_cluster = ""
         self.cluster_token = "flexmarl"
         #: The host it runs on (clients reach it at the host's address) and how it is started there.

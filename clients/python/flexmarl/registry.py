@@ -21,7 +21,7 @@ import dataclasses
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +266,26 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
             aetcd.exceptions._handle_exception(exc)
             raise
 
+    async def member_status(self) -> Any:
+        """The responding member's ``Status`` reply, with ``dbSizeInUse`` (aetcd's status() drops it)."""
+        await self.connect()
+        try:
+            return await self.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=self._timeout,
+                                                     metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+            raise
+
+    async def defragment_member(self, timeout_s: float) -> None:
+        """Defragments the responding member's database (it blocks that member while it runs)."""
+        await self.connect()
+        try:
+            await self.maintenancestub.Defragment(aetcd.rpc.DefragmentRequest(), timeout=timeout_s,
+                                                  metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:
+            aetcd.exceptions._handle_exception(exc)
+            raise
+
     async def close(self) -> None:
         """Closes the channels."""
         await super().close()
@@ -335,6 +355,20 @@ class ServiceRecord:
             started_unix_ms=int(raw["started_unix_ms"]),
             info=dict(raw.get("info") or {}),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdMemberStatus:
+    """One etcd member's database: its file size and the part of it live keys and revisions use."""
+
+    endpoint: str
+    db_bytes: int
+    db_in_use_bytes: int
+
+    @property
+    def free_bytes(self) -> int:
+        """Pages compaction freed that only a defragmentation returns to the file system."""
+        return max(0, self.db_bytes - self.db_in_use_bytes)
 
 
 class Registry:
@@ -524,6 +558,48 @@ class Registry:
         ops: list[Any] = [tx.put(k.encode(), v) for k, v in items.items()]
         ops += [tx.delete(k.encode()) for k in deletes]
         await self.client.transaction(compare=[], success=ops, failure=[])
+
+    async def delete_many(self, keys: Sequence[str], ranges: Sequence[tuple[str, str]] = ()) -> None:
+        """Deletes keys and key ranges ``[start, end)`` in one transaction (keys that are absent are no error).
+
+        etcd refuses a transaction of more than 128 operations (``--max-txn-ops``): callers batch.
+        """
+        tx = self.client.transactions
+        ops: list[Any] = [tx.delete(k.encode()) for k in keys]
+        ops += [tx.delete(start.encode(), end.encode()) for start, end in ranges]
+        if ops:
+            await self.client.transaction(compare=[], success=ops, failure=[])
+
+    # ---- maintenance ----
+
+    def _member_client(self, host: str, port: int) -> _EtcdClient:
+        return _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)))
+
+    async def member_statuses(self) -> list[EtcdMemberStatus]:
+        """The database size of every configured member that answers (one connection each)."""
+        out: list[EtcdMemberStatus] = []
+        for host, port in self._endpoints:
+            client = self._member_client(host, port)
+            try:
+                reply = await client.member_status()
+            except ETCD_ERRORS as exc:
+                log.debug("etcd member %s:%s did not answer a status request: %s", host, port, exc)
+                continue
+            finally:
+                with contextlib.suppress(*ETCD_ERRORS):
+                    await client.close()
+            out.append(EtcdMemberStatus(f"{host}:{port}", int(reply.dbSize), int(reply.dbSizeInUse)))
+        return out
+
+    async def defragment(self, endpoint: str, timeout_s: float = 120.0) -> None:
+        """Defragments one member (``host:port``, one of the configured endpoints)."""
+        host, _, port = endpoint.rpartition(":")
+        client = self._member_client(host, int(port))
+        try:
+            await client.defragment_member(timeout_s)
+        finally:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await client.close()
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[tuple[str, str, bytes]]:
         """Yields (kind "PUT"/"DELETE", key, value) from a revision on; raises on a broken stream."""
