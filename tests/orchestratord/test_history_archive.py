@@ -7,20 +7,15 @@ is in tests/orchestratord/test_restart_history.py).
 
 from __future__ import annotations
 
-import itertools
 import json
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from flexmarl.cluster import EtcdServer
 from flexmarl.errors import Aborted, NotFound
 from flexmarl.experience import ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
-from flexmarl.registry import Registry
 from flexmarl.store_client import ExperienceRef
-from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.history_archive import (
     HistoryArchive,
     HistoryBlobs,
@@ -43,32 +38,7 @@ from .helpers import FakeClock, experiences_for, make_spec, run_job, train_to_ve
 
 pytestmark = pytest.mark.timeout(60)
 
-_PREFIXES = itertools.count()
 AGENTS = ("a", "b")
-
-
-@pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(params=["memory", "etcd"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    if request.param == "memory":
-        yield InMemoryStateStore()
-        return
-    etcd: EtcdServer = request.getfixturevalue("module_etcd")
-    registry = Registry(etcd.endpoint, f"/archive-{next(_PREFIXES)}")
-    await registry.connect()
-    try:
-        yield EtcdStateStore(registry)
-    finally:
-        await registry.close()
 
 
 class DictBlobs:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator, Iterator
-
 import pytest
 
-from flexmarl.cluster import EtcdServer
 from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
 from flexmarl.experience import ExperienceSummary
-from flexmarl.registry import Registry
-from orchestratord.etcd_state import EtcdStateStore
 from orchestratord.planner import Planner, PlannerOptions
 from orchestratord.state import (
-    InMemoryStateStore,
     JobState,
     StateStore,
     StepCommit,
@@ -27,33 +20,6 @@ from .helpers import FakeClock, experiences_for, make_spec, run_job, train_to_ve
 
 pytestmark = pytest.mark.timeout(60)
 
-_PREFIXES = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    """One real etcd for the module (each test gets its own key prefix)."""
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(params=["memory", "etcd"])
-async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    """Every StateStore implementation: the in-memory reference and etcd on a real server."""
-    if request.param == "memory":
-        yield InMemoryStateStore()
-        return
-    etcd: EtcdServer = request.getfixturevalue("module_etcd")
-    registry = Registry(etcd.endpoint, f"/state-contract-{next(_PREFIXES)}")
-    await registry.connect()
-    try:
-        yield EtcdStateStore(registry)
-    finally:
-        await registry.close()
 
 
 async def test_create_is_idempotent_and_conflicts_on_other_spec(store: StateStore) -> None:
