@@ -21,7 +21,6 @@ import pytest
 import yaml
 from cli_support import EXAMPLE_JOB
 from prometheus_client import CollectorRegistry
-from stored_support import inprocess_stored
 
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
@@ -35,6 +34,7 @@ from orchestratord.coordinator import JobCoordinator
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, SlotEventKind, SwapOutWork
 from orchestratord.state import InMemoryStateStore
+from tests.stored_support import inprocess_stored
 
 pytestmark = pytest.mark.timeout(120)
 

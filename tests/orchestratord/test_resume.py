@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from stored_support import inprocess_stored
 
 from flexmarl.checkpoints import CheckpointManifest, ResumeSource, manifest_blob_name, manifest_path
 from flexmarl.errors import InvalidArgument
@@ -20,6 +19,7 @@ from flexmarl.store_client import StoreClient
 from orchestratord.planner import Planner, PlannerOptions
 from orchestratord.resume import plan_resume
 from orchestratord.state import InMemoryStateStore, apply_changes
+from tests.stored_support import inprocess_stored
 
 from .helpers import FakeClock, experiences_for, make_spec
 

@@ -18,7 +18,6 @@ import grpc
 import grpc.aio
 import pytest
 from prometheus_client import CollectorRegistry
-from stored_support import inprocess_stored
 
 from flexmarl.client import JobState
 from flexmarl.connections import PeerConnections
@@ -38,6 +37,7 @@ from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.types import ActiveJob, AgentVersion, RenewResult, RolloutTask, TaskReport
 from rolloutd.worker import RolloutWorker, WorkerSettings, _append_retry_code
+from tests.stored_support import inprocess_stored
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from stored_support import inprocess_stored
 
 from flexmarl.errors import ErrorReason, ResourceExhausted
 from flexmarl.experience import ExperienceRecord
 from flexmarl.store_client import StoreClient
 from stored.app import StoredApp
+from tests.stored_support import inprocess_stored
 
 pytestmark = pytest.mark.timeout(60)
 
