@@ -76,5 +76,10 @@ def test_a_run_dir_is_started_with_the_member_count_of_its_data(tmp_path: Path) 
     with pytest.raises(LaunchError, match=r"^the run dir holds the data of a 1-member etcd; start it with "
                                           r"--etcd-members 1 \(or delete its jobs with `flexmarl down --wipe`\)$"):
         LocalCluster(LocalClusterConfig(run_dir=tmp_path, etcd_members=3)).start()
-    with pytest.raises(LaunchError, match="--secure with several etcd members is not supported yet"):
-        LocalCluster(LocalClusterConfig(run_dir=tmp_path / "other", etcd_members=3, secure=True)).start()
+    # --secure with several members: every member serves TLS, auth is on (tests/security/test_etcd_cluster_tls.py).
+    secure = LocalCluster(LocalClusterConfig(run_dir=tmp_path / "other", etcd_members=3, secure=True))
+    secure._secure_etcd()
+    assert isinstance(secure.etcd, EtcdCluster) and len(secure.etcd.members) == 3
+    assert all(m.tls is not None and m.peer_tls for m in secure.etcd.members)
+    assert secure.certs is not None and secure.etcd.client_args()[:2] == ["--etcd-ca", str(secure.certs.ca)]
+    assert secure.etcd.username == "root" and secure.etcd.password_file is not None

@@ -240,7 +240,8 @@ def _client(args: argparse.Namespace) -> Any:
     try:
         etcd_security = EtcdSecurity.from_files(
             ca=option("etcd_ca"), cert=option("etcd_cert"), key=option("etcd_key"),
-            username=option("etcd_username"), password_file=option("etcd_password_file"))
+            username=option("etcd_username"), password_file=option("etcd_password_file"),
+            server_name=option("etcd_server_name"))
     except ConfigError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     return Client(address, etcd_endpoints=etcd, etcd_prefix=prefix, tls_ca=option("tls_ca"),
@@ -803,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--etcd-username", default="", help="etcd user [env FLEXMARL_ETCD_USERNAME]")
     common.add_argument("--etcd-password-file", default="",
                         help="file holding the etcd user's password [env FLEXMARL_ETCD_PASSWORD_FILE]")
+    common.add_argument("--etcd-server-name", default="",
+                        help="name the etcd members' TLS certificates are checked against (default: the first "
+                             "endpoint's host) [env FLEXMARL_ETCD_SERVER_NAME]")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     up = sub.add_parser("up", parents=[common], help="start a local cluster")

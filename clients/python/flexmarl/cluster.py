@@ -222,6 +222,9 @@ class EtcdServer(_Child):
         self.env = {**AUTO_COMPACTION_ENV, **(env or {})}
         self.initial_cluster = ""
         self.cluster_token = "flexmarl"
+        #: Whether it talks mutual TLS to its peers (``tls`` needed): set for the members of an
+        #: :class:`EtcdCluster` with TLS; a lone member has no peers.
+        self.peer_tls = False
         #: The host it runs on (clients reach it at the host's address) and how it is started there.
         self.host = host
         self.runner = runner or HostRunner()
@@ -274,7 +277,7 @@ class EtcdServer(_Child):
     @property
     def peer_url(self) -> str:
         """Where the other members of its cluster reach it."""
-        return f"http://{self.host.address}:{self.peer_port}"
+        return f"{'https' if self.peer_tls else 'http'}://{self.host.address}:{self.peer_port}"
 
     def spawn(self) -> None:
         """Starts the process on its ports without waiting (the members of a cluster start together)."""
@@ -288,6 +291,12 @@ class EtcdServer(_Child):
                         "--trusted-ca-file", str(self.tls.ca)]
             if self.tls.client_cert_auth:
                 tls_args.append("--client-cert-auth")
+        if self.peer_tls:
+            assert self.tls is not None  # keep: peer_tls implies it
+            # The members authenticate each other with certificates of the same CA (the server
+            # certificate serves both ends: it carries the client-auth usage too).
+            tls_args += ["--peer-cert-file", str(self.tls.cert), "--peer-key-file", str(self.tls.key),
+                         "--peer-trusted-ca-file", str(self.tls.ca), "--peer-client-cert-auth"]
         client_urls = ",".join(f"{scheme}://{host}:{self.client_port}" for host in ("127.0.0.1", *self.extra_hosts))
         # One member: fast elections (tests restart it often). Several: timeouts that a loaded 2-core
         # machine keeps (etcd's own defaults are 100 ms / 1 s), or the leader flaps under load.
@@ -320,7 +329,10 @@ class EtcdServer(_Child):
         return context
 
     def _enable_auth(self, password_file: Path) -> None:
-        """Creates the root user (random password, written 0600) and turns etcd's auth on."""
+        """Creates the root user (random password, written 0600) and turns etcd's auth on.
+
+        A member of a cluster does it for the whole cluster (users and the auth switch are replicated).
+        """
         import grpc
         from aetcd import rpc
 
@@ -378,21 +390,25 @@ class EtcdCluster:
     Member ``i`` keeps its data in ``<run_dir>/member-<i>/etcd-data``; clients get every member's
     endpoint (:attr:`endpoint`, comma-separated), and FlexMARL's registry follows the cluster when the
     member it uses dies. It offers what :class:`flexmarl.localcluster.LocalCluster` uses of an
-    :class:`EtcdServer` (TLS and auth are one-member features for now).
+    :class:`EtcdServer`. With ``tls`` every member serves clients over TLS with the same certificate
+    and the members talk mutual TLS to each other; ``auth`` creates the ``root`` user (password in
+    ``<run_dir>/etcd-root-password``) and enables auth on the cluster, once, on fresh data.
     """
 
     def __init__(self, run_dir: Path, members: int, binary: str | None = None, *, host: Host = LOCALHOST,
-                 runner: HostRunner | None = None) -> None:
+                 runner: HostRunner | None = None, tls: EtcdTls | None = None, auth: bool = False) -> None:
         if members < 1:
             raise ValueError("an etcd cluster needs at least one member")
         self.run_dir = run_dir
-        self.members = [EtcdServer(run_dir / f"member-{i}", binary, host=host, runner=runner, member=f"etcd-{i}")
-                        for i in range(members)]
+        self.members = [EtcdServer(run_dir / f"member-{i}", binary, host=host, runner=runner, member=f"etcd-{i}",
+                                   tls=tls) for i in range(members)]
         token = "flexmarl-" + hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
         for member in self.members:
             member.cluster_token = token
-        self.username = ""
-        self.password_file: Path | None = None
+            member.peer_tls = tls is not None
+        self.tls = tls
+        self.username = "root" if auth else ""
+        self.password_file: Path | None = run_dir / "etcd-root-password" if auth else None
 
     @property
     def binary(self) -> str:
@@ -435,11 +451,22 @@ class EtcdCluster:
         return [member.pid for member in self.members]
 
     def client_args(self) -> list[str]:
-        """The daemon flags that reach it (none: plaintext, no auth)."""
-        return []
+        """The daemon flags that reach it: its CA, a client certificate, the root user (none when plain)."""
+        args: list[str] = []
+        if self.tls is not None:
+            args += ["--etcd-ca", str(self.tls.ca)]
+            if self.tls.client_cert_auth:
+                args += ["--etcd-cert", str(self.tls.cert), "--etcd-key", str(self.tls.key)]
+        if self.password_file is not None:
+            args += ["--etcd-username", self.username, "--etcd-password-file", str(self.password_file)]
+        return args
 
     def start(self, timeout_s: float = 30.0) -> None:
-        """Starts every member on ports agreed up front and waits until each is healthy (a leader is elected)."""
+        """Starts every member on ports agreed up front and waits until each is healthy (a leader is elected).
+
+        On fresh data with ``auth``, enables auth on the cluster through the first member.
+        """
+        fresh = not any((member.data_dir / "member").exists() for member in self.members)
         for member in self.members:
             if not member.client_port:
                 member.client_port, member.peer_port = free_port(), free_port()
@@ -451,6 +478,8 @@ class EtcdCluster:
                 member.spawn()
             for member in self.members:
                 member.wait_healthy(timeout_s)
+            if self.password_file is not None and fresh:
+                self.members[0]._enable_auth(self.password_file)
         except BaseException:
             self.stop(keep_data=True)
             raise

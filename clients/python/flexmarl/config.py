@@ -68,6 +68,10 @@ class DaemonConfig:
     etcd_password_file: str = dataclasses.field(
         default="", metadata=_help("file holding the etcd user's password (never give the password itself)")
     )
+    etcd_server_name: str = dataclasses.field(
+        default="", metadata=_help("name every etcd member's TLS certificate is checked against (default: the "
+                                   "first endpoint's host; with several members, a name their certificates share)")
+    )
     registry_ttl_s: int = dataclasses.field(default=10, metadata=_help("TTL of the registration lease"))
     log_level: str = dataclasses.field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
     grace_s: float = dataclasses.field(default=5.0, metadata=_help("drain time on SIGTERM"))
@@ -122,6 +126,8 @@ class DaemonConfig:
             raise ConfigError("etcd_cert: needs etcd_ca (the CA that signed etcd's certificate)")
         if bool(self.etcd_username) != bool(self.etcd_password_file):
             raise ConfigError("etcd_username/etcd_password_file: give both or neither")
+        if self.etcd_server_name and not self.etcd_ca:
+            raise ConfigError("etcd_server_name: needs etcd_ca (the name is checked only over TLS)")
         for name in ("tls_cert", "tls_key", "tls_ca", "auth_token_file", "etcd_ca", "etcd_cert", "etcd_key",
                      "etcd_password_file"):
             path = getattr(self, name)

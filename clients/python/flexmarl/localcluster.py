@@ -177,10 +177,8 @@ class LocalCluster:
         self.write_cluster_file()
 
     def _check_etcd_layout(self) -> None:
-        """Refuses settings the run dir's etcd cannot take: a member count other than its data's, TLS on several."""
+        """Refuses settings the run dir's etcd cannot take: a member count other than its data's."""
         members = self.config.etcd_members
-        if members > 1 and self.config.secure:
-            raise LaunchError("--secure with several etcd members is not supported yet (TLS and auth: one member)")
         etcd_dir = self.run_dir / ETCD_DIR
         single = (etcd_dir / "etcd-data" / "member").exists()
         found = len(list(etcd_dir.glob("member-*/etcd-data/member"))) or int(single)
@@ -199,6 +197,10 @@ class LocalCluster:
 
         self.certs = generate(self.run_dir / "tls")
         tls = EtcdTls(cert=self.certs.server_cert, key=self.certs.server_key, ca=self.certs.ca, client_cert_auth=True)
+        if isinstance(self.etcd, EtcdCluster):
+            self.etcd = EtcdCluster(self.run_dir / ETCD_DIR, len(self.etcd.members), self.etcd.binary,
+                                    host=self.etcd.host, runner=self.etcd.runner, tls=tls, auth=True)
+            return
         self.etcd = EtcdServer(self.run_dir / ETCD_DIR, self.etcd.binary, tls=tls, auth=True,
                                extra_hosts=self.etcd.extra_hosts, host=self.etcd.host, runner=self.etcd.runner)
         self.etcd.client_port = self.config.etcd_port

@@ -86,10 +86,15 @@ class EtcdSecurity:
     key_pem: bytes = b""
     username: str = ""
     password: str = dataclasses.field(default="", repr=False)
+    #: The name every member's certificate is checked against ("": the host of the endpoint dialled;
+    #: over several members, the first endpoint's host). Several members over TLS share one channel,
+    #: so each member's certificate must carry this name (a SAN the members share).
+    server_name: str = ""
 
     @classmethod
     def from_files(
-        cls, *, ca: str = "", cert: str = "", key: str = "", username: str = "", password_file: str = ""
+        cls, *, ca: str = "", cert: str = "", key: str = "", username: str = "", password_file: str = "",
+        server_name: str = "",
     ) -> EtcdSecurity:
         """Reads the named files; raises ConfigError (one line naming the setting) when one is unusable."""
         if bool(cert) != bool(key):
@@ -98,6 +103,8 @@ class EtcdSecurity:
             raise ConfigError("etcd_cert: needs etcd_ca (the CA that signed etcd's certificate)")
         if bool(username) != bool(password_file):
             raise ConfigError("etcd_username/etcd_password_file: give both or neither")
+        if server_name and not ca:
+            raise ConfigError("etcd_server_name: needs etcd_ca (the name is checked only over TLS)")
         password = ""
         if password_file:
             try:
@@ -112,13 +119,15 @@ class EtcdSecurity:
             key_pem=_read_file("etcd_key", key) if key else b"",
             username=username,
             password=password,
+            server_name=server_name,
         )
 
     @classmethod
     def from_config(cls, config: DaemonConfig) -> EtcdSecurity:
         """The etcd settings of a daemon config; raises ConfigError when a file is unusable."""
         return cls.from_files(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key,
-                              username=config.etcd_username, password_file=config.etcd_password_file)
+                              username=config.etcd_username, password_file=config.etcd_password_file,
+                              server_name=config.etcd_server_name)
 
     @property
     def tls(self) -> bool:
@@ -222,6 +231,9 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
         #: A gRPC target naming several members ("ipv4:a:p,b:q"): one channel that moves to another
         #: member when its own goes away (gRPC's pick_first over the list), as etcd's Go client does.
         self._target = target
+        #: The name the members' certificates are checked against over TLS: the configured one, else
+        #: the host dialled (``host``: the first member's when ``target`` names several).
+        self._server_name = security.server_name or (host if target and security.tls else "")
 
     def _custom(self) -> bool:
         return self._security.tls or bool(self._security.username) or bool(self._target)
@@ -237,10 +249,10 @@ class _EtcdClient(aetcd.Client):  # type: ignore[misc]
         credentials = self._security.channel_credentials()
         interceptors: list[grpc.aio.ClientInterceptor] = []
         if self._security.username:
-            self._auth_channel = _open_channel(target, credentials, [])
+            self._auth_channel = _open_channel(target, credentials, [], self._server_name)
             token = _EtcdToken(self._auth_channel, self._security.username, self._security.password, self._timeout)
             interceptors = token.interceptors()
-        self.channel = _open_channel(target, credentials, interceptors)
+        self.channel = _open_channel(target, credentials, interceptors, self._server_name)
         self.metadata = None  # the interceptor adds the token
         self.kvstub = aetcd.rpc.KVStub(self.channel)
         self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
@@ -301,11 +313,15 @@ _CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_recon
 
 
 def _open_channel(
-    target: str, credentials: grpc.ChannelCredentials | None, interceptors: list[grpc.aio.ClientInterceptor]
+    target: str, credentials: grpc.ChannelCredentials | None, interceptors: list[grpc.aio.ClientInterceptor],
+    server_name: str = "",
 ) -> grpc.aio.Channel:
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS, interceptors=interceptors or None)
-    return grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS, interceptors=interceptors or None)
+    # The TLS host check uses the target's authority; a target over several members ("ipv4:...", resolved
+    # addresses) has none that names them, so the name is given (and sent as SNI) explicitly.
+    options = (*_CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", server_name)) if server_name else _CHANNEL_OPTIONS
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors or None)
 
 
 def _members_target(endpoints: list[tuple[str, int]]) -> str:
@@ -422,12 +438,13 @@ class Registry:
     async def _connect_once(self) -> _EtcdClient:
         """One probe of every endpoint, from the last good one; raises _EtcdUnreachable when none answers.
 
-        Several members without TLS share one channel over all of them (:func:`_members_target`), which
-        follows the cluster when the member it uses dies; with TLS (whose certificates name one member
-        each) the client stays on the member it found.
+        Several members share one channel over all of them (:func:`_members_target`), which follows
+        the cluster when the member it uses dies; over TLS every member's certificate is checked
+        against one name (``EtcdSecurity.server_name``, else the first endpoint's host), so a member
+        whose certificate lacks it is skipped as unreachable.
         """
         last_error = ""
-        target = _members_target(self._endpoints) if len(self._endpoints) > 1 and not self._security.tls else ""
+        target = _members_target(self._endpoints) if len(self._endpoints) > 1 else ""
         for _ in range(1 if target else len(self._endpoints)):
             host, port = self._endpoints[self._endpoint_index]
             client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)),
