@@ -47,6 +47,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import platform
 import shutil
@@ -73,6 +74,7 @@ from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch  # noqa
 from rolloutd.engines.protocol import GenerationRequest, SamplingParams  # noqa: E402
 from rolloutd.engines.sglang.client import SGLangClient  # noqa: E402
 from rolloutd.router import Replica, RolloutRouter  # noqa: E402
+from rolloutd.weight_sync import SYNC_PHASES  # noqa: E402
 from traind.weight_sync import AgentBroadcast, distinct_tensors  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results" / "weight_sync.json"
@@ -146,6 +148,10 @@ class DistributedRound:
     serving_s: float
     commit_s: float
     broadcast_s: float
+    #: The trainer's part before the push (the distinct tensors, the bucket plan) and rolloutd's
+    #: phases (:data:`rolloutd.weight_sync.SYNC_PHASES`), seconds each: where serving_s goes.
+    prepare_s: float = float("nan")
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 async def _distributed_round(
@@ -158,6 +164,7 @@ async def _distributed_round(
     broadcast.send_dtype = send_dtype
     record = await asyncio.to_thread(broadcast.announce, params)
     record = dataclasses.replace(record, peers=("rolloutd",))  # orchestratord's part: the router's owner
+    prepare_s = time.perf_counter() - started_s
     push = asyncio.ensure_future(asyncio.to_thread(broadcast.push, params, version, record))
     target = out / f"v{version}"
     durable = asyncio.ensure_future(asyncio.to_thread(_publish, model, checkpoint, target))
@@ -170,7 +177,8 @@ async def _distributed_round(
     await durable
     commit_s = time.perf_counter() - started_s
     shutil.rmtree(target, ignore_errors=True)
-    return DistributedRound(serving_s, commit_s, report.seconds if report is not None else float("nan"))
+    return DistributedRound(serving_s, commit_s, report.seconds if report is not None else float("nan"),
+                            prepare_s, dict(outcome.phases))
 
 
 async def _check_logprobs(model: Any, clients: list[SGLangClient]) -> float:
@@ -306,6 +314,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "broadcast_fp32": statistics.median(r.broadcast_s for r in fp32),
             "broadcast_bf16": statistics.median(r.broadcast_s for r in bf16),
         },
+        # Where the serving time goes (medians per part): the trainer's preparation, then rolloutd's phases.
+        "phases_median_s": {wire: {"prepare": statistics.median(r.prepare_s for r in rounds),
+                                   **{phase: statistics.median(r.phases.get(phase, math.nan) for r in rounds)
+                                      for phase in SYNC_PHASES}}
+                            for wire, rounds in (("fp32", fp32), ("bf16", bf16))},
         "raw_broadcast_s": raw,
         "speedup_bound": {name: statistics.median(disk) / seconds for name, seconds in raw.items()},
         "speedup_fp32": statistics.median(disk) / statistics.median(r.serving_s for r in fp32),
@@ -371,6 +384,23 @@ def raw_broadcast_s(shapes: list[tuple[int, ...]], dtype: torch.dtype, receivers
 BOUND_TARGET = 0.9
 
 
+#: What each part of a distributed sync is (rows of the table, in order).
+_PHASE_LABELS = {
+    "prepare": "trainer: distinct tensors, bucket plan",
+    "plan": "rank 0's plan (members posted, plan read)",
+    "begin": "/begin_weight_update",
+    "transfer": "buckets: broadcast received + loaded",
+    "end": "/end_weight_update",
+    "verify": "/model_info names the version",
+}
+
+
+def _phase_rows(result: dict[str, Any], wire: str) -> list[tuple[str, float, None, None]]:
+    """The serving time's parts (medians), when the result has them (older JSON does not)."""
+    phases = result.get("phases_median_s", {}).get(wire, {})
+    return [(f"    {name}: {_PHASE_LABELS[name]}", seconds, None, None) for name, seconds in phases.items()]
+
+
 def render(result: dict[str, Any]) -> str:
     med = result["cpu_median_s"]
     disk_s = med["disk"]
@@ -385,10 +415,12 @@ def render(result: dict[str, Any]) -> str:
         ("distributed, fp32 on the wire", med["distributed_fp32"], disk_s / med["distributed_fp32"],
          stored_s / med["distributed_fp32"]),
         ("  rank 0's broadcast (answer to last bucket)", med["broadcast_fp32"], None, None),
+        *_phase_rows(result, "fp32"),
         ("  commit ready (durable copy written beside)", med["commit_ready_fp32"], None, None),
         ("distributed, bf16 on the wire", med["distributed_bf16"], disk_s / med["distributed_bf16"],
          stored_s / med["distributed_bf16"]),
         ("  rank 0's broadcast (answer to last bucket)", med["broadcast_bf16"], None, None),
+        *_phase_rows(result, "bf16"),
         ("  commit ready (durable copy written beside)", med["commit_ready_bf16"], None, None),
         (f"bound: bare gloo broadcast to {result['replicas']} ranks, fp32", result["raw_broadcast_s"]["fp32"],
          result["speedup_bound"]["fp32"], stored_s / result["raw_broadcast_s"]["fp32"]),

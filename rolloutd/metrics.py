@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from flexmarl.metrics import LATENCY_BUCKETS_S
 from rolloutd.runner import RolloutResult
+from rolloutd.weight_sync import SyncOutcome
 
 _TASK_BUCKETS_S = (*LATENCY_BUCKETS_S, 30.0, 60.0, 120.0, 300.0)
 
@@ -37,6 +38,11 @@ class RolloutMetrics:
         self.reload_seconds = Histogram("flexmarl_rolloutd_weight_reload_seconds",
                                         "Time to load new weights onto a replica.", ["agent"],
                                         buckets=_TASK_BUCKETS_S, registry=registry)
+        self.sync_phase_seconds = Histogram(
+            "flexmarl_rolloutd_weight_sync_phase_seconds",
+            "One version received over a weight-update group, by phase: plan (rank 0's plan, joining), begin, "
+            "transfer (every bucket received and loaded), end, verify (/model_info).", ["agent", "phase"],
+            buckets=_TASK_BUCKETS_S, registry=registry)
         self.backpressure = Gauge("flexmarl_rolloutd_backpressure",
                                   "1 while no new task is leased because stored is full, down or slow.",
                                   registry=registry)
@@ -72,6 +78,12 @@ class RolloutMetrics:
     def observe_reload(self, agent: str, seconds: float) -> None:
         """Records one weight load."""
         self.reload_seconds.labels(agent.rsplit("/", 1)[-1]).observe(seconds)
+
+    def observe_broadcast(self, agent: str, outcome: SyncOutcome) -> None:
+        """Records the phases of one version received over a weight-update group."""
+        name = agent.rsplit("/", 1)[-1]
+        for phase, seconds in outcome.phases.items():
+            self.sync_phase_seconds.labels(name, phase).observe(seconds)
 
 
 class _RouterCollector(Collector):

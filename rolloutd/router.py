@@ -212,6 +212,7 @@ class RolloutRouter:
         busy_backoff_s: float = 1.0,
         interrupt_mode: PauseMode = PauseMode.IN_PLACE,
         owner: str = "rolloutd",
+        on_broadcast: Callable[[str, SyncOutcome], None] | None = None,
     ) -> None:
         """Routes over ``replicas``.
 
@@ -228,6 +229,8 @@ class RolloutRouter:
                 partial-rollout agent (see the module doc): ``in_place`` keeps their KV cache,
                 ``retract`` recomputes it, ``abort`` returns them for resubmission.
             owner: This rolloutd's worker id (the peer name it posts its members to a weight-update group under).
+            on_broadcast: Called with (agent key, outcome) after each version received over a
+                weight-update group (its phases' seconds included).
         """
         if health_probe_interval_s <= 0 or busy_backoff_s < 0:
             raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")
@@ -247,6 +250,7 @@ class RolloutRouter:
         self._quiet = asyncio.Condition()
         self._rebuilding = False
         self._on_reload = on_reload
+        self._on_broadcast = on_broadcast
         self._loads: set[asyncio.Task[None]] = set()
         self._interrupt_mode = PauseMode(interrupt_mode)
         self._interruptible: set[str] = set()
@@ -363,6 +367,8 @@ class RolloutRouter:
                     await self._continue_all(members)
             if outcome.served and self._on_reload is not None:
                 self._on_reload(key, time.perf_counter() - start)
+            if self._on_broadcast is not None:
+                self._on_broadcast(key, outcome)
             return outcome
 
     async def _pause_for_broadcast(self, members: list[Replica], timeout_s: float) -> list[Replica]:

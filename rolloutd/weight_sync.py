@@ -96,6 +96,28 @@ class SyncOutcome:
     served: tuple[str, ...] = ()
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    #: Seconds per phase, in order (:data:`SYNC_PHASES`; those reached): ``plan`` (post the members,
+    #: rank 0's plan, joining a new epoch), ``begin`` (``/begin_weight_update``), ``transfer`` (every
+    #: bucket's ``/update_weights_from_distributed``: the broadcast received and loaded on every member),
+    #: ``end`` (``/end_weight_update``), ``verify`` (``/model_info`` names the version).
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+#: The phases of one version's sync in order (:attr:`SyncOutcome.phases`).
+SYNC_PHASES = ("plan", "begin", "transfer", "end", "verify")
+
+
+class _PhaseClock:
+    """Seconds of consecutive phases: each :meth:`mark` closes the phase that ran since the previous one."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last_s = time.monotonic()
+
+    def mark(self, phase: str) -> None:
+        now = time.monotonic()
+        self.phases[phase] = now - self._last_s
+        self._last_s = now
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +173,11 @@ class AgentWeightGroup:
         False for paused members: SGLang refuses a flush while requests are running.
         """
         started_s = time.monotonic()
+        clock = _PhaseClock()
 
         def outcome(answer: str, served: tuple[str, ...] = (), failed: Mapping[str, str] | None = None) -> SyncOutcome:
-            return SyncOutcome(version, answer, served, dict(failed or {}), time.monotonic() - started_s)
+            return SyncOutcome(version, answer, served, dict(failed or {}), time.monotonic() - started_s,
+                               dict(clock.phases))
 
         endpoint = (record.master_address, record.master_port)
         ids = tuple(rid for rid, _ in members)
@@ -192,13 +216,14 @@ class AgentWeightGroup:
                 await self._close(group_name, members)
                 return outcome("open", failed=failed)
             self._epoch = _Epoch(endpoint, plan.epoch, group_name, ids)
-        failed = await self._replay(version, record, group_name, members, flush_cache)
+        clock.mark("plan")
+        failed = await self._replay(version, record, group_name, members, flush_cache, clock)
         if failed:
             await self._close(group_name, members)
         served = tuple(rid for rid in ids if rid not in failed)
-        log.info("v%d over %s (%s, ranks %d-%d of %d): %d replicas served, %d failed (%.2fs)", version, group_name,
-                 plan.kind, offset, offset + len(ids) - 1, plan.world_size, len(served), len(failed),
-                 time.monotonic() - started_s)
+        log.info("v%d over %s (%s, ranks %d-%d of %d): %d replicas served, %d failed (%.2fs: %s)", version,
+                 group_name, plan.kind, offset, offset + len(ids) - 1, plan.world_size, len(served), len(failed),
+                 time.monotonic() - started_s, " ".join(f"{k} {v:.2f}" for k, v in clock.phases.items()))
         return outcome(plan.kind, served, failed)
 
     def _exchange(self, record: WeightGroupRecord, version: int, post: MemberPost) -> GroupPlan | None:
@@ -221,11 +246,13 @@ class AgentWeightGroup:
         return _text(await _bounded(calls, record.timeout_s + ANSWER_SLACK_S, f"joining {group_name}"))
 
     async def _replay(self, version: int, record: WeightGroupRecord, group_name: str,
-                      members: Sequence[tuple[str, GroupMember]], flush_cache: bool = True) -> dict[str, str]:
+                      members: Sequence[tuple[str, GroupMember]], flush_cache: bool,
+                      clock: _PhaseClock) -> dict[str, str]:
         """Begin, the plan's buckets, end and verify on every member; the failed ones (a failure stops all)."""
         bound_s = record.timeout_s + ANSWER_SLACK_S
         failed = _text(await _bounded({rid: c.begin_weight_update() for rid, c in members}, bound_s,
                                       "begin_weight_update"))
+        clock.mark("begin")
         if failed:
             return failed
         last = len(record.buckets) - 1
@@ -240,11 +267,15 @@ class AgentWeightGroup:
             failed = _text(await _bounded(calls, bound_s, f"bucket {index + 1}/{len(record.buckets)} of v{version}"))
             if failed:
                 # The others' receives fail too once the group closes; their weights are torn as well.
+                clock.mark("transfer")
                 return {rid: failed.get(rid, "the group broke under another replica") for rid, _ in members}
+        clock.mark("transfer")
         failed = _text(await _bounded({rid: c.end_weight_update() for rid, c in members}, bound_s,
                                       "end_weight_update"))
+        clock.mark("end")
         infos = await answers_by_name({rid: c.model_info() for rid, c in members if rid not in failed}, bound_s,
                                       "model_info")
+        clock.mark("verify")
         for rid, info in infos.items():
             if isinstance(info, BaseException):
                 failed[rid] = f"model_info: {info}"
@@ -274,4 +305,5 @@ def _text(failures: Mapping[str, BaseException]) -> dict[str, str]:
             for name, exc in failures.items()}
 
 
-__all__ = ["ANSWER_SLACK_S", "STORE_CONNECT_S", "AgentWeightGroup", "GroupMember", "SyncOutcome", "open_store"]
+__all__ = ["ANSWER_SLACK_S", "STORE_CONNECT_S", "SYNC_PHASES", "AgentWeightGroup", "GroupMember", "SyncOutcome",
+           "open_store"]

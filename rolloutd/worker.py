@@ -782,7 +782,7 @@ class RolloutWorker:
             config = BalancerConfig(rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.ROUND_ROBIN
                                     if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS)
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
-                                        owner=s.worker_id)
+                                        owner=s.worker_id, on_broadcast=self._metrics.observe_broadcast)
             return self.router
 
     def _engine_restarted(self, name: str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from benchmarks.synthetic_engine import SyntheticServer
 from benchmarks.synthetic_replica import SyntheticEngineConfig, SyntheticReplica
@@ -30,8 +31,9 @@ from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch_many
 from rolloutd.engines.protocol import GenerationRequest, PauseMode, SamplingParams
 from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.engines.weight_messages import DESTROY_MISSING
+from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter
-from rolloutd.weight_sync import AgentWeightGroup, SyncOutcome
+from rolloutd.weight_sync import SYNC_PHASES, AgentWeightGroup, SyncOutcome
 from traind.weight_sync import (
     AgentBroadcast,
     ReplicaGroup,
@@ -347,6 +349,13 @@ async def test_router_replicas_serve_the_broadcast_version(
         report, outcome = await _version(router, ALICE, alice, params, 1)
         assert outcome is not None and (outcome.answer, outcome.served) == ("open", ("r0",))
         assert report is not None and report.buckets > 2
+        # Where the time went: every phase, in order, none longer than the whole (metrics export them).
+        assert tuple(outcome.phases) == SYNC_PHASES
+        assert all(v >= 0 for v in outcome.phases.values()) and sum(outcome.phases.values()) <= outcome.seconds
+        metrics = RolloutMetrics(CollectorRegistry())
+        metrics.observe_broadcast(ALICE, outcome)
+        assert metrics._registry.get_sample_value("flexmarl_rolloutd_weight_sync_phase_seconds_sum",
+                                                  {"agent": "alice", "phase": "transfer"}) == outcome.phases["transfer"]
         report, outcome = await _version(router, BOB, bob, params, 1)
         assert outcome is not None and (outcome.answer, outcome.served) == ("open", ("r1",))
         report, outcome = await _version(router, ALICE, alice, params, 2)
@@ -357,7 +366,7 @@ async def test_router_replicas_serve_the_broadcast_version(
         await router._reload(moved, ALICE)
         assert (moved.loaded_agent, moved.loaded_version) == (ALICE, 2)
         report, outcome = await _version(router, BOB, bob, params, 2)  # bob has no replica now
-        assert report is None and outcome is not None and outcome.answer == "skip"
+        assert report is None and outcome is not None and outcome.answer == "skip" and outcome.phases == {}
         with pytest.raises(FailedPrecondition, match=DESTROY_MISSING):  # r1 left bob's group
             await clients[1].destroy_weights_update_group(bob.base_name + "-e1")
         report, outcome = await _version(router, ALICE, alice, params, 3)
