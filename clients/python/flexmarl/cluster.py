@@ -178,6 +178,18 @@ class EtcdTls:
     client_cert_auth: bool = False
 
 
+def etcd_client_args(tls: EtcdTls | None, username: str, password_file: Path | None) -> list[str]:
+    """The daemon flags that reach an etcd serving ``tls`` with ``username`` (its password in the file)."""
+    args: list[str] = []
+    if tls is not None:
+        args += ["--etcd-ca", str(tls.ca)]
+        if tls.client_cert_auth:
+            args += ["--etcd-cert", str(tls.cert), "--etcd-key", str(tls.key)]
+    if password_file is not None:
+        args += ["--etcd-username", username, "--etcd-password-file", str(password_file)]
+    return args
+
+
 #: etcd's history auto-compaction for every etcd started here (``flexmarl up``, tests, benchmarks): keep
 #: the last 10,000 revisions (etcd 3.4 compacts every 5 minutes in revision mode). Without it etcd keeps
 #: every revision of every key and its db grows with every step. Production: deploy/config/etcd.env.
@@ -246,14 +258,7 @@ class EtcdServer(_Child):
 
     def client_args(self) -> list[str]:
         """The daemon flags that reach this etcd: its CA, a client certificate, the root user."""
-        args: list[str] = []
-        if self.tls is not None:
-            args += ["--etcd-ca", str(self.tls.ca)]
-            if self.tls.client_cert_auth:
-                args += ["--etcd-cert", str(self.tls.cert), "--etcd-key", str(self.tls.key)]
-        if self.password_file is not None:
-            args += ["--etcd-username", self.username, "--etcd-password-file", str(self.password_file)]
-        return args
+        return etcd_client_args(self.tls, self.username, self.password_file)
 
     def start(self, timeout_s: float = 20.0) -> None:
         """Starts etcd (reusing its ports on a restart) and waits for /health; enables auth on a fresh data dir."""
@@ -452,14 +457,7 @@ class EtcdCluster:
 
     def client_args(self) -> list[str]:
         """The daemon flags that reach it: its CA, a client certificate, the root user (none when plain)."""
-        args: list[str] = []
-        if self.tls is not None:
-            args += ["--etcd-ca", str(self.tls.ca)]
-            if self.tls.client_cert_auth:
-                args += ["--etcd-cert", str(self.tls.cert), "--etcd-key", str(self.tls.key)]
-        if self.password_file is not None:
-            args += ["--etcd-username", self.username, "--etcd-password-file", str(self.password_file)]
-        return args
+        return etcd_client_args(self.tls, self.username, self.password_file)
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Starts every member on ports agreed up front and waits until each is healthy (a leader is elected).
