@@ -161,4 +161,6 @@ def rollout_status(status: RolloutStatus) -> rollout_pb2.RolloutStatus:
             )
             for r in status.replicas
         ],
+        jobs=[rollout_pb2.JobPreparation(job_id=j.job_id, state=j.state, error=j.error, seconds=j.seconds)
+              for j in status.jobs],
     )

@@ -149,3 +149,17 @@ class RolloutStatus:
     #: Inter-agent replica moves so far.
     reassignments: int
     replicas: tuple[ReplicaStatus, ...] = ()
+    #: Every job listed or leased here, sorted by job id.
+    jobs: tuple[JobPreparation, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPreparation:
+    """A job's preparation on this worker (engines, LoRA flags, router, weight groups, environment)."""
+
+    job_id: str
+    #: "preparing", "ready" or "failed" (not yet handed to a task, which tries again or fails unrunnable).
+    state: str
+    #: Preparing: seconds so far; ready or failed: how long it took.
+    seconds: float
+    error: str = ""

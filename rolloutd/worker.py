@@ -87,7 +87,7 @@ from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput, TaskProgress
 from rolloutd.tokenizers import HFTokenizer
-from rolloutd.types import AgentDemand, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
+from rolloutd.types import AgentDemand, JobPreparation, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +246,9 @@ class RolloutWorker:
         self._jobs: dict[str, _ServedJob] = {}
         #: Each job's preparation in progress, or failed and not yet handed to a task (:meth:`_prepare`).
         self._preparing: dict[str, asyncio.Task[_ServedJob]] = {}
+        #: When each job's preparation started and, once it ended, how long it took (GetRolloutStatus).
+        self._prep_started: dict[str, float] = {}
+        self._prep_seconds: dict[str, float] = {}
         #: Jobs the job loop has started preparing (listed and still active).
         self._discovered: set[str] = set()
         self._in_flight: dict[str, _InFlightTask] = {}
@@ -406,6 +409,8 @@ class RolloutWorker:
         async with self._job_lock:
             for job_id in ended:
                 job = self._jobs.pop(job_id, None)
+                self._prep_started.pop(job_id, None)
+                self._prep_seconds.pop(job_id, None)
                 self._specs.forget(job_id)
                 if job is not None and job.version_watch is not None:
                     job.version_watch.cancel()
@@ -594,6 +599,8 @@ class RolloutWorker:
     async def _prepared(self, job_id: str, spec_digest: str) -> _ServedJob:
         """Makes the job ready to run tasks (:meth:`_new_job`), once, whoever asked first; logged and counted."""
         started = time.monotonic()
+        self._prep_started[job_id] = started
+        self._prep_seconds.pop(job_id, None)
         self._metrics.engines_preparing.inc()
         log.info("preparing job %s: its engines, environment and runner", job_id)
         try:
@@ -604,6 +611,7 @@ class RolloutWorker:
             raise
         finally:
             self._metrics.engines_preparing.dec()
+            self._prep_seconds[job_id] = time.monotonic() - started
         self._preparing.pop(job_id, None)
         log.info("job %s ready in %.1f s", job_id, time.monotonic() - started)
         return job
@@ -814,7 +822,23 @@ class RolloutWorker:
         return RolloutStatus(
             worker_id=self.settings.worker_id, tasks_in_flight=len(self._in_flight), episodes_done=self.episodes_done,
             reassignments=router.reassignments if router is not None else 0, replicas=tuple(replicas),
+            jobs=self._preparations(),
         )
+
+    def _preparations(self) -> tuple[JobPreparation, ...]:
+        """Every job served here (ready) or whose preparation is under way or failed, by job id."""
+        now = time.monotonic()
+        out: dict[str, JobPreparation] = {}
+        for job_id, prep in self._preparing.items():
+            if not prep.done():
+                out[job_id] = JobPreparation(job_id, "preparing", now - self._prep_started.get(job_id, now))
+            elif prep.cancelled() or prep.exception() is not None:
+                exc = prep.exception() if not prep.cancelled() else None
+                out[job_id] = JobPreparation(job_id, "failed", self._prep_seconds.get(job_id, 0.0),
+                                             describe_error(exc) if exc is not None else "cancelled")
+        for job_id in self._jobs:
+            out[job_id] = JobPreparation(job_id, "ready", self._prep_seconds.get(job_id, 0.0))
+        return tuple(out[job_id] for job_id in sorted(out))
 
     def set_demand(self, demand: list[AgentDemand]) -> None:
         """Passes orchestratord's demand hints to the inter-agent balancer (none before the first job)."""

@@ -29,6 +29,7 @@ from flexmarl.jobspec import JobSpec, parse_job_spec
 from flexmarl.registry import Registry
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2
+from rolloutd import serde
 from rolloutd import worker as worker_module
 from rolloutd.engines.embedded.backend import EmbeddedServer
 from rolloutd.engines.embedded.config import EmbeddedEngineConfig
@@ -283,11 +284,17 @@ async def test_a_listed_job_is_prepared_before_its_first_task_is_leased(
         served: Served, caplog: pytest.LogCaptureFixture) -> None:
     worker, link, spec, metrics = served.worker, served.link, served.spec, served.metrics
     caplog.set_level("INFO", logger="rolloutd.worker")
-    assert worker.router is None and worker.status().replicas == ()  # no job yet: no engines
+    assert worker.router is None and worker.status().replicas == () and worker.status().jobs == ()  # no job yet
     link.active = [ActiveJob(JOB, spec.digest())]  # submitted: listed, none of its tasks leasable yet
+    await _until(lambda: bool(worker.status().jobs), "the listed job's preparation to start")
+    [preparing] = worker.status().jobs
+    assert (preparing.job_id, preparing.state, preparing.error) == (JOB, "preparing", "")
     await _until(lambda: f"job {JOB} ready in" in caplog.text, "the listed job to be prepared")
     status = worker.status()
     assert len(status.replicas) == 2 and status.tasks_in_flight == 0 and link.spec_fetches == 1
+    [ready] = status.jobs
+    assert (ready.job_id, ready.state) == (JOB, "ready") and ready.seconds > 0
+    assert serde.rollout_status(status).jobs[0].state == "ready"  # what GetRolloutStatus sends
     assert link.to_lease.empty() and link.reports.empty()  # prepared with no task leased
     assert _metric(metrics, "flexmarl_rolloutd_engines_preparing") == 0
 
@@ -309,6 +316,8 @@ async def test_a_listed_job_that_cannot_run_fails_its_first_task_as_unrunnable(
     link.spec_json = broken.to_json()
     link.active = [ActiveJob(JOB, broken.digest())]
     await _until(lambda: f"preparing job {JOB} failed" in caplog.text, "the listed job's preparation to fail")
+    [failed] = worker.status().jobs  # visible before any task takes it
+    assert (failed.job_id, failed.state) == (JOB, "failed") and "examples.signalling.env" in failed.error
     link.to_lease.put_nowait(_task(broken, 3))
     report = await asyncio.wait_for(link.reports.get(), 30)  # the failure the preparation met, not a hang
     assert not report.succeeded and report.reason is ErrorReason.JOB_UNRUNNABLE

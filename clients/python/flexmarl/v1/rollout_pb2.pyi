@@ -77,6 +77,39 @@ class ReplicaStatus(_message.Message):
 Global___ReplicaStatus: _TypeAlias = ReplicaStatus  # noqa: Y015
 
 @_typing.final
+class JobPreparation(_message.Message):
+    """A job this worker serves or is preparing (engines, LoRA flags, router, weight groups, environment)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    state: _builtins.str
+    """"preparing", "ready", or "failed" (its next task tries again, or fails as JOB_UNRUNNABLE)."""
+    error: _builtins.str
+    """Why it failed ("" otherwise)."""
+    seconds: _builtins.float
+    """Preparing: seconds so far; ready or failed: how long the preparation took."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        error: _builtins.str = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job_id", b"job_id", "seconds", b"seconds", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobPreparation: _TypeAlias = JobPreparation  # noqa: Y015
+
+@_typing.final
 class RolloutStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -85,12 +118,17 @@ class RolloutStatus(_message.Message):
     TASKS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     EPISODES_DONE_FIELD_NUMBER: _builtins.int
     REASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     tasks_in_flight: _builtins.int
     episodes_done: _builtins.int
     reassignments: _builtins.int
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]: ...
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobPreparation]:
+        """Every job listed or leased here, by job id."""
+
     def __init__(
         self,
         *,
@@ -99,10 +137,11 @@ class RolloutStatus(_message.Message):
         tasks_in_flight: _builtins.int = ...,
         episodes_done: _builtins.int = ...,
         reassignments: _builtins.int = ...,
+        jobs: _abc.Iterable[Global___JobPreparation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes_done", b"episodes_done", "reassignments", b"reassignments", "replicas", b"replicas", "tasks_in_flight", b"tasks_in_flight", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes_done", b"episodes_done", "jobs", b"jobs", "reassignments", b"reassignments", "replicas", b"replicas", "tasks_in_flight", b"tasks_in_flight", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
