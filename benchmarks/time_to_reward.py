@@ -373,10 +373,11 @@ def measure(
     )
 
 
-def reanalyse(root: Path) -> list[RewardRun]:
-    """The runs kept under ``root`` (``--keep``), measured again from their step records and traces."""
+def reanalyse(roots: Sequence[Path]) -> list[RewardRun]:
+    """The runs kept under ``roots`` (``--keep`` directories, e.g. one per batch of seeds), measured again."""
     runs = []
-    for meta_path in sorted(root.glob("*/run.json"), key=lambda p: p.stat().st_mtime):
+    metas = sorted((p for root in roots for p in root.glob("*/run.json")), key=lambda p: p.stat().st_mtime)
+    for meta_path in metas:
         meta = json.loads(meta_path.read_text())
         run_dir = meta_path.parent
         history = [StepRecord(**r) for r in json.loads((run_dir / "history.json").read_text())]
@@ -568,8 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--stem", default="time_to_reward")
     parser.add_argument("--keep", type=Path, default=None, help="run the clusters in this new directory and keep it")
-    parser.add_argument("--reanalyse", type=Path, default=None,
-                        help="run nothing: measure the runs a --keep directory holds again and report them")
+    parser.add_argument("--reanalyse", type=Path, nargs="+", default=None,
+                        help="run nothing: measure the runs --keep directories hold again and report them together")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("aetcd", "grpc", "httpx", "urllib3"):

@@ -99,7 +99,7 @@ def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
     (run_dir / "run.json").write_text(json.dumps({"workload": "signaling", "config": "sync", "seed": 0,
                                                   "state": "SUCCEEDED", "agents": 2, "submitted_s": 990.0,
                                                   "replicas": 2, "slots": 2}))
-    [run] = ttr.reanalyse(tmp_path)
+    [run] = ttr.reanalyse([tmp_path])
     ttr.set_targets([run], {"signaling": 0.9})
     assert (run.config, run.steps, run.start_wall_s) == ("sync", 7, 10.0)
     assert run.target_point is not None and run.target_point.step == 6
