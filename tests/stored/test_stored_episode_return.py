@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from flexmarl.store_client import ref_from_proto
 from stored.database import Database
 from stored.experiences import ExperienceLimits, ExperienceQuery, ExperienceStore, content_digest, validate_record
 from stored.serde import ref_to_proto
+from tests.stored_support import old_experiences_db
 
 RecordFactory = Callable[..., ExperienceRecord]
 
@@ -35,18 +35,7 @@ def test_the_return_round_trips_beside_the_reward_and_is_part_of_the_digest(
         validate_record(dataclasses.replace(unrecorded, episode_return=float("nan")), ExperienceLimits())
 
     path = tmp_path / "old.db"
-    old = sqlite3.connect(path)  # the experiences table as it was before episode_return
-    old.executescript(
-        "CREATE TABLE experiences (seq INTEGER PRIMARY KEY, job_id TEXT NOT NULL, experience_id TEXT NOT NULL, "
-        "agent TEXT NOT NULL, task_id TEXT NOT NULL, group_id TEXT NOT NULL, sample_index INTEGER NOT NULL, "
-        "episode_id TEXT NOT NULL, turn INTEGER NOT NULL, behavior_version INTEGER NOT NULL, reward REAL NOT NULL, "
-        "group_size INTEGER NOT NULL, state INTEGER NOT NULL, step_id TEXT NOT NULL, "
-        "created_unix_ms INTEGER NOT NULL, state_unix_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
-        "response_tokens INTEGER NOT NULL, payload_bytes INTEGER NOT NULL, prompt_token_ids BLOB NOT NULL, "
-        "response_token_ids BLOB NOT NULL, response_logprobs BLOB NOT NULL, content_sha256 BLOB NOT NULL, "
-        "response_version_spans BLOB NOT NULL DEFAULT x'', retokenized_messages INTEGER NOT NULL DEFAULT 0, "
-        "UNIQUE (job_id, experience_id));")
-    old.close()
+    old_experiences_db(path, before="episode_return")  # the table an older stored made
     db = Database(path)
     try:
         store = ExperienceStore(db)

@@ -14,6 +14,7 @@ from flexmarl.errors import AlreadyExists, DataLoss, FailedPrecondition, Invalid
 from flexmarl.experience import ExperienceRecord, ExperienceState
 from stored.database import Database, JobQuotas
 from stored.experiences import ExperienceLimits, ExperienceQuery, ExperienceStore, GarbageCollected
+from tests.stored_support import old_experiences_db
 
 RecordFactory = Callable[..., ExperienceRecord]
 READY, LEASED, CONSUMED = ExperienceState.READY, ExperienceState.LEASED, ExperienceState.CONSUMED
@@ -274,17 +275,7 @@ def test_version_spans_round_trip_and_old_databases_gain_the_column(
                         ExperienceLimits())
 
     path = tmp_path / "old.db"
-    old = sqlite3.connect(path)  # the experiences table as it was before response_version_spans
-    old.executescript(
-        "CREATE TABLE experiences (seq INTEGER PRIMARY KEY, job_id TEXT NOT NULL, experience_id TEXT NOT NULL, "
-        "agent TEXT NOT NULL, task_id TEXT NOT NULL, group_id TEXT NOT NULL, sample_index INTEGER NOT NULL, "
-        "episode_id TEXT NOT NULL, turn INTEGER NOT NULL, behavior_version INTEGER NOT NULL, reward REAL NOT NULL, "
-        "group_size INTEGER NOT NULL, state INTEGER NOT NULL, step_id TEXT NOT NULL, "
-        "created_unix_ms INTEGER NOT NULL, state_unix_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
-        "response_tokens INTEGER NOT NULL, payload_bytes INTEGER NOT NULL, prompt_token_ids BLOB NOT NULL, "
-        "response_token_ids BLOB NOT NULL, response_logprobs BLOB NOT NULL, content_sha256 BLOB NOT NULL, "
-        "UNIQUE (job_id, experience_id));")
-    old.close()
+    old_experiences_db(path, before="response_version_spans")  # the table an older stored made
     db = Database(path)
     try:
         store = ExperienceStore(db)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from flexmarl.errors import DataLoss, InvalidArgument
 from flexmarl.experience import ExperienceRecord
 from stored.database import Database
 from stored.experiences import ExperienceLimits, ExperienceStore, content_digest, validate_record
+from tests.stored_support import old_experiences_db
 
 RecordFactory = Callable[..., ExperienceRecord]
 
@@ -32,17 +32,7 @@ def test_the_flag_round_trips_and_is_part_of_the_digest(tmp_path: Path, record_f
         validate_record(dataclasses.replace(plain, retokenized_messages=-1), ExperienceLimits())
 
     path = tmp_path / "old.db"
-    old = sqlite3.connect(path)  # the experiences table as it was before retokenized_messages
-    old.executescript(
-        "CREATE TABLE experiences (seq INTEGER PRIMARY KEY, job_id TEXT NOT NULL, experience_id TEXT NOT NULL, "
-        "agent TEXT NOT NULL, task_id TEXT NOT NULL, group_id TEXT NOT NULL, sample_index INTEGER NOT NULL, "
-        "episode_id TEXT NOT NULL, turn INTEGER NOT NULL, behavior_version INTEGER NOT NULL, reward REAL NOT NULL, "
-        "group_size INTEGER NOT NULL, state INTEGER NOT NULL, step_id TEXT NOT NULL, "
-        "created_unix_ms INTEGER NOT NULL, state_unix_ms INTEGER NOT NULL, prompt_tokens INTEGER NOT NULL, "
-        "response_tokens INTEGER NOT NULL, payload_bytes INTEGER NOT NULL, prompt_token_ids BLOB NOT NULL, "
-        "response_token_ids BLOB NOT NULL, response_logprobs BLOB NOT NULL, content_sha256 BLOB NOT NULL, "
-        "response_version_spans BLOB NOT NULL DEFAULT x'', UNIQUE (job_id, experience_id));")
-    old.close()
+    old_experiences_db(path, before="retokenized_messages")  # the table an older stored made
     db = Database(path)
     try:
         store = ExperienceStore(db)
