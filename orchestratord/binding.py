@@ -168,6 +168,11 @@ class SlotBinder:
         self._slots: dict[str, TrainerSlot] = {}
         # Bound agents: their member slots in rank order (index 0 = primary), and membership epoch.
         self._members: dict[AgentKey, list[str]] = {}
+        #: Counts binding changes (bind, join, leave, release, forget): note_demand's answer may change.
+        self._bindings_changes = 0
+        #: Counts changes of the slot set that may change other slots' decisions (a slot forgotten; a new
+        #: one under static binding, whose eligibility depends on the slot set).
+        self.slot_set_changes = 0
         self._epoch: dict[AgentKey, int] = {}
         self._waiting_since_s: dict[AgentKey, float] = {}
         # Agents under static binding: key -> (index in its job's spec order, agents of the job).
@@ -211,6 +216,8 @@ class SlotBinder:
                 self.remove_slot(slot_id)
             slot = TrainerSlot(slot_id=slot_id, worker_id=worker_id, last_seen_s=self._now_s())
             self._slots[slot_id] = slot
+            if self._static:  # static eligibility depends on the slot set; otherwise a new slot changes no other's
+                self.slot_set_changes += 1
         slot.last_seen_s = self._now_s()
         slot.resident = dict(resident)
         slot.dp_address = dp_address
@@ -233,6 +240,8 @@ class SlotBinder:
         slot = self._slots.get(slot_id)
         if slot is not None and slot.agent is not None:
             self._leave(slot)
+        if slot is not None:
+            self.slot_set_changes += 1
         return self._slots.pop(slot_id, None)
 
     # ---- bindings ------------------------------------------------------------------------------------
@@ -268,6 +277,7 @@ class SlotBinder:
         slot.agent = agent
         slot.bound_since_s = self._now_s()
         self._members[agent] = [slot_id]
+        self._bindings_changes += 1
         self._epoch[agent] = self._epoch.get(agent, 0) + 1
         self._waiting_since_s.pop(agent, None)
 
@@ -280,6 +290,7 @@ class SlotBinder:
         slot.agent = agent
         slot.bound_since_s = self._now_s()
         members.append(slot_id)
+        self._bindings_changes += 1
         self._epoch[agent] = self._epoch.get(agent, 0) + 1
 
     def _leave(self, slot: TrainerSlot) -> None:
@@ -288,6 +299,7 @@ class SlotBinder:
         slot.agent = None
         if agent is None:
             return
+        self._bindings_changes += 1
         members = self._members.get(agent, [])
         if slot.slot_id in members:
             members.remove(slot.slot_id)
@@ -306,6 +318,7 @@ class SlotBinder:
         if slot is None or slot.agent is None:
             return None
         agent = slot.agent
+        self._bindings_changes += 1
         members = self._members.get(agent, [])
         if members and members[0] == slot_id:
             for member in members:
@@ -319,6 +332,7 @@ class SlotBinder:
 
     def forget_agents(self, job_id: str) -> None:
         """Ends every binding and wait of a job (it ended)."""
+        self._bindings_changes += 1
         for slot in self._slots.values():
             if slot.agent is not None and slot.agent[0] == job_id:
                 self.release(self.slot_of(slot.agent) or slot.slot_id)
@@ -331,8 +345,15 @@ class SlotBinder:
 
     # ---- decisions -------------------------------------------------------------------------------------
 
-    def note_demand(self, demands: Iterable[AgentDemand]) -> None:
-        """Updates who is waiting for a slot (an unbound agent with work), for aging."""
+    def note_demand(self, demands: Iterable[AgentDemand], unchanged_since: int | None = None) -> int:
+        """Updates who is waiting for a slot (an unbound agent with work), for aging.
+
+        ``unchanged_since``: the value an earlier call returned, when the demands are the same as
+        then (the planner keeps them): nothing is done unless a binding changed since. Returns the
+        value to pass next time.
+        """
+        if unchanged_since is not None and unchanged_since == self._bindings_changes:
+            return self._bindings_changes
         now_s = self._now_s()
         waiting: set[AgentKey] = set()
         for demand in demands:
@@ -342,6 +363,12 @@ class SlotBinder:
         for key in list(self._waiting_since_s):
             if key not in waiting:
                 del self._waiting_since_s[key]
+        return self._bindings_changes
+
+    def starving(self) -> frozenset[AgentKey]:
+        """The agents that have waited for a slot ``max_wait_s`` or longer (they may displace a bound agent)."""
+        now_s = self._now_s()
+        return frozenset(key for key, since_s in self._waiting_since_s.items() if now_s - since_s >= self._max_wait_s)
 
     def waited_s(self, agent: AgentKey) -> float:
         """How long an agent has waited for a slot (0 when not waiting)."""

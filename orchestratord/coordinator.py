@@ -63,6 +63,7 @@ from orchestratord.state import (
     WarmStartPublished,
     apply_changes,
 )
+from orchestratord.trainer_polls import TrainerPollWaiters
 
 log = logging.getLogger(__name__)
 
@@ -144,8 +145,10 @@ class JobCoordinator:
         self._history_page_steps = history_page_steps
         self.state = EtcdStateStore(registry)
         self._lock = asyncio.Lock()
+        #: Watch streams wait here (every mutation wakes them); trainer polls wait in _trainer_polls.
         self._changed = asyncio.Condition()
-        self._generation = 0
+        #: PollTrainerWork long polls that found no work, woken only when the planner says their answer may change.
+        self._trainer_polls = TrainerPollWaiters()
         #: Long-polls for rollout tasks wait here; woken only when some job has a task to hand out.
         self._lease_waiters: set[asyncio.Future[None]] = set()
         #: Planner changes whose write failed (etcd unreachable); written before the next ones.
@@ -330,6 +333,8 @@ class JobCoordinator:
                 result = fn()
             finally:
                 await self._persist(self.planner.take_changes())
+            # Under the lock and before any await: a poll that found no work registers before the next mutation.
+            self._trainer_polls.wake(self.planner.trainer_wakes(self._trainer_polls.slots()))
         self._wake_lease_waiters()
         if notify:
             await self._notify()
@@ -346,7 +351,6 @@ class JobCoordinator:
     async def _notify(self) -> None:
         """Wakes long-polls and watch streams: the planner may have changed."""
         async with self._changed:
-            self._generation += 1
             self._changed.notify_all()
 
     async def _persist(self, changes: list[StateChange]) -> None:
@@ -502,24 +506,33 @@ class JobCoordinator:
         except Exception as exc:
             log.warning("could not tell stored that job %s ended: %s", job_id, exc)
 
-    async def wait_for(self, fn: Callable[[], T | None], wait_ms: int) -> T | None:
-        """Calls fn (as a mutation) until it returns a truthy value or wait_ms passes."""
+    async def _wait_for_trainer_work(self, slot_id: str, fn: Callable[[], T | None], wait_ms: int) -> T | None:
+        """Calls fn (as a mutation) until it returns work or wait_ms passes (at most ``lease_poll_max_ms``).
+
+        Between calls the poll sleeps until the planner says a change may have given the slot work
+        (:meth:`Planner.trainer_wakes`, asked by every mutation); the bound on the wait is the safety
+        re-check (the trainer polls again).
+        """
         wait_s = min(max(wait_ms, 0), self.lease_poll_max_ms) / 1000.0
         deadline = time.monotonic() + wait_s
         while True:
-            generation = self._generation
-            result = await self.mutate(fn, notify=False)
-            if result:
-                await self._notify()
-            if result or time.monotonic() >= deadline:
-                return result
-            async with self._changed:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait_for(functools.partial(self._moved_on, generation)),
-                                           timeout=max(0.0, deadline - time.monotonic()))
-
-    def _moved_on(self, generation: int) -> bool:
-        return self._generation != generation
+            # Registered before the call: a change this call (or any later one) makes that may give the
+            # slot work wakes it, so no wake falls between the call and the wait.
+            waiter = self._trainer_polls.register(slot_id)
+            try:
+                result = await self.mutate(fn, notify=False)
+                if result:
+                    await self._notify()
+                    return result
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    return result
+                async with asyncio.timeout(remaining_s):
+                    await waiter
+            except TimeoutError:
+                return None
+            finally:
+                self._trainer_polls.discard(slot_id, waiter)
 
     async def changes(self) -> AsyncIterator[None]:
         """Yields after every mutation (for watch streams); also every few seconds."""
@@ -774,8 +787,8 @@ class JobCoordinator:
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],
                                 wait_ms: int, dp_address: str = "") -> TrainerWork | None:
         """Long-poll for trainer work (``dp_address``: the slot's data-parallel rendezvous, "" = none)."""
-        return await self.wait_for(
-            lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident, dp_address), wait_ms)
+        return await self._wait_for_trainer_work(
+            slot_id, lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident, dp_address), wait_ms)
 
     async def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
         """A micro-batch was accumulated."""

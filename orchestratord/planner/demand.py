@@ -51,7 +51,7 @@ def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
 
 
 def _with_parallelism(job: JobPlan, agent_demand: AgentDemand, upcoming: int) -> AgentDemand:
-    spec = job.spec.agent(agent_demand.key[1])
+    spec = job.agent_specs[agent_demand.key[1]]
     return dataclasses.replace(
         agent_demand, max_slots=spec.max_slots, data_parallel=spec.max_slots > 1 and spec.zero_stage == 0,
         upcoming_micro_batches=upcoming, portable=state_is_portable(job, agent_demand.key[1]))

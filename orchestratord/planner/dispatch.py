@@ -70,6 +70,7 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str, gr
         plan.optimizer_issued.add(slot_id)
         if plan.optimizer_deadline_s is None:
             plan.optimizer_deadline_s = job.now_s() + job.spec.leases.train_timeout_s
+            job.touch(agent)
         state = job.agents[agent]
         return OptimizerStepWork(
             job_id=job.job_id, agent=agent, step=plan.step,

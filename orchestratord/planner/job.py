@@ -191,10 +191,12 @@ class JobPlanner:
 
     def slot_lost(self, slot_id: str, reason: str) -> None:
         """A trainer slot died or failed: steps with work on it restart from the last committed version."""
+        self._job.touch_all()
         recovery.slot_lost(self._job, slot_id, reason)
 
     def revoke_worker(self, worker_id: str) -> None:
         """A rollout worker died: its task leases end now and the tasks are re-issued."""
+        self._job.touch_all()
         recovery.revoke_worker(self._job, worker_id)
 
     def recover(self, reported: Iterable[ExperienceSummary], consumed_by: Mapping[str, int] | None = None) -> int:
@@ -204,6 +206,7 @@ class JobPlanner:
         for the manifests of steps whose keys were archived away (``orchestratord/history_archive.py``).
         Then forgets the history recovery needed (older manifests and commits stay in etcd only).
         """
+        self._job.touch_all()
         recovered = recovery.recover(self._job, reported, consumed_by or {})
         self._job.forget_history()
         return recovered
@@ -227,6 +230,7 @@ class JobPlanner:
     def open_evaluation(self, pinned: Sequence[AgentVersion], tasks: int, eval_file: str = "",
                         eval_sha256: str = "") -> str:
         """Opens an on-demand evaluation round on exactly ``pinned``; see :func:`.evaluation.open_on_demand`."""
+        self._job.touch_all()
         return evaluation.open_on_demand(self._job, tuple(pinned), tasks, eval_file, eval_sha256)
 
     @property
@@ -273,6 +277,8 @@ class JobPlanner:
         training task's the reverse (else InvalidArgument).
         """
         granted = self._job.leases.get(lease_id)
+        if not succeeded or granted is None or granted.kind is not LeaseKind.ROLLOUT_TASK:
+            self._job.touch_all()  # a failure or an eval report is rare; a success touches its agents' plans
         if granted is not None and granted.kind is LeaseKind.EVAL_TASK:
             if experiences:
                 raise InvalidArgument(f"eval task {task_id!r}: an evaluation stores no experiences")
@@ -283,6 +289,23 @@ class JobPlanner:
         reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences, reason)
 
     # ---- demand (demand.py) -----------------------------------------------------------------------------
+
+    def touch_all(self) -> None:
+        """Marks every agent's demand as possibly changed (see :meth:`take_touched`)."""
+        self._job.touch_all()
+
+    def take_touched(self) -> list[str]:
+        """The agents whose demand or trainer work may have changed since the last call (then forgets them)."""
+        job = self._job
+        if job.touched_all:
+            job.touched_all = False
+            job.touched.clear()
+            return list(job.spec.agent_names)
+        if not job.touched:
+            return []
+        names = list(job.touched)
+        job.touched.clear()
+        return names
 
     def demand(self, agent: str) -> AgentDemand:
         """What the agent needs from the trainer pool now."""
@@ -318,23 +341,32 @@ class JobPlanner:
                           group: DataParallelGroup | None = None
                           ) -> MicroBatchWork | OptimizerStepWork | WarmStartWork | None:
         """Work for a slot bound to ``agent`` (see :func:`.dispatch.next_trainer_work`), or None."""
-        return dispatch.next_trainer_work(self._job, agent, slot_id, worker_id, group)
+        work = dispatch.next_trainer_work(self._job, agent, slot_id, worker_id, group)
+        if isinstance(work, WarmStartWork):
+            self._job.touch(agent)  # a warm start went out (its demand moves from pending to in flight)
+        return work
 
     def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
         """A micro-batch's gradients are accumulated in the slot; see :func:`.dispatch.ack_micro_batch`."""
+        granted = self._job.leases.get(lease_id)
+        if granted is None or granted.kind is not LeaseKind.MICRO_BATCH:
+            self._job.touch_all()
         dispatch.ack_micro_batch(self._job, lease_id, worker_id, slot_id, episodes)
 
     def commit_step(self, worker_id: str, slot_id: str, agent: str, step: int, new_version: int,
                     weights_uri: str, state_uri: str, loss: float = 0.0, grad_norm: float = 0.0,
                     step_seconds: float = 0.0, figures: Mapping[str, float] | None = None) -> None:
         """Version ``new_version`` of the agent is published (0: its warm start); see :func:`.dispatch.commit_step`."""
+        self._job.touch_all()  # a version moves: plans, sequential turns, evaluation, the job's state
         dispatch.commit_step(self._job, worker_id, slot_id, agent, step, new_version, weights_uri, state_uri,
                              loss, grad_norm, step_seconds, figures)
 
     def release_slot(self, agent: str) -> None:
         """The agent leaves its slot between steps (binding change)."""
+        self._job.touch(agent)
         dispatch.release_slot(self._job, agent)
 
     def record_swap_out(self, agent: str, state_uri: str) -> None:
         """A slot saved the agent's committed state at ``state_uri``."""
+        self._job.touch_all()
         dispatch.record_swap_out(self._job, agent, state_uri)

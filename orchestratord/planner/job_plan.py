@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
 
 from flexmarl.errors import FailedPrecondition, NotFound
 from flexmarl.evaluation import EvalEpisode
-from flexmarl.jobspec import JobSpec
+from flexmarl.jobspec import AgentSpec, JobSpec
 from orchestratord.binding import DataParallelGroup
 from orchestratord.leases import LeaseStatus, LeaseTable
 from orchestratord.planner.estimator import RolloutDemandEstimator
@@ -144,6 +145,9 @@ class StepPlan:
     formed_groups: int = 0
     first_ready: int = 0  # no READY micro-batch below this index
     leased_by_slot: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # slot -> LEASED indices
+    # The job's set of agents whose demand may have changed (JobPlan.touched; set by manifests.step_plan):
+    # the writers above add the plan's agent, so the planner recomputes only those agents' demands.
+    touched: set[str] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def add_micro_batch(self, groups: tuple[Group, ...]) -> MicroBatch:
         """Appends a READY micro-batch of ``groups``."""
@@ -152,11 +156,15 @@ class StepPlan:
         self.ready_count += 1
         self.ready_tokens += mb.response_tokens
         self.formed_groups += len(groups)
+        if self.touched is not None:
+            self.touched.add(self.agent)
         return mb
 
     def set_status(self, mb: MicroBatch, status: MicroBatchStatus, *, lease_id: str | None = None,
                    slot_id: str | None = None) -> None:
         """Moves one of the plan's micro-batches to ``status`` (and sets its lease and slot where given)."""
+        if self.touched is not None:
+            self.touched.add(self.agent)
         if mb.status is MicroBatchStatus.READY:
             self.ready_count -= 1
             self.ready_tokens -= mb.response_tokens
@@ -316,6 +324,33 @@ class JobPlan:
     # Held-out evaluation (``planner.evaluation``): open rounds by round id (in opening order), and the rounds over.
     eval_rounds: dict[str, EvalRound] = dataclasses.field(default_factory=dict)
     eval_done: set[str] = dataclasses.field(default_factory=set)
+    # Agents whose trainer demand (planner.demand) or trainer work may have changed since the planner last
+    # looked (it recomputes only theirs, and wakes only their slots' polls); touched_all: every agent's.
+    touched: set[str] = dataclasses.field(default_factory=set)
+    touched_all: bool = True
+
+    def touch(self, agent: str) -> None:
+        """The agent's demand or trainer work may have changed."""
+        self.touched.add(agent)
+
+    def touch_all(self) -> None:
+        """Every agent's demand or trainer work may have changed (a job-wide or rare change)."""
+        self.touched_all = True
+
+    @functools.cached_property
+    def agent_specs(self) -> dict[str, AgentSpec]:
+        """The spec of each agent by name (the spec is frozen; ``JobSpec.agent`` searches the list)."""
+        return {agent.name: agent for agent in self.spec.agents}
+
+    @functools.cached_property
+    def advantage_norms(self) -> dict[str, str]:
+        """Each agent's ``advantage_norm`` (``JobSpec.algorithm_of`` copies the algorithm on every call)."""
+        return {name: self.spec.algorithm_of(name).advantage_norm for name in self.spec.agent_names}
+
+    @functools.cached_property
+    def has_warm_starts(self) -> bool:
+        """Whether some agent has a warm start (``agents[].warm_start``)."""
+        return any(agent.warm_start is not None for agent in self.spec.agents)
 
     def agent(self, agent: str) -> AgentState:
         """An agent of the job; raises NotFound."""
@@ -345,6 +380,7 @@ class JobPlan:
         """Moves the job to ``state`` (emits JobStateChanged); a terminal state revokes every lease."""
         self.state = state
         self.error = error
+        self.touch_all()
         self.updated_s = self.now_s()
         self.changes.append(JobStateChanged(self.job_id, state, error, self.updated_s))
         if state.terminal:

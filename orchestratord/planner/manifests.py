@@ -39,6 +39,7 @@ def place_task(job: JobPlan, task: Task, step: int, groups: Mapping[str, Group])
         plan = step_plan(job, name, step)
         plan.groups.append(group)
         plan.unformed.append(group)
+        job.touch(name)
     for agent in job.agents.values():
         if agent.version <= step:
             plan = step_plan(job, agent.name, step)
@@ -97,6 +98,7 @@ def fill_steps(job: JobPlan) -> None:
 def _drop_too_stale(job: JobPlan, task: Task, step: int) -> None:
     """Forgets a done task that no open step can take (its lease ended with its report)."""
     job.tasks.pop(task.task_id, None)
+    job.touch_all()  # a step may now expect fewer groups
     logger.warning("job %s: dropping task %s: its oldest experience is too stale for step %d (max_staleness %d); "
                    "the admission rule leases another task in its place",
                    job.job_id, task.task_id, step, job.spec.pipeline.max_staleness)
@@ -106,7 +108,8 @@ def step_plan(job: JobPlan, agent: str, step: int) -> StepPlan:
     """The plan of a step, created empty on first use."""
     plan = job.plans.get((agent, step))
     if plan is None:
-        plan = StepPlan(agent, step)
+        plan = StepPlan(agent, step, touched=job.touched)
+        job.touch(agent)
         job.plans[(agent, step)] = plan
     return plan
 
@@ -130,6 +133,7 @@ def fix_manifest(job: JobPlan, plan: StepPlan) -> None:
                  f"stored manifest")
         return
     plan.manifest = manifest
+    job.touch(plan.agent)
     if persisted is None:
         job.persisted_manifests[(plan.agent, plan.step)] = manifest
         job.changes.append(ManifestFixed(manifest))
@@ -141,7 +145,7 @@ def needs_step_statistics(job: JobPlan, agent: str) -> bool:
     Its micro-batches are then held until the step's batch is complete, so that every one is sent
     with the same exact statistics (docs/training.md, "Credit assignment").
     """
-    return job.spec.algorithm_of(agent).advantage_norm == "agent"
+    return job.advantage_norms[agent] == "agent"
 
 
 def form_micro_batches(job: JobPlan, plan: StepPlan, batch_complete: bool) -> None:

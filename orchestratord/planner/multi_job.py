@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, InvalidArgument, NotFound
 from flexmarl.evaluation import EvalEpisode
@@ -14,6 +14,7 @@ from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
 from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, SlotBinder
 from orchestratord.planner.job import JobPlanner
+from orchestratord.planner.poll_wakes import TrainerPollWakes
 from orchestratord.planner.types import (
     JobSnapshot,
     PlannerOptions,
@@ -45,6 +46,12 @@ class Planner:
         # No slot can be silent before then (the earliest last_seen_s at the last sweep + slot_silence_s; a
         # slot's last_seen_s only grows, a new one starts at now): tick skips its sweep over every slot.
         self._silence_sweep_after_s = -math.inf
+        #: The demands kept between trainer polls, and which waiting polls a change can have answered.
+        self.poll_wakes = TrainerPollWakes(self.binder)
+        #: Jobs whose bindings the binder may still hold (forgotten once, by _sweep, when the job ends).
+        self._bound_jobs: set[str] = set()
+        self._noted_demands = -1
+        self._noted_bindings: int | None = None
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -67,6 +74,7 @@ class Planner:
         return job
 
     def _register_binding(self, job: JobPlanner) -> None:
+        self._bound_jobs.add(job.job_id)
         if job.spec.pipeline.effective_binding == "static" and not job.state.terminal:
             self.binder.set_static(job.job_id, job.spec.agent_names)
 
@@ -122,8 +130,10 @@ class Planner:
 
     def _sweep(self) -> None:
         for job in self._jobs.values():
-            if job.state.terminal:
+            if job.state.terminal and job.job_id in self._bound_jobs:
                 self.binder.forget_agents(job.job_id)
+                self._bound_jobs.discard(job.job_id)
+                self.poll_wakes.mark_all()
 
     def _job_of_lease(self, lease_id: str) -> JobPlanner:
         job = self._jobs.get(job_id_of_lease(lease_id))
@@ -149,6 +159,7 @@ class Planner:
         self._sweep()
 
     def _slot_lost(self, slot_id: str, reason: str) -> None:
+        self.poll_wakes.mark_all()
         self.binder.remove_slot(slot_id)
         for job in self._running():
             job.slot_lost(slot_id, reason)
@@ -244,11 +255,14 @@ class Planner:
     # ---- trainer slots ---------------------------------------------------------------------------------
 
     def _demands(self) -> dict[AgentKey, AgentDemand]:
-        demands: dict[AgentKey, AgentDemand] = {}
-        for job in self._running():
-            for agent in job.spec.agent_names:
-                demands[(job.job_id, agent)] = job.data_parallel_demand(agent)
-        return demands
+        return self.poll_wakes.demands(self._running())
+
+    def trainer_wakes(self, waiting: Collection[str]) -> set[str]:
+        """Of the slots whose long poll waits (found no work), those a change since the last call may have given work.
+
+        Call after every change (see :mod:`.poll_wakes`); a slot not returned would get the same answer.
+        """
+        return self.poll_wakes.wakes(self._running(), waiting)
 
     def poll_trainer_work(self, worker_id: str, slot_id: str,
                           resident: Sequence[ResidentAgent] = (), dp_address: str = "") -> TrainerWork | None:
@@ -265,8 +279,14 @@ class Planner:
                 return SwapOutWork(job_id, agent, self._options.swap_location)
             slot.swapping_out = None
         demands = self._demands()
-        self.binder.note_demand(demands.values())
+        # O(agents): skipped while neither the demands nor the bindings changed since the last poll.
+        if self._noted_demands != self.poll_wakes.recomputed:
+            self._noted_bindings = None
+        self._noted_bindings = self.binder.note_demand(demands.values(), self._noted_bindings)
+        self._noted_demands = self.poll_wakes.recomputed
         decision = self.binder.decide(slot_id, demands)
+        if decision.kind in (DecisionKind.BIND, DecisionKind.JOIN, DecisionKind.RELEASE):
+            self.poll_wakes.mark((decision.agent, decision.successor))  # bindings change (not on KEEP: no loop)
         if decision.kind is DecisionKind.RELEASE and decision.agent is not None:
             job_id, agent = decision.agent
             primary = self.binder.slot_of(decision.agent) == slot_id
@@ -295,6 +315,7 @@ class Planner:
         if demand is not None and not demand.mid_step:
             joined = self.binder.grow(agent, demands)
             if joined:
+                self.poll_wakes.mark((agent,))
                 logger.info("agent %s/%s: slots %s joined its data-parallel group (now %s)", agent[0], agent[1],
                             joined, list(self.binder.members(agent)))
         return self._jobs[agent[0]].next_trainer_work(agent[1], slot_id, worker_id, self.binder.group(agent))
@@ -337,6 +358,7 @@ class Planner:
         if slot is None or slot.worker_id != worker_id or slot.swapping_out != (job_id, agent):
             raise FailedPrecondition(f"slot {slot_id!r} was not asked to swap out agent {agent!r} of {job_id!r}")
         slot.swapping_out = None
+        self.poll_wakes.mark_all()
         job = self.job(job_id)
         if not job.state.terminal:
             job.record_swap_out(agent, state_uri)

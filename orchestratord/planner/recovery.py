@@ -46,6 +46,7 @@ def tick(job: JobPlan) -> list[str]:
 
 def expire_lease(job: JobPlan, lease: Lease, reason: str) -> str:
     """Ends an active lease as expired and re-issues its work; returns the slot it leaves dead ("" for a task)."""
+    job.touch_all()
     job.leases.end(lease, LeaseStatus.EXPIRED, reason)
     if lease.kind is LeaseKind.ROLLOUT_TASK:
         requeue_task(job, lease.subject, f"lease expired ({reason})")
@@ -117,6 +118,7 @@ def revoke_worker(job: JobPlan, worker_id: str) -> None:
 
 def replay(job: JobPlan, plan: StepPlan, reason: str) -> None:
     """Starts a new attempt of a step: every micro-batch again, same manifest, from the committed version."""
+    job.touch_all()
     for mb in plan.micro_batches:
         lease = job.leases.get(mb.lease_id) if mb.lease_id else None
         if lease is not None:

@@ -32,12 +32,12 @@ from orchestratord.state import WarmStartPublished
 def pending(job: JobPlan, agent: str) -> bool:
     """Whether the agent has a warm start whose version 0 is not committed yet."""
     state = job.agent(agent)
-    return job.spec.agent(agent).warm_start is not None and state.version == 0 and not state.weights_uri
+    return job.agent_specs[agent].warm_start is not None and state.version == 0 and not state.weights_uri
 
 
 def any_pending(job: JobPlan) -> bool:
     """Whether some agent of the job still waits for its warm start (the job admits no task then)."""
-    return any(pending(job, name) for name in job.agents)
+    return job.has_warm_starts and any(pending(job, name) for name in job.agents)
 
 
 def _held_lease(job: JobPlan, attempt: WarmStartAttempt | None) -> Lease | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -238,6 +240,16 @@ class PlannerMachine(RuleBasedStateMachine):
                 assert plan.leased_to(slot) is (held[0] if held else None)
 
     @invariant()
+    def kept_demands_match_a_recount(self) -> None:
+        """The demands a trainer poll reads (kept; recomputed for touched agents only) agree with a recount."""
+        if not hasattr(self, "job"):
+            return
+        kept = dict(self.planner.poll_wakes.demands([self.job] if not self.job.state.terminal else []))
+        expected = {} if self.job.state.terminal else {
+            (JOB, agent): self.job.data_parallel_demand(agent) for agent in AGENTS}
+        assert kept == expected
+
+    @invariant()
     def versions_count_commits(self) -> None:
         if hasattr(self, "job"):
             for agent in AGENTS:
@@ -287,3 +299,48 @@ PlannerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPlannerInvariants = PlannerMachine.TestCase
+
+
+class WakingPlannerMachine(PlannerMachine):
+    """The same cluster, with orchestratord's targeted long-poll wakes: no waiting poll misses work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: set[str] = set()  # slots whose last poll found no work and that were not woken since
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def poll(self, slot: str) -> None:
+        self.waiting.add(slot)  # as the coordinator: registered before the call, so the call's own change wakes it
+        super().poll(slot)
+        if slot in self.inbox:
+            self.waiting.discard(slot)
+        self.wake()
+
+    @rule(slot=st.sampled_from(SLOTS))
+    def kill_trainer(self, slot: str) -> None:
+        super().kill_trainer(slot)
+        self.waiting.discard(slot)
+
+    def wake(self) -> None:
+        """What the coordinator does after every mutation: the slots to poll again stop waiting."""
+        self.waiting -= self.planner.trainer_wakes(self.waiting)
+
+    @invariant()
+    def no_wake_is_lost(self) -> None:
+        """A poll that was not woken would still find no work (on a copy of the planner, after its tick)."""
+        if not hasattr(self, "job"):
+            return
+        self.planner.tick()  # the coordinator's tick loop
+        self.wake()
+        for slot in sorted(self.waiting):
+            planner = copy.deepcopy(self.planner)
+            resident = [ResidentAgent(JOB, agent, version) for agent, version in self.resident[slot].items()]
+            work = planner.poll_trainer_work(self.worker_of(slot), slot, resident, dp_address=f"host:{slot}")
+            assert work is None, f"slot {slot} waits, unwoken, while a poll would get {work}"
+
+
+WakingPlannerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestNoLostWakes = WakingPlannerMachine.TestCase
