@@ -47,9 +47,11 @@ the weight loads the balancer asks for and reports them with
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import enum
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -219,14 +221,65 @@ class _Replica:
         )
 
 
-@dataclasses.dataclass(frozen=True)
+def _remove(replicas: list[_Replica], replica: _Replica) -> None:
+    """Removes ``replica`` itself from the list (by identity: dataclass equality compares every field)."""
+    del replicas[next(i for i, r in enumerate(replicas) if r is replica)]
+
+
+#: A donor's rank (lower is better): its group's drain time without it, minus the group's now, its
+#: outstanding tokens, its id.
+_DonorScore = tuple[float, float, int, str]
+
+
+@dataclasses.dataclass
 class _GroupIndex:
-    """What HierarchicalBalancer derives from its replicas' groups and phases, valid for one epoch."""
+    """What HierarchicalBalancer derives from its replicas' groups and phases, valid for one epoch.
+
+    A move (``_move``) patches the groups it touches instead of a rebuild (rebalancing plans many).
+    """
 
     epoch: int
-    counts: Mapping[str, int]  # replicas serving or moving to each model group (target)
-    rates: Mapping[str, float]  # their tokens_per_s
-    serving: Mapping[str, list[_Replica]]  # SERVING replicas by the group they serve now, in replica id order
+    counts: dict[str, int]  # replicas serving or moving to each model group (target)
+    rates: dict[str, float]  # their tokens_per_s (summed in replica id order)
+    serving: dict[str, list[_Replica]]  # SERVING replicas by the group they serve now, in replica id order
+    targets: dict[str, list[_Replica]]  # replicas by target group, in replica id order
+    incoming: dict[str, float]  # tokens_per_s of the replicas moving to each group (target, not yet serving it)
+    # Per group, built on first use: (min-heap of (outstanding tokens, replica id), max-heap of (-tokens, id)) of
+    # its SERVING replicas; an entry whose replica no longer serves the group with those tokens is stale (skipped).
+    loads: dict[str, tuple[list[tuple[int, str]], list[tuple[int, str]]]] = dataclasses.field(default_factory=dict)
+
+    def push_load(self, replica: _Replica) -> None:
+        """A SERVING replica's outstanding tokens changed (or it began serving): a fresh entry in its group's heaps."""
+        heaps = self.loads.get(replica.model_key)
+        if heaps is None:
+            return
+        low, high = heaps
+        if len(low) > 2 * len(self.serving.get(replica.model_key, ())) + 64:  # mostly stale: rebuild
+            del self.loads[replica.model_key]
+            return
+        heapq.heappush(low, (replica.outstanding_tokens, replica.spec.replica_id))
+        heapq.heappush(high, (-replica.outstanding_tokens, replica.spec.replica_id))
+
+    def serve(self, replica: _Replica) -> None:
+        """``replica`` (now SERVING its target group) joins its group's serving list."""
+        bisect.insort(self.serving.setdefault(replica.model_key, []), replica, key=lambda r: r.spec.replica_id)
+        key = replica.model_key
+        self.incoming[key] = sum(r.spec.tokens_per_s for r in self.targets.get(key, ()) if r.model_key != key)
+        self.push_load(replica)
+
+    def retarget(self, replica: _Replica, old_target: str, was_serving: bool) -> None:
+        """``replica`` moved from ``old_target`` to its ``target_model_key`` (and left SERVING if it was)."""
+        if was_serving:
+            _remove(self.serving[replica.model_key], replica)
+        _remove(self.targets[old_target], replica)
+        bisect.insort(self.targets.setdefault(replica.target_model_key, []), replica,
+                      key=lambda r: r.spec.replica_id)
+        for key in (old_target, replica.target_model_key):
+            members = self.targets[key]
+            if key in self.counts:
+                self.counts[key] = len(members)
+                self.rates[key] = sum(r.spec.tokens_per_s for r in members)
+            self.incoming[key] = sum(r.spec.tokens_per_s for r in members if r.model_key != key)
 
 
 class TokenEstimator:
@@ -312,6 +365,8 @@ class HierarchicalBalancer:
         # (rare) instead of scanning every replica on each request: O(group) routing at thousands of replicas.
         self._groups_epoch = 0
         self._groups_cache: _GroupIndex | None = None
+        #: Within one rebalance: the best donor of each (group, require_spare) not touched by a move since.
+        self._donor_memo: dict[tuple[str, bool], tuple[_DonorScore, _Replica | None]] | None = None
         # Replicas that may have reached AWAITING_LOAD since the last replicas_awaiting_load (a superset).
         self._maybe_awaiting: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
@@ -418,6 +473,8 @@ class HierarchicalBalancer:
         placed: list[Ticket] = []
         for model_key in self._model_keys:
             queue = self._queued[model_key]
+            if not queue:
+                continue
             blocked: set[str] = set()  # adapter names whose oldest waiting ticket found no slot
             for request_id in list(queue):
                 ticket = self._tickets[request_id]
@@ -455,6 +512,8 @@ class HierarchicalBalancer:
             return ticket
         replica.outstanding_tokens -= ticket.estimated_tokens
         replica.in_flight_requests -= 1
+        if replica.phase is ReplicaPhase.SERVING:
+            self._groups().push_load(replica)
         if ticket.adapter is not None:  # its name's last request here frees the name's slot
             replica.adapter_requests[ticket.adapter] -= 1
             if replica.adapter_requests[ticket.adapter] <= 0:
@@ -466,6 +525,11 @@ class HierarchicalBalancer:
 
     def _try_place(self, ticket: Ticket) -> Ticket | None:
         model_key = self._agent_model[ticket.agent]
+        if self._config.routing is RoutingPolicy.LEAST_TOKENS and (
+                ticket.adapter is None or model_key not in self._adapter_slots):
+            # Every serving replica of the group is a candidate: O(log group) from the group's load heaps.
+            chosen = self._least_tokens_in_group(model_key, ticket.affinity_key)
+            return None if chosen is None else self._assign(ticket, chosen)
         candidates = [
             replica for replica in self._groups().serving.get(model_key, ())
             if self._has_adapter_slot(replica, ticket.adapter)
@@ -478,15 +542,50 @@ class HierarchicalBalancer:
             chosen = candidates[index]
         else:
             chosen = self._least_tokens_with_affinity(candidates, ticket.affinity_key)
+        return self._assign(ticket, chosen)
+
+    def _assign(self, ticket: Ticket, chosen: _Replica) -> Ticket:
         placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
         chosen.outstanding_tokens += ticket.estimated_tokens
         chosen.in_flight_requests += 1
+        self._groups().push_load(chosen)
         if ticket.adapter is not None:
             chosen.adapter_requests[ticket.adapter] += 1
         self._tickets[ticket.request_id] = placed
         if ticket.affinity_key:
             self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
         return placed
+
+    def _least_tokens_in_group(self, model_key: str, affinity_key: str) -> _Replica | None:
+        """:meth:`_least_tokens_with_affinity` over every serving replica of the group, from its load heaps."""
+        index = self._groups()
+        serving = index.serving.get(model_key)
+        if not serving:
+            return None
+        heaps = index.loads.get(model_key)
+        if heaps is None:
+            low = [(r.outstanding_tokens, r.spec.replica_id) for r in serving]
+            high = [(-r.outstanding_tokens, r.spec.replica_id) for r in serving]
+            heapq.heapify(low)
+            heapq.heapify(high)
+            heaps = index.loads[model_key] = (low, high)
+        low, high = heaps
+        while not self._load_is_current(low[0][0], low[0][1], model_key):
+            heapq.heappop(low)
+        while not self._load_is_current(-high[0][0], high[0][1], model_key):
+            heapq.heappop(high)
+        least = self._replicas[low[0][1]]  # least tokens, first in id order on ties
+        if self._imbalanced(-high[0][0], low[0][0]):
+            return least
+        preferred = self._replicas.get(self._lookup_affinity(affinity_key)) if affinity_key else None
+        if preferred is not None and preferred.phase is ReplicaPhase.SERVING and preferred.model_key == model_key:
+            return preferred
+        return least
+
+    def _load_is_current(self, tokens: int, replica_id: str, model_key: str) -> bool:
+        replica = self._replicas.get(replica_id)
+        return (replica is not None and replica.phase is ReplicaPhase.SERVING and replica.model_key == model_key
+                and replica.outstanding_tokens == tokens)
 
     def _has_adapter_slot(self, replica: _Replica, adapter: str | None) -> bool:
         """Whether a request with ``adapter`` may run on ``replica`` now (scheduler.py ``can_schedule_lora_req``).
@@ -514,7 +613,9 @@ class HierarchicalBalancer:
         """sglang-router's rule: (max - min) > abs threshold and max > rel threshold × min."""
         if not loads:
             return False
-        high, low = max(loads), min(loads)
+        return self._imbalanced(max(loads), min(loads))
+
+    def _imbalanced(self, high: int, low: int) -> bool:
         return (
             high - low > self._config.balance_abs_threshold_tokens and high > self._config.balance_rel_threshold * low
         )
@@ -585,12 +686,16 @@ class HierarchicalBalancer:
             return []
         demand = self.model_demand_tokens()
         moves: list[ReplicaMove] = []
-        for model_key in self._model_keys:
-            if demand[model_key] > 0 and not self._has_replica(model_key):
-                donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
-                if donor is not None:
-                    moves.append(self._move(donor, model_key, now_s))
-        return moves + self._improving_plan(demand, now_s)
+        self._donor_memo = {}
+        try:
+            for model_key in self._model_keys:
+                if demand[model_key] > 0 and not self._has_replica(model_key):
+                    donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
+                    if donor is not None:
+                        moves.append(self._move(donor, model_key, now_s))
+            return moves + self._improving_plan(demand, now_s)
+        finally:
+            self._donor_memo = None
 
     def _improving_plan(self, demand: Mapping[str, int], now_s: float) -> list[ReplicaMove]:
         """Greedy moves, each shortening the bottleneck; kept only if together they beat the hysteresis.
@@ -651,9 +756,7 @@ class HierarchicalBalancer:
         before_s = drain_s[bottleneck]
         bottleneck_rate = rates[bottleneck]
         # Replicas this plan already moved in are loading, not serving, during the cost.
-        serving_rate = bottleneck_rate - sum(
-            r.spec.tokens_per_s for r in self._replicas.values()
-            if r.target_model_key == bottleneck and r.model_key != bottleneck)
+        serving_rate = bottleneck_rate - self._groups().incoming.get(bottleneck, 0.0)
         remaining_after_cost = max(0.0, demand[bottleneck] - max(0.0, serving_rate) * cost_s)
         bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + donor_rate)
         donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
@@ -669,37 +772,65 @@ class HierarchicalBalancer:
     def _pick_donor(
         self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool
     ) -> _Replica | None:
-        """The movable replica whose group suffers least from losing it."""
-        counts = self.replica_counts()
-        rates = self._group_rates()
-        best: tuple[float, float, int, str] | None = None
+        """The movable replica whose group suffers least from losing it.
+
+        The best of each group (by the group it serves now) is kept for the rest of a rebalance
+        (``_donor_memo``) until a move touches that group: a plan of many moves is not O(replicas) each.
+        """
+        best: _DonorScore | None = None
         best_replica: _Replica | None = None
-        for replica_id in self._replica_order:
-            replica = self._replicas[replica_id]
-            key = replica.model_key
-            if key == exclude or replica.phase is not ReplicaPhase.SERVING:
+        for key, serving in self._groups().serving.items():
+            if key == exclude or not serving:
                 continue
-            if key not in counts:  # serving a model no agent uses: always free to take
-                score: tuple[float, float, int, str] = (-1.0, 0.0, replica.outstanding_tokens, replica_id)
-            else:
-                if now_s - replica.last_move_s < self._config.min_residency_s:
-                    continue
-                if require_spare and demand[key] > 0 and counts[key] <= 1:
-                    continue  # a group with demand keeps its last replica
-                after_s = self._drain_time_s(demand[key], rates[key] - replica.spec.tokens_per_s)
-                score = (after_s, -self._drain_time_s(demand[key], rates[key]), replica.outstanding_tokens, replica_id)
-            if best is None or score < best:
+            memo = self._donor_memo
+            found = memo.get((key, require_spare)) if memo is not None else None
+            if found is None:
+                found = self._group_donor(key, serving, demand, now_s, require_spare)
+                if memo is not None:
+                    memo[(key, require_spare)] = found
+            score, replica = found
+            if replica is not None and (best is None or score < best):
                 best, best_replica = score, replica
         return best_replica
 
+    def _group_donor(self, key: str, serving: Sequence[_Replica], demand: Mapping[str, int], now_s: float,
+                     require_spare: bool) -> tuple[_DonorScore, _Replica | None]:
+        """The best donor among the replicas serving ``key`` (see :meth:`_pick_donor`), with its score."""
+        index = self._groups()
+        best: _DonorScore = (math.inf, math.inf, 0, "")
+        best_replica: _Replica | None = None
+        for replica in serving:
+            replica_id = replica.spec.replica_id
+            if key not in index.counts:  # serving a model no agent uses: always free to take
+                score: _DonorScore = (-1.0, 0.0, replica.outstanding_tokens, replica_id)
+            else:
+                if now_s - replica.last_move_s < self._config.min_residency_s:
+                    continue
+                if require_spare and demand[key] > 0 and index.counts[key] <= 1:
+                    continue  # a group with demand keeps its last replica
+                rate = index.rates[key]
+                after_s = self._drain_time_s(demand[key], rate - replica.spec.tokens_per_s)
+                score = (after_s, -self._drain_time_s(demand[key], rate), replica.outstanding_tokens, replica_id)
+            if best_replica is None or score < best:
+                best, best_replica = score, replica
+        return best, best_replica
+
     def _move(self, replica: _Replica, to_model_key: str, now_s: float) -> ReplicaMove:
         move = ReplicaMove(replica.spec.replica_id, replica.model_key, to_model_key)
+        index = self._groups()
+        old_target, was_serving = replica.target_model_key, replica.phase is ReplicaPhase.SERVING
         replica.target_model_key = to_model_key
         replica.last_move_s = now_s
         replica.phase = ReplicaPhase.DRAINING if replica.in_flight_requests else ReplicaPhase.AWAITING_LOAD
         if replica.phase is ReplicaPhase.AWAITING_LOAD:
             self._maybe_awaiting.add(replica.spec.replica_id)
         self._groups_epoch += 1
+        index.retarget(replica, old_target, was_serving)
+        index.epoch = self._groups_epoch
+        if self._donor_memo is not None:
+            for key in (replica.model_key, old_target, to_model_key):
+                self._donor_memo.pop((key, True), None)
+                self._donor_memo.pop((key, False), None)
         self.reassignments += 1
         return move
 
@@ -717,17 +848,22 @@ class HierarchicalBalancer:
         replica = self._replica(replica_id)
         if replica.phase is not ReplicaPhase.AWAITING_LOAD:
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not awaiting a load")
+        index = self._groups()
         replica.phase = ReplicaPhase.LOADING
         self._groups_epoch += 1
+        index.epoch = self._groups_epoch  # neither phase serves nor changes the target: the index holds
 
     def complete_load(self, replica_id: str) -> None:
         """The replica now serves its new group; call place_queued() next."""
         replica = self._replica(replica_id)
         if replica.phase not in (ReplicaPhase.LOADING, ReplicaPhase.AWAITING_LOAD):
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not loading")
+        index = self._groups()
         replica.model_key = replica.target_model_key
         replica.phase = ReplicaPhase.SERVING
         self._groups_epoch += 1
+        index.serve(replica)
+        index.epoch = self._groups_epoch
         stale = [k for k, r in self._affinity.items() if r == replica_id]
         for key in stale:  # its KV cache is gone with the old weights
             del self._affinity[key]
@@ -741,14 +877,20 @@ class HierarchicalBalancer:
         counts = dict.fromkeys(self._model_keys, 0)
         rates = dict.fromkeys(self._model_keys, 0.0)
         serving: dict[str, list[_Replica]] = {}
+        targets: dict[str, list[_Replica]] = {}
+        incoming: dict[str, float] = {}
         for replica_id in self._replica_order:
             replica = self._replicas[replica_id]
-            if replica.target_model_key in counts:
-                counts[replica.target_model_key] += 1
-                rates[replica.target_model_key] += replica.spec.tokens_per_s
+            target = replica.target_model_key
+            targets.setdefault(target, []).append(replica)
+            if target in counts:
+                counts[target] += 1
+                rates[target] += replica.spec.tokens_per_s
+            if target != replica.model_key:
+                incoming[target] = incoming.get(target, 0) + replica.spec.tokens_per_s
             if replica.phase is ReplicaPhase.SERVING:
                 serving.setdefault(replica.model_key, []).append(replica)
-        self._groups_cache = _GroupIndex(self._groups_epoch, counts, rates, serving)
+        self._groups_cache = _GroupIndex(self._groups_epoch, counts, rates, serving, targets, incoming)
         return self._groups_cache
 
     def _group_rates(self) -> dict[str, float]:

@@ -262,3 +262,22 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
         serving_a = {v.replica_id for v in views if v.phase is ReplicaPhase.SERVING and v.model_key == "a"}
         assert (ticket.replica_id in serving_a) if serving_a else ticket.replica_id is None
         b.finish(ticket.request_id)
+        _assert_index_is_a_rebuild(b)
+        for key in "abc":  # routing from the load heaps picks what a scan of the group picks
+            serving = [b._replicas[v.replica_id] for v in views
+                       if v.phase is ReplicaPhase.SERVING and v.model_key == key]
+            if serving:
+                assert b._least_tokens_in_group(key, "") is b._least_tokens_with_affinity(serving, "")
+
+
+def _assert_index_is_a_rebuild(b: HierarchicalBalancer) -> None:
+    """The group index, as moves patched it, equals one rebuilt from the replicas (the same floats too)."""
+    def shape(index: object) -> tuple[object, ...]:
+        return (index.counts, index.rates,  # type: ignore[attr-defined]
+                {k: v for k, v in index.incoming.items() if v},  # type: ignore[attr-defined]
+                {k: [r.spec.replica_id for r in v] for k, v in index.serving.items() if v},  # type: ignore[attr-defined]
+                {k: [r.spec.replica_id for r in v] for k, v in index.targets.items() if v})  # type: ignore[attr-defined]
+
+    kept = shape(b._groups())
+    b._groups_cache = None
+    assert kept == shape(b._groups())
