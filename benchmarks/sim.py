@@ -62,6 +62,7 @@ Writes ``<out>/sim.json`` and ``<out>/sim.png`` and prints the table.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import heapq
@@ -73,7 +74,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +379,9 @@ class Simulation:
         # One traind process per slot (the GPU deployment): its own worker id and rendezvous.
         self.slots = [_Slot(f"trainer-{i}/slot0", f"trainer-{i}", f"trainer-{i}:29500") for i in range(settings.slots)]
         self.by_slot = {slot.slot_id: slot for slot in self.slots}
+        # Slots whose long poll waits (found no work, not yet answered); slots yet to poll for the first time.
+        self.waiting: set[str] = set()
+        self.unpolled: set[str] = set(self.by_slot)
         # Optimizer steps of data-parallel groups: (group id, step id) -> members arrived.
         self.collectives: dict[tuple[str, str], list[_Slot]] = {}
         self.max_group_size = 1
@@ -647,26 +651,52 @@ class Simulation:
             self.push(self.now_s + load_s, "loaded", move.replica_id)
 
     # ---- trainer slots ------------------------------------------------------------------------------------
-    def poll_slots(self) -> None:
-        """Every idle slot polls the planner (the long poll answers at once when work exists)."""
-        for slot in self.slots:
-            if slot.busy_until_s >= self.now_s or slot.pending is not None:
-                continue
-            resident = [slot.resident] if slot.resident is not None else []
-            work = self.planner.poll_trainer_work(slot.worker_id, slot.slot_id, resident, slot.dp_address)
-            if work is None:
-                self.lease_ops["empty poll"] += 1
-                continue
-            self.lease_ops["trainer lease"] += 1
-            duration_s = self.work_seconds(slot, work)
-            slot.pending = work
-            slot.busy_s += duration_s
-            group = work.group if not isinstance(work, SwapOutWork) else None
-            if isinstance(work, OptimizerStepWork) and group is not None and group.world_size > 1:
-                self.join_collective(slot, work, self.now_s + duration_s)
-                continue
-            slot.busy_until_s = self.now_s + duration_s
-            self.push(slot.busy_until_s, "slot", slot.slot_id)
+    def poll_slots(self, slot_ids: Iterable[str] = ()) -> None:
+        """``slot_ids`` poll, then every waiting poll a change woke, until none is (orchestratord's long polls).
+
+        As the coordinator does: a poll that finds no work waits (``self.waiting``) until the planner
+        says a change may have given its slot work (``Planner.trainer_wakes``, asked after every
+        change) or its long poll ends (``tick``: traind polls again every ``POLL_WAIT_MS``).
+        """
+        queue = collections.deque(slot_ids)
+        queued = set(queue)
+        polls = 0
+        while True:
+            # Changes since the last poll (reports, acks, commits, the tick) wake the polls they concern.
+            for slot_id in sorted(self.planner.trainer_wakes(self.waiting) - queued):
+                queue.append(slot_id)
+                queued.add(slot_id)
+            if not queue:
+                return
+            slot_id = queue.popleft()
+            queued.discard(slot_id)
+            polls += 1
+            if polls > 100 * len(self.slots) + 100:
+                raise RuntimeError("trainer polls keep waking each other (a wake loop)")
+            self.poll_slot(self.by_slot[slot_id])
+
+    def poll_slot(self, slot: _Slot) -> None:
+        """One poll of an idle slot; it waits (in ``self.waiting``) when it finds no work."""
+        if slot.busy_until_s > self.now_s or slot.pending is not None:  # (its own "slot" event polls at once)
+            self.waiting.discard(slot.slot_id)
+            return
+        self.waiting.add(slot.slot_id)  # registered before the call, as the coordinator does
+        resident = [slot.resident] if slot.resident is not None else []
+        work = self.planner.poll_trainer_work(slot.worker_id, slot.slot_id, resident, slot.dp_address)
+        if work is None:
+            self.lease_ops["empty poll"] += 1
+            return
+        self.waiting.discard(slot.slot_id)
+        self.lease_ops["trainer lease"] += 1
+        duration_s = self.work_seconds(slot, work)
+        slot.pending = work
+        slot.busy_s += duration_s
+        group = work.group if not isinstance(work, SwapOutWork) else None
+        if isinstance(work, OptimizerStepWork) and group is not None and group.world_size > 1:
+            self.join_collective(slot, work, self.now_s + duration_s)
+            return
+        slot.busy_until_s = self.now_s + duration_s
+        self.push(slot.busy_until_s, "slot", slot.slot_id)
 
     def join_collective(self, slot: _Slot, work: OptimizerStepWork, ready_s: float) -> None:
         """A member reaches its group's optimizer step (after any state load); the last one starts it.
@@ -807,7 +837,8 @@ class Simulation:
             if kind != "tick":
                 last_progress_s = self.now_s
             # The planner is asked when its answer can have changed (orchestratord's long polls
-            # wake on state changes): after reports and slot events, and on every tick.
+            # wake on the changes that concern them): after reports and slot events; on every tick
+            # every waiting poll again (traind's long poll ends after POLL_WAIT_MS and it polls again).
             if kind in ("slot", "tick"):
                 self.lease_tasks()
             if kind == "tick":
@@ -815,7 +846,14 @@ class Simulation:
                 self.balance()
             else:
                 self.place()
-            if kind in ("slot", "tick") or self.reported:
+            if kind == "tick":
+                self.reported = False
+                self.poll_slots(sorted(self.waiting | self.unpolled))
+                self.unpolled.clear()
+            elif kind == "slot":
+                self.reported = False
+                self.poll_slots((payload,))
+            elif self.reported:
                 self.reported = False
                 self.poll_slots()
         for replica in self.replicas.values():
