@@ -64,9 +64,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import functools
 import heapq
-import inspect
 import json
 import math
 import os
@@ -74,11 +72,12 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks.bound import AgentStepWork, device_work_bound, mean_bound
+from benchmarks.control_cpu import CpuMeter
 from benchmarks.sim_report import chart, cpu_table, growth_exponents, table
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
@@ -270,49 +269,6 @@ def allreduce_s(profile: devicemodel.DeviceProfile, members: int) -> float:
         return 0.0
     gradient_bytes = profile.model_params * profile.bytes_per_param
     return 2.0 * (members - 1) / members * gradient_bytes / profile.link_bytes_per_s
-
-
-class CpuMeter:
-    """Thread CPU seconds spent inside the real control-plane code the simulation calls.
-
-    :meth:`wrap` replaces an object's public methods, on the instance only (its type stays the
-    real class), by ones that add ``time.thread_time()`` around the call to the object's
-    component ("planner", "balancer"). Only the outermost call is timed, so a public method
-    calling another is not counted twice. The meter's own two clock reads per call (well under a
-    microsecond each) fall inside the figure: an upper bound, not a discount.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._depth = 0
-
-    def wrap(self, component: str, target: object) -> None:
-        """Times every public method of ``target`` (defined on its class) as ``component``."""
-        self.seconds.setdefault(component, 0.0)
-        self.calls.setdefault(component, 0)
-        for name in dir(type(target)):
-            if name.startswith("_") or not inspect.isfunction(inspect.getattr_static(type(target), name)):
-                continue
-            setattr(target, name, self._timed(component, getattr(target, name)))
-
-    def _timed(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time
-
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return method(*args, **kwargs)
-            self._depth += 1
-            started = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.seconds[component] += clock() - started
-                self.calls[component] += 1
-                self._depth -= 1
-
-        return timed
 
 
 class Simulation:
