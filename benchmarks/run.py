@@ -58,6 +58,7 @@ from benchmarks.bound import (  # noqa: E402
     rpc_times,
     scrape,
 )
+from benchmarks.machine import OVERRUN_LIMIT, CpuSampler, WindowAccount, account  # noqa: E402
 from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.workloads import Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
@@ -144,6 +145,35 @@ class RunResult:
     stale_token_fraction: float = 0.0  # response tokens masked as older than eta (rollout.mask_stale_tokens)
     overhead_rpcs: dict[str, float] = dataclasses.field(default_factory=dict)  # "daemon/method" -> seconds
     long_polls_left_out: int = 0
+    # the measured window's real work past its modelled time (benchmarks/machine.py): wall seconds
+    window_wall_s: float = float("nan")
+    overrun_s: float = float("nan")  # engines' and trainers' overrun + the control plane's CPU wait, in the window
+    device_overrun_s: float = float("nan")  # engines' and trainers' (traces), in the window
+    control_wait_s: float = float("nan")  # orchestratord's, stored's and etcd's threads waiting for a CPU
+    overrun_share: float = float("nan")  # overrun_s / window_wall_s
+    daemon_cpu_share: float = float("nan")  # every daemon's CPU s / window wall s (cores)
+    daemon_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    machine_busy_share: float = float("nan")  # the machine's CPUs, everyone's processes
+    all_idle_share: float = float("nan")  # share of the window with no engine and no trainer busy
+    machine_set: bool = False  # overrun_share above OVERRUN_LIMIT: not measured
+
+    def add_account(self, window: WindowAccount) -> None:
+        """Fills the window's overrun figures and the verdict."""
+        self.window_wall_s = window.wall_s
+        self.overrun_s = window.overrun_s
+        self.device_overrun_s = window.device_overrun_s
+        self.control_wait_s = window.control_wait_s
+        self.overrun_share = window.overrun_share
+        self.daemon_cpu_share = window.daemon_cpu_share
+        self.daemon_cpu_s = window.daemon_cpu_s
+        self.machine_busy_share = window.machine_busy_share
+        self.all_idle_share = window.all_idle_share
+        self.machine_set = window.machine_set
+
+    @property
+    def measured(self) -> bool:
+        """Whether the step is a measurement of the model (steps measured and not machine-set)."""
+        return self.steps_measured > 0 and not self.machine_set
 
     @property
     def label(self) -> str:
@@ -332,20 +362,24 @@ def run_one(
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
+        sampler = CpuSampler({"etcd": cluster.etcd.pid, **{name: d.pid for name, d in cluster.daemons.items()}})
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:
             before = scrape_rpc_times(cluster)
+            sampler.sample()
             job_id = client.submit(job_spec(workload, config, model_dir, args.steps, args.token_scale, eta))
             deadline = time.monotonic() + args.run_timeout_s
             info = client.status(job_id)
             while not info.state.finished and time.monotonic() < deadline:
                 time.sleep(0.5)
+                sampler.sample()
                 info = client.status(job_id)
+            sampler.sample()
             if not info.state.finished:
                 client.cancel(job_id)
             overhead = rpc_overhead(before, scrape_rpc_times(cluster))
             history = client.history(job_id)
     wall_s = time.monotonic() - started
-    result = measure(config, workload, info.state.name, history, profile, trace_dir, args, wall_s)
+    result = measure(config, workload, info.state.name, history, profile, trace_dir, args, wall_s, sampler)
     result.eta = eta
     add_overhead(result, overhead, args.steps, profile.time_scale)
     return result
@@ -371,8 +405,9 @@ def measure(
     trace_dir: Path,
     args: argparse.Namespace,
     wall_s: float,
+    sampler: CpuSampler | None = None,
 ) -> RunResult:
-    """Turns a job's step records and traces into the table's figures."""
+    """Turns a job's step records and traces (and the daemons' CPU samples) into the table's figures."""
     agents = len(workload.agents)
     done_at: dict[int, float] = {}
     tokens: dict[int, int] = {}
@@ -401,7 +436,10 @@ def measure(
     )
     overrun = sum(float(rec.get("overrun_s", 0.0)) for r in [*engines, *trainers] for rec in r)
     bound = step_bound(history, complete[1:], profile, workload.prompt_tokens, args.replicas, args.slots)
-    return RunResult(
+    start, end = done_at[first], done_at[last]
+    window = account([rec for r in [*engines, *trainers] for rec in r], start, end,
+                     sampler.window(start, end) if sampler is not None else None)
+    result = RunResult(
         config,
         workload.name,
         state,
@@ -422,6 +460,8 @@ def measure(
             sum(r.figures.get("stale_token_fraction", 0.0) * r.response_tokens for r in history)
             / max(1, sum(r.response_tokens for r in history))),
     )
+    result.add_account(window)
+    return result
 
 
 def step_bound(
@@ -455,8 +495,33 @@ def reference(results: list[RunResult]) -> RunResult | None:
     return None
 
 
+NOT_MEASURED = "not measured (machine-set)"
+
+
+def speedup(run: RunResult, ref: RunResult | None) -> float:
+    """``run``'s step over the reference's; NaN unless both are measurements of the model."""
+    if ref is None or not (run.measured and ref.measured) or not ref.step_s > 0:
+        return float("nan")
+    return run.step_s / ref.step_s
+
+
+def row_verdict(run: RunResult, ref: RunResult | None, targets: dict[str, float]) -> str:
+    """The table's last column: machine-set, the target's verdict or the reference's speedup."""
+    if run.machine_set:
+        return NOT_MEASURED
+    if ref is not None and ref.machine_set and run is not ref:
+        return f"{ref.label} {NOT_MEASURED}"
+    over = speedup(run, ref)
+    if math.isnan(over):
+        return "not measured" if run is not ref else ""
+    target = targets.get(run.config)
+    if target is not None:
+        return f">= {target}x: {'met' if over >= target else 'MISSED'}"
+    return f"{ref.label if ref else '-'} is {over:.2f}x faster" if run is not ref else ""
+
+
 def table(results: list[RunResult]) -> str:
-    """The printed table: figures, the bound beside the step, and the reference's speedup over each run."""
+    """The printed table: figures, the bound beside the step, overrun, and the reference's speedup over each run."""
     ref = reference(results)
     targets = TARGETS.get(ref.config, {}) if ref is not None else {}
     columns = [
@@ -470,29 +535,30 @@ def table(results: list[RunResult]) -> str:
         Column("roll busy", 9, fmt=".2f"),
         Column("train busy", 10, fmt=".2f"),
         Column("overhead", 8, fmt=".2%"),
+        Column("overrun s", 9, fmt=".2f"),
+        Column("overrun", 7, fmt=".1%"),
+        Column("daemon cpu", 10, fmt=".2f"),
+        Column("all idle", 8, fmt=".1%"),
         Column("ref speedup", 11, fmt=".2f", suffix="x"),
         Column("target", 0, "<", gap="  "),
     ]
     rows = []
     for r in results:
-        over = r.step_s / ref.step_s if ref is not None and ref.step_s > 0 else float("nan")
-        target = targets.get(r.config)
-        verdict = ""
-        if math.isnan(over):
-            verdict = "not measured" if r is not ref else ""
-        elif target is not None:
-            verdict = f">= {target}x: {'met' if over >= target else 'MISSED'}"
-        elif r is not ref:
-            verdict = f"{ref.label if ref else '-'} is {over:.2f}x faster"
+        over = speedup(r, ref)
         rows.append(
             [r.label, r.state, r.step_s, r.bound_s, r.bound_by, r.over_bound, r.tokens_per_s, r.rollout_busy,
-             r.train_busy, r.overhead_share, over, verdict]
+             r.train_busy, r.overhead_share, r.overrun_s, r.overrun_share, r.daemon_cpu_share, r.all_idle_share,
+             "–" if math.isnan(over) else over, row_verdict(r, ref, targets)]
         )
     lines = render_table(columns, rows)
     lines.append(
         "modelled seconds; bound = max(rollout replica-s / replicas, train slot-s / slots) of the tokens generated "
         "and trained (benchmarks/bound.py); overhead = orchestratord + stored RPC handler s per step / step wall s "
-        "(step s x time_scale)"
+        "(step s x time_scale); overrun = wall s in the measured window that the engines' and trainers' real "
+        "compute ran past its modelled time + the s orchestratord's, stored's and etcd's threads waited for a CPU, "
+        f"and its share of the window (above {OVERRUN_LIMIT:.0%}: {NOT_MEASURED}, left out of the speedups); "
+        "daemon cpu = every daemon's CPU s / window wall s (cores); all idle = share of the window with no engine "
+        "and no trainer busy (benchmarks/machine.py)"
     )
     if ref is not None:
         lines.append(target_line(ref))
@@ -507,7 +573,8 @@ def target_line(ref: RunResult) -> str:
         return "met" if ok else "MISSED"
 
     return (
-        f"{ref.label}: step {ref.over_bound:.2f}x its bound (target <= {BOUND_TARGET}x: "
+        (f"{NOT_MEASURED}: " if ref.machine_set else "")
+        + f"{ref.label}: step {ref.over_bound:.2f}x its bound (target <= {BOUND_TARGET}x: "
         f"{verdict(ref.over_bound <= BOUND_TARGET)}; with the busiest agent's own training on its one slot the "
         f"bound is {ref.agent_bound_s:.1f} s, step {ref.step_s / ref.agent_bound_s:.2f}x that); busier busy "
         f"{busier:.2f} (target >= {BUSY_TARGET}: {verdict(busier >= BUSY_TARGET)}); overhead "
@@ -521,7 +588,7 @@ def target_line(ref: RunResult) -> str:
 def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str:
     """The analytic time-shared sequential baseline, against the reference's measured step."""
     ref = reference(results)
-    over = estimate.step_s / ref.step_s if ref is not None and ref.step_s > 0 else float("nan")
+    over = estimate.step_s / ref.step_s if ref is not None and ref.measured and ref.step_s > 0 else float("nan")
     return (
         f"time-shared sequential on all {estimate.devices} devices (device model only, not run): "
         f"{estimate.step_s:.1f} s/step (rollout phases {estimate.rollout_s:.1f}, reloads {estimate.reload_s:.1f}, "
@@ -613,7 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "workload": workload.name,
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "results": [{**dataclasses.asdict(r), "label": r.label, "step_over_bound": r.over_bound} for r in results],
+        "results": [
+            {**dataclasses.asdict(r), "label": r.label, "step_over_bound": r.over_bound,
+             "measurement": NOT_MEASURED if r.machine_set else "measured"}
+            for r in results
+        ],
         "timeshared_sequential_estimate": {**dataclasses.asdict(estimate), "step_s": estimate.step_s},
         "table": report,
     }

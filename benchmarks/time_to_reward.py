@@ -74,6 +74,7 @@ import yaml  # noqa: E402
 
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.bound import AgentStepWork, device_work_bound  # noqa: E402
+from benchmarks.machine import OVERRUN_LIMIT, machine_set  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.workloads import make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
@@ -98,7 +99,6 @@ RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
 FLEXMARL_CONFIGS = ("flexmarl", "flexmarl-partial-eta4", "flexmarl-partial-eta8")
 SPEEDUP_TARGETS = {"sync": 3.0, "sequential": 5.0}  # the best FlexMARL configuration's, on every seed
 FINAL_TOLERANCE = 0.02  # final reward no lower than sync's minus this
-OVERRUN_LIMIT = 0.05  # overrun wall s / run wall s above which the machine, not the model, set the time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +175,7 @@ class RewardRun:
     @property
     def machine_set(self) -> bool:
         """Whether the overrun after step 0 says the machine, not the device model, set the time."""
-        return not (self.steady_overrun_share <= OVERRUN_LIMIT)
+        return machine_set(self.steady_overrun_share)
 
     @property
     def final_reward(self) -> float:
