@@ -60,7 +60,7 @@ from benchmarks.bound import (  # noqa: E402
 )
 from benchmarks.machine import OVERRUN_LIMIT, CpuSampler, WindowAccount, account  # noqa: E402
 from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
-from benchmarks.workloads import Workload, make_workload  # noqa: E402
+from benchmarks.workloads import VARIANTS, Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
@@ -107,6 +107,22 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
         {"balancing": "hierarchical", "partial_rollout": True},
         "flexmarl-partial without masking: a step waits for a task no later step may take (every token within eta)",
+    ),
+    # issue 35's ablations on top of flexmarl-partial, one mechanism off each (async off: no-async)
+    "partial-no-lb": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        {"balancing": "static", "partial_rollout": True, "mask_stale_tokens": True},
+        "flexmarl-partial with fixed replica shares",
+    ),
+    "partial-no-binding": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion", "binding": "static"},
+        {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
+        "flexmarl-partial with each agent on a fixed slot set",
+    ),
+    "partial-no-interrupt": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        {"balancing": "hierarchical"},
+        "flexmarl-partial without interruptible generation (a running generation finishes on its weights)",
     ),
 }
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
@@ -632,7 +648,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--agents", type=int, default=3)
-    parser.add_argument("--variant", choices=["long-tail", "uniform"], default="long-tail")
+    parser.add_argument("--variant", choices=VARIANTS, default="long-tail")
+    parser.add_argument("--rotate-every", type=int, default=3,
+                        help="shifting variant: steps between moves of the heavy role to another agent")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=6)
     parser.add_argument("--slots", type=int, default=2)
@@ -655,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    workload = make_workload(args.agents, args.variant)
+    workload = make_workload(args.agents, args.variant, rotate_every_steps=args.rotate_every)
     if args.estimate_only:
         print(analytic_lines(workload, args, []))  # noqa: T201 (a CLI report)
         return 0

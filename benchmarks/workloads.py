@@ -8,6 +8,14 @@ length. Lengths are in *modelled* tokens; the environment asks the tiny model fo
 ``ceil(length / token_scale)`` real tokens (the same ``token_scale`` as the device profile).
 
 Reward (so that learning still happens): the fraction of response tokens with an even id.
+
+Two shapes are built for one mechanism each (docs/benchmarks.md, "The ablations on top of
+partial rollouts"): ``shifting`` (one agent writes long answers, the others short ones, and the
+long role moves one agent back in the chain (planner, reviewer, coder, ...) every
+``rotate_every_tasks`` tasks: skewed demand that shifts,
+for hierarchical balancing) and ``two-heavy`` (two agents with long answers and one with short
+ones between them: static slot sets ``i % S`` put both heavy ones on one slot, for agent-centric
+binding).
 """
 
 from __future__ import annotations
@@ -56,6 +64,14 @@ LONG_TAIL_SHAPES = (
 )
 # Uniform: the same mean work for every agent, no tail.
 UNIFORM_SHAPES = (LengthDistribution("uniform", low=256, high=1280),)
+# Throughput-bound rollout: long answers without a tail (the heaviest of 16 draws is ~1.6x the median) and
+# short ones; the replicas' KV capacity, not one sequence's latency, limits how fast a step's tokens come.
+HEAVY = LengthDistribution("lognormal", median=3072, sigma=0.3, low=1024, high=6144)
+LIGHT = LengthDistribution("lognormal", median=128, sigma=0.3, low=32, high=512)
+# Train-bound: two agents that train ~2.6x the tokens of the third (prompt 512 + response).
+TRAIN_HEAVY = LengthDistribution("lognormal", median=1024, sigma=0.3, low=256, high=2048)
+TRAIN_LIGHT = LengthDistribution("lognormal", median=96, sigma=0.3, low=32, high=512)
+VARIANTS = ("long-tail", "uniform", "shifting", "two-heavy")
 ROLES = ("planner", "coder", "reviewer", "tester", "critic")
 
 
@@ -66,6 +82,8 @@ class Workload:
     name: str
     agents: tuple[tuple[str, LengthDistribution], ...]
     prompt_tokens: int = 512
+    #: > 0: task t's agent i draws from agent (i + t // rotate_every_tasks) % agents' distribution
+    rotate_every_tasks: int = 0
 
     def environment_config(self, token_scale: float) -> dict[str, Any]:
         """The ``environment.config`` of a job running this workload."""
@@ -73,6 +91,7 @@ class Workload:
             "token_scale": token_scale,
             "prompt_tokens": self.prompt_tokens,
             "agents": [{"name": name, **dataclasses.asdict(dist)} for name, dist in self.agents],
+            "rotate_every_tasks": self.rotate_every_tasks,
         }
 
     def max_real_tokens(self, token_scale: float) -> int:
@@ -80,15 +99,30 @@ class Workload:
         return max(math.ceil(dist.high / token_scale) for _, dist in self.agents)
 
 
-def make_workload(agent_count: int, variant: str) -> Workload:
-    """``agent_count`` agents cycling through the long-tail shapes (``variant`` "long-tail") or all uniform."""
-    shapes = LONG_TAIL_SHAPES if variant == "long-tail" else UNIFORM_SHAPES
+def make_workload(agent_count: int, variant: str, rotate_every_steps: int = 3, prompts_per_step: int = 4) -> Workload:
+    """``agent_count`` agents cycling through the ``variant``'s shapes.
+
+    "long-tail": LONG_TAIL_SHAPES; "uniform": all uniform; "shifting": agent 0 heavy, the rest light, the heavy
+    role moving one agent back (0, K - 1, K - 2, ...) every ``rotate_every_steps`` steps (of ``prompts_per_step``
+    tasks);
+    "two-heavy": heavy, light, heavy, light, ... for training.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown workload variant {variant!r} (one of {', '.join(VARIANTS)})")
+    rotate = 0
+    if variant == "shifting":
+        shapes: tuple[LengthDistribution, ...] = (HEAVY, *([LIGHT] * (agent_count - 1)))
+        rotate = rotate_every_steps * prompts_per_step
+    elif variant == "two-heavy":
+        shapes = (TRAIN_HEAVY, TRAIN_LIGHT)
+    else:
+        shapes = LONG_TAIL_SHAPES if variant == "long-tail" else UNIFORM_SHAPES
     agents = []
     for index in range(agent_count):
         role = ROLES[index % len(ROLES)]
         name = role if agent_count <= len(ROLES) else f"{role}{index // len(ROLES)}"
         agents.append((name, shapes[index % len(shapes)]))
-    return Workload(f"{agent_count}-agent {variant}", tuple(agents))
+    return Workload(f"{agent_count}-agent {variant}", tuple(agents), rotate_every_tasks=rotate)
 
 
 class SkewedAgentsEnv(Environment):
@@ -103,6 +137,16 @@ class SkewedAgentsEnv(Environment):
             fields = {k: v for k, v in entry.items() if k != "name"}
             self.lengths[str(entry["name"])] = LengthDistribution(**fields)
         self.agents = tuple(self.lengths)
+        self.rotate_every_tasks = int(config.get("rotate_every_tasks", 0))
+        if self.rotate_every_tasks < 0:
+            raise ValueError(f"environment.config.rotate_every_tasks must be >= 0, not {self.rotate_every_tasks}")
+
+    def length_distribution(self, agent: str, task_index: int) -> LengthDistribution:
+        """The distribution ``agent``'s responses to task ``task_index`` are drawn from (after rotation)."""
+        if not self.rotate_every_tasks:
+            return self.lengths[agent]
+        shift = task_index // self.rotate_every_tasks
+        return self.lengths[self.agents[(self.agents.index(agent) + shift) % len(self.agents)]]
 
     def real_tokens(self, modelled_tokens: int) -> int:
         """Real tokens the tiny model generates for a modelled length."""
@@ -118,7 +162,7 @@ class SkewedAgentsEnv(Environment):
         """Every agent answers once, in order, with a length drawn from its distribution."""
         prompt: list[int] = list(task.data["prompt"])
         for agent in self.agents:
-            length = self.real_tokens(self.lengths[agent].sample(ctx.rng))
+            length = self.real_tokens(self.length_distribution(agent, task.index).sample(ctx.rng))
             out = await ctx.generate(agent, prompt, max_new_tokens=length, ignore_eos=True)
             even = sum(1 for token in out.token_ids if token % 2 == 0)
             ctx.reward(agent, even / max(1, len(out.token_ids)))

@@ -1,0 +1,51 @@
+"""benchmarks.workloads' ablation shapes and benchmarks.run's ablation configurations (no cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run as bench
+from benchmarks.workloads import HEAVY, LIGHT, TRAIN_HEAVY, TRAIN_LIGHT, SkewedAgentsEnv, make_workload
+from flexmarl.jobspec import parse_job_spec
+
+
+def test_the_heavy_role_moves_to_another_agent_every_few_steps() -> None:
+    workload = make_workload(3, "shifting", rotate_every_steps=2, prompts_per_step=4)
+    assert [dist for _, dist in workload.agents] == [HEAVY, LIGHT, LIGHT]
+    env = SkewedAgentsEnv(**workload.environment_config(128.0))
+    heavy = [[a for a in env.agents if env.length_distribution(a, task) == HEAVY] for task in range(0, 32, 4)]
+    # tasks 0-7 (steps 0-1): planner; 8-15: reviewer (draws from agent 2 + 1 = 0); 16-23: coder; 24-31: planner
+    assert heavy == [["planner"]] * 2 + [["reviewer"]] * 2 + [["coder"]] * 2 + [["planner"]] * 2
+    # no rotation: every agent keeps its own
+    assert SkewedAgentsEnv(**make_workload(3, "long-tail").environment_config(128.0)).length_distribution(
+        "planner", 100) == make_workload(3, "long-tail").agents[0][1]
+    with pytest.raises(ValueError, match="rotate_every_tasks"):
+        SkewedAgentsEnv(**{**workload.environment_config(128.0), "rotate_every_tasks": -1})
+    with pytest.raises(ValueError, match="variant"):
+        make_workload(3, "skewed")
+
+
+def test_two_heavy_puts_both_heavy_agents_on_one_static_slot_set() -> None:
+    workload = make_workload(3, "two-heavy")
+    assert [dist for _, dist in workload.agents] == [TRAIN_HEAVY, TRAIN_LIGHT, TRAIN_HEAVY]
+    # static binding with S = 2 slots < K = 3 agents: agent i on slot i % 2, so agents 0 and 2 share slot 0
+    assert [i % 2 for i, (_, dist) in enumerate(workload.agents) if dist == TRAIN_HEAVY] == [0, 0]
+
+
+@pytest.mark.parametrize("config", ["partial-no-lb", "partial-no-binding", "partial-no-interrupt"])
+def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> None:
+    workload = make_workload(3, "shifting")
+    full = bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0)
+    spec = bench.job_spec(workload, config, Path("/m"), 4, 128.0)
+    parse_job_spec(spec)  # a valid job
+    differs = {(section, key) for section in ("pipeline", "rollout")
+               for key in {*full[section], *spec[section]} if full[section].get(key) != spec[section].get(key)}
+    expected = {
+        "partial-no-lb": {("rollout", "balancing")},
+        "partial-no-binding": {("pipeline", "binding")},
+        "partial-no-interrupt": {("rollout", "partial_rollout"), ("rollout", "mask_stale_tokens")},
+    }[config]
+    assert differs == expected
+    assert spec["environment"]["config"]["rotate_every_tasks"] == 12
