@@ -49,3 +49,11 @@ def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> No
     }[config]
     assert differs == expected
     assert spec["environment"]["config"]["rotate_every_tasks"] == 12
+
+
+def test_the_balancer_moves_replicas_only_when_its_rates_are_the_modelled_ones() -> None:
+    from benchmarks.balancer_units import moves
+
+    # the shifting shape's demand in real tokens: 400 heavy requests of 24, 4 light ones of 1 per light agent
+    assert moves(1000.0, 10.0, 400, 24, 4, 1) == {"planner": 2, "coder": 2, "reviewer": 2}
+    assert moves(39.0, 0.3, 400, 24, 4, 1) == {"planner": 4, "coder": 1, "reviewer": 1}
