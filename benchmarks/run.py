@@ -20,7 +20,15 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
 * orchestration overhead: server-side handler seconds of orchestratord's lease, report, ack,
   commit and slot-event RPCs and of every stored RPC (the daemons' ``flexmarl_<daemon>_rpc_seconds``
   histograms, scraped before the job is submitted and after it finished), per step, as a share
-  of the step's wall seconds (``step s x time_scale``).
+  of the step's wall seconds (``step s x time_scale``);
+* overrun (``benchmarks/machine.py``): wall seconds of the measured window in which the engines' and
+  trainers' real compute ran past its modelled time, plus the seconds the control plane's threads
+  (orchestratord, stored, etcd) waited for a CPU, beside every daemon's CPU share and the share of the
+  window with no device busy; a configuration above ``OVERRUN_LIMIT`` of its window is "not measured
+  (machine-set)" and left out of the speedups.
+
+Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
+(async off: ``no-async``); the shapes built for them: ``--variant shifting`` and ``--variant two-heavy``.
 
 ``--eta 1 2 4`` runs every async configuration at each ``max_staleness`` (barrier ones once).
 
