@@ -11,6 +11,8 @@ Key layout under the registry prefix (DESIGN §7)::
     jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory), n 8 digits
     jobs/<job>/history_archive                      the pages of history moved to stored (HistoryArchiveIndex)
     jobs/<job>/eval/<round>                         held-out evaluation rounds (JobHistory.evals)
+    jobs/<job>/eval_open/<round>/round              an open round as opened (orchestratord/eval_state.py)
+    jobs/<job>/eval_open/<round>/tasks/<index>      its finished tasks' episodes
 
 Every write that can race is a transaction that compares the value it read.
 
@@ -33,6 +35,7 @@ from typing import Any, ParamSpec, TypeVar
 from flexmarl.errors import Aborted, AlreadyExists, NotFound
 from flexmarl.registry import ETCD_ERRORS, Registry, prefix_range_end
 from flexmarl.retry import RetryPolicy, retry
+from orchestratord.eval_state import EvalTaskResult, OpenEvalRound, open_rounds
 from orchestratord.state import (
     AgentVersionRecord,
     HistoryArchiveIndex,
@@ -48,6 +51,7 @@ from orchestratord.state import (
     history_archive_key,
     job_key,
     manifest_key,
+    open_eval_key,
     pending_mark_key,
     sort_evals,
     sort_history,
@@ -227,11 +231,57 @@ class EtcdStateStore(StateStore):
         return sort_history(rows), more
 
     @_retrying
+    async def open_eval(self, job_id: str, opened: OpenEvalRound) -> None:
+        """See :meth:`StateStore.open_eval`."""
+        if await self._registry.get(self._key(job_id, "spec")) is None:
+            raise NotFound(f"job {job_id!r} not found")
+        key = open_eval_key(self._prefix, job_id, opened.round_id, "round")
+        value = opened.to_json().encode()
+        if await self._registry.transact({key: None}, {key: value}) or await self._registry.get(key) == value:
+            return
+        raise AlreadyExists(f"job {job_id!r}: evaluation round {opened.round_id} is open with other settings")
+
+    @_retrying
+    async def put_eval_task(self, job_id: str, round_id: str, result: EvalTaskResult) -> None:
+        """See :meth:`StateStore.put_eval_task`."""
+        if await self._registry.get(self._key(job_id, "spec")) is None:
+            raise NotFound(f"job {job_id!r} not found")
+        round_key = open_eval_key(self._prefix, job_id, round_id, "round")
+        for _ in range(_CAS_RETRIES):
+            opened = await self._registry.get(round_key)
+            if opened is None:
+                return  # recorded already (a replayed write): nothing is open to add to
+            # Only while the round stays open: a task key never outlives its round's.
+            task_key = open_eval_key(self._prefix, job_id, round_id, "tasks", f"{result.index:08d}")
+            if await self._registry.transact({round_key: opened}, {task_key: result.to_json().encode()}):
+                return
+        raise Aborted(f"job {job_id!r}: evaluation round {round_id} changed while a task was recorded")
+
+    @_retrying
     async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
-        """See :meth:`StateStore.put_eval`."""
+        """See :meth:`StateStore.put_eval`.
+
+        The record first, then the open round's keys (a range: a round may have more tasks than a
+        transaction may hold operations); keys a crash left in between are ignored on load.
+        """
         if await self._registry.get(self._key(job_id, "spec")) is None:
             raise NotFound(f"job {job_id!r} not found")
         await self._registry.put(eval_key(self._prefix, job_id, round_id), _dump(dict(record)))
+        prefix = open_eval_key(self._prefix, job_id, round_id)
+        await self._registry.delete_many([], [(prefix, prefix_range_end(prefix))])
+
+    async def _open_evals(self, job_id: str, recorded: frozenset[str]) -> tuple[OpenEvalRound, ...]:
+        root = self._key(job_id, "eval_open") + "/"
+        values, _ = await self._registry.get_prefix(root)
+        definitions: dict[str, bytes] = {}
+        results: dict[str, list[EvalTaskResult]] = {}
+        for key, value in values.items():
+            round_id, _, rest = key[len(root):].partition("/")
+            if rest == "round":
+                definitions[round_id] = value
+            elif rest.startswith("tasks/"):
+                results.setdefault(round_id, []).append(EvalTaskResult.from_json(value))
+        return open_rounds(definitions, results, recorded)
 
     @_retrying
     async def load_evals(self, job_id: str) -> list[dict[str, Any]]:
@@ -320,6 +370,7 @@ class EtcdStateStore(StateStore):
             commits=commits,
             pending_marks=frozenset(pending),
             eval_rounds=frozenset(evals),
+            open_evals=await self._open_evals(job_id, frozenset(evals)),
         )
 
     @_retrying

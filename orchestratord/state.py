@@ -20,6 +20,7 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
     jobs/<job>/history/<agent>/<t>                the step's figures for plots (JobHistory)
     jobs/<job>/history_archive                    :class:`HistoryArchiveIndex`: the pages of history in stored
     jobs/<job>/eval/<round>                       a held-out evaluation round's record (v<version> or d<n>)
+    jobs/<job>/eval_open/<round>/...              an open round and its finished tasks (orchestratord/eval_state.py)
 
 What grows with a job's steps is bounded: once every agent committed a page of steps (and stored
 confirmed their experiences consumed), orchestratord copies the page's history records into one
@@ -47,6 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flexmarl.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
+from orchestratord.eval_state import EvalRoundOpened, EvalTaskFinished, EvalTaskResult, OpenEvalRound, open_rounds
 
 
 class JobState(enum.IntEnum):
@@ -152,6 +154,8 @@ class PersistedJob:
     pending_marks: frozenset[tuple[str, int]] = frozenset()
     #: The held-out evaluation rounds recorded (``v<version>``, ``d<n>``: :mod:`flexmarl.ids`).
     eval_rounds: frozenset[str] = frozenset()
+    #: The rounds open, with their finished tasks (``orchestratord/eval_state.py``), in opening order.
+    open_evals: tuple[OpenEvalRound, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +280,7 @@ class EvalRecorded:
 
 
 StateChange = (JobCreated | JobStateChanged | ManifestFixed | StepCommitted | StateMoved | WarmStartPublished
-               | EvalRecorded)
+               | EvalRoundOpened | EvalTaskFinished | EvalRecorded)
 
 
 # ---- key layout ------------------------------------------------------------------------------------
@@ -305,6 +309,11 @@ def commit_key(prefix: str, job_id: str, agent: str, step: int) -> str:
 def eval_key(prefix: str, job_id: str, round_id: str) -> str:
     """Key of the record of evaluation round ``round_id``."""
     return job_key(prefix, job_id, "eval", round_id)
+
+
+def open_eval_key(prefix: str, job_id: str, round_id: str, *parts: str) -> str:
+    """Key under an open evaluation round (``round``; ``tasks/<index>``), or its prefix without ``parts``."""
+    return job_key(prefix, job_id, "eval_open", round_id, *parts) + ("" if parts else "/")
 
 
 def history_archive_key(prefix: str, job_id: str) -> str:
@@ -393,8 +402,25 @@ class StateStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def open_eval(self, job_id: str, opened: OpenEvalRound) -> None:
+        """Records an evaluation round as opened (the same again is a no-op; see orchestratord/eval_state.py).
+
+        Raises:
+            AlreadyExists: the round is open with other settings.
+            NotFound: unknown job.
+        """
+
+    @abc.abstractmethod
+    async def put_eval_task(self, job_id: str, round_id: str, result: EvalTaskResult) -> None:
+        """Records a finished task of open round ``round_id``; nothing for a round not open (its record is in).
+
+        Raises:
+            NotFound: unknown job.
+        """
+
+    @abc.abstractmethod
     async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
-        """Records evaluation round ``round_id`` (the same record again is a no-op).
+        """Records evaluation round ``round_id`` and drops it from the open rounds (the same again is a no-op).
 
         Raises:
             NotFound: unknown job.
@@ -479,6 +505,7 @@ class InMemoryStateStore(StateStore):
             "commits": {},
             "pending_marks": set(),
             "evals": {},
+            "open_evals": {},
             "history": {},
             "archive": None,
         }
@@ -544,9 +571,26 @@ class InMemoryStateStore(StateStore):
         job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
         job["updated_s"] = max(job["updated_s"], updated_s)
 
+    async def open_eval(self, job_id: str, opened: OpenEvalRound) -> None:
+        """See :meth:`StateStore.open_eval`."""
+        job = self._job(job_id)
+        existing = job["open_evals"].get(opened.round_id)
+        if existing is None:
+            job["open_evals"][opened.round_id] = (opened.to_json(), {})
+        elif existing[0] != opened.to_json():
+            raise AlreadyExists(f"job {job_id!r}: evaluation round {opened.round_id} is open with other settings")
+
+    async def put_eval_task(self, job_id: str, round_id: str, result: EvalTaskResult) -> None:
+        """See :meth:`StateStore.put_eval_task`."""
+        opened = self._job(job_id)["open_evals"].get(round_id)
+        if opened is not None:
+            opened[1][result.index] = result.to_json()
+
     async def put_eval(self, job_id: str, round_id: str, record: Mapping[str, Any]) -> None:
         """See :meth:`StateStore.put_eval`."""
-        self._job(job_id)["evals"][round_id] = dict(record)
+        job = self._job(job_id)
+        job["evals"][round_id] = dict(record)
+        job["open_evals"].pop(round_id, None)
 
     async def clear_pending_mark(self, job_id: str, agent: str, step: int) -> None:
         """See :meth:`StateStore.clear_pending_mark`."""
@@ -571,6 +615,11 @@ class InMemoryStateStore(StateStore):
             commits=dict(job["commits"]),
             pending_marks=frozenset(job["pending_marks"]),
             eval_rounds=frozenset(job["evals"]),
+            open_evals=open_rounds(
+                {r: opened for r, (opened, _) in job["open_evals"].items()},
+                {r: [EvalTaskResult.from_json(t) for t in tasks.values()]
+                 for r, (_, tasks) in job["open_evals"].items()},
+                frozenset(job["evals"])),
         )
 
     async def list_job_ids(self) -> list[str]:
@@ -645,6 +694,10 @@ async def apply_changes(
         elif isinstance(change, WarmStartPublished):
             await store.publish_warm_start(change.job_id, change.agent, change.weights_uri, change.state_uri,
                                            change.updated_s)
+        elif isinstance(change, EvalRoundOpened):
+            await store.open_eval(change.job_id, change.opened)
+        elif isinstance(change, EvalTaskFinished):
+            await store.put_eval_task(change.job_id, change.round_id, change.result)
         elif isinstance(change, EvalRecorded):
             await store.put_eval(change.job_id, change.round_id, change.record)
         else:  # pragma: no cover - exhaustive over StateChange

@@ -22,9 +22,13 @@ A task that fails ``max_task_attempts`` times is given up (counted in the round'
 ``failed_tasks``), never failing the job. When every task of a round reported or was given up,
 the round's :class:`flexmarl.evaluation.EvalRecord` is emitted (``EvalRecorded``, durable before
 the reply). A job with ``evaluation`` succeeds only once its final round is recorded
-(:func:`maybe_succeed`). After an orchestrator restart the versions whose round is recorded come
-from etcd; a round that was in flight then is opened again if its version is the current one, and
-abandoned otherwise (the engines have moved on from it).
+(:func:`maybe_succeed`).
+
+Open rounds are durable too (``orchestratord/eval_state.py``): a round is written as it opens
+(``EvalRoundOpened``) and each task as it reports or is given up (``EvalTaskFinished``, its
+episodes). After an orchestrator restart :func:`restore` rebuilds them, periodic and on-demand: a
+finished task is not played again, the others are leased again, and a round whose every task had
+finished is recorded at once; the rounds recorded come from etcd and are never reopened.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.evaluation import EvalEpisode, aggregate
 from flexmarl.ids import EvalTaskRef, on_demand_round, periodic_round
 from flexmarl.jobspec import EvaluationSpec
+from orchestratord.eval_state import EvalRoundOpened, EvalTaskFinished, EvalTaskResult, OpenEvalRound
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import warm_start
 from orchestratord.planner.job_plan import EvalRound, EvalTask, JobPlan, TaskStatus
@@ -109,22 +114,58 @@ def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int, e
     number = 1 + sum(1 for r in [*job.eval_done, *job.eval_rounds] if r.startswith("d"))
     round_id = on_demand_round(number)
     ordered = tuple(sorted(pinned, key=lambda v: job.spec.agent_names.index(v.agent)))
-    _open_round(job, round_id, min(v.version for v in pinned), ordered, tasks, on_demand=True)
-    job.eval_rounds[round_id].eval_file = eval_file
-    job.eval_rounds[round_id].eval_sha256 = eval_sha256
+    _open_round(job, round_id, min(v.version for v in pinned), ordered, tasks, on_demand=True,
+                eval_file=eval_file, eval_sha256=eval_sha256)
     return round_id
 
 
 def _open_round(job: JobPlan, round_id: str, version: int, agent_versions: tuple[AgentVersion, ...], tasks: int,
-                on_demand: bool) -> None:
+                on_demand: bool, eval_file: str = "", eval_sha256: str = "") -> None:
     spec = settings(job)
-    refs = [EvalTaskRef(job.job_id, round_id, index) for index in range(tasks)]
-    job.eval_rounds[round_id] = EvalRound(
-        round_id=round_id, version=version, agent_versions=agent_versions,
-        tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs}, on_demand=on_demand,
-        samples_per_task=spec.samples_per_task)
+    opened = OpenEvalRound(
+        round_id=round_id, version=version, agent_versions=tuple((v.agent, v.version, v.weights_uri)
+                                                                 for v in agent_versions),
+        tasks=tasks, samples_per_task=spec.samples_per_task, on_demand=on_demand, eval_file=eval_file,
+        eval_sha256=eval_sha256)
+    _new_round(job, opened)
+    job.changes.append(EvalRoundOpened(job.job_id, opened))
     logger.info("job %s: evaluation round %s opened on %s (%d tasks x %d samples, %s)", job.job_id, round_id,
                 {v.agent: v.version for v in agent_versions}, tasks, spec.samples_per_task, spec.sampling)
+
+
+def _new_round(job: JobPlan, opened: OpenEvalRound) -> EvalRound:
+    refs = [EvalTaskRef(job.job_id, opened.round_id, index) for index in range(opened.tasks)]
+    round_ = EvalRound(
+        round_id=opened.round_id, version=opened.version,
+        agent_versions=tuple(AgentVersion(job.job_id, a, v, w) for a, v, w in opened.agent_versions),
+        tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs}, on_demand=opened.on_demand,
+        samples_per_task=opened.samples_per_task, eval_file=opened.eval_file, eval_sha256=opened.eval_sha256)
+    job.eval_rounds[opened.round_id] = round_
+    return round_
+
+
+def restore(job: JobPlan, rounds: Sequence[OpenEvalRound]) -> None:
+    """After a restart, before :func:`on_version`: the rounds that were open, with their finished tasks.
+
+    Only rounds that may still run: a periodic one while the job runs, an on-demand one also after it
+    succeeded (:func:`evaluable`); a round whose every task had finished is recorded now.
+    """
+    for opened in rounds:
+        if (opened.round_id in job.eval_done or not evaluable(job)
+                or (not opened.on_demand and job.state is not JobState.RUNNING)):
+            continue
+        round_ = _new_round(job, opened)
+        by_index = {task.index: task for task in round_.tasks.values()}
+        for result in opened.finished:
+            task = by_index.get(result.index)
+            if task is None:  # pragma: no cover - a result is written for one of the round's tasks
+                continue
+            task.status, task.failed = TaskStatus.DONE, result.failed
+            round_.episodes.extend(result.episodes)
+        logger.info("job %s: evaluation round %s restored, %d of %d tasks finished", job.job_id,
+                    opened.round_id, len(opened.finished), opened.tasks)
+    for round_ in list(job.eval_rounds.values()):
+        _finish_if_done(job, round_)
 
 
 def maybe_succeed(job: JobPlan) -> None:
@@ -201,6 +242,7 @@ def requeue(job: JobPlan, task_id: str, reason: str) -> None:
                        task.attempts, reason)
         task.status = TaskStatus.DONE
         task.failed = True
+        job.changes.append(EvalTaskFinished(job.job_id, round_.round_id, EvalTaskResult(task.index, failed=True)))
         _finish_if_done(job, round_)
         return
     logger.info("re-issuing eval task %s after attempt %d: %s", task_id, task.attempts, reason)
@@ -238,6 +280,8 @@ def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded
     task.status = TaskStatus.DONE
     task.lease_id = ""
     round_.episodes.extend(episodes)
+    job.changes.append(EvalTaskFinished(job.job_id, round_.round_id, EvalTaskResult(task.index, False,
+                                                                                     tuple(episodes))))
     _finish_if_done(job, round_)
 
 

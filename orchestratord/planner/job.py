@@ -13,6 +13,7 @@ from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
 from orchestratord.binding import AgentDemand, DataParallelGroup
+from orchestratord.eval_state import OpenEvalRound
 from orchestratord.leases import LeaseKind, LeaseTable
 from orchestratord.planner import admission, demand, dispatch, evaluation, recovery, reports
 from orchestratord.planner.estimator import RolloutDemandEstimator
@@ -56,6 +57,7 @@ class JobPlanner:
         state: JobState = JobState.RUNNING,
         error: str = "",
         eval_rounds: Iterable[str] = (),
+        open_evals: Sequence[OpenEvalRound] = (),
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -77,6 +79,7 @@ class JobPlanner:
         for agent in spec.agents:
             job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
         job.eval_done.update(eval_rounds)
+        evaluation.restore(job, open_evals)  # the rounds open at a restart, with their finished tasks
         evaluation.on_version(job)  # a due evaluation round; a job at total_steps with none open succeeds
         self._job = job
 
@@ -94,8 +97,9 @@ class JobPlanner:
         records = {agent: dataclasses.replace(record, updated_s=created_s)
                    for agent, record in (initial or {}).items() if agent in spec.agent_names}
         planner = cls(job_id, spec, now_s, options or PlannerOptions(), created_s=created_s, agents=records)
-        planner._job.changes.append(JobCreated(job_id, planner.spec_json, spec.agent_names, created_s,
-                                               tuple(sorted(records.items()))))
+        # First: a round opened at creation (``evaluation.before_training``) is written into the job.
+        planner._job.changes.insert(0, JobCreated(job_id, planner.spec_json, spec.agent_names, created_s,
+                                                  tuple(sorted(records.items()))))
         return planner
 
     @classmethod
@@ -111,7 +115,7 @@ class JobPlanner:
         planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
                       created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
                       commits=persisted.commits, state=persisted.state, error=persisted.error,
-                      eval_rounds=persisted.eval_rounds)
+                      eval_rounds=persisted.eval_rounds, open_evals=persisted.open_evals)
         planner._job.updated_s = persisted.updated_s
         return planner
 

@@ -98,3 +98,32 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
         assert cli.main(["plot", job_id, "--out", str(png), "--etcd", e2e.cluster.etcd_endpoint,
                          "--etcd-prefix", e2e.prefix]) == 0
     assert png.stat().st_size > 0
+
+
+@pytest.mark.timeout(240)
+def test_an_on_demand_round_open_at_an_orchestratord_restart_finishes_without_replaying_a_finished_task(
+        shared_cluster: E2ECluster, tmp_path: Path) -> None:
+    e2e = shared_cluster
+    spec = e2e.spec(environment={"entrypoint": "gated_held_out:GatedHeldOut",
+                                 "config": {"num_objects": 4, "gate_dir": str(tmp_path)}},
+                    batch={"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4}, total_steps=1)
+    job_id = e2e.client.submit(spec)
+    assert_succeeded(e2e, e2e.wait_job(job_id), 1)
+    round_id = e2e.client.evaluate(job_id, tasks=4)
+    # Task 0 finishes (durable before its report's reply); tasks 1-3 wait for the gate.
+    wait_until(lambda: e2e.etcd_prefix_values(f"jobs/{job_id}/eval_open/{round_id}/tasks/"), 60,
+               "eval task 0 recorded as finished")
+    assert (tmp_path / "played").read_text().split() == ["0"]
+
+    orchestratord = e2e.cluster.daemon("orchestratord")
+    orchestratord.kill()
+    orchestratord.restart()
+    e2e.cluster.write_cluster_file()
+    e2e.reconnect()
+    (tmp_path / "open").touch()
+    record = e2e.client.wait_evaluation(job_id, round_id, timeout_s=120)
+    assert (record.round_id, record.tasks, record.failed_tasks, record.team.episodes) == (round_id, 4, 0, 4)
+    assert record.team.success == pytest.approx(1 / 4)  # task 0's episode (the team's only success) kept
+    played = (tmp_path / "played").read_text().split()
+    assert played.count("0") == 1 and {"1", "2", "3"} <= set(played), played
+    assert not e2e.etcd_prefix_values(f"jobs/{job_id}/eval_open/")

@@ -223,6 +223,83 @@ async def test_a_restored_orchestrator_skips_recorded_rounds_and_reopens_the_cur
                for t in again.lease_rollout_tasks("roll-0", 8))
 
 
+async def test_an_open_on_demand_round_finishes_after_a_restart_without_replaying_its_finished_tasks() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e", max_task_attempts=1))
+    planner.submit_job("ev", make_spec())
+    store = InMemoryStateStore()
+    changes: list[Any] = []
+    drive(planner, "ev", changes)
+    job = planner.job("ev")
+    pinned = [AgentVersion("ev", "sender", 1, "file:///w/sender/1"), AgentVersion("ev", "receiver", 3, "file:///r")]
+    assert job.open_evaluation(pinned, 4) == "d1"
+    leases = {EvalTaskRef.parse(t.task_id).index: t for t in planner.lease_rollout_tasks("roll-0", 8)}
+    assert sorted(leases) == [0, 1, 2, 3]
+    planner.report_rollout_task(leases[0].lease_id, "roll-0", leases[0].task_id, True, "", (),
+                                eval_episodes=episodes_for(leases[0]))
+    planner.report_rollout_task(leases[3].lease_id, "roll-0", leases[3].task_id, False, "engine died", ())
+    await apply_changes(store, [*changes, *planner.take_changes()])  # task 3 given up (1 attempt allowed)
+
+    persisted = await store.load_job("ev")
+    assert persisted is not None and [r.round_id for r in persisted.open_evals] == ["d1"]
+    restarted = Planner(clock, PlannerOptions(lease_epoch="f"))
+    restarted.restore_job(persisted, [])
+    again = restarted.lease_rollout_tasks("roll-1", 8)
+    # Only the tasks unfinished at the restart, on exactly the asked versions and weights.
+    assert sorted(EvalTaskRef.parse(t.task_id).index for t in again) == [1, 2]
+    assert all(t.pinned and t.attempt == 1 for t in again)
+    assert {v.agent: (v.version, v.weights_uri) for v in again[0].agent_versions} == {
+        "sender": (1, "file:///w/sender/1"), "receiver": (3, "file:///r")}
+    for lease in again:
+        restarted.report_rollout_task(lease.lease_id, "roll-1", lease.task_id, True, "", (),
+                                      eval_episodes=episodes_for(lease, {"sender": 0.0, "receiver": 1.0}))
+    after = restarted.take_changes()
+    recorded = [EvalRecord.from_dict(c.record) for c in after if isinstance(c, EvalRecorded)]
+    assert [(r.round_id, r.tasks, r.failed_tasks) for r in recorded] == [("d1", 4, 1)]
+    # Task 0's episode (the sender's 1.0) came through the restart: 1 success in 3 episodes.
+    assert recorded[0].scores_of("sender").success == pytest.approx(1 / 3)
+    await apply_changes(store, after)
+    persisted = await store.load_job("ev")
+    assert persisted is not None and persisted.open_evals == () and "d1" in persisted.eval_rounds
+    # A round recorded is never played again; the next on-demand round is d2.
+    once_more = Planner(clock, PlannerOptions(lease_epoch="g"))
+    restored = once_more.restore_job(persisted, [])
+    assert once_more.lease_rollout_tasks("roll-1", 8) == []
+    assert restored.open_evaluation(pinned, 1) == "d2"
+
+
+async def test_a_periodic_round_keeps_its_finished_tasks_and_a_finished_round_is_recorded_at_restore() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec(evaluation=EVAL))  # before_training: round v0 opens with the job
+    store = InMemoryStateStore()
+    first = planner.lease_rollout_tasks("roll-0", 1)
+    assert [EvalTaskRef.parse(t.task_id).round_id for t in first] == ["v0"]
+    planner.report_rollout_task(first[0].lease_id, "roll-0", first[0].task_id, True, "", (),
+                                eval_episodes=episodes_for(first[0]))
+    await apply_changes(store, planner.take_changes())
+    persisted = await store.load_job("ev")
+    assert persisted is not None and [(r.round_id, len(r.finished)) for r in persisted.open_evals] == [("v0", 1)]
+    restarted = Planner(clock, PlannerOptions(lease_epoch="f"))
+    restarted.restore_job(persisted, [])
+    pending = [t for t in restarted.lease_rollout_tasks("roll-1", 16) if t.evaluation]
+    finished = EvalTaskRef.parse(first[0].task_id).index
+    assert sorted(EvalTaskRef.parse(t.task_id).index for t in pending) == sorted({0, 1, 2} - {finished})
+
+    # Every task's result written, the record not (a restart in between): recorded at restore, nothing replayed.
+    for lease in pending:
+        restarted.report_rollout_task(lease.lease_id, "roll-1", lease.task_id, True, "", (),
+                                      eval_episodes=episodes_for(lease))
+    written = [c for c in restarted.take_changes() if not isinstance(c, EvalRecorded)]
+    await apply_changes(store, written)
+    persisted = await store.load_job("ev")
+    assert persisted is not None and [len(r.finished) for r in persisted.open_evals] == [3]
+    third = Planner(clock, PlannerOptions(lease_epoch="g"))
+    third.restore_job(persisted, [])
+    recorded = [c.round_id for c in third.take_changes() if isinstance(c, EvalRecorded)]
+    assert recorded == ["v0"] and not any(t.evaluation for t in third.lease_rollout_tasks("roll-2", 16))
+
+
 def test_an_on_demand_round_plays_exactly_the_asked_versions_also_after_the_job_succeeded() -> None:
     clock = FakeClock()
     planner = Planner(clock, PlannerOptions(lease_epoch="e"))

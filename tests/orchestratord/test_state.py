@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flexmarl.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
+from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary
+from orchestratord.eval_state import EvalTaskResult, OpenEvalRound
 from orchestratord.planner import Planner, PlannerOptions
 from orchestratord.state import (
     JobState,
@@ -30,6 +34,34 @@ async def test_create_is_idempotent_and_conflicts_on_other_spec(store: StateStor
     job = await store.load_job("j")
     assert job is not None and job.state is JobState.RUNNING and job.agents["a"].version == 0
     assert await store.list_job_ids() == ["j"] and await store.load_job("nope") is None
+
+
+async def test_an_open_evaluation_round_and_its_finished_tasks_are_durable_until_recorded(store: StateStore) -> None:
+    await store.create_job("j", "{}", ["a", "b"], 1.0)
+    opened = OpenEvalRound("d1", 1, (("a", 1, "file:///w/a/1"), ("b", 0, "")), tasks=3, samples_per_task=2,
+                           on_demand=True, eval_file="/data/eval.jsonl", eval_sha256="ab" * 32)
+    periodic = OpenEvalRound("v2", 2, (("a", 2, "file:///w/a/2"), ("b", 2, "file:///w/b/2")), 1, 1)
+    await store.open_eval("j", opened)
+    await store.open_eval("j", opened)  # the same write again: no-op
+    await store.open_eval("j", periodic)
+    with pytest.raises(AlreadyExists):
+        await store.open_eval("j", OpenEvalRound("d1", 1, opened.agent_versions, tasks=4, samples_per_task=2))
+    with pytest.raises(NotFound):
+        await store.open_eval("nope", opened)
+    episodes = tuple(EvalEpisode(2, i, {"a": 0.5 * i, "b": 1.0}, i == 1 or None, {"a": (1,), "b": (0, 1)},
+                                 {"solver": 0.5}) for i in range(2))
+    await store.put_eval_task("j", "d1", EvalTaskResult(2, False, episodes))
+    await store.put_eval_task("j", "d1", EvalTaskResult(0, failed=True))
+    await store.put_eval_task("j", "d1", EvalTaskResult(0, failed=True))  # again: no-op
+    job = await store.load_job("j")
+    assert job is not None and job.eval_rounds == frozenset()
+    assert job.open_evals == (periodic, dataclasses.replace(  # periodic rounds first, then on-demand ones
+        opened, finished=(EvalTaskResult(0, failed=True), EvalTaskResult(2, False, episodes))))
+
+    await store.put_eval("j", "d1", {"round_id": "d1"})
+    await store.put_eval_task("j", "d1", EvalTaskResult(1))  # a replayed write after the record: nothing
+    job = await store.load_job("j")
+    assert job is not None and job.eval_rounds == frozenset({"d1"}) and job.open_evals == (periodic,)
 
 
 async def test_commit_is_compare_and_swap(store: StateStore) -> None:
