@@ -33,3 +33,26 @@ def test_eval_rows_list_each_agent_then_the_team_periodic_rounds_first() -> None
                                                         ("d1", "a"), ("d1", "team")]
     assert rows[2]["versions_seen"] == "2 3" and rows[3]["versions_seen"] == "2 3"
     assert set(rows[0]) == set(EVAL_ROW_FIELDS)
+
+
+def test_eval_names_the_held_out_tasks_it_played() -> None:
+    import dataclasses
+    import json
+
+    from tests.orchestratord.helpers import spec_dict
+
+    scores = EvalScores(0.5, 0.5, 0.5, 2)
+    record = EvalRecord(1, 2, 1, 0, "greedy", scores, (), True, 0, "d1")
+    generated = json.dumps(spec_dict())
+    entrypoint = json.loads(generated)["environment"]["entrypoint"]
+    assert cli.held_out_source(record, generated) == (
+        f"2 held-out tasks: {entrypoint} eval_task(0..1) (generated, held-out seed stream)")
+    assert cli.held_out_source(dataclasses.replace(record, eval_file="/d/more.jsonl"), generated) == (
+        "2 held-out tasks: rows 0..1 of /d/more.jsonl (--dataset)")
+    split = json.dumps(spec_dict(environment={"entrypoint": entrypoint,
+                                              "dataset": {"train": "/d/train.jsonl", "eval": "/d/eval.jsonl"}}))
+    assert cli.held_out_source(record, split) == (
+        "2 held-out tasks: rows 0..1 of /d/eval.jsonl (environment.dataset.eval)")
+    train_only = json.dumps(spec_dict(environment={"entrypoint": entrypoint, "dataset": {"train": "/d/train.jsonl"}}))
+    assert "rows of /d/train.jsonl (environment.dataset.train in a held-out order" in cli.held_out_source(
+        record, train_only)

@@ -683,7 +683,26 @@ def cmd_eval(args: argparse.Namespace) -> int:
             record = client.wait_evaluation(args.job_id, round_id, args.timeout)
         except TimeoutError as exc:
             raise CliError(str(exc)) from None
+    # Which tasks were played: on stderr beside a CSV (which stays one table), above the table otherwise.
+    print(held_out_source(record, info.spec_json), file=sys.stderr if args.csv else sys.stdout)
     return _print_evals([record], "", args.csv)
+
+
+def held_out_source(record: Any, spec_json: str) -> str:
+    """One line naming the held-out tasks a round played: its task file, the job's eval split, or generated ones."""
+    from flexmarl.jobspec import parse_job_spec
+
+    tasks = f"{record.tasks} held-out tasks"
+    if record.eval_file:
+        return f"{tasks}: rows 0..{record.tasks - 1} of {record.eval_file} (--dataset)"
+    environment = parse_job_spec(json.loads(spec_json)).environment
+    dataset = environment.dataset
+    if dataset is not None and dataset.eval is not None:
+        return f"{tasks}: rows 0..{record.tasks - 1} of {dataset.eval} (environment.dataset.eval)"
+    if dataset is not None:
+        return (f"{tasks}: rows of {dataset.train} (environment.dataset.train in a held-out order: "
+                f"no eval file, so not a held-out split)")
+    return f"{tasks}: {environment.entrypoint} eval_task(0..{record.tasks - 1}) (generated, held-out seed stream)"
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
