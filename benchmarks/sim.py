@@ -579,8 +579,7 @@ class Simulation:
     def rebalance(self) -> None:
         """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
         balancer = self.balancer
-        counts = balancer.replica_counts()
-        starved = {ticket.agent for ticket in balancer.queued() if counts.get(ticket.agent, 0) == 0}
+        starved = balancer.starved_agents()
         if starved:
             for agent, hint in self.demand_hints.items():
                 if hint and agent not in starved and balancer.demand_tokens(agent) == hint:

@@ -422,6 +422,16 @@ class HierarchicalBalancer:
         waiting = [self._tickets[i] for key in self._model_keys for i in self._queued[key]]
         return [t for t in waiting if agent is None or t.agent == agent]
 
+    def starved_agents(self) -> set[str]:
+        """Agents with a waiting ticket whose group has no replica serving or moving to it.
+
+        Reads only the queues of such groups (the rest cost one lookup each), so it is cheap enough
+        to ask after every event.
+        """
+        counts = self._groups().counts
+        return {self._tickets[i].agent for key in self._model_keys
+                if self._queued[key] and not counts.get(key, 0) for i in self._queued[key]}
+
     # --------------------------------------------------------------- demand
     def set_demand_hint(self, agent: str, tokens: int) -> None:
         """Sets the not-yet-submitted demand of an agent (e.g. from SetAgentDemand)."""
@@ -474,6 +484,17 @@ class HierarchicalBalancer:
         for model_key in self._model_keys:
             queue = self._queued[model_key]
             if not queue:
+                continue
+            # The head, while it places: a full model's queue stops at its first ticket that finds no
+            # replica, so placing costs what it places, not the queue's length (it is called after
+            # every event). A pool's queue goes on past adapters whose oldest ticket found no slot.
+            while queue and self._tickets[queue[0]].adapter is None:
+                done = self._try_place(self._tickets[queue[0]])
+                if done is None:
+                    break
+                queue.popleft()
+                placed.append(done)
+            if not queue or self._tickets[queue[0]].adapter is None:
                 continue
             blocked: set[str] = set()  # adapter names whose oldest waiting ticket found no slot
             for request_id in list(queue):

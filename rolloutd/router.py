@@ -747,9 +747,7 @@ class RolloutRouter:
         balancer = self._balancer
         if balancer is None:
             return
-        counts = balancer.replica_counts()
-        starved = {ticket.agent for ticket in balancer.queued()
-                   if counts.get(balancer.model_key_of(ticket.agent), 0) == 0}
+        starved = balancer.starved_agents()
         if starved:
             # A queued agent has no replica: decide now. The balancer's own urgency flag is
             # cleared by a rebalance that found no donor yet (the donor's last requests were
