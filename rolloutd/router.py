@@ -73,11 +73,11 @@ from rolloutd.engines.http_client import EngineBusy
 from rolloutd.engines.protocol import (
     EngineClient,
     FinishReason,
-    GenerationRequest,
     GenerationResult,
     PauseMode,
     SamplingParams,
 )
+from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
@@ -578,7 +578,7 @@ class RolloutRouter:
         self, key: str, input_ids: list[int], params: SamplingParams, affinity_key: str, resumes_left: int,
         top_logprobs_num: int = 0,
     ) -> list[GenerationOutput]:
-        parts = _sample_parts(params)
+        parts = sample_parts(params)
         done: dict[int, list[GenerationOutput]] = {}
         last_error: FlexmarlError | None = None
         busy = Backoff(self._busy_backoff_s, self._busy_backoff_s * 2 ** (MAX_ATTEMPTS - 1))
@@ -599,7 +599,7 @@ class RolloutRouter:
                         todo_parts = [parts[index] for index in todo]
                         if model_key == key:
                             version = replica.loaded_version
-                            outcomes = await _run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
+                            outcomes = await run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
                         else:
                             version, outcomes = await self._run_adapter(replica, key, served, input_ids,
                                                                         todo_parts, top_logprobs_num)
@@ -661,16 +661,16 @@ class RolloutRouter:
         """The parts of a LoRA agent's request on a pool replica, with version ``wanted`` as adapter.
 
         ``wanted`` is the version the request's ticket was routed with (its adapter name counted
-        by the balancer). Returns the version served and the parts' outcomes (see :func:`_run_parts`).
+        by the balancer). Returns the version served and the parts' outcomes (see :func:`run_parts`).
         """
         if wanted is None:
             raise Unavailable(f"no weights known for {key}")
         if self._adapter_name(key, wanted) == BASE_ADAPTER:  # the initial version: the base alone
-            return wanted.version, await _run_parts(replica.client, input_ids, parts, top_logprobs_num)
+            return wanted.version, await run_parts(replica.client, input_ids, parts, top_logprobs_num)
         if replica.lora is None:
             replica.lora = LoraResidency(replica.client, self._resolve)
         async with replica.lora.use(key, wanted.version, wanted.uri) as name:
-            return wanted.version, await _run_parts(replica.client, input_ids, parts, top_logprobs_num, name)
+            return wanted.version, await run_parts(replica.client, input_ids, parts, top_logprobs_num, name)
 
     def _output(self, key: str, result: GenerationResult, version: int) -> GenerationOutput:
         """One sample; a partial-rollout agent's carries the versions its tokens were sampled with."""
@@ -678,7 +678,7 @@ class RolloutRouter:
                                   str(result.finish_reason), version, top_logprobs=result.output_top_logprobs)
         if key not in self._interruptible or key in self._lora_bases:  # an adapter's engine spans name the base
             return output
-        spans = _engine_spans(result)
+        spans = engine_spans(result)
         if not spans:
             return output
         return dataclasses.replace(output, version=spans[0][1], version_spans=spans if len(spans) > 1 else ())
@@ -700,7 +700,7 @@ class RolloutRouter:
         rest_params = dataclasses.replace(params, n=1, max_new_tokens=remaining)
         (rest,) = await self._generate(key, [*input_ids, *output.token_ids], rest_params, affinity_key,
                                        resumes_left - 1, top_logprobs_num)
-        return _joined(output, rest)
+        return joined_output(output, rest)
 
     async def _acquire(
         self, key: str, prompt_tokens: int, max_new_tokens: int, n: int, affinity_key: str, adapter: str | None = None,
@@ -924,79 +924,3 @@ class JobBackend:
             episode = affinity_key.removeprefix(f"{self._job_id}/")
             sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
         return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)
-
-
-def _engine_spans(result: GenerationResult) -> tuple[tuple[int, int], ...]:
-    """``(start, version)`` spans of a result's tokens from its ``weight_versions``; () when unusable.
-
-    The router names every version it loads by its number, so the spans' versions parse as ints;
-    spans that do not (an engine that reports none, or other names) leave the router's own record.
-    """
-    spans: list[tuple[int, int]] = []
-    for span in result.weight_versions:
-        if span.end <= span.start:
-            continue
-        try:
-            version = int(span.version)
-        except ValueError:
-            return ()
-        if spans and version == spans[-1][1]:
-            continue
-        if spans and version < spans[-1][1]:
-            return ()
-        spans.append((span.start, version))
-    if not spans or spans[0][0] != 0:
-        return ()
-    return tuple(spans)
-
-
-def _joined(head: GenerationOutput, tail: GenerationOutput) -> GenerationOutput:
-    """A sample interrupted after ``head`` and resumed as ``tail``: tokens, logprobs and spans concatenated."""
-    offset = len(head.token_ids)
-    spans: list[tuple[int, int]] = list(head.version_spans or ((0, head.version),)) if head.token_ids else []
-    for start, version in (tail.version_spans or ((0, tail.version),)) if tail.token_ids else ():
-        if not spans or spans[-1][1] != version:
-            spans.append((start + offset, version))
-    return GenerationOutput(
-        token_ids=head.token_ids + tail.token_ids, logprobs=head.logprobs + tail.logprobs,
-        finish_reason=tail.finish_reason, version=spans[0][1] if spans else tail.version,
-        version_spans=tuple(spans) if len(spans) > 1 else (),
-        top_logprobs=head.top_logprobs + tail.top_logprobs,
-    )
-
-
-def _sample_parts(params: SamplingParams) -> list[SamplingParams]:
-    """The requests that produce ``params.n`` samples: one per sample when seeded, else one."""
-    if params.seed is None or params.n == 1:
-        return [params]
-    return [dataclasses.replace(params, n=1, seed=params.seed + index) for index in range(params.n)]
-
-
-async def _run_parts(
-    client: EngineClient, input_ids: Sequence[int], parts: Sequence[SamplingParams], top_logprobs_num: int = 0,
-    lora_path: str | None = None,
-) -> list[list[GenerationResult] | Unavailable]:
-    """Sends the parts concurrently; each outcome is its results or the Unavailable it met.
-
-    ``lora_path`` names the adapter loaded on the replica that serves them (None: the model itself).
-
-    Any other error cancels the parts still running and propagates. Every part has ended when
-    this returns or raises, so none outlives the replica's read lock.
-    """
-
-    async def one(part: SamplingParams) -> list[GenerationResult] | Unavailable:
-        try:
-            return await client.generate(GenerationRequest(input_ids=tuple(input_ids), sampling=part,
-                                                           top_logprobs_num=top_logprobs_num, lora_path=lora_path))
-        except Unavailable as exc:
-            return exc
-
-    if len(parts) == 1:
-        return [await one(parts[0])]
-    tasks = [asyncio.ensure_future(one(part)) for part in parts]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
