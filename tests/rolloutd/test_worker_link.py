@@ -281,14 +281,23 @@ async def test_a_job_whose_environment_does_not_load_is_reported_unrunnable(serv
 
 
 async def test_a_listed_job_is_prepared_before_its_first_task_is_leased(
-        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+        served: Served, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     worker, link, spec, metrics = served.worker, served.link, served.spec, served.metrics
     caplog.set_level("INFO", logger="rolloutd.worker")
     assert worker.router is None and worker.status().replicas == () and worker.status().jobs == ()  # no job yet
+    gate = asyncio.Event()  # holds the preparation until its "preparing" state has been seen
+    new_job = worker._new_job
+
+    async def held_new_job(job_id: str, spec_digest: str) -> Any:
+        await gate.wait()
+        return await new_job(job_id, spec_digest)
+
+    monkeypatch.setattr(worker, "_new_job", held_new_job)
     link.active = [ActiveJob(JOB, spec.digest())]  # submitted: listed, none of its tasks leasable yet
     await _until(lambda: bool(worker.status().jobs), "the listed job's preparation to start")
     [preparing] = worker.status().jobs
     assert (preparing.job_id, preparing.state, preparing.error) == (JOB, "preparing", "")
+    gate.set()
     await _until(lambda: f"job {JOB} ready in" in caplog.text, "the listed job to be prepared")
     status = worker.status()
     assert len(status.replicas) == 2 and status.tasks_in_flight == 0 and link.spec_fetches == 1
