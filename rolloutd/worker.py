@@ -246,9 +246,8 @@ class RolloutWorker:
         self._jobs: dict[str, _ServedJob] = {}
         #: Each job's preparation in progress, or failed and not yet handed to a task (:meth:`_prepare`).
         self._preparing: dict[str, asyncio.Task[_ServedJob]] = {}
-        #: When each job's preparation started and, once it ended, how long it took (GetRolloutStatus).
-        self._prep_started: dict[str, float] = {}
-        self._prep_seconds: dict[str, float] = {}
+        #: Each job's last preparation: when it started and, once it ended, when (GetRolloutStatus).
+        self._prep_times: dict[str, tuple[float, float | None]] = {}
         #: Jobs the job loop has started preparing (listed and still active).
         self._discovered: set[str] = set()
         self._in_flight: dict[str, _InFlightTask] = {}
@@ -409,8 +408,7 @@ class RolloutWorker:
         async with self._job_lock:
             for job_id in ended:
                 job = self._jobs.pop(job_id, None)
-                self._prep_started.pop(job_id, None)
-                self._prep_seconds.pop(job_id, None)
+                self._prep_times.pop(job_id, None)
                 self._specs.forget(job_id)
                 if job is not None and job.version_watch is not None:
                     job.version_watch.cancel()
@@ -584,6 +582,7 @@ class RolloutWorker:
                 self._discovered &= listed
                 for job_id in [j for j, prep in self._preparing.items() if prep.done() and j not in listed]:
                     del self._preparing[job_id]  # a failed preparation of a job that ended before any task
+                    self._prep_times.pop(job_id, None)
             await asyncio.sleep(JOB_DISCOVERY_INTERVAL_S)
 
     def _prepare(self, job_id: str, spec_digest: str) -> asyncio.Task[_ServedJob]:
@@ -599,8 +598,7 @@ class RolloutWorker:
     async def _prepared(self, job_id: str, spec_digest: str) -> _ServedJob:
         """Makes the job ready to run tasks (:meth:`_new_job`), once, whoever asked first; logged and counted."""
         started = time.monotonic()
-        self._prep_started[job_id] = started
-        self._prep_seconds.pop(job_id, None)
+        self._prep_times[job_id] = (started, None)
         self._metrics.engines_preparing.inc()
         log.info("preparing job %s: its engines, environment and runner", job_id)
         try:
@@ -611,7 +609,7 @@ class RolloutWorker:
             raise
         finally:
             self._metrics.engines_preparing.dec()
-            self._prep_seconds[job_id] = time.monotonic() - started
+            self._prep_times[job_id] = (started, time.monotonic())
         self._preparing.pop(job_id, None)
         log.info("job %s ready in %.1f s", job_id, time.monotonic() - started)
         return job
@@ -828,16 +826,21 @@ class RolloutWorker:
     def _preparations(self) -> tuple[JobPreparation, ...]:
         """Every job served here (ready) or whose preparation is under way or failed, by job id."""
         now = time.monotonic()
+
+        def seconds(job_id: str) -> float:  # so far while it runs, else how long it took
+            started, ended = self._prep_times.get(job_id, (now, None))
+            return (now if ended is None else ended) - started
+
         out: dict[str, JobPreparation] = {}
         for job_id, prep in self._preparing.items():
             if not prep.done():
-                out[job_id] = JobPreparation(job_id, "preparing", now - self._prep_started.get(job_id, now))
+                out[job_id] = JobPreparation(job_id, "preparing", seconds(job_id))
             elif prep.cancelled() or prep.exception() is not None:
                 exc = prep.exception() if not prep.cancelled() else None
-                out[job_id] = JobPreparation(job_id, "failed", self._prep_seconds.get(job_id, 0.0),
+                out[job_id] = JobPreparation(job_id, "failed", seconds(job_id),
                                              describe_error(exc) if exc is not None else "cancelled")
         for job_id in self._jobs:
-            out[job_id] = JobPreparation(job_id, "ready", self._prep_seconds.get(job_id, 0.0))
+            out[job_id] = JobPreparation(job_id, "ready", seconds(job_id))
         return tuple(out[job_id] for job_id in sorted(out))
 
     def set_demand(self, demand: list[AgentDemand]) -> None:
