@@ -446,7 +446,9 @@ class Registry:
         last_error = ""
         target = _members_target(self._endpoints) if len(self._endpoints) > 1 else ""
         for _ in range(1 if target else len(self._endpoints)):
-            host, port = self._endpoints[self._endpoint_index]
+            # Over several members the channel names them all; the host given is the first endpoint's,
+            # always (over TLS it is the name the certificates are checked against by default).
+            host, port = self._endpoints[0 if target else self._endpoint_index]
             client = _EtcdClient(host, port, self._security, timeout=int(max(1, self._request_timeout_s)),
                                  target=target)
             try:
