@@ -301,3 +301,12 @@ def test_tiny_checkpoint_progress_bars_only_when_asked(tmp_path: Path, capsys: p
     assert capsys.readouterr().err == ""
     build_tiny_checkpoint(tmp_path / "loud", progress=True, **sizes)
     assert "Writing model shards" in capsys.readouterr().err
+
+
+def test_the_local_commands_default_to_runs_local_not_the_working_directory() -> None:
+    """The --run-dir action is shared by every subcommand: a default one of them sets must not leak to the others."""
+    from flexmarl import cli
+
+    parser = cli.build_parser()
+    for argv in (["up"], ["down"], ["jobs"], ["demo"]):
+        assert parser.parse_args(argv).run_dir == str(cli.DEFAULT_RUN_DIR), argv

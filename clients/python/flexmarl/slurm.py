@@ -197,7 +197,9 @@ def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of a dead daemon step within 5 minutes before the launch gives up")
     p.add_argument("--no-preflight", action="store_true", help="skip loading the environment before submitting")
-    p.set_defaults(func=cmd_slurm, run_dir="")
+    # Not set_defaults(run_dir=...): the --run-dir action is shared with every subcommand (parents=[common]),
+    # so a default set here would become theirs too (it made `flexmarl up` and `demo` run in the cwd).
+    p.set_defaults(func=cmd_slurm)
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
@@ -212,7 +214,8 @@ def cmd_slurm(args: argparse.Namespace) -> int:
                                                      args.gpus_per_node), SrunSteps())
     except SlurmError as exc:
         raise cli.CliError(str(exc), cli.EXIT_USAGE) from None
-    run_dir = Path(args.run_dir or Path("runs") / f"slurm-{allocation.job_id}").resolve()
+    given = args.run_dir and args.run_dir != str(cli.DEFAULT_RUN_DIR)
+    run_dir = Path(args.run_dir if given else Path("runs") / f"slurm-{allocation.job_id}").resolve()
     args.run_dir = str(run_dir)
     models_dir = run_dir / "models"
     raw, spec = cli._read_spec_file(args.job_file, models_dir)  # a bad job file starts nothing
