@@ -71,6 +71,9 @@ def ensure_distributed(rank: int | None = None, world_size: int | None = None) -
         world_size: overrides ``WORLD_SIZE`` when given.
     """
     if dist.is_initialized():
+        # DeepSpeed asserts LOCAL_RANK on every engine it builds, not only at the first rendezvous, and
+        # something may have removed it since the group was made (a test's monkeypatch did, in CI).
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
         return
     if rank is not None:
         os.environ["RANK"] = str(rank)

@@ -150,3 +150,12 @@ async def test_data_parallel_group_binds_to_the_slots_device(tmp_path: Path, mon
     async with worker._compute:
         await worker._join(group)
     assert joined == [{"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "3"}]
+
+
+def test_local_rank_is_set_again_after_the_group_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI failed when a test's monkeypatch removed LOCAL_RANK after the process group was made: every
+    # later engine in that process hit DeepSpeed's LOCAL_RANK assertion (ensure_distributed returned early).
+    distributed.ensure_distributed()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # restored after the test
+    distributed.ensure_distributed()
+    assert os.environ["LOCAL_RANK"] == os.environ.get("RANK", "0")
