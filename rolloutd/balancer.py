@@ -11,7 +11,12 @@ Two levels (DESIGN.md §4):
   than the hysteresis margin (a per-move margin would never grow a group of nine or more: one
   replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``.
   A group with demand never loses its last replica, and a group that has demand but no
-  replica gets one at the next rebalance regardless of hysteresis.
+  replica gets one at the next rebalance regardless of hysteresis. The rates and the load cost
+  are the caller's measurements where it has them (rolloutd: :mod:`rolloutd.replica_rates`, fed
+  through :meth:`HierarchicalBalancer.set_replica_rate` and
+  :meth:`~HierarchicalBalancer.set_reassignment_cost_s`; the configured ones are the priors). A
+  measured rate is what a replica delivered under its group's load, so a moved replica is counted
+  at its new group's mean rate per replica (``BalancerConfig.measured_rates``).
 * **Intra-agent**: a request goes to the group replica with the least outstanding estimated
   tokens, except that turns of one episode prefer the replica that served earlier turns
   (KV prefix reuse) while the group is balanced. "Imbalanced" follows sglang-router's
@@ -47,7 +52,6 @@ the weight loads the balancer asks for and reports them with
 
 from __future__ import annotations
 
-import bisect
 import collections
 import dataclasses
 import enum
@@ -56,6 +60,13 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rolloutd.balancer_state import GroupIndex, ReplicaAssignment, ReplicaPhase, ReplicaState, ReplicaView
+
+__all__ = [
+    "AFFINITY_SEPARATOR", "BASE_ADAPTER", "AgentSpec", "BalancerConfig", "HierarchicalBalancer", "ReplicaAssignment",
+    "ReplicaMove", "ReplicaPhase", "ReplicaView", "RoutingPolicy", "Ticket", "TokenEstimator", "affinity_parent",
+    "episode_affinity_key", "equal_split", "group_affinity_key",
+]
 
 AFFINITY_SEPARATOR = "#"
 
@@ -87,14 +98,6 @@ class RoutingPolicy(enum.Enum):
     ROUND_ROBIN = "round-robin"  # load-oblivious baseline
 
 
-class ReplicaPhase(enum.Enum):
-    """Where a replica is in its serve → drain → load cycle."""
-
-    SERVING = "serving"
-    DRAINING = "draining"  # reassigned; finishing in-flight requests of its old group
-    AWAITING_LOAD = "awaiting-load"  # drained; the caller must load the new group's weights
-    LOADING = "loading"  # the caller is loading weights
-
 
 @dataclasses.dataclass(frozen=True)
 class BalancerConfig:
@@ -106,11 +109,19 @@ class BalancerConfig:
         routing: intra-agent policy.
         rebalance_enabled: False keeps the initial replica assignment forever (static).
         rebalance_interval_s: minimum time between inter-agent re-evaluations.
-        reassignment_cost_s: estimated time of one weight load on a replica.
+        reassignment_cost_s: estimated time of one weight load on a replica (while ``measured_rates``,
+            the prior: the caller's measured loads replace it, :meth:`HierarchicalBalancer.set_reassignment_cost_s`).
         hysteresis: a rebalance's moves, together, must cut the largest group's estimated
             drain time by at least this fraction (after counting the moves' cost).
         min_residency_s: a replica that was moved stays put at least this long.
         max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
+        measured_rates: replica rates are measured deliveries (rolloutd's :mod:`rolloutd.replica_rates`,
+            through :meth:`HierarchicalBalancer.set_replica_rate`), which depend on the load a group
+            gives its replicas: a moved replica is predicted to deliver its new group's mean rate per
+            replica. False: the rates are the configured ``ReplicaAssignment.tokens_per_s``, each a
+            property of its replica, which a move carries along, and rolloutd measures nothing (the
+            behaviour before measured rates).
+        prior_tokens_per_s: a replica's tokens/s before one is measured (rolloutd's assignments).
     """
 
     balance_abs_threshold_tokens: int = 64
@@ -122,6 +133,8 @@ class BalancerConfig:
     hysteresis: float = 0.1
     min_residency_s: float = 0.0
     max_affinity_keys: int = 100_000
+    measured_rates: bool = True
+    prior_tokens_per_s: float = 1000.0
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold_tokens < 0:
@@ -134,15 +147,9 @@ class BalancerConfig:
             raise InvalidArgument("hysteresis must be in [0, 1)")
         if self.max_affinity_keys < 1:
             raise InvalidArgument("max_affinity_keys must be >= 1")
+        if not self.prior_tokens_per_s > 0:
+            raise InvalidArgument("prior_tokens_per_s must be > 0")
 
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaAssignment:
-    """An engine replica and the model group it serves at start."""
-
-    replica_id: str
-    model_key: str
-    tokens_per_s: float = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,103 +190,10 @@ class ReplicaMove:
     to_model_key: str
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplicaView:
-    """Read-only state of one replica (status RPC, metrics, tests)."""
-
-    replica_id: str
-    model_key: str
-    phase: ReplicaPhase
-    target_model_key: str
-    outstanding_tokens: int
-    in_flight_requests: int
-    #: Adapter names with requests running on the replica (each holds one adapter slot), sorted.
-    adapters: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass
-class _Replica:
-    spec: ReplicaAssignment
-    model_key: str
-    target_model_key: str
-    phase: ReplicaPhase = ReplicaPhase.SERVING
-    outstanding_tokens: int = 0
-    in_flight_requests: int = 0
-    last_move_s: float = -math.inf
-    #: Adapter name (Ticket.adapter) -> its requests in flight here.
-    adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
-
-    def view(self) -> ReplicaView:
-        return ReplicaView(
-            replica_id=self.spec.replica_id,
-            model_key=self.model_key,
-            phase=self.phase,
-            target_model_key=self.target_model_key,
-            outstanding_tokens=self.outstanding_tokens,
-            in_flight_requests=self.in_flight_requests,
-            adapters=tuple(sorted(self.adapter_requests)),
-        )
-
-
-def _remove(replicas: list[_Replica], replica: _Replica) -> None:
-    """Removes ``replica`` itself from the list (by identity: dataclass equality compares every field)."""
-    del replicas[next(i for i, r in enumerate(replicas) if r is replica)]
-
 
 #: A donor's rank (lower is better): its group's drain time without it, minus the group's now, its
 #: outstanding tokens, its id.
 _DonorScore = tuple[float, float, int, str]
-
-
-@dataclasses.dataclass
-class _GroupIndex:
-    """What HierarchicalBalancer derives from its replicas' groups and phases, valid for one epoch.
-
-    A move (``_move``) patches the groups it touches instead of a rebuild (rebalancing plans many).
-    """
-
-    epoch: int
-    counts: dict[str, int]  # replicas serving or moving to each model group (target)
-    rates: dict[str, float]  # their tokens_per_s (summed in replica id order)
-    serving: dict[str, list[_Replica]]  # SERVING replicas by the group they serve now, in replica id order
-    targets: dict[str, list[_Replica]]  # replicas by target group, in replica id order
-    incoming: dict[str, float]  # tokens_per_s of the replicas moving to each group (target, not yet serving it)
-    # Per group, built on first use: (min-heap of (outstanding tokens, replica id), max-heap of (-tokens, id)) of
-    # its SERVING replicas; an entry whose replica no longer serves the group with those tokens is stale (skipped).
-    loads: dict[str, tuple[list[tuple[int, str]], list[tuple[int, str]]]] = dataclasses.field(default_factory=dict)
-
-    def push_load(self, replica: _Replica) -> None:
-        """A SERVING replica's outstanding tokens changed (or it began serving): a fresh entry in its group's heaps."""
-        heaps = self.loads.get(replica.model_key)
-        if heaps is None:
-            return
-        low, high = heaps
-        if len(low) > 2 * len(self.serving.get(replica.model_key, ())) + 64:  # mostly stale: rebuild
-            del self.loads[replica.model_key]
-            return
-        heapq.heappush(low, (replica.outstanding_tokens, replica.spec.replica_id))
-        heapq.heappush(high, (-replica.outstanding_tokens, replica.spec.replica_id))
-
-    def serve(self, replica: _Replica) -> None:
-        """``replica`` (now SERVING its target group) joins its group's serving list."""
-        bisect.insort(self.serving.setdefault(replica.model_key, []), replica, key=lambda r: r.spec.replica_id)
-        key = replica.model_key
-        self.incoming[key] = sum(r.spec.tokens_per_s for r in self.targets.get(key, ()) if r.model_key != key)
-        self.push_load(replica)
-
-    def retarget(self, replica: _Replica, old_target: str, was_serving: bool) -> None:
-        """``replica`` moved from ``old_target`` to its ``target_model_key`` (and left SERVING if it was)."""
-        if was_serving:
-            _remove(self.serving[replica.model_key], replica)
-        _remove(self.targets[old_target], replica)
-        bisect.insort(self.targets.setdefault(replica.target_model_key, []), replica,
-                      key=lambda r: r.spec.replica_id)
-        for key in (old_target, replica.target_model_key):
-            members = self.targets[key]
-            if key in self.counts:
-                self.counts[key] = len(members)
-                self.rates[key] = sum(r.spec.tokens_per_s for r in members)
-            self.incoming[key] = sum(r.spec.tokens_per_s for r in members if r.model_key != key)
 
 
 class TokenEstimator:
@@ -336,6 +250,7 @@ class HierarchicalBalancer:
                 an entry has no bound.
         """
         self._config = config or BalancerConfig()
+        self._reassignment_cost_s = self._config.reassignment_cost_s
         self._agent_model: dict[str, str] = {}
         self._adapters: set[str] = set()
         for agent in agents:
@@ -353,20 +268,20 @@ class HierarchicalBalancer:
         for key, slots in self._adapter_slots.items():
             if slots < 1:
                 raise InvalidArgument(f"adapter_slots[{key!r}] must be >= 1, got {slots}")
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, ReplicaState] = {}
         for spec in replicas:
             if spec.replica_id in self._replicas:
                 raise InvalidArgument(f"replica {spec.replica_id!r} listed twice")
             if spec.tokens_per_s <= 0:
                 raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
-            self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
+            self._replicas[spec.replica_id] = ReplicaState(spec, spec.model_key, spec.model_key, spec.tokens_per_s)
         self._replica_order: tuple[str, ...] = tuple(sorted(self._replicas))
         # Derived from the replicas' groups and phases, rebuilt after a move, a load or a membership change
         # (rare) instead of scanning every replica on each request: O(group) routing at thousands of replicas.
         self._groups_epoch = 0
-        self._groups_cache: _GroupIndex | None = None
+        self._groups_cache: GroupIndex | None = None
         #: Within one rebalance: the best donor of each (group, require_spare) not touched by a move since.
-        self._donor_memo: dict[tuple[str, bool], tuple[_DonorScore, _Replica | None]] | None = None
+        self._donor_memo: dict[tuple[str, bool], tuple[_DonorScore, ReplicaState | None]] | None = None
         # Replicas that may have reached AWAITING_LOAD since the last replicas_awaiting_load (a superset).
         self._maybe_awaiting: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
@@ -389,6 +304,11 @@ class HierarchicalBalancer:
     def replicas(self) -> list[ReplicaView]:
         """State of every replica, ordered by id."""
         return [self._replicas[r].view() for r in self._replica_order]
+
+    def replica(self, replica_id: str) -> ReplicaView | None:
+        """State of one replica (None: not balanced here)."""
+        replica = self._replicas.get(replica_id)
+        return None if replica is None else replica.view()
 
     def replica_counts(self) -> dict[str, int]:
         """Replicas serving or moving to each model group."""
@@ -565,7 +485,7 @@ class HierarchicalBalancer:
             chosen = self._least_tokens_with_affinity(candidates, ticket.affinity_key)
         return self._assign(ticket, chosen)
 
-    def _assign(self, ticket: Ticket, chosen: _Replica) -> Ticket:
+    def _assign(self, ticket: Ticket, chosen: ReplicaState) -> Ticket:
         placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
         chosen.outstanding_tokens += ticket.estimated_tokens
         chosen.in_flight_requests += 1
@@ -577,7 +497,7 @@ class HierarchicalBalancer:
             self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
         return placed
 
-    def _least_tokens_in_group(self, model_key: str, affinity_key: str) -> _Replica | None:
+    def _least_tokens_in_group(self, model_key: str, affinity_key: str) -> ReplicaState | None:
         """:meth:`_least_tokens_with_affinity` over every serving replica of the group, from its load heaps."""
         index = self._groups()
         serving = index.serving.get(model_key)
@@ -608,7 +528,7 @@ class HierarchicalBalancer:
         return (replica is not None and replica.phase is ReplicaPhase.SERVING and replica.model_key == model_key
                 and replica.outstanding_tokens == tokens)
 
-    def _has_adapter_slot(self, replica: _Replica, adapter: str | None) -> bool:
+    def _has_adapter_slot(self, replica: ReplicaState, adapter: str | None) -> bool:
         """Whether a request with ``adapter`` may run on ``replica`` now (scheduler.py ``can_schedule_lora_req``).
 
         Always for a full-model agent's request (``adapter`` None) and for a name already running
@@ -619,7 +539,7 @@ class HierarchicalBalancer:
         slots = self._adapter_slots.get(replica.model_key)
         return slots is None or len(replica.adapter_requests) < slots
 
-    def _least_tokens_with_affinity(self, candidates: list[_Replica], affinity_key: str) -> _Replica:
+    def _least_tokens_with_affinity(self, candidates: list[ReplicaState], affinity_key: str) -> ReplicaState:
         least = min(candidates, key=lambda r: r.outstanding_tokens)  # first in id order on ties
         loads = [r.outstanding_tokens for r in candidates]
         if self.is_imbalanced(loads):
@@ -671,7 +591,7 @@ class HierarchicalBalancer:
             raise AlreadyExists(f"replica {spec.replica_id!r} is already served")
         if spec.tokens_per_s <= 0:
             raise InvalidArgument(f"replica {spec.replica_id!r}: tokens_per_s must be > 0")
-        self._replicas[spec.replica_id] = _Replica(spec, spec.model_key, spec.model_key)
+        self._replicas[spec.replica_id] = ReplicaState(spec, spec.model_key, spec.model_key, spec.tokens_per_s)
         self._replica_order = tuple(sorted(self._replicas))
         self._groups_epoch += 1
 
@@ -731,7 +651,7 @@ class HierarchicalBalancer:
         if before_s <= 0 or math.isinf(before_s):
             return []
         after_s: dict[str, float] = {}
-        planned: list[tuple[ReplicaMove, _Replica, str, float, ReplicaPhase]] = []
+        planned: list[tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float]] = []
         for _ in range(len(self._replicas)):
             found = self._best_improving_move(demand, now_s, after_s)
             if found is None:
@@ -743,8 +663,9 @@ class HierarchicalBalancer:
         final_s = max(after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys)
         if final_s <= before_s * (1.0 - self._config.hysteresis):
             return [move for move, *_ in planned]
-        for _move, replica, target, last_move_s, phase in reversed(planned):  # not worth it: undo
+        for _move, replica, target, last_move_s, phase, rate in reversed(planned):  # not worth it: undo
             replica.target_model_key, replica.last_move_s, replica.phase = target, last_move_s, phase
+            replica.tokens_per_s = rate
             self._groups_epoch += 1
             if phase is ReplicaPhase.AWAITING_LOAD:
                 self._maybe_awaiting.add(replica.spec.replica_id)
@@ -753,7 +674,7 @@ class HierarchicalBalancer:
 
     def _best_improving_move(
         self, demand: Mapping[str, int], now_s: float, after_s: dict[str, float]
-    ) -> tuple[ReplicaMove, _Replica, str, float, ReplicaPhase] | None:
+    ) -> tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float] | None:
         """The next move that shortens the current bottleneck, with what undoing it needs.
 
         ``after_s`` collects each touched group's estimated drain time after the moves so far
@@ -771,19 +692,19 @@ class HierarchicalBalancer:
         donor = self._pick_donor(demand, exclude=bottleneck, now_s=now_s, require_spare=True)
         if donor is None:
             return None
-        donor_rate = donor.spec.tokens_per_s
+        donor_rate = donor.tokens_per_s
         donor_key = donor.target_model_key
-        cost_s = self._config.reassignment_cost_s + donor.outstanding_tokens / donor_rate
+        cost_s = self._reassignment_cost_s + donor.outstanding_tokens / donor_rate
         before_s = drain_s[bottleneck]
         bottleneck_rate = rates[bottleneck]
         # Replicas this plan already moved in are loading, not serving, during the cost.
         serving_rate = bottleneck_rate - self._groups().incoming.get(bottleneck, 0.0)
         remaining_after_cost = max(0.0, demand[bottleneck] - max(0.0, serving_rate) * cost_s)
-        bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + donor_rate)
+        bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + self._rate_in(donor, bottleneck))
         donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
         if not (bottleneck_after_s < before_s and donor_after_s < before_s):
             return None
-        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase)
+        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase, donor.tokens_per_s)
         move = self._move(donor, bottleneck, now_s)
         after_s[bottleneck] = bottleneck_after_s
         if donor_key in self._model_keys:
@@ -792,14 +713,14 @@ class HierarchicalBalancer:
 
     def _pick_donor(
         self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool
-    ) -> _Replica | None:
+    ) -> ReplicaState | None:
         """The movable replica whose group suffers least from losing it.
 
         The best of each group (by the group it serves now) is kept for the rest of a rebalance
         (``_donor_memo``) until a move touches that group: a plan of many moves is not O(replicas) each.
         """
         best: _DonorScore | None = None
-        best_replica: _Replica | None = None
+        best_replica: ReplicaState | None = None
         for key, serving in self._groups().serving.items():
             if key == exclude or not serving:
                 continue
@@ -814,12 +735,12 @@ class HierarchicalBalancer:
                 best, best_replica = score, replica
         return best_replica
 
-    def _group_donor(self, key: str, serving: Sequence[_Replica], demand: Mapping[str, int], now_s: float,
-                     require_spare: bool) -> tuple[_DonorScore, _Replica | None]:
+    def _group_donor(self, key: str, serving: Sequence[ReplicaState], demand: Mapping[str, int], now_s: float,
+                     require_spare: bool) -> tuple[_DonorScore, ReplicaState | None]:
         """The best donor among the replicas serving ``key`` (see :meth:`_pick_donor`), with its score."""
         index = self._groups()
         best: _DonorScore = (math.inf, math.inf, 0, "")
-        best_replica: _Replica | None = None
+        best_replica: ReplicaState | None = None
         for replica in serving:
             replica_id = replica.spec.replica_id
             if key not in index.counts:  # serving a model no agent uses: always free to take
@@ -830,16 +751,17 @@ class HierarchicalBalancer:
                 if require_spare and demand[key] > 0 and index.counts[key] <= 1:
                     continue  # a group with demand keeps its last replica
                 rate = index.rates[key]
-                after_s = self._drain_time_s(demand[key], rate - replica.spec.tokens_per_s)
+                after_s = self._drain_time_s(demand[key], rate - replica.tokens_per_s)
                 score = (after_s, -self._drain_time_s(demand[key], rate), replica.outstanding_tokens, replica_id)
             if best_replica is None or score < best:
                 best, best_replica = score, replica
         return best, best_replica
 
-    def _move(self, replica: _Replica, to_model_key: str, now_s: float) -> ReplicaMove:
+    def _move(self, replica: ReplicaState, to_model_key: str, now_s: float) -> ReplicaMove:
         move = ReplicaMove(replica.spec.replica_id, replica.model_key, to_model_key)
         index = self._groups()
         old_target, was_serving = replica.target_model_key, replica.phase is ReplicaPhase.SERVING
+        replica.tokens_per_s = self._rate_in(replica, to_model_key)
         replica.target_model_key = to_model_key
         replica.last_move_s = now_s
         replica.phase = ReplicaPhase.DRAINING if replica.in_flight_requests else ReplicaPhase.AWAITING_LOAD
@@ -854,6 +776,41 @@ class HierarchicalBalancer:
                 self._donor_memo.pop((key, False), None)
         self.reassignments += 1
         return move
+
+    def _rate_in(self, replica: ReplicaState, model_key: str) -> float:
+        """The rate ``replica`` is expected to deliver serving ``model_key`` (see ``BalancerConfig.measured_rates``).
+
+        A measured rate is what the replica delivered under its group's load (a decode step of one
+        sequence costs nearly what one of many does), so a replica moved from a light group to a heavy
+        one delivers what the heavy group's replicas do, not what it did: its new group's mean.
+        """
+        index = self._groups()
+        count = index.counts.get(model_key, 0)
+        if not self._config.measured_rates or count <= 0 or replica.target_model_key == model_key:
+            return replica.tokens_per_s
+        return index.rates[model_key] / count
+
+    def set_replica_rate(self, replica_id: str, tokens_per_s: float) -> None:
+        """The replica's rate is now ``tokens_per_s`` (measured); the group index follows in O(its group)."""
+        if not tokens_per_s > 0 or math.isinf(tokens_per_s):
+            raise InvalidArgument(f"replica {replica_id!r}: tokens_per_s must be finite and > 0, got {tokens_per_s}")
+        replica = self._replica(replica_id)
+        replica.tokens_per_s = tokens_per_s
+        index = self._groups_cache
+        if index is None or index.epoch != self._groups_epoch:
+            return  # the next rebuild reads it
+        index.recount(replica.target_model_key)
+
+    @property
+    def reassignment_cost_s(self) -> float:
+        """The estimated seconds of one weight load a move pays (configured, or measured by the caller)."""
+        return self._reassignment_cost_s
+
+    def set_reassignment_cost_s(self, seconds: float) -> None:
+        """The estimated seconds of one weight load (the caller's measurement) from now on."""
+        if not 0 <= seconds < math.inf:
+            raise InvalidArgument(f"reassignment_cost_s must be finite and >= 0, got {seconds}")
+        self._reassignment_cost_s = seconds
 
     def replicas_awaiting_load(self) -> list[ReplicaMove]:
         """Drained replicas whose new weights the caller must now load (in replica id order)."""
@@ -890,15 +847,15 @@ class HierarchicalBalancer:
             del self._affinity[key]
 
     # ------------------------------------------------------------ helpers
-    def _groups(self) -> _GroupIndex:
+    def _groups(self) -> GroupIndex:
         """Per model group: serving replicas (id order), replica counts and rates (of targets), up to date."""
         cache = self._groups_cache
         if cache is not None and cache.epoch == self._groups_epoch:
             return cache
         counts = dict.fromkeys(self._model_keys, 0)
         rates = dict.fromkeys(self._model_keys, 0.0)
-        serving: dict[str, list[_Replica]] = {}
-        targets: dict[str, list[_Replica]] = {}
+        serving: dict[str, list[ReplicaState]] = {}
+        targets: dict[str, list[ReplicaState]] = {}
         incoming: dict[str, float] = {}
         for replica_id in self._replica_order:
             replica = self._replicas[replica_id]
@@ -906,12 +863,12 @@ class HierarchicalBalancer:
             targets.setdefault(target, []).append(replica)
             if target in counts:
                 counts[target] += 1
-                rates[target] += replica.spec.tokens_per_s
+                rates[target] += replica.tokens_per_s
             if target != replica.model_key:
-                incoming[target] = incoming.get(target, 0) + replica.spec.tokens_per_s
+                incoming[target] = incoming.get(target, 0) + replica.tokens_per_s
             if replica.phase is ReplicaPhase.SERVING:
                 serving.setdefault(replica.model_key, []).append(replica)
-        self._groups_cache = _GroupIndex(self._groups_epoch, counts, rates, serving, targets, incoming)
+        self._groups_cache = GroupIndex(self._groups_epoch, counts, rates, serving, targets, incoming)
         return self._groups_cache
 
     def _group_rates(self) -> dict[str, float]:
@@ -934,7 +891,7 @@ class HierarchicalBalancer:
             raise NotFound(f"unknown agent {agent!r}")
         return model_key
 
-    def _replica(self, replica_id: str) -> _Replica:
+    def _replica(self, replica_id: str) -> ReplicaState:
         replica = self._replicas.get(replica_id)
         if replica is None:
             raise NotFound(f"unknown replica {replica_id!r}")

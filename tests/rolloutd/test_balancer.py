@@ -220,7 +220,7 @@ def test_add_replica_rejects_a_served_replica() -> None:
 def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_membership_changes() -> None:
     """Routing, counts and awaiting loads come from an index rebuilt on change (O(group) per request at scale).
 
-    A random run of submits, finishes, rebalances, loads and replica removals: after every operation
+    A random run of submits, finishes, rebalances, loads, rate updates and replica removals: after every operation
     the balancer's answers equal a recount over its replicas' views, and a request is only ever
     placed on a replica serving its group.
     """
@@ -246,7 +246,9 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
             for move in b.replicas_awaiting_load():
                 b.begin_load(move.replica_id)
                 b.complete_load(move.replica_id)
-        elif op < 0.95 and len(removed) < 3:
+        elif op < 0.92:  # a measured rate (rolloutd feeds them as they change)
+            b.set_replica_rate(rng.choice([v.replica_id for v in b.replicas()]), rng.choice([20.0, 100.0, 333.3]))
+        elif op < 0.96 and len(removed) < 3:
             victim = rng.choice([v.replica_id for v in b.replicas()])
             b.remove_replica(victim)
             removed.append(victim)
@@ -281,3 +283,39 @@ def _assert_index_is_a_rebuild(b: HierarchicalBalancer) -> None:
     kept = shape(b._groups())
     b._groups_cache = None
     assert kept == shape(b._groups())
+
+
+def test_a_group_measured_slow_gets_replicas_the_configured_rate_and_cost_would_not_give_it() -> None:
+    """The balancer decides on measured rates and load seconds (rolloutd/replica_rates.py feeds them).
+
+    4,000 tokens of demand on two replicas: at the configured 1,000 tokens/s each they drain in
+    2 s and no move pays a 10 s load; measured at 20 tokens/s each they drain in 100 s and
+    replicas move. The donors, measured at 1 token/s under their light load, are counted at the
+    receiving group's mean (20), and the measured 0.3 s load alone is enough at the configured rate.
+    """
+    def balancer(**config: object) -> HierarchicalBalancer:
+        b = HierarchicalBalancer([ReplicaAssignment(f"r{i}", "abc"[i // 2], 1000.0) for i in range(6)],
+                                 [AgentSpec(a, a) for a in "abc"], BalancerConfig(**config))  # type: ignore[arg-type]
+        for _ in range(40):
+            b.submit("a", 100)
+        return b
+
+    fixed = balancer()
+    assert fixed.rebalance(now_s=10.0) == [] and fixed.replica_counts()["a"] == 2
+    measured = balancer()
+    for replica_id, rate in {"r0": 20.0, "r1": 20.0, "r2": 1.0, "r3": 1.0, "r4": 1.0, "r5": 1.0}.items():
+        measured.set_replica_rate(replica_id, rate)
+    moves = measured.rebalance(now_s=10.0)
+    assert moves and all(m.to_model_key == "a" for m in moves) and measured.replica_counts()["a"] > 2
+    assert {v.tokens_per_s for v in measured.replicas() if v.target_model_key == "a"} == {20.0}
+    pinned = balancer(measured_rates=False)  # the donors carry their own 1 token/s: too little to pay
+    for replica_id, rate in {"r0": 20.0, "r1": 20.0, "r2": 1.0, "r3": 1.0, "r4": 1.0, "r5": 1.0}.items():
+        pinned.set_replica_rate(replica_id, rate)
+    assert pinned.rebalance(now_s=10.0) == []
+    cheap_load = balancer()
+    cheap_load.set_reassignment_cost_s(0.3)
+    assert cheap_load.reassignment_cost_s == 0.3 and cheap_load.rebalance(now_s=10.0)
+    with pytest.raises(InvalidArgument):
+        cheap_load.set_replica_rate("r0", 0.0)
+    with pytest.raises(InvalidArgument):
+        cheap_load.set_reassignment_cost_s(-1.0)
