@@ -41,6 +41,8 @@ class RolloutApp(DaemonApp):
             engine_max_loaded_loras=config.engine_max_loaded_loras or None,
             weights_cache_dir=Path(config.weights_cache_dir).resolve() if config.weights_cache_dir else None,
             vllm_python=config.vllm_python,
+            balancer_measured_rates=config.balancer_measured_rates, balancer_tokens_per_s=config.balancer_tokens_per_s,
+            balancer_reassignment_cost_s=config.balancer_reassignment_cost_s,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 

@@ -108,10 +108,22 @@ class RolloutConfig(DaemonConfig):
     engine_max_loaded_loras: int = dataclasses.field(
         default=0, metadata=_help("LoRA agents' replicas: most adapters loaded at once "
                                   "(SGLang's --max-loaded-loras; 0: no bound)"))
+    balancer_measured_rates: bool = dataclasses.field(
+        default=True, metadata=_help("the hierarchical balancer decides on each replica's measured tokens/s and "
+                                     "the measured seconds of a weight load (false: on the two priors below "
+                                     "alone, as before measurement)"))
+    balancer_tokens_per_s: float = dataclasses.field(
+        default=1000.0, metadata=_help("the balancer's rate of a replica until it is measured (tokens/s)"))
+    balancer_reassignment_cost_s: float = dataclasses.field(
+        default=10.0, metadata=_help("the balancer's cost of a replica move (one weight load) until one is measured"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
         super().validate()
+        if not 0 < self.balancer_tokens_per_s < float("inf"):
+            raise ConfigError(f"balancer_tokens_per_s: must be > 0, got {self.balancer_tokens_per_s}")
+        if not 0 <= self.balancer_reassignment_cost_s < float("inf"):
+            raise ConfigError(f"balancer_reassignment_cost_s: must be >= 0, got {self.balancer_reassignment_cost_s}")
         if not 1 <= self.engine_max_loras_per_batch <= 1024:
             raise ConfigError(f"engine_max_loras_per_batch: must be in 1..1024, got {self.engine_max_loras_per_batch}")
         if self.engine_max_loaded_loras and self.engine_max_loaded_loras < self.engine_max_loras_per_batch:

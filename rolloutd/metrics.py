@@ -87,7 +87,7 @@ class RolloutMetrics:
 
 
 class _RouterCollector(Collector):
-    """Per-replica queue depth and in-flight requests, replica counts per agent, reassignments."""
+    """Per-replica queue depth, in-flight requests and rate, replica counts per agent, reassignments, load cost."""
 
     def __init__(self, router: Callable[[], Any]) -> None:
         self._router = router
@@ -103,12 +103,20 @@ class _RouterCollector(Collector):
                                      labels=["agent"])
         moves = GaugeMetricFamily("flexmarl_rolloutd_balancer_reassignments",
                                   "Inter-agent replica reassignments so far.")
+        rates = GaugeMetricFamily("flexmarl_rolloutd_replica_tokens_per_s",
+                                  "Tokens/s the balancer counts for a replica: delivered tokens per busy second, "
+                                  "measured (the prior until measured; its new group's mean while it moves).",
+                                  labels=["replica"])
+        reload_cost = GaugeMetricFamily("flexmarl_rolloutd_balancer_reload_seconds",
+                                        "Seconds of one weight load a replica move pays in the balancer's estimate: "
+                                        "the measured loads' average (the configured prior until one).")
         router = self._router()
         balancer = router.balancer() if router is not None else None
         if balancer is not None:
             for view in balancer.replicas():
                 outstanding.add_metric([view.replica_id], view.outstanding_tokens)
                 in_flight.add_metric([view.replica_id], view.in_flight_requests)
+                rates.add_metric([view.replica_id], view.tokens_per_s)
             waiting: dict[str, int] = {}
             for ticket in balancer.queued():
                 waiting[ticket.agent] = waiting.get(ticket.agent, 0) + 1
@@ -116,4 +124,5 @@ class _RouterCollector(Collector):
                 replicas.add_metric([agent], count)
                 queued.add_metric([agent], waiting.get(agent, 0))
             moves.add_metric([], balancer.reassignments)
-        yield from (outstanding, in_flight, queued, replicas, moves)
+            reload_cost.add_metric([], balancer.reassignment_cost_s)
+        yield from (outstanding, in_flight, queued, replicas, moves, rates, reload_cost)

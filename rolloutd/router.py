@@ -38,6 +38,10 @@ it will carry (``<agent>@v<k>``, or :data:`~rolloutd.balancer.BASE_ADAPTER` for 
 the replica's ``--max-loras-per-batch``, as SGLang's scheduler counts the names of a batch, and
 the request is served with exactly that name.
 
+The balancer decides on measured figures (``BalancerConfig.measured_rates``): each replica's
+delivered tokens per busy second, from its generations (:mod:`rolloutd.replica_rates`), and the
+seconds of a weight load from disk, each fed to the balancer as it changes.
+
 Distributed weight sync (``rollout.weight_sync: distributed``,
 :meth:`RolloutRouter.set_distributed_sync`): a version the agent's trainer announces is received
 by its replicas over the trainer's weight-update group (:meth:`RolloutRouter.receive_broadcast`,
@@ -79,6 +83,7 @@ from rolloutd.engines.protocol import (
 )
 from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
+from rolloutd.replica_rates import RateSettings, ReloadCost, ReplicaRates
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
 log = logging.getLogger(__name__)
@@ -213,13 +218,17 @@ class RolloutRouter:
         interrupt_mode: PauseMode = PauseMode.IN_PLACE,
         owner: str = "rolloutd",
         on_broadcast: Callable[[str, SyncOutcome], None] | None = None,
+        rate_settings: RateSettings | None = None,
     ) -> None:
         """Routes over ``replicas``.
 
         Args:
             replicas: The engine replicas (ids unique).
             resolve_weights: Maps a weights URI to a directory the engines can load.
-            config: Balancer tunables.
+            config: Balancer tunables. With ``measured_rates`` the router measures each replica's
+                delivered tokens/s and the seconds of its weight loads (:mod:`rolloutd.replica_rates`)
+                and the balancer decides on those (``prior_tokens_per_s`` and ``reassignment_cost_s``
+                until measured); without, on the configured ones.
             on_reload: Called with (agent key, seconds) after each weight load.
             health_probe_interval_s: How often a dropped replica's ``/health`` is asked whether
                 it may serve again.
@@ -231,6 +240,7 @@ class RolloutRouter:
             owner: This rolloutd's worker id (the peer name it posts its members to a weight-update group under).
             on_broadcast: Called with (agent key, outcome) after each version received over a
                 weight-update group (its phases' seconds included).
+            rate_settings: How replica rates and load costs are measured (tests shorten the windows).
         """
         if health_probe_interval_s <= 0 or busy_backoff_s < 0:
             raise InvalidArgument("health_probe_interval_s must be > 0 and busy_backoff_s >= 0")
@@ -241,6 +251,8 @@ class RolloutRouter:
         self._resolve = resolve_weights
         self._config = config or BalancerConfig()
         self._estimator = TokenEstimator()
+        self._rates = ReplicaRates(self._config.prior_tokens_per_s, rate_settings)
+        self._reload_cost = ReloadCost(self._config.reassignment_cost_s, rate_settings)
         self._wanted: dict[str, WantedWeights] = {}
         self._balancer: HierarchicalBalancer | None = None
         self._agents: tuple[str, ...] = ()
@@ -470,8 +482,7 @@ class RolloutRouter:
             seconds = time.perf_counter() - start
             log.info("replica %s interrupted (%s) to serve %s v%d (%.2fs)", replica.replica_id, mode.value, key,
                      wanted.version, seconds)
-            if self._on_reload is not None:
-                self._on_reload(key, seconds)
+            self._reloaded(key, seconds)
 
     async def set_agents(self, keys: Sequence[str]) -> None:
         """Serves exactly these agents; rebuilds the balancer after in-flight requests drain."""
@@ -497,6 +508,8 @@ class RolloutRouter:
                 self._balancer = HierarchicalBalancer(
                     specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
                     self._config, adapter_slots=slots)
+                if self._config.measured_rates:
+                    self._balancer.set_reassignment_cost_s(self._reload_cost.seconds)
                 log.info("serving agents %s on %d replicas: %s", list(wanted), len(specs),
                          {s.replica_id: s.model_key for s in specs})
             finally:
@@ -530,7 +543,7 @@ class RolloutRouter:
         for r in healthy:
             if r.replica_id not in assigned:
                 assigned[r.replica_id] = free.pop(0) if free else agents[0]
-        return [ReplicaAssignment(rid, assigned[rid]) for rid in sorted(assigned)]
+        return [self._assignment(rid, assigned[rid]) for rid in sorted(assigned)]
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -597,12 +610,15 @@ class RolloutRouter:
                         if replica.loaded_agent != model_key:  # a concurrent load won; route again
                             raise _Reroute
                         todo_parts = [parts[index] for index in todo]
-                        if model_key == key:
-                            version = replica.loaded_version
-                            outcomes = await run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
-                        else:
-                            version, outcomes = await self._run_adapter(replica, key, served, input_ids,
-                                                                        todo_parts, top_logprobs_num)
+                        with self._generation(replica.replica_id, model_key) as delivered:
+                            if model_key == key:
+                                version = replica.loaded_version
+                                outcomes = await run_parts(replica.client, input_ids, todo_parts, top_logprobs_num)
+                            else:
+                                version, outcomes = await self._run_adapter(replica, key, served, input_ids,
+                                                                            todo_parts, top_logprobs_num)
+                            delivered.append(sum(r.completion_tokens for outcome in outcomes
+                                                 if not isinstance(outcome, Unavailable) for r in outcome))
                 failures: list[Unavailable] = []
                 for index, outcome in zip(todo, outcomes, strict=True):
                     if isinstance(outcome, Unavailable):
@@ -641,6 +657,53 @@ class RolloutRouter:
         except ExceptionGroup as failed:  # callers handle the domain error, not the group
             raise failed.exceptions[0] from None
         return [task.result() for task in resumed]
+
+    @contextlib.contextmanager
+    def _generation(self, replica_id: str, model_key: str) -> Iterator[list[int]]:
+        """Measures one generation on a replica serving ``model_key``: the body appends the tokens it delivered.
+
+        A generation that raises is charged nothing. A replica serving another model than its
+        measurement's is measured afresh, from the rate the balancer counts for it now (its new
+        group's mean when the balancer moved it). A rate that changed is fed to the balancer.
+        """
+        delivered: list[int] = []
+        if not self._config.measured_rates:
+            yield delivered
+            return
+        rate = self._rates.of(replica_id)
+        balancer = self._balancer
+        view = balancer.replica(replica_id) if balancer is not None else None
+        if rate.model_key != model_key:
+            rate.restart(model_key, view.tokens_per_s if view is not None and view.target_model_key == model_key
+                         else self._rates.prior_tokens_per_s)
+        mark = rate.begin(time.monotonic())
+        try:
+            yield delivered
+        except BaseException:
+            rate.end(mark, time.monotonic(), None)
+            raise
+        if not rate.end(mark, time.monotonic(), sum(delivered)):
+            return
+        balancer = self._balancer
+        view = balancer.replica(replica_id) if balancer is not None else None
+        if balancer is not None and view is not None and view.target_model_key == rate.model_key:
+            balancer.set_replica_rate(replica_id, rate.tokens_per_s)
+
+    def _reloaded(self, key: str, seconds: float) -> None:
+        """A weight load from disk took ``seconds``: the balancer's move cost follows it (measured rates)."""
+        if self._config.measured_rates:
+            self._reload_cost.observe(seconds)
+            if self._balancer is not None:
+                self._balancer.set_reassignment_cost_s(self._reload_cost.seconds)
+        if self._on_reload is not None:
+            self._on_reload(key, seconds)
+
+    def _assignment(self, replica_id: str, model_key: str) -> ReplicaAssignment:
+        """A replica's place in a new balancer, with its measured rate where it was measured serving ``model_key``."""
+        rate = self._rates.of(replica_id)
+        measured = self._config.measured_rates and rate.model_key == model_key
+        return ReplicaAssignment(replica_id, model_key,
+                                 rate.tokens_per_s if measured else self._config.prior_tokens_per_s)
 
     def _adapter_name(self, key: str, served: WantedWeights | None) -> str | None:
         """The adapter name a LoRA agent's request served with ``served`` carries (None: a full model's request).
@@ -814,8 +877,7 @@ class RolloutRouter:
             replica.reloads += 1
             seconds = time.perf_counter() - start
             log.info("replica %s now serves %s v%d (%.2fs)", replica.replica_id, key, wanted.version, seconds)
-            if self._on_reload is not None:
-                self._on_reload(key, seconds)
+            self._reloaded(key, seconds)
 
     def drop_hung(self, stall_s: float) -> list[str]:
         """Drops the replicas that hold requests and answered none for longer than ``stall_s``; returns their ids.
@@ -882,7 +944,7 @@ class RolloutRouter:
         counts = balancer.replica_counts()
         # The group with the fewest replicas (most demand on ties) gets it; a rebalance may move it.
         model_key = min(counts, key=lambda k: (counts[k], -balancer.demand_tokens(k), k))
-        balancer.add_replica(ReplicaAssignment(replica.replica_id, model_key))
+        balancer.add_replica(self._assignment(replica.replica_id, model_key))
         self._rebalance()
 
     def set_demand_hint(self, key: str, tokens: int) -> None:

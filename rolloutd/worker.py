@@ -171,6 +171,10 @@ class WorkerSettings:
     engine_max_loaded_loras: int | None = None
     #: engine_backend vllm: the python of vLLM's virtual environment (launched replicas).
     vllm_python: str = ""
+    #: The balancer decides on measured replica rates and load seconds; the priors until measured.
+    balancer_measured_rates: bool = True
+    balancer_tokens_per_s: float = 1000.0
+    balancer_reassignment_cost_s: float = 10.0
 
     @property
     def weights_cache(self) -> Path:
@@ -786,7 +790,10 @@ class RolloutWorker:
             # The first job's rollout.balancing sets the policy of this worker's router (benchmarks, ablations).
             balancing = spec.balancing
             config = BalancerConfig(rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.ROUND_ROBIN
-                                    if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS)
+                                    if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS,
+                                    measured_rates=s.balancer_measured_rates,
+                                    prior_tokens_per_s=s.balancer_tokens_per_s,
+                                    reassignment_cost_s=s.balancer_reassignment_cost_s)
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
                                         owner=s.worker_id, on_broadcast=self._metrics.observe_broadcast)
             return self.router

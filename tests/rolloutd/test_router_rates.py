@@ -1,0 +1,79 @@
+"""RolloutRouter feeds its balancer measured replica rates and load seconds (rolloutd/replica_rates.py).
+
+Fake SGLang replicas (tests/rolloutd/sglang_fake.py) that decode each request in a fixed time, so a
+replica running a batch delivers the batch's tokens over that time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import CollectorRegistry
+from sglang_fake import FakeSGLang
+
+from rolloutd.balancer import BalancerConfig
+from rolloutd.engines.sglang.client import SGLangClient
+from rolloutd.metrics import RolloutMetrics
+from rolloutd.replica_rates import RateSettings
+from rolloutd.router import Replica, RolloutRouter, agent_key
+
+KEY = agent_key("job-1", "solver")
+DECODE_S = 0.4
+BATCH = 8  # requests per replica, each TOKENS long, decoded together in DECODE_S
+TOKENS = 8
+LOAD_S = 0.05
+
+
+async def _resolve(uri: str) -> str:
+    await asyncio.sleep(LOAD_S)  # a weight load's measurable part
+    return uri
+
+
+async def _serve_batches(servers: list[FakeSGLang], config: BalancerConfig) -> RolloutRouter:
+    replicas = [Replica(f"replica-{i}", SGLangClient(s.url, retries=1)) for i, s in enumerate(servers)]
+    router = RolloutRouter(replicas, _resolve, config, rate_settings=RateSettings(window_s=0.2, half_life_s=1.0))
+    router.require(KEY, 1, "/weights/v1")
+    await router.set_agents([KEY])
+    balancer = router.balancer()
+    assert balancer is not None and balancer.reassignment_cost_s == config.reassignment_cost_s
+    await asyncio.gather(*(router.generate(KEY, [1, 2, 3], {"max_new_tokens": TOKENS}, 1, f"task#{i}")
+                           for i in range(BATCH * len(servers))))
+    return router
+
+
+async def _close(router: RolloutRouter) -> None:
+    await router.close()
+    for replica in router.replicas():
+        await replica.client.close()
+
+
+async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the_configured_ones() -> None:
+    servers = [FakeSGLang(), FakeSGLang()]
+    for server in servers:
+        server.decode_s = DECODE_S
+        await server.start()
+    try:
+        router = await _serve_batches(servers, BalancerConfig(rebalance_interval_s=3600.0))
+        balancer = router.balancer()
+        assert balancer is not None
+        # Each replica loaded v1 once (LOAD_S of it measurable): the move cost is measured, not 10 s.
+        assert LOAD_S <= balancer.reassignment_cost_s < 2.0
+        for view in balancer.replicas():
+            # A batch of BATCH requests delivers BATCH x TOKENS in ~DECODE_S: ~160 tokens/s, not each
+            # request's TOKENS / DECODE_S (20) and not the 1,000 prior.
+            assert BATCH * TOKENS / DECODE_S / 3 < view.tokens_per_s <= BATCH * TOKENS / DECODE_S * 1.05, view
+        registry = CollectorRegistry()
+        RolloutMetrics(registry).watch_router(lambda: router)  # what Prometheus scrapes
+        assert registry.get_sample_value("flexmarl_rolloutd_balancer_reload_seconds") == balancer.reassignment_cost_s
+        assert registry.get_sample_value("flexmarl_rolloutd_replica_tokens_per_s", {"replica": "replica-1"}) == (
+            balancer.replicas()[1].tokens_per_s)
+        await _close(router)
+
+        router = await _serve_batches(servers, BalancerConfig(rebalance_interval_s=3600.0, measured_rates=False))
+        balancer = router.balancer()
+        assert balancer is not None and balancer.reassignment_cost_s == 10.0
+        assert {v.tokens_per_s for v in balancer.replicas()} == {1000.0}
+        await _close(router)
+    finally:
+        for server in servers:
+            await server.stop()
