@@ -51,9 +51,13 @@ def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> No
     assert spec["environment"]["config"]["rotate_every_tasks"] == 12
 
 
-def test_the_balancer_moves_replicas_only_when_its_rates_are_the_modelled_ones() -> None:
-    from benchmarks.balancer_units import moves
+def test_the_balancer_moves_replicas_on_the_rates_rolloutd_measures_and_not_on_the_fixed_ones() -> None:
+    from benchmarks.balancer_units import decisions
 
     # the shifting shape's demand in real tokens: 400 heavy requests of 24, 4 light ones of 1 per light agent
-    assert moves(1000.0, 10.0, 400, 24, 4, 1) == {"planner": 2, "coder": 2, "reviewer": 2}
-    assert moves(39.0, 0.3, 400, 24, 4, 1) == {"planner": 4, "coder": 1, "reviewer": 1}
+    fixed, measured, own_rates = decisions(400, 128.0, 0.5, 2500.0)
+    assert fixed.replicas == {"planner": 2, "coder": 2, "reviewer": 2}
+    assert measured.rates[0] == pytest.approx(2500.0 / 0.5 / 128) and measured.rates[2] < 2.0
+    assert measured.reload_s == pytest.approx(0.29, abs=0.01)
+    assert measured.replicas == {"planner": 4, "coder": 1, "reviewer": 1}
+    assert own_rates.replicas == {"planner": 2, "coder": 2, "reviewer": 2}  # donors at their light-load rate
