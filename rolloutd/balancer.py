@@ -60,6 +60,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from rolloutd.affinity_map import SEPARATOR, AffinityMap
 from rolloutd.balancer_state import GroupIndex, ReplicaAssignment, ReplicaPhase, ReplicaState, ReplicaView
 
 __all__ = [
@@ -68,7 +69,7 @@ __all__ = [
     "episode_affinity_key", "equal_split", "group_affinity_key",
 ]
 
-AFFINITY_SEPARATOR = "#"
+AFFINITY_SEPARATOR = SEPARATOR
 
 #: The adapter name of a LoRA agent's request served by the base alone (sent without ``lora_path``):
 #: SGLang's ``lora_id`` None, which its scheduler counts as one of a batch's adapters.
@@ -287,8 +288,10 @@ class HierarchicalBalancer:
         self._tickets: dict[int, Ticket] = {}
         self._detached: set[int] = set()  # in flight on a replica that was removed since
         self._queued: dict[str, collections.deque[int]] = {key: collections.deque() for key in self._model_keys}
+        self._waiting_groups: set[str] = set()  # the model groups whose queue is not empty
         self._demand_hint_tokens: dict[str, int] = {}
-        self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._ticket_tokens: dict[str, int] = {}  # per agent: estimated tokens of its queued and in-flight tickets
+        self._affinity = AffinityMap(self._config.max_affinity_keys)
         self._round_robin_next: dict[str, int] = collections.defaultdict(int)
         self._next_request_id = 0
         self._last_rebalance_s = -math.inf
@@ -325,32 +328,30 @@ class HierarchicalBalancer:
     def demand_tokens(self, agent: str) -> int:
         """Outstanding demand of an agent: hint + queued + in-flight estimated tokens."""
         self._model_of(agent)
-        queued_and_in_flight = sum(t.estimated_tokens for t in self._tickets.values() if t.agent == agent)
-        return self._demand_hint_tokens.get(agent, 0) + queued_and_in_flight
+        return self._demand_hint_tokens.get(agent, 0) + self._ticket_tokens.get(agent, 0)
 
     def model_demand_tokens(self) -> dict[str, int]:
-        """Outstanding demand per model group."""
+        """Outstanding demand per model group (O(agents): the tickets' tokens are kept per agent)."""
         demand = dict.fromkeys(self._model_keys, 0)
-        for agent, hint in self._demand_hint_tokens.items():
-            demand[self._agent_model[agent]] += hint
-        for ticket in self._tickets.values():
-            demand[self._agent_model[ticket.agent]] += ticket.estimated_tokens
+        for totals in (self._demand_hint_tokens, self._ticket_tokens):
+            for agent, tokens in totals.items():
+                demand[self._agent_model[agent]] += tokens
         return demand
 
     def queued(self, agent: str | None = None) -> list[Ticket]:
         """Tickets waiting for a replica (of one agent, or all), in FIFO order."""
-        waiting = [self._tickets[i] for key in self._model_keys for i in self._queued[key]]
+        waiting = [self._tickets[i] for key in sorted(self._waiting_groups) for i in self._queued[key]]
         return [t for t in waiting if agent is None or t.agent == agent]
 
     def starved_agents(self) -> set[str]:
         """Agents with a waiting ticket whose group has no replica serving or moving to it.
 
-        Reads only the queues of such groups (the rest cost one lookup each), so it is cheap enough
-        to ask after every event.
+        Reads only the queues of such groups (the other waiting groups cost one lookup each), so it
+        is cheap enough to ask after every event.
         """
         counts = self._groups().counts
-        return {self._tickets[i].agent for key in self._model_keys
-                if self._queued[key] and not counts.get(key, 0) for i in self._queued[key]}
+        return {self._tickets[i].agent for key in self._waiting_groups if not counts.get(key, 0)
+                for i in self._queued[key]}
 
     # --------------------------------------------------------------- demand
     def set_demand_hint(self, agent: str, tokens: int) -> None:
@@ -389,47 +390,55 @@ class HierarchicalBalancer:
         request_id = self._next_request_id
         self._next_request_id += 1
         ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter)
+        self._ticket_tokens[agent] = self._ticket_tokens.get(agent, 0) + estimated_tokens
         placed = self._try_place(ticket)
         if placed is None:
             self._tickets[request_id] = ticket
             self._queued[model_key].append(request_id)
+            self._waiting_groups.add(model_key)
             if not self._has_replica(model_key):
                 self._rebalance_urgent = True
             return ticket
         return placed
 
     def place_queued(self) -> list[Ticket]:
-        """Places waiting tickets on replicas that can now serve them (FIFO per group; per adapter name in a pool)."""
+        """Places waiting tickets on replicas that can now serve them (FIFO per group; per adapter name in a pool).
+
+        Visits only the groups with waiting tickets (in model key order): it is called after every event.
+        """
         placed: list[Ticket] = []
-        for model_key in self._model_keys:
+        for model_key in sorted(self._waiting_groups):
             queue = self._queued[model_key]
+            self._place_group(queue, placed)
             if not queue:
-                continue
-            # The head, while it places: a full model's queue stops at its first ticket that finds no
-            # replica, so placing costs what it places, not the queue's length (it is called after
-            # every event). A pool's queue goes on past adapters whose oldest ticket found no slot.
-            while queue and self._tickets[queue[0]].adapter is None:
-                done = self._try_place(self._tickets[queue[0]])
-                if done is None:
-                    break
-                queue.popleft()
-                placed.append(done)
-            if not queue or self._tickets[queue[0]].adapter is None:
-                continue
-            blocked: set[str] = set()  # adapter names whose oldest waiting ticket found no slot
-            for request_id in list(queue):
-                ticket = self._tickets[request_id]
-                if ticket.adapter in blocked:
-                    continue
-                done = self._try_place(ticket)
-                if done is None:
-                    if ticket.adapter is None:
-                        break
-                    blocked.add(ticket.adapter)
-                    continue
-                queue.remove(request_id)
-                placed.append(done)
+                self._waiting_groups.discard(model_key)
         return placed
+
+    def _place_group(self, queue: collections.deque[int], placed: list[Ticket]) -> None:
+        # The head, while it places: a full model's queue stops at its first ticket that finds no
+        # replica, so placing costs what it places, not the queue's length. A pool's queue goes on
+        # past adapters whose oldest ticket found no slot.
+        while queue and self._tickets[queue[0]].adapter is None:
+            done = self._try_place(self._tickets[queue[0]])
+            if done is None:
+                break
+            queue.popleft()
+            placed.append(done)
+        if not queue or self._tickets[queue[0]].adapter is None:
+            return
+        blocked: set[str] = set()  # adapter names whose oldest waiting ticket found no slot
+        for request_id in list(queue):
+            ticket = self._tickets[request_id]
+            if ticket.adapter in blocked:
+                continue
+            done = self._try_place(ticket)
+            if done is None:
+                if ticket.adapter is None:
+                    break
+                blocked.add(ticket.adapter)
+                continue
+            queue.remove(request_id)
+            placed.append(done)
 
     def adapter_slots_free(self, replica_id: str) -> int | None:
         """Adapter slots of a replica no running adapter name holds (None: its group has no bound)."""
@@ -442,11 +451,19 @@ class HierarchicalBalancer:
         ticket = self._tickets.pop(request_id, None)
         if ticket is None:
             raise NotFound(f"request {request_id} is not in flight")
+        left = self._ticket_tokens[ticket.agent] - ticket.estimated_tokens
+        if left:
+            self._ticket_tokens[ticket.agent] = left
+        else:
+            del self._ticket_tokens[ticket.agent]
         if request_id in self._detached:  # its replica was removed while it ran
             self._detached.discard(request_id)
             return ticket
         if ticket.replica_id is None:
-            self._queued[self._agent_model[ticket.agent]].remove(request_id)
+            model_key = self._agent_model[ticket.agent]
+            self._queued[model_key].remove(request_id)
+            if not self._queued[model_key]:
+                self._waiting_groups.discard(model_key)
             return ticket
         replica = self._replicas.get(ticket.replica_id)
         if replica is None:  # the replica was removed while the request ran
@@ -570,16 +587,11 @@ class HierarchicalBalancer:
         return ""
 
     def _remember_affinity(self, key: str, replica_id: str) -> None:
-        self._affinity[key] = replica_id
-        self._affinity.move_to_end(key)
-        while len(self._affinity) > self._config.max_affinity_keys:
-            self._affinity.popitem(last=False)
+        self._affinity.remember(key, replica_id)
 
     def forget_affinity(self, key: str) -> None:
-        """Drops a key and its descendants (call when a task is done)."""
-        prefix = key + AFFINITY_SEPARATOR
-        for stale in [k for k in self._affinity if k == key or k.startswith(prefix)]:
-            del self._affinity[stale]
+        """Drops a key and its descendants (call when a task is done); O(the task's keys)."""
+        self._affinity.forget_tree(key)
 
     def add_replica(self, spec: ReplicaAssignment) -> None:
         """Adds a replica (a re-admitted one) serving ``spec.model_key``; the inverse of :meth:`remove_replica`.
@@ -605,8 +617,7 @@ class HierarchicalBalancer:
             if ticket.replica_id == replica_id:
                 self._detached.add(request_id)
         self._replica_order = tuple(sorted(self._replicas))
-        for key in [k for k, r in self._affinity.items() if r == replica_id]:
-            del self._affinity[key]
+        self._affinity.forget_replica(replica_id)
         if not self._has_replica(replica.target_model_key):
             self._rebalance_urgent = True
 
@@ -842,9 +853,7 @@ class HierarchicalBalancer:
         self._groups_epoch += 1
         index.serve(replica)
         index.epoch = self._groups_epoch
-        stale = [k for k, r in self._affinity.items() if r == replica_id]
-        for key in stale:  # its KV cache is gone with the old weights
-            del self._affinity[key]
+        self._affinity.forget_replica(replica_id)  # its KV cache is gone with the old weights
 
     # ------------------------------------------------------------ helpers
     def _groups(self) -> GroupIndex:

@@ -234,7 +234,9 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
     for step in range(400):
         op = rng.random()
         if op < 0.4:
-            ticket = b.submit(rng.choice("abc"), rng.randint(1, 5000))
+            task = f"t{rng.randrange(8)}"
+            key = rng.choice(["", group_affinity_key(task), episode_affinity_key(task, rng.randrange(4))])
+            ticket = b.submit(rng.choice("abc"), rng.randint(1, 5000), key)
             if ticket.replica_id is not None:
                 running.append(ticket.request_id)
         elif op < 0.65 and running:
@@ -246,7 +248,9 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
             for move in b.replicas_awaiting_load():
                 b.begin_load(move.replica_id)
                 b.complete_load(move.replica_id)
-        elif op < 0.92:  # a measured rate (rolloutd feeds them as they change)
+        elif op < 0.91:
+            b.forget_affinity(rng.choice([group_affinity_key(f"t{rng.randrange(8)}"), episode_affinity_key("t1", 2)]))
+        elif op < 0.93:  # a measured rate (rolloutd feeds them as they change)
             b.set_replica_rate(rng.choice([v.replica_id for v in b.replicas()]), rng.choice([20.0, 100.0, 333.3]))
         elif op < 0.96 and len(removed) < 3:
             victim = rng.choice([v.replica_id for v in b.replicas()])
@@ -265,11 +269,26 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
         assert (ticket.replica_id in serving_a) if serving_a else ticket.replica_id is None
         b.finish(ticket.request_id)
         _assert_index_is_a_rebuild(b)
+        _assert_demand_queues_and_affinity_are_a_recount(b)
         for key in "abc":  # routing from the load heaps picks what a scan of the group picks
             serving = [b._replicas[v.replica_id] for v in views
                        if v.phase is ReplicaPhase.SERVING and v.model_key == key]
             if serving:
                 assert b._least_tokens_in_group(key, "") is b._least_tokens_with_affinity(serving, "")
+
+
+def _assert_demand_queues_and_affinity_are_a_recount(b: HierarchicalBalancer) -> None:
+    """What the balancer keeps per event (O(what changed)) equals a recount over its tickets and keys."""
+    tickets = list(b._tickets.values())
+    hints = b._demand_hint_tokens
+    assert b.model_demand_tokens() == {key: sum(t.estimated_tokens for t in tickets if t.agent == key)
+                                       + hints.get(key, 0) for key in "abc"}
+    assert all(b.demand_tokens(a) == sum(t.estimated_tokens for t in tickets if t.agent == a) + hints.get(a, 0)
+               for a in "abc")
+    assert b._waiting_groups == {key for key, queue in b._queued.items() if queue}
+    b._affinity.check()
+    live = {v.replica_id for v in b.replicas()}
+    assert all(replica_id in live for _, replica_id in b._affinity.items())  # a removed replica's keys went
 
 
 def _assert_index_is_a_rebuild(b: HierarchicalBalancer) -> None:
