@@ -821,9 +821,14 @@ class RolloutRouter:
             for key, hint in self._demand_hints.items():
                 if hint and key not in starved and key in self._agents and balancer.demand_tokens(key) == hint:
                     balancer.set_demand_hint(key, 0)
-            balancer.rebalance(time.monotonic())
+            moves = balancer.rebalance(time.monotonic())
         else:
-            balancer.maybe_rebalance(time.monotonic())
+            moves = balancer.maybe_rebalance(time.monotonic())
+        for move in moves:  # with what it was decided on
+            view = balancer.replica(move.replica_id)
+            log.info("moving replica %s from %s to %s (measured %.1f tokens/s, counted %.1f there; a load %.2fs)",
+                     move.replica_id, move.from_model_key, move.to_model_key, self._rates.tokens_per_s(move.replica_id),
+                     view.tokens_per_s if view is not None else 0.0, balancer.reassignment_cost_s)
         for move in balancer.replicas_awaiting_load():
             balancer.begin_load(move.replica_id)
             self._spawn(self._move(move.replica_id, move.to_model_key))
