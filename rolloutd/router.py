@@ -952,12 +952,17 @@ class RolloutRouter:
         balancer.add_replica(self._assignment(replica.replica_id, model_key))
         self._rebalance()
 
-    def set_demand_hint(self, key: str, tokens: int) -> None:
-        """Not-yet-submitted demand of an agent (from the orchestrator)."""
-        if self._balancer is not None and key in self._agents:
+    def set_demand_hints(self, hints: Mapping[str, int]) -> None:
+        """Not-yet-submitted demand of agents (one SetAgentDemand): set together, then one rebalance."""
+        # Hint by hint, the first agent's rebalance would take replicas the next agents' hints take back.
+        balancer = self._balancer
+        served = {key: tokens for key, tokens in hints.items() if key in self._agents}
+        if balancer is None or not served:
+            return
+        for key, tokens in served.items():
             self._demand_hints[key] = tokens
-            self._balancer.set_demand_hint(key, tokens)
-            self._rebalance()
+            balancer.set_demand_hint(key, tokens)
+        self._rebalance()
 
     async def close(self) -> None:
         """Cancels pending loads and the health probe of dropped replicas; waits for them to end."""

@@ -854,8 +854,7 @@ class RolloutWorker:
         """Passes orchestratord's demand hints to the inter-agent balancer (none before the first job)."""
         if self.router is None:
             return
-        for hint in demand:
-            self.router.set_demand_hint(agent_key(hint.job_id, hint.agent), hint.tokens)
+        self.router.set_demand_hints({agent_key(hint.job_id, hint.agent): hint.tokens for hint in demand})
 
 
 def served_key(task: RolloutTask) -> str:

@@ -77,3 +77,30 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
     finally:
         for server in servers:
             await server.stop()
+
+
+async def test_one_demand_message_rebalances_once_so_agents_hinted_together_swap_no_replicas() -> None:
+    """SetAgentDemand's hints apply together: equal hints for two agents on equal shares move nothing.
+
+    Applied one by one, the first agent's rebalance took the second's replicas (no demand yet) and
+    the second's hint took two back: four loads at every job start of the ablation's first run.
+    """
+    servers = [FakeSGLang() for _ in range(4)]
+    for server in servers:
+        await server.start()
+    replicas = [Replica(f"replica-{i}", SGLangClient(s.url, retries=1)) for i, s in enumerate(servers)]
+    router = RolloutRouter(replicas, _resolve, BalancerConfig(reassignment_cost_s=0.0))
+    keys = [agent_key("job-1", "planner"), agent_key("job-1", "coder")]
+    for key in keys:
+        router.require(key, 1, f"/weights/{key}")
+    try:
+        await router.set_agents(keys)
+        router.set_demand_hints(dict.fromkeys([*keys, agent_key("job-2", "unknown")], 1_000_000))
+        balancer = router.balancer()
+        assert balancer is not None and router.reassignments == 0
+        assert balancer.replica_counts() == dict.fromkeys(keys, 2)
+        assert all(balancer.demand_tokens(key) == 1_000_000 for key in keys)
+    finally:
+        await _close(router)
+        for server in servers:
+            await server.stop()
