@@ -119,3 +119,13 @@ def test_the_benchmark_runs_signaling_through_the_daemons(tmp_path: Path) -> Non
     assert [(r["config"], r["steps"]) for r in data["runs"]] == [("sync", 6), ("flexmarl", 6)]
     assert all(r["bound_s"] > 0 and r["curve"][-1]["modelled_s"] > r["bound_s"] * 0.5 for r in data["runs"])
     assert (out / "time_to_reward-signaling.png").stat().st_size > 0
+
+
+def test_the_long_tail_job_takes_its_own_learning_rate(tmp_path: Path) -> None:
+    # benchmarks.run's lr (1e-4) barely moves the long-tail reward; time to reward trains at LONG_TAIL_LR.
+    default = ttr.long_tail_job("sync", 0, 3, 128.0, tmp_path)
+    assert {agent["optimizer"]["lr"] for agent in default["agents"]} == {1.0e-4}
+    tuned = ttr.long_tail_job("flexmarl-partial-eta8", 0, 3, 128.0, tmp_path, ttr.LONG_TAIL_LR)
+    assert len(tuned["agents"]) == 3
+    assert {agent["optimizer"]["lr"] for agent in tuned["agents"]} == {ttr.LONG_TAIL_LR}
+    assert tuned["pipeline"]["max_staleness"] == 8
