@@ -17,9 +17,9 @@ This feeds the real ``HierarchicalBalancer`` the demand of the shifting shape (o
 and prints the moves it decides: with the fixed constants; with what rolloutd measures now (the
 real :class:`rolloutd.replica_rates.ReplicaRate` and :class:`~rolloutd.replica_rates.ReloadCost`
 fed the generations and loads the device model makes: the heavy agent's replicas saturated, the
-light agents' serving one request at a time); and with those measurements but each donor counted
-at its own light-load rate (``BalancerConfig.measured_rates`` off), why a move counts a replica at
-its new group's mean.
+light agents' serving one request at a time; every replica counted at the best measured, as rolloutd
+does); and with each replica at the rate it delivered, why rolloutd does not: a light agent's
+replica, given one short request at a time, delivers a thirtieth of what it can.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Decision:
 
 def decisions(heavy_tickets: int = 400, token_scale: float = 128.0, time_scale: float = 0.5,
               modelled_tokens_per_s: float = 2500.0) -> list[Decision]:
-    """The balancer's decision with the fixed constants, with what rolloutd measures, and without the group mean."""
+    """The balancer's decision with the fixed constants, with what rolloutd measures, and per replica's delivery."""
     heavy, light = round(3072 / token_scale), round(128 / token_scale) or 1
     profile = devicemodel.PRESETS["h100"]
     heavy_rate = modelled_tokens_per_s / (time_scale * token_scale)  # a modelled second takes time_scale wall s
@@ -101,14 +101,15 @@ def decisions(heavy_tickets: int = 400, token_scale: float = 128.0, time_scale: 
     reload = ReloadCost(BalancerConfig().reassignment_cost_s)
     for _ in range(4):  # the measured loads of the first versions
         reload.observe(devicemodel.weight_transfer_s(profile) * time_scale)
-    measured = (measured_rate(heavy_rate, heavy_tickets // 2, heavy),) * 2
-    measured += (measured_rate(light / light_latency_s, 1, light),) * 4
+    delivered = (measured_rate(heavy_rate, heavy_tickets // 2, heavy),) * 2
+    delivered += (measured_rate(light / light_latency_s, 1, light),) * 4
     default = BalancerConfig()
     rows = [
         ("fixed constants (--no-balancer-measured-rates)", (default.prior_tokens_per_s,) * REPLICAS,
          default.reassignment_cost_s, False),
-        ("measured by rolloutd", measured, reload.seconds, True),
-        ("measured, each donor counted at its own rate", measured, reload.seconds, False),
+        ("measured by rolloutd (every replica at the best measured)", (max(delivered),) * REPLICAS, reload.seconds,
+         True),
+        ("measured, each replica at what it delivered", delivered, reload.seconds, False),
     ]
     return [Decision(name, rates, cost, replicas_after(list(rates), cost, heavy_tickets, heavy, 4, light, by_group))
             for name, rates, cost, by_group in rows]

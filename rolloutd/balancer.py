@@ -16,7 +16,8 @@ Two levels (DESIGN.md §4):
   through :meth:`HierarchicalBalancer.set_replica_rate` and
   :meth:`~HierarchicalBalancer.set_reassignment_cost_s`; the configured ones are the priors). A
   measured rate is what a replica delivered under its group's load, so a moved replica is counted
-  at its new group's mean rate per replica (``BalancerConfig.measured_rates``).
+  at its new group's mean rate per replica (``BalancerConfig.measured_rates``; rolloutd counts
+  every replica at their measured capacity, :meth:`rolloutd.replica_rates.ReplicaRates.capacity`).
 * **Intra-agent**: a request goes to the group replica with the least outstanding estimated
   tokens, except that turns of one episode prefer the replica that served earlier turns
   (KV prefix reuse) while the group is balanced. "Imbalanced" follows sglang-router's

@@ -21,10 +21,12 @@ busy time, and idle time changes nothing. Until the first window is measured the
 
 A delivered rate depends on the load the replica gets as well as on the engine: a decode step of
 one sequence costs nearly what a step of many does, so a lightly loaded replica delivers far less
-than it could. The balancer therefore predicts a moved replica's rate from the group it joins
-(:meth:`rolloutd.balancer.HierarchicalBalancer.set_replica_rate`), and the router starts the
-replica's measurement afresh, from that prediction, when it serves another model
-(:meth:`ReplicaRates.restart`).
+than it could (on the benchmark's modelled device, a thirtieth), and a group counted at its
+replicas' delivered rates would look slow exactly when it is light. The replicas one rolloutd
+serves run one architecture (a weight load keeps it), so they are alike: the router counts every
+replica at their *capacity*, the best rate measured among them, a peak that decays
+(:meth:`ReplicaRates.capacity`), and measures a replica afresh when it serves another model
+(:meth:`ReplicaRate.restart`).
 
 **The reload cost** is an exponentially weighted average of the measured seconds of each weight
 load from disk (the configured ``reassignment_cost_s`` until the first one).
@@ -47,15 +49,19 @@ class RateSettings:
             the first.
         half_life_s: Busy seconds after which a measurement weighs half of the estimate.
         reload_weight: Weight of each new reload measurement in the reload cost's average.
+        capacity_half_life_s: Wall seconds after which the replicas' measured peak (their capacity,
+            :meth:`ReplicaRates.capacity`) has halved unless measured again.
     """
 
     window_s: float = 1.0
     half_life_s: float = 10.0
     reload_weight: float = 0.3
+    capacity_half_life_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if not (self.window_s > 0 and self.half_life_s > 0 and 0 < self.reload_weight <= 1):
-            raise InvalidArgument("window_s and half_life_s must be > 0 and reload_weight in (0, 1]")
+        if not (self.window_s > 0 and self.half_life_s > 0 and 0 < self.reload_weight <= 1
+                and self.capacity_half_life_s > 0):
+            raise InvalidArgument("window_s, half_life_s and capacity_half_life_s must be > 0, reload_weight in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +162,8 @@ class ReplicaRates:
         self.prior_tokens_per_s = prior_tokens_per_s
         self._settings = settings or RateSettings()
         self._rates: dict[str, ReplicaRate] = {}
+        self._peak: float | None = None
+        self._peak_s = 0.0
 
     def of(self, replica_id: str) -> ReplicaRate:
         """The replica's estimator (made on first use, from the prior)."""
@@ -167,6 +175,24 @@ class ReplicaRates:
     def tokens_per_s(self, replica_id: str) -> float:
         """The replica's rate (the prior before anything is measured)."""
         return self.of(replica_id).tokens_per_s
+
+    def capacity(self, now_s: float) -> float:
+        """Tokens/s one replica can deliver: the best measured rate, a peak that halves per ``capacity_half_life_s``.
+
+        The replicas one rolloutd serves run one architecture (a weight load keeps it), so they are
+        alike; the ones delivering less were given less to do (a decode step of one sequence costs
+        nearly what a step of many does). The prior until a replica is measured.
+        """
+        measured = [rate.tokens_per_s for rate in self._rates.values() if rate.measured]
+        if not measured:
+            return self.prior_tokens_per_s
+        if self._peak is None:
+            self._peak = max(measured)
+        else:
+            decay = math.pow(2.0, -max(0.0, now_s - self._peak_s) / self._settings.capacity_half_life_s)
+            self._peak = max(max(measured), self._peak * decay)
+        self._peak_s = now_s
+        return self._peak
 
 
 class ReloadCost:

@@ -252,6 +252,7 @@ class RolloutRouter:
         self._config = config or BalancerConfig()
         self._estimator = TokenEstimator()
         self._rates = ReplicaRates(self._config.prior_tokens_per_s, rate_settings)
+        self._capacity = self._config.prior_tokens_per_s  # what the balancer counts each replica at
         self._reload_cost = ReloadCost(self._config.reassignment_cost_s, rate_settings)
         self._wanted: dict[str, WantedWeights] = {}
         self._balancer: HierarchicalBalancer | None = None
@@ -662,20 +663,17 @@ class RolloutRouter:
     def _generation(self, replica_id: str, model_key: str) -> Iterator[list[int]]:
         """Measures one generation on a replica serving ``model_key``: the body appends the tokens it delivered.
 
-        A generation that raises is charged nothing. A replica serving another model than its
-        measurement's is measured afresh, from the rate the balancer counts for it now (its new
-        group's mean when the balancer moved it). A rate that changed is fed to the balancer.
+        A generation that raises is charged nothing; a replica serving another model is measured
+        afresh. The balancer counts every replica at their capacity (:meth:`ReplicaRates.capacity
+        <rolloutd.replica_rates.ReplicaRates.capacity>`), fed when it changed by more than 2 %.
         """
         delivered: list[int] = []
         if not self._config.measured_rates:
             yield delivered
             return
         rate = self._rates.of(replica_id)
-        balancer = self._balancer
-        view = balancer.replica(replica_id) if balancer is not None else None
         if rate.model_key != model_key:
-            rate.restart(model_key, view.tokens_per_s if view is not None and view.target_model_key == model_key
-                         else self._rates.prior_tokens_per_s)
+            rate.restart(model_key, self._rates.prior_tokens_per_s)
         mark = rate.begin(time.monotonic())
         try:
             yield delivered
@@ -684,10 +682,11 @@ class RolloutRouter:
             raise
         if not rate.end(mark, time.monotonic(), sum(delivered)):
             return
-        balancer = self._balancer
-        view = balancer.replica(replica_id) if balancer is not None else None
-        if balancer is not None and view is not None and view.target_model_key == rate.model_key:
-            balancer.set_replica_rate(replica_id, rate.tokens_per_s)
+        capacity = self._rates.capacity(time.monotonic())
+        if abs(capacity - self._capacity) > 0.02 * self._capacity and self._balancer is not None:
+            self._capacity = capacity
+            for view in self._balancer.replicas():
+                self._balancer.set_replica_rate(view.replica_id, capacity)
 
     def _reloaded(self, key: str, seconds: float) -> None:
         """A weight load from disk took ``seconds``: the balancer's move cost follows it (measured rates)."""
@@ -699,11 +698,8 @@ class RolloutRouter:
             self._on_reload(key, seconds)
 
     def _assignment(self, replica_id: str, model_key: str) -> ReplicaAssignment:
-        """A replica's place in a new balancer, with its measured rate where it was measured serving ``model_key``."""
-        rate = self._rates.of(replica_id)
-        measured = self._config.measured_rates and rate.model_key == model_key
-        return ReplicaAssignment(replica_id, model_key,
-                                 rate.tokens_per_s if measured else self._config.prior_tokens_per_s)
+        """A replica's place in a new balancer, at the replicas' measured capacity (the prior before one)."""
+        return ReplicaAssignment(replica_id, model_key, self._capacity)
 
     def _adapter_name(self, key: str, served: WantedWeights | None) -> str | None:
         """The adapter name a LoRA agent's request served with ``served`` carries (None: a full model's request).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flexmarl.errors import InvalidArgument
-from rolloutd.replica_rates import RateSettings, ReloadCost, ReplicaRate
+from rolloutd.replica_rates import RateSettings, ReloadCost, ReplicaRate, ReplicaRates
 
 SETTINGS = RateSettings(window_s=1.0, half_life_s=10.0)
 
@@ -82,3 +82,16 @@ def test_the_reload_cost_is_the_prior_until_a_load_is_measured_then_their_moving
         cost.observe(float("nan"))
     with pytest.raises(InvalidArgument):
         RateSettings(window_s=0.0)
+
+
+def test_the_capacity_is_the_best_measured_replica_a_peak_that_halves_per_half_life() -> None:
+    rates = ReplicaRates(1000.0, RateSettings(window_s=1.0, capacity_half_life_s=60.0))
+    assert rates.capacity(0.0) == 1000.0  # nothing measured: the prior
+    for replica_id, tokens in (("busy", 40), ("light", 1)):  # one saturated, one given one request at a time
+        rate = rates.of(replica_id)
+        rate.end(rate.begin(0.0), 1.0, tokens)
+    assert rates.capacity(1.0) == pytest.approx(40.0)
+    rates.of("busy").restart("other-model", 1000.0)  # its measurement starts again; the peak holds, decaying
+    assert rates.capacity(61.0) == pytest.approx(20.0)
+    assert rates.capacity(121.0) == pytest.approx(10.0)
+    assert rates.capacity(1000.0) == pytest.approx(1.0)  # the light one's measurement is the floor

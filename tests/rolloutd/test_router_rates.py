@@ -58,6 +58,7 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
         assert balancer is not None
         # Each replica loaded v1 once (LOAD_S of it measurable): the move cost is measured, not 10 s.
         assert LOAD_S <= balancer.reassignment_cost_s < 2.0
+        assert len({v.tokens_per_s for v in balancer.replicas()}) == 1  # alike: all at the best measured
         for view in balancer.replicas():
             # A batch of BATCH requests delivers BATCH x TOKENS in ~DECODE_S: ~160 tokens/s, not each
             # request's TOKENS / DECODE_S (20) and not the 1,000 prior.
