@@ -104,9 +104,11 @@ class _RouterCollector(Collector):
         moves = GaugeMetricFamily("flexmarl_rolloutd_balancer_reassignments",
                                   "Inter-agent replica reassignments so far.")
         rates = GaugeMetricFamily("flexmarl_rolloutd_replica_tokens_per_s",
-                                  "Tokens/s the balancer counts for a replica: delivered tokens per busy second, "
-                                  "measured (the prior until measured; its new group's mean while it moves).",
-                                  labels=["replica"])
+                                  "Tokens/s the balancer counts for a replica: the replicas' measured capacity "
+                                  "(the best delivered rate among them; the prior until measured).", labels=["replica"])
+        delivered = GaugeMetricFamily("flexmarl_rolloutd_replica_delivered_tokens_per_s",
+                                      "Tokens a replica delivered per second busy generating, measured (a moving "
+                                      "average; the prior until measured).", labels=["replica"])
         reload_cost = GaugeMetricFamily("flexmarl_rolloutd_balancer_reload_seconds",
                                         "Seconds of one weight load a replica move pays in the balancer's estimate: "
                                         "the measured loads' average (the configured prior until one).")
@@ -117,6 +119,7 @@ class _RouterCollector(Collector):
                 outstanding.add_metric([view.replica_id], view.outstanding_tokens)
                 in_flight.add_metric([view.replica_id], view.in_flight_requests)
                 rates.add_metric([view.replica_id], view.tokens_per_s)
+                delivered.add_metric([view.replica_id], router.delivered_tokens_per_s(view.replica_id))
             waiting: dict[str, int] = {}
             for ticket in balancer.queued():
                 waiting[ticket.agent] = waiting.get(ticket.agent, 0) + 1
@@ -125,4 +128,4 @@ class _RouterCollector(Collector):
                 queued.add_metric([agent], waiting.get(agent, 0))
             moves.add_metric([], balancer.reassignments)
             reload_cost.add_metric([], balancer.reassignment_cost_s)
-        yield from (outstanding, in_flight, queued, replicas, moves, rates, reload_cost)
+        yield from (outstanding, in_flight, queued, replicas, moves, rates, delivered, reload_cost)

@@ -286,6 +286,10 @@ class RolloutRouter:
         """Every known replica (healthy or not)."""
         return list(self._replicas.values())
 
+    def delivered_tokens_per_s(self, replica_id: str) -> float:
+        """A replica's own measured rate (tokens per busy second; the prior until measured)."""
+        return self._rates.tokens_per_s(replica_id)
+
     def balancer(self) -> HierarchicalBalancer | None:
         """The current balancer (None before the first job)."""
         return self._balancer

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client import CollectorRegistry
 from sglang_fake import FakeSGLang
 
@@ -68,6 +69,10 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
         assert registry.get_sample_value("flexmarl_rolloutd_balancer_reload_seconds") == balancer.reassignment_cost_s
         assert registry.get_sample_value("flexmarl_rolloutd_replica_tokens_per_s", {"replica": "replica-1"}) == (
             balancer.replicas()[1].tokens_per_s)
+        delivered = [registry.get_sample_value("flexmarl_rolloutd_replica_delivered_tokens_per_s", {"replica": r})
+                     for r in ("replica-0", "replica-1")]
+        # the capacity is the best of them (fed again when it moves by more than 2 %)
+        assert max(delivered) == pytest.approx(balancer.replicas()[0].tokens_per_s, rel=0.03)
         await _close(router)
 
         router = await _serve_batches(servers, BalancerConfig(rebalance_interval_s=3600.0, measured_rates=False))
