@@ -338,3 +338,30 @@ def test_replicas_of_a_lora_job_launch_with_sglangs_flags_for_its_agents() -> No
     assert launch_model(spec) == "tiny://qwen2?seed=1" and "full" not in lora_bases(spec)
     assert len(lora_bases(spec)) == 8
     assert target_modules(["c_attn"]) == ("all",)  # not one of SGLang's names
+
+
+async def test_a_replica_readmitted_to_a_lora_job_joins_the_pool_group() -> None:
+    # readmit picks the group with the fewest replicas (most demand on ties); a LoRA pool's group is named
+    # after its base, not after an agent, and asking the balancer for that "agent's" demand raised NotFound.
+    engines = [_RecordingEngine(), _RecordingEngine()]
+    replicas = [Replica(f"replica-{i}", engine) for i, engine in enumerate(engines)]
+    router = RolloutRouter(replicas, _resolve, BalancerConfig(rebalance_interval_s=0.0))
+    a, b = agent_key("job", "a"), agent_key("job", "b")
+    router.set_lora_agents({a: "/base", b: "/base"}, adapter_slots=2)
+    for key in (a, b):
+        router.require(key, 0, "/base")
+    await router.set_agents([a, b])
+    try:
+        balancer = router.balancer()
+        assert balancer is not None
+        [pool] = {replica.model_key for replica in balancer.replicas()}
+        router._drop_replica(replicas[1], "a failed request")
+        assert [r.replica_id for r in balancer.replicas()] == ["replica-0"]
+        router.readmit(replicas[1])
+        assert replicas[1].healthy
+        assert sorted((r.replica_id, r.model_key) for r in balancer.replicas()) == [
+            ("replica-0", pool), ("replica-1", pool)]
+        (out,) = await router.generate(b, [1, 2], {"temperature": 1.0, "max_new_tokens": 1}, 1, "t0")
+        assert out.version == 0
+    finally:
+        await router.close()
