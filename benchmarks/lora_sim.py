@@ -189,9 +189,9 @@ class LoraSimulation(Simulation):
         entry["max_slots"] = 1
         return entry
 
-    def make_balancer(self, config: BalancerConfig) -> HierarchicalBalancer:
+    def make_balancer(self, config: BalancerConfig, replica_ids: Sequence[str]) -> HierarchicalBalancer:
         """As RolloutRouter.set_agents builds it for LoRA agents of one base: one pool, bounded adapter slots."""
-        split = equal_split(sorted(self.replicas), [self.pool])
+        split = equal_split(list(replica_ids), [self.pool])
         agents = [AgentSpec(a, self.pool, adapter=True) for a in self.agents]
         return HierarchicalBalancer(split, agents, config, adapter_slots={self.pool: self.lora.max_loras_per_batch})
 

@@ -78,7 +78,18 @@ from typing import Any
 
 from benchmarks.bound import AgentStepWork, device_work_bound, mean_bound
 from benchmarks.control_cpu import CpuMeter
+from benchmarks.sim_model import (
+    SimOutcome,
+    SimSettings,
+    _Episode,
+    _Replica,
+    _Seq,
+    _Slot,
+    allreduce_s,
+    work_version,
+)
 from benchmarks.sim_report import chart, cpu_table, growth_exponents, table
+from benchmarks.sim_rolloutd import RolloutProcess, max_tasks, partition, request_key, split_request_key
 from benchmarks.workloads import Workload, make_workload
 from flexmarl import devicemodel
 from flexmarl.experience import ExperienceSummary
@@ -109,166 +120,14 @@ SIM_CONFIGS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     ),
 }
 EPOCH_S = 1.0e9  # the planner's clock is unix seconds; any fixed origin will do
-WORKER = "rollout-0"
 TICK_S = 2.0  # traind re-polls every POLL_WAIT_MS; rolloutd rebalances on its interval
+#: The CLI's replicas per rolloutd (SimSettings' default is one rolloutd over all): eight nodes of eight
+#: one-device replicas. A one-node rolloutd (8) cannot keep a replica per agent of a 64-agent job, so its
+#: balancer reloads weights for almost every turn (768 devices: 45,162 moves against 1,000 at 64; 20 % of
+#: the step in balancer CPU); a rolloutd attaches any number of engines (``engine_urls``).
+DEFAULT_REPLICAS_PER_ROLLOUTD = 64
 STALL_S = 3600.0  # a job with no event but ticks for this long has stalled
 DONE_TOKENS = 1e-3  # a sequence this close to its length is complete (float round-off)
-
-
-@dataclasses.dataclass(frozen=True)
-class SimSettings:
-    """Shape of one simulated cluster and job."""
-
-    devices: int = 48
-    rollout_fraction: float = 2.0 / 3.0
-    devices_per_slot: int = 8
-    episodes_per_replica: int = 2
-    group_size: int = 8
-    micro_batch_groups: int = 1
-    steps: int = 3
-    agents: int = 3
-    variant: str = "long-tail"
-    seed: int = 0
-    refresh_tokens: float = 256.0
-    # Data parallelism: agents' max_slots (0 = per configuration, see agent_max_slots; 1 = none).
-    max_slots: int = 0
-    # None = the balancer's production default (what rolloutd's worker configures).
-    hysteresis: float | None = None
-
-    @property
-    def replicas(self) -> int:
-        """Rollout replicas (one device each)."""
-        return max(1, round(self.devices * self.rollout_fraction))
-
-    @property
-    def slots(self) -> int:
-        """Trainer slots."""
-        return max(1, (self.devices - self.replicas) // self.devices_per_slot)
-
-    def agent_max_slots(self, config: str) -> int:
-        """The agents' ``max_slots`` in the job spec of ``config``.
-
-        ``max_slots`` 0 means: ``sequential`` (one agent trains at a time) every slot; the
-        others a fair share, ``ceil(slots / agents)``. A larger cap hurts async FlexMARL: an
-        agent's group grows at its step boundary to every free slot and keeps them for the
-        whole step while its micro-batches trickle in, so the other agents wait (768 devices:
-        119 s per step with every slot against 61 s with a fair share). Static binding bounds
-        each agent to its fixed set anyway.
-        """
-        if self.max_slots > 0:
-            return min(1024, self.max_slots)
-        if config == "sequential":
-            return min(1024, self.slots)
-        return min(1024, max(1, math.ceil(self.slots / self.agents)))
-
-    @property
-    def prompts_per_step(self) -> int:
-        """Tasks per batch (each one GRPO group of ``group_size`` episodes)."""
-        return max(1, self.replicas * self.episodes_per_replica // self.group_size)
-
-
-@dataclasses.dataclass
-class SimOutcome:
-    """Figures of one configuration at one size."""
-
-    config: str
-    devices: int
-    replicas: int
-    slots: int
-    episodes_per_step: int
-    state: str
-    step_s: float
-    tokens_per_s: float
-    rollout_busy: float
-    train_busy: float
-    reassignments: int
-    events: int
-    sim_wall_s: float
-    max_group_size: int = 1
-    bound_s: float = math.nan  # device-work bound of a step (benchmarks/bound.py), modelled seconds
-    bound_by: str = ""
-    # Real CPU seconds (thread time) inside the planner's and the balancer's code over the whole run, the
-    # modelled seconds of the run, and the lease operations it made (CpuMeter, Simulation.lease_ops).
-    agents: int = 0
-    planner_cpu_s: float = 0.0
-    balancer_cpu_s: float = 0.0
-    planner_calls: int = 0
-    balancer_calls: int = 0
-    modelled_s: float = 0.0
-    lease_ops: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def control_cpu_share(self) -> float:
-        """Planner + balancer CPU seconds per modelled second (= CPU per step / step, the core share they need)."""
-        return (self.planner_cpu_s + self.balancer_cpu_s) / self.modelled_s if self.modelled_s > 0 else math.nan
-
-    @property
-    def control_cpu_per_step_s(self) -> float:
-        """Planner + balancer CPU seconds per modelled step (at the run's mean rate)."""
-        return self.control_cpu_share * self.step_s
-
-    @property
-    def lease_ops_per_s(self) -> float:
-        """Lease operations per modelled second (polls that found no work not counted)."""
-        ops = sum(n for kind, n in self.lease_ops.items() if kind != "empty poll")
-        return ops / self.modelled_s if self.modelled_s > 0 else math.nan
-
-
-@dataclasses.dataclass
-class _Seq:
-    request_id: int
-    episode: _Episode
-    remaining: float
-    context: float
-
-
-@dataclasses.dataclass
-class _Replica:
-    replica_id: str
-    running: list[_Seq] = dataclasses.field(default_factory=list)
-    updated_s: float = 0.0
-    resume_s: float = 0.0  # prefill or weight load in progress until then
-    loaded: tuple[str, int] = ("", -1)
-    busy_s: float = 0.0
-    generation: int = 0
-
-
-@dataclasses.dataclass
-class _Episode:
-    task: RolloutTaskLease
-    sample_index: int
-    lengths: tuple[int, ...]
-    turn: int = 0
-    behaviour: dict[str, int] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _Slot:
-    slot_id: str
-    worker_id: str
-    dp_address: str
-    resident: ResidentAgent | None = None
-    busy_until_s: float = -1.0
-    busy_s: float = 0.0
-    pending: Any = None
-    # The process group the slot's process is in ("" = a world of one), as traind's GroupKey.
-    group_id: str = ""
-
-
-def allreduce_s(profile: devicemodel.DeviceProfile, members: int) -> float:
-    """Modelled seconds of one gradient all-reduce over ``members`` data-parallel slots.
-
-    Ring all-reduce of the BF16 gradients (``model_params * bytes_per_param`` bytes): every
-    member sends and receives ``2 (n - 1) / n`` of them over its link,
-    ``2 (n - 1) / n * P * bytes_per_param / link_bytes_per_s``; 0 for one member. One
-    ``link_bytes_per_s`` link per slot (conservative: a node with one NIC per device could
-    reduce ``train_devices_per_slot`` shards in parallel); the reduction inside a slot is part
-    of ``train_tokens_s``' data parallelism and not charged again.
-    """
-    if members <= 1:
-        return 0.0
-    gradient_bytes = profile.model_params * profile.bytes_per_param
-    return 2.0 * (members - 1) / members * gradient_bytes / profile.link_bytes_per_s
 
 
 class Simulation:
@@ -318,20 +177,34 @@ class Simulation:
         )
         if settings.hysteresis is not None:
             balancer_config = dataclasses.replace(balancer_config, hysteresis=settings.hysteresis)
-        self.balancer = self.make_balancer(balancer_config)
-        self.demand_hints: dict[str, int] = {}
-        self.estimator = TokenEstimator()
-        # CPU of the real code: the planner (orchestratord), the balancer and its estimator (rolloutd).
+        # CPU of the real code: the planner (orchestratord), and per rolloutd its balancer and estimator.
         self.cpu = CpuMeter()
         self.cpu.wrap("planner", self.planner)
-        self.cpu.wrap("balancer", self.balancer)
-        self.cpu.wrap("balancer", self.estimator)
+        # The rolloutd processes (benchmarks/sim_rolloutd.py): each its own balancer over its own replicas.
+        groups = partition(sorted(self.replicas), settings.replicas_per_rolloutd)
+        window = (spec.pipeline.max_staleness + 1) * settings.prompts_per_step
+        self.rolloutds: list[RolloutProcess] = []
+        for index, replica_ids in enumerate(groups):
+            meter = CpuMeter()
+            process = RolloutProcess(
+                index,
+                f"rollout-{index}",
+                replica_ids,
+                self.make_balancer(balancer_config, replica_ids),
+                TokenEstimator(),
+                max_tasks(len(replica_ids), settings.replicas, window, len(groups), settings.max_tasks_per_rolloutd),
+                meter,
+            )
+            meter.wrap("balancer", process.balancer)
+            meter.wrap("balancer", process.estimator)
+            for replica_id in replica_ids:
+                self.replicas[replica_id].rolloutd = index
+            self.rolloutds.append(process)
+        self.lease_turn = 0  # the rolloutd that leases first next time (their long polls take turns)
         # Lease operations as orchestratord counts them (benchmarks/load.py): a task leased, a task
         # reported, a lease renewed (RenewLeases of k leases = k); a trainer's work leased, acked,
         # committed, a slot event. Polls that found no work are counted apart (a long poll's wake-ups).
         self.lease_ops: Counter[str] = Counter()
-        self.held_leases: dict[str, str] = {}  # task id -> lease id, held by rolloutd until reported
-        self.task_progress: dict[str, int] = {}  # task id -> turns finished (what its renewals report)
         # One traind process per slot (the GPU deployment): its own worker id and rendezvous.
         self.slots = [_Slot(f"trainer-{i}/slot0", f"trainer-{i}", f"trainer-{i}:29500") for i in range(settings.slots)]
         self.by_slot = {slot.slot_id: slot for slot in self.slots}
@@ -380,14 +253,19 @@ class Simulation:
         del agent, version
         return None
 
-    def make_balancer(self, config: BalancerConfig) -> HierarchicalBalancer:
-        """The balancer as rolloutd's router builds it: one model group per agent, an equal split.
+    @property
+    def balancer(self) -> HierarchicalBalancer:
+        """The first rolloutd's balancer (the only one unless ``replicas_per_rolloutd`` splits the replicas)."""
+        return self.rolloutds[0].balancer
+
+    def make_balancer(self, config: BalancerConfig, replica_ids: Sequence[str]) -> HierarchicalBalancer:
+        """One rolloutd's balancer as its router builds it: one model group per agent, an equal split.
 
         RolloutRouter._initial_assignment's ReplicaAssignment (default tokens_per_s) on an equal
-        split of the replicas over the agents.
+        split of the process's replicas over the agents.
         """
         agent_keys = list(self.agents)
-        split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(sorted(self.replicas))]
+        split = [BalancerReplica(rid, agent_keys[i % len(agent_keys)]) for i, rid in enumerate(replica_ids)]
         return HierarchicalBalancer(split, [AgentSpec(a, a) for a in agent_keys], config)
 
     # ---- event queue ----------------------------------------------------------------------------------------
@@ -439,54 +317,76 @@ class Simulation:
 
     # ---- rollouts ---------------------------------------------------------------------------------------------
     def lease_tasks(self) -> None:
-        """Lease every task the planner admits (rolloutd's lease loop, unbounded concurrency)."""
-        for task in self.planner.lease_rollout_tasks(WORKER, 10_000):
-            self.lease_ops["lease"] += 1
-            self.held_leases[task.task_id] = task.lease_id
-            self.task_progress[task.task_id] = 0
-            episodes = []
-            for sample in range(task.group_size):
-                lengths = tuple(self.lengths[a].sample(self.rng) for a in self.agents)
-                episodes.append(_Episode(task, sample, lengths))
-            self.task_episodes[task.task_id] = episodes
-            self.task_left[task.task_id] = len(episodes)
-            for version in task.agent_versions:
-                self.wanted[version.agent] = max(self.wanted[version.agent], version.version)
-            for episode in episodes:
-                self.submit_turn(episode)
+        """The rolloutd processes with room lease what the planner admits (their lease loops' long polls).
+
+        A long poll returns once the planner has a task to hand out (the coordinator wakes the
+        lease waiters on ``has_leasable_tasks``); the processes take turns being first.
+        """
+        count = len(self.rolloutds)
+        for offset in range(count):
+            if not self.planner.has_leasable_tasks():
+                return
+            process = self.rolloutds[(self.lease_turn + offset) % count]
+            if process.free_tasks <= 0:
+                continue
+            for task in self.planner.lease_rollout_tasks(process.worker_id, process.free_tasks):
+                self.take_task(process, task)
+        self.lease_turn = (self.lease_turn + 1) % count
+
+    def take_task(self, process: RolloutProcess, task: RolloutTaskLease) -> None:
+        """A leased task's episodes start on ``process``'s replicas."""
+        self.lease_ops["lease"] += 1
+        process.leased += 1
+        process.held_leases[task.task_id] = task.lease_id
+        process.task_progress[task.task_id] = 0
+        episodes = []
+        for sample in range(task.group_size):
+            lengths = tuple(self.lengths[a].sample(self.rng) for a in self.agents)
+            episodes.append(_Episode(task, sample, lengths, rolloutd=process.index))
+        self.task_episodes[task.task_id] = episodes
+        self.task_left[task.task_id] = len(episodes)
+        for version in task.agent_versions:
+            self.wanted[version.agent] = max(self.wanted[version.agent], version.version)
+        for episode in episodes:
+            self.submit_turn(episode)
 
     def submit_turn(self, episode: _Episode) -> None:
-        """Hand the episode's next turn to the balancer."""
+        """Hand the episode's next turn to its rolloutd's balancer."""
+        process = self.rolloutds[episode.rolloutd]
         agent = self.agents[episode.turn]
-        estimate = self.estimator.estimate(agent, self.workload.prompt_tokens, self.lengths[agent].high)
+        estimate = process.estimator.estimate(agent, self.workload.prompt_tokens, self.lengths[agent].high)
         version = self.wanted[agent]  # RolloutRouter._generate fixes it when it routes (``served``)
-        ticket = self.balancer.submit(
+        ticket = process.balancer.submit(
             agent, estimate, f"{episode.task.task_id}#{episode.sample_index}", self.adapter_name(agent, version)
         )
-        self.tickets[ticket.request_id] = (episode, agent)
-        self.routed_versions[ticket.request_id] = version
+        key = request_key(process.index, ticket.request_id)
+        self.tickets[key] = (episode, agent)
+        self.routed_versions[key] = version
         if ticket.replica_id is not None:
-            self.start(ticket)
+            self.start(process, ticket)
         else:
             self.wait_log.append(self.now_s)
-            self.rebalance()  # RolloutRouter._acquire: a queued request
+            self.rebalance(process)  # RolloutRouter._acquire: a queued request
 
-    def start(self, ticket: Ticket) -> None:
+    def start(self, process: RolloutProcess, ticket: Ticket) -> None:
         """A placed request joins its replica's batch (after a weight load if its version is old).
 
         An adapter's request is served with the version it was routed with (the name the balancer
         counted); a full model's with the one its agent requires now (RolloutRouter._ensure_weights).
         """
-        episode, agent = self.tickets[ticket.request_id]
+        key = request_key(process.index, ticket.request_id)
+        episode, agent = self.tickets[key]
         replica = self.replicas[str(ticket.replica_id)]
+        if replica.rolloutd != process.index:
+            raise RuntimeError(f"rolloutd {process.index} placed a request on {replica.replica_id}, not its own")
         self.settle(replica)
-        routed = self.routed_versions.pop(ticket.request_id)
+        routed = self.routed_versions.pop(key)
         version = routed if ticket.adapter is not None else self.wanted[agent]
-        stall_s = self.prefill_s() + self.load_stall_s(replica, ticket.request_id, agent, version)
+        stall_s = self.prefill_s() + self.load_stall_s(replica, key, agent, version)
         replica.resume_s = max(replica.resume_s, self.now_s) + stall_s
         episode.behaviour[agent] = version
         length = episode.lengths[episode.turn]
-        replica.running.append(_Seq(ticket.request_id, episode, float(length), float(self.workload.prompt_tokens)))
+        replica.running.append(_Seq(key, episode, float(length), float(self.workload.prompt_tokens)))
         self.reschedule(replica)
 
     def prefill_s(self) -> float:
@@ -508,10 +408,11 @@ class Simulation:
     def finish_turn(self, seq: _Seq) -> None:
         """A response is complete: free its ticket, start the episode's next turn or report the task."""
         episode, agent = self.tickets.pop(seq.request_id)
-        self.balancer.finish(seq.request_id)
-        self.rebalance()  # RolloutRouter._release
-        self.estimator.observe(agent, episode.lengths[episode.turn])
-        self.task_progress[episode.task.task_id] += 1
+        process = self.rolloutds[episode.rolloutd]
+        process.balancer.finish(split_request_key(seq.request_id)[1])
+        self.rebalance(process)  # RolloutRouter._release
+        process.estimator.observe(agent, episode.lengths[episode.turn])
+        process.task_progress[episode.task.task_id] += 1
         episode.turn += 1
         if episode.turn < len(self.agents):
             self.submit_turn(episode)
@@ -519,9 +420,10 @@ class Simulation:
         task_id = episode.task.task_id
         self.task_left[task_id] -= 1
         if self.task_left[task_id] == 0:
-            self.report(task_id)
+            self.report(process, task_id)
+            self.lease_tasks()  # its lease loop has room again
 
-    def report(self, task_id: str) -> None:
+    def report(self, process: RolloutProcess, task_id: str) -> None:
         """ReportRolloutTask with every experience of the task."""
         episodes = self.task_episodes.pop(task_id)
         task = episodes[0].task
@@ -546,59 +448,63 @@ class Simulation:
                         0.0,
                     )
                 )
-        self.planner.report_rollout_task(task.lease_id, WORKER, task_id, True, "", experiences)
+        self.planner.report_rollout_task(task.lease_id, process.worker_id, task_id, True, "", experiences)
         self.lease_ops["report"] += 1
-        del self.held_leases[task_id]
-        del self.task_progress[task_id]
+        del process.held_leases[task_id]
+        del process.task_progress[task_id]
         self.reported = True
         self.response_tokens[task.batch_index] = self.response_tokens.get(task.batch_index, 0) + sum(
             e.response_tokens for e in experiences
         )
 
     def renew(self) -> None:
-        """rolloutd's renewal: one RenewLeases of every task lease it holds, every RENEW_INTERVAL_S (= TICK_S).
+        """Each rolloutd's renewal: one RenewLeases of every task lease it holds, every RENEW_INTERVAL_S (= TICK_S).
 
         With each lease its task's progress (turns finished), as rolloutd reports its tasks' progress, so that a
         task of long episodes (64 turns) is not taken for stalled after ``leases.progress_timeout_s``.
         """
-        if self.held_leases:
-            self.planner.renew_leases(
-                WORKER, list(self.held_leases.values()), [self.task_progress[t] for t in self.held_leases]
-            )
-            self.lease_ops["renew"] += len(self.held_leases)
+        for process in self.rolloutds:
+            if process.held_leases:
+                self.planner.renew_leases(
+                    process.worker_id,
+                    list(process.held_leases.values()),
+                    [process.task_progress[t] for t in process.held_leases],
+                )
+                self.lease_ops["renew"] += len(process.held_leases)
 
     def balance(self) -> None:
-        """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent."""
+        """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent, to every rolloutd."""
         demand = self.planner.rollout_demand()
-        for (_, agent), tokens in sorted(demand.items()):
-            # RolloutRouter.set_demand_hint
-            self.demand_hints[agent] = max(0, tokens)
-            self.balancer.set_demand_hint(agent, max(0, tokens))
-            self.rebalance()
+        for process in self.rolloutds:
+            for (_, agent), tokens in sorted(demand.items()):
+                # RolloutRouter.set_demand_hint
+                process.demand_hints[agent] = max(0, tokens)
+                process.balancer.set_demand_hint(agent, max(0, tokens))
+                self.rebalance(process)
 
-    def rebalance(self) -> None:
+    def rebalance(self, process: RolloutProcess) -> None:
         """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
-        balancer = self.balancer
+        balancer = process.balancer
         starved = balancer.starved_agents()
         if starved:
-            for agent, hint in self.demand_hints.items():
+            for agent, hint in process.demand_hints.items():
                 if hint and agent not in starved and balancer.demand_tokens(agent) == hint:
                     balancer.set_demand_hint(agent, 0)
             balancer.rebalance(self.now_s)
         else:
             balancer.maybe_rebalance(self.now_s)
-        self.place()
+        self.place(process)
 
-    def place(self) -> None:
-        """Start weight loads of moved replicas and requests the balancer can place now."""
-        self.start_loads()
-        for ticket in self.balancer.place_queued():
-            self.start(ticket)
+    def place(self, process: RolloutProcess) -> None:
+        """Start weight loads of moved replicas and requests ``process``'s balancer can place now."""
+        self.start_loads(process)
+        for ticket in process.balancer.place_queued():
+            self.start(process, ticket)
 
-    def start_loads(self) -> None:
+    def start_loads(self, process: RolloutProcess) -> None:
         """Drained replicas load their new agent's weights."""
-        for move in self.balancer.replicas_awaiting_load():
-            self.balancer.begin_load(move.replica_id)
+        for move in process.balancer.replicas_awaiting_load():
+            process.balancer.begin_load(move.replica_id)
             replica = self.replicas[move.replica_id]
             replica.loaded = (move.to_model_key, self.wanted[move.to_model_key])
             load_s = devicemodel.weight_transfer_s(self.profile)
@@ -753,6 +659,17 @@ class Simulation:
             self.lease_ops["slot event"] += 1
             slot.resident = None
 
+    def on_loaded(self, replica_id: str) -> None:
+        """A moved replica's weight load finished (RolloutRouter._move): it serves; queued requests may start."""
+        process = self.rolloutds[self.replicas[replica_id].rolloutd]
+        process.balancer.complete_load(replica_id)
+        for ticket in process.balancer.place_queued():
+            self.start(process, ticket)
+
+    def reassignments(self) -> int:
+        """Replica moves made by every rolloutd's balancer."""
+        return sum(p.balancer.reassignments for p in self.rolloutds)
+
     def interrupt(self, agent: str, version: int) -> None:
         """A partial-rollout agent's new version interrupts its replicas (RolloutRouter.publish, in place).
 
@@ -785,7 +702,7 @@ class Simulation:
             elif kind == "slot":
                 self.on_slot(payload)
             elif kind == "loaded":
-                self.balancer.complete_load(payload)
+                self.on_loaded(payload)
             elif kind == "tick":  # rolloutd's balancer interval and the slots' long-poll period
                 if self.now_s - last_progress_s < STALL_S:
                     self.push(self.now_s + TICK_S, "tick", None)
@@ -799,9 +716,6 @@ class Simulation:
             if kind == "tick":
                 self.renew()
                 self.balance()
-            else:
-                self.place()
-            if kind == "tick":
                 self.reported = False
                 self.poll_slots(sorted(self.waiting | self.unpolled))
                 self.unpolled.clear()
@@ -817,9 +731,11 @@ class Simulation:
         return dataclasses.replace(
             outcome,
             planner_cpu_s=self.cpu.seconds["planner"],
-            balancer_cpu_s=self.cpu.seconds["balancer"],
+            balancer_cpu_s=sum(p.cpu_s for p in self.rolloutds),
             planner_calls=self.cpu.calls["planner"],
-            balancer_calls=self.cpu.calls["balancer"],
+            balancer_calls=sum(p.cpu.calls["balancer"] for p in self.rolloutds),
+            rolloutds=len(self.rolloutds),
+            busiest_rolloutd_cpu_s=max(p.cpu_s for p in self.rolloutds),
             modelled_s=self.now_s,
             lease_ops=dict(self.lease_ops),
             agents=len(self.agents),
@@ -847,7 +763,7 @@ class Simulation:
                 nan,
                 nan,
                 nan,
-                self.balancer.reassignments,
+                self.reassignments(),
                 self.event_count,
                 sim_wall_s,
                 self.max_group_size,
@@ -881,18 +797,13 @@ class Simulation:
             tokens / window_s,
             rollout_busy,
             train_busy,
-            self.balancer.reassignments,
+            self.reassignments(),
             self.event_count,
             sim_wall_s,
             self.max_group_size,
             bound.step_s,
             bound.bound_by,
         )
-
-
-def work_version(work: MicroBatchWork | OptimizerStepWork) -> int:
-    """The agent version a piece of work starts from."""
-    return work.base_version if isinstance(work, MicroBatchWork) else work.new_version - 1
 
 
 def sweep(
@@ -910,7 +821,8 @@ def sweep(
                 print(  # noqa: T201 (a CLI report)
                     f"{count} devices {config}: {outcome.state} step {outcome.step_s:.1f} s, bound "
                     f"{outcome.bound_s:.1f} s, control cpu {outcome.control_cpu_per_step_s:.3f} s/step "
-                    f"({outcome.control_cpu_share:.2%}), sim wall {outcome.sim_wall_s:.0f} s, load "
+                    f"({outcome.control_cpu_share:.2%}; busiest process {outcome.busiest_process_share:.2%} of a "
+                    f"core, {outcome.rolloutds} rolloutd), sim wall {outcome.sim_wall_s:.0f} s, load "
                     f"{os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
@@ -937,6 +849,18 @@ def main(argv: list[str] | None = None) -> int:
         help="agents' max_slots (0 = per config: sequential every slot, else ceil(slots/agents); 1 = no DP)",
     )
     parser.add_argument("--hysteresis", type=float, default=None, help="balancer hysteresis (default: rolloutd's)")
+    parser.add_argument(
+        "--replicas-per-rolloutd",
+        type=int,
+        default=DEFAULT_REPLICAS_PER_ROLLOUTD,
+        help="engine replicas per rolloutd process, each with its own balancer (0 = one rolloutd over all)",
+    )
+    parser.add_argument(
+        "--max-tasks-per-rolloutd",
+        type=int,
+        default=0,
+        help="each rolloutd's max_tasks (0 = unbounded for one rolloutd, else its share of the admission window)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="sim", help="file stem of the results (<out>/<name>.json, .png)")
     args = parser.parse_args(argv)
@@ -951,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         max_slots=args.max_slots,
         hysteresis=args.hysteresis,
+        replicas_per_rolloutd=args.replicas_per_rolloutd,
+        max_tasks_per_rolloutd=args.max_tasks_per_rolloutd,
     )
     outcomes = sweep(args.devices, args.configs, base, progress=True)
     report = table(outcomes) + "\n\n" + cpu_table(outcomes)
@@ -963,6 +889,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: str(v) for k, v in vars(args).items()},
         "outcomes": [
             {**dataclasses.asdict(o), "control_cpu_share": o.control_cpu_share,
+             "busiest_process_share": o.busiest_process_share, "rolloutd_share": o.rolloutd_share,
              "control_cpu_per_step_s": o.control_cpu_per_step_s, "lease_ops_per_s": o.lease_ops_per_s}
             for o in outcomes
         ],

@@ -134,3 +134,41 @@ def test_the_control_plane_cpu_is_measured_around_the_real_calls_and_leases_are_
     # A published version interrupted replicas serving the agent: they reloaded while generations ran.
     assert len(simulation.reload_log) > 3
     assert "cpu/step" in sim.cpu_table([outcome])
+
+
+def test_each_rolloutd_balances_its_own_replicas_and_leases_its_share() -> None:
+    """One balancer per rolloutd process over its own replicas, as rolloutd runs (benchmarks/sim_rolloutd.py).
+
+    Every request runs on a replica of the process that leased its task (the simulation raises
+    otherwise), each process leases tasks up to its share of the admission window, and the CPU is
+    kept per process: the busiest one's share is at most the whole control plane's.
+    """
+    settings = sim.SimSettings(devices=30, devices_per_slot=2, group_size=4, steps=3, replicas_per_rolloutd=5)
+    simulation = sim.Simulation("flexmarl", settings, make_workload(3, "long-tail"))
+    assert settings.replicas == 20 and settings.rolloutds == 4
+    processes = simulation.rolloutds
+    assert [len(p.replica_ids) for p in processes] == [5, 5, 5, 5]
+    for process in processes:
+        assert type(process.balancer) is HierarchicalBalancer
+        assert {v.replica_id for v in process.balancer.replicas()} == set(process.replica_ids)
+        # the admission window, (max_staleness 1 + 1) x 10 prompts, a quarter each
+        assert process.max_tasks == 5
+    outcome = simulation.run()
+    assert outcome.state == "SUCCEEDED", outcome
+    assert outcome.rolloutds == 4
+    assert all(p.leased > 0 and p.cpu_s > 0 for p in processes)
+    assert sum(p.leased for p in processes) == outcome.lease_ops["lease"]
+    assert math.isclose(outcome.balancer_cpu_s, sum(p.cpu_s for p in processes))
+    assert outcome.busiest_rolloutd_cpu_s == max(p.cpu_s for p in processes) < outcome.balancer_cpu_s
+    assert 0 < outcome.busiest_process_share <= outcome.control_cpu_share
+    assert outcome.reassignments == sum(p.balancer.reassignments for p in processes)
+
+
+def test_the_default_share_of_slots_is_the_floor_so_agents_meeting_at_a_step_boundary_all_get_it() -> None:
+    """64 agents reaching a step boundary together: ceil(106 / 64) = 2 each left 22 agents one slot."""
+    at_2560 = sim.SimSettings(devices=2560, agents=64)
+    assert at_2560.slots == 106 and at_2560.agent_max_slots("flexmarl") == 1
+    assert at_2560.agent_max_slots("sequential") == 106
+    at_10240 = sim.SimSettings(devices=10240, agents=64)
+    assert at_10240.slots == 426 and at_10240.agent_max_slots("flexmarl") == 6
+    assert sim.SimSettings(devices=48, agents=64).agent_max_slots("flexmarl") == 1

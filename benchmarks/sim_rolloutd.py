@@ -1,0 +1,91 @@
+"""The rolloutd processes of :mod:`benchmarks.sim`: each its own router's balancer over its own replicas.
+
+As the product runs (rolloutd/worker.py, rolloutd/router.py, orchestratord/coordinator.py):
+
+* every rolloutd process owns the engine replicas it launched or attached (``engine_replicas`` /
+  ``engine_urls``) and one :class:`~rolloutd.router.RolloutRouter` with one
+  :class:`~rolloutd.balancer.HierarchicalBalancer` over them, started on an equal split of its
+  replicas over the agents (``RolloutRouter._initial_assignment``);
+* it pulls tasks itself (``LeaseRolloutTasks``, up to ``max_tasks`` in flight, long-polling while
+  the planner has none to hand out) and plays every turn of a task's episodes on its own replicas;
+* it renews its own leases (one ``RenewLeases`` of all it holds every ``RENEW_INTERVAL_S``);
+* orchestratord pushes the same job-wide demand hints (``Planner.rollout_demand``, one per agent) to
+  every rolloutd it finds in the registry (``Coordinator._push_demand``).
+
+There is no level above the per-rolloutd balancer: no component assigns agents or replicas to
+rolloutd processes or moves replicas between them. What spreads the work over them is the task
+pull (a rolloutd with room leases the next admitted tasks) and nothing else; each balancer sees
+the job-wide hint, not its share of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from benchmarks.control_cpu import CpuMeter
+from rolloutd.balancer import HierarchicalBalancer, TokenEstimator
+
+#: One rolloutd's max_tasks when the simulation runs a single one over every replica (no bound, as before).
+UNBOUNDED_TASKS = 10_000
+#: Request ids are per balancer; the simulation keys a request by (rolloutd, request id) in one int.
+_KEY_BITS = 32
+
+
+@dataclasses.dataclass
+class RolloutProcess:
+    """One rolloutd process: its replicas, its balancer and estimator (timed apart), its leases and hints."""
+
+    index: int
+    worker_id: str
+    replica_ids: tuple[str, ...]
+    balancer: HierarchicalBalancer
+    estimator: TokenEstimator
+    max_tasks: int
+    cpu: CpuMeter
+    demand_hints: dict[str, int] = dataclasses.field(default_factory=dict)
+    held_leases: dict[str, str] = dataclasses.field(default_factory=dict)  # task id -> lease id, until reported
+    task_progress: dict[str, int] = dataclasses.field(default_factory=dict)  # task id -> turns finished
+    leased: int = 0  # tasks it leased so far
+
+    @property
+    def free_tasks(self) -> int:
+        """Tasks it would lease now (``max_tasks`` less those in flight)."""
+        return self.max_tasks - len(self.held_leases)
+
+    @property
+    def cpu_s(self) -> float:
+        """Thread CPU seconds inside its balancer and estimator so far."""
+        return self.cpu.seconds["balancer"]
+
+
+def request_key(rolloutd: int, request_id: int) -> int:
+    """The simulation's key of request ``request_id`` of rolloutd ``rolloutd`` (its own id for rolloutd 0)."""
+    return (rolloutd << _KEY_BITS) | request_id
+
+
+def split_request_key(key: int) -> tuple[int, int]:
+    """(rolloutd, the balancer's request id) of a key made by :func:`request_key`."""
+    return key >> _KEY_BITS, key & ((1 << _KEY_BITS) - 1)
+
+
+def partition(replica_ids: Sequence[str], per_process: int) -> list[tuple[str, ...]]:
+    """Consecutive runs of ``per_process`` replicas (the last may be shorter); all in one for ``per_process`` <= 0."""
+    if per_process <= 0:
+        return [tuple(replica_ids)]
+    return [tuple(replica_ids[i : i + per_process]) for i in range(0, len(replica_ids), per_process)]
+
+
+def max_tasks(replicas: int, total_replicas: int, window_tasks: int, processes: int, configured: int) -> int:
+    """One rolloutd's ``max_tasks``: ``configured``, or unbounded for a single rolloutd, or its share of the window.
+
+    The share: ``ceil(window_tasks * replicas / total_replicas)``, the tasks the planner admits at
+    once (``(max_staleness + 1) * prompts_per_step``) in proportion to the process's replicas, so
+    that together the processes can hold every task the planner would hand a single one.
+    """
+    if configured > 0:
+        return configured
+    if processes <= 1:
+        return UNBOUNDED_TASKS
+    return max(1, math.ceil(window_tasks * replicas / total_replicas))
