@@ -64,6 +64,8 @@ class LeaseTable:
         self._id_prefix = id_prefix
         self._next_number = 0
         self._leases: dict[str, Lease] = {}
+        # The active leases by kind, in issue order (what active(kind) reads: O(active), not O(every lease kept)).
+        self._active: dict[LeaseKind, dict[str, Lease]] = {kind: {} for kind in LeaseKind}
         self._deadlines: list[tuple[float, str]] = []  # min-heap, lazily cleaned
 
     def issue(self, kind: LeaseKind, holder: str, subject: str, timeout_s: float) -> Lease:
@@ -73,6 +75,7 @@ class LeaseTable:
         now_s = self._now_s()
         lease = Lease(lease_id, kind, holder, subject, timeout_s, now_s + timeout_s, progress_at_s=now_s)
         self._leases[lease_id] = lease
+        self._active[kind][lease_id] = lease
         heapq.heappush(self._deadlines, (lease.deadline_s, lease_id))
         return lease
 
@@ -117,6 +120,7 @@ class LeaseTable:
         if lease.status is LeaseStatus.ACTIVE:
             lease.status = status
             lease.end_reason = reason
+            self._active[lease.kind].pop(lease.lease_id, None)
 
     def due(self) -> list[Lease]:
         """Active leases whose deadline has passed (not ended here: the caller decides what follows)."""
@@ -133,7 +137,9 @@ class LeaseTable:
         return found
 
     def active(self, kind: LeaseKind | None = None) -> list[Lease]:
-        """Active leases, optionally of one kind."""
+        """Active leases, optionally of one kind (in issue order)."""
+        if kind is not None:
+            return list(self._active[kind].values())
         return [lease for lease in self._leases.values()
                 if lease.status is LeaseStatus.ACTIVE and (kind is None or lease.kind is kind)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping
 
@@ -70,6 +71,7 @@ def next_trainer_work(job: JobPlan, agent: str, slot_id: str, worker_id: str, gr
         plan.optimizer_issued.add(slot_id)
         if plan.optimizer_deadline_s is None:
             plan.optimizer_deadline_s = job.now_s() + job.spec.leases.train_timeout_s
+            heapq.heappush(job.optimizer_deadlines, (plan.optimizer_deadline_s, (agent, plan.step)))
             job.touch(agent)
         state = job.agents[agent]
         return OptimizerStepWork(

@@ -315,6 +315,9 @@ class JobPlan:
     unplaced: list[tuple[Task, dict[str, Group]]] = dataclasses.field(default_factory=list)
     open_step: int = 0
     plans: dict[tuple[str, int], StepPlan] = dataclasses.field(default_factory=dict)
+    #: Min-heap of (optimizer deadline, plans key) as dispatch set them; stale entries (the plan replaced, its
+    #: deadline reset) are skipped by recovery.tick, which reads only the entries whose deadline passed.
+    optimizer_deadlines: list[tuple[float, tuple[str, int]]] = dataclasses.field(default_factory=list)
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0
     tasks_done_total: int = 0

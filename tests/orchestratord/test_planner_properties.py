@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from flexmarl.errors import FailedPrecondition
+from orchestratord.leases import LeaseKind, LeaseStatus
 from orchestratord.planner import (
     MicroBatchWork,
     OptimizerStepWork,
@@ -248,6 +249,25 @@ class PlannerMachine(RuleBasedStateMachine):
         expected = {} if self.job.state.terminal else {
             (JOB, agent): self.job.data_parallel_demand(agent) for agent in AGENTS}
         assert kept == expected
+
+    @invariant()
+    def kept_lease_and_deadline_indexes_match_a_recount(self) -> None:
+        """The active leases by kind (what rollout_demand counts) and the optimizer deadlines recovery.tick reads.
+
+        LeaseTable.active(kind) reads its index, not every lease it remembers; every plan with an
+        optimizer deadline has its entry in JobPlan.optimizer_deadlines, so a tick finds it once due.
+        """
+        if not hasattr(self, "job"):
+            return
+        plan_job = self.job._job
+        leases = plan_job.leases
+        for kind in LeaseKind:
+            assert leases.active(kind) == [lease for lease in leases.all()
+                                           if lease.status is LeaseStatus.ACTIVE and lease.kind is kind]
+        pending = set(plan_job.optimizer_deadlines)
+        for key, plan in plan_job.plans.items():
+            if plan.optimizer_deadline_s is not None:
+                assert (plan.optimizer_deadline_s, key) in pending
 
     @invariant()
     def versions_count_commits(self) -> None:
