@@ -79,6 +79,9 @@ def cpu_table(outcomes: Sequence[SimOutcome]) -> str:
         Column("balancer cpu/step s", 19, fmt=".3f"),
         Column("cpu/step", 8, fmt=".2%"),
         Column("growth exp", 10, fmt=".2f"),
+        Column("rolloutds", 9),
+        Column("orch core", 9, fmt=".2%"),
+        Column("rolloutd core", 13, fmt=".2%"),
         Column("lease op/s", 10, fmt=".0f"),
         Column("empty polls/s", 13, fmt=".0f"),
         Column("target", 6, "<"),
@@ -90,6 +93,7 @@ def cpu_table(outcomes: Sequence[SimOutcome]) -> str:
         rows.append(
             [o.devices, o.agents, o.config, o.step_s, o.bound_s, o.planner_cpu_s * per_modelled_s,
              o.balancer_cpu_s * per_modelled_s, share, exponents.get((o.config, o.devices), math.nan),
+             o.rolloutds, o.planner_cpu_s / o.modelled_s if o.modelled_s > 0 else math.nan, o.rolloutd_share,
              o.lease_ops_per_s, o.lease_ops.get("empty poll", 0) / o.modelled_s if o.modelled_s > 0 else math.nan,
              "met" if share < CONTROL_CPU_TARGET else "MISSED"]
         )
@@ -97,7 +101,9 @@ def cpu_table(outcomes: Sequence[SimOutcome]) -> str:
     lines.append(
         "cpu = real thread CPU seconds inside the real Planner and HierarchicalBalancer (+ TokenEstimator) calls, per "
         "modelled step; cpu/step = that / the modelled step (target < 1%); growth exp = d log(cpu/step s) / d log "
-        "(devices) from the next smaller size (target <= 1); lease op/s per modelled second (lease, report, renew, "
+        "(devices) from the next smaller size (target <= 1); orch core = the planner's CPU per modelled second (one "
+        "orchestratord's core), rolloutd core = the busiest rolloutd's balancer's; lease op/s per modelled second "
+        "(lease, report, renew, "
         "trainer lease, ack, commit, slot event), empty polls apart"
     )
     return "\n".join(lines)
