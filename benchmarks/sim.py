@@ -88,6 +88,7 @@ from benchmarks.sim_model import (
     allreduce_s,
     work_version,
 )
+from benchmarks.sim_orchestratord import DEMAND_INTERVAL_S, TICK_INTERVAL_S, CoordinatorTick
 from benchmarks.sim_report import chart, cpu_table, growth_exponents, table
 from benchmarks.sim_rolloutd import RolloutProcess, max_tasks, partition, request_key, split_request_key
 from benchmarks.workloads import Workload, make_workload
@@ -120,7 +121,7 @@ SIM_CONFIGS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
     ),
 }
 EPOCH_S = 1.0e9  # the planner's clock is unix seconds; any fixed origin will do
-TICK_S = 2.0  # traind re-polls every POLL_WAIT_MS; rolloutd rebalances on its interval
+TICK_S = 2.0  # traind re-polls every POLL_WAIT_MS; rolloutd renews its leases every RENEW_INTERVAL_S
 #: The CLI's replicas per rolloutd (SimSettings' default is one rolloutd over all): eight nodes of eight
 #: one-device replicas. A one-node rolloutd (8) cannot keep a replica per agent of a 64-agent job, so its
 #: balancer reloads weights for almost every turn (768 devices: 45,162 moves against 1,000 at 64; 20 % of
@@ -180,6 +181,9 @@ class Simulation:
         # CPU of the real code: the planner (orchestratord), and per rolloutd its balancer and estimator.
         self.cpu = CpuMeter()
         self.cpu.wrap("planner", self.planner)
+        self.coordinator = CoordinatorTick(self.planner)  # orchestratord's tick loop (benchmarks/sim_orchestratord.py)
+        self.cpu.wrap("planner", self.coordinator)
+        self.orchestratord_ticks = 0
         # The rolloutd processes (benchmarks/sim_rolloutd.py): each its own balancer over its own replicas.
         groups = partition(sorted(self.replicas), settings.replicas_per_rolloutd)
         window = (spec.pipeline.max_staleness + 1) * settings.prompts_per_step
@@ -659,6 +663,17 @@ class Simulation:
             self.lease_ops["slot event"] += 1
             slot.resident = None
 
+    def on_orchestratord_tick(self) -> None:
+        """The coordinator's tick loop: the planner's tick, the polls it woke, the slot gauges, the demand push."""
+        self.orchestratord_ticks += 1
+        self.planner.tick()
+        self.lease_tasks()  # the lease long polls wake when a task is leasable (an expiry re-queued one)
+        self.poll_slots()  # trainer_wakes after the mutation, as after every other
+        self.coordinator.observe_slots()
+        every = max(1, round(DEMAND_INTERVAL_S / TICK_INTERVAL_S))
+        if self.orchestratord_ticks % every == 1 % every:
+            self.balance()
+
     def on_loaded(self, replica_id: str) -> None:
         """A moved replica's weight load finished (RolloutRouter._move): it serves; queued requests may start."""
         process = self.rolloutds[self.replicas[replica_id].rolloutd]
@@ -691,6 +706,7 @@ class Simulation:
         """Run until the job finishes (or stalls); return its figures."""
         started = time.perf_counter()
         self.push(self.now_s, "tick", None)
+        self.push(self.now_s, "orchestratord", None)
         job = self.planner.job(self.job_id)
         last_progress_s = 0.0
         while self.events and not job.state.terminal and self.event_count < max_events:
@@ -703,9 +719,14 @@ class Simulation:
                 self.on_slot(payload)
             elif kind == "loaded":
                 self.on_loaded(payload)
-            elif kind == "tick":  # rolloutd's balancer interval and the slots' long-poll period
+            elif kind == "tick":  # rolloutd's lease renewal and the slots' long-poll period
                 if self.now_s - last_progress_s < STALL_S:
                     self.push(self.now_s + TICK_S, "tick", None)
+            elif kind == "orchestratord":
+                self.on_orchestratord_tick()
+                if self.now_s - last_progress_s < STALL_S:
+                    self.push(self.now_s + TICK_INTERVAL_S, "orchestratord", None)
+                continue
             if kind != "tick":
                 last_progress_s = self.now_s
             # The planner is asked when its answer can have changed (orchestratord's long polls
@@ -715,7 +736,6 @@ class Simulation:
                 self.lease_tasks()
             if kind == "tick":
                 self.renew()
-                self.balance()
                 self.reported = False
                 self.poll_slots(sorted(self.waiting | self.unpolled))
                 self.unpolled.clear()

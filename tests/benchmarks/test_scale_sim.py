@@ -172,3 +172,29 @@ def test_the_default_share_of_slots_is_the_floor_so_agents_meeting_at_a_step_bou
     at_10240 = sim.SimSettings(devices=10240, agents=64)
     assert at_10240.slots == 426 and at_10240.agent_max_slots("flexmarl") == 6
     assert sim.SimSettings(devices=48, agents=64).agent_max_slots("flexmarl") == 1
+
+
+def test_orchestratords_tick_and_demand_push_run_at_the_coordinators_intervals() -> None:
+    """The simulation's orchestratord loop uses the coordinator's own intervals, and its CPU counts as the planner's."""
+    from benchmarks import sim_orchestratord
+    from orchestratord import coordinator
+
+    assert sim_orchestratord.TICK_INTERVAL_S == coordinator.TICK_INTERVAL_S
+    assert sim_orchestratord.DEMAND_INTERVAL_S == coordinator.DEMAND_INTERVAL_S
+    settings = sim.SimSettings(devices=12, devices_per_slot=2, group_size=4, steps=2)
+    simulation = sim.Simulation("flexmarl", settings, make_workload(3, "long-tail"))
+    pushes = 0
+    push = simulation.balance
+
+    def counted() -> None:
+        nonlocal pushes
+        pushes += 1
+        push()
+
+    simulation.balance = counted  # type: ignore[method-assign]
+    outcome = simulation.run()
+    assert outcome.state == "SUCCEEDED"
+    ticks = simulation.orchestratord_ticks
+    assert abs(ticks - outcome.modelled_s / coordinator.TICK_INTERVAL_S) <= 2
+    assert abs(pushes - outcome.modelled_s / coordinator.DEMAND_INTERVAL_S) <= 2
+    assert simulation.coordinator.bubble_slots > 0  # observed: some slot sat idle while the job ran
