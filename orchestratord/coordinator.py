@@ -300,7 +300,10 @@ class JobCoordinator:
         running = [job for job in self.planner.jobs() if not job.state.terminal]
         if not running:
             return
-        idle = sum(1 for s in slots if not any(job.slot_busy(s.slot_id) for job in running))
+        busy: set[str] = set()  # one pass per job, not one per slot and job
+        for job in running:
+            busy |= job.busy_slots()
+        idle = sum(1 for s in slots if s.slot_id not in busy)
         self._metrics.bubble_seconds.inc(idle * elapsed_s)
 
     async def _push_demand(self) -> None:

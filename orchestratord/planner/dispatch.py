@@ -264,6 +264,16 @@ def slot_busy(job: JobPlan, slot_id: str) -> bool:
         for plan in job.plans.values())
 
 
+def busy_slots(job: JobPlan) -> set[str]:
+    """Every slot :func:`slot_busy` would call busy, in one pass over the steps (not one per slot)."""
+    busy = warm_start.busy_slots(job)
+    for plan in job.plans.values():
+        if plan.optimizer_deadline_s is not None:
+            busy.update(plan.members)
+        busy.update(plan.leased_by_slot)
+    return busy
+
+
 def release_slot(job: JobPlan, agent: str) -> None:
     """The agent leaves its slot between steps (binding change)."""
     plan = job.current_plan(agent)

@@ -341,6 +341,10 @@ class JobPlanner:
         """Whether some step has work in flight on the slot (a leased micro-batch or an optimizer step)."""
         return dispatch.slot_busy(self._job, slot_id)
 
+    def busy_slots(self) -> set[str]:
+        """Every slot :meth:`slot_busy` is true of (one pass over the steps: the gauges ask for all slots)."""
+        return dispatch.busy_slots(self._job)
+
     def next_trainer_work(self, agent: str, slot_id: str, worker_id: str,
                           group: DataParallelGroup | None = None
                           ) -> MicroBatchWork | OptimizerStepWork | WarmStartWork | None:

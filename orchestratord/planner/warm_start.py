@@ -57,6 +57,11 @@ def slot_busy(job: JobPlan, slot_id: str) -> bool:
                for attempt in job.warm_starts.values())
 
 
+def busy_slots(job: JobPlan) -> set[str]:
+    """The slots that run a warm start of this job now (every slot :func:`slot_busy` is true of)."""
+    return {attempt.slot_id for attempt in job.warm_starts.values() if _held_lease(job, attempt) is not None}
+
+
 def next_work(job: JobPlan, agent: str, slot_id: str, worker_id: str) -> WarmStartWork | None:
     """The agent's warm start for a slot bound to it: issued now, again (a lost response), or None (elsewhere)."""
     if job.state.terminal or not pending(job, agent):

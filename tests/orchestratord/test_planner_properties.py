@@ -264,6 +264,8 @@ class PlannerMachine(RuleBasedStateMachine):
         for kind in LeaseKind:
             assert leases.active(kind) == [lease for lease in leases.all()
                                            if lease.status is LeaseStatus.ACTIVE and lease.kind is kind]
+        # The coordinator's slot gauges read every slot's business in one pass (busy_slots), not per slot.
+        assert self.job.busy_slots() == {slot for slot in SLOTS if self.job.slot_busy(slot)}
         pending = set(plan_job.optimizer_deadlines)
         for key, plan in plan_job.plans.items():
             if plan.optimizer_deadline_s is not None:

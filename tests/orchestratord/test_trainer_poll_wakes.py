@@ -108,3 +108,22 @@ async def test_a_poll_wakes_when_its_work_appears_and_sleeps_through_unrelated_c
     assert counted.checks == {"s0": 2, "s1": 3}
     assert not poll.done()
     poll.cancel()
+
+
+def test_the_slot_gauges_count_as_idle_the_slots_no_job_keeps_busy() -> None:
+    """_observe_slots reads every slot's business in one pass per job (busy_slots), as slot_busy would per slot."""
+    from .helpers import make_spec
+
+    registry: Any = types.SimpleNamespace(prefix="/test")
+    coordinator = JobCoordinator(registry, OrchestratorMetrics(CollectorRegistry()))
+    planner = coordinator.planner
+    job = planner.submit_job("job", make_spec(batch={"prompts_per_step": 2, "group_size": 2, "micro_batch_size": 2}))
+    for lease in planner.lease_rollout_tasks("r0", 2):
+        planner.report_rollout_task(lease.lease_id, "r0", lease.task_id, True, "", experiences_for(lease, AGENTS))
+    works = {slot: planner.poll_trainer_work(f"w-{slot}", slot) for slot in ("s0", "s1", "s2")}
+    working = {slot for slot, work in works.items() if isinstance(work, MicroBatchWork)}
+    assert working and len(working) < 3  # two agents, one slot each: one slot at least stays idle
+    assert job.busy_slots() == working == {slot for slot in works if job.slot_busy(slot)}
+    coordinator._observe_slots(2.0)
+    assert coordinator._metrics.known_slots._value.get() == 3
+    assert coordinator._metrics.bubble_seconds._value.get() == 2.0 * (3 - len(working))

@@ -46,7 +46,9 @@ def test_no_task_is_admitted_until_the_warm_start_commits_and_batch_zero_samples
     assert planner.poll_trainer_work("t", "s1") is None  # one warm start, on one slot
     assert planner.poll_trainer_work("t", "s0") == work  # a lost response: the same work again
     assert planner.lease_rollout_tasks("roll", 100) == []
+    assert job.busy_slots() == {"s0"} and job.slot_busy("s0") and not job.slot_busy("s1")  # the warm start's slot
     commit_warm(planner, "s0", work)
+    assert job.busy_slots() == set()
     assert [type(c) for c in job.take_changes() if isinstance(c, WarmStartPublished)] == [WarmStartPublished]
     commit_warm(planner, "s0", work)  # the same commit again: a no-op
     leases = planner.lease_rollout_tasks("roll", 100)
