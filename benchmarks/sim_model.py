@@ -45,7 +45,7 @@ class SimSettings:
 
     @property
     def rolloutds(self) -> int:
-        """rolloutd processes: ``ceil(replicas / replicas_per_rolloutd)`` (the last may hold fewer)."""
+        """rolloutd processes: ``ceil(replicas / replicas_per_rolloutd)``, the replicas spread evenly over them."""
         if self.replicas_per_rolloutd <= 0:
             return 1
         return math.ceil(self.replicas / self.replicas_per_rolloutd)
