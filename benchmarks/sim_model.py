@@ -45,10 +45,10 @@ class SimSettings:
 
     @property
     def rolloutds(self) -> int:
-        """rolloutd processes: ``ceil(replicas / replicas_per_rolloutd)``, the replicas spread evenly over them."""
+        """rolloutd processes: ``floor(replicas / replicas_per_rolloutd)`` (at least 1), the replicas spread evenly."""
         if self.replicas_per_rolloutd <= 0:
             return 1
-        return math.ceil(self.replicas / self.replicas_per_rolloutd)
+        return max(1, self.replicas // self.replicas_per_rolloutd)
 
     @property
     def slots(self) -> int:
