@@ -1,4 +1,4 @@
-"""Pure simulation from 48 to 768 devices: the real planner and balancer on a discrete-event clock.
+"""Pure simulation from 48 to 10,240 devices: the real planner and balancers on a discrete-event clock.
 
     python -m benchmarks.sim                                   # sweep 48..768 devices, 3 configurations
     python -m benchmarks.sim --devices 48 96 --steps 3 --configs flexmarl static
@@ -14,7 +14,13 @@ Nothing here re-implements a policy. The simulation drives
   :class:`rolloutd.balancer.TokenEstimator`, as rolloutd's router drives them, with the
   orchestrator's outstanding-demand estimate as the balancer's hint;
 
-and models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
+As the product runs them: one balancer per rolloutd process over that process's replicas
+(``--replicas-per-rolloutd``, :mod:`benchmarks.sim_rolloutd`; each leases, plays and renews its own
+tasks, and all get the same job-wide demand hints), and orchestratord's tick loop
+(:mod:`benchmarks.sim_orchestratord`: the planner's tick every 0.2 s, the slot gauges, the demand push
+every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`).
+
+The simulation models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
 
 * a replica is continuous batching: every running sequence advances one token per
   iteration of ``decode_iteration_s(batch, context)`` (re-evaluated at every event and at
