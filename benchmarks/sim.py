@@ -486,11 +486,11 @@ class Simulation:
         """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent, to every rolloutd."""
         demand = self.planner.rollout_demand()
         for process in self.rolloutds:
+            # RolloutRouter.set_demand_hints: every hint of the push set, then one rebalance.
             for (_, agent), tokens in sorted(demand.items()):
-                # RolloutRouter.set_demand_hint
                 process.demand_hints[agent] = max(0, tokens)
                 process.balancer.set_demand_hint(agent, max(0, tokens))
-                self.rebalance(process)
+            self.rebalance(process)
 
     def rebalance(self, process: RolloutProcess) -> None:
         """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
