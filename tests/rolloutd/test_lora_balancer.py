@@ -28,6 +28,7 @@ from rolloutd.engines.protocol import (
     LoraAdapterResult,
     ModelInfo,
     PauseMode,
+    WeightUpdateResult,
 )
 from rolloutd.router import Replica, RolloutRouter, agent_key
 
@@ -156,8 +157,10 @@ class _RecordingEngine(EngineClient):
         return [GenerationResult((7,), (-0.5,), FinishReason.LENGTH, len(request.input_ids), 1)]
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
-                                       flush_cache: bool = True) -> None:
+                                       load_format: str | None = None, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> WeightUpdateResult:
         self.weights.append(model_path)
+        return WeightUpdateResult(True, "Succeeded to update model weights.")
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> LoraAdapterResult:
         self.calls.append(f"load {lora_name}")
