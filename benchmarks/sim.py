@@ -19,6 +19,10 @@ As the product runs them: one balancer per rolloutd process over that process's 
 tasks, and all get the same job-wide demand hints), and orchestratord's tick loop
 (:mod:`benchmarks.sim_orchestratord`: the planner's tick every 0.2 s, the slot gauges, the demand push
 every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`).
+Each balancer decides on what its router measures (``--balancer-rates measured``, rolloutd's
+default): the process keeps rolloutd's :class:`rolloutd.replica_rates.ReplicaRates` and
+:class:`~rolloutd.replica_rates.ReloadCost`, fed by its modelled generations and weight loads as
+``RolloutRouter._generation`` and ``_reloaded`` feed them; ``prior`` keeps 1,000 tokens/s and 10 s.
 
 The simulation models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
 
@@ -113,6 +117,7 @@ from orchestratord.planner import (
 )
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
 from rolloutd.balancer import ReplicaAssignment as BalancerReplica
+from rolloutd.replica_rates import ReloadCost, ReplicaRates
 
 # name -> (pipeline section, rollout balancing, rest of the rollout section), the settings of benchmarks.run.CONFIGS
 SIM_CONFIGS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
@@ -205,6 +210,11 @@ class Simulation:
                 max_tasks(len(replica_ids), settings.replicas, window, len(groups), settings.max_tasks_per_rolloutd),
                 meter,
             )
+            if settings.measured_rates:  # rolloutd's default: its router measures what the balancer decides on
+                prior = process.balancer.replicas()[0].tokens_per_s
+                process.rates = ReplicaRates(prior)
+                process.reload_cost = ReloadCost(balancer_config.reassignment_cost_s)
+                process.capacity = prior
             meter.wrap("balancer", process.balancer)
             meter.wrap("balancer", process.estimator)
             for replica_id in replica_ids:
@@ -397,6 +407,7 @@ class Simulation:
         episode.behaviour[agent] = version
         length = episode.lengths[episode.turn]
         replica.running.append(_Seq(key, episode, float(length), float(self.workload.prompt_tokens)))
+        process.generation_started(key, replica.replica_id, process.balancer.model_key_of(ticket.agent), self.now_s)
         self.reschedule(replica)
 
     def prefill_s(self) -> float:
@@ -413,12 +424,14 @@ class Simulation:
         replica.loaded = (agent, version)
         load_s = devicemodel.weight_transfer_s(self.profile)
         self.reload_log.append((self.now_s, load_s))
+        self.rolloutds[replica.rolloutd].reloaded(load_s)
         return load_s
 
     def finish_turn(self, seq: _Seq) -> None:
         """A response is complete: free its ticket, start the episode's next turn or report the task."""
         episode, agent = self.tickets.pop(seq.request_id)
         process = self.rolloutds[episode.rolloutd]
+        process.generation_finished(seq.request_id, episode.lengths[episode.turn], self.now_s)
         process.balancer.finish(split_request_key(seq.request_id)[1])
         self.rebalance(process)  # RolloutRouter._release
         process.estimator.observe(agent, episode.lengths[episode.turn])
@@ -519,6 +532,7 @@ class Simulation:
             replica.loaded = (move.to_model_key, self.wanted[move.to_model_key])
             load_s = devicemodel.weight_transfer_s(self.profile)
             self.reload_log.append((self.now_s, load_s))
+            process.reloaded(load_s)
             self.push(self.now_s + load_s, "loaded", move.replica_id)
 
     # ---- trainer slots ------------------------------------------------------------------------------------
@@ -875,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
         help="agents' max_slots (0 = per config: sequential every slot, else ceil(slots/agents); 1 = no DP)",
     )
     parser.add_argument("--hysteresis", type=float, default=None, help="balancer hysteresis (default: rolloutd's)")
+    parser.add_argument("--balancer-rates", choices=("measured", "prior"), default="measured",
+                        help="balancers decide on the rates and load cost their routers measure (rolloutd's default) "
+                             "or on the priors (1,000 tokens/s per replica, a 10 s load)")
     parser.add_argument(
         "--replicas-per-rolloutd",
         type=int,
@@ -901,6 +918,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         max_slots=args.max_slots,
         hysteresis=args.hysteresis,
+        measured_rates=args.balancer_rates == "measured",
         replicas_per_rolloutd=args.replicas_per_rolloutd,
         max_tasks_per_rolloutd=args.max_tasks_per_rolloutd,
     )

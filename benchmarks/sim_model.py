@@ -37,6 +37,9 @@ class SimSettings:
     replicas_per_rolloutd: int = 0
     # Each rolloutd's ``max_tasks`` (0 = one rolloutd: unbounded; several: its share of the admission window).
     max_tasks_per_rolloutd: int = 0
+    # Whether each balancer decides on the rates and load cost its router measures (rolloutd's default,
+    # --balancer-measured-rates) or on the priors (1,000 tokens/s per replica, a 10 s load).
+    measured_rates: bool = True
 
     @property
     def replicas(self) -> int:

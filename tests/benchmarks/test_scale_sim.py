@@ -206,3 +206,24 @@ def test_orchestratords_tick_and_demand_push_run_at_the_coordinators_intervals()
     assert abs(ticks - outcome.modelled_s / coordinator.TICK_INTERVAL_S) <= 2
     assert abs(pushes - outcome.modelled_s / coordinator.DEMAND_INTERVAL_S) <= 2
     assert simulation.coordinator.bubble_slots > 0  # observed: some slot sat idle while the job ran
+
+
+def test_each_balancer_decides_on_what_its_router_measures_unless_told_the_priors() -> None:
+    """As rolloutd's router (--balancer-measured-rates, its default): the replicas' measured capacity and the
+    measured weight-load seconds reach every process's balancer; with the priors they stay 1,000 tokens/s, 10 s."""
+    settings = sim.SimSettings(devices=30, devices_per_slot=2, group_size=4, steps=3, replicas_per_rolloutd=5)
+    measured = sim.Simulation("flexmarl", settings, make_workload(3, "long-tail"))
+    assert measured.run().state == "SUCCEEDED"
+    load_s = devicemodel.weight_transfer_s(measured.profile)
+    for process in measured.rolloutds:
+        assert process.rates is not None and not process.marks  # every generation begun was ended
+        rates = {view.tokens_per_s for view in process.balancer.replicas()}
+        assert rates == {process.capacity} and process.capacity != 1000.0
+        assert math.isclose(process.balancer.reassignment_cost_s, load_s)
+    priors = sim.Simulation("flexmarl", dataclasses.replace(settings, measured_rates=False),
+                            make_workload(3, "long-tail"))
+    assert priors.run().state == "SUCCEEDED"
+    for process in priors.rolloutds:
+        assert process.rates is None
+        assert {view.tokens_per_s for view in process.balancer.replicas()} == {1000.0}
+        assert process.balancer.reassignment_cost_s == 10.0
