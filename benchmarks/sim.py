@@ -20,9 +20,9 @@ tasks, and all get the same job-wide demand hints), and orchestratord's tick loo
 (:mod:`benchmarks.sim_orchestratord`: the planner's tick every 0.2 s, the slot gauges, the demand push
 every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`).
 Each balancer decides on what its router measures (``--balancer-rates measured``, rolloutd's
-default): the process keeps rolloutd's :class:`rolloutd.replica_rates.ReplicaRates` and
-:class:`~rolloutd.replica_rates.ReloadCost`, fed by its modelled generations and weight loads as
-``RolloutRouter._generation`` and ``_reloaded`` feed them; ``prior`` keeps 1,000 tokens/s and 10 s.
+default): the process keeps rolloutd's :class:`rolloutd.replica_rates.BalancerFeed`, fed by its
+modelled generations and weight loads as ``RolloutRouter._generation`` and ``_reloaded`` feed it;
+``prior`` keeps 1,000 tokens/s and 10 s.
 
 The simulation models only device time, with :mod:`flexmarl.devicemodel` (H100 preset):
 
@@ -117,7 +117,7 @@ from orchestratord.planner import (
 )
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
 from rolloutd.balancer import ReplicaAssignment as BalancerReplica
-from rolloutd.replica_rates import ReloadCost, ReplicaRates
+from rolloutd.replica_rates import BalancerFeed
 
 # name -> (pipeline section, rollout balancing, rest of the rollout section), the settings of benchmarks.run.CONFIGS
 SIM_CONFIGS: dict[str, tuple[dict[str, Any], str, dict[str, Any]]] = {
@@ -211,10 +211,7 @@ class Simulation:
                 meter,
             )
             if settings.measured_rates:  # rolloutd's default: its router measures what the balancer decides on
-                prior = process.balancer.replicas()[0].tokens_per_s
-                process.rates = ReplicaRates(prior)
-                process.reload_cost = ReloadCost(balancer_config.reassignment_cost_s)
-                process.capacity = prior
+                process.measured = BalancerFeed(balancer_config.prior_tokens_per_s, balancer_config.reassignment_cost_s)
             meter.wrap("balancer", process.balancer)
             meter.wrap("balancer", process.estimator)
             for replica_id in replica_ids:

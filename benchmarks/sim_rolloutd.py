@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from benchmarks.control_cpu import CpuMeter
 from rolloutd.balancer import HierarchicalBalancer, TokenEstimator
-from rolloutd.replica_rates import GenerationMark, ReloadCost, ReplicaRates
+from rolloutd.replica_rates import BalancerFeed, GenerationMark
 
 #: One rolloutd's max_tasks when the simulation runs a single one over every replica (no bound, as before).
 UNBOUNDED_TASKS = 10_000
@@ -50,38 +50,24 @@ class RolloutProcess:
     task_progress: dict[str, int] = dataclasses.field(default_factory=dict)  # task id -> turns finished
     leased: int = 0  # tasks it leased so far
     # What its router measures and feeds the balancer (RolloutRouter._generation / _reloaded); None: priors only.
-    rates: ReplicaRates | None = None
-    reload_cost: ReloadCost | None = None
-    capacity: float = 0.0  # the capacity last fed to the balancer
+    measured: BalancerFeed | None = None
     marks: dict[int, tuple[str, GenerationMark]] = dataclasses.field(default_factory=dict)  # request key -> mark
 
     def generation_started(self, request: int, replica_id: str, model_key: str, now_s: float) -> None:
         """A request joins a replica's batch (RolloutRouter._generation's begin)."""
-        if self.rates is None:
-            return
-        rate = self.rates.of(replica_id)
-        if rate.model_key != model_key:
-            rate.restart(model_key, self.rates.prior_tokens_per_s)
-        self.marks[request] = (replica_id, rate.begin(now_s))
+        if self.measured is not None:
+            self.marks[request] = (replica_id, self.measured.begin(replica_id, model_key, now_s))
 
     def generation_finished(self, request: int, tokens: int, now_s: float) -> None:
-        """A request's response is complete: its rate share is measured, the capacity fed on a > 2 % change."""
-        if self.rates is None:
-            return
-        replica_id, mark = self.marks.pop(request)
-        if not self.rates.of(replica_id).end(mark, now_s, tokens):
-            return
-        capacity = self.rates.capacity(now_s)
-        if abs(capacity - self.capacity) > 0.02 * self.capacity:
-            self.capacity = capacity
-            for view in self.balancer.replicas():
-                self.balancer.set_replica_rate(view.replica_id, capacity)
+        """A request's response is complete: its rate share is measured, a changed capacity fed to the balancer."""
+        if self.measured is not None:
+            replica_id, mark = self.marks.pop(request)
+            self.measured.end(replica_id, mark, now_s, tokens, self.balancer)
 
     def reloaded(self, seconds: float) -> None:
         """A weight load took ``seconds`` (RolloutRouter._reloaded): the move cost follows it."""
-        if self.reload_cost is not None:
-            self.reload_cost.observe(seconds)
-            self.balancer.set_reassignment_cost_s(self.reload_cost.seconds)
+        if self.measured is not None:
+            self.measured.reloaded(seconds, self.balancer)
 
     @property
     def free_tasks(self) -> int:

@@ -36,8 +36,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from flexmarl.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from rolloutd.balancer import HierarchicalBalancer
+
+#: A capacity change the balancer is told of (smaller ones are not worth re-counting every replica for).
+CAPACITY_CHANGE = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,3 +231,43 @@ class ReloadCost:
         self._measured = seconds if self._measured is None else self._measured + self._weight * (
             seconds - self._measured)
         self.loads += 1
+
+
+class BalancerFeed:
+    """What a router measures for its balancer, fed to it as it changes (``BalancerConfig.measured_rates``).
+
+    :class:`rolloutd.router.RolloutRouter` drives it with its generations and weight loads, and
+    ``benchmarks.sim``'s rolloutd processes with their modelled ones: every replica is counted at the
+    replicas' capacity (:meth:`ReplicaRates.capacity`), re-fed when it moved by more than
+    :data:`CAPACITY_CHANGE`, and a move costs the measured load (:class:`ReloadCost`).
+    """
+
+    def __init__(self, prior_tokens_per_s: float, prior_reload_s: float, settings: RateSettings | None = None) -> None:
+        self.rates = ReplicaRates(prior_tokens_per_s, settings)
+        self.reload_cost = ReloadCost(prior_reload_s, settings)
+        #: What the balancer counts each replica at (the prior until a capacity is fed).
+        self.capacity = prior_tokens_per_s
+
+    def begin(self, replica_id: str, model_key: str, now_s: float) -> GenerationMark:
+        """A generation starts on a replica serving ``model_key`` (another model than before: measured afresh)."""
+        rate = self.rates.of(replica_id)
+        if rate.model_key != model_key:
+            rate.restart(model_key, self.rates.prior_tokens_per_s)
+        return rate.begin(now_s)
+
+    def end(self, replica_id: str, mark: GenerationMark, now_s: float, tokens: int | None,
+            balancer: HierarchicalBalancer | None) -> None:
+        """The generation ``mark`` ended with ``tokens`` (None: it failed); a changed capacity reaches ``balancer``."""
+        if not self.rates.of(replica_id).end(mark, now_s, tokens):
+            return
+        capacity = self.rates.capacity(now_s)
+        if balancer is not None and abs(capacity - self.capacity) > CAPACITY_CHANGE * self.capacity:
+            self.capacity = capacity
+            for view in balancer.replicas():
+                balancer.set_replica_rate(view.replica_id, capacity)
+
+    def reloaded(self, seconds: float, balancer: HierarchicalBalancer | None) -> None:
+        """A weight load took ``seconds``: ``balancer``'s move cost follows the measured average."""
+        self.reload_cost.observe(seconds)
+        if balancer is not None:
+            balancer.set_reassignment_cost_s(self.reload_cost.seconds)

@@ -83,7 +83,7 @@ from rolloutd.engines.protocol import (
 )
 from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
-from rolloutd.replica_rates import RateSettings, ReloadCost, ReplicaRates
+from rolloutd.replica_rates import BalancerFeed, RateSettings
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
 log = logging.getLogger(__name__)
@@ -251,9 +251,7 @@ class RolloutRouter:
         self._resolve = resolve_weights
         self._config = config or BalancerConfig()
         self._estimator = TokenEstimator()
-        self._rates = ReplicaRates(self._config.prior_tokens_per_s, rate_settings)
-        self._capacity = self._config.prior_tokens_per_s  # what the balancer counts each replica at
-        self._reload_cost = ReloadCost(self._config.reassignment_cost_s, rate_settings)
+        self._measured = BalancerFeed(self._config.prior_tokens_per_s, self._config.reassignment_cost_s, rate_settings)
         self._wanted: dict[str, WantedWeights] = {}
         self._balancer: HierarchicalBalancer | None = None
         self._agents: tuple[str, ...] = ()
@@ -288,7 +286,7 @@ class RolloutRouter:
 
     def delivered_tokens_per_s(self, replica_id: str) -> float:
         """A replica's own measured rate (tokens per busy second; the prior until measured)."""
-        return self._rates.tokens_per_s(replica_id)
+        return self._measured.rates.tokens_per_s(replica_id)
 
     def balancer(self) -> HierarchicalBalancer | None:
         """The current balancer (None before the first job)."""
@@ -514,7 +512,7 @@ class RolloutRouter:
                     specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
                     self._config, adapter_slots=slots)
                 if self._config.measured_rates:
-                    self._balancer.set_reassignment_cost_s(self._reload_cost.seconds)
+                    self._balancer.set_reassignment_cost_s(self._measured.reload_cost.seconds)
                 log.info("serving agents %s on %d replicas: %s", list(wanted), len(specs),
                          {s.replica_id: s.model_key for s in specs})
             finally:
@@ -668,42 +666,31 @@ class RolloutRouter:
         """Measures one generation on a replica serving ``model_key``: the body appends the tokens it delivered.
 
         A generation that raises is charged nothing; a replica serving another model is measured
-        afresh. The balancer counts every replica at their capacity (:meth:`ReplicaRates.capacity
-        <rolloutd.replica_rates.ReplicaRates.capacity>`), fed when it changed by more than 2 %.
+        afresh. The balancer counts every replica at their capacity (:class:`BalancerFeed
+        <rolloutd.replica_rates.BalancerFeed>`).
         """
         delivered: list[int] = []
         if not self._config.measured_rates:
             yield delivered
             return
-        rate = self._rates.of(replica_id)
-        if rate.model_key != model_key:
-            rate.restart(model_key, self._rates.prior_tokens_per_s)
-        mark = rate.begin(time.monotonic())
+        mark = self._measured.begin(replica_id, model_key, time.monotonic())
         try:
             yield delivered
         except BaseException:
-            rate.end(mark, time.monotonic(), None)
+            self._measured.end(replica_id, mark, time.monotonic(), None, self._balancer)
             raise
-        if not rate.end(mark, time.monotonic(), sum(delivered)):
-            return
-        capacity = self._rates.capacity(time.monotonic())
-        if abs(capacity - self._capacity) > 0.02 * self._capacity and self._balancer is not None:
-            self._capacity = capacity
-            for view in self._balancer.replicas():
-                self._balancer.set_replica_rate(view.replica_id, capacity)
+        self._measured.end(replica_id, mark, time.monotonic(), sum(delivered), self._balancer)
 
     def _reloaded(self, key: str, seconds: float) -> None:
         """A weight load from disk took ``seconds``: the balancer's move cost follows it (measured rates)."""
         if self._config.measured_rates:
-            self._reload_cost.observe(seconds)
-            if self._balancer is not None:
-                self._balancer.set_reassignment_cost_s(self._reload_cost.seconds)
+            self._measured.reloaded(seconds, self._balancer)
         if self._on_reload is not None:
             self._on_reload(key, seconds)
 
     def _assignment(self, replica_id: str, model_key: str) -> ReplicaAssignment:
         """A replica's place in a new balancer, at the replicas' measured capacity (the prior before one)."""
-        return ReplicaAssignment(replica_id, model_key, self._capacity)
+        return ReplicaAssignment(replica_id, model_key, self._measured.capacity)
 
     def _adapter_name(self, key: str, served: WantedWeights | None) -> str | None:
         """The adapter name a LoRA agent's request served with ``served`` carries (None: a full model's request).
@@ -827,8 +814,9 @@ class RolloutRouter:
         for move in moves:  # with what it was decided on
             view = balancer.replica(move.replica_id)
             log.info("moving replica %s from %s to %s (measured %.1f tokens/s, counted %.1f there; a load %.2fs)",
-                     move.replica_id, move.from_model_key, move.to_model_key, self._rates.tokens_per_s(move.replica_id),
-                     view.tokens_per_s if view is not None else 0.0, balancer.reassignment_cost_s)
+                     move.replica_id, move.from_model_key, move.to_model_key,
+                     self.delivered_tokens_per_s(move.replica_id), view.tokens_per_s if view is not None else 0.0,
+                     balancer.reassignment_cost_s)
         for move in balancer.replicas_awaiting_load():
             balancer.begin_load(move.replica_id)
             self._spawn(self._move(move.replica_id, move.to_model_key))

@@ -216,14 +216,14 @@ def test_each_balancer_decides_on_what_its_router_measures_unless_told_the_prior
     assert measured.run().state == "SUCCEEDED"
     load_s = devicemodel.weight_transfer_s(measured.profile)
     for process in measured.rolloutds:
-        assert process.rates is not None and not process.marks  # every generation begun was ended
+        assert process.measured is not None and not process.marks  # every generation begun was ended
         rates = {view.tokens_per_s for view in process.balancer.replicas()}
-        assert rates == {process.capacity} and process.capacity != 1000.0
+        assert rates == {process.measured.capacity} and process.measured.capacity != 1000.0
         assert math.isclose(process.balancer.reassignment_cost_s, load_s)
     priors = sim.Simulation("flexmarl", dataclasses.replace(settings, measured_rates=False),
                             make_workload(3, "long-tail"))
     assert priors.run().state == "SUCCEEDED"
     for process in priors.rolloutds:
-        assert process.rates is None
+        assert process.measured is None
         assert {view.tokens_per_s for view in process.balancer.replicas()} == {1000.0}
         assert process.balancer.reassignment_cost_s == 10.0
