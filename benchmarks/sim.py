@@ -182,10 +182,11 @@ class Simulation:
         self.job_id = "sim"
         self.planner.submit_job(self.job_id, spec)
         self.replicas = {f"r{i:04d}": _Replica(f"r{i:04d}") for i in range(settings.replicas)}
-        # As rolloutd/worker.py builds it: defaults but for the policy; only --hysteresis (an
-        # experiment) overrides a default.
+        # As rolloutd/worker.py builds it: defaults but for the policy and --balancer-measured-rates;
+        # only --hysteresis (an experiment) overrides a default.
         balancer_config = BalancerConfig(
-            rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.LEAST_TOKENS
+            rebalance_enabled=balancing == "hierarchical", routing=RoutingPolicy.LEAST_TOKENS,
+            measured_rates=settings.measured_rates,  # --balancer-measured-rates, as the worker passes it
         )
         if settings.hysteresis is not None:
             balancer_config = dataclasses.replace(balancer_config, hysteresis=settings.hysteresis)
