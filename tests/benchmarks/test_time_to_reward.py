@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import time_to_reward as ttr
+from benchmarks.reward_versions import JobVersionPoint
 from flexmarl import devicemodel
 from flexmarl.client import StepRecord
+from flexmarl.experience import ExperienceRecord, experience_id, group_id
+from stored.database import Database
+from stored.experiences import ExperienceStore
 
 TIME_SCALE = 0.5
 
@@ -64,12 +70,43 @@ def test_time_to_target_speedups_and_verdicts() -> None:
     assert ttr.speedup(runs, fast, "sequential") == pytest.approx(6.0)
     assert stale.target_point is None and ttr.speedup(runs, stale, "sync") != ttr.speedup(runs, stale, "sync")
     lines = ttr.verdicts(runs)
-    assert lines[0].startswith("signaling: best FlexMARL configuration flexmarl-partial-eta4")
+    assert lines[0].startswith("signaling (per training step): best FlexMARL configuration flexmarl-partial-eta4")
     assert ">= 3x sooner than sync on every seed: met (3.00x)" in lines[0]
     assert ">= 5x sooner than sequential on every seed: met (6.00x)" in lines[0]
     assert "final >= sync's - 0.02: met (1.000 vs 1.000)" in lines[0]
     table = ttr.table(runs)
     assert "flexmarl-partial-eta8" in table and "3.00x" in table
+    assert ttr.verdicts(runs, "version") == [
+        "signaling (per behaviour version): not measured (no stored experiences: sync s0, sequential s0, "
+        "flexmarl-partial-eta4 s0, flexmarl-partial-eta8 s0)"]
+
+
+def with_versions(run: ttr.RewardRun, windows: list[float], publish_s: float) -> ttr.RewardRun:
+    """``run`` with a per-version curve: version v published every ``publish_s`` modelled s after step 0's commit."""
+    start = run.curve[0].modelled_s
+    run.version_curve = [JobVersionPoint(start + publish_s * v, v, w, w) for v, w in enumerate(windows)]
+    return run
+
+
+def test_the_per_version_reading_has_its_own_targets_speedups_and_verdicts() -> None:
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    sync = with_versions(run_of("sync", rising, step_wall_s=3.0), [0.5, 0.8, 0.99, 1.0], 20.0)
+    sequential = with_versions(run_of("sequential", rising, step_wall_s=6.0), [0.5, 0.8, 0.99, 1.0], 40.0)
+    # per step it trails (the batches it trained on were stale); per version it reached sync's level 3x sooner
+    partial = with_versions(run_of("flexmarl-partial-eta4", [0.2] * 4 + rising, step_wall_s=2.0),
+                            [0.5, 0.7, 0.98, 0.99], 40.0 / 3)
+    runs = [sync, sequential, partial]
+    ttr.set_targets(runs, {"signaling": None})
+    assert partial.target == pytest.approx(sync.final_reward - 0.02)
+    assert partial.version_target == pytest.approx(0.98)  # sync's final per version - 0.02
+    assert sync.time_to("version") == pytest.approx(sync.curve[0].modelled_s + 40.0)
+    assert ttr.speedup(runs, partial, "sync", "version") == pytest.approx(1.5)
+    assert ttr.speedup(runs, partial, "sequential", "version") == pytest.approx(3.0)
+    [by_version] = ttr.verdicts(runs, "version")
+    assert by_version.startswith("signaling (per behaviour version): best FlexMARL configuration flexmarl-partial")
+    assert ">= 3x sooner than sync on every seed: MISSED (1.50x)" in by_version
+    assert "final >= sync's - 0.02: met (0.990 vs 1.000)" in by_version
+    assert ttr.speedup(runs, partial, "sync") != pytest.approx(1.5)  # the other reading is its own
 
 
 def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
@@ -85,13 +122,38 @@ def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
     assert "vs sequential: not run" in lines[0] and "machine-set runs (overrun > limit): flexmarl s0" in lines[0]
 
 
+def kept_stored(run_dir: Path, rewards: list[float]) -> None:
+    """A stored database as a kept run leaves it: per version v, two episodes of each agent returning
+    rewards[v] +- 0.05 (a: +, b: -), written 1 wall s after v's publish; one of a's resumed on version v + 1."""
+    db = Database(run_dir / "stored-data" / "stored.db")
+    try:
+        for version, reward in enumerate(rewards):
+            store = ExperienceStore(db, clock_ms=lambda v=version: int((1000.0 + 2.0 * v + 1.0) * 1000))
+            store.append([
+                ExperienceRecord(
+                    experience_id=experience_id(f"t{version}", sample, agent, 0), job_id="job", agent=agent,
+                    task_id=f"t{version}", group_id=group_id(f"t{version}", agent), sample_index=sample,
+                    episode_id=f"t{version}-{sample}", turn=0, behavior_version=version, reward=0.0,
+                    prompt_token_ids=np.arange(2, dtype=np.int32), response_token_ids=np.arange(4, dtype=np.int32),
+                    response_logprobs=-np.ones(4, dtype=np.float32), group_size=2,
+                    response_version_spans=np.array([[0, version], [2, version + 1]] if (agent, sample) == ("a", 1)
+                                                    and version == 0 else [], dtype=np.int32).reshape(-1, 2),
+                    episode_return=reward + (0.05 if agent == "a" else -0.05))
+                for agent in ("a", "b") for sample in (0, 1)
+            ])
+    finally:
+        db.close()
+
+
 def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
     run_dir = tmp_path / "signaling-sync-s0"
     (run_dir / "traces").mkdir(parents=True)
     profile = devicemodel.H100_SXM.with_changes(token_scale=128.0, time_scale=TIME_SCALE, train_devices_per_slot=1)
     (run_dir / "device.json").write_text(profile.to_json())
-    records = history([0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0], step_wall_s=2.0)
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0]
+    records = history(rising, step_wall_s=2.0)
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    kept_stored(run_dir, rising)
     traces = [{"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0},
               {"kind": "train", "start_s": 1001.0, "end_s": 1002.5, "modelled_s": 2.0, "overrun_s": 0.5}]
     (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(traces[0]) + "\n")
@@ -107,6 +169,29 @@ def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
     assert run.overrun_s == 0.5 and run.steady_overrun_s == 0.0  # the train record started before step 0's commit
     assert run.all_idle_share == pytest.approx(1.0 - 0.5 / 12.0)  # busy 1002-1002.5 of step 0's commit (1002)-1014
     assert len(run.step_bounds_s) == 7 and run.bound_s == pytest.approx(sum(run.step_bounds_s)) and run.bound_s > 0
+
+    # Per version: v is published by step v - 1's commit (a at 2 v - 0.5 wall s, b at 2 v; version 0 at 0). Both
+    # agents' 5-version means first exist at b's version 4 (16 modelled s): 0.69. At a's version 6 (23 s) a holds
+    # versions 2-6 (1.02) and b 1-5 (0.80): 0.91 >= 0.9, five modelled s before step 6's commit (28 s), the
+    # per-step reading's first. a's mixed experience of version 0 counts for version 1.
+    assert (run.experiences, run.mixed_experiences, run.returns_recorded) == (28, 1, 28)
+    assert [p.experiences for p in run.agent_versions["a"]] == [1, 3, 2, 2, 2, 2, 2]
+    assert run.agent_versions["b"][0].reward == pytest.approx(0.15)
+    assert run.version_curve[0].modelled_s == pytest.approx(0.0) and math.isnan(run.version_curve[0].window_reward)
+    point = run.version_target_point
+    assert point is not None and (point.modelled_s, point.version) == (pytest.approx(23.0), 5)
+    assert point.window_reward == pytest.approx((1.02 + (0.4 + 0.9 + 0.95 + 1.0 + 1.0) / 5 - 0.05) / 2)
+    assert run.after_step0("version") == pytest.approx(23.0 - 2.0 / TIME_SCALE)  # from step 0 (1002 wall s)
+    assert run.final("version") == pytest.approx(run.final_reward, abs=0.011)  # a's mixed one: versions 2-6 vs 2-6
+
+    out = tmp_path / "out"
+    assert ttr.main(["--reanalyse", str(tmp_path), "--target", "0.9", "--out", str(out), "--stem", "kept"]) == 0
+    data = json.loads((out / "kept.json").read_text())
+    [row] = data["runs"]
+    assert row["version_time_to_target_s"] == pytest.approx(23.0) and row["reward_source"] == "episode_return"
+    assert len(row["version_curve"]) == len(run.version_curve) and row["agent_versions"]["b"][6]["version"] == 6
+    assert "signaling (per behaviour version): best FlexMARL configuration" not in data["table"]  # no FlexMARL run
+    assert (out / "kept-signaling.png").stat().st_size > 0
 
 
 @pytest.mark.long
