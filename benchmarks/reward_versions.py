@@ -10,7 +10,9 @@ experiences a run's stored kept (``<run dir>/stored-data/stored.db``):
   weight updates is thus credited to the newest policy that wrote part of it, which drags that version's
   mean towards its older, worse predecessors: the rule that favours async least. ``exclude`` leaves such
   mixed experiences out instead (counted either way);
-* its reward is the agent's unshaped episode return where stored recorded one, else the turn's reward;
+* its reward is the agent's unshaped episode return where stored recorded one, else the turn's reward
+  (in a database from before stored kept spans and returns, every token is its behaviour version's and the
+  reward is the turn's);
 * per agent and version: the mean over its experiences, placed at the modelled time the version was
   published (its step's commit; version 0 at the first device work). "Time until the policy is this
   good" is the moment the job held weights this good, which is what stopping the job then would give;
@@ -103,8 +105,12 @@ def read_experiences(db_path: Path) -> list[VersionedExperience]:
         jobs = [row[0] for row in conn.execute("SELECT DISTINCT job_id FROM experiences")]
         if len(jobs) > 1:
             raise ValueError(f"{db_path}: experiences of {len(jobs)} jobs ({', '.join(sorted(jobs))}); expected one")
-        rows = conn.execute("SELECT agent, behavior_version, response_version_spans, reward, episode_return, "
-                            "created_unix_ms FROM experiences ORDER BY seq").fetchall()
+        columns = {str(row[1]) for row in conn.execute("PRAGMA table_info(experiences)")}
+        # a database from before stored added these columns (stored/database.py's _migrate) has neither
+        spans = "response_version_spans" if "response_version_spans" in columns else "x''"
+        episode_return = "episode_return" if "episode_return" in columns else "NULL"
+        rows = conn.execute(f"SELECT agent, behavior_version, {spans}, reward, {episode_return}, created_unix_ms "
+                            "FROM experiences ORDER BY seq").fetchall()
     finally:
         conn.close()
     return [experience_of(row) for row in rows]

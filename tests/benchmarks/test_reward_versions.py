@@ -4,6 +4,7 @@ a real stored database (no daemons)."""
 from __future__ import annotations
 
 import math
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from benchmarks import reward_versions as rv
 from flexmarl.experience import ExperienceRecord, experience_id, group_id
 from stored.database import Database
 from stored.experiences import ExperienceStore
+from tests.stored_support import EXPERIENCE_COLUMNS, old_experiences_db
 
 T0 = 1000.0
 TIME_SCALE = 0.5
@@ -107,3 +109,20 @@ def test_experiences_are_read_from_a_stored_database(tmp_path: Path) -> None:
         db.close()
     with pytest.raises(ValueError, match="experiences of 2 jobs"):
         rv.read_experiences(path)
+
+
+def test_a_database_from_before_version_spans_and_returns_is_read(tmp_path: Path) -> None:
+    # the signaling runs of 2026-12-05 were kept by a stored without either column
+    path = tmp_path / "stored.db"
+    old_experiences_db(path, "response_version_spans")
+    values = {name: 0 if "INTEGER" in kind or "REAL" in kind else (b"" if "BLOB" in kind else "x")
+              for name, kind in EXPERIENCE_COLUMNS[1:23]}
+    values.update(agent="bob", behavior_version=3, reward=0.5, created_unix_ms=2_000_000)
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute(f"INSERT INTO experiences ({', '.join(values)}) VALUES ({', '.join('?' * len(values))})",
+                     list(values.values()))
+    conn.close()
+    [old] = rv.read_experiences(path)
+    assert (old.agent, old.oldest_version, old.newest_version, old.reward, old.return_recorded) == (
+        "bob", 3, 3, 0.5, False)  # every token of its behaviour version; the turn's reward
