@@ -56,11 +56,12 @@ Two readings of the curve, side by side in the table, the JSON and the chart:
   reading: it compares the policies each schedule produced by a given time, not the batches it trained
   on; the per-step verdicts follow.
 
-No held-out evaluation. Writes ``<out>/time_to_reward.json`` and ``<out>/time_to_reward-<workload>.png``
-(5-step and 5-version mean reward against modelled seconds, one panel per reading, one colour per
-configuration, one line per run) and prints the table with the issue's verdicts (the best FlexMARL
-configuration >= 3x sooner than sync and >= 5x sooner than sequential on every seed, final reward >= sync's
-- 0.02), per reading.
+The runs' figures, both readings, targets, speedups and verdicts are ``benchmarks.reward_runs``'s; this
+module runs or reanalyses the jobs and reports them. No held-out evaluation. Writes
+``<out>/time_to_reward.json`` and ``<out>/time_to_reward-<workload>.png`` (5-step and 5-version mean
+reward against modelled seconds, one panel per reading, one colour per configuration, one line per run)
+and prints the table with the issue's verdicts (the best FlexMARL configuration >= 3x sooner than sync
+and >= 5x sooner than sequential on every seed, final reward >= sync's - 0.02), per reading.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -88,13 +89,21 @@ import yaml  # noqa: E402
 
 from benchmarks import run as bench  # noqa: E402
 from benchmarks.bound import AgentStepWork, device_work_bound  # noqa: E402
-from benchmarks.machine import OVERRUN_LIMIT, machine_set  # noqa: E402
+from benchmarks.machine import OVERRUN_LIMIT  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
+from benchmarks.reward_runs import (  # noqa: E402
+    READINGS,
+    WINDOW,
+    RewardRun,
+    reward_curve,
+    reward_source,
+    set_targets,
+    speedup,
+    verdicts,
+)
 from benchmarks.reward_versions import (  # noqa: E402
     MIXED_RULES,
-    JobVersionPoint,
     VersionedExperience,
-    VersionPoint,
     agent_version_curves,
     job_version_curve,
     published_times,
@@ -111,7 +120,6 @@ from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 log = logging.getLogger("benchmarks.time_to_reward")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WINDOW = 5  # steps in the moving mean the target is read on
 #: configuration label -> (benchmarks.run.CONFIGS name, max_staleness; None: the config's own)
 RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
     "sync": ("no-async", None),
@@ -121,15 +129,10 @@ RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
     "flexmarl-partial-eta4": ("flexmarl-partial", 4),
     "flexmarl-partial-eta8": ("flexmarl-partial", 8),
 }
-FLEXMARL_CONFIGS = ("flexmarl", "flexmarl-partial-eta4", "flexmarl-partial-eta8")
 #: The long-tail agents' learning rate (--long-tail-lr). benchmarks.run's 1e-4 (a step-time benchmark) barely
 #: moves this reward: sync seed 0 went 0.47 -> 0.56 in 30 steps, noise-sized, so "time to target" would time the
 #: noise; at 2e-3 sync reached a 5-step mean of 0.91 by step 14 (2026-12-06).
 LONG_TAIL_LR = 2.0e-3
-SPEEDUP_TARGETS = {"sync": 3.0, "sequential": 5.0}  # the best FlexMARL configuration's, on every seed
-FINAL_TOLERANCE = 0.02  # final reward no lower than sync's minus this
-#: the two readings of a run's curve, the speedups' first
-READINGS = {"version": "per behaviour version", "step": "per training step"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,154 +157,6 @@ WORKLOADS: dict[str, LearningWorkload] = {
     # solver "12+34=" (6 tokens), verifier "12+34=" + answer + "?" (~10): ~8 real tokens a turn
     "arithmetic": LearningWorkload("arithmetic", 60, 2, 2, 8.0, None, "examples/arithmetic/job.yaml"),
 }
-
-
-@dataclasses.dataclass
-class CurvePoint:
-    """One step every agent committed."""
-
-    step: int
-    modelled_s: float
-    reward: float  # mean over agents of the step's mean reward
-    window_reward: float  # mean of ``reward`` over this step and the WINDOW - 1 before it (nan before)
-
-
-class _Windowed(Protocol):
-    @property
-    def modelled_s(self) -> float: ...
-
-    @property
-    def window_reward(self) -> float: ...
-
-
-_P = TypeVar("_P", bound=_Windowed)
-
-
-@dataclasses.dataclass
-class RewardRun:
-    """One configuration, workload and seed."""
-
-    workload: str
-    config: str
-    seed: int
-    state: str
-    steps: int
-    curve: list[CurvePoint]
-    bound_s: float  # the device-work bound of every committed step, summed (modelled s)
-    bound_by: str
-    overrun_s: float  # engines' and trainers' real compute past their modelled time (wall s)
-    wall_s: float  # first device work to the last commit (wall s)
-    start_wall_s: float  # submit to the first device work (wall s; start-up, warm start)
-    step_bounds_s: list[float] = dataclasses.field(default_factory=list)
-    # the same after step 0's commit: step 0 holds every trainer's first micro-batch, whose real time is the
-    # DeepSpeed engine's construction (~8 wall s on this machine, in every configuration alike)
-    steady_overrun_s: float = float("nan")
-    steady_wall_s: float = float("nan")
-    # after step 0's commit, the share of wall time in which no engine and no trainer did modelled work: the
-    # daemons' own real work between device work (polls, commits, publishes, reload requests), 1 / time_scale
-    # enlarged in modelled time, which the overrun does not count
-    all_idle_share: float = float("nan")
-    target: float = float("nan")
-    staleness_mean: float = float("nan")
-    # the per-version reading (benchmarks.reward_versions): the job's curve, each agent's, its target
-    version_curve: list[JobVersionPoint] = dataclasses.field(default_factory=list)
-    agent_versions: dict[str, list[VersionPoint]] = dataclasses.field(default_factory=dict)
-    version_target: float = float("nan")
-    experiences: int = 0  # stored's experiences of the run
-    mixed_experiences: int = 0  # of them generated by more than one version (partial rollouts)
-    returns_recorded: int = 0  # of them with an unshaped episode return (the others count their reward)
-    mixed_rule: str = "newest"
-
-    @property
-    def overrun_share(self) -> float:
-        """Overrun wall seconds over the run's wall seconds."""
-        return self.overrun_s / self.wall_s if self.wall_s > 0 else float("nan")
-
-    @property
-    def steady_overrun_share(self) -> float:
-        """Overrun wall seconds after step 0 over the wall seconds after step 0."""
-        return self.steady_overrun_s / self.steady_wall_s if self.steady_wall_s > 0 else float("nan")
-
-    @property
-    def machine_set(self) -> bool:
-        """Whether the overrun after step 0 says the machine, not the device model, set the time."""
-        return machine_set(self.steady_overrun_share)
-
-    def reading(self, by: str) -> tuple[Sequence[_Windowed], float]:
-        """The curve and target of one reading ("step" or "version")."""
-        return (self.curve, self.target) if by == "step" else (self.version_curve, self.version_target)
-
-    def final(self, by: str) -> float:
-        """The moving-mean reward at the reading's last point."""
-        curve, _ = self.reading(by)
-        return curve[-1].window_reward if curve else float("nan")
-
-    def time_to(self, by: str) -> float:
-        """Modelled seconds to the reading's target (nan: not reached)."""
-        point = first_reaching(*self.reading(by))
-        return point.modelled_s if point is not None else float("nan")
-
-    def after_step0(self, by: str) -> float:
-        """Modelled seconds from step 0's commit to the reading's target (both readings count from there)."""
-        return self.time_to(by) - self.curve[0].modelled_s if self.curve else float("nan")
-
-    @property
-    def version_target_point(self) -> JobVersionPoint | None:
-        """The first publish at which the job's 5-version mean reward reaches the target."""
-        return first_reaching(self.version_curve, self.version_target)
-
-    @property
-    def final_reward(self) -> float:
-        """The 5-step mean reward at the last step."""
-        return self.final("step")
-
-    @property
-    def target_point(self) -> CurvePoint | None:
-        """The first step whose 5-step mean reward reaches the target."""
-        return first_reaching(self.curve, self.target)
-
-    @property
-    def time_to_target_s(self) -> float:
-        """Modelled seconds to the target (nan: not reached)."""
-        point = self.target_point
-        return point.modelled_s if point is not None else float("nan")
-
-    @property
-    def after_step0_s(self) -> float:
-        """Modelled seconds from step 0's commit to the target: start-up (engine and DeepSpeed construction,
-        real CPU time at 1 / time_scale) left out, which is the same in every configuration."""
-        return self.time_to_target_s - self.curve[0].modelled_s if self.curve else float("nan")
-
-    @property
-    def bound_to_target_s(self) -> float:
-        """The device-work bound of the steps up to the target step."""
-        point = self.target_point
-        if point is None or not self.step_bounds_s:
-            return float("nan")
-        return sum(self.step_bounds_s[: point.step + 1])
-
-
-def reward_curve(history: Sequence[Any], agents: int, t0_wall_s: float, time_scale: float) -> list[CurvePoint]:
-    """Per step all ``agents`` committed: mean reward over agents, modelled s since ``t0_wall_s``, moving mean."""
-    rewards: dict[int, list[float]] = {}
-    done_at: dict[int, float] = {}
-    for record in history:
-        rewards.setdefault(record.step, []).append(record.reward_mean)
-        done_at[record.step] = max(done_at.get(record.step, 0.0), record.committed_unix_ms / 1000.0)
-    points: list[CurvePoint] = []
-    for step in sorted(step for step, values in rewards.items() if len(values) == agents):
-        reward = statistics.fmean(rewards[step])
-        recent = [p.reward for p in points[-(WINDOW - 1):]] + [reward]
-        window = statistics.fmean(recent) if len(recent) == WINDOW else float("nan")
-        points.append(CurvePoint(step, (done_at[step] - t0_wall_s) / time_scale, reward, window))
-    return points
-
-
-def first_reaching(curve: Sequence[_P], target: float) -> _P | None:
-    """The first point whose moving-mean reward is >= target (None: never, or no target)."""
-    if math.isnan(target):
-        return None
-    return next((p for p in curve if p.window_reward >= target), None)
 
 
 def run_bounds(
@@ -481,30 +336,6 @@ def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardR
     return runs
 
 
-def set_targets(runs: Sequence[RewardRun], fixed: Mapping[str, float | None]) -> None:
-    """Each run's targets: the workload's fixed one, else the same seed's sync run's final reward - tolerance
-    on the same reading."""
-    for by in READINGS:
-        sync_final = {(r.workload, r.seed): r.final(by) for r in runs if r.config == "sync"}
-        for run in runs:
-            target = fixed.get(run.workload)
-            if target is None:
-                target = sync_final.get((run.workload, run.seed), float("nan")) - FINAL_TOLERANCE
-            if by == "step":
-                run.target = target
-            else:
-                run.version_target = target
-
-
-def speedup(runs: Sequence[RewardRun], run: RewardRun, baseline: str, by: str = "step") -> float:
-    """How many times sooner ``run`` reached the target than the same seed's ``baseline`` run (after step 0),
-    on reading ``by``."""
-    base = next((r for r in runs if (r.workload, r.seed, r.config) == (run.workload, run.seed, baseline)), None)
-    if base is None or math.isnan(base.after_step0(by)) or not run.after_step0(by) > 0:
-        return float("nan")
-    return base.after_step0(by) / run.after_step0(by)
-
-
 def table(runs: Sequence[RewardRun]) -> str:
     """The per-run table."""
     columns = [
@@ -572,54 +403,6 @@ def table(runs: Sequence[RewardRun]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
-    """Per workload, on reading ``by``: the best FlexMARL configuration and the issue's three targets (met,
-    missed, not run)."""
-    lines = []
-    for workload in dict.fromkeys(r.workload for r in runs):
-        mine = [r for r in runs if r.workload == workload]
-        seeds = sorted({r.seed for r in mine})
-
-        def mean_time(config: str, mine: list[RewardRun] = mine) -> float:
-            times = [r.time_to(by) for r in mine if r.config == config]
-            return statistics.fmean(times) if times and not any(math.isnan(t) for t in times) else math.inf
-
-        candidates = [c for c in FLEXMARL_CONFIGS if any(r.config == c for r in mine)]
-        if not candidates:
-            continue
-        unread = [f"{r.config} s{r.seed}" for r in mine if by == "version" and not r.version_curve]
-        if unread:
-            lines.append(f"{workload} ({READINGS[by]}): not measured (no stored experiences: {', '.join(unread)})")
-            continue
-        best = min(candidates, key=mean_time)
-        parts = [f"{workload} ({READINGS[by]}): best FlexMARL configuration {best} (mean time to target over seeds "
-                 f"{seeds})"]
-        for baseline, factor in SPEEDUP_TARGETS.items():
-            ratios = [speedup(runs, r, baseline, by) for r in mine if r.config == best]
-            if not any(r.config == baseline for r in mine):
-                parts.append(f"vs {baseline}: not run")
-                continue
-            met = ratios and all(x >= factor for x in ratios)
-            shown = ", ".join("nan" if math.isnan(x) else f"{x:.2f}x" for x in ratios)
-            parts.append(f">= {factor:g}x sooner than {baseline} on every seed: {'met' if met else 'MISSED'} ({shown})")
-        finals = []
-        for r in mine:
-            if r.config != best:
-                continue
-            sync = next((s for s in mine if s.config == "sync" and s.seed == r.seed), None)
-            if sync is not None:
-                finals.append((r.final(by), sync.final(by)))
-        if finals:
-            met = all(f >= s - FINAL_TOLERANCE for f, s in finals)
-            shown = ", ".join(f"{f:.3f} vs {s:.3f}" for f, s in finals)
-            parts.append(f"final >= sync's - {FINAL_TOLERANCE}: {'met' if met else 'MISSED'} ({shown})")
-        machine_set = [f"{r.config} s{r.seed}" for r in mine if r.machine_set]
-        if machine_set:
-            parts.append("machine-set runs (overrun > limit): " + ", ".join(machine_set))
-        lines.append("; ".join(parts))
-    return lines
-
-
 def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
     """Moving-mean reward against modelled seconds, one panel per reading: a colour per configuration, a line
     style per run of it."""
@@ -652,15 +435,6 @@ def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def reward_source(run: RewardRun) -> str:
-    """What the per-version reading scored: the unshaped episode return, the turn's reward, or a mix."""
-    if run.returns_recorded == run.experiences:
-        return "episode_return"
-    if not run.returns_recorded:
-        return "reward"
-    return f"episode_return where recorded ({run.returns_recorded} of {run.experiences}), else reward"
 
 
 def payload(runs: Sequence[RewardRun], args: argparse.Namespace, report: str, load: Sequence[float]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""benchmarks.time_to_reward: the curve, the target, the speedups and the verdicts from step records (no cluster);
-the whole benchmark on a real cluster is a ``long`` test."""
+"""benchmarks.time_to_reward and benchmarks.reward_runs: the curves, the targets, the speedups and the verdicts
+from step records and kept runs (no cluster); the whole benchmark on a real cluster is a ``long`` test."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import reward_runs as rr
 from benchmarks import time_to_reward as ttr
 from benchmarks.reward_versions import JobVersionPoint
 from flexmarl import devicemodel
@@ -37,9 +38,9 @@ def history(rewards: list[float], step_wall_s: float, t0: float = 1000.0) -> lis
     return out
 
 
-def run_of(config: str, rewards: list[float], step_wall_s: float, seed: int = 0) -> ttr.RewardRun:
-    curve = ttr.reward_curve(history(rewards, step_wall_s), 2, 1000.0, TIME_SCALE)
-    return ttr.RewardRun("signaling", config, seed, "SUCCEEDED", len(curve), curve, bound_s=1.0, bound_by="train",
+def run_of(config: str, rewards: list[float], step_wall_s: float, seed: int = 0) -> rr.RewardRun:
+    curve = rr.reward_curve(history(rewards, step_wall_s), 2, 1000.0, TIME_SCALE)
+    return rr.RewardRun("signaling", config, seed, "SUCCEEDED", len(curve), curve, bound_s=1.0, bound_by="train",
                          overrun_s=0.0, wall_s=100.0, start_wall_s=0.0, steady_overrun_s=0.0,
                          steady_wall_s=90.0)
 
@@ -47,7 +48,7 @@ def run_of(config: str, rewards: list[float], step_wall_s: float, seed: int = 0)
 def test_the_curve_is_the_mean_over_agents_at_the_last_commit_in_modelled_seconds() -> None:
     records = history([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], step_wall_s=2.0)
     records.append(record("a", 6, 1.0, 1020.0))  # step 6: only one agent committed, not a point
-    curve = ttr.reward_curve(records, 2, 1000.0, TIME_SCALE)
+    curve = rr.reward_curve(records, 2, 1000.0, TIME_SCALE)
     assert [p.step for p in curve] == [0, 1, 2, 3, 4, 5]
     assert [p.reward for p in curve] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
     assert [p.modelled_s for p in curve] == pytest.approx([4.0, 8.0, 12.0, 16.0, 20.0, 24.0])  # 2 wall s / 0.5
@@ -62,26 +63,26 @@ def test_time_to_target_speedups_and_verdicts() -> None:
     fast = run_of("flexmarl-partial-eta4", rising, step_wall_s=1.0)
     stale = run_of("flexmarl-partial-eta8", [0.2] * 10, step_wall_s=0.5)  # faster steps, never learns
     runs = [sync, sequential, fast, stale]
-    ttr.set_targets(runs, {"signaling": 0.9})
+    rr.set_targets(runs, {"signaling": 0.9})
     # 5-step means: steps 0-4 0.69, 1-5 0.85, 2-6 0.97: first reached at step 6 (the 7th commit)
     assert sync.target_point is not None and sync.target_point.step == 6
     assert sync.time_to_target_s == pytest.approx(7 * 3.0 / TIME_SCALE)
-    assert ttr.speedup(runs, fast, "sync") == pytest.approx(3.0)
-    assert ttr.speedup(runs, fast, "sequential") == pytest.approx(6.0)
-    assert stale.target_point is None and ttr.speedup(runs, stale, "sync") != ttr.speedup(runs, stale, "sync")
-    lines = ttr.verdicts(runs)
+    assert rr.speedup(runs, fast, "sync") == pytest.approx(3.0)
+    assert rr.speedup(runs, fast, "sequential") == pytest.approx(6.0)
+    assert stale.target_point is None and rr.speedup(runs, stale, "sync") != rr.speedup(runs, stale, "sync")
+    lines = rr.verdicts(runs)
     assert lines[0].startswith("signaling (per training step): best FlexMARL configuration flexmarl-partial-eta4")
     assert ">= 3x sooner than sync on every seed: met (3.00x)" in lines[0]
     assert ">= 5x sooner than sequential on every seed: met (6.00x)" in lines[0]
     assert "final >= sync's - 0.02: met (1.000 vs 1.000)" in lines[0]
     table = ttr.table(runs)
     assert "flexmarl-partial-eta8" in table and "3.00x" in table
-    assert ttr.verdicts(runs, "version") == [
+    assert rr.verdicts(runs, "version") == [
         "signaling (per behaviour version): not measured (no stored experiences: sync s0, sequential s0, "
         "flexmarl-partial-eta4 s0, flexmarl-partial-eta8 s0)"]
 
 
-def with_versions(run: ttr.RewardRun, windows: list[float], publish_s: float) -> ttr.RewardRun:
+def with_versions(run: rr.RewardRun, windows: list[float], publish_s: float) -> rr.RewardRun:
     """``run`` with a per-version curve: version v published every ``publish_s`` modelled s after step 0's commit."""
     start = run.curve[0].modelled_s
     run.version_curve = [JobVersionPoint(start + publish_s * v, v, w, w) for v, w in enumerate(windows)]
@@ -96,17 +97,17 @@ def test_the_per_version_reading_has_its_own_targets_speedups_and_verdicts() -> 
     partial = with_versions(run_of("flexmarl-partial-eta4", [0.2] * 4 + rising, step_wall_s=2.0),
                             [0.5, 0.7, 0.98, 0.99], 40.0 / 3)
     runs = [sync, sequential, partial]
-    ttr.set_targets(runs, {"signaling": None})
+    rr.set_targets(runs, {"signaling": None})
     assert partial.target == pytest.approx(sync.final_reward - 0.02)
     assert partial.version_target == pytest.approx(0.98)  # sync's final per version - 0.02
     assert sync.time_to("version") == pytest.approx(sync.curve[0].modelled_s + 40.0)
-    assert ttr.speedup(runs, partial, "sync", "version") == pytest.approx(1.5)
-    assert ttr.speedup(runs, partial, "sequential", "version") == pytest.approx(3.0)
-    [by_version] = ttr.verdicts(runs, "version")
+    assert rr.speedup(runs, partial, "sync", "version") == pytest.approx(1.5)
+    assert rr.speedup(runs, partial, "sequential", "version") == pytest.approx(3.0)
+    [by_version] = rr.verdicts(runs, "version")
     assert by_version.startswith("signaling (per behaviour version): best FlexMARL configuration flexmarl-partial")
     assert ">= 3x sooner than sync on every seed: MISSED (1.50x)" in by_version
     assert "final >= sync's - 0.02: met (0.990 vs 1.000)" in by_version
-    assert ttr.speedup(runs, partial, "sync") != pytest.approx(1.5)  # the other reading is its own
+    assert rr.speedup(runs, partial, "sync") != pytest.approx(1.5)  # the other reading is its own
 
 
 def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
@@ -114,11 +115,11 @@ def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
     flex = run_of("flexmarl", [0.3, 0.4, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5], step_wall_s=1.0)
     flex.overrun_s = flex.steady_overrun_s = 6.0  # 6.7 % of its 90 wall s after step 0
     runs = [sync, flex]
-    ttr.set_targets(runs, {"signaling": None})
+    rr.set_targets(runs, {"signaling": None})
     assert flex.target == pytest.approx(0.48)
     assert flex.machine_set and not sync.machine_set
     assert "machine-set (overrun)" in ttr.table(runs)
-    lines = ttr.verdicts(runs)
+    lines = rr.verdicts(runs)
     assert "vs sequential: not run" in lines[0] and "machine-set runs (overrun > limit): flexmarl s0" in lines[0]
 
 
@@ -162,7 +163,7 @@ def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
                                                   "state": "SUCCEEDED", "agents": 2, "submitted_s": 990.0,
                                                   "replicas": 2, "slots": 2}))
     [run] = ttr.reanalyse([tmp_path])
-    ttr.set_targets([run], {"signaling": 0.9})
+    rr.set_targets([run], {"signaling": 0.9})
     assert (run.config, run.steps, run.start_wall_s) == ("sync", 7, 10.0)
     assert run.target_point is not None and run.target_point.step == 6
     assert run.time_to_target_s == pytest.approx(14.0 / TIME_SCALE)
