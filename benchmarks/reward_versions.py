@@ -102,7 +102,12 @@ def read_experiences(db_path: Path) -> list[VersionedExperience]:
     """
     if not db_path.exists():
         return []
-    conn = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
+    wal = db_path.with_name(db_path.name + "-wal")
+    # A stored that closed cleanly left no write-ahead log: read the file as immutable, which (unlike
+    # mode=ro on a WAL database) creates no -wal and -shm files beside a kept run. Only a log with
+    # content (stored killed) needs SQLite's read-only WAL access, which creates them.
+    mode = "mode=ro" if wal.exists() and wal.stat().st_size else "immutable=1"
+    conn = sqlite3.connect(f"{db_path.resolve().as_uri()}?{mode}", uri=True)
     try:
         jobs = [row[0] for row in conn.execute("SELECT DISTINCT job_id FROM experiences")]
         if len(jobs) > 1:

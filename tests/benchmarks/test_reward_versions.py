@@ -96,6 +96,7 @@ def test_experiences_are_read_from_a_stored_database(tmp_path: Path) -> None:
     finally:
         db.close()
     plain, mixed = rv.read_experiences(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stored.db"]  # reading left no -wal or -shm beside it
     assert (plain.agent, plain.oldest_version, plain.newest_version, plain.reward, plain.mixed) == (
         "alice", 1, 1, 0.75, False)  # the episode return, not the trained reward
     assert (mixed.oldest_version, mixed.newest_version, mixed.reward, mixed.mixed) == (1, 4, 0.5, True)
