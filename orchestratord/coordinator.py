@@ -28,7 +28,7 @@ from flexmarl.connections import PeerConnections
 from flexmarl.engine_limits import EngineLimits, unservable
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, NotFound, Unavailable
 from flexmarl.evaluation import EvalEpisode, EvalRecord
-from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary
+from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary, FailedEpisode
 from flexmarl.ids import StepRef
 from flexmarl.jobspec import EvaluationSpec, JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
@@ -781,11 +781,15 @@ class JobCoordinator:
     async def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                           experiences: Sequence[ExperienceSummary],
                           reason: ErrorReason = ErrorReason.UNSPECIFIED,
-                          eval_episodes: Sequence[EvalEpisode] = ()) -> None:
-        """A task (or an eval task: ``eval_episodes``) finished or failed."""
+                          eval_episodes: Sequence[EvalEpisode] = (),
+                          failed_episodes: Sequence[FailedEpisode] = ()) -> None:
+        """A task (or an eval task: ``eval_episodes``) finished or failed (``failed_episodes``: those dropped)."""
         await self.mutate(lambda: self.planner.report_rollout_task(lease_id, worker_id, task_id, succeeded, error,
-                                                                   experiences, reason, eval_episodes))
-        self._metrics.tasks_reported.labels("ok" if succeeded else "failed").inc()
+                                                                   experiences, reason, eval_episodes,
+                                                                   failed_episodes))
+        given_up = not succeeded and reason is ErrorReason.EPISODES_FAILED
+        self._metrics.tasks_reported.labels("ok" if succeeded else "given_up" if given_up else "failed").inc()
+        self._metrics.episodes_failed.inc(len(failed_episodes))
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],
                                 wait_ms: int, dp_address: str = "") -> TrainerWork | None:

@@ -16,7 +16,11 @@ class OrchestratorMetrics:
         self.tasks_leased = Counter("flexmarl_orchestratord_rollout_tasks_leased_total",
                                     "Rollout task leases issued (re-issues included).", registry=registry)
         self.tasks_reported = Counter("flexmarl_orchestratord_rollout_tasks_reported_total",
-                                      "Rollout task reports, by outcome.", ["outcome"], registry=registry)
+                                      "Rollout task reports, by outcome (ok, failed: re-issued, given_up: too few "
+                                      "episodes left after their rewards failed).", ["outcome"], registry=registry)
+        self.episodes_failed = Counter("flexmarl_orchestratord_episodes_failed_total",
+                                       "Episodes dropped from their tasks because their reward failed (raised, "
+                                       "timed out, gave no finite number).", registry=registry)
         self.micro_batches_acked = Counter("flexmarl_orchestratord_micro_batches_acked_total",
                                            "Micro-batches whose gradients were accumulated.", registry=registry)
         self.steps_committed = Counter("flexmarl_orchestratord_steps_committed_total",

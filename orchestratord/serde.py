@@ -12,7 +12,7 @@ from typing import Any
 from flexmarl import weight_group
 from flexmarl.errors import InvalidArgument
 from flexmarl.evaluation import EvalEpisode, EvalRecord
-from flexmarl.experience import ExperienceSummary
+from flexmarl.experience import ExperienceSummary, FailedEpisode
 from flexmarl.v1 import common_pb2, orchestrator_pb2, rollout_pb2
 from flexmarl.weight_group import WeightGroupRecord
 from orchestratord.binding import DataParallelGroup
@@ -64,6 +64,9 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
         spec_digest=snap.spec_digest,
         tasks_done=snap.tasks_done,
         tasks_total=snap.tasks_total,
+        episodes_failed=snap.episodes_failed,
+        tasks_given_up=snap.tasks_given_up,
+        last_episode_failure=snap.last_episode_failure,
     )
 
 
@@ -111,6 +114,11 @@ def experience_summaries(msgs: Iterable[orchestrator_pb2.ExperienceSummary]) -> 
                           m.episode_return if m.HasField("episode_return") else None)
         for m in msgs
     ]
+
+
+def failed_episodes(msgs: Iterable[orchestrator_pb2.FailedEpisode]) -> list[FailedEpisode]:
+    """A task's reported failed episodes (reasons cut to 1000 characters; the planner checks the indices)."""
+    return [FailedEpisode(m.sample_index, m.reason[:1000]) for m in msgs]
 
 
 def eval_episodes(msgs: Iterable[orchestrator_pb2.EvalEpisode]) -> list[EvalEpisode]:

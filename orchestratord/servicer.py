@@ -191,11 +191,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument(f"experiences: more than {MAX_REPORTED_EXPERIENCES}")
         if len(request.eval_episodes) > MAX_REPORTED_EXPERIENCES:
             raise InvalidArgument(f"eval_episodes: more than {MAX_REPORTED_EXPERIENCES}")
+        if len(request.failed_episodes) > MAX_REPORTED_EXPERIENCES:
+            raise InvalidArgument(f"failed_episodes: more than {MAX_REPORTED_EXPERIENCES}")
         await self._coordinator.report_task(
             require_id("lease_id", request.lease_id), require_id("worker_id", request.worker_id),
             require_id("task_id", request.task_id), request.succeeded, request.error[:4096],
             serde.experience_summaries(request.experiences), ErrorReason.parse(request.reason),
-            serde.eval_episodes(request.eval_episodes),
+            serde.eval_episodes(request.eval_episodes), serde.failed_episodes(request.failed_episodes),
         )
         return orchestrator_pb2.ReportRolloutTaskResponse()
 

@@ -23,6 +23,9 @@ class RolloutMetrics:
         self.tokens = Counter("flexmarl_rolloutd_generated_tokens_total", "Response tokens generated, by agent.",
                               ["agent"], registry=registry)
         self.episodes = Counter("flexmarl_rolloutd_episodes_total", "Episodes finished.", registry=registry)
+        self.episodes_failed = Counter("flexmarl_rolloutd_episodes_failed_total",
+                                       "Episodes dropped because their reward failed (raised, timed out, gave no "
+                                       "finite number).", registry=registry)
         self.engine_restarts = Counter("flexmarl_rolloutd_engine_restarts_total",
                                        "Launched engine replicas relaunched after their process exited.",
                                        registry=registry)

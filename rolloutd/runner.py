@@ -14,9 +14,14 @@ Every request carries an affinity key (:func:`rolloutd.balancer.episode_affinity
 the group key for a coalesced request) so the balancer keeps an episode's turns on the
 replica that holds its KV prefix.
 
-A group is all-or-nothing: if any episode fails (an exception in user code or in the
-backend), the result carries the errors and no experiences; the orchestrator retries the
-task.
+An episode whose reward fails (:class:`flexmarl.rewards.RewardFailed`: the reward function
+raised, ran past its time limit or gave no finite number) is dropped with its reason, and the
+group's other episodes play on: the result carries their experiences and the dropped episodes
+(:class:`flexmarl.experience.FailedEpisode`), or, when fewer than
+:func:`flexmarl.experience.min_episodes_to_train` are left, no experiences and ``given_up``
+(orchestratord gives the task up instead of re-issuing it). Any other failure (an exception in
+user code or in the backend) fails the whole group: the result carries the errors and no
+experiences, and the orchestrator re-issues the task.
 
 :meth:`RolloutRunner.evaluate` plays a held-out evaluation task the same way
 (``Environment.eval_task``; greedy: every turn at temperature 0) and returns each episode's
@@ -50,7 +55,15 @@ from flexmarl.episode import (
 )
 from flexmarl.errors import DataLoss, InvalidArgument
 from flexmarl.evaluation import EvalEpisode, role_correct_note, team_success_note
-from flexmarl.experience import ExperienceRecord, experience_id, group_id, version_spans_array
+from flexmarl.experience import (
+    ExperienceRecord,
+    FailedEpisode,
+    experience_id,
+    group_id,
+    min_episodes_to_train,
+    version_spans_array,
+)
+from flexmarl.rewards import RewardFailed
 from rolloutd.balancer import episode_affinity_key, group_affinity_key
 
 logger = logging.getLogger(__name__)
@@ -137,15 +150,25 @@ class EpisodeError:
     error_type: str
     message: str
     traceback: str
+    #: The episode's reward failed (:class:`flexmarl.rewards.RewardFailed`): it alone is dropped.
+    reward: bool = False
+
+
+#: The longest reason a dropped episode is reported with.
+MAX_FAILURE_REASON_CHARS = 500
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutResult:
-    """Outcome of one task: experiences when every episode succeeded, else the errors.
+    """Outcome of one task: the experiences of its episodes, those dropped as their reward failed, or the errors.
 
-    ``returns[i][agent]`` is the episode return of ``agent`` in sample i (successful
-    episodes only); ``coalesced_requests`` counts backend calls that coalesced first turns of
-    several episodes (an episode's own ``generate_n`` call is not one).
+    ``errors``: failures that fail the whole task (it is re-issued); no experiences then.
+    ``failed_episodes``: episodes whose reward failed, dropped; the others' experiences are
+    ``experiences``, or none and ``given_up`` when fewer than
+    :func:`flexmarl.experience.min_episodes_to_train` are left. ``returns[i][agent]`` is the
+    episode return of ``agent`` in sample i (successful episodes only); ``coalesced_requests``
+    counts backend calls that coalesced first turns of several episodes (an episode's own
+    ``generate_n`` call is not one).
     """
 
     task_id: str
@@ -154,11 +177,13 @@ class RolloutResult:
     returns: Mapping[int, Mapping[str, float]]
     backend_calls: int
     coalesced_requests: int
+    failed_episodes: tuple[FailedEpisode, ...] = ()
+    given_up: bool = False
 
     @property
     def ok(self) -> bool:
-        """True when the whole group succeeded."""
-        return not self.errors
+        """True when the task has experiences to train on (every episode, or enough of them)."""
+        return not self.errors and not self.given_up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +316,11 @@ class _EpisodeOutcome:
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _fails_group(error: EpisodeError | None) -> bool:
+    """Whether an episode's error fails its whole group (anything but its reward failing)."""
+    return error is not None and not error.reward
+
+
 def turn_returns(rewards: Sequence[float], gamma: float) -> list[float]:
     """Discounted returns of an agent's turns: ``G_k = r_k + gamma * G_{k+1}`` (the last turn's is its reward)."""
     out = [0.0] * len(rewards)
@@ -347,16 +377,28 @@ class RolloutRunner:
         backend = _CountingBackend(self._backend, task_input.progress)
         outcomes, errors = await self._play_group(task_input, task, backend)
         returns = {i: o.returns for i, o in outcomes.items() if o.error is None}
-        if errors:
-            logger.warning("task %s failed: %s", task_input.task_id, errors[0].message)
-            return RolloutResult(task_input.task_id, (), errors, returns, backend.calls, backend.coalesced)
+        fatal = tuple(error for error in errors if not error.reward)
+        if fatal:
+            logger.warning("task %s failed: %s", task_input.task_id, fatal[0].message)
+            return RolloutResult(task_input.task_id, (), fatal, returns, backend.calls, backend.coalesced)
+        dropped = tuple(FailedEpisode(error.sample_index, error.message[:MAX_FAILURE_REASON_CHARS])
+                        for error in errors)
+        survivors = {i: outcome for i, outcome in outcomes.items() if outcome.error is None}
+        if dropped:
+            logger.warning("task %s: dropping %d of %d episodes, their reward failed (episode %d: %s)",
+                           task_input.task_id, len(dropped), task_input.group_size, dropped[0].sample_index,
+                           dropped[0].reason)
+        if len(survivors) < min_episodes_to_train(task_input.group_size):
+            return RolloutResult(task_input.task_id, (), (), returns, backend.calls, backend.coalesced,
+                                 failed_episodes=dropped, given_up=True)
         try:
-            experiences = self._experiences(task_input, task, outcomes)
+            experiences = self._experiences(task_input, task, survivors)
         except Exception as exc:  # the environment's shape_reward is user code too
             error = EpisodeError(-1, type(exc).__name__, str(exc), traceback.format_exc())
             logger.warning("task %s failed: %s", task_input.task_id, error.message)
             return RolloutResult(task_input.task_id, (), (error,), returns, backend.calls, backend.coalesced)
-        return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced)
+        return RolloutResult(task_input.task_id, experiences, (), returns, backend.calls, backend.coalesced,
+                             failed_episodes=dropped)
 
     async def evaluate(self, task_input: RolloutTaskInput, greedy: bool) -> EvaluationResult:
         """Plays ``group_size`` episodes of held-out task ``task_index`` (``Environment.eval_task``); no experiences.
@@ -394,7 +436,7 @@ class RolloutRunner:
             pending: set[asyncio.Task[_EpisodeOutcome]] = set(episodes)
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if self._fail_fast and any(t.result().error is not None for t in done):
+                if self._fail_fast and any(_fails_group(t.result().error) for t in done):
                     break
         finally:
             for episode in episodes:
@@ -445,6 +487,9 @@ class RolloutRunner:
         )
         try:
             await self._env.episode(ctx, task)
+        except RewardFailed as exc:  # this episode is dropped; the group's others play on
+            error = EpisodeError(sample_index, type(exc).__name__, str(exc), traceback.format_exc(), reward=True)
+            return _EpisodeOutcome(ctx.turns(), ctx.returns(), error)
         except Exception as exc:  # user code must never take the daemon down
             error = EpisodeError(sample_index, type(exc).__name__, str(exc), traceback.format_exc())
             return _EpisodeOutcome(ctx.turns(), ctx.returns(), error)

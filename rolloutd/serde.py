@@ -104,6 +104,8 @@ def report_request(worker_id: str, report: TaskReport) -> orchestrator_pb2.Repor
         error=report.error[:MAX_REPORT_ERROR_CHARS],
         experiences=[experience_summary(e) for e in report.experiences], reason=str(report.reason),
         eval_episodes=[eval_episode(e) for e in report.eval_episodes],
+        failed_episodes=[orchestrator_pb2.FailedEpisode(sample_index=f.sample_index, reason=f.reason)
+                         for f in report.failed_episodes],
     )
 
 

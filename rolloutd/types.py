@@ -10,7 +10,7 @@ import dataclasses
 
 from flexmarl.errors import ErrorReason
 from flexmarl.evaluation import EvalEpisode
-from flexmarl.experience import ExperienceSummary
+from flexmarl.experience import ExperienceSummary, FailedEpisode
 from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.weight_group import WeightGroupRecord
 
@@ -100,6 +100,8 @@ class TaskReport:
     reason: ErrorReason = ErrorReason.UNSPECIFIED
     #: An eval task's episodes (its experiences stay empty: nothing of it is stored).
     eval_episodes: tuple[EvalEpisode, ...] = ()
+    #: Episodes dropped as their reward failed (none of their experiences are in ``experiences``).
+    failed_episodes: tuple[FailedEpisode, ...] = ()
 
     @property
     def succeeded(self) -> bool:

@@ -45,7 +45,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ from flexmarl.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from flexmarl.experience import ExperienceSummary, group_id
+from flexmarl.experience import ExperienceSummary, FailedEpisode, group_id, min_episodes_to_train
 from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.jobspec import JobSpec, JobSpecCache
 from flexmarl.registry import Registry
@@ -460,16 +460,27 @@ class RolloutWorker:
             if stored is not None:
                 # An earlier attempt's experiences are durable: they are the task's result (exactly once).
                 log.info("task %s: reusing %d stored experiences of an earlier attempt", task.task_id, len(stored))
-                await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(stored)))
+                await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(stored),
+                                              failed_episodes=_earlier_failures(stored, task.group_size)))
                 return
             result = await job.runner.run(RolloutTaskInput(task.job_id, task.task_id, task.task_index,
                                                            job.spec.seed, task.group_size, progress))
+            self._metrics.episodes_failed.inc(len(result.failed_episodes))
             if result.ok:
                 await self._store_experiences(result)
                 await self._report(TaskReport(task.lease_id, task.task_id, experiences=tuple(
-                    ExperienceSummary.of_record(e) for e in result.experiences)))
-                self.episodes_done += task.group_size
+                    ExperienceSummary.of_record(e) for e in result.experiences),
+                    failed_episodes=result.failed_episodes))
+                self.episodes_done += task.group_size - len(result.failed_episodes)
                 self._metrics.observe_task(result, time.perf_counter() - started)
+            elif result.given_up:  # too few episodes left: orchestratord gives the task up (no re-issue)
+                dropped = result.failed_episodes[0]
+                message = (f"{len(result.failed_episodes)} of {task.group_size} episodes failed in their reward "
+                           f"(episode {dropped.sample_index}: {dropped.reason})")
+                log.warning("task %s given up: %s", task.task_id, message)
+                await self._report(TaskReport(task.lease_id, task.task_id, error=message,
+                                              reason=ErrorReason.EPISODES_FAILED,
+                                              failed_episodes=result.failed_episodes))
             else:
                 first = result.errors[0]
                 message = f"episode {first.sample_index}: {first.error_type}: {first.message}"
@@ -539,7 +550,8 @@ class RolloutWorker:
         """The experiences an earlier attempt of the task stored (all or nothing), or None.
 
         rolloutd appends a task's experiences in one request, which stored applies
-        atomically, so a task is either wholly stored or not at all.
+        atomically, so a task is either wholly stored or not at all: every agent has the same
+        episodes, all of the group's but those dropped as their reward failed.
         """
         store = await self._peers.store()
         found: list[ExperienceSummary] = []
@@ -548,11 +560,12 @@ class RolloutWorker:
             found.extend(ExperienceSummary.of_ref(ref, agent) for ref in refs)
         if not found:
             return None
+        episodes = {e.sample_index for e in found}
         for agent in job.spec.agent_names:
             samples = {e.sample_index for e in found if e.agent == agent}
-            if samples != set(range(task.group_size)):
+            if samples != episodes or len(samples) < min_episodes_to_train(task.group_size):
                 raise Unavailable(f"task {task.task_id}: stored holds a partial group of {agent} "
-                                  f"(samples {sorted(samples)})")
+                                  f"(samples {sorted(samples)} of the task's {sorted(episodes)})")
         return found
 
     async def _report(self, report: TaskReport) -> None:
@@ -862,6 +875,13 @@ def served_key(task: RolloutTask) -> str:
     if task.pinned and isinstance(task.ref, EvalTaskRef):
         return f"{task.job_id}@{task.ref.round_id}"
     return task.job_id
+
+
+def _earlier_failures(stored: Sequence[ExperienceSummary], group_size: int) -> tuple[FailedEpisode, ...]:
+    """The episodes an earlier attempt dropped: those of the group without a stored experience."""
+    kept = {e.sample_index for e in stored}
+    return tuple(FailedEpisode(i, "its reward failed in an earlier attempt of the task")
+                 for i in range(group_size) if i not in kept)
 
 
 def _report_retryable(exc: BaseException) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from flexmarl.errors import InvalidArgument
-from flexmarl.experience import ExperienceRecord
+from flexmarl.experience import ExperienceRecord, min_episodes_to_train
 from traind import losses
 
 
@@ -37,14 +37,16 @@ def micro_batch_advantages(
     records: Sequence[ExperienceRecord], norm: losses.AdvantageNorm, eps: float, *,
     baseline: losses.TurnBaseline = losses.TurnBaseline.EPISODE, step_stats: losses.ReturnStats | None = None,
 ) -> list[float]:
-    """The advantage of every record (:func:`traind.losses.turn_advantages`); the micro-batch must hold complete groups.
+    """The advantage of every record (:func:`traind.losses.turn_advantages`); the micro-batch must hold whole groups.
 
     rolloutd writes each turn's return (the agent's rewards from that turn on, discounted by the
     agent's ``gamma``; for episode-level rewards the episode return on every turn) as the
-    record's ``reward``.
+    record's ``reward``. A group's episodes are its ``group_size`` but those dropped as their
+    reward failed (orchestratord's manifest names which): at least
+    :func:`flexmarl.experience.min_episodes_to_train`.
 
     Raises:
-        InvalidArgument: a group is incomplete (fewer distinct samples than ``group_size``), a turn
+        InvalidArgument: a group has fewer distinct samples than a task trains with, a turn
             is there twice, or ``agent`` normalisation without ``step_stats``.
     """
     samples: dict[str, set[int]] = defaultdict(set)
@@ -53,7 +55,7 @@ def micro_batch_advantages(
         samples[rec.group_id].add(rec.sample_index)
         sizes[rec.group_id] = rec.group_size
     for gid, by_sample in samples.items():
-        if len(by_sample) != sizes[gid]:
+        if len(by_sample) < min_episodes_to_train(sizes[gid]):
             raise InvalidArgument(
                 f"group {gid!r} is incomplete in the micro-batch: {len(by_sample)} of {sizes[gid]} episodes"
             )

@@ -33,8 +33,8 @@ def admission_limit(job: JobPlan) -> int:
     limit = (eta + job.min_version() + 1) * prompts
     if job.spec.pipeline.fills_by_completion:
         # Any task may fill the last steps (one dropped as too stale is replaced); what still runs at the end
-        # is abandoned.
-        return limit
+        # is abandoned. A task given up (its episodes' rewards failed) fills no step: another takes its place.
+        return limit + job.tasks_given_up
     return min(limit, job.spec.total_steps * prompts)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.evaluation import EvalEpisode
-from flexmarl.experience import ExperienceSummary
+from flexmarl.experience import ExperienceSummary, FailedEpisode
 from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
 from orchestratord.binding import AgentDemand, DataParallelGroup
@@ -176,6 +176,8 @@ class JobPlanner:
             agents=agents,
             tasks_done=job.tasks_done_total,
             tasks_total=self.spec.total_steps * self.spec.batch.prompts_per_step,
+            episodes_failed=job.episodes_failed, tasks_given_up=job.tasks_given_up,
+            last_episode_failure=job.last_episode_failure,
         )
 
     def cancel(self) -> None:
@@ -274,7 +276,7 @@ class JobPlanner:
 
     def report_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                     experiences: Sequence[ExperienceSummary], reason: ErrorReason = ErrorReason.UNSPECIFIED,
-                    eval_episodes: Sequence[EvalEpisode] = ()) -> None:
+                    eval_episodes: Sequence[EvalEpisode] = (), failed_episodes: Sequence[FailedEpisode] = ()) -> None:
         """A rollout worker finished or failed a task; see :func:`.reports.report_task` for what it raises.
 
         An eval task's report (:func:`.evaluation.report`) carries episodes and no experiences; a
@@ -290,7 +292,8 @@ class JobPlanner:
             return
         if eval_episodes and granted is not None:  # (an unknown lease: NotFound below)
             raise InvalidArgument(f"task {task_id!r}: eval_episodes belong to an eval task's report")
-        reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences, reason)
+        reports.report_task(self._job, lease_id, worker_id, task_id, succeeded, error, experiences, reason,
+                            failed_episodes)
 
     # ---- demand (demand.py) -----------------------------------------------------------------------------
 

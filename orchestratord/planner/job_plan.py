@@ -56,6 +56,8 @@ class Task:
     # The job's lowest committed version when the task was last leased: under ``step_fill: completion``
     # its experiences are at least that new, so it may hold steps up to that + max_staleness open.
     lease_version: int = 0
+    # Done without experiences: too few of its episodes were left after their rewards failed (manifests.give_up_task).
+    given_up: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +323,12 @@ class JobPlan:
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0
     tasks_done_total: int = 0
+    # Episodes dropped as their reward failed, tasks given up as too few were left (manifests.give_up_task),
+    # the last such reason (JobStatus), and the tasks given up since the last task done.
+    episodes_failed: int = 0
+    tasks_given_up: int = 0
+    last_episode_failure: str = ""
+    given_up_in_a_row: int = 0
     rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
     # Warm starts issued and not yet committed, by agent (``planner.warm_start``).
     warm_starts: dict[str, WarmStartAttempt] = dataclasses.field(default_factory=dict)

@@ -21,6 +21,7 @@ def complete_task(job: JobPlan, task: Task, groups: Mapping[str, Group]) -> None
     task.lease_id = ""
     job.retry.discard(task.task_id)
     job.tasks_done_total += 1
+    job.given_up_in_a_row = 0
     for name, group in groups.items():
         job.rollout_demand_estimator.observe((job.job_id, name), group.episodes, group.response_tokens)
     if job.spec.pipeline.fills_by_completion:
@@ -28,6 +29,48 @@ def complete_task(job: JobPlan, task: Task, groups: Mapping[str, Group]) -> None
         fill_steps(job)
     else:
         place_task(job, task, task.batch, groups)
+
+
+def give_up_task(job: JobPlan, task: Task, reason: str) -> None:
+    """A task whose episodes' rewards failed until too few were left to train: done, with nothing to train.
+
+    It is not re-issued. ``pipeline.step_fill: batch``: it takes its place in its batch's step
+    empty, so the step trains on its other tasks' groups; a step whose every task was given up
+    fails the job (it has nothing to train). ``completion``: no step waits for it; another task is
+    admitted in its place (:func:`.admission.admission_limit`), and ``prompts_per_step`` tasks given
+    up in a row, with none done between them, fail the job. Either way a job whose every reward
+    fails ends after about one step's worth of tasks.
+    """
+    job.tasks_given_up += 1
+    job.given_up_in_a_row += 1
+    job.last_episode_failure = f"task {task.task_id} given up: {reason}"
+    job.touch_all()
+    prompts = job.spec.batch.prompts_per_step
+    logger.warning("job %s: giving up task %s: %s", job.job_id, task.task_id, reason)
+    if job.spec.pipeline.fills_by_completion:
+        job.tasks.pop(task.task_id, None)
+        job.retry.discard(task.task_id)
+        if job.given_up_in_a_row >= prompts:
+            job.fail(f"{job.given_up_in_a_row} tasks in a row were given up, too few of their episodes left "
+                     f"after their rewards failed (last: task {task.task_id}: {reason})")
+        return
+    place_given_up(job, task, reason)
+
+
+def place_given_up(job: JobPlan, task: Task, reason: str) -> None:
+    """``step_fill: batch``: a given-up task takes its place in its batch's step, empty (see :func:`give_up_task`)."""
+    task.status = TaskStatus.DONE
+    task.given_up = True
+    task.lease_id = ""
+    job.retry.discard(task.task_id)
+    step = task.batch
+    if job.tasks_per_step[step] + 1 == job.spec.batch.prompts_per_step and not any(
+            plan.groups for plan in (job.plans.get((name, step)) for name in job.agents) if plan is not None):
+        job.fail(f"step {step} has nothing to train: every one of its {job.spec.batch.prompts_per_step} tasks was "
+                 f"given up, too few of their episodes left after their rewards failed (last: task "
+                 f"{task.task_id}: {reason})")
+        return
+    place_task(job, task, step, {})
 
 
 def place_task(job: JobPlan, task: Task, step: int, groups: Mapping[str, Group]) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, ErrorReason, FailedPrecondition, InvalidArgument, NotFound
 from flexmarl.evaluation import EvalEpisode
-from flexmarl.experience import ExperienceSummary
+from flexmarl.experience import ExperienceSummary, FailedEpisode
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
 from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, SlotBinder
@@ -235,12 +235,13 @@ class Planner:
     def report_rollout_task(self, lease_id: str, worker_id: str, task_id: str, succeeded: bool, error: str,
                             experiences: Sequence[ExperienceSummary],
                             reason: ErrorReason = ErrorReason.UNSPECIFIED,
-                            eval_episodes: Sequence[EvalEpisode] = ()) -> None:
+                            eval_episodes: Sequence[EvalEpisode] = (),
+                            failed_episodes: Sequence[FailedEpisode] = ()) -> None:
         """See :meth:`JobPlanner.report_task`."""
         self.tick()
         try:
             self._job_of_lease(lease_id).report_task(lease_id, worker_id, task_id, succeeded, error, experiences,
-                                                     reason, eval_episodes)
+                                                     reason, eval_episodes, failed_episodes)
         finally:
             self._sweep()
 

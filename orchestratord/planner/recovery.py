@@ -19,7 +19,7 @@ from orchestratord.planner.admission import requeue_task
 from orchestratord.planner.dispatch import micro_batch_of_lease
 from orchestratord.planner.ids import task_index_of
 from orchestratord.planner.job_plan import JobPlan, MicroBatchStatus, StepPlan, Task, TaskStatus
-from orchestratord.planner.manifests import complete_task, fill_steps, place_task
+from orchestratord.planner.manifests import complete_task, fill_steps, place_given_up, place_task
 from orchestratord.planner.reports import validate_groups
 
 logger = logging.getLogger(__name__)
@@ -150,8 +150,10 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Ma
     """Marks done the tasks whose experiences stored already holds (after a restore).
 
     ``reported`` = every experience of the job in stored. A task counts as
-    done when it has a complete, valid group for every agent; anything
-    partial is re-issued. Returns the number of tasks recovered.
+    done when it has a complete, valid group for every agent (its episodes but those dropped
+    as their reward failed); anything partial is re-issued. Under ``step_fill: batch`` a task of
+    a step whose manifest was fixed of which stored holds nothing was given up
+    (:func:`.manifests.give_up_task`) and is again. Returns the number of tasks recovered.
     """
     if job.state.terminal:
         return 0
@@ -183,7 +185,29 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Ma
         job.tasks[task_id] = task
         complete_task(job, task, groups)
         recovered += 1
+    _recover_given_up(job, by_task)
     return recovered
+
+
+def _recover_given_up(job: JobPlan, by_task: Mapping[str, object]) -> None:
+    """``step_fill: batch``: the tasks of fixed steps that stored holds nothing of were given up; so they are again.
+
+    A step's manifest is fixed once each of its tasks is done or given up, and a done task's
+    experiences are durable in stored before it is reported, so such a task was given up: it
+    takes its empty place again rather than being played again (a second play, a flaky reward
+    passing this time, would not rebuild the persisted manifest).
+    """
+    prompts = job.spec.batch.prompts_per_step
+    min_version = job.min_version()
+    for step in sorted({step for (_, step) in job.persisted_manifests if min_version <= step < job.spec.total_steps}):
+        for position in range(prompts):
+            task_id = str(TaskRef(job.job_id, step, position))
+            task = job.tasks.get(task_id)
+            if task_id in by_task or (task is not None and task.status is TaskStatus.DONE):
+                continue
+            task = task or Task(task_id, step, position, task_index_of(step, position, prompts))
+            job.tasks[task_id] = task
+            place_given_up(job, task, "given up before orchestratord restarted")
 
 
 def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSummary]],

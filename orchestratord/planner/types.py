@@ -182,6 +182,11 @@ class JobSnapshot:
     agents: tuple[AgentProgress, ...]
     tasks_done: int
     tasks_total: int
+    # Episodes dropped as their reward failed and tasks given up (too few left), since orchestratord started;
+    # the last such failure's reason.
+    episodes_failed: int = 0
+    tasks_given_up: int = 0
+    last_episode_failure: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,3 +41,12 @@ NOT_CALLABLE = 3
 def raises_at_length(response: str, reference: Any) -> float:
     """An exception whose message is longer than a reply line may be."""
     raise ValueError("x" * 200_000)
+
+
+def fails_on_marks(response: str, reference: Any) -> float:
+    """Raises for a response that says RAISE, hangs for one that says HANG; else 1.0 when it holds the reference."""
+    if "RAISE" in response:
+        raise ArithmeticError(f"cannot score {response!r}")
+    if "HANG" in response:
+        time.sleep(600)
+    return 1.0 if str(reference) in response else 0.0

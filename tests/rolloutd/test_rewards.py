@@ -158,6 +158,18 @@ async def test_a_call_past_the_time_limit_kills_its_worker_and_the_pool_goes_on(
     assert not psutil.pid_exists(after)
 
 
+async def test_a_call_waiting_for_a_worker_goes_on_when_the_busy_one_is_killed_at_the_limit() -> None:
+    runner = RewardRunner(timeout_s=0.5, workers=1)
+    try:
+        hung, waited = await asyncio.wait_for(asyncio.gather(
+            runner.score("reward_functions:hangs", "x", 1), runner.score("reward_functions:contains", "7", 7),
+            return_exceptions=True), 60)
+        assert isinstance(hung, RewardFailed) and waited == 1.0
+        assert len(runner.worker_pids) == 1  # the fresh worker, idle: never more than `workers`
+    finally:
+        await runner.aclose()
+
+
 async def test_a_cancelled_call_kills_its_worker() -> None:
     """An episode cancelled while its reward runs (its group failed) leaves no worker busy with it."""
     runner = RewardRunner(timeout_s=30.0, workers=1)

@@ -18,7 +18,7 @@ from byte_tokenizers import ContentBytes
 
 from flexmarl.datasets import open_dataset
 from flexmarl.episode import EpisodeRecord, Task, TurnRecord, load_environment
-from flexmarl.errors import InvalidArgument
+from flexmarl.errors import InvalidArgument, Unavailable
 from flexmarl.jobspec import parse_job_spec
 from flexmarl.preflight import preflight_problems
 from flexmarl.workflows import Chain, Debate, Mixture, SolverVerifier, Workflow
@@ -195,8 +195,61 @@ async def test_a_reward_that_raises_or_hangs_fails_the_episode_with_the_reason()
                              ("reward_functions:hangs", "timed out after 0.5 s")):
         env = Mixture(**config(proposers=["p0"], reward={"function": function}, reward_timeout_s=0.5))
         result, _, _ = await play(env, Scripted({"p0": ["7"], "aggregator": ["7"]}))
-        assert not result.ok and not result.experiences
-        assert result.errors[0].error_type == "RewardFailed" and reason in result.errors[0].message
+        # A group of one without its episode: given up (not re-issued), nothing to train, no task error.
+        assert not result.ok and result.given_up and not result.experiences and not result.errors
+        (failed,) = result.failed_episodes
+        assert failed.sample_index == 0 and reason in failed.reason
+
+
+class Failing(Scripted):
+    """Scripted, but a reply of ENGINE raises as an engine that went away would."""
+
+    async def generate(self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int,
+                       affinity_key: str) -> list[GenerationOutput]:
+        if self.replies[agent][0] == "ENGINE":
+            self.replies[agent].pop(0)
+            raise Unavailable("the engine went away")
+        return await super().generate(agent, input_ids, sampling, n, affinity_key)
+
+
+async def play_group(replies: Mapping[str, Sequence[str]], group_size: int, backend: type[Scripted] = Scripted,
+                     ) -> RolloutResult:
+    """``group_size`` episodes of a one-proposer mixture scored by reward_functions:fails_on_marks (0.5 s limit)."""
+    env = Mixture(**config(proposers=["p0"], reward={"function": "reward_functions:fails_on_marks"},
+                           reward_timeout_s=0.5))
+    runtimes = {agent: AgentRuntime(ContentBytes(), {"max_new_tokens": 64}) for agent in env.agents}
+    try:
+        return await RolloutRunner(env, runtimes, backend(replies), clock_ms=lambda: 0,
+                                   coalesce_first_turn=False).run(RolloutTaskInput("job", "job/0/0", 0, 0, group_size))
+    finally:
+        await env.aclose()
+
+
+async def test_episodes_whose_reward_fails_are_dropped_and_the_rest_of_the_group_trains() -> None:
+    result = await play_group({"p0": ["RAISE", "7", "HANG", "7"], "aggregator": ["7"] * 4}, 4)
+    assert result.ok and not result.errors and not result.given_up
+    reasons = {f.sample_index: f.reason for f in result.failed_episodes}
+    assert len(reasons) == 2
+    assert any("raised ArithmeticError: cannot score 'RAISE'" in r for r in reasons.values())
+    assert any("'reward_functions:fails_on_marks' timed out after 0.5 s" in r for r in reasons.values())
+    kept = {e.sample_index for e in result.experiences}
+    assert kept == set(range(4)) - set(reasons) and len(kept) == 2  # every agent's turns of the two survivors
+    assert {(e.agent, e.sample_index) for e in result.experiences} == {(a, i) for a in ("p0", "aggregator")
+                                                                        for i in kept}
+    assert all(e.group_size == 4 and e.reward == 1.0 for e in result.experiences)
+
+
+async def test_a_group_left_with_fewer_than_two_episodes_is_given_up() -> None:
+    result = await play_group({"p0": ["RAISE", "RAISE", "7", "RAISE"], "aggregator": ["7"] * 4}, 4)
+    assert result.given_up and not result.ok and not result.experiences and not result.errors
+    assert len(result.failed_episodes) == 3
+
+
+async def test_a_failure_that_is_not_the_rewards_fails_the_whole_task_as_before() -> None:
+    # One engine error among reward failures: the task fails (and is re-issued); nothing is dropped or kept.
+    result = await play_group({"p0": ["RAISE", "ENGINE", "7", "7"], "aggregator": ["7"] * 4}, 4, Failing)
+    assert not result.ok and not result.given_up and not result.experiences and not result.failed_episodes
+    assert [e.error_type for e in result.errors] == ["Unavailable"]
 
 
 async def test_a_task_without_a_field_a_template_names_fails_the_episode_naming_it() -> None:

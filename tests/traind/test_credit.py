@@ -91,6 +91,10 @@ def test_none_is_the_raw_return() -> None:
 def test_incomplete_groups_and_repeated_turns_are_rejected() -> None:
     with pytest.raises(InvalidArgument, match="incomplete"):
         micro_batch_advantages([record("t", 0, 0, 1.0)], AdvantageNorm.STD, 1e-6)
+    # A group without the episodes whose reward failed (2 of 3 left, samples 0 and 2): GRPO over those two.
+    survivors = [record("t", 0, 0, 1.0), record("t", 2, 0, 3.0)]
+    assert micro_batch_advantages(survivors, AdvantageNorm.STD, 1e-6) == losses.group_advantages([1.0, 3.0],
+                                                                                               AdvantageNorm.STD, 1e-6)
     twice = [record("t", i, 0, 1.0) for i in range(3)] + [record("t", 0, 0, 1.0)]
     with pytest.raises(InvalidArgument, match="twice"):
         losses.turn_advantages([TurnReturn(r.group_id, r.sample_index, r.turn, r.reward) for r in twice])

@@ -193,7 +193,7 @@ def test_a_micro_batch_with_an_incomplete_group_adds_nothing(tiny_model_dir: Pat
     trainer = AgentTrainer(trainer_config(tiny_model_dir))
     try:
         with pytest.raises(InvalidArgument, match="incomplete"):
-            trainer.accumulate(groups[0] + groups[1][:3], micro_batch_index=0)
+            trainer.accumulate(groups[0] + groups[1][:1], micro_batch_index=0)
         assert all(g is None for g in trainer.accumulated_gradients())
         trainer.accumulate(groups[0] + groups[1], micro_batch_index=0)  # the group was not recorded as done
         assert trainer.optimizer_step(*step_sizes(groups), num_micro_batches=1).version == 1

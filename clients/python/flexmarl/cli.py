@@ -273,6 +273,9 @@ def _print_status(info: Any) -> None:
                   f"  tasks {info.tasks_done}/{info.tasks_total}")
     if info.error:
         console.print(f"error: {info.error}")
+    if info.episodes_failed or info.tasks_given_up:
+        console.print(f"failed rewards: {info.episodes_failed} episodes dropped, {info.tasks_given_up} tasks given up; "
+                      f"last: {info.last_episode_failure}", markup=False)
     table = Table("agent", "step", "version", "return", "trained reward", "tokens/s", "staleness", "step s", "slot")
     for a in info.agents:
         table.add_row(a.agent, f"{a.step}/{a.total_steps}", str(a.version), f"{a.return_mean:.3f}",
@@ -504,7 +507,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = client.status(args.job_id)
     if args.json:
         print(json.dumps({"job_id": info.job_id, "state": info.state.name, "error": info.error,
-                          "agents": [a.__dict__ for a in info.agents]}, indent=2))
+                          "agents": [a.__dict__ for a in info.agents], "episodes_failed": info.episodes_failed,
+                          "tasks_given_up": info.tasks_given_up,
+                          "last_episode_failure": info.last_episode_failure}, indent=2))
     else:
         _print_status(info)
     return EXIT_OK

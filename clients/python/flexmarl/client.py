@@ -88,6 +88,11 @@ class JobInfo:
     tasks_done: int
     tasks_total: int
     spec_json: str
+    #: Episodes dropped as their reward failed (raised, timed out) and tasks given up as too few of their
+    #: episodes were left, since orchestratord started; the last such failure's reason.
+    episodes_failed: int = 0
+    tasks_given_up: int = 0
+    last_episode_failure: str = ""
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.JobStatus) -> JobInfo:
@@ -111,6 +116,9 @@ class JobInfo:
             tasks_done=msg.tasks_done,
             tasks_total=msg.tasks_total,
             spec_json=msg.spec_json,
+            episodes_failed=msg.episodes_failed,
+            tasks_given_up=msg.tasks_given_up,
+            last_episode_failure=msg.last_episode_failure,
         )
 
 

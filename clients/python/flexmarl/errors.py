@@ -32,6 +32,9 @@ class ErrorReason(enum.StrEnum):
     #: stored's disk (or its file-system quota) is full: nothing of the request was acknowledged,
     #: and stored serves it once space returns (GC, an operator), so retry with back-off.
     DISK_FULL = "DISK_FULL"
+    #: A rollout task's episodes failed in their reward (raised, timed out) until fewer than
+    #: :func:`flexmarl.experience.min_episodes_to_train` were left: the task is given up, not re-issued.
+    EPISODES_FAILED = "EPISODES_FAILED"
 
     @classmethod
     def parse(cls, text: str) -> ErrorReason:

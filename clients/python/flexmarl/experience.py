@@ -45,6 +45,28 @@ class ExperienceState(enum.IntEnum):
     CONSUMED = common_pb2.EXPERIENCE_STATE_CONSUMED
 
 
+@dataclasses.dataclass(frozen=True)
+class FailedEpisode:
+    """An episode dropped from its task because its reward failed (raised, timed out, gave no finite number).
+
+    Reported by rolloutd beside the task's other episodes' experiences; orchestratord counts it and
+    trains the rest of the group (:func:`min_episodes_to_train`). Nothing of it is stored.
+    """
+
+    sample_index: int
+    #: Why, for people (``reward 'm:f' timed out after 10 s``).
+    reason: str
+
+
+def min_episodes_to_train(group_size: int) -> int:
+    """The fewest surviving episodes a task's groups train with: 2 (a group of one has no baseline), or 1 of 1.
+
+    A task left with fewer (its other episodes' rewards failed) is given up: it trains nothing and is
+    not re-issued (docs/workflows.md, "When a reward fails").
+    """
+    return min(2, group_size)
+
+
 def experience_id(task_id: str, sample_index: int, agent: str, turn: int) -> str:
     """The deterministic id of one (episode, agent turn) (see :class:`flexmarl.ids.ExperienceKey`)."""
     return str(ExperienceKey(task_id, sample_index, agent, turn))

@@ -332,10 +332,11 @@ class RewardRunner:
         if not timeout_s > 0 or workers < 1:
             raise InvalidArgument("RewardRunner needs timeout_s > 0 and workers >= 1")
         self.timeout_s = float(timeout_s)
-        self._capacity = workers
         self._preload = tuple(preload)
-        self._idle: asyncio.Queue[_Worker] | None = None
-        self._started = 0
+        # One permit per call in progress: a call holds one while it uses a worker, idle or new; a worker
+        # killed mid-call (time limit) gives its permit back, so a call waiting for one goes on.
+        self._permits = asyncio.Semaphore(workers)
+        self._idle: list[_Worker] = []
         self._closed = False
         self._all: set[_Worker] = set()
 
@@ -377,18 +378,20 @@ class RewardRunner:
         return await stdout.readline()
 
     async def _acquire(self) -> _Worker:
+        """An idle worker, else a new one (at most ``workers`` run: one per permit held)."""
         if self._closed:
             raise RewardFailed("the reward runner is closed")
-        if self._idle is None:
-            self._idle = asyncio.Queue()
-        if self._idle.empty() and self._started < self._capacity:
-            self._started += 1
-            try:
-                return await self._spawn()
-            except BaseException:
-                self._started -= 1
-                raise
-        return await self._idle.get()
+        await self._permits.acquire()
+        if self._closed:
+            self._permits.release()
+            raise RewardFailed("the reward runner is closed")
+        if self._idle:
+            return self._idle.pop()
+        try:
+            return await self._spawn()
+        except BaseException:
+            self._permits.release()
+            raise
 
     async def _spawn(self) -> _Worker:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
@@ -409,14 +412,17 @@ class RewardRunner:
         return worker
 
     async def _release(self, worker: _Worker) -> None:
-        if self._closed or self._idle is None:
+        if self._closed:
             await self._kill(worker)
         else:
-            self._idle.put_nowait(worker)
+            self._idle.append(worker)
+        self._permits.release()
 
     async def _discard(self, worker: _Worker) -> None:
-        self._started -= 1
-        await self._kill(worker)
+        try:
+            await self._kill(worker)
+        finally:
+            self._permits.release()
 
     async def _kill(self, worker: _Worker) -> None:
         self._all.discard(worker)
@@ -433,5 +439,6 @@ class RewardRunner:
     async def aclose(self) -> None:
         """Stops every worker (idempotent)."""
         self._closed = True
+        self._idle.clear()
         for worker in list(self._all):
             await self._kill(worker)

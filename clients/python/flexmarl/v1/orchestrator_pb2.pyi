@@ -302,6 +302,9 @@ class JobStatus(_message.Message):
     TASKS_DONE_FIELD_NUMBER: _builtins.int
     TASKS_TOTAL_FIELD_NUMBER: _builtins.int
     SPEC_DIGEST_FIELD_NUMBER: _builtins.int
+    EPISODES_FAILED_FIELD_NUMBER: _builtins.int
+    TASKS_GIVEN_UP_FIELD_NUMBER: _builtins.int
+    LAST_EPISODE_FAILURE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     state: Global___JobState.ValueType
     name: _builtins.str
@@ -313,6 +316,12 @@ class JobStatus(_message.Message):
     tasks_total: _builtins.int
     spec_digest: _builtins.str
     """sha256 (hex) of spec_json: what RolloutTask and trainer work name the spec by."""
+    episodes_failed: _builtins.int
+    """Episodes dropped because their reward failed, and tasks given up because too few of their
+    episodes were left, since orchestratord started; the last such failure's reason.
+    """
+    tasks_given_up: _builtins.int
+    last_episode_failure: _builtins.str
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentProgress]: ...
     def __init__(
@@ -329,10 +338,13 @@ class JobStatus(_message.Message):
         tasks_done: _builtins.int = ...,
         tasks_total: _builtins.int = ...,
         spec_digest: _builtins.str = ...,
+        episodes_failed: _builtins.int = ...,
+        tasks_given_up: _builtins.int = ...,
+        last_episode_failure: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_unix_ms", b"created_unix_ms", "error", b"error", "job_id", b"job_id", "name", b"name", "spec_digest", b"spec_digest", "spec_json", b"spec_json", "state", b"state", "tasks_done", b"tasks_done", "tasks_total", b"tasks_total", "updated_unix_ms", b"updated_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "created_unix_ms", b"created_unix_ms", "episodes_failed", b"episodes_failed", "error", b"error", "job_id", b"job_id", "last_episode_failure", b"last_episode_failure", "name", b"name", "spec_digest", b"spec_digest", "spec_json", b"spec_json", "state", b"state", "tasks_done", b"tasks_done", "tasks_given_up", b"tasks_given_up", "tasks_total", b"tasks_total", "updated_unix_ms", b"updated_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -921,6 +933,7 @@ class ReportRolloutTaskRequest(_message.Message):
     EXPERIENCES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     EVAL_EPISODES_FIELD_NUMBER: _builtins.int
+    FAILED_EPISODES_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     worker_id: _builtins.str
     task_id: _builtins.str
@@ -938,6 +951,13 @@ class ReportRolloutTaskRequest(_message.Message):
     def eval_episodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___EvalEpisode]:
         """An evaluation task's episodes (RolloutTask.evaluation); experiences stay empty."""
 
+    @_builtins.property
+    def failed_episodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedEpisode]:
+        """Episodes whose reward failed (raised, timed out, gave no finite number): dropped, nothing of them
+        in experiences. With succeeded: the task trains on its other episodes. Without, and reason
+        EPISODES_FAILED: too few episodes were left to train; the task is given up, not re-issued.
+        """
+
     def __init__(
         self,
         *,
@@ -949,14 +969,40 @@ class ReportRolloutTaskRequest(_message.Message):
         experiences: _abc.Iterable[Global___ExperienceSummary] | None = ...,
         reason: _builtins.str = ...,
         eval_episodes: _abc.Iterable[Global___EvalEpisode] | None = ...,
+        failed_episodes: _abc.Iterable[Global___FailedEpisode] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "eval_episodes", b"eval_episodes", "experiences", b"experiences", "lease_id", b"lease_id", "reason", b"reason", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "eval_episodes", b"eval_episodes", "experiences", b"experiences", "failed_episodes", b"failed_episodes", "lease_id", b"lease_id", "reason", b"reason", "succeeded", b"succeeded", "task_id", b"task_id", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportRolloutTaskRequest: _TypeAlias = ReportRolloutTaskRequest  # noqa: Y015
+
+@_typing.final
+class FailedEpisode(_message.Message):
+    """An episode dropped from its task because its reward failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SAMPLE_INDEX_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    sample_index: _builtins.int
+    reason: _builtins.str
+    """Why, for people."""
+    def __init__(
+        self,
+        *,
+        sample_index: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "sample_index", b"sample_index"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FailedEpisode: _TypeAlias = FailedEpisode  # noqa: Y015
 
 @_typing.final
 class AgentVersionsSeen(_message.Message):

@@ -1,0 +1,199 @@
+"""Episodes whose reward failed: dropped from their group, a task left with too few given up, never the job.
+
+rolloutd reports the episodes whose reward raised or timed out (``failed_episodes``) beside the
+others' experiences; a task left with fewer than ``min_episodes_to_train`` (2) is reported given
+up (``EPISODES_FAILED``). The planner trains the rest, never re-issues a given-up task, forms
+every step without what failed, and fails a job only when a step is left with nothing to train
+(``step_fill: batch``) or ``prompts_per_step`` tasks in a row are given up (``completion``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import pytest
+
+from flexmarl.errors import ErrorReason, InvalidArgument
+from flexmarl.experience import ExperienceSummary, FailedEpisode, min_episodes_to_train
+from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
+from orchestratord.state import InMemoryStateStore, JobState, ManifestFixed, StepManifest, apply_changes
+
+from .helpers import FakeClock, experiences_for, make_spec
+
+AGENTS = ("sender", "receiver")
+#: Task position -> its failed episodes: t1 loses one episode of 4, every episode of t2 fails (given up).
+FAILURES: dict[int, dict[int, str]] = {
+    1: {3: "reward 'm:f' timed out after 10 s"},
+    2: {i: "reward 'm:f' raised ValueError: no" for i in range(4)},
+}
+
+Policy = Callable[[RolloutTaskLease], Mapping[int, str]]
+
+
+def by_position(lease: RolloutTaskLease) -> Mapping[int, str]:
+    return FAILURES.get(int(lease.task_id.rsplit("/t", 1)[1]), {})
+
+
+def report(planner: Planner, lease: RolloutTaskLease, failed: Mapping[int, str]) -> list[ExperienceSummary]:
+    """Reports the lease as rolloutd does: the survivors' experiences and the failed episodes, or given up."""
+    episodes = [FailedEpisode(i, reason) for i, reason in sorted(failed.items())]
+    if lease.group_size - len(failed) < min_episodes_to_train(lease.group_size):
+        error = f"{len(failed)} of {lease.group_size} episodes failed in their reward ({episodes[0].reason})"
+        planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, False, error, [],
+                                    ErrorReason.EPISODES_FAILED, failed_episodes=episodes)
+        return []
+    kept = [e for e in experiences_for(lease, AGENTS) if e.sample_index not in failed]
+    planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, True, "", kept, failed_episodes=episodes)
+    return kept
+
+
+def drive(planner: Planner, clock: FakeClock, policy: Policy = by_position,
+          ) -> tuple[list[RolloutTaskLease], list[OptimizerStepWork], dict[tuple[str, int], StepManifest]]:
+    """Runs job1 to its end, every task reported by ``policy``: the leases, optimizer steps and manifests."""
+    job = planner.job("job1")
+    leases: list[RolloutTaskLease] = []
+    steps: list[OptimizerStepWork] = []
+    manifests: dict[tuple[str, int], StepManifest] = {}
+    for _ in range(1000):
+        if job.state.terminal:
+            break
+        for lease in planner.lease_rollout_tasks("roll", 3):
+            if job.state.terminal:  # the job failed at a report: its other leases were revoked
+                break
+            leases.append(lease)
+            report(planner, lease, policy(lease))
+        work = planner.poll_trainer_work("t", "slot-0")
+        if isinstance(work, MicroBatchWork):
+            planner.ack_micro_batch(work.lease_id, "t", "slot-0")
+        elif isinstance(work, OptimizerStepWork):
+            steps.append(work)
+            planner.commit_step("t", "slot-0", "job1", work.agent, work.step, work.new_version,
+                                f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}")
+        elif not leases or work is None:
+            clock.advance(1.0)
+        manifests.update({(c.manifest.agent, c.manifest.step): c.manifest for c in job.take_changes()
+                          if isinstance(c, ManifestFixed)})
+    return leases, steps, manifests
+
+
+def planner_of(clock: FakeClock, options: PlannerOptions | None = None, **sections: object) -> Planner:
+    planner = Planner(clock, options or PlannerOptions(lease_epoch="e0"))
+    planner.submit_job("job1", make_spec(**{"batch": {"group_size": 4, "micro_batch_size": 8}, "total_steps": 2,
+                                            **sections}))
+    return planner
+
+
+@pytest.mark.parametrize("pipeline", [{"mode": "sync"}, {"mode": "async", "max_staleness": 0},
+                                      {"mode": "async", "max_staleness": 1}])
+def test_failed_episodes_are_dropped_a_task_without_enough_is_given_up_and_the_job_trains_on(
+        pipeline: dict[str, object]) -> None:
+    clock = FakeClock()
+    planner = planner_of(clock, pipeline=pipeline)
+    leases, steps, manifests = drive(planner, clock)
+    job = planner.job("job1")
+    assert job.state is JobState.SUCCEEDED, job.snapshot().error
+    assert all(lease.attempt == 1 for lease in leases) and len(leases) == 8  # nothing re-issued
+    for step in range(2):
+        for agent in AGENTS:
+            ids = manifests[(agent, step)].experience_ids
+            samples = {(eid.rsplit("/", 3)[0].rsplit("/t", 1)[1], eid.rsplit("/", 3)[1]) for eid in ids}
+            # t0 and t3 whole, t1 without episode 3, nothing of t2.
+            assert samples == {(t, str(i)) for t in "03" for i in range(4)} | {("1", str(i)) for i in range(3)}
+            assert manifests[(agent, step)].step_episodes == 11
+    assert {work.step_episodes for work in steps} == {11}
+    status = job.snapshot()
+    assert (status.episodes_failed, status.tasks_given_up) == (10, 2)
+    assert status.tasks_done == 6
+    assert status.last_episode_failure.startswith("task job1/b1/t2 given up: 4 of 4 episodes failed in their reward")
+
+
+def test_strict_async_forms_the_same_steps_as_sync_without_the_failed_episodes() -> None:
+    runs = []
+    for pipeline in ({"mode": "sync"}, {"mode": "async", "max_staleness": 0}):
+        clock = FakeClock()
+        _, _, manifests = drive(planner_of(clock, pipeline=pipeline), clock)
+        runs.append({key: (m.experience_ids, m.step_episodes, m.step_response_tokens) for key, m in manifests.items()})
+    assert runs[0] == runs[1] and len(runs[0]) == 4
+
+
+def test_a_step_whose_every_task_was_given_up_fails_the_job_naming_it() -> None:
+    clock = FakeClock()
+    planner = planner_of(clock)
+    leases, steps, _ = drive(planner, clock, lambda lease: {i: "reward 'm:f' timed out after 10 s" for i in range(4)})
+    job = planner.job("job1")
+    assert job.state is JobState.FAILED and not steps and len(leases) == 4  # one step's tasks, each played once
+    assert job.snapshot().error.startswith("step 0 has nothing to train: every one of its 4 tasks was given up")
+    assert "timed out after 10 s" in job.snapshot().error
+
+
+def test_under_completion_fill_a_given_up_task_is_replaced_and_a_steps_worth_in_a_row_fails_the_job() -> None:
+    clock = FakeClock()
+    planner = planner_of(clock, pipeline={"max_staleness": 1, "step_fill": "completion"})
+    leases, _, manifests = drive(planner, clock)
+    job = planner.job("job1")
+    assert job.state is JobState.SUCCEEDED, job.snapshot().error
+    assert all(m.step_episodes >= 4 + 4 + 3 for m in manifests.values())  # 4 tasks each, none given up
+    assert all("/t2/" not in eid for m in manifests.values() for eid in m.experience_ids)
+    assert job.snapshot().tasks_given_up >= 2 and all(lease.attempt == 1 for lease in leases)
+
+    clock = FakeClock()
+    planner = planner_of(clock, pipeline={"max_staleness": 1, "step_fill": "completion"})
+    leases, _, _ = drive(planner, clock, lambda lease: {i: "reward 'm:f' raised KeyError" for i in range(4)})
+    job = planner.job("job1")
+    assert job.state is JobState.FAILED and len(leases) == 4
+    assert job.snapshot().error.startswith("4 tasks in a row were given up")
+
+
+def test_reports_that_contradict_their_failed_episodes_are_refused_and_the_task_re_issued() -> None:
+    clock = FakeClock()
+    planner = planner_of(clock, PlannerOptions(lease_epoch="e0", max_task_attempts=10))
+    agents = AGENTS
+    cases = [  # (succeeded, experiences' samples, failed samples, reason, error)
+        (True, {0, 1, 2}, {4}, ErrorReason.UNSPECIFIED, "failed episode 4 is not in \\[0, 4\\)"),
+        (True, {0, 1}, {2}, ErrorReason.UNSPECIFIED, "reported twice"),
+        (True, {0}, {1, 2, 3}, ErrorReason.UNSPECIFIED, "fewer than 2 left to train; report it given up"),
+        (False, set(), {3}, ErrorReason.EPISODES_FAILED, "given up with 3 of 4 episodes left"),
+        (True, {0, 1, 2, 3}, {3}, ErrorReason.UNSPECIFIED, "has experiences of episodes \\[3\\], reported failed"),
+        (True, {0, 1}, {3}, ErrorReason.UNSPECIFIED, "has no experience for episodes \\[2\\]"),
+    ]
+    for succeeded, samples, failed, reason, error in cases:
+        (lease,) = planner.lease_rollout_tasks("roll", 1)
+        exps = [e for e in experiences_for(lease, agents) if e.sample_index in samples]
+        twice = [FailedEpisode(2, "x")] if error == "reported twice" else []
+        episodes = [FailedEpisode(i, "x") for i in sorted(failed)] + twice
+        with pytest.raises(InvalidArgument, match=error):
+            planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, succeeded, "e", exps, reason,
+                                        failed_episodes=episodes)
+    status = planner.job("job1").snapshot()
+    assert status.state is JobState.RUNNING and (status.episodes_failed, status.tasks_given_up) == (0, 0)
+    (lease,) = planner.lease_rollout_tasks("roll", 1)
+    assert (lease.task_id, lease.attempt) == ("job1/b0/t0", len(cases) + 1)  # re-issued after each
+
+
+def test_a_failure_that_is_not_the_rewards_is_re_issued_until_it_fails_the_job() -> None:
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e0", max_task_attempts=2))
+    planner.submit_job("job1", make_spec())
+    for attempt in (1, 2):
+        (lease,) = planner.lease_rollout_tasks("roll", 1)
+        assert (lease.task_id, lease.attempt) == ("job1/b0/t0", attempt)
+        planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, False, "episode 0: Unavailable: engine", [])
+    assert planner.job("job1").state is JobState.FAILED
+
+
+async def test_a_restarted_orchestrator_gives_a_fixed_steps_given_up_task_up_again() -> None:
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = planner_of(clock)
+    reported: list[ExperienceSummary] = []
+    for lease in planner.lease_rollout_tasks("roll", 4):  # step 0's batch: its manifests are fixed
+        reported += report(planner, lease, by_position(lease))
+    await apply_changes(store, planner.take_changes())
+    persisted = await store.load_job("job1")
+    assert persisted is not None and sorted(persisted.manifests) == [("receiver", 0), ("sender", 0)]
+    restarted = Planner(clock, PlannerOptions(lease_epoch="e1"))
+    job = restarted.restore_job(persisted, reported)  # a rebuilt manifest differing from the stored one fails it
+    assert job.state is JobState.RUNNING, job.snapshot().error
+    leases, _, _ = drive(restarted, clock)
+    assert job.state is JobState.SUCCEEDED, job.snapshot().error
+    assert {lease.batch_index for lease in leases} == {1}  # t2 of step 0 was not played again
