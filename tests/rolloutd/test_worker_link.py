@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import grpc
 import grpc.aio
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -228,6 +229,26 @@ async def test_a_leased_task_is_run_stored_and_reported_and_a_reissued_attempt_r
     assert set(reused.experiences) == set(report.experiences)
     assert appends == [1, 1] and worker.status().episodes_done == GROUP_SIZE  # nothing run or appended again
     assert link.spec_fetches == 1  # the spec is fetched once per job
+
+    # An earlier attempt of task 2 stored the group without episode 1 (its reward failed): reused as it is,
+    # the missing episode reported failed.
+    partial = _task(spec, 2, attempt=2)
+    await store.append([_record(partial, sample, agent) for sample in (0, 2) for agent in ("sender", "receiver")])
+    link.to_lease.put_nowait(partial)
+    reused = await asyncio.wait_for(link.reports.get(), 30)
+    assert reused.succeeded and {(e.agent, e.sample_index) for e in reused.experiences} == {
+        (agent, i) for agent in ("sender", "receiver") for i in (0, 2)}
+    assert [f.sample_index for f in reused.failed_episodes] == [1]
+
+
+def _record(task: RolloutTask, sample: int, agent: str) -> ExperienceRecord:
+    """A one-turn experience of episode ``sample`` of ``task``, as rolloutd writes it."""
+    return ExperienceRecord(
+        experience_id=f"{task.task_id}/{sample}/{agent}/0", job_id=JOB, agent=agent, task_id=task.task_id,
+        group_id=f"{task.task_id}/{agent}", sample_index=sample, episode_id=f"{task.task_id}/{sample}", turn=0,
+        behavior_version=0, reward=1.0, prompt_token_ids=np.array([1, 2], dtype=np.int32),
+        response_token_ids=np.array([3], dtype=np.int32), response_logprobs=np.array([-0.5], dtype=np.float32),
+        group_size=GROUP_SIZE)
 
 
 async def test_a_task_held_by_a_full_stored_is_abandoned_when_its_lease_is_lost(
