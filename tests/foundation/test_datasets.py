@@ -179,6 +179,64 @@ def test_job_file_paths_are_relative_to_the_job_file_and_submit_pins_their_conte
         pin_dataset(pinned)
 
 
+def test_a_list_of_files_is_concatenated_in_list_order_then_shuffled_and_each_file_is_pinned(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    first = write_jsonl(tmp_path / "data" / "a.jsonl", ROWS[:3])
+    second = write_parquet(tmp_path / "data" / "b.parquet", ROWS[3:])
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job({"train": ["data/a.jsonl", "data/b.parquet"], "eval": ["data/a.jsonl"],
+                                        "fields": ["question"]})))
+    spec = pin_dataset(load_job_spec(job_file))
+    dataset = spec.environment.dataset
+    assert dataset is not None and dataset.train == [str(first), str(second)] and dataset.eval == [str(first)]
+    assert dataset.train_sha256 == [content_sha256(first), content_sha256(second)]
+    assert dataset.eval_sha256 == [content_sha256(first)]
+    assert pin_dataset(spec) == spec  # pinned again (a resubmitted spec): the same
+    opened = open_dataset(dataset)
+    assert (opened.train_size, opened.eval_size) == (7, 3)
+    one_file = TaskDataset(ROWS)  # the same rows in one file, in the list's order: the same task order
+    assert [opened.train_row(i, seed=5) for i in range(14)] == [one_file.train_row(i, seed=5) for i in range(14)]
+    assert [open_dataset(dataset.model_copy(update={"shuffle": False})).train_row(i, 5) for i in range(7)] == ROWS
+    single = pin_dataset(parse_job_spec(job({"train": str(first)}))).environment.dataset
+    assert single is not None and (single.train, single.train_sha256) == (str(first), content_sha256(first))
+
+    write_parquet(second, ROWS[3:][::-1])  # the list's second file changed since submit
+    with pytest.raises(InvalidArgument) as changed:
+        open_dataset(dataset)
+    assert str(changed.value).startswith(f"environment.dataset.train[1]: {second} changed since submit")
+    with pytest.raises(InvalidArgument, match=r"^environment\.dataset\.train_sha256\[1\]: .* the spec records"):
+        pin_dataset(spec)
+
+
+def test_submit_names_the_file_of_a_list_that_is_missing_or_holds_a_bad_row(tmp_path: Path) -> None:
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    missing = tmp_path / "nope.jsonl"
+    assert _one_line(job({"train": [str(good), str(missing)]})) == (
+        f"environment.dataset.train[1]: {missing}: no such file")
+    with pytest.raises(InvalidArgument, match=rf"^environment\.dataset\.train\[1\]: {missing}: no such file$"):
+        pin_dataset(parse_job_spec(job({"train": [str(good), str(missing)]})))
+    bad = write_jsonl(tmp_path / "bad.jsonl", ROWS, extra_lines=('{"question": "q"}',))
+    assert _one_line(job({"train": [str(good), str(bad)], "fields": ["question", "answer"]})) == (
+        f"environment.dataset.train[1]: {bad}: line 8: no field 'answer'")
+    assert _one_line(job({"train": [str(good)], "eval": [str(good), str(bad)], "fields": ["answer"]})) == (
+        f"environment.dataset.eval[1]: {bad}: line 8: no field 'answer'")
+    two = write_jsonl(tmp_path / "two.jsonl", ROWS[:2])
+    assert _one_line(job({"train": [str(two), str(two)], "epochs": 1})) == (  # rows counted over the list
+        f"environment.dataset.epochs: 1 passes over {two}, {two} (2 files) (4 rows) are 4 tasks; total_steps 2 x "
+        "batch.prompts_per_step 3 needs 6")
+    for dataset, error in (({"train": [str(good), str(two)], "train_sha256": [content_sha256(good)]},
+                            "environment.dataset: train_sha256: 1 sha256s for the 2 files of train"),
+                           ({"train": [str(good)], "train_sha256": content_sha256(good)},
+                            "environment.dataset: train_sha256: one sha256 per file of train: a list of 1"),
+                           ({"train": []}, "environment.dataset.train: must have at least 1 item(s), got 0"),
+                           ({"train": [str(good), ""]}, "environment.dataset.train[1]: must not be empty"),
+                           ({"train": 3}, "environment.dataset.train: must be a file path or a list of file paths, "
+                                          "got 3")):
+        with pytest.raises(InvalidArgument) as refused:
+            parse_job_spec(job(dataset))
+        assert str(refused.value) == error
+
+
 def test_rolloutd_skips_and_counts_malformed_rows_of_an_unchecked_file(tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", ROWS, extra_lines=('{"question": "q"}',) * 5)
@@ -286,6 +344,11 @@ def test_flexmarl_submit_refuses_a_bad_row_in_one_line_before_reaching_a_cluster
     job_file.write_text(json.dumps(job({"train": "train.jsonl", "fields": ["question", "answer"]})))
     assert main(["submit", str(job_file), "--run-dir", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == (f"flexmarl submit: {job_file}: environment.dataset.train: "
+                                       f"{tmp_path / 'jobs' / 'train.jsonl'}: line 2: no field 'answer'\n")
+    write_jsonl(tmp_path / "jobs" / "more.jsonl", ROWS)  # a list of files: the bad one named by its place
+    job_file.write_text(json.dumps(job({"train": ["more.jsonl", "train.jsonl"], "fields": ["question", "answer"]})))
+    assert main(["submit", str(job_file), "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err == (f"flexmarl submit: {job_file}: environment.dataset.train[1]: "
                                        f"{tmp_path / 'jobs' / 'train.jsonl'}: line 2: no field 'answer'\n")
 
 

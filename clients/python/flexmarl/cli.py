@@ -703,9 +703,9 @@ def held_out_source(record: Any, spec_json: str) -> str:
     environment = parse_job_spec(json.loads(spec_json)).environment
     dataset = environment.dataset
     if dataset is not None and dataset.eval is not None:
-        return f"{tasks}: rows 0..{record.tasks - 1} of {dataset.eval} (environment.dataset.eval)"
+        return f"{tasks}: rows 0..{record.tasks - 1} of {dataset.describe('eval')} (environment.dataset.eval)"
     if dataset is not None:
-        return (f"{tasks}: rows of {dataset.train} (environment.dataset.train in a held-out order: "
+        return (f"{tasks}: rows of {dataset.describe('train')} (environment.dataset.train in a held-out order: "
                 f"no eval file, so not a held-out split)")
     return f"{tasks}: {environment.entrypoint} eval_task(0..{record.tasks - 1}) (generated, held-out seed stream)"
 

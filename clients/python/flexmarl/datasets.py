@@ -6,7 +6,8 @@ listed in ``state.json``, read here with pyarrow: the ``datasets`` library is no
 is a JSON-like dict; ``fields`` names the ones the environment reads, and a row lacking one (or
 holding null there) is malformed.
 
-Order: task ``i`` of a job with ``seed`` is row ``order(epoch)[position]`` of the train file,
+Order: task ``i`` of a job with ``seed`` is row ``order(epoch)[position]`` of the train rows
+(a list of train files: their rows concatenated in list order, each file's malformed rows left out),
 where ``epoch, position = divmod(i, rows)`` and ``order(epoch)`` is a permutation drawn from
 ``(seed, epoch)`` alone (file order without ``shuffle``). Every epoch plays every row once, and
 since orchestratord numbers tasks ``batch * prompts_per_step + position`` whatever restarts in
@@ -318,12 +319,27 @@ class TaskDataset:
         return self._eval[index]
 
 
-def _split_paths(spec: DatasetSpec) -> list[tuple[Split, str, str]]:
-    """(split, path, recorded sha256) of each file the spec names."""
-    paths: list[tuple[Split, str, str]] = [("train", spec.train, spec.train_sha256)]
-    if spec.eval is not None:
-        paths.append(("eval", spec.eval, spec.eval_sha256))
-    return paths
+@dataclasses.dataclass(frozen=True)
+class TaskFile:
+    """One file the spec names: its split, where the spec names it, its path and the sha256 recorded at submit."""
+
+    split: Split
+    #: The spec key naming it, for messages: ``environment.dataset.train``, or ``...train[1]`` in a list.
+    key: str
+    path: str
+    recorded_sha256: str
+
+
+def task_files(spec: DatasetSpec) -> list[TaskFile]:
+    """Every file the spec names: the train files, then the eval files, each split in list order."""
+    out = []
+    splits: tuple[Split, ...] = ("train", "eval")
+    for split in splits:
+        listed = isinstance(getattr(spec, split), list)
+        for number, (path, recorded) in enumerate(spec.files(split)):
+            key = f"environment.dataset.{split}" + (f"[{number}]" if listed else "")
+            out.append(TaskFile(split, key, path, recorded))
+    return out
 
 
 def open_dataset(spec: DatasetSpec) -> TaskDataset:
@@ -335,23 +351,27 @@ def open_dataset(spec: DatasetSpec) -> TaskDataset:
         InvalidArgument: a file is missing or unreadable, its content changed since submit (its
             sha256 differs from the spec's), or no train row is left.
     """
-    read: dict[str, RowsRead] = {}
-    for split, path, recorded in _split_paths(spec):
-        rows = read_rows(path, spec.fields)
-        if recorded and rows.sha256 != recorded:
-            raise InvalidArgument(f"environment.dataset.{split}: {path} changed since submit (sha256 "
-                                  f"{recorded[:12]}... then, {rows.sha256[:12]}... now); submit the job again")
-        if rows.problems:
-            named = "; ".join(rows.problems[:NAMED_PROBLEMS])
-            more = len(rows.problems) - NAMED_PROBLEMS
-            log.warning("dataset %s: skipped %d malformed rows (%s%s)", path, len(rows.problems), named,
+    rows: dict[str, list[Row]] = {}
+    skipped: dict[str, list[str]] = {}
+    for file in task_files(spec):
+        read = read_rows(file.path, spec.fields)
+        if file.recorded_sha256 and read.sha256 != file.recorded_sha256:
+            raise InvalidArgument(f"{file.key}: {file.path} changed since submit (sha256 "
+                                  f"{file.recorded_sha256[:12]}... then, {read.sha256[:12]}... now); submit the job "
+                                  "again")
+        if read.problems:
+            named = "; ".join(read.problems[:NAMED_PROBLEMS])
+            more = len(read.problems) - NAMED_PROBLEMS
+            log.warning("dataset %s: skipped %d malformed rows (%s%s)", file.path, len(read.problems), named,
                         f"; {more} more" if more > 0 else "")
-        read[split] = rows
-    if not read["train"].rows:
-        raise InvalidArgument(f"environment.dataset.train: {spec.train}: no usable rows "
-                              f"({len(read['train'].problems)} malformed)")
-    return TaskDataset(read["train"].rows, read["eval"].rows if "eval" in read else None, shuffle=spec.shuffle,
-                       skipped={split: r.problems for split, r in read.items()})
+        several = len(spec.files(file.split)) > 1
+        rows.setdefault(file.split, []).extend(read.rows)  # a list's files in list order
+        skipped.setdefault(file.split, []).extend(f"{file.path}: {p}" if several else p for p in read.problems)
+    if not rows["train"]:
+        raise InvalidArgument(f"environment.dataset.train: {spec.describe('train')}: no usable rows "
+                              f"({len(skipped['train'])} malformed)")
+    return TaskDataset(rows["train"], rows["eval"] if "eval" in rows else None, shuffle=spec.shuffle,
+                       skipped=skipped)
 
 
 def pin_dataset(spec: JobSpec, base_dir: str | Path | None = None) -> JobSpec:
@@ -367,18 +387,23 @@ def pin_dataset(spec: JobSpec, base_dir: str | Path | None = None) -> JobSpec:
     if dataset is None:
         return spec
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    update: dict[str, Any] = {}
-    for split, path, recorded in _split_paths(dataset):
-        absolute = os.path.abspath(base / path)
+    pinned_files: dict[str, list[tuple[str, str]]] = {}
+    for file in task_files(dataset):
+        absolute = os.path.abspath(base / file.path)
         try:
             digest = content_sha256(absolute)
         except InvalidArgument as exc:
-            raise InvalidArgument(f"environment.dataset.{split}: {exc}") from None
-        if recorded and recorded != digest:
-            raise InvalidArgument(f"environment.dataset.{split}_sha256: {absolute} has sha256 {digest[:12]}..., "
-                                  f"the spec records {recorded[:12]}... (the file changed)")
-        update[split] = absolute
-        update[f"{split}_sha256"] = digest
+            raise InvalidArgument(f"{file.key}: {exc}") from None
+        if file.recorded_sha256 and file.recorded_sha256 != digest:
+            sha_key = file.key.replace(f".{file.split}", f".{file.split}_sha256", 1)
+            raise InvalidArgument(f"{sha_key}: {absolute} has sha256 {digest[:12]}..., "
+                                  f"the spec records {file.recorded_sha256[:12]}... (the file changed)")
+        pinned_files.setdefault(file.split, []).append((absolute, digest))
+    update: dict[str, Any] = {}
+    for split, files in pinned_files.items():
+        listed = isinstance(getattr(dataset, split), list)  # a single file stays a string
+        update[split] = [path for path, _ in files] if listed else files[0][0]
+        update[f"{split}_sha256"] = [digest for _, digest in files] if listed else files[0][1]
     pinned = dataset.model_copy(update=update)
     return spec.model_copy(update={"environment": spec.environment.model_copy(update={"dataset": pinned})})
 
@@ -394,30 +419,27 @@ def dataset_problems(spec: JobSpec) -> list[str]:
     if dataset is None:
         return []
     problems = []
-    train_rows = 0
-    eval_rows = 0
-    for split, path, _ in _split_paths(dataset):
+    counted = {"train": 0, "eval": 0}
+    for file in task_files(dataset):
         try:
-            rows = read_rows(path, dataset.fields)
+            rows = read_rows(file.path, dataset.fields)
         except InvalidArgument as exc:
-            problems.append(f"environment.dataset.{split}: {exc}")
+            problems.append(f"{file.key}: {exc}")
             continue
         if rows.problems:
             more = len(rows.problems) - 1
-            problems.append(f"environment.dataset.{split}: {path}: {rows.problems[0]}"
+            problems.append(f"{file.key}: {file.path}: {rows.problems[0]}"
                             + (f" ({more} more bad rows)" if more else ""))
         elif not rows.rows:
-            problems.append(f"environment.dataset.{split}: {path}: no rows")
-        if split == "train":
-            train_rows = len(rows.rows)
-        else:
-            eval_rows = len(rows.rows)
+            problems.append(f"{file.key}: {file.path}: no rows")
+        counted[file.split] += len(rows.rows)
+    train_rows, eval_rows = counted["train"], counted["eval"]
     if spec.evaluation is not None and eval_rows and spec.evaluation.tasks > eval_rows:
         problems.append(f"evaluation.tasks: {spec.evaluation.tasks} held-out tasks, but environment.dataset.eval "
-                        f"{dataset.eval} has {eval_rows} rows")
+                        f"{dataset.describe('eval')} has {eval_rows} rows")
     needed = spec.total_steps * spec.batch.prompts_per_step
     if dataset.epochs is not None and train_rows and needed > dataset.epochs * train_rows:
-        problems.append(f"environment.dataset.epochs: {dataset.epochs} passes over {dataset.train} "
+        problems.append(f"environment.dataset.epochs: {dataset.epochs} passes over {dataset.describe('train')} "
                         f"({train_rows} rows) are {dataset.epochs * train_rows} tasks; total_steps "
                         f"{spec.total_steps} x batch.prompts_per_step {spec.batch.prompts_per_step} needs {needed}")
     return problems

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from flexmarl import ids
@@ -45,6 +54,28 @@ class _SpecModel(BaseModel):
 
 
 SHA256_PATTERN = r"^([0-9a-f]{64})?$"
+#: The branches of a one-or-many union (their tags, which error locations leave out: _format_location).
+ONE, MANY = "one", "a list"
+
+
+def _one_or_many(value: Any) -> str | None:
+    return MANY if isinstance(value, list) else ONE if isinstance(value, str) else None
+
+
+#: A task file, or a list of them (verl's `data.train_files`): rows concatenated in list order.
+TaskFiles = Annotated[
+    Annotated[Annotated[str, Field(min_length=1)], Tag(ONE)]
+    | Annotated[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)], Tag(MANY)],
+    Discriminator(_one_or_many, custom_error_type="task_files",
+                  custom_error_message="must be a file path or a list of file paths"),
+]
+#: The sha256 of a task file's content, or of each of a list's (in its order); "" or []: not recorded.
+TaskFileDigests = Annotated[
+    Annotated[Annotated[str, Field(pattern=SHA256_PATTERN)], Tag(ONE)]
+    | Annotated[list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]], Tag(MANY)],
+    Discriminator(_one_or_many, custom_error_type="task_file_digests",
+                  custom_error_message="must be a sha256 or a list of them"),
+]
 
 
 class DatasetSpec(_SpecModel):
@@ -52,15 +83,18 @@ class DatasetSpec(_SpecModel):
 
     Each file is JSON Lines (`.jsonl`, one JSON object a line), Parquet (`.parquet`) or a Hugging Face
     `datasets` directory written by `save_to_disk`. It must be on a filesystem every rolloutd host sees,
-    at the same path (as the environment's code is); `flexmarl submit` reads it too.
+    at the same path (as the environment's code is); `flexmarl submit` reads it too. `train` and `eval`
+    each take one file or a list of files, whose rows are concatenated in list order.
     """
 
-    train: Annotated[str, Field(min_length=1)]
-    """The training tasks: a file or `save_to_disk` directory; a relative path is relative to the job file
-    (`flexmarl submit` makes it absolute)."""
-    eval: Annotated[str, Field(min_length=1)] | None = None
-    """Held-out tasks, played in file order by evaluation (`Environment.eval_task`), never trained on; unset:
-    evaluation draws tasks the environment's way (for a dataset: `train` rows in another order, not held out)."""
+    train: TaskFiles
+    """The training tasks: a file or `save_to_disk` directory, or a list of them (rows concatenated in list
+    order, then shuffled per epoch); a relative path is relative to the job file (`flexmarl submit` makes it
+    absolute)."""
+    eval: TaskFiles | None = None
+    """Held-out tasks (a file or a list, as `train`), played in file order by evaluation (`Environment.eval_task`),
+    never trained on; unset: evaluation draws tasks the environment's way (for a dataset: `train` rows in
+    another order, not held out)."""
     fields: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)
     """The fields the environment reads: every row must have each (not null); submit refuses a file with a row
     that lacks one, rolloutd skips (and counts) such a row of a file that changed meanwhile."""
@@ -70,10 +104,10 @@ class DatasetSpec(_SpecModel):
     epochs: Annotated[int, Field(ge=1)] | None = None
     """At most this many passes over `train`: submit refuses a job whose total_steps x prompts_per_step tasks
     need more; unset: the file repeats as often as the job needs (each pass in a fresh order)."""
-    train_sha256: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
-    """Set by `flexmarl submit`: sha256 of `train`'s content; rolloutd refuses a file that no longer matches
-    (a given value must match at submit too)."""
-    eval_sha256: Annotated[str, Field(pattern=SHA256_PATTERN)] = ""
+    train_sha256: TaskFileDigests = ""
+    """Set by `flexmarl submit`: sha256 of `train`'s content (a list of them, one per file, for a list);
+    rolloutd refuses a file that no longer matches (a given value must match at submit too)."""
+    eval_sha256: TaskFileDigests = ""
     """Set by `flexmarl submit`: sha256 of `eval`'s content (as `train_sha256`)."""
 
     @field_validator("fields")
@@ -83,6 +117,35 @@ class DatasetSpec(_SpecModel):
         if duplicates:
             raise ValueError(f"each field at most once, got {duplicates} twice")
         return value
+
+    @model_validator(mode="after")
+    def _digests_match_files(self) -> DatasetSpec:
+        for split in ("train", "eval"):
+            files, digests = getattr(self, split), getattr(self, f"{split}_sha256")
+            if not digests:
+                continue
+            if files is None:
+                raise ValueError(f"{split}_sha256: given without {split}")
+            if isinstance(files, str) != isinstance(digests, str):
+                raise ValueError(f"{split}_sha256: one sha256 per file of {split}: "
+                                 f"{'a string' if isinstance(files, str) else f'a list of {len(files)}'}")
+            if isinstance(files, list) and len(files) != len(digests):
+                raise ValueError(f"{split}_sha256: {len(digests)} sha256s for the {len(files)} files of {split}")
+        return self
+
+    def files(self, split: Literal["train", "eval"]) -> list[tuple[str, str]]:
+        """(path, recorded sha256 or "") of each file of ``split``, in list order (none for an unset eval)."""
+        files, digests = getattr(self, split), getattr(self, f"{split}_sha256")
+        if files is None:
+            return []
+        if isinstance(files, str):
+            return [(files, str(digests))]
+        return [(path, digests[i] if digests else "") for i, path in enumerate(files)]
+
+    def describe(self, split: Literal["train", "eval"]) -> str:
+        """``split``'s files for a message: the path, or ``a, b (2 files)``."""
+        paths = [path for path, _ in self.files(split)]
+        return paths[0] if len(paths) == 1 else f"{', '.join(paths)} ({len(paths)} files)"
 
 
 class EnvironmentSpec(_SpecModel):
@@ -703,6 +766,8 @@ def _warm_start_problems(spec: JobSpec) -> list[str]:
 def _format_location(loc: tuple[int | str, ...]) -> str:
     text = ""
     for part in loc:
+        if part in (ONE, MANY):  # a one-or-many union's branch (TaskFiles): not a key of the spec
+            continue
         if isinstance(part, int):
             text += f"[{part}]"
         else:
@@ -811,8 +876,15 @@ def resolve_dataset_paths(data: Any, base_dir: Path) -> Any:
     dataset = environment.get("dataset") if isinstance(environment, Mapping) else None
     if not isinstance(environment, Mapping) or not isinstance(dataset, Mapping):
         return data
-    resolved = {key: os.path.abspath(base_dir / value) if key in ("train", "eval") and isinstance(value, str)
-                and value else value for key, value in dataset.items()}
+
+    def absolute(value: Any) -> Any:
+        if isinstance(value, str) and value:
+            return os.path.abspath(base_dir / value)
+        if isinstance(value, list):
+            return [absolute(item) for item in value]
+        return value
+
+    resolved = {key: absolute(value) if key in ("train", "eval") else value for key, value in dataset.items()}
     return {**data, "environment": {**environment, "dataset": resolved}}
 
 

@@ -42,8 +42,9 @@ def _type_of(prop: dict[str, Any], defs: dict[str, Any]) -> str:
         return " | ".join(f"`{v}`" for v in prop["enum"])
     if "const" in prop:
         return f"`{prop['const']}`"
-    if "anyOf" in prop:
-        return " or ".join(_type_of(p, defs) for p in prop["anyOf"])
+    for union in ("anyOf", "oneOf"):
+        if union in prop:
+            return " or ".join(_type_of(p, defs) for p in prop[union])
     kind = str(prop.get("type", "any"))
     if kind == "array":
         return f"list of {_type_of(prop.get('items', {}), defs)}"

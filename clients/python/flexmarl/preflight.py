@@ -147,7 +147,7 @@ def _workflow_field_problems(spec: JobSpec, env: Environment) -> list[str]:
     that reads it, the file and the first row (a row of ``environment.config.tasks`` is checked
     when the workflow is built). A file that does not read is :func:`dataset_problems`'s to report.
     """
-    from flexmarl.datasets import read_rows
+    from flexmarl.datasets import read_rows, task_files
     from flexmarl.workflows import Workflow
 
     dataset = spec.environment.dataset
@@ -159,9 +159,7 @@ def _workflow_field_problems(spec: JobSpec, env: Environment) -> list[str]:
     if env.tasks or env.eval_tasks:
         return ["environment.config.tasks: the job reads its tasks from environment.dataset; give one task source"]
     problems = []
-    for path in (dataset.train, dataset.eval):
-        if path is None:
-            continue
+    for path in (file.path for file in task_files(dataset)):
         try:
             rows = read_rows(path).rows
         except InvalidArgument:
