@@ -44,7 +44,7 @@ def _final(e2e: E2ECluster, job_id: str) -> dict[str, dict[str, torch.Tensor]]:
     return {a.agent: checkpoint_tensors(weights_dir(a.weights_uri)) for a in info.agents}
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 def test_a_mixed_job_trains_adapters_over_an_untouched_base_and_async_equals_sync(lora_cluster: E2ECluster) -> None:
     e2e = lora_cluster
     spec = mixed_spec(e2e.models_dir, BASE, "lora-mixed")
@@ -76,6 +76,16 @@ def test_a_mixed_job_trains_adapters_over_an_untouched_base_and_async_equals_syn
             if version > 0:  # not vacuous: the adapter changes what the base alone would give
                 base_alone = peft_logprobs(base, None, record)
                 assert max(abs(x - y) for x, y in zip(expected, base_alone, strict=True)) > 1e-3, agent
+
+    # A pinned on-demand round on kept versions: an older adapter, a LoRA agent's v0 (the base alone), the full model.
+    asked = {"sender0": 1, "receiver0": 0, "observer": 2}
+    record = e2e.client.wait_evaluation(job_id, e2e.client.evaluate(job_id, agent_versions=asked, tasks=2),
+                                        timeout_s=120)
+    assert record.on_demand and record.tasks == 2 and not record.failed_tasks, record
+    assert {a.agent: (a.version, a.versions_seen) for a in record.agents} == {
+        agent: (version, (version,)) for agent, version in asked.items()}
+    after = {a.agent: (a.version, a.weights_uri) for a in e2e.client.status(job_id).agents}
+    assert after == {a.agent: (a.version, a.weights_uri) for a in info.agents}  # the round moved no agent's version
 
     # The same job in sync mode trains the same adapters and the same full model, bit for bit.
     async_ = {a.agent: checkpoint_tensors(published[a.agent]) for a in info.agents}
