@@ -442,7 +442,7 @@ def rollout_step(runner: RolloutRunner, step: int, prompts_per_step: int, seed: 
     results = _LOOP.run_until_complete(rollout())
     records: list[ExperienceRecord] = []
     for res in results:
-        if not res.ok:
+        if res.errors:  # (an episode whose reward failed is dropped, as in rolloutd: res.failed_episodes)
             raise RuntimeError(f"episode failed: {res.errors[0].message}\n{res.errors[0].traceback}")
         records.extend(res.experiences)
     return results, records

@@ -351,7 +351,8 @@ class RolloutRunner:
             agents: runtime of every agent the environment lists.
             backend: generation backend (balancer + engines in rolloutd, a fake in tests).
             coalesce_first_turn: send identical first requests of a group once with n.
-            fail_fast: cancel the other episodes as soon as one fails.
+            fail_fast: cancel the other episodes as soon as one fails for a reason other than its reward
+                (an episode whose reward failed is dropped alone).
             clock_ms: wall clock for ``created_unix_ms`` (injectable for tests).
         """
         missing = [agent for agent in env.agents if agent not in agents]
