@@ -25,7 +25,10 @@ Vocabulary: rollout *batch* t = the ``prompts_per_step`` tasks whose
 experiences form *step* t of every agent; step t of an agent trains version t
 into version t + 1. A step's *manifest* is the exact set of its experience ids.
 A step *attempt* is one try at training it on one slot; a slot death starts a
-new attempt from the last committed version with the same manifest.
+new attempt from the last committed version with the same manifest. A task's
+groups hold its episodes but those whose reward failed; a task left with too
+few is *given up* (``manifests.give_up_task``): it joins its step empty and is
+never re-issued.
 
 Pipeline modes (``pipeline.mode``):
 
