@@ -27,8 +27,8 @@ into version t + 1. A step's *manifest* is the exact set of its experience ids.
 A step *attempt* is one try at training it on one slot; a slot death starts a
 new attempt from the last committed version with the same manifest. A task's
 groups hold its episodes but those whose reward failed; a task left with too
-few is *given up* (``manifests.give_up_task``): it joins its step empty and is
-never re-issued.
+few is *given up* (``manifests.give_up_task``): never re-issued, it joins its
+step empty (``step_fill: batch``) or another task takes its place (``completion``).
 
 Pipeline modes (``pipeline.mode``):
 
