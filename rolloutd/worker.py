@@ -505,7 +505,9 @@ class RolloutWorker:
         first = result.errors[0]
         message = f"episode {first.sample_index}: {first.error_type}: {first.message}"
         log.warning("eval task %s failed: %s", task.task_id, message)
-        await self._report(TaskReport(task.lease_id, task.task_id, error=message))
+        # Only rewards failed: playing the task again would fail again (orchestratord gives it up at once).
+        reason = ErrorReason.EPISODES_FAILED if all(e.reward for e in result.errors) else ErrorReason.UNSPECIFIED
+        await self._report(TaskReport(task.lease_id, task.task_id, error=message, reason=reason))
 
     async def _store_experiences(self, result: RolloutResult) -> None:
         """Appends a task's experiences, retrying while stored is full, down or slow (see the module doc).

@@ -38,7 +38,7 @@ import logging
 import math
 from collections.abc import Sequence
 
-from flexmarl.errors import FailedPrecondition, InvalidArgument
+from flexmarl.errors import ErrorReason, FailedPrecondition, InvalidArgument
 from flexmarl.evaluation import EvalEpisode, aggregate
 from flexmarl.ids import EvalTaskRef, on_demand_round, periodic_round
 from flexmarl.jobspec import EvaluationSpec
@@ -238,20 +238,28 @@ def requeue(job: JobPlan, task_id: str, reason: str) -> None:
     round_, task = found
     task.lease_id = ""
     if task.attempts >= job.options.max_task_attempts:
-        logger.warning("job %s: eval task %s given up after %d attempts (last: %s)", job.job_id, task_id,
-                       task.attempts, reason)
-        task.status = TaskStatus.DONE
-        task.failed = True
-        job.changes.append(EvalTaskFinished(job.job_id, round_.round_id, EvalTaskResult(task.index, failed=True)))
-        _finish_if_done(job, round_)
+        _give_up(job, round_, task, f"after {task.attempts} attempts (last: {reason})")
         return
     logger.info("re-issuing eval task %s after attempt %d: %s", task_id, task.attempts, reason)
     task.status = TaskStatus.PENDING
 
 
+def _give_up(job: JobPlan, round_: EvalRound, task: EvalTask, why: str) -> None:
+    """Gives an eval task up: done, counted in the round's ``failed_tasks``, left out of its metrics."""
+    logger.warning("job %s: eval task %s given up %s", job.job_id, task.task_id, why)
+    task.status = TaskStatus.DONE
+    task.lease_id = ""
+    task.failed = True
+    job.changes.append(EvalTaskFinished(job.job_id, round_.round_id, EvalTaskResult(task.index, failed=True)))
+    _finish_if_done(job, round_)
+
+
 def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded: bool, error: str,
-           episodes: Sequence[EvalEpisode]) -> None:
+           episodes: Sequence[EvalEpisode], reason: ErrorReason = ErrorReason.UNSPECIFIED) -> None:
     """An eval task finished (its episodes) or failed.
+
+    A failure with reason EPISODES_FAILED (an episode's reward raised or timed out: it would again)
+    gives the task up at once; any other is re-issued until ``max_task_attempts``.
 
     Raises:
         FailedPrecondition: the lease ended, expired or is another worker's (from ``require_active``).
@@ -268,6 +276,9 @@ def report(job: JobPlan, granted: Lease, worker_id: str, task_id: str, succeeded
     round_, task = found
     if not succeeded:
         job.leases.end(held, LeaseStatus.RELEASED, "failed")
+        if reason is ErrorReason.EPISODES_FAILED:
+            _give_up(job, round_, task, f"as its rewards failed: {error}")
+            return
         requeue(job, task_id, f"worker reported failure: {error}")
         return
     try:

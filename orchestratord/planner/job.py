@@ -288,7 +288,7 @@ class JobPlanner:
         if granted is not None and granted.kind is LeaseKind.EVAL_TASK:
             if experiences:
                 raise InvalidArgument(f"eval task {task_id!r}: an evaluation stores no experiences")
-            evaluation.report(self._job, granted, worker_id, task_id, succeeded, error, eval_episodes)
+            evaluation.report(self._job, granted, worker_id, task_id, succeeded, error, eval_episodes, reason)
             return
         if eval_episodes and granted is not None:  # (an unknown lease: NotFound below)
             raise InvalidArgument(f"task {task_id!r}: eval_episodes belong to an eval task's report")

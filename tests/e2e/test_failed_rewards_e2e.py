@@ -4,7 +4,8 @@ One step of a two-agent ``mixture`` workflow over three rows (3 tasks x 3 episod
 failing_rewards:by_row: every episode of the ``raise`` row and of the ``hang`` row fails (both
 tasks are given up), one episode of the ``once`` row fails (its other two train). The job
 succeeds; the 7 failed episodes are counted with their reasons (status, metrics, logs) and none
-of them is stored or in the step's manifest.
+of them is stored or in the step's manifest. Its held-out round gives the ``raise`` row's eval
+task up at once and records the other.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def mixture_spec(models_dir: Path, marker: Path) -> dict[str, Any]:
         "name": "failing-rewards", "seed": 0, "total_steps": 1,
         "environment": {"entrypoint": "flexmarl.workflows:Mixture", "config": {
             "proposers": ["proposer"], "chat": False, "tasks": rows, "reward_timeout_s": 1.0,
+            "eval_tasks": [rows[0], {"question": "4+4", "answer": "8"}],
             "reward": {"function": REWARD, "field": "answer"},
             "prompts": {"propose": "{question}=", "aggregate": "{question} {proposals}="}}},
         "agents": [{"name": "proposer", "model": "tiny://qwen2?seed=1", "sampling": sampling},
@@ -36,6 +38,7 @@ def mixture_spec(models_dir: Path, marker: Path) -> dict[str, Any]:
         "algorithm": {"name": "grpo"},
         "batch": {"prompts_per_step": 3, "group_size": 3, "micro_batch_size": 6},
         "pipeline": {"mode": "async", "max_staleness": 0},
+        "evaluation": {"every_versions": 1, "tasks": 2, "before_training": False},
         "leases": {"rollout_timeout_s": 120, "train_timeout_s": 300},
     }
     return materialize_models(raw, models_dir)
@@ -60,7 +63,8 @@ def test_episodes_whose_reward_raises_or_times_out_are_dropped_and_the_job_succe
     assert (info.episodes_failed, info.tasks_given_up) == (7, 2), info
     assert f"reward '{REWARD}'" in info.last_episode_failure
     failed_after, given_up_after = counts(e2e)
-    assert (failed_after - failed_before, given_up_after - given_up_before) == (7, 2)
+    # Given up: the raise and hang rows' training tasks, and the raise row's eval task (an eval report counts too).
+    assert (failed_after - failed_before, given_up_after - given_up_before) == (7, 3)
     log = rolloutd_log(e2e)
     assert f"reward '{REWARD}' raised RuntimeError: this row's reference cannot be read" in log
     assert f"reward '{REWARD}' timed out after 1 s" in log
@@ -75,3 +79,6 @@ def test_episodes_whose_reward_raises_or_times_out_are_dropped_and_the_job_succe
         assert manifest["step_episodes"] == 2
     (row,) = [r for r in e2e.client.history(job_id) if r.agent == "proposer"]
     assert row.episodes == 2
+    # The held-out round after the step: the raise row's eval task is given up at its first attempt.
+    (record,) = e2e.client.evaluations(job_id)
+    assert (record.tasks, record.failed_tasks) == (2, 1), record

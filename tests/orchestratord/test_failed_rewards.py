@@ -16,7 +16,14 @@ import pytest
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.experience import ExperienceSummary, FailedEpisode, min_episodes_to_train
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
-from orchestratord.state import InMemoryStateStore, JobState, ManifestFixed, StepManifest, apply_changes
+from orchestratord.state import (
+    EvalRecorded,
+    InMemoryStateStore,
+    JobState,
+    ManifestFixed,
+    StepManifest,
+    apply_changes,
+)
 
 from .helpers import FakeClock, experiences_for, make_spec
 
@@ -197,3 +204,17 @@ async def test_a_restarted_orchestrator_gives_a_fixed_steps_given_up_task_up_aga
     leases, _, _ = drive(restarted, clock)
     assert job.state is JobState.SUCCEEDED, job.snapshot().error
     assert {lease.batch_index for lease in leases} == {1}  # t2 of step 0 was not played again
+
+
+def test_an_eval_task_whose_rewards_failed_is_given_up_at_once_and_the_round_recorded_without_it() -> None:
+    planner = Planner(FakeClock(), PlannerOptions(lease_epoch="e0"))
+    evaluation = {"every_versions": 1, "tasks": 1, "samples_per_task": 2, "sampling": "policy", "before_training": True}
+    planner.submit_job("job1", make_spec(evaluation=evaluation, pipeline={"mode": "sync"}))
+    (lease,) = [t for t in planner.lease_rollout_tasks("roll", 8) if t.evaluation]
+    planner.report_rollout_task(lease.lease_id, "roll", lease.task_id, False,
+                                "episode 0: RewardFailed: reward 'm:f' timed out after 10 s", [],
+                                ErrorReason.EPISODES_FAILED)
+    recorded = [c for c in planner.take_changes() if isinstance(c, EvalRecorded)]
+    assert len(recorded) == 1 and recorded[0].record["failed_tasks"] == 1  # one attempt, not max_task_attempts
+    assert lease.attempt == 1 and not [t for t in planner.lease_rollout_tasks("roll", 8) if t.evaluation]
+    assert planner.job("job1").state is JobState.RUNNING
