@@ -65,6 +65,12 @@ def _constraints(prop: dict[str, Any]) -> str:
                       ("exclusiveMaximum", "each < {}")):
         if isinstance(items, dict) and key in items:
             parts.append(text.format(items[key]))
+    for key, text in (("minLength", "each of length >= {}"), ("pattern", "each matches `{}`")):
+        if isinstance(items, dict) and key in items:
+            parts.append(text.format(items[key]))
+    if not parts:  # a union (`int | None`, a file or a list of files): each branch's own, where it has any
+        branches = [_constraints(branch) for branch in (*prop.get("anyOf", ()), *prop.get("oneOf", ()))]
+        return "; ".join(part for part in branches if part)
     return ", ".join(parts)
 
 
