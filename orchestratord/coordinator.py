@@ -29,7 +29,7 @@ from flexmarl.engine_limits import EngineLimits, unservable
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, InvalidArgument, NotFound, Unavailable
 from flexmarl.evaluation import EvalEpisode, EvalRecord
 from flexmarl.experience import ExperienceRecord, ExperienceState, ExperienceSummary, FailedEpisode
-from flexmarl.ids import StepRef
+from flexmarl.ids import EvalTaskRef, StepRef
 from flexmarl.jobspec import EvaluationSpec, JobSpec, parse_job_spec
 from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
 from flexmarl.retry import RetryPolicy, retry
@@ -39,6 +39,7 @@ from flexmarl.v1 import rollout_pb2_grpc
 from flexmarl.weight_group import WeightGroupRecord
 from orchestratord import serde
 from orchestratord.etcd_state import EtcdStateStore
+from orchestratord.failures import RECORD_KEYS as FAILURE_RECORD_KEYS
 from orchestratord.history_archive import DEFAULT_PAGE_STEPS, HistoryArchive, HistoryBlobs, consumed_steps
 from orchestratord.metrics import OrchestratorMetrics
 from orchestratord.planner import (
@@ -100,10 +101,19 @@ MAX_HISTORY_PAGE_STEPS = 100_000
 #: The history record's own fields (:meth:`JobCoordinator._history_record`); a trainer figure may not reuse one.
 HISTORY_FIELDS = frozenset({
     "agent", "step", "version", "reward_mean", "return_mean", "loss", "grad_norm", "step_seconds", "tokens_per_s",
-    "staleness_mean", "episodes", "response_tokens", "committed_unix_ms", "weights_uri",
+    "staleness_mean", "episodes", "response_tokens", "committed_unix_ms", "weights_uri", *FAILURE_RECORD_KEYS,
 })
 MAX_STEP_FIGURES = 16
 _FIGURE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def _is_eval_task(task_id: str) -> bool:
+    """Whether a reported task is a held-out evaluation task (``flexmarl.ids.EvalTaskRef``)."""
+    try:
+        EvalTaskRef.parse(task_id)
+    except InvalidArgument:
+        return False
+    return True
 
 
 def step_figures(figures: Mapping[str, float]) -> dict[str, float]:
@@ -404,6 +414,8 @@ class JobCoordinator:
             "episodes": manifest.step_episodes if manifest is not None else 0, "response_tokens": tokens,
             "committed_unix_ms": int(commit.committed_s * 1000), "weights_uri": commit.weights_uri,
             **dict(commit.figures),
+            # The step's failed episodes and given-up tasks (orchestratord/failures.py).
+            **(manifest.failures.as_record() if manifest is not None and manifest.failures is not None else {}),
         }
         self.tokens_per_s[key] = record["tokens_per_s"]
         self._step_records[(commit.job_id, commit.agent, commit.step)] = record
@@ -788,7 +800,8 @@ class JobCoordinator:
                                                                    experiences, reason, eval_episodes,
                                                                    failed_episodes))
         given_up = not succeeded and reason is ErrorReason.EPISODES_FAILED
-        self._metrics.tasks_reported.labels("ok" if succeeded else "given_up" if given_up else "failed").inc()
+        kind = "eval" if _is_eval_task(task_id) else "train"
+        self._metrics.tasks_reported.labels("ok" if succeeded else "given_up" if given_up else "failed", kind).inc()
         self._metrics.episodes_failed.inc(len(failed_episodes))
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],

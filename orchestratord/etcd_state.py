@@ -10,6 +10,8 @@ Key layout under the registry prefix (DESIGN §7)::
     jobs/<job>/agents/<agent>/steps/<n>/commit      the step's commit record
     jobs/<job>/history/<agent>/<n>                  per-step figures for plots (JobHistory), n 8 digits
     jobs/<job>/history_archive                      the pages of history moved to stored (HistoryArchiveIndex)
+    jobs/<job>/failure_totals                       failed episodes, given-up tasks of the steps every agent
+                                                     committed (orchestratord/failures.py)
     jobs/<job>/eval/<round>                         held-out evaluation rounds (JobHistory.evals)
     jobs/<job>/eval_open/<round>/round              an open round as opened (orchestratord/eval_state.py)
     jobs/<job>/eval_open/<round>/tasks/<index>      its finished tasks' episodes
@@ -36,6 +38,7 @@ from flexmarl.errors import Aborted, AlreadyExists, NotFound
 from flexmarl.registry import ETCD_ERRORS, Registry, prefix_range_end
 from flexmarl.retry import RetryPolicy, retry
 from orchestratord.eval_state import EvalTaskResult, OpenEvalRound, open_rounds
+from orchestratord.failures import FailureFigures
 from orchestratord.state import (
     AgentVersionRecord,
     HistoryArchiveIndex,
@@ -157,7 +160,8 @@ class EtcdStateStore(StateStore):
         return key, raw, AgentVersionRecord(**json.loads(raw))
 
     @_retrying
-    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None,
+                          failure_totals: FailureFigures | None = None) -> None:
         """See :meth:`StateStore.commit_step`."""
         ckey = commit_key(self._prefix, commit.job_id, commit.agent, commit.step)
         for _ in range(_CAS_RETRIES):
@@ -175,6 +179,8 @@ class EtcdStateStore(StateStore):
                     pending_mark_key(self._prefix, commit.job_id, commit.agent, commit.step): b"1"}
             if history is not None:
                 puts[self._history_key(commit.job_id, commit.agent, commit.step)] = _dump(dict(history))
+            if failure_totals is not None:
+                puts[self._key(commit.job_id, "failure_totals")] = failure_totals.to_json().encode()
             if await self._registry.transact({vkey: raw, ckey: None}, puts):
                 return
         raise Aborted(f"agent {commit.agent!r}: concurrent commits of step {commit.step}")
@@ -336,6 +342,7 @@ class EtcdStateStore(StateStore):
         meta_raw = await self._registry.get(self._key(job_id, "meta"))
         if spec is None or meta_raw is None:
             return None
+        failure_totals = await self._registry.get(self._key(job_id, "failure_totals"))
         values, _ = await self._registry.get_prefix(self._key(job_id, "agents") + "/")
         meta = json.loads(meta_raw)
         agents: dict[str, AgentVersionRecord] = {}
@@ -371,6 +378,7 @@ class EtcdStateStore(StateStore):
             pending_marks=frozenset(pending),
             eval_rounds=frozenset(evals),
             open_evals=await self._open_evals(job_id, frozenset(evals)),
+            failure_totals=FailureFigures.from_json(failure_totals) if failure_totals is not None else FailureFigures(),
         )
 
     @_retrying

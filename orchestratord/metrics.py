@@ -17,7 +17,9 @@ class OrchestratorMetrics:
                                     "Rollout task leases issued (re-issues included).", registry=registry)
         self.tasks_reported = Counter("flexmarl_orchestratord_rollout_tasks_reported_total",
                                       "Rollout task reports, by outcome (ok, failed: re-issued, given_up: too few "
-                                      "episodes left after their rewards failed).", ["outcome"], registry=registry)
+                                      "episodes left after their rewards failed; an eval task: any of its rewards "
+                                      "failed) and kind (train, eval: a held-out evaluation task).",
+                                      ["outcome", "kind"], registry=registry)
         self.episodes_failed = Counter("flexmarl_orchestratord_episodes_failed_total",
                                        "Episodes dropped from their tasks because their reward failed (raised, "
                                        "timed out, gave no finite number).", registry=registry)

@@ -18,6 +18,8 @@ Durable, per job (keys relative to the configured prefix, DESIGN section 7)::
     jobs/<job>/agents/<agent>/steps/<t>/manifest  the step manifest                (create-only)
     jobs/<job>/agents/<agent>/steps/<t>/commit    the commit record                (create-only)
     jobs/<job>/history/<agent>/<t>                the step's figures for plots (JobHistory)
+    jobs/<job>/failure_totals                     failed episodes, given-up tasks of the steps every
+                                                  agent committed (orchestratord/failures.py)
     jobs/<job>/history_archive                    :class:`HistoryArchiveIndex`: the pages of history in stored
     jobs/<job>/eval/<round>                       a held-out evaluation round's record (v<version> or d<n>)
     jobs/<job>/eval_open/<round>/...              an open round and its finished tasks (orchestratord/eval_state.py)
@@ -49,6 +51,7 @@ from typing import Any
 
 from flexmarl.errors import Aborted, AlreadyExists, InvalidArgument, NotFound
 from orchestratord.eval_state import EvalRoundOpened, EvalTaskFinished, EvalTaskResult, OpenEvalRound, open_rounds
+from orchestratord.failures import FailureFigures
 
 
 class JobState(enum.IntEnum):
@@ -71,7 +74,10 @@ class StepManifest:
     """The exact membership of step ``step`` of one agent, fixed before its commit.
 
     ``experience_ids`` is sorted: the manifest depends only on which tasks form
-    rollout batch ``step``, never on the order their reports arrived.
+    rollout batch ``step``, never on the order their reports arrived. ``failures``: the step's
+    episodes whose reward failed and tasks given up (``orchestratord/failures.py``), final when the
+    manifest is fixed; None in a manifest written before they were recorded. Not part of the
+    membership: a manifest rebuilt after a restart (without the reasons) equals the stored one.
     """
 
     job_id: str
@@ -80,6 +86,7 @@ class StepManifest:
     experience_ids: tuple[str, ...]
     step_episodes: int
     step_response_tokens: int
+    failures: FailureFigures | None = dataclasses.field(default=None, compare=False)
 
     def to_json(self) -> str:
         """Stable JSON encoding."""
@@ -90,7 +97,8 @@ class StepManifest:
         """Decodes :meth:`to_json`."""
         data = json.loads(text)
         data["experience_ids"] = tuple(data["experience_ids"])
-        return cls(**data)
+        failures = data.pop("failures", None)
+        return cls(**data, failures=FailureFigures.from_record(failures) if failures is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +164,8 @@ class PersistedJob:
     eval_rounds: frozenset[str] = frozenset()
     #: The rounds open, with their finished tasks (``orchestratord/eval_state.py``), in opening order.
     open_evals: tuple[OpenEvalRound, ...] = ()
+    #: Failed episodes and given-up tasks of the steps every agent committed (``orchestratord/failures.py``).
+    failure_totals: FailureFigures = FailureFigures()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +252,13 @@ class StepCommitted:
     ``manifest`` is the step's membership as the planner held it at the commit: the planner forgets
     old manifests, and a commit whose write waited out an etcd outage is observed (its experiences
     marked consumed, its figures recorded) after later commits may have made it forget this one.
+    ``failure_totals``: when this commit was the step's last (every agent has committed it) and the
+    step had failures, the job's new totals over the steps every agent committed, written with it.
     """
 
     commit: StepCommit
     manifest: StepManifest | None = None
+    failure_totals: FailureFigures | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,11 +378,13 @@ class StateStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None,
+                          failure_totals: FailureFigures | None = None) -> None:
         """Advances the agent's version from ``commit.step`` to ``commit.step + 1`` (compare-and-swap).
 
         ``history`` (the step's figures for plots) is written in the same atomic write, so a
-        crash can never leave a committed step without its record, and so is the step's
+        crash can never leave a committed step without its record, and so are ``failure_totals``
+        (the job's, replacing those stored: :attr:`PersistedJob.failure_totals`) and the step's
         *pending consumption mark* (see :meth:`clear_pending_mark`): marking the step's experiences
         consumed in stored happens after the commit, and is never lost to a crash in between.
         Re-applying the identical commit is a no-op.
@@ -508,6 +523,7 @@ class InMemoryStateStore(StateStore):
             "open_evals": {},
             "history": {},
             "archive": None,
+            "failure_totals": FailureFigures(),
         }
         return True
 
@@ -525,7 +541,8 @@ class InMemoryStateStore(StateStore):
             raise AlreadyExists(f"step {manifest.step} of agent {manifest.agent!r} already has a different manifest")
         job["manifests"][key] = manifest
 
-    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None) -> None:
+    async def commit_step(self, commit: StepCommit, history: Mapping[str, Any] | None = None,
+                          failure_totals: FailureFigures | None = None) -> None:
         """See :meth:`StateStore.commit_step`."""
         job = self._job(commit.job_id)
         record = job["agents"].get(commit.agent)
@@ -546,6 +563,8 @@ class InMemoryStateStore(StateStore):
         job["pending_marks"].add(key)
         if history is not None:
             job["history"][key] = dict(history)
+        if failure_totals is not None:
+            job["failure_totals"] = failure_totals
         job["updated_s"] = max(job["updated_s"], commit.committed_s)
 
     async def set_state_uri(self, job_id: str, agent: str, version: int, state_uri: str, updated_s: float) -> None:
@@ -620,6 +639,7 @@ class InMemoryStateStore(StateStore):
                 {r: [EvalTaskResult.from_json(t) for t in tasks.values()]
                  for r, (_, tasks) in job["open_evals"].items()},
                 frozenset(job["evals"])),
+            failure_totals=job["failure_totals"],
         )
 
     async def list_job_ids(self) -> list[str]:
@@ -687,7 +707,8 @@ async def apply_changes(
         elif isinstance(change, ManifestFixed):
             await store.put_manifest(change.manifest)
         elif isinstance(change, StepCommitted):
-            await store.commit_step(change.commit, history_of(change) if history_of is not None else None)
+            await store.commit_step(change.commit, history_of(change) if history_of is not None else None,
+                                    change.failure_totals)
         elif isinstance(change, StateMoved):
             await store.set_state_uri(change.job_id, change.agent, change.version, change.state_uri,
                                       change.updated_s)

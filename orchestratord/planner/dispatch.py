@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.ids import MicroBatchRef, StepAttemptRef
 from orchestratord.binding import DataParallelGroup
+from orchestratord.failures import FailureFigures
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import evaluation, warm_start
 from orchestratord.planner.ids import batch_of_lease, is_durable_state
@@ -222,10 +223,11 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
                         grad_norm=grad_norm, step_seconds=step_seconds,
                         figures=tuple(sorted((figures or {}).items())))
     job.commits[(agent, step)] = commit
-    job.changes.append(StepCommitted(commit, plan.manifest or job.persisted_manifests.get((agent, step))))
     episodes = sum(group.episodes for group in plan.groups) or 1
     experiences = sum(len(group.experience_ids) for group in plan.groups) or 1
     state.version = new_version
+    job.changes.append(StepCommitted(commit, plan.manifest or job.persisted_manifests.get((agent, step)),
+                                     _commit_failures(job, step)))
     state.weights_uri = weights_uri
     state.state_uri = state_uri
     state.state_worker_id = "" if is_durable_state(state_uri) else worker_id
@@ -238,6 +240,20 @@ def commit_step(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: in
     del job.plans[(agent, step)]
     _prune_batch(job, step)
     evaluation.on_version(job)  # an evaluation round when due; the job succeeds at total_steps (after its last round)
+
+
+def _commit_failures(job: JobPlan, step: int) -> FailureFigures | None:
+    """Once every agent committed ``step``: its failure figures join the job's committed totals.
+
+    Returns the new totals (written with the commit) when the step had failures, else None.
+    """
+    if job.min_version() <= step:
+        return None
+    figures = job.step_failures.pop(step, None)
+    if not figures:
+        return None
+    job.failures_committed = job.failures_committed.plus(figures)
+    return job.failures_committed
 
 
 def _prune_batch(job: JobPlan, step: int) -> None:

@@ -14,6 +14,7 @@ from flexmarl.ids import lease_id_prefix, validate_job_id
 from flexmarl.jobspec import JobSpec, parse_job_spec, spec_digest
 from orchestratord.binding import AgentDemand, DataParallelGroup
 from orchestratord.eval_state import OpenEvalRound
+from orchestratord.failures import FailureFigures
 from orchestratord.leases import LeaseKind, LeaseTable
 from orchestratord.planner import admission, demand, dispatch, evaluation, recovery, reports
 from orchestratord.planner.estimator import RolloutDemandEstimator
@@ -58,6 +59,7 @@ class JobPlanner:
         error: str = "",
         eval_rounds: Iterable[str] = (),
         open_evals: Sequence[OpenEvalRound] = (),
+        failure_totals: FailureFigures | None = None,
     ) -> None:
         self.job_id = job_id
         self.spec = spec
@@ -73,8 +75,12 @@ class JobPlanner:
             created_s=created_s, updated_s=created_s, state=state, error=error,
             rollout_demand_estimator=RolloutDemandEstimator(),
         )
-        # Every batch below the lowest committed version is done (a restored job starts there).
-        job.admitted = job.tasks_done_total = job.min_version() * spec.batch.prompts_per_step
+        # Every batch below the lowest committed version is done (a restored job starts there), but its given-up
+        # tasks (step_fill batch: each took its place in its batch empty; completion: another replaced each).
+        recovery.restore_failures(job, failure_totals or FailureFigures())
+        job.admitted = job.min_version() * spec.batch.prompts_per_step
+        job.tasks_done_total = job.admitted - (0 if spec.pipeline.fills_by_completion
+                                               else job.failures_committed.tasks_given_up)
         job.open_step = job.min_version()  # step_fill completion: the first step still to fill
         for agent in spec.agents:
             job.rollout_demand_estimator.set_prior((job_id, agent.name), float(agent.sampling.max_new_tokens))
@@ -115,7 +121,8 @@ class JobPlanner:
         planner = cls(persisted.job_id, spec, now_s, options or PlannerOptions(),
                       created_s=persisted.created_s, agents=persisted.agents, manifests=persisted.manifests,
                       commits=persisted.commits, state=persisted.state, error=persisted.error,
-                      eval_rounds=persisted.eval_rounds, open_evals=persisted.open_evals)
+                      eval_rounds=persisted.eval_rounds, open_evals=persisted.open_evals,
+                      failure_totals=persisted.failure_totals)
         planner._job.updated_s = persisted.updated_s
         return planner
 
@@ -160,6 +167,7 @@ class JobPlanner:
                  members_of: Callable[[str], tuple[str, ...]] | None = None) -> JobSnapshot:
         """The job's status now; ``slot_of(agent)`` names the bound slot, ``members_of`` all of them."""
         job = self._job
+        failures = job.failure_totals()
         agents = tuple(
             AgentProgress(
                 agent=a.name, version=a.version, total_steps=self.spec.total_steps,
@@ -176,8 +184,8 @@ class JobPlanner:
             agents=agents,
             tasks_done=job.tasks_done_total,
             tasks_total=self.spec.total_steps * self.spec.batch.prompts_per_step,
-            episodes_failed=job.episodes_failed, tasks_given_up=job.tasks_given_up,
-            last_episode_failure=job.last_episode_failure,
+            episodes_failed=failures.episodes_failed, tasks_given_up=failures.tasks_given_up,
+            last_episode_failure=job.last_episode_failure or failures.last_failure,
         )
 
     def cancel(self) -> None:

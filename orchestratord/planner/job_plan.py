@@ -18,6 +18,7 @@ from flexmarl.errors import FailedPrecondition, NotFound
 from flexmarl.evaluation import EvalEpisode
 from flexmarl.jobspec import AgentSpec, JobSpec
 from orchestratord.binding import DataParallelGroup
+from orchestratord.failures import FailureFigures
 from orchestratord.leases import LeaseStatus, LeaseTable
 from orchestratord.planner.estimator import RolloutDemandEstimator
 from orchestratord.planner.types import AgentVersion, PlannerOptions
@@ -323,10 +324,11 @@ class JobPlan:
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0
     tasks_done_total: int = 0
-    # Episodes dropped as their reward failed, tasks given up as too few were left (manifests.give_up_task),
-    # the last such reason (JobStatus), and the tasks given up since the last task done.
-    episodes_failed: int = 0
-    tasks_given_up: int = 0
+    # Episodes dropped as their reward failed and tasks given up as too few were left (manifests.give_up_task):
+    # by step, of the steps some agent has yet to commit (orchestratord/failures.py), and over the steps every
+    # agent committed (durable); the latest such reason (JobStatus), and the tasks given up since the last task done.
+    step_failures: dict[int, FailureFigures] = dataclasses.field(default_factory=dict)
+    failures_committed: FailureFigures = FailureFigures()
     last_episode_failure: str = ""
     given_up_in_a_row: int = 0
     rollout_demand_estimator: RolloutDemandEstimator = dataclasses.field(default_factory=RolloutDemandEstimator)
@@ -343,6 +345,34 @@ class JobPlan:
     def touch(self, agent: str) -> None:
         """The agent's demand or trainer work may have changed."""
         self.touched.add(agent)
+
+    def count_failure(self, task: Task, reason: str, episodes: int = 0, tasks: int = 0,
+                      step: int | None = None) -> None:
+        """Counts ``task``'s dropped episodes or its giving up in a step's figures (``reason``: the latest).
+
+        The step (unless given): the task's rollout batch's (``pipeline.step_fill: batch``), or under
+        ``completion`` the step being filled now (a given-up task joins none; a done one usually
+        joins that one). Under ``completion`` once every step is full, a task still reporting trains
+        nothing (it is abandoned): its failures are in the metrics and the logs, in no step's figures.
+        """
+        if step is None:
+            step = self.open_step if self.spec.pipeline.fills_by_completion else task.batch
+        if step >= self.spec.total_steps:
+            return
+        self.step_failures[step] = self.step_failures.get(step, FailureFigures()).add(reason, episodes, tasks)
+        self.last_episode_failure = reason
+
+    def failure_totals(self) -> FailureFigures:
+        """Failed episodes and given-up tasks of the whole job: the committed steps', then the others' in order."""
+        totals = self.failures_committed
+        for step in sorted(self.step_failures):
+            totals = totals.plus(self.step_failures[step])
+        return totals
+
+    @property
+    def tasks_given_up(self) -> int:
+        """Tasks given up over the whole job (under ``step_fill: completion`` each was replaced by another)."""
+        return self.failures_committed.tasks_given_up + sum(f.tasks_given_up for f in self.step_failures.values())
 
     def touch_all(self) -> None:
         """Every agent's demand or trainer work may have changed (a job-wide or rare change)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from orchestratord.failures import FailureFigures
 from orchestratord.planner.job_plan import Group, JobPlan, StepPlan, Task, TaskStatus
 from orchestratord.state import ManifestFixed, StepManifest
 
@@ -41,9 +42,8 @@ def give_up_task(job: JobPlan, task: Task, reason: str) -> None:
     up in a row, with none done between them, fail the job. Either way a job whose every reward
     fails ends after about one step's worth of tasks.
     """
-    job.tasks_given_up += 1
+    job.count_failure(task, f"task {task.task_id} given up: {reason}", tasks=1)
     job.given_up_in_a_row += 1
-    job.last_episode_failure = f"task {task.task_id} given up: {reason}"
     job.touch_all()
     prompts = job.spec.batch.prompts_per_step
     logger.warning("job %s: giving up task %s: %s", job.job_id, task.task_id, reason)
@@ -169,6 +169,7 @@ def fix_manifest(job: JobPlan, plan: StepPlan) -> None:
         experience_ids=tuple(sorted(eid for group in plan.groups for eid in group.experience_ids)),
         step_episodes=sum(group.episodes for group in plan.groups),
         step_response_tokens=sum(group.response_tokens for group in plan.groups),
+        failures=job.step_failures.get(plan.step, FailureFigures()),
     )
     persisted = job.persisted_manifests.get((plan.agent, plan.step))
     if persisted is not None and persisted != manifest:

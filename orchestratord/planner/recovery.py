@@ -8,11 +8,12 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
 from flexmarl.ids import TaskRef
+from orchestratord.failures import FailureFigures
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import evaluation, warm_start
 from orchestratord.planner.admission import requeue_task
@@ -146,6 +147,30 @@ def replay(job: JobPlan, plan: StepPlan, reason: str) -> None:
         job.fail(f"step {plan.step} of agent {plan.agent!r} failed {plan.attempt} times (last: {reason})")
 
 
+def restore_failures(job: JobPlan, totals: FailureFigures) -> None:
+    """The failure figures of a restored job: ``totals`` (durable) over the steps every agent committed.
+
+    A step whose manifest was fixed has its figures in the manifest; those of the other steps are
+    rebuilt by :func:`recover` from what stored holds, without their reasons.
+    """
+    job.failures_committed = totals
+    min_version = job.min_version()
+    for (_, step), manifest in job.persisted_manifests.items():
+        if step >= min_version and manifest.failures is not None:
+            job.step_failures.setdefault(step, manifest.failures)
+
+
+def _count_recovered(job: JobPlan, known: frozenset[int], task: Task, step: int | None,
+                     experiences: Sequence[ExperienceSummary]) -> None:
+    """Counts the episodes a recovered task had dropped (those stored holds nothing of), unless its step's are known."""
+    if step is not None and step in known:
+        return
+    dropped = job.spec.batch.group_size - len({exp.sample_index for exp in experiences})
+    if dropped > 0:
+        job.count_failure(task, f"task {task.task_id}: {dropped} episodes dropped before orchestratord restarted "
+                                f"(reasons not kept)", episodes=dropped, step=step)
+
+
 def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Mapping[str, int] | None = None) -> int:
     """Marks done the tasks whose experiences stored already holds (after a restore).
 
@@ -160,8 +185,9 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Ma
     by_task: dict[str, list[ExperienceSummary]] = defaultdict(list)
     for exp in reported:
         by_task[exp.task_id].append(exp)
+    known = frozenset(job.step_failures)  # (restore_failures: the steps whose manifests were fixed)
     if job.spec.pipeline.fills_by_completion:
-        return _recover_completion_fill(job, by_task, consumed_by or {})
+        return _recover_completion_fill(job, by_task, consumed_by or {}, known)
     prompts = job.spec.batch.prompts_per_step
     min_version = job.min_version()
     recovered = 0
@@ -183,13 +209,14 @@ def recover(job: JobPlan, reported: Iterable[ExperienceSummary], consumed_by: Ma
             logger.info("not recovering task %s: %s", task_id, rejection)
             continue
         job.tasks[task_id] = task
+        _count_recovered(job, known, task, batch, by_task[task_id])
         complete_task(job, task, groups)
         recovered += 1
-    _recover_given_up(job, by_task)
+    _recover_given_up(job, by_task, known)
     return recovered
 
 
-def _recover_given_up(job: JobPlan, by_task: Mapping[str, object]) -> None:
+def _recover_given_up(job: JobPlan, by_task: Mapping[str, object], known: frozenset[int]) -> None:
     """``step_fill: batch``: the tasks of fixed steps that stored holds nothing of were given up; so they are again.
 
     A step's manifest is fixed once each of its tasks is done or given up, and a done task's
@@ -207,11 +234,14 @@ def _recover_given_up(job: JobPlan, by_task: Mapping[str, object]) -> None:
                 continue
             task = task or Task(task_id, step, position, task_index_of(step, position, prompts))
             job.tasks[task_id] = task
+            if step not in known:  # (its dropped episodes are not known)
+                job.count_failure(task, f"task {task_id} given up before orchestratord restarted (reason not kept)",
+                                  tasks=1)
             place_given_up(job, task, "given up before orchestratord restarted")
 
 
 def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSummary]],
-                             consumed_by: Mapping[str, int]) -> int:
+                             consumed_by: Mapping[str, int], known: frozenset[int]) -> int:
     """:func:`recover` under ``pipeline.step_fill: completion``, where a task's step is not its batch.
 
     The persisted manifests say where the tasks of every full step went: those of a step some
@@ -255,6 +285,7 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
         job.tasks[task_id] = task
         task.status = TaskStatus.DONE
         job.tasks_done_total += 1
+        _count_recovered(job, known, task, placed, by_task[task_id])
         recovered += 1
         if placed is not None:
             place_task(job, task, placed, groups)

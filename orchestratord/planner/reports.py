@@ -98,11 +98,9 @@ def failed_samples(job: JobPlan, task: Task, failed_episodes: Sequence[FailedEpi
 
 
 def _count_failed(job: JobPlan, task: Task, failed_episodes: Sequence[FailedEpisode]) -> None:
-    """Counts a report's failed episodes and keeps the last one's reason (JobStatus)."""
-    job.episodes_failed += len(failed_episodes)
-    if failed_episodes:
-        last = failed_episodes[-1]
-        job.last_episode_failure = f"task {task.task_id} episode {last.sample_index}: {last.reason}"
+    """Counts a report's failed episodes in their step's figures, each with its reason (``JobPlan.count_failure``)."""
+    for episode in failed_episodes:
+        job.count_failure(task, f"task {task.task_id} episode {episode.sample_index}: {episode.reason}", episodes=1)
 
 
 def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSummary],

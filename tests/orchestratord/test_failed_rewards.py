@@ -9,18 +9,24 @@ every step without what failed, and fails a job only when a step is left with no
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import pytest
 
+from flexmarl.client import StepRecord
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.experience import ExperienceSummary, FailedEpisode, min_episodes_to_train
+from orchestratord import serde
+from orchestratord.failures import MAX_REASON_CHARS, FailureFigures
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
 from orchestratord.state import (
     EvalRecorded,
     InMemoryStateStore,
     JobState,
     ManifestFixed,
+    StateChange,
+    StepCommitted,
     StepManifest,
     apply_changes,
 )
@@ -55,20 +61,31 @@ def report(planner: Planner, lease: RolloutTaskLease, failed: Mapping[int, str])
 
 
 def drive(planner: Planner, clock: FakeClock, policy: Policy = by_position,
+          until: Callable[[RolloutTaskLease], bool] = lambda lease: False,
+          outbox: list[StateChange] | None = None, reported: list[ExperienceSummary] | None = None,
           ) -> tuple[list[RolloutTaskLease], list[OptimizerStepWork], dict[tuple[str, int], StepManifest]]:
-    """Runs job1 to its end, every task reported by ``policy``: the leases, optimizer steps and manifests."""
+    """Runs job1 to its end (or to the first lease ``until`` stops at, unplayed), every task reported by ``policy``.
+
+    Returns the leases, optimizer steps and manifests; the job's changes go to ``outbox``, the
+    experiences reported to ``reported``.
+    """
     job = planner.job("job1")
     leases: list[RolloutTaskLease] = []
     steps: list[OptimizerStepWork] = []
     manifests: dict[tuple[str, int], StepManifest] = {}
+    outbox = [] if outbox is None else outbox
+    reported = [] if reported is None else reported
     for _ in range(1000):
         if job.state.terminal:
             break
         for lease in planner.lease_rollout_tasks("roll", 3):
             if job.state.terminal:  # the job failed at a report: its other leases were revoked
                 break
+            if until(lease):
+                outbox += job.take_changes()
+                return leases, steps, manifests
             leases.append(lease)
-            report(planner, lease, policy(lease))
+            reported += report(planner, lease, policy(lease))
         work = planner.poll_trainer_work("t", "slot-0")
         if isinstance(work, MicroBatchWork):
             planner.ack_micro_batch(work.lease_id, "t", "slot-0")
@@ -78,7 +95,9 @@ def drive(planner: Planner, clock: FakeClock, policy: Policy = by_position,
                                 f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}")
         elif not leases or work is None:
             clock.advance(1.0)
-        manifests.update({(c.manifest.agent, c.manifest.step): c.manifest for c in job.take_changes()
+        changes = job.take_changes()
+        outbox += changes
+        manifests.update({(c.manifest.agent, c.manifest.step): c.manifest for c in changes
                           if isinstance(c, ManifestFixed)})
     return leases, steps, manifests
 
@@ -142,6 +161,11 @@ def test_under_completion_fill_a_given_up_task_is_replaced_and_a_steps_worth_in_
     assert all(m.step_episodes >= 4 + 4 + 3 for m in manifests.values())  # 4 tasks each, none given up
     assert all("/t2/" not in eid for m in manifests.values() for eid in m.experience_ids)
     assert job.snapshot().tasks_given_up >= 2 and all(lease.attempt == 1 for lease in leases)
+    # Each failure is in the figures of the step being filled when it was reported: they add up to the totals.
+    for agent in AGENTS:
+        per_step = [manifests[(agent, step)].failures or FailureFigures() for step in range(2)]
+        assert (sum(f.episodes_failed for f in per_step), sum(f.tasks_given_up for f in per_step)) == (
+            job.snapshot().episodes_failed, job.snapshot().tasks_given_up)
 
     clock = FakeClock()
     planner = planner_of(clock, pipeline={"max_staleness": 1, "step_fill": "completion"})
@@ -218,3 +242,75 @@ def test_an_eval_task_whose_rewards_failed_is_given_up_at_once_and_the_round_rec
     assert len(recorded) == 1 and recorded[0].record["failed_tasks"] == 1  # one attempt, not max_task_attempts
     assert lease.attempt == 1 and not [t for t in planner.lease_rollout_tasks("roll", 8) if t.evaluation]
     assert planner.job("job1").state is JobState.RUNNING
+
+
+def history_of(change: StepCommitted) -> dict[str, object]:
+    """The failure part of the history record orchestratord writes with a commit (JobCoordinator._history_record)."""
+    manifest = change.manifest
+    assert manifest is not None and manifest.failures is not None
+    return {"agent": change.commit.agent, "step": change.commit.step, **manifest.failures.as_record()}
+
+
+STEP_FIGURES = (5, 1)  # per step: t1's dropped episode and t2's 4; t2 given up
+
+
+@pytest.mark.parametrize("stop", ["b1/t0", "b1/t2"])  # step 1 not yet played; half of it reported
+async def test_each_steps_failures_are_in_its_history_record_and_the_totals_survive_restarts(stop: str) -> None:
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = planner_of(clock)
+    outbox: list[StateChange] = []
+    reported: list[ExperienceSummary] = []
+    drive(planner, clock, until=lambda lease: lease.task_id.endswith(stop), outbox=outbox, reported=reported)
+    before = planner.job("job1").snapshot()
+    await apply_changes(store, outbox, history_of)
+    persisted = await store.load_job("job1")
+    assert persisted is not None and min(a.version for a in persisted.agents.values()) == 1
+    # Step 0, committed by every agent: its figures in each agent's history record and in the durable totals.
+    assert persisted.failure_totals == FailureFigures(
+        *STEP_FIGURES, first_failure="task job1/b0/t1 episode 3: reward 'm:f' timed out after 10 s",
+        last_failure="task job1/b0/t2 given up: 4 of 4 episodes failed in their reward "
+                     "(reward 'm:f' raised ValueError: no)")
+    rows, _ = await store.load_history_page("job1", AGENTS, 0, 10)
+    assert [FailureFigures.from_record(r) for r in rows] == [persisted.failure_totals] * 2
+
+    restarted = Planner(clock, PlannerOptions(lease_epoch="e1"))
+    job = restarted.restore_job(persisted, reported)
+    after = job.snapshot()
+    # Step 1's t1 (reported before the restart): what stored holds of it tells its dropped episode, not the reason.
+    half = stop == "b1/t2"
+    assert (after.episodes_failed, after.tasks_given_up, after.tasks_done) == (
+        before.episodes_failed, before.tasks_given_up, before.tasks_done) == (5 + half, 1, 3 + 2 * half)
+    assert after.last_episode_failure == ("task job1/b1/t1: 1 episodes dropped before orchestratord restarted "
+                                          "(reasons not kept)" if half else persisted.failure_totals.last_failure)
+    outbox = []
+    drive(restarted, clock, outbox=outbox)
+    assert job.state is JobState.SUCCEEDED, job.snapshot().error
+    await apply_changes(store, outbox, history_of)
+    final = await store.load_job("job1")
+    assert final is not None and (final.failure_totals.episodes_failed, final.failure_totals.tasks_given_up) == (10, 2)
+    rows, _ = await store.load_history_page("job1", AGENTS, 1, 1)
+    assert {(r["episodes_failed"], r["tasks_given_up"]) for r in rows} == {STEP_FIGURES}
+    assert {str(r["last_failure"]) for r in rows} == {persisted.failure_totals.last_failure.replace("b0", "b1")}
+
+    # The finished job restored again: the same totals, and tasks done are those that trained.
+    status = Planner(clock, PlannerOptions(lease_epoch="e2")).restore_job(final, []).snapshot()
+    assert (status.episodes_failed, status.tasks_given_up, status.tasks_done, status.tasks_total) == (10, 2, 6, 8)
+    assert status.last_episode_failure.startswith("task job1/b1/t2 given up")
+
+
+def test_a_record_or_manifest_written_before_the_failure_figures_reads_as_empty_not_zero() -> None:
+    old = {"agent": "a", "step": 0, "version": 1, "reward_mean": 0.5, "episodes": 8, "loss": 0.1}
+    record = StepRecord.from_proto(serde.step_record(old))
+    assert (record.episodes_failed, record.tasks_given_up, record.first_failure, record.return_mean) == (
+        None, None, "", None)
+    assert FailureFigures.from_record(old) is None
+    new = {**old, **FailureFigures(0, 0).as_record()}
+    record = StepRecord.from_proto(serde.step_record(new))
+    assert (record.episodes_failed, record.tasks_given_up) == (0, 0) and "episodes_failed" not in record.figures
+    figures = FailureFigures().add("x" * 1000, episodes=1).add("last", tasks=1)
+    assert (len(figures.first_failure), figures.last_failure, figures.episodes_failed, figures.tasks_given_up) == (
+        MAX_REASON_CHARS, "last", 1, 1)
+    manifest = StepManifest("j", "a", 0, ("e",), 1, 2)
+    assert StepManifest.from_json(manifest.to_json()).failures is None
+    assert StepManifest.from_json(dataclasses.replace(manifest, failures=figures).to_json()).failures == figures

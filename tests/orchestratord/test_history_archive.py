@@ -16,6 +16,7 @@ from flexmarl.errors import Aborted, NotFound
 from flexmarl.experience import ExperienceState, ExperienceSummary
 from flexmarl.ids import StepRef
 from flexmarl.store_client import ExperienceRef
+from orchestratord.failures import FailureFigures
 from orchestratord.history_archive import (
     HistoryArchive,
     HistoryBlobs,
@@ -59,17 +60,27 @@ class DictBlobs:
 
 
 def _record(agent: str, step: int) -> dict[str, Any]:
-    # Agent b commits each step just before a: commit order is not (agent, step) order.
+    # Agent b commits each step just before a: commit order is not (agent, step) order. Steps from 10 on carry
+    # their failure figures (orchestratord/failures.py), as records written before they existed do not.
+    failures = FailureFigures(step % 3, step % 2, f"first {step}", f"last {step}") if step >= 10 else None
     return {"agent": agent, "step": step, "version": step + 1, "loss": step / 100,
-            "committed_unix_ms": 1_000 * step + (2 if agent == "a" else 1), "weights_uri": f"file:///{agent}/{step}"}
+            "committed_unix_ms": 1_000 * step + (2 if agent == "a" else 1), "weights_uri": f"file:///{agent}/{step}",
+            **(failures.as_record() if failures is not None else {})}
+
+
+def _totals(step: int) -> FailureFigures:
+    """The job's failure totals once every agent committed ``step`` (written with the last agent's commit)."""
+    return FailureFigures(step, step // 2, "first 10", f"last {step}")
 
 
 async def _run_steps(store: StateStore, job_id: str, steps: range, clear: bool = True) -> None:
     for step in steps:
         for agent in AGENTS:
-            await store.put_manifest(StepManifest(job_id, agent, step, (f"{job_id}/{agent}/{step}",), 1, 4))
+            await store.put_manifest(StepManifest(job_id, agent, step, (f"{job_id}/{agent}/{step}",), 1, 4,
+                                                  FailureFigures.from_record(_record(agent, step))))
             await store.commit_step(StepCommit(job_id, agent, step, f"file:///{agent}/{step}", "", "slot",
-                                               float(step)), _record(agent, step))
+                                               float(step)), _record(agent, step),
+                                    _totals(step) if agent == AGENTS[-1] and step >= 10 else None)
             if clear:
                 await store.clear_pending_mark(job_id, agent, step)
 
@@ -127,6 +138,10 @@ async def test_archived_pages_move_to_stored_and_read_across_the_boundary(store:
     assert {(r["agent"], r["step"]) for r in page1["records"]} == {(a, s) for a in AGENTS for s in range(5, 10)}
     job = await store.load_job("j")
     assert job is not None and min(step for _, step in job.manifests) == min(step for _, step in job.commits) == 15
+    # The job's failure totals outlive the steps' keys; a kept manifest has its step's figures.
+    assert job.failure_totals == _totals(22)
+    assert job.manifests[("a", 16)].failures == FailureFigures.from_record(_record("a", 16)) == FailureFigures(
+        1, 0, "first 16", "last 16")
     assert (await store.load_history_page("j", AGENTS, 0, 15))[0] == []
 
     # GetJobHistory's contract, over archived and live steps: the same records and "more" as before.

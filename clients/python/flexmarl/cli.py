@@ -261,22 +261,39 @@ def _fmt_state(state: Any) -> str:
     return str(state.name).lower()
 
 
+def _fmt_failed(record: Any) -> str:
+    """A step's dropped episodes and given-up tasks (``3/1``); "-" for a record written before they were recorded."""
+    if record.episodes_failed is None:
+        return "-"
+    return f"{record.episodes_failed}/{record.tasks_given_up or 0}"
+
+
 def _fmt_return(value: float | None) -> str:
     """A reported episode return; "-" for a history record written before orchestratord recorded it."""
     return "-" if value is None else f"{value:.3f}"
+
+
+def _fmt_tasks(info: Any) -> str:
+    """``tasks 6/8 (2 given up)``: the given-up tasks named, so that a finished job never looks unfinished."""
+    given_up = f" ({info.tasks_given_up} given up)" if info.tasks_given_up else ""
+    return f"tasks {info.tasks_done}/{info.tasks_total}{given_up}"
+
+
+def _failure_line(info: Any) -> str:
+    """The job's failed rewards (docs/workflows.md, "When a reward fails"), with the latest reason."""
+    return (f"failed rewards: {info.episodes_failed} episodes dropped, {info.tasks_given_up} tasks given up; "
+            f"last: {info.last_episode_failure}")
 
 
 def _print_status(info: Any) -> None:
     from rich.table import Table
 
     console = _console()
-    console.print(f"job [bold]{info.job_id}[/] ({info.name}): {_fmt_state(info.state)}"
-                  f"  tasks {info.tasks_done}/{info.tasks_total}")
+    console.print(f"job [bold]{info.job_id}[/] ({info.name}): {_fmt_state(info.state)}  {_fmt_tasks(info)}")
     if info.error:
         console.print(f"error: {info.error}")
     if info.episodes_failed or info.tasks_given_up:
-        console.print(f"failed rewards: {info.episodes_failed} episodes dropped, {info.tasks_given_up} tasks given up; "
-                      f"last: {info.last_episode_failure}", markup=False)
+        console.print(_failure_line(info), markup=False)
     table = Table("agent", "step", "version", "return", "trained reward", "tokens/s", "staleness", "step s", "slot")
     for a in info.agents:
         table.add_row(a.agent, f"{a.step}/{a.total_steps}", str(a.version), f"{a.return_mean:.3f}",
@@ -318,6 +335,8 @@ def watch_job(client: Any, job_id: str, quiet: bool = False) -> Any:
                           f"{a.tokens_per_s:.0f} tok/s  "
                           f"staleness {a.staleness_mean:.2f}  v{a.version}")
                 progress.update(bars[a.agent], completed=a.step, detail=detail)
+    if final is not None and not quiet and (final.episodes_failed or final.tasks_given_up):
+        _console().print(f"{_fmt_tasks(final)}; {_failure_line(final)}", markup=False)
     return final
 
 
@@ -325,8 +344,12 @@ def _watch_lines(client: Any, job_id: str, quiet: bool) -> Any:
     """watch_job off a terminal: a line per agent step and the final state, flushed as they come."""
     final = None
     shown: dict[str, int] = {}
+    failures = (0, 0)
     for info in client.watch(job_id):
         final = info
+        if not quiet and (info.episodes_failed, info.tasks_given_up) != failures:
+            failures = (info.episodes_failed, info.tasks_given_up)
+            print(f"{job_id} {_failure_line(info)}", flush=True)
         for a in info.agents:
             if not quiet and shown.get(a.agent, -1) != a.step:
                 shown[a.agent] = a.step
@@ -334,7 +357,7 @@ def _watch_lines(client: Any, job_id: str, quiet: bool) -> Any:
                       f"trained_reward {a.reward_mean:.3f} "
                       f"{a.tokens_per_s:.0f} tok/s staleness {a.staleness_mean:.2f}", flush=True)
     if final is not None and not quiet:
-        print(f"{job_id} {final.state.name.lower()}", flush=True)
+        print(f"{job_id} {final.state.name.lower()} {_fmt_tasks(final)}", flush=True)
     return final
 
 
@@ -449,7 +472,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         info = client.status(args.job_id)
     if args.json:
         print(json.dumps({"job_id": info.job_id, "state": info.state.name, "error": info.error,
-                          "agents": [a.__dict__ for a in info.agents], "episodes_failed": info.episodes_failed,
+                          "agents": [a.__dict__ for a in info.agents], "tasks_done": info.tasks_done,
+                          "tasks_total": info.tasks_total, "episodes_failed": info.episodes_failed,
                           "tasks_given_up": info.tasks_given_up,
                           "last_episode_failure": info.last_episode_failure}, indent=2))
     else:
@@ -533,7 +557,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 HISTORY_FIELDS = ("agent", "step", "version", "reward_mean", "return_mean", "loss", "grad_norm", "staleness_mean",
-                  "episodes", "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms")
+                  "episodes", "response_tokens", "tokens_per_s", "step_seconds", "committed_unix_ms",
+                  "episodes_failed", "tasks_given_up", "first_failure", "last_failure")
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -558,15 +583,20 @@ def cmd_history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table("agent", "step", "version", "return", "trained reward", "loss", "grad norm", "kl", "clip",
-                  "staleness", "episodes", "tokens/s", "step s")
+                  "staleness", "episodes", "failed", "tokens/s", "step s")
     for r in rows:
         # GRPO's loss is ~0 by construction (advantages have mean 0 within a group): print its scale.
         table.add_row(r.agent, str(r.step), str(r.version), _fmt_return(r.return_mean), f"{r.reward_mean:.3f}",
                       f"{r.loss:+.3e}",
                       f"{r.grad_norm:.3f}", f"{r.figures.get('kl', 0.0):.4f}",
                       f"{r.figures.get('clip_fraction', 0.0):.3f}",
-                      f"{r.staleness_mean:.2f}", str(r.episodes), f"{r.tokens_per_s:.0f}", f"{r.step_seconds:.2f}")
+                      f"{r.staleness_mean:.2f}", str(r.episodes), _fmt_failed(r), f"{r.tokens_per_s:.0f}",
+                      f"{r.step_seconds:.2f}")
     _console().print(table)
+    failing = [r for r in rows if r.last_failure]
+    if failing:
+        last = max(failing, key=lambda r: r.committed_unix_ms)
+        _console().print(f"last failed reward (step {last.step}): {last.last_failure}", markup=False)
     if evals:
         _print_evals(evals, args.agent, False)
     return EXIT_OK

@@ -89,7 +89,8 @@ class JobInfo:
     tasks_total: int
     spec_json: str
     #: Episodes dropped as their reward failed (raised, timed out) and tasks given up as too few of their
-    #: episodes were left, since orchestratord started; the last such failure's reason.
+    #: episodes were left, over the whole job (an orchestratord restart keeps them); the latest such reason.
+    #: ``tasks_done`` does not count the given-up tasks.
     episodes_failed: int = 0
     tasks_given_up: int = 0
     last_episode_failure: str = ""
@@ -145,14 +146,23 @@ class StepRecord:
     #: Mean unshaped episode return over the step's episodes: the reported reward (None: a record written
     #: before orchestratord recorded it).
     return_mean: float | None = None
+    #: The step's episodes dropped as their reward failed and its tasks given up (None: a record written
+    #: before orchestratord recorded them); its first and last such failure, each at most 300 characters.
+    episodes_failed: int | None = None
+    tasks_given_up: int | None = None
+    first_failure: str = ""
+    last_failure: str = ""
 
     @classmethod
     def from_proto(cls, msg: orchestrator_pb2.StepRecord) -> StepRecord:
-        """Decodes a StepRecord message."""
+        """Decodes a StepRecord message (a field a record written before it existed lacks: None)."""
+        optional = ("return_mean", "episodes_failed", "tasks_given_up")
         return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)
-                      if f.name not in ("figures", "return_mean")},
+                      if f.name not in ("figures", *optional)},
                    figures=dict(msg.figures),
-                   return_mean=msg.return_mean if msg.HasField("return_mean") else None)
+                   return_mean=msg.return_mean if msg.HasField("return_mean") else None,
+                   episodes_failed=msg.episodes_failed if msg.HasField("episodes_failed") else None,
+                   tasks_given_up=msg.tasks_given_up if msg.HasField("tasks_given_up") else None)
 
 
 def eval_record_of(msg: orchestrator_pb2.EvalRecord) -> EvalRecord:

@@ -318,7 +318,9 @@ class JobStatus(_message.Message):
     """sha256 (hex) of spec_json: what RolloutTask and trainer work name the spec by."""
     episodes_failed: _builtins.int
     """Episodes dropped because their reward failed, and tasks given up because too few of their
-    episodes were left, since orchestratord started; the last such failure's reason.
+    episodes were left, over the whole job (kept across orchestratord restarts: the committed
+    steps' StepRecord figures plus those of the steps in flight); the latest such failure's reason.
+    tasks_done does not count the given-up tasks.
     """
     tasks_given_up: _builtins.int
     last_episode_failure: _builtins.str
@@ -391,6 +393,10 @@ class StepRecord(_message.Message):
     WEIGHTS_URI_FIELD_NUMBER: _builtins.int
     FIGURES_FIELD_NUMBER: _builtins.int
     RETURN_MEAN_FIELD_NUMBER: _builtins.int
+    EPISODES_FAILED_FIELD_NUMBER: _builtins.int
+    TASKS_GIVEN_UP_FIELD_NUMBER: _builtins.int
+    FIRST_FAILURE_FIELD_NUMBER: _builtins.int
+    LAST_FAILURE_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     version: _builtins.int
@@ -409,6 +415,18 @@ class StepRecord(_message.Message):
     """Mean unshaped episode return over the step's episodes: the reported reward. Unset in records
     written before the field existed.
     """
+    episodes_failed: _builtins.int
+    """The step's episodes dropped because their reward failed, and its tasks given up (too few of
+    their episodes left): under pipeline.step_fill batch those of its rollout batch, under
+    completion those reported while it was the step being filled. Unset in records written
+    before the fields existed.
+    """
+    tasks_given_up: _builtins.int
+    first_failure: _builtins.str
+    """The step's first and last such failure ("task <id> episode <i>: <reason>", "task <id> given
+    up: <reason>"), each at most 300 characters; "" without failures.
+    """
+    last_failure: _builtins.str
     @_builtins.property
     def figures(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """The trainer's other per-step figures (CommitStepRequest.figures: kl, clip_fraction, ratio_mean)."""
@@ -431,14 +449,27 @@ class StepRecord(_message.Message):
         weights_uri: _builtins.str = ...,
         figures: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         return_mean: _builtins.float | None = ...,
+        episodes_failed: _builtins.int | None = ...,
+        tasks_given_up: _builtins.int | None = ...,
+        first_failure: _builtins.str = ...,
+        last_failure: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean", "return_mean", b"return_mean"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_episodes_failed", b"_episodes_failed", "_return_mean", b"_return_mean", "_tasks_given_up", b"_tasks_given_up", "episodes_failed", b"episodes_failed", "return_mean", b"return_mean", "tasks_given_up", b"tasks_given_up"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean", "agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "figures", b"figures", "grad_norm", b"grad_norm", "loss", b"loss", "response_tokens", b"response_tokens", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_episodes_failed", b"_episodes_failed", "_return_mean", b"_return_mean", "_tasks_given_up", b"_tasks_given_up", "agent", b"agent", "committed_unix_ms", b"committed_unix_ms", "episodes", b"episodes", "episodes_failed", b"episodes_failed", "figures", b"figures", "first_failure", b"first_failure", "grad_norm", b"grad_norm", "last_failure", b"last_failure", "loss", b"loss", "response_tokens", b"response_tokens", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tasks_given_up", b"tasks_given_up", "tokens_per_s", b"tokens_per_s", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__episodes_failed: _TypeAlias = _typing.Literal["episodes_failed"]  # noqa: Y015
+    _WhichOneofArgType__episodes_failed: _TypeAlias = _typing.Literal["_episodes_failed", b"_episodes_failed"]  # noqa: Y015
     _WhichOneofReturnType__return_mean: _TypeAlias = _typing.Literal["return_mean"]  # noqa: Y015
     _WhichOneofArgType__return_mean: _TypeAlias = _typing.Literal["_return_mean", b"_return_mean"]  # noqa: Y015
+    _WhichOneofReturnType__tasks_given_up: _TypeAlias = _typing.Literal["tasks_given_up"]  # noqa: Y015
+    _WhichOneofArgType__tasks_given_up: _TypeAlias = _typing.Literal["_tasks_given_up", b"_tasks_given_up"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__episodes_failed) -> _WhichOneofReturnType__episodes_failed | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__return_mean) -> _WhichOneofReturnType__return_mean | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tasks_given_up) -> _WhichOneofReturnType__tasks_given_up | None: ...
 
 Global___StepRecord: _TypeAlias = StepRecord  # noqa: Y015
 
