@@ -242,6 +242,8 @@ def test_history_and_versions_print_as_text_and_csv(capsys: pytest.CaptureFixtur
             ["sender", str(v - 1), str(v), str(v / 10)] for v in range(1, 6)]
         # records written before orchestratord recorded the unshaped return still read: no return, not a made-up 0
         assert lines[0].split(",")[4] == "return_mean" and {line.split(",")[4] for line in lines[1:]} == {""}
+        # nor failure figures (an empty column, not 0)
+        assert lines[0].split(",")[13] == "episodes_failed" and {line.split(",")[13] for line in lines[1:]} == {""}
         assert cli.main(["history", "job-1", "--agent", "receiver", "--csv", "--address", address]) == 0
         assert capsys.readouterr().out.splitlines() == [",".join(cli.HISTORY_FIELDS)]
         assert cli.main(["history", "job-1", "--address", address]) == 0
