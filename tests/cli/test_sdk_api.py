@@ -253,3 +253,27 @@ def test_history_and_versions_print_as_text_and_csv(capsys: pytest.CaptureFixtur
         assert kept == [("sender", 0), ("sender", 2), ("sender", 4), ("sender", 5), ("receiver", 0)]
     finally:
         server.stop(0)
+
+
+def test_watch_off_a_terminal_prints_failed_rewards_as_they_change_and_the_given_up_tasks_at_the_end(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from flexmarl import cli
+
+    def snapshot(state: int, done: int, failed: int, given_up: int) -> JobInfo:
+        return JobInfo.from_proto(orchestrator_pb2.JobStatus(
+            job_id="job-1", state=state, tasks_done=done, tasks_total=8, episodes_failed=failed,
+            tasks_given_up=given_up, last_episode_failure=f"task job-1/b1/t2 given up: {failed} failed"))
+
+    class Watching:
+        def watch(self, job_id: str) -> Iterator[JobInfo]:
+            running = orchestrator_pb2.JOB_STATE_RUNNING
+            yield from (snapshot(running, 1, 0, 0), snapshot(running, 2, 1, 0), snapshot(running, 3, 1, 0),
+                        snapshot(running, 5, 5, 1), snapshot(orchestrator_pb2.JOB_STATE_SUCCEEDED, 6, 10, 2))
+
+    final = cli._watch_lines(Watching(), "job-1", quiet=False)
+    assert final is not None and final.tasks_given_up == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "job-1 failed rewards: 1 episodes dropped, 0 tasks given up; last: task job-1/b1/t2 given up: 1 failed",
+        "job-1 failed rewards: 5 episodes dropped, 1 tasks given up; last: task job-1/b1/t2 given up: 5 failed",
+        "job-1 failed rewards: 10 episodes dropped, 2 tasks given up; last: task job-1/b1/t2 given up: 10 failed",
+        "job-1 succeeded tasks 6/8 (2 given up)"]

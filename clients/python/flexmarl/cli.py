@@ -498,7 +498,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     table = Table("job", "name", "state", "steps", "tasks")
     for job in jobs:
         steps = ", ".join(f"{a.agent} {a.step}/{a.total_steps}" for a in job.agents)
-        table.add_row(job.job_id, job.name, _fmt_state(job.state), steps, f"{job.tasks_done}/{job.tasks_total}")
+        table.add_row(job.job_id, job.name, _fmt_state(job.state), steps, _fmt_tasks(job).removeprefix("tasks "))
     _console().print(table)
     return EXIT_OK
 
