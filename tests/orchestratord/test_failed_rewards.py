@@ -17,6 +17,7 @@ import pytest
 from flexmarl.client import StepRecord
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.experience import ExperienceSummary, FailedEpisode, min_episodes_to_train
+from flexmarl.tracking import StepFigures
 from orchestratord import serde
 from orchestratord.failures import MAX_REASON_CHARS, FailureFigures
 from orchestratord.planner import MicroBatchWork, OptimizerStepWork, Planner, PlannerOptions, RolloutTaskLease
@@ -308,9 +309,41 @@ def test_a_record_or_manifest_written_before_the_failure_figures_reads_as_empty_
     new = {**old, **FailureFigures(0, 0).as_record()}
     record = StepRecord.from_proto(serde.step_record(new))
     assert (record.episodes_failed, record.tasks_given_up) == (0, 0) and "episodes_failed" not in record.figures
+    # The trackers write the counts as figures (the reasons are text: in the history only); an old record has none.
+    assert {"episodes_failed", "tasks_given_up"} <= set(StepFigures.of_record(new).values) - set(
+        StepFigures.of_record(old).values)
     figures = FailureFigures().add("x" * 1000, episodes=1).add("last", tasks=1)
     assert (len(figures.first_failure), figures.last_failure, figures.episodes_failed, figures.tasks_given_up) == (
         MAX_REASON_CHARS, "last", 1, 1)
     manifest = StepManifest("j", "a", 0, ("e",), 1, 2)
     assert StepManifest.from_json(manifest.to_json()).failures is None
     assert StepManifest.from_json(dataclasses.replace(manifest, failures=figures).to_json()).failures == figures
+
+
+async def test_under_completion_fill_the_totals_after_a_restart_are_the_steps_figures() -> None:
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = planner_of(clock, pipeline={"max_staleness": 1, "step_fill": "completion"}, total_steps=3)
+    outbox: list[StateChange] = []
+    reported: list[ExperienceSummary] = []
+    drive(planner, clock, until=lambda lease: lease.task_id.endswith("b3/t0"), outbox=outbox, reported=reported)
+    before = planner.job("job1").snapshot()
+    await apply_changes(store, outbox, history_of)
+    persisted = await store.load_job("job1")
+    assert persisted is not None and persisted.failure_totals.tasks_given_up == 1  # step 0, committed by both
+    restarted = Planner(clock, PlannerOptions(lease_epoch="e1"))
+    job = restarted.restore_job(persisted, reported)
+    after = job.snapshot()
+    # The open step's given-up task is forgotten (stored holds nothing of it; another task takes its place).
+    assert (after.episodes_failed, after.tasks_given_up) == (before.episodes_failed - 4, before.tasks_given_up - 1)
+    outbox = []
+    drive(restarted, clock, outbox=outbox)
+    assert job.state is JobState.SUCCEEDED, job.snapshot().error
+    await apply_changes(store, outbox, history_of)
+    final = await store.load_job("job1")
+    assert final is not None
+    for agent in AGENTS:
+        rows, _ = await store.load_history_page("job1", [agent], 0, 10)
+        assert (sum(int(r["episodes_failed"]) for r in rows), sum(int(r["tasks_given_up"]) for r in rows)) == (
+            final.failure_totals.episodes_failed, final.failure_totals.tasks_given_up) == (
+            job.snapshot().episodes_failed, job.snapshot().tasks_given_up)
