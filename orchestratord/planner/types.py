@@ -182,8 +182,9 @@ class JobSnapshot:
     agents: tuple[AgentProgress, ...]
     tasks_done: int
     tasks_total: int
-    # Episodes dropped as their reward failed and tasks given up (too few left), since orchestratord started;
-    # the last such failure's reason.
+    # Episodes dropped as their reward failed and tasks given up (too few left) over the whole job (kept across
+    # an orchestratord restart: orchestratord/failures.py); the latest such failure's reason. tasks_done does
+    # not count the given-up tasks.
     episodes_failed: int = 0
     tasks_given_up: int = 0
     last_episode_failure: str = ""
