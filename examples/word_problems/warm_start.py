@@ -81,3 +81,22 @@ def verdict_examples(seed: int, prompt: str = "{question} Answer: {attempt} Righ
             right = rng.random() < 0.5
             shown = answer if right else _near_miss(rng, answer)
             yield prompt.format(**row, attempt=shown), accept if right else reject
+
+
+def judge_examples(seed: int, prompt: str = "{question} Answers: {answers} Answer:",
+                   debaters: Sequence[str] = ("debater_0", "debater_1")) -> Iterator[tuple[str, str]]:
+    """A debate judge's: ``prompt`` over a row with ``{answers}`` the debaters' (the answer or a near miss each).
+
+    The response is the row's answer, also when no debater gave it: the judge learns to answer,
+    using the debaters' answers where they help, not to copy one of them.
+    """
+    rows = _rows()
+    rng = random.Random(f"word-problems-judge/{seed}")
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for number in order:
+            row = rows[number]
+            answer = int(row["answer"])
+            answers = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in debaters)
+            yield prompt.format(**row, answers=answers), str(answer)

@@ -425,6 +425,25 @@ def test_the_word_problem_warm_start_teaches_the_workflow_prompts() -> None:
         assert all(abs(int(n) - int(answer)) <= 2 for n in (previous, others))
 
 
+def test_the_word_problem_judge_warm_start_answers_whatever_the_debaters_said() -> None:
+    """warm_start.judge_examples: the judge prompt over train rows with both debaters' answers, answered right."""
+    from examples.word_problems.warm_start import judge_examples
+
+    train = {row["question"]: row for row in map(json.loads, (WORD_PROBLEMS / "train.jsonl").read_text().splitlines())}
+    pairs = judge_examples(0, prompt="{question} Answers: {answers} Answer:", debaters=("debater_0", "debater_1"))
+    shown_right = []
+    for _ in range(200):
+        prompt, answer = next(pairs)
+        question, listed = prompt.removesuffix(" Answer:").split(" Answers: ")
+        assert answer == str(train[question]["answer"])  # a train row, never a held-out one
+        first, second = listed.split("\n\n")
+        assert first.startswith("[debater_0] ") and second.startswith("[debater_1] ")
+        shown = [int(text.split("] ")[1]) for text in (first, second)]
+        assert all(abs(n - int(answer)) <= 2 for n in shown)
+        shown_right += [n == int(answer) for n in shown]
+    assert 160 <= sum(shown_right) <= 240  # each debater's answer right about half the time, near misses else
+
+
 def test_the_word_problem_verdict_warm_start_accepts_right_answers_and_rejects_near_misses() -> None:
     """warm_start.verdict_examples: the verify prompt over train rows, ``y`` for the answer, ``n`` for a near miss."""
     from examples.word_problems.warm_start import verdict_examples
