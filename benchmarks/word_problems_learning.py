@@ -7,9 +7,11 @@ rows (train rows as the config's ``tasks``, eval rows as its ``eval_tasks``: the
 seeded shuffle per epoch, not the cluster's dataset order). Each agent warm-starts as traind does
 (:func:`benchmarks.arithmetic_learning.warm_start`) and trains by GRPO with
 :func:`benchmarks.signaling_learning.train_step`, strict on-policy. Held-out rounds are played by
-:meth:`RolloutRunner.evaluate` (greedy: temperature 0, here the argmax) on every eval row, before RL
-and every ``--eval-every`` steps: success per agent (return >= 1), for the team (the workflow's
-``success`` note) and, when rows have a ``held_out`` field, the team's per kind.
+:meth:`RolloutRunner.evaluate` on every eval row as the job's ``evaluation`` says (greedy: temperature 0,
+here the argmax, one episode a row; ``sampling: policy``: ``samples_per_task`` episodes a row with the
+agents' own sampling; ``--eval-samples`` overrides), before RL and every ``--eval-every`` steps:
+success per agent (return >= 1), for the team (the workflow's ``success`` note) and, when rows have a
+``held_out`` field, the team's per kind.
 
 Usage (repo root)::
 
@@ -225,6 +227,23 @@ def plot_run(run: dict[str, Any], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+def eval_settings(spec: dict[str, Any], every: int | None, samples: int | None) -> tuple[int, int]:
+    """The held-out rounds' spacing and episodes a row: the flags where given, else the job's ``evaluation``.
+
+    ``sampling: policy`` plays ``samples_per_task`` episodes a row with the agents' sampling; greedy
+    (or no ``evaluation``) one argmax episode a row, returned as 0 samples.
+    """
+    evaluation = spec.get("evaluation") or {}
+    if every is None:
+        every = int(evaluation.get("every_versions", 10))
+    if samples is None:
+        policy = evaluation.get("sampling", "greedy") == "policy"
+        samples = int(evaluation.get("samples_per_task", 1)) if policy else 0
+    if every < 1 or samples < 0:
+        raise SystemExit(f"--eval-every must be >= 1 and --eval-samples >= 0 (got {every}, {samples})")
+    return every, samples
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the seeds and prints each held-out curve."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -232,9 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--steps", type=int, default=0, help="default: the job's total_steps")
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--eval-samples", type=int, default=0,
-                        help="0: held-out rounds greedy, one episode a row; k: k episodes a row, the agents' sampling")
+    parser.add_argument("--eval-every", type=int, default=None, help="default: the job's evaluation.every_versions")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="0: held-out rounds greedy, one episode a row; k: k episodes a row, the agents' sampling "
+                             "(default: the job's evaluation: samples_per_task with sampling: policy, else 0)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "flexmarl-signaling-models"))
     parser.add_argument("--json-out", default="")
@@ -248,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     spec, steps, cache_dir = read_job(args.job, args.set, args.steps, args.cache_dir)
-    runs = [run_seed(spec, Path(args.job).resolve().parent, seed, steps, args.eval_every, cache_dir, args.eval_samples)
+    every, samples = eval_settings(spec, args.eval_every, args.eval_samples)
+    runs = [run_seed(spec, Path(args.job).resolve().parent, seed, steps, every, cache_dir, samples)
             for seed in args.seeds]
     for run in runs:
         keys = [k for k in run["curve"][0] if k != "version"]

@@ -55,7 +55,7 @@ def test_the_word_problem_workflows_train_through_the_daemons(shared_cluster: E2
             assert {r.reward for r in records} <= {0.0, 1.0, 2.0}, (name, agent)
             prompts = {bytes(r.prompt_token_ids[r.prompt_token_ids < 256].astype("uint8")).decode() for r in records}
             assert all(any(p.startswith(q) for q in questions) for p in prompts), prompts  # rows of the file
-    roles = {"solver_verifier": {"solver", "verifier"}, "debate": {"debater"}}
+    roles = {"solver_verifier": {"solver", "verifier"}, "debate": {"debater", "judge"}}
     for name, job_id in jobs.items():
         (record,) = e2e.client.evaluations(job_id)  # the final version's held-out round: the workflow's notes
         assert record.tasks == 2 and record.team_success_from_env, record
