@@ -32,9 +32,10 @@ def admission_limit(job: JobPlan) -> int:
     prompts = job.spec.batch.prompts_per_step
     limit = (eta + job.min_version() + 1) * prompts
     if job.spec.pipeline.fills_by_completion:
-        # Any task may fill the last steps (one dropped as too stale is replaced); what still runs at the end
-        # is abandoned. A task given up (its episodes' rewards failed) fills no step: another takes its place.
-        return limit + job.tasks_given_up
+        # Any task may fill the last steps; what still runs at the end is abandoned. A task that fills no step
+        # (given up, dropped as too stale, lost at a restart) is replaced, so that the open steps can fill: with
+        # one trainer slot an agent part-way through step v + eta holds it until its step fills.
+        return limit + job.tasks_replaced
     return min(limit, job.spec.total_steps * prompts)
 
 

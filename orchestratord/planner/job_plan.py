@@ -323,6 +323,10 @@ class JobPlan:
     optimizer_deadlines: list[tuple[float, tuple[str, int]]] = dataclasses.field(default_factory=list)
     # Tasks admitted so far (N of the admission rule counts every admitted task's episodes).
     admitted: int = 0
+    # step_fill completion: admitted tasks that fill no step, each replaced by another admitted task
+    # (.admission.admission_limit): given up, dropped as too stale, or lost at an orchestratord restart
+    # (recovery rebuilds the count from what fills the open steps).
+    tasks_replaced: int = 0
     tasks_done_total: int = 0
     # Episodes dropped as their reward failed and tasks given up as too few were left (manifests.give_up_task):
     # by step, of the steps some agent has yet to commit (orchestratord/failures.py), and over the steps every

@@ -50,6 +50,7 @@ def give_up_task(job: JobPlan, task: Task, reason: str) -> None:
     if job.spec.pipeline.fills_by_completion:
         job.tasks.pop(task.task_id, None)
         job.retry.discard(task.task_id)
+        job.tasks_replaced += 1
         if job.given_up_in_a_row >= prompts:
             job.fail(f"{job.given_up_in_a_row} tasks in a row were given up, too few of their episodes left "
                      f"after their rewards failed (last: task {task.task_id}: {reason})")
@@ -112,10 +113,11 @@ def fill_steps(job: JobPlan) -> None:
     admission rule (at most ``(eta + v + 1) x prompts_per_step`` tasks leased by version ``v``)
     means such tasks never outnumber the places. A done task already too stale for the open
     step (an experience older than its lease's version: a replica still serving the previous
-    version) is dropped (a re-run would report the same experiences: rolloutd reuses durable ones);
-    admission is not capped at ``total_steps`` batches under this fill, so another task takes its
-    place, and the tasks still running when the job ends are abandoned. With ``mask_stale_tokens`` no place is kept: the
-    step takes the first tasks to finish, and traind gives tokens older than the bound zero weight.
+    version) is dropped (a re-run would report the same experiences: rolloutd reuses durable ones)
+    and another task is admitted in its place (``JobPlan.tasks_replaced``); admission is not capped
+    at ``total_steps`` batches under this fill, and the tasks still running when the job ends are
+    abandoned. With ``mask_stale_tokens`` no place is kept: the step takes the first tasks to
+    finish, and traind gives tokens older than the bound zero weight.
     """
     prompts = job.spec.batch.prompts_per_step
     masked = job.spec.rollout.mask_stale_tokens
@@ -141,6 +143,7 @@ def fill_steps(job: JobPlan) -> None:
 def _drop_too_stale(job: JobPlan, task: Task, step: int) -> None:
     """Forgets a done task that no open step can take (its lease ended with its report)."""
     job.tasks.pop(task.task_id, None)
+    job.tasks_replaced += 1
     job.touch_all()  # a step may now expect fewer groups
     logger.warning("job %s: dropping task %s: its oldest experience is too stale for step %d (max_staleness %d); "
                    "the admission rule leases another task in its place",

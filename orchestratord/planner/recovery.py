@@ -249,7 +249,8 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     those of steps every agent committed are consumed. The other done tasks are placed again as
     they would be on arrival (:func:`fill_steps`), so a step that was not full may take other
     tasks than before; nothing trained depends on that. Admission goes on after the highest task
-    stored holds (tasks that were running are abandoned, not re-run: any task may fill a step).
+    stored holds (tasks that were running are abandoned, not re-run: any task may fill a step), and
+    the tasks admitted before that fill no step are replaced (:func:`_count_replaced`).
     Where a step's manifests were archived away, ``consumed_by`` (stored's record of the step that
     consumed each experience) tells the same.
     """
@@ -292,4 +293,24 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
         else:
             job.unplaced.append((task, groups))  # placed below, as on arrival
     fill_steps(job)
+    _count_replaced(job)
     return recovered
+
+
+def _count_replaced(job: JobPlan) -> None:
+    """``step_fill: completion``: the admitted tasks that fill no step, after a restart (``JobPlan.tasks_replaced``).
+
+    Of the tasks admitted, ``min_version x prompts_per_step`` filled the steps every agent committed
+    and the recovered ones fill the open steps; every other one fills none: given up (the open
+    step's are forgotten with their figures, stored holding nothing of them), dropped as too
+    stale, or running at the restart (abandoned). Each is replaced, so the open steps get exactly
+    the places left of the admission rule's ``(eta + 1) x prompts_per_step``: with fewer, and one
+    trainer slot, an agent part-way through step ``v + eta`` would hold the slot for good waiting
+    for its last tasks, and the agent still to commit step ``v`` would never get it. Counted from
+    what fills the steps, not from the task numbers stored lacks: those of committed steps may
+    have been garbage-collected.
+    """
+    filling = sum(count for step, count in job.tasks_per_step.items() if step >= job.min_version())
+    known = job.min_version() * job.spec.batch.prompts_per_step + filling + len(job.unplaced)
+    job.admitted = max(job.admitted, known)  # task numbers go on above every task known to be admitted
+    job.tasks_replaced = job.admitted - known
