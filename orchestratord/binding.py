@@ -168,8 +168,6 @@ class SlotBinder:
         self._slots: dict[str, TrainerSlot] = {}
         # Bound agents: their member slots in rank order (index 0 = primary), and membership epoch.
         self._members: dict[AgentKey, list[str]] = {}
-        #: Counts binding changes (bind, join, leave, release, forget): note_demand's answer may change.
-        self._bindings_changes = 0
         #: Counts changes of the slot set that may change other slots' decisions (a slot forgotten; a new
         #: one under static binding, whose eligibility depends on the slot set).
         self.slot_set_changes = 0
@@ -177,6 +175,15 @@ class SlotBinder:
         self._waiting_since_s: dict[AgentKey, float] = {}
         # Agents under static binding: key -> (index in its job's spec order, agents of the job).
         self._static: dict[AgentKey, tuple[int, int]] = {}
+        # The demands the planner keeps and reports each change of (track_demands, demand_changed), and
+        # what decide reads from them instead of walking every agent: the agents with work, those of them
+        # unbound (waiting for a slot: the candidates of a free slot), the bound ones that could take
+        # another member, and the agents whose waiting may have changed since note_waiting last ran.
+        self._tracked: Mapping[AgentKey, AgentDemand] | None = None
+        self._with_work: set[AgentKey] = set()
+        self._candidates: set[AgentKey] = set()
+        self._recruiting: set[AgentKey] = set()
+        self._unnoted: set[AgentKey] = set()
 
     # ---- static binding -----------------------------------------------------------------------------
 
@@ -277,9 +284,9 @@ class SlotBinder:
         slot.agent = agent
         slot.bound_since_s = self._now_s()
         self._members[agent] = [slot_id]
-        self._bindings_changes += 1
         self._epoch[agent] = self._epoch.get(agent, 0) + 1
         self._waiting_since_s.pop(agent, None)
+        self._reindex(agent)
 
     def join(self, slot_id: str, agent: AgentKey) -> None:
         """Adds a free slot to a bound agent's group as its last rank (a new epoch)."""
@@ -290,8 +297,8 @@ class SlotBinder:
         slot.agent = agent
         slot.bound_since_s = self._now_s()
         members.append(slot_id)
-        self._bindings_changes += 1
         self._epoch[agent] = self._epoch.get(agent, 0) + 1
+        self._reindex(agent)
 
     def _leave(self, slot: TrainerSlot) -> None:
         """Takes one slot out of its agent's group (a new epoch; the group ends with its last member)."""
@@ -299,7 +306,6 @@ class SlotBinder:
         slot.agent = None
         if agent is None:
             return
-        self._bindings_changes += 1
         members = self._members.get(agent, [])
         if slot.slot_id in members:
             members.remove(slot.slot_id)
@@ -307,6 +313,7 @@ class SlotBinder:
             self._epoch[agent] = self._epoch.get(agent, 0) + 1
         else:
             self._members.pop(agent, None)
+        self._reindex(agent)
 
     def release(self, slot_id: str) -> AgentKey | None:
         """Ends a slot's binding; returns the agent it was bound to.
@@ -318,7 +325,6 @@ class SlotBinder:
         if slot is None or slot.agent is None:
             return None
         agent = slot.agent
-        self._bindings_changes += 1
         members = self._members.get(agent, [])
         if members and members[0] == slot_id:
             for member in members:
@@ -326,13 +332,13 @@ class SlotBinder:
                     self._slots[member].agent = None
             self._members.pop(agent, None)
             self._epoch[agent] = self._epoch.get(agent, 0) + 1
+            self._reindex(agent)
         else:
             self._leave(slot)
         return agent
 
     def forget_agents(self, job_id: str) -> None:
         """Ends every binding and wait of a job (it ended)."""
-        self._bindings_changes += 1
         for slot in self._slots.values():
             if slot.agent is not None and slot.agent[0] == job_id:
                 self.release(self.slot_of(slot.agent) or slot.slot_id)
@@ -340,20 +346,17 @@ class SlotBinder:
                 slot.swapping_out = None
         for key in [key for key in self._waiting_since_s if key[0] == job_id]:
             del self._waiting_since_s[key]
+            self._unnoted.add(key)  # the next note_waiting restores the wait of one that still waits
         for key in [key for key in self._static if key[0] == job_id]:
             del self._static[key]
 
     # ---- decisions -------------------------------------------------------------------------------------
 
-    def note_demand(self, demands: Iterable[AgentDemand], unchanged_since: int | None = None) -> int:
-        """Updates who is waiting for a slot (an unbound agent with work), for aging.
+    def note_demand(self, demands: Iterable[AgentDemand]) -> None:
+        """Updates who is waiting for a slot (an unbound agent with work), for aging: a recount of ``demands``.
 
-        ``unchanged_since``: the value an earlier call returned, when the demands are the same as
-        then (the planner keeps them): nothing is done unless a binding changed since. Returns the
-        value to pass next time.
+        The planner instead keeps its demands tracked (:meth:`track_demands`) and calls :meth:`note_waiting`.
         """
-        if unchanged_since is not None and unchanged_since == self._bindings_changes:
-            return self._bindings_changes
         now_s = self._now_s()
         waiting: set[AgentKey] = set()
         for demand in demands:
@@ -363,7 +366,65 @@ class SlotBinder:
         for key in list(self._waiting_since_s):
             if key not in waiting:
                 del self._waiting_since_s[key]
-        return self._bindings_changes
+
+    # ---- tracked demands (O(what changed) per poll, not O(agents)) -------------------------------------------
+
+    def track_demands(self, demands: Mapping[AgentKey, AgentDemand]) -> None:
+        """Tracks ``demands``: the mapping the caller passes to :meth:`decide` and keeps up to date.
+
+        The caller reports every key it sets or removes with :meth:`demand_changed`; decide then reads
+        the waiting agents from an index instead of walking every demand. Another mapping passed to
+        decide is walked.
+        """
+        self._tracked = demands
+        self._unnoted |= self._with_work | set(self._waiting_since_s)
+        self._with_work = set()
+        self._candidates = set()
+        self._recruiting = set()
+        for key in demands:
+            self.demand_changed(key)
+
+    def demand_changed(self, key: AgentKey) -> None:
+        """The tracked demand of ``key`` was set or removed."""
+        demand = self._tracked.get(key) if self._tracked is not None else None
+        if demand is not None and demand.has_work:
+            self._with_work.add(key)
+        else:
+            self._with_work.discard(key)
+        self._reindex(key)
+
+    def _reindex(self, key: AgentKey) -> None:
+        """Recomputes ``key``'s place in the indexes after its demand or its binding changed."""
+        members = self._members.get(key)
+        if key in self._with_work and not members:
+            self._candidates.add(key)
+        else:
+            self._candidates.discard(key)
+        demand = self._tracked.get(key) if self._tracked is not None else None
+        if members and demand is not None and demand.data_parallel and not demand.mid_step and demand.portable \
+                and len(members) < self.wanted_members(demand):
+            self._recruiting.add(key)
+        else:
+            self._recruiting.discard(key)
+        self._unnoted.add(key)
+
+    def note_waiting(self) -> None:
+        """:meth:`note_demand` for the tracked demands, in O(agents whose demand or binding changed since)."""
+        now_s = self._now_s()
+        for key in self._unnoted:
+            if key in self._candidates:
+                self._waiting_since_s.setdefault(key, now_s)
+            else:
+                self._waiting_since_s.pop(key, None)
+        self._unnoted.clear()
+
+    def waiting(self) -> frozenset[AgentKey]:
+        """The agents with work and no slot, by the tracked demands (tests compare it with a recount)."""
+        return frozenset(self._candidates)
+
+    def recruiting(self) -> frozenset[AgentKey]:
+        """The bound agents whose group could take another member, by the tracked demands."""
+        return frozenset(self._recruiting)
 
     def starving(self) -> frozenset[AgentKey]:
         """The agents that have waited for a slot ``max_wait_s`` or longer (they may displace a bound agent)."""
@@ -386,7 +447,11 @@ class SlotBinder:
     def _best_waiting(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],
                       exclude: AgentKey | None) -> AgentKey | None:
         best: tuple[tuple[bool, float], AgentKey] | None = None
-        for key, demand in demands.items():
+        # The tracked demands' waiting agents are exactly those of the walk below (the order does not matter:
+        # the best score, ties to the smallest key, is a total order).
+        keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
+        for key in keys:
+            demand = demands[key]
             if key == exclude or not demand.has_work or key in self._members \
                     or not self.eligible(key, slot_id):
                 continue
@@ -425,7 +490,8 @@ class SlotBinder:
         chosen = self._best_waiting(slot_id, demands, exclude=None)
         if chosen is not None:
             return BindingDecision(DecisionKind.BIND, chosen)
-        for agent in sorted(self._members):
+        # Only a group that could take a member may recruit (_may_recruit checks it again).
+        for agent in sorted(self._recruiting if demands is self._tracked else self._members):
             if self._may_recruit(agent, slot_id, demands):
                 return BindingDecision(DecisionKind.JOIN, agent)
         return BindingDecision(DecisionKind.IDLE)

@@ -66,7 +66,12 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         # The active leases by kind, in issue order (what active(kind) reads: O(active), not O(every lease kept)).
         self._active: dict[LeaseKind, dict[str, Lease]] = {kind: {} for kind in LeaseKind}
-        self._deadlines: list[tuple[float, str]] = []  # min-heap, lazily cleaned
+        # Expiry: a min-heap of (deadline, lease id) with one live entry per active lease, the one whose deadline
+        # ``_queued`` records. A renewal only moves the lease's deadline later (O(1), no heap entry): due() finds
+        # the entry early and queues it again at the lease's deadline then. An ended lease's entry is stale and
+        # dropped when it comes up, or when stale entries outnumber live ones (the heap is rebuilt).
+        self._deadlines: list[tuple[float, str]] = []
+        self._queued: dict[str, float] = {}
 
     def issue(self, kind: LeaseKind, holder: str, subject: str, timeout_s: float) -> Lease:
         """Grants a new lease that ends ``timeout_s`` from now."""
@@ -76,8 +81,15 @@ class LeaseTable:
         lease = Lease(lease_id, kind, holder, subject, timeout_s, now_s + timeout_s, progress_at_s=now_s)
         self._leases[lease_id] = lease
         self._active[kind][lease_id] = lease
-        heapq.heappush(self._deadlines, (lease.deadline_s, lease_id))
+        self._queue(lease)
         return lease
+
+    def _queue(self, lease: Lease) -> None:
+        self._queued[lease.lease_id] = lease.deadline_s
+        heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
+        if len(self._deadlines) > 2 * len(self._queued) + 64:
+            self._deadlines = [(deadline_s, lease_id) for lease_id, deadline_s in self._queued.items()]
+            heapq.heapify(self._deadlines)
 
     def get(self, lease_id: str) -> Lease | None:
         """The lease with this id, in any status, or None."""
@@ -105,7 +117,10 @@ class LeaseTable:
     def renew(self, lease: Lease, now_s: float | None = None) -> float:
         """Extends an active lease by its timeout from now (``now_s``: the caller's reading of this clock)."""
         lease.deadline_s = (self._now_s() if now_s is None else now_s) + lease.timeout_s
-        heapq.heappush(self._deadlines, (lease.deadline_s, lease.lease_id))
+        queued_s = self._queued.get(lease.lease_id)
+        # Queued again only when due() returned it, or when its deadline moved earlier (a clock set back).
+        if lease.status is LeaseStatus.ACTIVE and (queued_s is None or lease.deadline_s < queued_s):
+            self._queue(lease)
         return lease.deadline_s
 
     @staticmethod
@@ -121,6 +136,7 @@ class LeaseTable:
             lease.status = status
             lease.end_reason = reason
             self._active[lease.kind].pop(lease.lease_id, None)
+            self._queued.pop(lease.lease_id, None)
 
     def due(self) -> list[Lease]:
         """Active leases whose deadline has passed (not ended here: the caller decides what follows)."""
@@ -128,13 +144,23 @@ class LeaseTable:
         found: list[Lease] = []
         while self._deadlines and self._deadlines[0][0] < now_s:
             deadline_s, lease_id = heapq.heappop(self._deadlines)
+            if self._queued.get(lease_id) != deadline_s:
+                continue  # stale: the lease ended, or an earlier entry replaced this one
             lease = self._leases.get(lease_id)
             if lease is None or lease.status is not LeaseStatus.ACTIVE:
+                self._queued.pop(lease_id, None)
                 continue
-            if lease.deadline_s != deadline_s:
-                continue  # renewed: a later heap entry holds its deadline
+            if lease.deadline_s > deadline_s:
+                self._queue(lease)  # renewed since: due at its deadline (it comes up again here if that passed too)
+                continue
+            del self._queued[lease_id]  # returned once; a renewal queues it again
             found.append(lease)
         return found
+
+    def queued_deadlines(self) -> dict[str, float]:
+        """Each active lease's entry in the expiry heap (tests compare them with the leases)."""
+        return {lease_id: deadline_s for deadline_s, lease_id in self._deadlines
+                if self._queued.get(lease_id) == deadline_s}
 
     def active(self, kind: LeaseKind | None = None) -> list[Lease]:
         """Active leases, optionally of one kind (in issue order)."""

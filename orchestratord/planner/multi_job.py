@@ -50,8 +50,6 @@ class Planner:
         self.poll_wakes = TrainerPollWakes(self.binder)
         #: Jobs whose bindings the binder may still hold (forgotten once, by _sweep, when the job ends).
         self._bound_jobs: set[str] = set()
-        self._noted_demands = -1
-        self._noted_bindings: int | None = None
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -279,12 +277,8 @@ class Planner:
             if job_id in self._jobs and not self._jobs[job_id].state.terminal:
                 return SwapOutWork(job_id, agent, self._options.swap_location)
             slot.swapping_out = None
-        demands = self._demands()
-        # O(agents): skipped while neither the demands nor the bindings changed since the last poll.
-        if self._noted_demands != self.poll_wakes.recomputed:
-            self._noted_bindings = None
-        self._noted_bindings = self.binder.note_demand(demands.values(), self._noted_bindings)
-        self._noted_demands = self.poll_wakes.recomputed
+        demands = self._demands()  # tracked by the binder: its waiting agents follow them
+        self.binder.note_waiting()
         decision = self.binder.decide(slot_id, demands)
         if decision.kind in (DecisionKind.BIND, DecisionKind.JOIN, DecisionKind.RELEASE):
             self.poll_wakes.mark((decision.agent, decision.successor))  # bindings change (not on KEEP: no loop)

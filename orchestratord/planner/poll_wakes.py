@@ -58,6 +58,7 @@ class TrainerPollWakes:
         if seen != self._jobs_seen:
             self._jobs_seen = seen
             self._demands = {}
+            self._binder.track_demands(self._demands)
             self._wake_all = True
             for job in running:
                 job.touch_all()
@@ -65,6 +66,7 @@ class TrainerPollWakes:
             for name in job.take_touched():
                 key = (job.job_id, name)
                 self._demands[key] = job.data_parallel_demand(name)
+                self._binder.demand_changed(key)
                 self._changed.add(key)
                 self.recomputed += 1
         return self._demands

@@ -264,6 +264,15 @@ class PlannerMachine(RuleBasedStateMachine):
         for kind in LeaseKind:
             assert leases.active(kind) == [lease for lease in leases.all()
                                            if lease.status is LeaseStatus.ACTIVE and lease.kind is kind]
+        # The expiry heap: one live entry per active lease (the planner ends every lease due() returns), at or
+        # before its deadline; renewals add none.
+        queued = leases.queued_deadlines()
+        assert queued.keys() == {lease.lease_id for lease in leases.active()}
+        assert all(queued[lease.lease_id] <= lease.deadline_s for lease in leases.active())
+        # The binder's waiting agents (its index over the kept demands) are those a walk of them finds.
+        kept = self.planner.poll_wakes.cached()
+        assert self.planner.binder.waiting() == {key for key, demand in kept.items()
+                                                 if demand.has_work and not self.planner.binder.members(key)}
         # The coordinator's slot gauges read every slot's business in one pass (busy_slots), not per slot.
         assert self.job.busy_slots() == {slot for slot in SLOTS if self.job.slot_busy(slot)}
         pending = set(plan_job.optimizer_deadlines)
