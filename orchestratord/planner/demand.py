@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from orchestratord.binding import AgentDemand
 from orchestratord.leases import LeaseKind
 from orchestratord.planner import warm_start
@@ -18,15 +16,14 @@ def demand(job: JobPlan, agent: str) -> AgentDemand:
     key = (job.job_id, agent)
     if not job.state.terminal and warm_start.pending(job, agent):
         running = warm_start.in_flight(job, agent)
-        return _with_parallelism(job, AgentDemand(key, warm_start_pending=not running, mid_step=running), 0)
+        return _agent_demand(job, key, 0, warm_start_pending=not running, mid_step=running)
     plan = job.current_plan(agent)
     if job.state.terminal or plan is None or not agent_may_train(job, agent, plan.step):
         return AgentDemand(key)
     taken = len(plan.micro_batches) - plan.ready_count
-    return _with_parallelism(job, AgentDemand(
-        key=key, ready_micro_batches=plan.ready_count, ready_tokens=plan.ready_tokens,
-        optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
-    ), max(0, _expected_micro_batches(job, plan) - taken))
+    return _agent_demand(job, key, max(0, _expected_micro_batches(job, plan) - taken),
+                         ready_micro_batches=plan.ready_count, ready_tokens=plan.ready_tokens,
+                         optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step)
 
 
 def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:
@@ -39,7 +36,9 @@ def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:
     upcoming = 0
     if version < job.spec.total_steps and agent_may_train(job, agent, version):
         upcoming = _expected_micro_batches(job, plan)
-    return _with_parallelism(job, now, upcoming)
+    # No work and not mid-step here: only the readiness figures carry over.
+    return _agent_demand(job, now.key, upcoming, ready_micro_batches=now.ready_micro_batches,
+                         ready_tokens=now.ready_tokens)
 
 
 def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
@@ -50,11 +49,20 @@ def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
     return formed + -(-max(0, pending_groups) // per)
 
 
-def _with_parallelism(job: JobPlan, agent_demand: AgentDemand, upcoming: int) -> AgentDemand:
-    spec = job.agent_specs[agent_demand.key[1]]
-    return dataclasses.replace(
-        agent_demand, max_slots=spec.max_slots, data_parallel=spec.max_slots > 1 and spec.zero_stage == 0,
-        upcoming_micro_batches=upcoming, portable=state_is_portable(job, agent_demand.key[1]))
+def _data_parallel(job: JobPlan, agent: str) -> bool:
+    spec = job.agent_specs[agent]
+    return spec.max_slots > 1 and spec.zero_stage == 0
+
+
+def _agent_demand(job: JobPlan, key: tuple[str, str], upcoming: int, *, ready_micro_batches: int = 0,
+                  ready_tokens: int = 0, optimizer_pending: bool = False, mid_step: bool = False,
+                  warm_start_pending: bool = False) -> AgentDemand:
+    """One demand record with the agent's data-parallel figures (built once, not copied field by field)."""
+    return AgentDemand(
+        key=key, ready_micro_batches=ready_micro_batches, ready_tokens=ready_tokens,
+        optimizer_pending=optimizer_pending, mid_step=mid_step, max_slots=job.agent_specs[key[1]].max_slots,
+        data_parallel=_data_parallel(job, key[1]), upcoming_micro_batches=upcoming,
+        portable=state_is_portable(job, key[1]), warm_start_pending=warm_start_pending)
 
 
 def state_is_portable(job: JobPlan, agent: str) -> bool:

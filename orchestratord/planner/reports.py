@@ -122,23 +122,24 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
     eta = job.spec.pipeline.max_staleness
     prefix = task.task_id + "/"
     by_agent: dict[str, list[ExperienceSummary]] = defaultdict(list)
+    expected_groups = {name: str(GroupRef(task.task_id, name)) for name in job.agents}
     seen: set[str] = set()
-    for exp in experiences:
-        where = f"task {task.task_id}: experience {exp.experience_id!r}"
-        if exp.agent not in job.agents:
-            raise InvalidArgument(f"{where}: unknown agent {exp.agent!r}")
+    for exp in experiences:  # every report's hot loop (one experience per episode and agent): messages built on error
+        expected_group = expected_groups.get(exp.agent)
+        if expected_group is None:
+            raise InvalidArgument(f"{_where(task, exp)}: unknown agent {exp.agent!r}")
         if exp.experience_id in seen:
-            raise InvalidArgument(f"{where}: reported twice")
+            raise InvalidArgument(f"{_where(task, exp)}: reported twice")
         if not exp.experience_id.startswith(prefix):
-            raise InvalidArgument(f"{where}: id must start with {prefix!r}")
-        expected_group = str(GroupRef(task.task_id, exp.agent))
+            raise InvalidArgument(f"{_where(task, exp)}: id must start with {prefix!r}")
         if exp.group_id != expected_group:
-            raise InvalidArgument(f"{where}: group_id must be {expected_group!r}, "
+            raise InvalidArgument(f"{_where(task, exp)}: group_id must be {expected_group!r}, "
                                   f"got {exp.group_id!r}")
         if not 0 <= exp.sample_index < group_size:
-            raise InvalidArgument(f"{where}: sample_index must be in [0, {group_size}), got {exp.sample_index}")
+            raise InvalidArgument(f"{_where(task, exp)}: sample_index must be in [0, {group_size}), "
+                                  f"got {exp.sample_index}")
         if exp.behavior_version < 0 or exp.response_tokens < 0:
-            raise InvalidArgument(f"{where}: negative behavior_version or response_tokens")
+            raise InvalidArgument(f"{_where(task, exp)}: negative behavior_version or response_tokens")
         seen.add(exp.experience_id)
         by_agent[exp.agent].append(exp)
     episodes = (frozenset(range(group_size)) - failed if failed is not None
@@ -171,7 +172,7 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
                     f"is too stale for step {step} (max_staleness {eta})")
         members = sorted(members, key=lambda exp: exp.experience_id)
         groups[agent.name] = Group(
-            agent=agent.name, group_id=str(GroupRef(task.task_id, agent.name)), task_id=task.task_id,
+            agent=agent.name, group_id=expected_groups[agent.name], task_id=task.task_id,
             position=task.position, batch=task.batch, experience_ids=tuple(exp.experience_id for exp in members),
             returns=tuple(float(exp.reward) for exp in members),
             episodes=len(episodes), response_tokens=sum(exp.response_tokens for exp in members),
@@ -182,3 +183,7 @@ def validate_groups(job: JobPlan, task: Task, experiences: Sequence[ExperienceSu
             max_behavior_version=max(exp.behavior_version for exp in members),
         )
     return groups
+
+
+def _where(task: Task, exp: ExperienceSummary) -> str:
+    return f"task {task.task_id}: experience {exp.experience_id!r}"
