@@ -22,6 +22,9 @@ class CpuMeter:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        #: The same per outermost method, ``component.method`` (what a profile of the figure starts from).
+        self.method_seconds: dict[str, float] = {}
+        self.method_calls: dict[str, int] = {}
         self._depth = 0
 
     def wrap(self, component: str, target: object) -> None:
@@ -35,6 +38,9 @@ class CpuMeter:
 
     def _timed(self, component: str, method: Callable[..., Any]) -> Callable[..., Any]:
         clock = time.thread_time
+        label = f"{component}.{method.__name__}"
+        self.method_seconds.setdefault(label, 0.0)
+        self.method_calls.setdefault(label, 0)
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -45,8 +51,11 @@ class CpuMeter:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.seconds[component] += clock() - started
+                elapsed_s = clock() - started
+                self.seconds[component] += elapsed_s
                 self.calls[component] += 1
+                self.method_seconds[label] += elapsed_s
+                self.method_calls[label] += 1
                 self._depth -= 1
 
         return timed
