@@ -169,6 +169,10 @@ class LeaseTable:
         return [lease for lease in self._leases.values()
                 if lease.status is LeaseStatus.ACTIVE and (kind is None or lease.kind is kind)]
 
+    def active_count(self, kind: LeaseKind) -> int:
+        """How many leases of ``kind`` are active (O(1))."""
+        return len(self._active[kind])
+
     def all(self) -> list[Lease]:
         """Every remembered lease, in any status."""
         return list(self._leases.values())

@@ -73,7 +73,7 @@ def state_is_portable(job: JobPlan, agent: str) -> bool:
 
 def rollout_demand(job: JobPlan) -> dict[str, int]:
     """Estimated tokens still to generate per agent (leased and admissible tasks)."""
-    pending_tasks = len(job.leases.active(LeaseKind.ROLLOUT_TASK)) + len(job.retry)
+    pending_tasks = job.leases.active_count(LeaseKind.ROLLOUT_TASK) + len(job.retry)
     if not job.state.terminal:
         pending_tasks += max(0, admission_limit(job) - job.admitted)
     episodes = pending_tasks * job.spec.batch.group_size

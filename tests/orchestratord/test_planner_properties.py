@@ -264,6 +264,7 @@ class PlannerMachine(RuleBasedStateMachine):
         for kind in LeaseKind:
             assert leases.active(kind) == [lease for lease in leases.all()
                                            if lease.status is LeaseStatus.ACTIVE and lease.kind is kind]
+            assert leases.active_count(kind) == len(leases.active(kind))
         # The expiry heap: one live entry per active lease (the planner ends every lease due() returns), at or
         # before its deadline; renewals add none.
         queued = leases.queued_deadlines()
