@@ -16,7 +16,7 @@ Nothing here re-implements a policy. The simulation drives
 
 As the product runs them: one balancer per rolloutd process over that process's replicas
 (``--replicas-per-rolloutd``, :mod:`benchmarks.sim_rolloutd`; each leases, plays and renews its own
-tasks, and all get the same job-wide demand hints), and orchestratord's tick loop
+tasks, and each gets its share of the demand hints, as orchestratord sends them), and orchestratord's tick loop
 (:mod:`benchmarks.sim_orchestratord`: the planner's tick every 0.2 s, the slot gauges, the demand push
 every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`).
 Each balancer decides on what its router measures (``--balancer-rates measured``, rolloutd's
@@ -115,6 +115,7 @@ from orchestratord.planner import (
     SlotEventKind,
     SwapOutWork,
 )
+from orchestratord.planner.demand import rolloutd_share
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
 from rolloutd.balancer import ReplicaAssignment as BalancerReplica
 from rolloutd.replica_rates import BalancerFeed
@@ -494,13 +495,13 @@ class Simulation:
                 self.lease_ops["renew"] += len(process.held_leases)
 
     def balance(self) -> None:
-        """orchestratord's demand push (``_push_demand``): one SetAgentDemand, one hint per agent, to every rolloutd."""
-        demand = self.planner.rollout_demand()
+        """orchestratord's demand push (``_push_demand``): one SetAgentDemand per rolloutd, its share of the demand."""
+        demand = rolloutd_share(self.planner.rollout_demand(), len(self.rolloutds))
         for process in self.rolloutds:
             # RolloutRouter.set_demand_hints: every hint of the push set, then one rebalance.
             for (_, agent), tokens in sorted(demand.items()):
-                process.demand_hints[agent] = max(0, tokens)
-                process.balancer.set_demand_hint(agent, max(0, tokens))
+                process.demand_hints[agent] = tokens
+                process.balancer.set_demand_hint(agent, tokens)
             self.rebalance(process)
 
     def rebalance(self, process: RolloutProcess) -> None:

@@ -3,8 +3,8 @@
 ``JobCoordinator._tick_loop`` (orchestratord/coordinator.py) every ``TICK_INTERVAL_S``: the planner's
 ``tick`` under the lock (expiries, silent slots), then ``trainer_wakes`` as after every mutation,
 ``_observe_slots`` (the slot gauges and the pipeline-bubble counter: every known slot against every
-running job), and every ``DEMAND_INTERVAL_S`` ``_push_demand`` (``rollout_demand()``, the same hints to
-every rolloutd). The simulation times :meth:`CoordinatorTick.observe_slots` as planner CPU.
+running job), and every ``DEMAND_INTERVAL_S`` ``_push_demand`` (``rollout_demand()``: to each rolloutd its share,
+``rolloutd_share``). The simulation times :meth:`CoordinatorTick.observe_slots` as planner CPU.
 """
 
 from __future__ import annotations

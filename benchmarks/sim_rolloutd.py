@@ -9,13 +9,14 @@ As the product runs (rolloutd/worker.py, rolloutd/router.py, orchestratord/coord
 * it pulls tasks itself (``LeaseRolloutTasks``, up to ``max_tasks`` in flight, long-polling while
   the planner has none to hand out) and plays every turn of a task's episodes on its own replicas;
 * it renews its own leases (one ``RenewLeases`` of all it holds every ``RENEW_INTERVAL_S``);
-* orchestratord pushes the same job-wide demand hints (``Planner.rollout_demand``, one per agent) to
+* orchestratord pushes each rolloutd its share of the demand hints (``Planner.rollout_demand``, one per agent,
+  divided by the rolloutds: ``orchestratord.planner.demand.rolloutd_share``) to
   every rolloutd it finds in the registry (``Coordinator._push_demand``).
 
 There is no level above the per-rolloutd balancer: no component assigns agents or replicas to
 rolloutd processes or moves replicas between them. What spreads the work over them is the task
 pull (a rolloutd with room leases the next admitted tasks) and nothing else; each balancer sees
-the job-wide hint, not its share of it.
+its share of the job's hint.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ from orchestratord.planner import (
     SlotEventKind,
     TrainerWork,
 )
+from orchestratord.planner.demand import rolloutd_share
 from orchestratord.resume import ResumePlan, plan_resume
 from orchestratord.state import (
     EvalRecorded,
@@ -317,14 +318,15 @@ class JobCoordinator:
         self._metrics.bubble_seconds.inc(idle * elapsed_s)
 
     async def _push_demand(self) -> None:
-        """Tells every rolloutd each agent's outstanding generation demand (its balancer's hint)."""
+        """Tells every rolloutd its share of each agent's outstanding generation demand (its balancer's hint)."""
         demand = self.planner.rollout_demand()
         for (job_id, agent), tokens in demand.items():
             self._metrics.rollout_demand_tokens.labels(job_id, agent).set(tokens)
         if not demand or not self._directories:
             return
-        request = serde.agent_demand_request(demand)
-        for record in list(self._directories[0].services.values()):
+        records = list(self._directories[0].services.values())
+        request = serde.agent_demand_request(rolloutd_share(demand, len(records)))
+        for record in records:
             channel = self._rollout_channels.get(record.address)
             if channel is None:
                 channel = self._rollout_channels[record.address] = open_channel(record.address, self._security)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from orchestratord.binding import AgentDemand
+from collections.abc import Mapping
+
+from orchestratord.binding import AgentDemand, AgentKey
 from orchestratord.leases import LeaseKind
 from orchestratord.planner import warm_start
 from orchestratord.planner.admission import admission_limit
@@ -69,6 +71,19 @@ def state_is_portable(job: JobPlan, agent: str) -> bool:
     """Whether another slot could load the agent's committed state without a swap-out first."""
     state = job.agent(agent)
     return is_durable_state(state.state_uri) or (state.version == 0 and not state.state_uri)
+
+
+def rolloutd_share(demand: Mapping[AgentKey, int], rolloutds: int) -> dict[AgentKey, int]:
+    """One rolloutd's part of the rollout demand (:meth:`Planner.rollout_demand`): what its balancer is hinted.
+
+    Every rolloutd pulls its own tasks and plays them on its own replicas, so of what is outstanding each
+    serves about one R-th (R rolloutds). Its balancer adds the hint to the requests it queued itself and
+    weighs the drain time against a weight load's cost: the whole job's demand in every one of R balancers
+    counted R times the work each will see (and its own leased tasks twice), so moves that cannot pay for
+    their load looked as if they did. Rounded up: an agent with demand keeps a hint, so its last replica stays.
+    """
+    count = max(1, rolloutds)
+    return {key: -(-max(0, tokens) // count) for key, tokens in demand.items()}
 
 
 def rollout_demand(job: JobPlan) -> dict[str, int]:

@@ -12,6 +12,7 @@ from orchestratord.planner import (
     SlotEventKind,
     SwapOutWork,
 )
+from orchestratord.planner.demand import rolloutd_share
 from orchestratord.state import JobState, ManifestFixed, StepCommitted
 
 from .helpers import FakeClock, experiences_for, make_spec, run_job
@@ -320,6 +321,10 @@ def test_rollout_demand_counts_outstanding_tokens(clock: FakeClock) -> None:
     ])
     demand = planner.rollout_demand()
     assert demand == {("job1", "sender"): 80, ("job1", "receiver"): 800}
+
+    # Each of 3 rolloutds is hinted its share (rounded up: an agent with demand keeps a hint), not the job's.
+    assert rolloutd_share(demand, 3) == {("job1", "sender"): 27, ("job1", "receiver"): 267}
+    assert rolloutd_share(demand, 0) == demand and rolloutd_share({("job1", "sender"): 0}, 4) == {("job1", "sender"): 0}
 
 
 def test_a_restarted_orchestrator_issues_a_step_under_new_step_ids(clock: FakeClock) -> None:
