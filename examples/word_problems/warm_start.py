@@ -34,6 +34,15 @@ def _rows() -> list[dict[str, Any]]:
     return [json.loads(line) for line in TRAIN.read_text().splitlines() if line.strip()]
 
 
+def _epochs(rows: Sequence[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
+    """Endless epochs over ``rows``, each in its own order drawn from ``rng`` when the epoch starts."""
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for number in order:
+            yield rows[number]
+
+
 def _shown(rng: random.Random, answer: int) -> int:
     """The answer or, half the time, a near miss (never negative)."""
     return answer if rng.random() < 0.5 else max(0, answer + rng.choice((-2, -1, 1, 2)))
@@ -42,21 +51,16 @@ def _shown(rng: random.Random, answer: int) -> int:
 def answer_examples(seed: int, prompt: str = "{question} Answer:", followup_prompt: str | None = None,
                     others: Sequence[str] = ()) -> Iterator[tuple[str, str]]:
     """``(prompt.format(**row), str(row["answer"]))`` over train.jsonl (with second answers: see the module)."""
-    rows = _rows()
     rng = random.Random(f"word-problems-warm-start/{seed}")
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for number in order:
-            row = rows[number]
-            answer = int(row["answer"])
-            yield prompt.format(**row), str(answer)
-            if followup_prompt is not None:
-                attempt = _shown(rng, answer)
-                feedback = "y" if attempt == answer and rng.random() < 0.5 else "n"
-                shown = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in others)
-                yield followup_prompt.format(**row, attempt=attempt, previous=attempt, feedback=feedback,
-                                             others=shown), str(answer)
+    for row in _epochs(_rows(), rng):
+        answer = int(row["answer"])
+        yield prompt.format(**row), str(answer)
+        if followup_prompt is not None:
+            attempt = _shown(rng, answer)
+            feedback = "y" if attempt == answer and rng.random() < 0.5 else "n"
+            shown = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in others)
+            yield followup_prompt.format(**row, attempt=attempt, previous=attempt, feedback=feedback,
+                                         others=shown), str(answer)
 
 
 def _near_miss(rng: random.Random, answer: int) -> int:
@@ -70,17 +74,12 @@ def verdict_examples(seed: int, prompt: str = "{question} Answer: {attempt} Righ
 
     Half the shown answers are right, half near misses (one to three away).
     """
-    rows = _rows()
     rng = random.Random(f"word-problems-verdicts/{seed}")
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for number in order:
-            row = rows[number]
-            answer = int(str(row["answer"]))
-            right = rng.random() < 0.5
-            shown = answer if right else _near_miss(rng, answer)
-            yield prompt.format(**row, attempt=shown), accept if right else reject
+    for row in _epochs(_rows(), rng):
+        answer = int(str(row["answer"]))
+        right = rng.random() < 0.5
+        shown = answer if right else _near_miss(rng, answer)
+        yield prompt.format(**row, attempt=shown), accept if right else reject
 
 
 def judge_examples(seed: int, prompt: str = "{question} Answers: {answers} Answer:",
@@ -90,13 +89,8 @@ def judge_examples(seed: int, prompt: str = "{question} Answers: {answers} Answe
     The response is the row's answer, also when no debater gave it: the judge learns to answer,
     using the debaters' answers where they help, not to copy one of them.
     """
-    rows = _rows()
     rng = random.Random(f"word-problems-judge/{seed}")
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for number in order:
-            row = rows[number]
-            answer = int(row["answer"])
-            answers = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in debaters)
-            yield prompt.format(**row, answers=answers), str(answer)
+    for row in _epochs(_rows(), rng):
+        answer = int(row["answer"])
+        answers = "\n\n".join(f"[{name}] {_shown(rng, answer)}" for name in debaters)
+        yield prompt.format(**row, answers=answers), str(answer)
