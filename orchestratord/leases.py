@@ -166,8 +166,7 @@ class LeaseTable:
         """Active leases, optionally of one kind (in issue order)."""
         if kind is not None:
             return list(self._active[kind].values())
-        return [lease for lease in self._leases.values()
-                if lease.status is LeaseStatus.ACTIVE and (kind is None or lease.kind is kind)]
+        return [lease for lease in self._leases.values() if lease.status is LeaseStatus.ACTIVE]
 
     def active_count(self, kind: LeaseKind) -> int:
         """How many leases of ``kind`` are active (O(1))."""

@@ -378,7 +378,7 @@ class RolloutRunner:
         backend = _CountingBackend(self._backend, task_input.progress)
         outcomes, errors = await self._play_group(task_input, task, backend)
         returns = {i: o.returns for i, o in outcomes.items() if o.error is None}
-        fatal = tuple(error for error in errors if not error.reward)
+        fatal = tuple(error for error in errors if _fails_group(error))
         if fatal:
             logger.warning("task %s failed: %s", task_input.task_id, fatal[0].message)
             return RolloutResult(task_input.task_id, (), fatal, returns, backend.calls, backend.coalesced)

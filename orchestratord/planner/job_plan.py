@@ -373,11 +373,6 @@ class JobPlan:
             totals = totals.plus(self.step_failures[step])
         return totals
 
-    @property
-    def tasks_given_up(self) -> int:
-        """Tasks given up over the whole job (under ``step_fill: completion`` each was replaced by another)."""
-        return self.failures_committed.tasks_given_up + sum(f.tasks_given_up for f in self.step_failures.values())
-
     def touch_all(self) -> None:
         """Every agent's demand or trainer work may have changed (a job-wide or rare change)."""
         self.touched_all = True
