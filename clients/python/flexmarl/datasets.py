@@ -335,7 +335,7 @@ def task_files(spec: DatasetSpec) -> list[TaskFile]:
     out = []
     splits: tuple[Split, ...] = ("train", "eval")
     for split in splits:
-        listed = isinstance(getattr(spec, split), list)
+        listed = spec.listed(split)
         for number, (path, recorded) in enumerate(spec.files(split)):
             key = f"environment.dataset.{split}" + (f"[{number}]" if listed else "")
             out.append(TaskFile(split, key, path, recorded))
@@ -387,7 +387,7 @@ def pin_dataset(spec: JobSpec, base_dir: str | Path | None = None) -> JobSpec:
     if dataset is None:
         return spec
     base = Path(base_dir) if base_dir is not None else Path.cwd()
-    pinned_files: dict[str, list[tuple[str, str]]] = {}
+    pinned_files: dict[Split, list[tuple[str, str]]] = {}
     for file in task_files(dataset):
         absolute = os.path.abspath(base / file.path)
         try:
@@ -401,7 +401,7 @@ def pin_dataset(spec: JobSpec, base_dir: str | Path | None = None) -> JobSpec:
         pinned_files.setdefault(file.split, []).append((absolute, digest))
     update: dict[str, Any] = {}
     for split, files in pinned_files.items():
-        listed = isinstance(getattr(dataset, split), list)  # a single file stays a string
+        listed = dataset.listed(split)
         update[split] = [path for path, _ in files] if listed else files[0][0]
         update[f"{split}_sha256"] = [digest for _, digest in files] if listed else files[0][1]
     pinned = dataset.model_copy(update=update)

@@ -133,6 +133,10 @@ class DatasetSpec(_SpecModel):
                 raise ValueError(f"{split}_sha256: {len(digests)} sha256s for the {len(files)} files of {split}")
         return self
 
+    def listed(self, split: Literal["train", "eval"]) -> bool:
+        """Whether ``split`` names a list of files (a list stays a list when pinned, one file a string)."""
+        return isinstance(getattr(self, split), list)
+
     def files(self, split: Literal["train", "eval"]) -> list[tuple[str, str]]:
         """(path, recorded sha256 or "") of each file of ``split``, in list order (none for an unset eval)."""
         files, digests = getattr(self, split), getattr(self, f"{split}_sha256")
