@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from flexmarl.experience import SPAN_DTYPE
+from flexmarl.experience import SPAN_DTYPE, reported_return
 from flexmarl.localcluster import STORED_DATA_DIR
+from stored.database import DB_FILE
 
 WINDOW = 5  # versions in the moving mean, as the per-step reading's 5 steps
-STORED_DB = "stored.db"  # stored's database file in its data directory (stored/app.py)
 #: how an experience whose tokens came from several versions is counted
 MIXED_RULES = ("newest", "exclude")
 
@@ -91,7 +91,7 @@ class JobVersionPoint:
 
 def stored_db(run_dir: Path) -> Path:
     """Where a local cluster's stored kept its experiences."""
-    return run_dir / STORED_DATA_DIR / STORED_DB
+    return run_dir / STORED_DATA_DIR / DB_FILE
 
 
 def read_experiences(db_path: Path) -> list[VersionedExperience]:
@@ -128,10 +128,9 @@ def experience_of(row: Sequence[Any]) -> VersionedExperience:
     agent, oldest, spans, reward, episode_return, created_ms = row
     versions = np.frombuffer(spans, dtype=SPAN_DTYPE).reshape(-1, 2)[:, 1]
     newest = int(versions.max()) if versions.size else int(oldest)
-    recorded = episode_return is not None
     return VersionedExperience(str(agent), int(oldest), max(newest, int(oldest)),
-                               float(episode_return) if recorded else float(reward), int(created_ms) / 1000.0,
-                               recorded)
+                               float(reported_return(reward, episode_return)), int(created_ms) / 1000.0,
+                               episode_return is not None)
 
 
 def agent_version_curves(

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from flexmarl.daemon import DaemonApp, DaemonContext
 from stored.blobs import BlobStore
 from stored.config import StoredConfig
-from stored.database import Database
+from stored.database import DB_FILE, Database
 from stored.experiences import ExperienceStore
 from stored.metrics import StoredMetrics
 from stored.servicer import SERVICE_NAME, StoreServicer, add_to_server
@@ -42,7 +42,7 @@ class StoredApp(DaemonApp):
 
     def _open(self) -> tuple[ExperienceStore, BlobStore]:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.db = Database(self.data_dir / "stored.db", synchronous=self.config.sqlite_synchronous)
+        self.db = Database(self.data_dir / DB_FILE, synchronous=self.config.sqlite_synchronous)
         quotas = self.config.quotas()
         experiences = ExperienceStore(self.db, limits=self.config.experience_limits(), quotas=quotas)
         blobs = BlobStore(self.db, self.data_dir / "blobs", limits=self.config.blob_limits(), quotas=quotas)

@@ -31,6 +31,8 @@ from flexmarl.errors import ErrorReason, ResourceExhausted
 
 log = logging.getLogger(__name__)
 
+#: stored's database file in its data directory (``stored --data-dir``).
+DB_FILE = "stored.db"
 SYNCHRONOUS_MODES = ("FULL", "NORMAL", "EXTRA")
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
