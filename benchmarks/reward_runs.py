@@ -215,8 +215,14 @@ def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
             lines.append(f"{workload} ({READINGS[by]}): not measured (no stored experiences: {', '.join(unread)})")
             continue
         best = min(candidates, key=mean_time)
-        parts = [f"{workload} ({READINGS[by]}): best FlexMARL configuration {best} (mean time to target over seeds "
-                 f"{seeds})"]
+        if math.isinf(mean_time(best)):
+            # None reached the target on every seed: none is "best" by time; judge the one run furthest along.
+            best = max(candidates, key=lambda c: statistics.fmean(r.final(by) for r in mine if r.config == c))
+            parts = [f"{workload} ({READINGS[by]}): no FlexMARL configuration reached the target on every seed "
+                     f"(seeds {seeds}); judged: {best}, the highest mean final reward"]
+        else:
+            parts = [f"{workload} ({READINGS[by]}): best FlexMARL configuration {best} (mean time to target over "
+                     f"seeds {seeds})"]
         for baseline, factor in SPEEDUP_TARGETS.items():
             ratios = [speedup(runs, r, baseline, by) for r in mine if r.config == best]
             if not any(r.config == baseline for r in mine):

@@ -123,6 +123,19 @@ def test_a_target_from_sync_and_an_overrun_marks_the_run() -> None:
     assert "vs sequential: not run" in lines[0] and "machine-set runs (overrun > limit): flexmarl s0" in lines[0]
 
 
+def test_when_no_configuration_reaches_the_target_none_is_called_best() -> None:
+    sync = run_of("sync", [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], step_wall_s=3.0)
+    eta1 = run_of("flexmarl", [0.2] * 10, step_wall_s=1.0)  # listed first, never learns
+    eta8 = run_of("flexmarl-partial-eta8", [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8, 0.8, 0.8], step_wall_s=0.5)
+    runs = [sync, eta1, eta8]
+    rr.set_targets(runs, {"signaling": None})
+    [line] = rr.verdicts(runs)
+    assert line.startswith("signaling (per training step): no FlexMARL configuration reached the target on every "
+                           "seed (seeds [0]); judged: flexmarl-partial-eta8, the highest mean final reward")
+    assert ">= 3x sooner than sync on every seed: MISSED (nan)" in line
+    assert "best FlexMARL configuration" not in line
+
+
 def kept_stored(run_dir: Path, rewards: list[float]) -> None:
     """A stored database as a kept run leaves it: per version v, two episodes of each agent returning
     rewards[v] +- 0.05 (a: +, b: -), written 1 wall s after v's publish; one of a's resumed on version v + 1."""
