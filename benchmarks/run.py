@@ -51,6 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +72,10 @@ from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
 from benchmarks.workloads import VARIANTS, Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402
+from flexmarl.jobspec import parse_job_spec  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
+from rolloutd.config import RolloutConfig  # noqa: E402
 
 log = logging.getLogger("benchmarks.run")
 
@@ -349,6 +352,18 @@ def job_spec(
     }
 
 
+def rolloutd_args(spec: Mapping[str, Any]) -> list[str]:
+    """rolloutd's flags for a cluster that runs ``spec``: ``--max-tasks`` as many tasks as its staleness rule
+    keeps in flight (:attr:`~flexmarl.jobspec.JobSpec.rollout_tasks_ahead`), never below rolloutd's default.
+
+    With the default (8 tasks, two steps of 4 prompts) an eta 4 or 8 job ran as if eta were 1: rolloutd leased
+    no more, its replicas decoded a few sequences at a time and the trainer waited on them (docs/benchmarks.md,
+    "Where partial rollouts' step went").
+    """
+    tasks = max(RolloutConfig().max_tasks, parse_job_spec(dict(spec)).rollout_tasks_ahead)
+    return ["--max-tasks", str(tasks)]
+
+
 def is_async(config: str) -> bool:
     """Whether the configuration pipelines rollout and training (the ones ``--eta`` sweeps)."""
     return CONFIGS[config][0].get("mode") == "async"
@@ -378,11 +393,13 @@ def run_one(
     run_dir.mkdir(parents=True, exist_ok=True)
     profile_path = run_dir / "device.json"
     profile_path.write_text(profile.to_json())
+    spec = job_spec(workload, config, model_dir, args.steps, args.token_scale, eta)
     cluster_config = LocalClusterConfig(
         run_dir=run_dir,
         engine_replicas=args.replicas,
         trainer_slots=args.slots,
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
+        rolloutd_args=rolloutd_args(spec),
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
@@ -390,7 +407,7 @@ def run_one(
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:
             before = scrape_rpc_times(cluster)
             sampler.sample()
-            job_id = client.submit(job_spec(workload, config, model_dir, args.steps, args.token_scale, eta))
+            job_id = client.submit(spec)
             deadline = time.monotonic() + args.run_timeout_s
             info = client.status(job_id)
             while not info.state.finished and time.monotonic() < deadline:

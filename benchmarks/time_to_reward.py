@@ -245,6 +245,7 @@ def run_one(
         engine_replicas=replicas,
         trainer_slots=slots,
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": bench._daemon_pythonpath()},
+        rolloutd_args=bench.rolloutd_args(spec),
     )
     with LocalCluster(cluster_config) as cluster:
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:

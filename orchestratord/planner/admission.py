@@ -28,9 +28,8 @@ def admission_limit(job: JobPlan) -> int:
     """
     if warm_start.any_pending(job):
         return 0
-    eta = 0 if job.spec.pipeline.barrier else job.spec.pipeline.max_staleness
     prompts = job.spec.batch.prompts_per_step
-    limit = (eta + job.min_version() + 1) * prompts
+    limit = job.spec.rollout_tasks_ahead + job.min_version() * prompts
     if job.spec.pipeline.fills_by_completion:
         # Any task may fill the last steps; what still runs at the end is abandoned. A task that fills no step
         # (given up, dropped as too stale, lost at a restart) is replaced, so that the open steps can fill: with

@@ -51,6 +51,15 @@ def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> No
     assert spec["environment"]["config"]["rotate_every_tasks"] == 12
 
 
+@pytest.mark.parametrize(("config", "eta", "max_tasks"), [
+    ("no-async", None, 8), ("flexmarl", None, 8), ("flexmarl-partial", 4, 20), ("flexmarl-partial", None, 36)])
+def test_rolloutd_runs_as_many_tasks_as_the_staleness_rule_admits(config: str, eta: int | None,
+                                                                  max_tasks: int) -> None:
+    """(eta + 1) x 4 prompts per step, never below rolloutd's default of 8 (sync needs 4, eta 1 8)."""
+    spec = bench.job_spec(make_workload(3, "long-tail"), config, Path("/m"), 24, 128.0, eta)
+    assert bench.rolloutd_args(spec) == ["--max-tasks", str(max_tasks)]
+
+
 def test_the_balancer_moves_replicas_on_the_rates_rolloutd_measures_and_not_on_the_fixed_ones() -> None:
     from benchmarks.balancer_units import decisions
 

@@ -167,6 +167,20 @@ def test_static_mode_is_a_barrier() -> None:
     assert planner.poll_trainer_work("w0", "s0") is None  # 2 complete micro-batches' worth, but no barrier yet
 
 
+@pytest.mark.parametrize(("pipeline", "expected"), [
+    ({"mode": "async", "max_staleness": 8, "step_fill": "completion"}, 36),
+    ({"mode": "async", "max_staleness": 2}, 12),
+    ({"mode": "sync", "max_staleness": 2}, 4),
+])
+def test_rollout_tasks_ahead_is_what_a_worker_can_lease_at_once(pipeline: dict[str, Any], expected: int) -> None:
+    """The spec's figure (rolloutd's --max-tasks a job needs) is exactly the admission a fresh job grants."""
+    planner, _ = _planner()
+    planner.submit_job("job", make_spec(pipeline=pipeline, total_steps=20))
+    job = planner.job("job")
+    assert job.spec.rollout_tasks_ahead == expected
+    assert len(planner.lease_rollout_tasks("r", 1000)) == expected
+
+
 def test_static_binding_ablation_keeps_async_pipelining() -> None:
     planner, clock = _planner()
     planner.submit_job("job", make_spec(pipeline={"mode": "async", "binding": "static"}, total_steps=1))

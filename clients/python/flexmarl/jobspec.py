@@ -630,6 +630,17 @@ class JobSpec(_SpecModel):
         return tuple(agent.name for agent in self.agents)
 
     @property
+    def rollout_tasks_ahead(self) -> int:
+        """Rollout tasks the staleness rule admits beyond the lowest committed version's steps.
+
+        ``(eta + 1) x prompts_per_step`` (AReaL's rule, eta 0 under a barrier): the most tasks that can be
+        in flight at once, and so the ``rolloutd --max-tasks`` the job needs for its eta to take effect (a
+        rolloutd that runs fewer keeps fewer steps of tasks in flight than eta allows).
+        """
+        eta = 0 if self.pipeline.barrier else self.pipeline.max_staleness
+        return (eta + 1) * self.batch.prompts_per_step
+
+    @property
     def balancing(self) -> BalancingPolicy:
         """The balancing policy of rolloutd, after the mode's default is applied."""
         if self.rollout.balancing is not None:
