@@ -693,6 +693,9 @@ class RolloutWorker:
             job.version_watch = asyncio.get_running_loop().create_task(
                 self._watch_versions(job), name=f"versions of {job_id}")
         log.info("serving job %s (%s)", job_id, spec.name)
+        short = fewer_tasks_than_admitted(spec, self.settings.max_tasks)
+        if short:
+            log.warning("job %s: %s", job_id, short)
         return job
 
     async def _pinned(self, job: _ServedJob, task: RolloutTask) -> _ServedJob:
@@ -910,6 +913,23 @@ def _append_retry_code(exc: BaseException) -> grpc.StatusCode | None:
         code: grpc.StatusCode = exc.code()
         return code
     return None
+
+
+def fewer_tasks_than_admitted(spec: JobSpec, max_tasks: int) -> str:
+    """Why this rolloutd alone cannot keep the job's pipeline as far ahead as its staleness bound allows ("" if it can).
+
+    The staleness rule admits up to ``(max_staleness + 1) x prompts_per_step`` tasks at once
+    (:attr:`JobSpec.rollout_tasks_ahead`); a rolloutd leases at most ``max_tasks``. With fewer, unless other
+    rolloutds take the rest, the steps run behind the tasks in flight: a long-tailed task holds a
+    task slot while its replicas decode its last few sequences, and the trainer waits (docs/benchmarks.md,
+    "Where partial rollouts' step went").
+    """
+    wanted = spec.rollout_tasks_ahead
+    if wanted <= max_tasks:
+        return ""
+    return (f"its staleness rule admits {wanted} tasks at once ((max_staleness {spec.pipeline.max_staleness} + 1)"
+            f" x prompts_per_step {spec.batch.prompts_per_step}), this rolloutd runs at most {max_tasks} "
+            f"(--max-tasks): alone it keeps {max_tasks / spec.batch.prompts_per_step:g} steps of tasks in flight")
 
 
 def _check_environment_code(spec: JobSpec) -> None:
