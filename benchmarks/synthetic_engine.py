@@ -233,6 +233,7 @@ class SyntheticBackend(EngineBackend):
                 "tp_size": 1,
                 "dp_size": 1,
                 "max_running_requests": replica.config.max_running_requests,
+                "max_total_num_tokens": replica.load().max_total_num_tokens,  # SGLang's scheduler init info
                 "device_profile": replica.profile.name,
                 "backend": "synthetic",
                 "internal_states": [

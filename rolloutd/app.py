@@ -43,6 +43,7 @@ class RolloutApp(DaemonApp):
             vllm_python=config.vllm_python,
             balancer_measured_rates=config.balancer_measured_rates, balancer_tokens_per_s=config.balancer_tokens_per_s,
             balancer_reassignment_cost_s=config.balancer_reassignment_cost_s,
+            balancer_dispatch_kv_factor=config.balancer_dispatch_kv_factor,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 

@@ -26,7 +26,15 @@ Two levels (DESIGN.md §4):
   defaults are ``balance_abs_threshold = 64`` and ``balance_rel_threshold = 1.5`` in
   ``sgl-router/py_src/sglang_router/router_args.py``). sglang-router measures load in
   in-flight requests; we measure it in outstanding estimated tokens, so the absolute
-  threshold is in tokens here.
+  threshold is in tokens here. With ``BalancerConfig.dispatch_kv_factor`` a replica takes a
+  request only while the KV-cache tokens its requests reserve (prompt + ``max_new_tokens`` per
+  sample, what the embedded engine holds for a running sequence; SGLang's scheduler holds less and
+  retracts when it runs out, so a factor above 1 suits it) stay within that factor of its KV
+  capacity (the engine's ``max_total_num_tokens``,
+  :meth:`HierarchicalBalancer.set_replica_kv_capacity`); the other requests wait in their group's
+  queue, FIFO, and are placed as requests finish. Sent at once instead, a group's backlog waits in
+  its replicas' own queues, where a replica moved to the group cannot take any of it and a replica
+  moved away works through all of it before its load (its drain is the backlog, not one batch).
 
 LoRA agents (``AgentSpec.adapter``) over one base form one model group, the base's replica pool:
 any replica of the pool serves each of them without a weight load, so no replica moves between
@@ -124,6 +132,11 @@ class BalancerConfig:
             property of its replica, which a move carries along, and rolloutd measures nothing (the
             behaviour before measured rates).
         prior_tokens_per_s: a replica's tokens/s before one is measured (rolloutd's assignments).
+        dispatch_kv_factor: > 0: a replica with a known KV capacity takes a request only while its
+            requests' reserved KV tokens, the new one's included, stay within this factor of that
+            capacity (one request always runs on an idle replica); the rest wait in the balancer's
+            queue (see the module doc). 0: every request goes to a replica at once, which queues
+            what it cannot batch.
     """
 
     balance_abs_threshold_tokens: int = 64
@@ -137,6 +150,7 @@ class BalancerConfig:
     max_affinity_keys: int = 100_000
     measured_rates: bool = True
     prior_tokens_per_s: float = 1000.0
+    dispatch_kv_factor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.balance_abs_threshold_tokens < 0:
@@ -151,6 +165,8 @@ class BalancerConfig:
             raise InvalidArgument("max_affinity_keys must be >= 1")
         if not self.prior_tokens_per_s > 0:
             raise InvalidArgument("prior_tokens_per_s must be > 0")
+        if not 0.0 <= self.dispatch_kv_factor < math.inf:
+            raise InvalidArgument("dispatch_kv_factor must be finite and >= 0")
 
 
 
@@ -172,7 +188,7 @@ class Ticket:
     """One generation request; ``replica_id`` is None while it waits for a replica.
 
     ``adapter``: the adapter name a LoRA agent's request holds a slot of its replica for (None: a
-    full-model agent's request).
+    full-model agent's request). ``kv_tokens``: the KV-cache tokens its samples reserve on a replica.
     """
 
     request_id: int
@@ -181,6 +197,7 @@ class Ticket:
     affinity_key: str
     replica_id: str | None
     adapter: str | None = None
+    kv_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +382,8 @@ class HierarchicalBalancer:
             self._rebalance_urgent = True
 
     # ------------------------------------------------------------- routing
-    def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "", adapter: str | None = None) -> Ticket:
+    def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "", adapter: str | None = None,
+               kv_tokens: int = 0) -> Ticket:
         """Routes a request now, or queues it when no serving replica of its group can take it.
 
         Args:
@@ -376,21 +394,23 @@ class HierarchicalBalancer:
                 counts toward ``--max-loras-per-batch`` (rolloutd's ``<agent>@v<k>``, or
                 :data:`BASE_ADAPTER` for the base alone); None: the agent's own name (one name
                 per agent). Must be None for a full-model agent.
+            kv_tokens: The KV-cache tokens its samples reserve on a replica (prompt +
+                ``max_new_tokens`` each); what ``BalancerConfig.dispatch_kv_factor`` bounds.
 
         Raises:
             NotFound: The agent is not balanced here.
-            InvalidArgument: Negative ``estimated_tokens``, or ``adapter`` for a full-model agent.
+            InvalidArgument: Negative ``estimated_tokens`` or ``kv_tokens``, or ``adapter`` for a full-model agent.
         """
         model_key = self._model_of(agent)
-        if estimated_tokens < 0:
-            raise InvalidArgument(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        if estimated_tokens < 0 or kv_tokens < 0:
+            raise InvalidArgument(f"estimated_tokens and kv_tokens must be >= 0, got {estimated_tokens}, {kv_tokens}")
         if agent not in self._adapters and adapter is not None:
             raise InvalidArgument(f"agent {agent!r} is a full model: its requests carry no adapter")
         if agent in self._adapters and adapter is None:
             adapter = agent
         request_id = self._next_request_id
         self._next_request_id += 1
-        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter)
+        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter, kv_tokens)
         self._ticket_tokens[agent] = self._ticket_tokens.get(agent, 0) + estimated_tokens
         placed = self._try_place(ticket)
         if placed is None:
@@ -470,6 +490,7 @@ class HierarchicalBalancer:
         if replica is None:  # the replica was removed while the request ran
             return ticket
         replica.outstanding_tokens -= ticket.estimated_tokens
+        replica.kv_tokens -= ticket.kv_tokens
         replica.in_flight_requests -= 1
         if replica.phase is ReplicaPhase.SERVING:
             self._groups().push_load(replica)
@@ -488,10 +509,12 @@ class HierarchicalBalancer:
                 ticket.adapter is None or model_key not in self._adapter_slots):
             # Every serving replica of the group is a candidate: O(log group) from the group's load heaps.
             chosen = self._least_tokens_in_group(model_key, ticket.affinity_key)
+            if chosen is not None and not self._has_kv_room(chosen, ticket):
+                chosen = self._most_kv_room(model_key, ticket)
             return None if chosen is None else self._assign(ticket, chosen)
         candidates = [
             replica for replica in self._groups().serving.get(model_key, ())
-            if self._has_adapter_slot(replica, ticket.adapter)
+            if self._has_adapter_slot(replica, ticket.adapter) and self._has_kv_room(replica, ticket)
         ]
         if not candidates:
             return None
@@ -506,6 +529,7 @@ class HierarchicalBalancer:
     def _assign(self, ticket: Ticket, chosen: ReplicaState) -> Ticket:
         placed = dataclasses.replace(ticket, replica_id=chosen.spec.replica_id)
         chosen.outstanding_tokens += ticket.estimated_tokens
+        chosen.kv_tokens += ticket.kv_tokens
         chosen.in_flight_requests += 1
         self._groups().push_load(chosen)
         if ticket.adapter is not None:
@@ -540,6 +564,31 @@ class HierarchicalBalancer:
         if preferred is not None and preferred.phase is ReplicaPhase.SERVING and preferred.model_key == model_key:
             return preferred
         return least
+
+    def _has_kv_room(self, replica: ReplicaState, ticket: Ticket) -> bool:
+        """Whether ``replica`` may take ``ticket`` within ``dispatch_kv_factor`` of its KV capacity (always idle)."""
+        factor = self._config.dispatch_kv_factor
+        if factor <= 0 or math.isinf(replica.kv_capacity_tokens) or not replica.in_flight_requests:
+            return True
+        return replica.kv_tokens + ticket.kv_tokens <= factor * replica.kv_capacity_tokens
+
+    def _most_kv_room(self, model_key: str, ticket: Ticket) -> ReplicaState | None:
+        """The serving replica of the group with the fewest reserved KV tokens, if it may take ``ticket``.
+
+        Asked only when the least loaded one (by estimated tokens) is full: O(group).
+        """
+        serving = self._groups().serving.get(model_key, ())
+        emptiest = min(serving, key=lambda r: (r.kv_tokens, r.spec.replica_id), default=None)
+        return emptiest if emptiest is not None and self._has_kv_room(emptiest, ticket) else None
+
+    def set_replica_kv_capacity(self, replica_id: str, tokens: float) -> None:
+        """The KV-cache tokens the replica holds (its engine's ``max_total_num_tokens``; inf: unbounded).
+
+        Call :meth:`place_queued` next: a larger capacity may place waiting requests.
+        """
+        if not tokens > 0:
+            raise InvalidArgument(f"replica {replica_id!r}: KV capacity must be > 0, got {tokens}")
+        self._replica(replica_id).kv_capacity_tokens = tokens
 
     def _load_is_current(self, tokens: int, replica_id: str, model_key: str) -> bool:
         replica = self._replicas.get(replica_id)

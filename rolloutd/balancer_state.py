@@ -60,6 +60,9 @@ class ReplicaState:
     phase: ReplicaPhase = ReplicaPhase.SERVING
     outstanding_tokens: int = 0
     in_flight_requests: int = 0
+    #: KV-cache tokens its requests in flight reserve, and how many it holds (inf: not known).
+    kv_tokens: int = 0
+    kv_capacity_tokens: float = math.inf
     last_move_s: float = -math.inf
     #: Adapter name (Ticket.adapter) -> its requests in flight here.
     adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)

@@ -116,6 +116,11 @@ class RolloutConfig(DaemonConfig):
         default=1000.0, metadata=_help("the balancer's rate of a replica until it is measured (tokens/s)"))
     balancer_reassignment_cost_s: float = dataclasses.field(
         default=10.0, metadata=_help("the balancer's cost of a replica move (one weight load) until one is measured"))
+    balancer_dispatch_kv_factor: float = dataclasses.field(
+        default=0.0, metadata=_help("> 0: a replica takes a request only while its requests' reserved KV tokens "
+                                    "(prompt + max_new_tokens each) stay within this factor of its engine's "
+                                    "max_total_num_tokens; the rest wait in rolloutd, where a replica moved to "
+                                    "their agent takes them (0: every request goes to an engine at once)"))
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value."""
@@ -124,6 +129,8 @@ class RolloutConfig(DaemonConfig):
             raise ConfigError(f"balancer_tokens_per_s: must be > 0, got {self.balancer_tokens_per_s}")
         if not 0 <= self.balancer_reassignment_cost_s < float("inf"):
             raise ConfigError(f"balancer_reassignment_cost_s: must be >= 0, got {self.balancer_reassignment_cost_s}")
+        if not 0 <= self.balancer_dispatch_kv_factor < float("inf"):
+            raise ConfigError(f"balancer_dispatch_kv_factor: must be >= 0, got {self.balancer_dispatch_kv_factor}")
         if not 1 <= self.engine_max_loras_per_batch <= 1024:
             raise ConfigError(f"engine_max_loras_per_batch: must be in 1..1024, got {self.engine_max_loras_per_batch}")
         if self.engine_max_loaded_loras and self.engine_max_loaded_loras < self.engine_max_loras_per_batch:

@@ -55,6 +55,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -174,6 +175,9 @@ class Replica:
     #: last answered one (or, idle, when its first request came): what tells a hung engine (:meth:`hung_s`).
     requests_in_flight: int = 0
     last_answer_s: float = 0.0
+    #: The KV-cache tokens its engine holds (``/server_info`` ``max_total_num_tokens``): None until read,
+    #: inf where the engine does not say.
+    kv_capacity_tokens: float | None = None
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
@@ -511,6 +515,9 @@ class RolloutRouter:
                 self._balancer = HierarchicalBalancer(
                     specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
                     self._config, adapter_slots=slots)
+                if self._config.dispatch_kv_factor > 0:
+                    for replica in healthy:
+                        await self._set_kv_capacity(replica)
                 if self._config.measured_rates:
                     self._balancer.set_reassignment_cost_s(self._measured.reload_cost.seconds)
                 log.info("serving agents %s on %d replicas: %s", list(wanted), len(specs),
@@ -518,6 +525,20 @@ class RolloutRouter:
             finally:
                 self._rebuilding = False
                 self._quiet.notify_all()
+
+    async def _set_kv_capacity(self, replica: Replica) -> None:
+        """Tells the balancer the replica's KV capacity (read from its engine once; unbounded if it does not say)."""
+        if replica.kv_capacity_tokens is None:
+            try:
+                info = await replica.client.server_info()
+            except FlexmarlError as exc:  # its next request shows what is wrong; until then it is not bounded
+                log.warning("replica %s: no server info (%s); its requests are not bounded by its KV cache",
+                            replica.replica_id, exc)
+                return
+            tokens = info.get("max_total_num_tokens")
+            replica.kv_capacity_tokens = float(tokens) if isinstance(tokens, int | float) and tokens > 0 else math.inf
+        if self._balancer is not None and self._balancer.replica(replica.replica_id) is not None:
+            self._balancer.set_replica_kv_capacity(replica.replica_id, replica.kv_capacity_tokens)
 
     @staticmethod
     async def _release_adapters(replicas: Sequence[Replica], served: Sequence[str]) -> None:
@@ -760,7 +781,8 @@ class RolloutRouter:
             if self._balancer is None or key not in self._agents:
                 raise Unavailable(f"agent {key} is not served by this rolloutd")
             estimate = self._estimator.estimate(key, prompt_tokens, max_new_tokens, n)
-            ticket = self._balancer.submit(key, estimate, affinity_key, adapter)
+            ticket = self._balancer.submit(key, estimate, affinity_key, adapter,
+                                           kv_tokens=n * (prompt_tokens + max_new_tokens))
             self._in_flight += 1
         if ticket.replica_id is not None:
             return ticket
@@ -928,6 +950,7 @@ class RolloutRouter:
         if replica.healthy:
             return
         replica.healthy = True
+        replica.kv_capacity_tokens = None  # read again: the relaunched engine may hold another
         replica.loaded_agent, replica.loaded_version = "", -1
         replica.lora = None  # it may have restarted without its adapters
         log.warning("replica %s re-admitted: /health answers 200", replica.replica_id)
@@ -939,6 +962,8 @@ class RolloutRouter:
         # The group with the fewest replicas (most demand on ties) gets it; a rebalance may move it.
         model_key = min(counts, key=lambda k: (counts[k], -demand.get(k, 0), k))
         balancer.add_replica(self._assignment(replica.replica_id, model_key))
+        if self._config.dispatch_kv_factor > 0:
+            self._spawn(self._set_kv_capacity(replica))
         self._rebalance()
 
     def set_demand_hints(self, hints: Mapping[str, int]) -> None:

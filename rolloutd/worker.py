@@ -175,6 +175,8 @@ class WorkerSettings:
     balancer_measured_rates: bool = True
     balancer_tokens_per_s: float = 1000.0
     balancer_reassignment_cost_s: float = 10.0
+    #: > 0: requests wait in rolloutd once a replica's reserved KV tokens reach this share of its capacity.
+    balancer_dispatch_kv_factor: float = 0.0
 
     @property
     def weights_cache(self) -> Path:
@@ -811,7 +813,8 @@ class RolloutWorker:
                                     if balancing == "round-robin" else RoutingPolicy.LEAST_TOKENS,
                                     measured_rates=s.balancer_measured_rates,
                                     prior_tokens_per_s=s.balancer_tokens_per_s,
-                                    reassignment_cost_s=s.balancer_reassignment_cost_s)
+                                    reassignment_cost_s=s.balancer_reassignment_cost_s,
+                                    dispatch_kv_factor=s.balancer_dispatch_kv_factor)
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
                                         owner=s.worker_id, on_broadcast=self._metrics.observe_broadcast)
             return self.router

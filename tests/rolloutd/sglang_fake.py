@@ -11,7 +11,8 @@ Only the behaviours rolloutd's client and router depend on, each as SGLang has i
 - error bodies in SGLang's shapes (``srt/entrypoints/http_server.py``): queued answers let a
   test make ``/generate`` fail with any status and body.
 - ``/update_weights_from_disk`` answers ``{"success", "message", "num_paused_requests"}``,
-  200 or 400; ``/health`` 200 (or a set status); ``/v1/loads`` per-rank ``max_running_requests``.
+  200 or 400; ``/health`` 200 (or a set status); ``/v1/loads`` per-rank ``max_running_requests``;
+  ``/server_info`` with ``max_total_num_tokens`` (the scheduler's KV capacity) when a test sets one.
 - slowness: a per-request decode time, or a gate that holds every ``/generate`` until a
   number of them are in flight at once (so a test can prove concurrency), or a hang.
 
@@ -37,6 +38,7 @@ class FakeSGLang:
         self.max_running_requests = max_running_requests
         self.dp_ranks = dp_ranks
         self.decode_s = 0.0  # how long each /generate runs on the "GPU"
+        self.max_total_num_tokens: int | None = None  # /server_info's KV capacity (None: not stated)
         self.gate_in_flight = 0  # hold each /generate until this many are in flight (0: off)
         self.gate_timeout_s = 30.0
         self.hang = False  # /generate never answers
@@ -66,6 +68,7 @@ class FakeSGLang:
         app.router.add_post("/abort_request", self._abort)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/loads", self._loads)
+        app.router.add_get("/server_info", self._server_info)
         self._stopped.clear()
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -153,6 +156,12 @@ class FakeSGLang:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=self.health_status)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        info: dict[str, Any] = {"max_running_requests": self.max_running_requests}
+        if self.max_total_num_tokens is not None:
+            info["max_total_num_tokens"] = self.max_total_num_tokens
+        return web.json_response(info)
 
     async def _loads(self, request: web.Request) -> web.Response:
         load: dict[str, Any] = {"num_running_reqs": self.in_flight, "num_waiting_reqs": 0,

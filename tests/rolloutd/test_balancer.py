@@ -338,3 +338,60 @@ def test_a_group_measured_slow_gets_replicas_the_configured_rate_and_cost_would_
         cheap_load.set_replica_rate("r0", 0.0)
     with pytest.raises(InvalidArgument):
         cheap_load.set_reassignment_cost_s(-1.0)
+
+
+def test_a_full_replica_takes_no_more_requests_and_the_rest_wait_in_the_balancer() -> None:
+    b = make({"r0": "m", "r1": "m"}, {"a": "m"}, dispatch_kv_factor=1.0)
+    for replica in ("r0", "r1"):
+        b.set_replica_kv_capacity(replica, 300)
+    placed = [b.submit("a", 10, kv_tokens=100) for _ in range(6)]  # three fit on each replica
+    assert sorted(t.replica_id or "" for t in placed) == ["r0"] * 3 + ["r1"] * 3
+    waiting = [b.submit("a", 10, kv_tokens=100) for _ in range(2)]
+    assert [t.replica_id for t in waiting] == [None, None] and b.queued("a") == waiting
+    assert b.demand_tokens("a") == 80  # the waiting requests are demand
+    b.finish(placed[0].request_id)  # a place frees on r0: the oldest waiting request takes it
+    (moved,) = b.place_queued()
+    assert moved.request_id == waiting[0].request_id and moved.replica_id == placed[0].replica_id
+    assert b.queued("a") == [waiting[1]]
+    # a request larger than a replica's capacity still runs on an idle one; factor 0 sends everything at once
+    lone = make({"r0": "m"}, {"a": "m"}, dispatch_kv_factor=1.0)
+    lone.set_replica_kv_capacity("r0", 300)
+    assert lone.submit("a", 10, kv_tokens=1000).replica_id == "r0"
+    assert lone.submit("a", 10, kv_tokens=1).replica_id is None
+    unbounded = make({"r0": "m"}, {"a": "m"})
+    unbounded.set_replica_kv_capacity("r0", 300)
+    assert all(unbounded.submit("a", 10, kv_tokens=1000).replica_id == "r0" for _ in range(3))
+    with pytest.raises(InvalidArgument, match="KV capacity"):
+        b.set_replica_kv_capacity("r0", 0)
+    with pytest.raises(InvalidArgument, match="kv_tokens"):
+        b.submit("a", 10, kv_tokens=-1)
+    with pytest.raises(InvalidArgument, match="dispatch_kv_factor"):
+        BalancerConfig(dispatch_kv_factor=-1.0)
+
+
+def test_a_replica_moved_to_a_saturated_agent_takes_its_backlog_and_the_donor_drains_one_batch() -> None:
+    b = make({"r0": "heavy", "r1": "light"}, {"h": "heavy", "l": "light"}, dispatch_kv_factor=1.0,
+             reassignment_cost_s=0.0, hysteresis=0.0)
+    for replica in ("r0", "r1"):
+        b.set_replica_kv_capacity(replica, 200)
+    running = [b.submit("h", 100, kv_tokens=100) for _ in range(2)]
+    backlog = [b.submit("h", 100, kv_tokens=100) for _ in range(6)]
+    assert {t.replica_id for t in running} == {"r0"} and all(t.replica_id is None for t in backlog)
+    light = b.submit("l", 1, kv_tokens=100)
+    b.finish(light.request_id)  # the light agent has no demand left: its replica may go
+    (move,) = b.rebalance(now_s=0.0)
+    assert (move.replica_id, move.to_model_key) == ("r1", "heavy")
+    (load,) = b.replicas_awaiting_load()  # r1 ran nothing: it loads at once
+    b.begin_load(load.replica_id)
+    b.complete_load(load.replica_id)
+    taken = b.place_queued()  # the backlog waited in the balancer, so the new replica takes two of it now
+    assert [t.replica_id for t in taken] == ["r1", "r1"]
+    assert [t.request_id for t in taken] == [t.request_id for t in backlog[:2]]
+    # moving r0 back: it drains its two running requests only, not the four still waiting
+    b.submit("l", 100, kv_tokens=100)  # r1 serves heavy now: the light agent's request waits for a replica
+    (back,) = b.rebalance(now_s=10.0)
+    assert back.to_model_key == "light" and b.replica(back.replica_id).phase is ReplicaPhase.DRAINING
+    donor = running if back.replica_id == "r0" else taken
+    for ticket in donor:
+        b.finish(ticket.request_id)
+    assert [m.replica_id for m in b.replicas_awaiting_load()] == [back.replica_id]

@@ -362,6 +362,7 @@ async def test_health_info_and_weight_versions(engine_served: Any, tmp_path: Pat
         assert await client.health() and await client.health_generate()
         server = await client.server_info()
         assert "version" in server and "internal_states" in server
+        assert server["max_total_num_tokens"] > 0  # SGLang's KV capacity, which rolloutd's dispatch bound reads
     # 0.5.23 serves no /get_weight_version: the version is model_info's, renamed by /update_weight_version.
     assert (await _call(url, "GET", "/get_weight_version"))[0] == 404
     status, payload = await _call(url, "POST", "/update_weight_version", {"new_version": "renamed"})

@@ -12,7 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sglang_fake import FakeSGLang
 
+from flexmarl.config import ConfigError, load_config
 from rolloutd.balancer import BalancerConfig
+from rolloutd.config import RolloutConfig
 from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.replica_rates import RateSettings
@@ -110,3 +112,38 @@ async def test_one_demand_message_rebalances_once_so_agents_hinted_together_swap
         await _close(router)
         for server in servers:
             await server.stop()
+
+
+async def test_requests_wait_in_rolloutd_once_a_replica_reserves_its_kv_capacity() -> None:
+    """dispatch_kv_factor: the router reads each engine's max_total_num_tokens and sends what fits.
+
+    Each request reserves its prompt (3) + max_new_tokens (8) = 11 tokens; a replica holding 33 runs
+    three at once and the other five wait in rolloutd. Without the factor all eight go to the engine.
+    """
+    async def most_in_flight(factor: float) -> int:
+        server = FakeSGLang()
+        server.decode_s = 0.05
+        server.max_total_num_tokens = 33
+        await server.start()
+        router = RolloutRouter([Replica("replica-0", SGLangClient(server.url, retries=1))], _resolve,
+                               BalancerConfig(dispatch_kv_factor=factor))
+        router.require(KEY, 1, "/weights/v1")
+        try:
+            await router.set_agents([KEY])
+            await asyncio.gather(*(router.generate(KEY, [1, 2, 3], {"max_new_tokens": TOKENS}, 1, f"task#{i}")
+                                   for i in range(8)))
+            return server.max_in_flight
+        finally:
+            await _close(router)
+            await server.stop()
+
+    assert await most_in_flight(1.0) == 3
+    assert await most_in_flight(0.0) == 8
+
+
+def test_the_dispatch_bound_is_a_rolloutd_flag_off_by_default() -> None:
+    assert load_config(RolloutConfig, [], prog="rolloutd", env={}).balancer_dispatch_kv_factor == 0.0
+    config = load_config(RolloutConfig, ["--balancer-dispatch-kv-factor", "1.5"], prog="rolloutd", env={})
+    assert config.balancer_dispatch_kv_factor == 1.5
+    with pytest.raises(ConfigError, match="balancer_dispatch_kv_factor"):
+        load_config(RolloutConfig, ["--balancer-dispatch-kv-factor", "-1"], prog="rolloutd", env={})

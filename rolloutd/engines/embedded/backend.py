@@ -280,6 +280,8 @@ class EmbeddedBackend(EngineBackend):
                 "model_path": engine.loaded.model_path,
                 "weight_version": engine.loaded.weight_version,
                 "max_running_requests": engine.limits.max_running,
+                # SGLang merges its scheduler's init info (max_total_num_tokens) into /server_info
+                "max_total_num_tokens": engine.load_snapshot().max_total_num_tokens,
                 "context_length": engine.loaded.max_positions,
                 "random_seed": engine.config.seed,
                 "internal_states": [
