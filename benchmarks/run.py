@@ -28,7 +28,8 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
   (machine-set)" and left out of the speedups.
 
 Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
-(async off: ``no-async``); the shapes built for them: ``--variant shifting`` and ``--variant two-heavy``.
+(async off: ``no-async``); the shapes built for them: ``--variant shifting``, ``--variant saturating`` (which
+also sets rolloutd's ``--max-tasks``, ``--rollout-max-tasks``) and ``--variant two-heavy``.
 
 ``--eta 1 2 4`` runs every async configuration at each ``max_staleness`` (barrier ones once).
 
@@ -69,6 +70,7 @@ from benchmarks.bound import (  # noqa: E402
 )
 from benchmarks.machine import OVERRUN_LIMIT, CpuSampler, WindowAccount, account  # noqa: E402
 from benchmarks.report import Column, bar_chart, render_table  # noqa: E402
+from benchmarks.shares import assignment_estimate, describe  # noqa: E402
 from benchmarks.workloads import VARIANTS, Workload, make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.client import Client  # noqa: E402
@@ -139,6 +141,7 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
 # (flexmarl-partial), with issue 15's bound, busy and overhead targets.
 TARGETS = {"flexmarl": {"sequential": 8.0, "static": 1.6}, "flexmarl-partial": {"sequential": 5.0, "static": 3.0}}
+GROUP_SIZE = 16  # episodes of a task (the job's batch.group_size)
 BOUND_TARGET = 1.3  # step within 1.3x of the device-work bound
 BUSY_TARGET = 0.8  # the busier of rollout/train busy
 OVERHEAD_TARGET = 0.01  # orchestration overhead, share of the step
@@ -344,7 +347,7 @@ def job_spec(
             for name, _ in workload.agents
         ],
         "algorithm": {"name": "grpo"},
-        "batch": {"prompts_per_step": 4, "group_size": 16, "micro_batch_size": 16},
+        "batch": {"prompts_per_step": 4, "group_size": GROUP_SIZE, "micro_batch_size": GROUP_SIZE},
         "total_steps": steps,
         "pipeline": {"max_staleness": 0, **pipeline},
         "rollout": rollout,
@@ -352,16 +355,25 @@ def job_spec(
     }
 
 
-def rolloutd_args(spec: Mapping[str, Any]) -> list[str]:
+def rolloutd_args(spec: Mapping[str, Any], max_tasks: int | None = None, kv_factor: float = 0.0) -> list[str]:
     """rolloutd's flags for a cluster that runs ``spec``: ``--max-tasks`` as many tasks as its staleness rule
-    keeps in flight (:attr:`~flexmarl.jobspec.JobSpec.rollout_tasks_ahead`), never below rolloutd's default.
+    keeps in flight (:attr:`~flexmarl.jobspec.JobSpec.rollout_tasks_ahead`), never below rolloutd's default,
+    unless ``max_tasks`` says how many; ``--balancer-dispatch-kv-factor`` when ``kv_factor`` > 0.
 
     With the default (8 tasks, two steps of 4 prompts) an eta 4 or 8 job ran as if eta were 1: rolloutd leased
     no more, its replicas decoded a few sequences at a time and the trainer waited on them (docs/benchmarks.md,
     "Where partial rollouts' step went").
     """
-    tasks = max(RolloutConfig().max_tasks, parse_job_spec(dict(spec)).rollout_tasks_ahead)
-    return ["--max-tasks", str(tasks)]
+    tasks = max_tasks or rollout_tasks_ahead(spec)
+    flags = ["--max-tasks", str(tasks)]
+    if kv_factor > 0:
+        flags += ["--balancer-dispatch-kv-factor", str(kv_factor)]
+    return flags
+
+
+def rollout_tasks_ahead(spec: Mapping[str, Any]) -> int:
+    """The tasks ``spec``'s staleness rule keeps in flight, never below rolloutd's default (``--max-tasks``)."""
+    return max(RolloutConfig().max_tasks, parse_job_spec(dict(spec)).rollout_tasks_ahead)
 
 
 def is_async(config: str) -> bool:
@@ -399,7 +411,7 @@ def run_one(
         engine_replicas=args.replicas,
         trainer_slots=args.slots,
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
-        rolloutd_args=rolloutd_args(spec),
+        rolloutd_args=rolloutd_args(spec, rollout_max_tasks(workload, args), dispatch_kv_factor(workload, args)),
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
@@ -424,6 +436,18 @@ def run_one(
     result.eta = eta
     add_overhead(result, overhead, args.steps, profile.time_scale)
     return result
+
+
+def rollout_max_tasks(workload: Workload, args: argparse.Namespace) -> int | None:
+    """Tasks rolloutd runs at once: ``--rollout-max-tasks``, else the workload's; None: the job's staleness rule's."""
+    if args.rollout_max_tasks is not None:
+        return int(args.rollout_max_tasks)
+    return workload.rollout_tasks or None
+
+
+def dispatch_kv_factor(workload: Workload, args: argparse.Namespace) -> float:
+    """rolloutd's ``--balancer-dispatch-kv-factor``: ``--dispatch-kv-factor``, else the workload's (0: off)."""
+    return float(args.dispatch_kv_factor if args.dispatch_kv_factor is not None else workload.dispatch_kv_factor)
 
 
 def add_overhead(result: RunResult, overhead: list[RpcTime], steps: int, time_scale: float) -> None:
@@ -648,12 +672,17 @@ def analytic_lines(workload: Workload, args: argparse.Namespace, results: list[R
         episodes=64,
     )
     estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
-    return (
+    lines = [
         f"device-work bound of a step from the workload's draws (device model only, not run): {bound.step_s:.1f} s "
         f"(rollout {bound.rollout_s:.1f} s on {bound.replicas} replicas, training {bound.train_s:.1f} s on "
-        f"{bound.slots} slots; {BOUND_TARGET}x of it: {BOUND_TARGET * bound.step_s:.1f} s)\n"
-        + estimate_line(estimate, results)
-    )
+        f"{bound.slots} slots; {BOUND_TARGET}x of it: {BOUND_TARGET * bound.step_s:.1f} s)",
+        estimate_line(estimate, results),
+    ]
+    if args.replicas >= len(workload.agents):
+        partial = job_spec(workload, "flexmarl-partial", Path("model"), args.steps, args.token_scale)
+        in_flight = (rollout_max_tasks(workload, args) or rollout_tasks_ahead(partial)) * GROUP_SIZE
+        lines.append(describe(assignment_estimate(workload, profile, args.replicas, 64, in_flight), in_flight))
+    return "\n".join(lines)
 
 
 def chart(results: list[RunResult], path: Path) -> None:
@@ -668,14 +697,21 @@ def chart(results: list[RunResult], path: Path) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Runs the matrix; returns 0 when every job finished."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.run``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--variant", choices=VARIANTS, default="long-tail")
-    parser.add_argument("--rotate-every", type=int, default=3,
-                        help="shifting variant: steps between moves of the heavy role to another agent")
+    parser.add_argument("--rotate-every", type=int, default=None,
+                        help="shifting and saturating variants: steps between moves of the heavy role to another "
+                             "agent (default 3 and 8)")
+    parser.add_argument("--rollout-max-tasks", type=int, default=None,
+                        help="rolloutd's --max-tasks (default: the variant's, saturating 20; else as many as the "
+                             "job's staleness rule admits, at least 8)")
+    parser.add_argument("--dispatch-kv-factor", type=float, default=None,
+                        help="rolloutd's --balancer-dispatch-kv-factor (default: the variant's, saturating 1; else "
+                             "0, every request sent to an engine at once)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=6)
     parser.add_argument("--slots", type=int, default=2)
@@ -694,9 +730,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the clusters in this new directory and keep it (logs, traces); default: a temp dir")
     parser.add_argument("--stem", default="", help="output file stem (default: modelled[-<agents>-agent-<variant>])")
     parser.add_argument(
-        "--estimate-only", action="store_true", help="print the device-model bound and time-shared estimate only"
+        "--estimate-only", action="store_true",
+        help="print the device-model bound, the time-shared estimate and the replica-share estimate only",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the matrix; returns 0 when every job finished."""
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workload = make_workload(args.agents, args.variant, rotate_every_steps=args.rotate_every)
     if args.estimate_only:

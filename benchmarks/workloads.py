@@ -9,13 +9,15 @@ length. Lengths are in *modelled* tokens; the environment asks the tiny model fo
 
 Reward (so that learning still happens): the fraction of response tokens with an even id.
 
-Two shapes are built for one mechanism each (docs/benchmarks.md, "The ablations on top of
+Three shapes are built for one mechanism each (docs/benchmarks.md, "The ablations on top of
 partial rollouts"): ``shifting`` (one agent writes long answers, the others short ones, and the
 long role moves one agent back in the chain (planner, reviewer, coder, ...) every
 ``rotate_every_tasks`` tasks: skewed demand that shifts,
-for hierarchical balancing) and ``two-heavy`` (two agents with long answers and one with short
-ones between them: static slot sets ``i % S`` put both heavy ones on one slot, for agent-centric
-binding).
+for hierarchical balancing), ``saturating`` (the same agents, with enough tasks in flight
+(``Workload.rollout_tasks``) that the heavy agent's replicas stay full and queue, and the heavy role
+moving rarely: demand that more replicas serve faster, for hierarchical balancing) and ``two-heavy``
+(two agents with long answers and one with short ones between them: static slot sets ``i % S`` put
+both heavy ones on one slot, for agent-centric binding).
 """
 
 from __future__ import annotations
@@ -71,7 +73,14 @@ LIGHT = LengthDistribution("lognormal", median=128, sigma=0.3, low=32, high=512)
 # Train-bound: two agents that train ~2.6x the tokens of the third (prompt 512 + response).
 TRAIN_HEAVY = LengthDistribution("lognormal", median=1024, sigma=0.3, low=256, high=2048)
 TRAIN_LIGHT = LengthDistribution("lognormal", median=96, sigma=0.3, low=32, high=512)
-VARIANTS = ("long-tail", "uniform", "shifting", "two-heavy")
+VARIANTS = ("long-tail", "uniform", "shifting", "saturating", "two-heavy")
+#: Steps between moves of the heavy role, by variant (``make_workload``'s default).
+ROTATE_EVERY_STEPS = {"shifting": 3, "saturating": 8}
+#: saturating: tasks rolloutd runs at once (x 16 episodes = 320 in flight): the heavy agent's sequences
+#: fill four replicas' KV caches (55 sequences of ~3,700 reserved tokens each, 208,537 tokens on an H100)
+#: with a queue behind them, so its step is its replica-seconds over its replicas, not one sequence's latency.
+#: The queue waits in rolloutd (dispatch_kv_factor 1), where a replica moved to the heavy agent can take it.
+SATURATING_ROLLOUT_TASKS = 20
 ROLES = ("planner", "coder", "reviewer", "tester", "critic")
 
 
@@ -84,6 +93,10 @@ class Workload:
     prompt_tokens: int = 512
     #: > 0: task t's agent i draws from agent (i + t // rotate_every_tasks) % agents' distribution
     rotate_every_tasks: int = 0
+    #: > 0: rollout tasks rolloutd runs concurrently (its ``--max-tasks``); 0: rolloutd's default
+    rollout_tasks: int = 0
+    #: rolloutd's ``--balancer-dispatch-kv-factor`` (0: every request goes to an engine at once)
+    dispatch_kv_factor: float = 0.0
 
     def environment_config(self, token_scale: float) -> dict[str, Any]:
         """The ``environment.config`` of a job running this workload."""
@@ -99,20 +112,26 @@ class Workload:
         return max(math.ceil(dist.high / token_scale) for _, dist in self.agents)
 
 
-def make_workload(agent_count: int, variant: str, rotate_every_steps: int = 3, prompts_per_step: int = 4) -> Workload:
+def make_workload(
+    agent_count: int, variant: str, rotate_every_steps: int | None = None, prompts_per_step: int = 4
+) -> Workload:
     """``agent_count`` agents cycling through the ``variant``'s shapes.
 
     "long-tail": LONG_TAIL_SHAPES; "uniform": all uniform; "shifting": agent 0 heavy, the rest light, the heavy
     role moving one agent back (0, K - 1, K - 2, ...) every ``rotate_every_steps`` steps (of ``prompts_per_step``
-    tasks);
-    "two-heavy": heavy, light, heavy, light, ... for training.
+    tasks; default ``ROTATE_EVERY_STEPS``); "saturating": "shifting" with ``SATURATING_ROLLOUT_TASKS`` tasks in
+    flight; "two-heavy": heavy, light, heavy, light, ... for training.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown workload variant {variant!r} (one of {', '.join(VARIANTS)})")
-    rotate = 0
-    if variant == "shifting":
+    rotate = tasks = 0
+    factor = 0.0
+    if variant in ROTATE_EVERY_STEPS:
         shapes: tuple[LengthDistribution, ...] = (HEAVY, *([LIGHT] * (agent_count - 1)))
-        rotate = rotate_every_steps * prompts_per_step
+        every = ROTATE_EVERY_STEPS[variant] if rotate_every_steps is None else rotate_every_steps
+        rotate = every * prompts_per_step
+        if variant == "saturating":
+            tasks, factor = SATURATING_ROLLOUT_TASKS, 1.0
     elif variant == "two-heavy":
         shapes = (TRAIN_HEAVY, TRAIN_LIGHT)
     else:
@@ -122,7 +141,8 @@ def make_workload(agent_count: int, variant: str, rotate_every_steps: int = 3, p
         role = ROLES[index % len(ROLES)]
         name = role if agent_count <= len(ROLES) else f"{role}{index // len(ROLES)}"
         agents.append((name, shapes[index % len(shapes)]))
-    return Workload(f"{agent_count}-agent {variant}", tuple(agents), rotate_every_tasks=rotate)
+    return Workload(f"{agent_count}-agent {variant}", tuple(agents), rotate_every_tasks=rotate, rollout_tasks=tasks,
+                    dispatch_kv_factor=factor)
 
 
 class SkewedAgentsEnv(Environment):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from benchmarks import run as bench
+from benchmarks.shares import assignment_estimate
 from benchmarks.workloads import HEAVY, LIGHT, TRAIN_HEAVY, TRAIN_LIGHT, SkewedAgentsEnv, make_workload
+from flexmarl import devicemodel
 from flexmarl.jobspec import parse_job_spec
 
 
@@ -25,6 +28,42 @@ def test_the_heavy_role_moves_to_another_agent_every_few_steps() -> None:
         SkewedAgentsEnv(**{**workload.environment_config(128.0), "rotate_every_tasks": -1})
     with pytest.raises(ValueError, match="variant"):
         make_workload(3, "skewed")
+
+
+def test_saturating_keeps_the_heavy_agents_replicas_full_so_fixed_shares_take_twice_the_best_step() -> None:
+    workload = make_workload(3, "saturating")
+    assert [dist for _, dist in workload.agents] == [HEAVY, LIGHT, LIGHT]
+    assert workload.rotate_every_tasks == 8 * 4 and workload.rollout_tasks == 20  # the role moves every 8 steps
+    assert make_workload(3, "shifting").rollout_tasks == 0  # rolloutd's default (8 tasks)
+    env = SkewedAgentsEnv(**workload.environment_config(128.0))
+    assert [a for a in env.agents if env.length_distribution(a, 32) == HEAVY] == ["reviewer"]
+    profile = devicemodel.PRESETS["h100"].with_changes(token_scale=128.0)
+    args = bench_args("--variant", "saturating")
+    assert bench.rollout_max_tasks(workload, args) == 20
+    assert bench.rollout_max_tasks(workload, bench_args("--rollout-max-tasks", "12")) == 12
+    assert bench.rollout_max_tasks(make_workload(3, "shifting"), args) is None  # the staleness rule's
+    spec = bench.job_spec(workload, "partial-no-lb", Path("/m"), 16, 128.0)
+    assert bench.rolloutd_args(spec, 20, 1.0) == ["--max-tasks", "20", "--balancer-dispatch-kv-factor", "1.0"]
+    # its backlog waits in rolloutd, not in the engines' queues (rolloutd --balancer-dispatch-kv-factor)
+    assert bench.dispatch_kv_factor(workload, args) == 1.0
+    assert bench.dispatch_kv_factor(make_workload(3, "shifting"), args) == 0.0
+    assert bench.dispatch_kv_factor(workload, bench_args("--dispatch-kv-factor", "0")) == 0.0
+    saturated = assignment_estimate(workload, profile, replicas=6, episodes=64, in_flight_episodes=20 * 16)
+    heavy = saturated.best[0]
+    # 4 replicas to the heavy agent, each full (its KV cache: ~55 sequences of 512 + ~3,200 tokens), 1 to each light
+    assert [load.replicas for load in saturated.best] == [4, 1, 1]
+    assert heavy.batch == pytest.approx(heavy.full_batch) and 50 < heavy.full_batch < 60
+    assert saturated.ratio == pytest.approx(2.0, abs=0.01)  # full replicas: twice the replicas halve the heavy step
+    assert saturated.fixed_step_s >= 1.4 * saturated.spread_s
+    # rolloutd's default 8 tasks in flight (the shifting shape's) leave four heavy replicas half full: 1.44x at most
+    starved = assignment_estimate(workload, profile, replicas=6, episodes=64, in_flight_episodes=8 * 16)
+    assert starved.best[0].batch == pytest.approx(8 * 16 / 4)
+    assert starved.ratio < 1.5
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    """``benchmarks.run``'s parsed arguments (its parser, without running anything)."""
+    return bench.parser().parse_args(list(argv))
 
 
 def test_two_heavy_puts_both_heavy_agents_on_one_static_slot_set() -> None:
