@@ -37,8 +37,9 @@ import asyncio
 import dataclasses
 import datetime
 import logging
+import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -249,8 +250,11 @@ class WeightBroadcaster:
             self.close()
             raise WeightSyncError(f"weight-update group {self.group_name} did not form: {exc}") from exc
 
-    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+    def broadcast(self, tensors: Iterable[torch.Tensor]) -> None:
         """Broadcast one bucket's tensors, in order, from rank 0.
+
+        Each tensor's broadcast is posted as soon as the iterable yields it, so a lazy iterable
+        (:func:`wire_tensors`) converts the next tensor while the previous ones are on the wire.
 
         Raises:
             WeightSyncError: A replica died, left or stalled (the group is closed then).
@@ -258,7 +262,11 @@ class WeightBroadcaster:
         if self._group is None:
             raise WeightSyncError(f"weight-update group {self.group_name} is not connected")
         try:
-            works = [dist.broadcast(tensor, src=0, group=self._group, async_op=True) for tensor in tensors]
+            works = []
+            sent = []  # every tensor stays alive until its broadcast completed
+            for tensor in tensors:
+                works.append(dist.broadcast(tensor, src=0, group=self._group, async_op=True))
+                sent.append(tensor)
             for work in works:
                 if work is not None:
                     work.wait()
@@ -278,14 +286,14 @@ class WeightBroadcaster:
             self._store = None
 
 
-def _wire_tensors(params: dict[str, torch.Tensor], bucket: Bucket) -> list[torch.Tensor]:
-    """The bucket's tensors, contiguous and in the dtype the bucket announces."""
-    out = []
-    for spec in bucket.tensors:
-        tensor = params[spec.name].detach()
-        dtype = getattr(torch, spec.dtype)
-        out.append(tensor.to(dtype).contiguous() if tensor.dtype != dtype else tensor.contiguous())
-    return out
+def wire_tensors(params: dict[str, torch.Tensor], bucket: Iterable[tuple[str, str]],
+                 backend: str = "gloo") -> Iterator[torch.Tensor]:
+    """The bucket's ``(name, dtype)`` tensors as the bucket announces them, converted one at a time.
+
+    Lazy: :meth:`WeightBroadcaster.broadcast` posts each one before the next is converted.
+    """
+    for name, dtype in bucket:
+        yield _wire(params[name], dtype, backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +373,8 @@ class ReplicaGroup:
         for index, bucket in enumerate(buckets):
             last = index == len(buckets) - 1
             names, dtypes, shapes = bucket.request_fields()
-            tensors = _wire_tensors(params, bucket)
+            tensors = wire_tensors(params, ((spec.name, spec.dtype) for spec in bucket.tensors),
+                                   self.broadcaster.backend)
             calls: dict[str, Any] = {self.RANK0: asyncio.to_thread(self.broadcaster.broadcast, tensors)}
             for receiver in self.receivers:
                 calls[receiver.url] = receiver.update_weights_from_distributed(
@@ -498,9 +507,8 @@ class AgentBroadcast:
         total = 0
         try:
             for bucket in record.buckets:
-                tensors = [_wire(params[t.name], t.dtype, self.backend) for t in bucket]
-                group.broadcast(tensors)
-                total += sum(t.numel() * t.element_size() for t in tensors)
+                group.broadcast(wire_tensors(params, ((t.name, t.dtype) for t in bucket), self.backend))
+                total += sum(math.prod(t.shape) * getattr(torch, t.dtype).itemsize for t in bucket)
         except WeightSyncError:
             self._close_group()  # broadcast() closed the group already; this forgets it
             raise
@@ -582,4 +590,5 @@ __all__ = [
     "distinct_tensors",
     "dtype_name",
     "plan_buckets",
+    "wire_tensors",
 ]

@@ -12,6 +12,12 @@ Mirrors SGLang 0.5.23, never kinder:
   one uint8 buffer holding them all back to back, sglang/srt/weight_sync/tensor_bucket.py);
   ``load_weights_from_distributed`` loads them into the model at once (a failure leaves the
   model partially updated, and says so); ``destroy_weights_update_group``.
+* The received tensors live in a buffer the replica keeps between calls
+  (:class:`ReceiveBuffer`), never in the served parameters: what SGLang's ``torch.empty`` gets
+  on a GPU from PyTorch's caching allocator, which hands the freed block of the previous call
+  back. On the CPU every ``torch.empty`` of a bucket maps fresh pages and faults each one in
+  while the broadcast fills it (measured: a third of the bare broadcast's time); the buffer is
+  not the weights, so a failed receive still leaves the served weights whole.
 * sglang/srt/managers/scheduler_components/weight_updater.py: an update runs only inside a
   ``begin_weight_update`` / ``end_weight_update`` session; its answers and messages.
 
@@ -43,6 +49,36 @@ from rolloutd.engines.weight_messages import (
 
 logger = logging.getLogger(__name__)
 
+#: Byte alignment of each tensor of a per-tensor receive inside the receive buffer.
+_ALIGN_BYTES = 64
+
+
+class ReceiveBuffer:
+    """The bytes the tensors of one update are received into, kept for the next update (module doc).
+
+    It grows to the largest update received and is dropped when the replica leaves its last group
+    or a receive fails (a receive still in flight may write into it later; the next one gets new memory).
+    """
+
+    def __init__(self) -> None:
+        self._bytes: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now (0: none)."""
+        return 0 if self._bytes is None else int(self._bytes.numel())
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes`` (at least one byte held), valid until the next call."""
+        held = self._bytes
+        if held is None or held.numel() < nbytes or held.device != device:
+            self._bytes = None  # freed before its successor is allocated
+            held = self._bytes = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+        return held[:nbytes]
+
+    def drop(self) -> None:
+        """Release the bytes."""
+        self._bytes = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +118,27 @@ def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.
             param.data.copy_(tensor)
 
 
+def receive_layout(
+    update: DistributedUpdate,
+) -> tuple[list[tuple[str, torch.dtype, torch.Size, int]], int, Exception | None]:
+    """Where each tensor of a per-tensor receive lies in the receive buffer, and the bytes it needs.
+
+    Returns ``(name, dtype, shape, byte offset)`` per tensor (each at a multiple of 64 bytes), the
+    total, and what ``torch.empty`` refused (an unknown dtype, a negative dimension) with the
+    tensors before it, the ones SGLang's loop had posted a broadcast for when it raised.
+    """
+    layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
+    nbytes = 0
+    for name, dtype_name, shape in zip(update.names, update.dtypes, update.shapes, strict=False):
+        try:  # torch.empty's checks, without its memory
+            meta = torch.empty(shape, dtype=_torch_dtype(dtype_name), device="meta")
+        except Exception as exc:
+            return layout, nbytes, exc
+        layout.append((name, meta.dtype, meta.shape, nbytes))
+        nbytes += -(-meta.numel() * meta.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
+    return layout, nbytes, None
+
+
 class WeightUpdateGroups:
     """The groups a replica joined and its update session (used by the scheduler thread only)."""
 
@@ -90,6 +147,7 @@ class WeightUpdateGroups:
         self._groups: dict[str, Any] = {}
         self._session_open = False
         self._session_loaded = False
+        self.receive_buffer = ReceiveBuffer()
 
     @property
     def group_names(self) -> list[str]:
@@ -142,6 +200,9 @@ class WeightUpdateGroups:
             message = f"Failed to destroy custom process group: {exc}."
             logger.error(message)
             return False, message
+        finally:
+            if not self._groups:
+                self.receive_buffer.drop()
         return True, DESTROY_OK
 
     def close(self) -> None:
@@ -171,22 +232,39 @@ class WeightUpdateGroups:
                 "Please call `init_weights_update_group` first."
             )
         group = self._groups[update.group_name]
-        if update.load_format == "flattened_bucket":
-            return self._receive_flattened(update, device, group)
+        try:
+            if update.load_format == "flattened_bucket":
+                return self._receive_flattened(update, device, group)
+            return self._receive_tensors(update, device, group)
+        except BaseException:
+            self.receive_buffer.drop()  # a receive may still be in flight into it
+            raise
+
+    def _receive_tensors(
+        self, update: DistributedUpdate, device: torch.device, group: Any
+    ) -> list[tuple[str, torch.Tensor]]:
+        """SGLang's per-tensor receive: ``torch.empty`` + an asynchronous broadcast each, then wait for all.
+
+        A dtype or shape ``torch.empty`` refuses raises after the broadcasts of the tensors before it
+        were posted, as in SGLang's loop.
+        """
+        layout, nbytes, refused = receive_layout(update)
+        flat = self.receive_buffer.take(nbytes, device)
         weights: list[tuple[str, torch.Tensor]] = []
         handles = []
-        for name, dtype, shape in zip(update.names, update.dtypes, update.shapes, strict=False):
-            weight = torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+        for name, dtype, size, start in layout:
+            weight = flat[start : start + size.numel() * dtype.itemsize].view(dtype).reshape(size)
             handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
             weights.append((name, weight))
+        if refused is not None:
+            raise refused
         for handle in handles:
             if handle is not None:
                 handle.wait()
         return weights
 
-    @staticmethod
     def _receive_flattened(
-        update: DistributedUpdate, device: torch.device, group: Any
+        self, update: DistributedUpdate, device: torch.device, group: Any
     ) -> list[tuple[str, torch.Tensor]]:
         """tensor_bucket.py ``FlattenedTensorBucket.empty`` + one broadcast + ``reconstruct_tensors``."""
         layout: list[tuple[str, torch.dtype, torch.Size, int, int]] = []
@@ -202,7 +280,7 @@ class WeightUpdateGroups:
             offset += nbytes
         if not layout:
             raise ValueError("Cannot create empty tensor bucket")
-        flat = torch.empty(offset, dtype=torch.uint8, device=device)
+        flat = self.receive_buffer.take(offset, device)
         dist.broadcast(flat, src=0, group=group)
         return [(name, flat[start:end].view(dtype).reshape(size)) for name, dtype, size, start, end in layout]
 
@@ -235,10 +313,12 @@ __all__ = [
     "DESTROY_OK",
     "INIT_OK",
     "NO_SESSION",
+    "ReceiveBuffer",
     "SESSION_MISSING",
     "SESSION_OPEN",
     "UPDATE_OK",
     "UpdateOutcome",
     "WeightUpdateGroups",
     "load_named_tensors",
+    "receive_layout",
 ]
