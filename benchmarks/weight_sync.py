@@ -27,6 +27,11 @@ version" (``/model_info`` reports it):
   version boundaries; the formation time is reported). The time until the durable copy is
   written too (the commit could go out) is reported beside.
 
+Two bounds are printed beside the distributed rows, each measured bare (3 processes, nothing else
+running): the gloo broadcast of the same tensors to 2 ranks (issue 35's bound), and that broadcast
+plus each receiver's copy of the received tensors into its parameters (the one copy SGLang's
+semantics require: a replica receives into buffers that are not its served weights, then loads).
+
 After the last distributed round, a greedy generation's logprobs on each replica are checked
 against the trainer's forward pass (the broadcast delivered the right weights).
 

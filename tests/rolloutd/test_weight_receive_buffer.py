@@ -1,22 +1,44 @@
-"""The memory a weight update is received into, and rank 0's wire tensors (no network).
+"""The memory weights live and are received in, and rank 0's wire tensors (no network).
 
 The transfers themselves run through real engines in ``test_weight_sync.py``; here the parts
-that decide where the bytes go: the embedded engine's receive buffer and per-tensor layout, and
-rank 0's lazy conversion to the wire dtype.
+that decide where the bytes go: the embedded engine's parameters after a load, its receive
+buffer and per-tensor layout, and rank 0's lazy conversion to the wire dtype.
 """
 
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+from flexmarl.tiny import build_tiny_checkpoint
 from rolloutd.engines.embedded.interface import DistributedUpdate
+from rolloutd.engines.embedded.model import load_model
 from rolloutd.engines.embedded.weight_receiver import ReceiveBuffer, receive_layout
 from traind.weight_sync import wire_tensors
 
 CPU = torch.device("cpu")
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process that map files under path (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if str(path) in line:
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_loaded_weights_live_in_the_engines_memory_not_in_the_checkpoints_file_mapping(tmp_path: Path) -> None:
+    checkpoint = build_tiny_checkpoint(tmp_path / "ckpt")
+    model = load_model(str(checkpoint), "v0").model
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie is kept
+    ranges = _mapped_ranges(checkpoint)
+    for name, param in model.named_parameters():
+        assert not any(start <= param.data_ptr() < end for start, end in ranges), name
 
 
 def test_the_receive_buffer_is_kept_between_updates_grows_and_is_dropped() -> None:

@@ -52,6 +52,7 @@ def load_model(model_path: str, weight_version: str) -> LoadedModel:
     except (OSError, ValueError, RuntimeError) as exc:
         raise InvalidArgument(f"cannot load {model_path}: {exc}") from exc
     model.eval()  # type: ignore[no-untyped-call]
+    _own_weights(model)
     tokenizer = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -67,6 +68,20 @@ def load_model(model_path: str, weight_version: str) -> LoadedModel:
     forward_params = inspect.signature(model.forward).parameters
     cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
     return LoadedModel(model, tokenizer, str(path), weight_version, frozenset(eos), max_positions, cache_kwarg)
+
+
+def _own_weights(model: torch.nn.Module) -> None:
+    """Copies the parameters out of the checkpoint's memory map into memory the engine owns.
+
+    transformers leaves CPU parameters as copy-on-write views of the mmapped safetensors files;
+    SGLang's loader copies the files' tensors into parameters it allocated. Without this copy the
+    load skips work the next in-place update then pays (the first write into each page faults and
+    copies it: 0.075 s instead of 0.03 s of one thread for 138 MB), and a checkpoint file rewritten
+    in place would change pages the engine has not written yet.
+    """
+    with torch.no_grad():
+        for param in model.parameters():  # tied parameters once: the tie is kept
+            param.data = param.data.clone()
 
 
 def incompatibility(current: LoadedModel, new: LoadedModel) -> str:
