@@ -58,6 +58,10 @@ def test_all_daemons_register_serve_and_survive_faults(etcd, start_daemon, tmp_p
         with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert f"flexmarl_{kind}_up 1.0" in text
+        # The GC policy (flexmarl/gc_policy.py) froze start-up's objects once; collections are exported.
+        frozen = next(line for line in text.splitlines() if line.startswith(f"flexmarl_{kind}_gc_frozen_objects "))
+        assert float(frozen.split()[1]) > 10_000
+        assert 'python_gc_collections_total{generation="0"}' in text
 
     # SIGKILL: the dead daemon disappears within its TTL.
     victim = procs["rolloutd"]
@@ -100,6 +104,13 @@ def test_bad_value_is_one_line() -> None:
     result = _run([sys.executable, "-m", "traind", "--port", "99999"])
     assert result.returncode == 2
     assert result.stderr.strip() == "traind: error: port: 99999 is not a valid port"
+
+
+def test_a_threshold_that_would_turn_the_collector_off_is_one_line() -> None:
+    result = _run([sys.executable, "-m", "stored", "--gc-gen0-threshold", "0"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "stored: error: gc_gen0_threshold: must be >= 1 (0 would turn automatic collection off), got 0")
 
 
 def test_etcd_unreachable_is_one_line() -> None:

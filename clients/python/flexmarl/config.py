@@ -20,6 +20,8 @@ from typing import Any, TypeVar
 
 import yaml
 
+from flexmarl.gc_policy import DEFAULT_GEN0_THRESHOLD
+
 ENV_PREFIX = "FLEXMARL_"
 _SECRET_MARKERS = ("token", "password", "secret", "key_file")
 #: Fields that name a file holding a secret: the path is shown, the file's contents never enter the config.
@@ -95,6 +97,16 @@ class DaemonConfig:
     auth_token_file: str = dataclasses.field(
         default="", metadata=_help("file holding the bearer token required on calls and sent to peers")
     )
+    gc_freeze: bool = dataclasses.field(
+        default=True,
+        metadata=_help("once serving, move the objects start-up left into the collector's permanent generation "
+                       "(gc.freeze(), once; flexmarl/gc_policy.py)"),
+    )
+    gc_gen0_threshold: int = dataclasses.field(
+        default=DEFAULT_GEN0_THRESHOLD,
+        metadata=_help("net container allocations between young-generation collections (CPython's default: 700; "
+                       ">= 1, automatic collection stays on)"),
+    )
 
     def validate(self) -> None:
         """Raises ConfigError on an out-of-range value; subclasses extend it."""
@@ -108,6 +120,10 @@ class DaemonConfig:
             raise ConfigError(f"grace_s: must be >= 0, got {self.grace_s}")
         if self.max_message_bytes < 1024 * 1024:
             raise ConfigError(f"max_message_bytes: must be >= 1 MiB, got {self.max_message_bytes}")
+        if self.gc_gen0_threshold < 1:
+            raise ConfigError(
+                f"gc_gen0_threshold: must be >= 1 (0 would turn automatic collection off), got {self.gc_gen0_threshold}"
+            )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         if not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):

@@ -13,6 +13,7 @@ import abc
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -26,10 +27,12 @@ from typing import Any, TypeVar
 
 import grpc.aio
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.gc_collector import GCCollector
 
 from flexmarl import __version__
 from flexmarl.config import ConfigError, DaemonConfig, load_config
 from flexmarl.errors import Unavailable
+from flexmarl.gc_policy import GcPolicy, apply_after_startup
 from flexmarl.metrics import MetricsServer, RpcMetrics
 from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.security import INSECURE, TransportSecurity
@@ -206,6 +209,10 @@ class DaemonRunner:
         metrics_registry = CollectorRegistry()
         rpc_metrics = RpcMetrics(self.kind, metrics_registry)
         up = Gauge(f"flexmarl_{self.kind}_up", "1 while the daemon serves.", registry=metrics_registry)
+        GCCollector(registry=metrics_registry)  # python_gc_collections_total{generation} and the objects collected
+        Gauge(f"flexmarl_{self.kind}_gc_frozen_objects",
+              "Objects in the collector's permanent generation (frozen after start-up, --gc-freeze).",
+              registry=metrics_registry).set_function(gc.get_freeze_count)
         try:
             await registry.connect()
         except Unavailable as exc:
@@ -232,6 +239,9 @@ class DaemonRunner:
                         f"metrics: cannot bind {cfg.metrics_host}:{cfg.metrics_port}: {exc.strerror or exc}"
                     ) from None
             await app.start()
+            # Start-up is done: what it built lives as long as the daemon (flexmarl/gc_policy.py). Before the
+            # server accepts calls, so that no RPC waits for the one full collection this runs.
+            apply_after_startup(GcPolicy(freeze=cfg.gc_freeze, gen0_threshold=cfg.gc_gen0_threshold))
             await server.server.start()
             await server.set_serving(True)
             up.set(1)
