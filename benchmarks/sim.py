@@ -79,6 +79,7 @@ import json
 import math
 import os
 import random
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -88,6 +89,7 @@ from typing import Any
 
 from benchmarks.bound import AgentStepWork, device_work_bound, mean_bound
 from benchmarks.control_cpu import CpuMeter
+from benchmarks.sim_gc import GC_POLICIES, run_under, same_model
 from benchmarks.sim_model import (
     SimOutcome,
     SimSettings,
@@ -846,26 +848,47 @@ class Simulation:
 
 
 def sweep(
-    devices: Sequence[int], configs: Sequence[str], base: SimSettings, progress: bool = False
+    devices: Sequence[int],
+    configs: Sequence[str],
+    base: SimSettings,
+    progress: bool = False,
+    gc_policies: Sequence[str] = ("daemon",),
+    max_events: int = 5_000_000,
 ) -> list[SimOutcome]:
-    """Every configuration at every size (same workload shape and seed); ``progress`` prints each run's line."""
+    """Every configuration at every size (same workload shape and seed), once under each GC policy.
+
+    ``gc_policies`` name :data:`benchmarks.sim_gc.GC_POLICIES` (the daemons' policy, CPython's
+    defaults): each run is a fresh simulation, built, then measured under the policy as a daemon
+    applies it after start-up. ``progress`` prints each run's line.
+    """
     workload = make_workload(base.agents, base.variant)
     outcomes = []
     for count in devices:
         settings = dataclasses.replace(base, devices=count)
         for config in configs:
-            outcome = Simulation(config, settings, workload).run()
-            outcomes.append(outcome)
-            if progress:
-                print(  # noqa: T201 (a CLI report)
-                    f"{count} devices {config}: {outcome.state} step {outcome.step_s:.1f} s, bound "
-                    f"{outcome.bound_s:.1f} s, control cpu {outcome.control_cpu_per_step_s:.3f} s/step "
-                    f"({outcome.control_cpu_share:.2%}; busiest process {outcome.busiest_process_share:.2%} of a "
-                    f"core, {outcome.rolloutds} rolloutd), sim wall {outcome.sim_wall_s:.0f} s, load "
-                    f"{os.getloadavg()[0]:.1f}",
-                    flush=True,
-                )
+            for policy in gc_policies:
+                outcome = run_under(Simulation(config, settings, workload), policy, max_events)
+                first = next((o for o in outcomes if (o.devices, o.config) == (count, config)), outcome)
+                if not same_model(first, outcome):  # a GC policy must change no decision
+                    print(f"{count} devices {config}: gc {policy} modelled other events than gc {first.gc_policy}",  # noqa: T201
+                          flush=True)
+                outcomes.append(outcome)
+                if progress:
+                    print(  # noqa: T201 (a CLI report)
+                        f"{count} devices {config} gc {policy}: {outcome.state} step {outcome.step_s:.1f} s, bound "
+                        f"{outcome.bound_s:.1f} s, control cpu {outcome.control_cpu_per_step_s:.3f} s/step "
+                        f"({outcome.control_cpu_share:.2%}; busiest process {outcome.busiest_process_share:.2%} of a "
+                        f"core, {outcome.rolloutds} rolloutd), {outcome.events} events, collections "
+                        f"{list(outcome.gc_collections)} ({outcome.gc_cpu_s:.2f} s), sim wall "
+                        f"{outcome.sim_wall_s:.0f} s, load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
     return outcomes
+
+
+def uptime() -> str:
+    """``uptime``'s line (the machine's load beside the CPU figures; they are thread CPU, which load changes little)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -903,6 +926,15 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="each rolloutd's max_tasks (0 = unbounded for one rolloutd, else its share of the admission window)",
     )
+    parser.add_argument(
+        "--gc",
+        choices=("both", *GC_POLICIES),
+        default="both",
+        help="garbage-collector policy each run is measured under, applied as the daemons apply it once started "
+             "(benchmarks/sim_gc.py): daemon (--gc-freeze, --gc-gen0-threshold defaults), cpython (its defaults), "
+             "or both (every run twice)",
+    )
+    parser.add_argument("--max-events", type=int, default=5_000_000, help="events after which a run stops")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--name", default="sim", help="file stem of the results (<out>/<name>.json, .png)")
     args = parser.parse_args(argv)
@@ -921,14 +953,19 @@ def main(argv: list[str] | None = None) -> int:
         replicas_per_rolloutd=args.replicas_per_rolloutd,
         max_tasks_per_rolloutd=args.max_tasks_per_rolloutd,
     )
-    outcomes = sweep(args.devices, args.configs, base, progress=True)
+    started_uptime = uptime()
+    print(started_uptime, flush=True)  # noqa: T201 (a CLI report)
+    policies = tuple(GC_POLICIES) if args.gc == "both" else (args.gc,)
+    outcomes = sweep(args.devices, args.configs, base, progress=True, gc_policies=policies, max_events=args.max_events)
     report = table(outcomes) + "\n\n" + cpu_table(outcomes)
     print(report)  # noqa: T201 (a CLI report)
+    print(uptime())  # noqa: T201 (a CLI report)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": "python -m benchmarks.sim " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_avg": os.getloadavg(),
+        "uptime": [started_uptime, uptime()],
         "settings": {k: str(v) for k, v in vars(args).items()},
         "outcomes": [
             {**dataclasses.asdict(o), "control_cpu_share": o.control_cpu_share,

@@ -116,6 +116,12 @@ class SimOutcome:
     # rolloutd processes, and the balancer CPU seconds of the busiest one (balancer_cpu_s is their sum).
     rolloutds: int = 1
     busiest_rolloutd_cpu_s: float = 0.0
+    # The garbage-collector policy the run was measured under (benchmarks/sim_gc.py: "daemon" or "cpython"; "" when
+    # run without one), the objects it froze, the collections per generation during the run and their thread CPU.
+    gc_policy: str = ""
+    gc_frozen_objects: int = 0
+    gc_collections: tuple[int, int, int] = (0, 0, 0)
+    gc_cpu_s: float = 0.0
 
     @property
     def control_cpu_share(self) -> float:

@@ -227,3 +227,23 @@ def test_each_balancer_decides_on_what_its_router_measures_unless_told_the_prior
         assert process.measured is None
         assert {view.tokens_per_s for view in process.balancer.replicas()} == {1000.0}
         assert process.balancer.reassignment_cost_s == 10.0
+
+
+def test_each_run_is_measured_under_the_daemons_gc_policy_and_cpythons_and_both_model_the_same() -> None:
+    """benchmarks/sim_gc.py applies flexmarl.gc_policy as a daemon does; the policy changes no decision."""
+    import gc
+
+    from benchmarks.sim_gc import same_model
+
+    thresholds = gc.get_threshold()
+    base = sim.SimSettings(devices_per_slot=2, episodes_per_replica=2, group_size=4, steps=2, agents=3)
+    daemon, cpython = sim.sweep([12], ["flexmarl-partial"], base, gc_policies=("daemon", "cpython"))
+    assert (daemon.gc_policy, cpython.gc_policy) == ("daemon", "cpython")
+    assert same_model(daemon, cpython) and daemon.events > 0
+    assert daemon.gc_frozen_objects > 1000 and cpython.gc_frozen_objects == 0  # the sim's start-up, frozen once
+    assert sum(cpython.gc_collections) > 0 and cpython.gc_cpu_s > 0  # CPython collects every 700 allocations
+    assert sum(daemon.gc_collections) < sum(cpython.gc_collections)
+    # Nothing stays frozen after a run (a sweep frees each run's objects) and CPython's thresholds are back.
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds and gc.isenabled()
+    assert "flexmarl-partial/daemon" in sim.cpu_table([daemon, cpython])
+    assert sim.table([daemon, cpython]).count("flexmarl-partial") == 1
