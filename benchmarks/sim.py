@@ -780,7 +780,18 @@ class Simulation:
             modelled_s=self.now_s,
             lease_ops=dict(self.lease_ops),
             agents=len(self.agents),
+            method_cpu=self.method_cpu(),
         )
+
+    def method_cpu(self) -> dict[str, tuple[int, float]]:
+        """Calls and CPU seconds per outermost method (``planner.x``, ``balancer.x``: every rolloutd's summed)."""
+        meters = [self.cpu, *(p.cpu for p in self.rolloutds)]
+        methods: dict[str, tuple[int, float]] = {}
+        for meter in meters:
+            for label, seconds in meter.method_seconds.items():
+                calls, total_s = methods.get(label, (0, 0.0))
+                methods[label] = (calls + meter.method_calls[label], total_s + seconds)
+        return {label: figures for label, figures in sorted(methods.items()) if figures[0]}
 
     def outcome(self, state: str, sim_wall_s: float) -> SimOutcome:
         """Step seconds between the first and last complete steps (step 0 left out, as in benchmarks.run)."""

@@ -118,6 +118,8 @@ class SimOutcome:
     busiest_rolloutd_cpu_s: float = 0.0
     # The garbage-collector policy the run was measured under (benchmarks/sim_gc.py: "daemon" or "cpython"; "" when
     # run without one), the objects it froze, the collections per generation during the run and their thread CPU.
+    # Calls and thread CPU seconds per outermost method of the measured code ("planner.poll_trainer_work", ...).
+    method_cpu: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     gc_policy: str = ""
     gc_frozen_objects: int = 0
     gc_collections: tuple[int, int, int] = (0, 0, 0)
