@@ -38,6 +38,20 @@ def test_least_tokens_routing_spreads_load() -> None:
     assert [r.outstanding_tokens for r in b.replicas()] == [100, 20]
 
 
+def test_a_placed_ticket_is_the_request_with_its_replica() -> None:
+    """_assign builds the placed Ticket field by field (not dataclasses.replace): every field is carried."""
+    import dataclasses
+
+    from rolloutd.balancer import Ticket
+
+    assert [f.name for f in dataclasses.fields(Ticket)] == [
+        "request_id", "agent", "estimated_tokens", "affinity_key", "replica_id", "adapter", "kv_tokens"]
+    b = make({"r0": "m"}, {"a": "m"})
+    placed = b.submit("a", 42, "t1#0", kv_tokens=7)
+    assert placed == Ticket(placed.request_id, "a", 42, "t1#0", "r0", None, 7)
+    assert b.finish(placed.request_id) == placed
+
+
 def test_affinity_wins_while_balanced_and_loses_when_imbalanced() -> None:
     b = make({"r0": "m", "r1": "m"}, {"a": "m"})
     key = episode_affinity_key("t1", 0)
