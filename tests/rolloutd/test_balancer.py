@@ -409,3 +409,12 @@ def test_a_replica_moved_to_a_saturated_agent_takes_its_backlog_and_the_donor_dr
     for ticket in donor:
         b.finish(ticket.request_id)
     assert [m.replica_id for m in b.replicas_awaiting_load()] == [back.replica_id]
+
+
+def test_the_interleaving_benchmark_gives_every_balancer_the_same_requests() -> None:
+    """benchmarks.balancer_interleave: whatever K, each balancer routes the same requests to the same replicas."""
+    from benchmarks.balancer_interleave import run
+
+    alone, three = run(1, 200), run(3, 200)
+    assert three.loads == alone.loads * 3 and sum(alone.loads[0]) > 0
+    assert alone.cpu_per_request_us > 0 and three.cpu_per_request_us > 0
