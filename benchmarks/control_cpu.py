@@ -27,6 +27,11 @@ class CpuMeter:
         self.method_calls: dict[str, int] = {}
         self._depth = 0
 
+    @property
+    def inside(self) -> bool:
+        """Whether a timed call is running now (a garbage collection now is counted in its CPU)."""
+        return self._depth > 0
+
     def wrap(self, component: str, target: object) -> None:
         """Times every public method of ``target`` (defined on its class) as ``component``."""
         self.seconds.setdefault(component, 0.0)

@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from flexmarl.gc_policy import GcPolicy, apply_after_startup, release_frozen
 
 if TYPE_CHECKING:
+    from benchmarks.control_cpu import CpuMeter
     from benchmarks.sim import Simulation
     from benchmarks.sim_model import SimOutcome
 
@@ -34,19 +36,30 @@ GC_POLICIES: dict[str, GcPolicy] = {"daemon": GcPolicy(), "cpython": GcPolicy.cp
 
 
 class CollectionMeter:
-    """Collections per generation and the thread CPU they took, through ``gc.callbacks`` (one call per collection)."""
+    """Collections per generation and the thread CPU they took, through ``gc.callbacks`` (one call per collection).
 
-    def __init__(self) -> None:
+    ``measured_seconds`` is the part of ``seconds`` spent in collections that started inside a call
+    one of ``meters`` times: collector work counted in the planner's or a balancer's CPU.
+    """
+
+    def __init__(self, meters: Sequence[CpuMeter] = ()) -> None:
         self.collections = [0, 0, 0]
         self.seconds = 0.0
+        self.measured_seconds = 0.0
+        self._meters = list(meters)
         self._started = 0.0
+        self._inside = False
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         """The collector's callback: ``phase`` "start" or "stop", ``info["generation"]`` the generation collected."""
         if phase == "start":
+            self._inside = any(meter.inside for meter in self._meters)
             self._started = time.thread_time()
         else:
-            self.seconds += time.thread_time() - self._started
+            elapsed_s = time.thread_time() - self._started
+            self.seconds += elapsed_s
+            if self._inside:
+                self.measured_seconds += elapsed_s
             self.collections[info["generation"]] += 1
 
 
@@ -54,7 +67,7 @@ def run_under(simulation: Simulation, policy: str, max_events: int) -> SimOutcom
     """Runs ``simulation`` (built, not yet run) under the named GC policy; the outcome records it and its GC."""
     thresholds = gc.get_threshold()
     applied = apply_after_startup(GC_POLICIES[policy])
-    meter = CollectionMeter()
+    meter = CollectionMeter([simulation.cpu, *(process.cpu for process in simulation.rolloutds)])
     gc.callbacks.append(meter)
     try:
         outcome = simulation.run(max_events=max_events)
@@ -68,6 +81,7 @@ def run_under(simulation: Simulation, policy: str, max_events: int) -> SimOutcom
         gc_frozen_objects=applied.frozen_objects,
         gc_collections=tuple(meter.collections),
         gc_cpu_s=meter.seconds,
+        gc_measured_cpu_s=meter.measured_seconds,
     )
 
 

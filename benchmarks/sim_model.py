@@ -124,6 +124,7 @@ class SimOutcome:
     gc_frozen_objects: int = 0
     gc_collections: tuple[int, int, int] = (0, 0, 0)
     gc_cpu_s: float = 0.0
+    gc_measured_cpu_s: float = 0.0  # of gc_cpu_s, collections inside a measured call (in planner/balancer CPU)
 
     @property
     def control_cpu_share(self) -> float:

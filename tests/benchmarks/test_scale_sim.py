@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from benchmarks import sim
 from benchmarks.workloads import make_workload
 from flexmarl import devicemodel
@@ -243,7 +245,36 @@ def test_each_run_is_measured_under_the_daemons_gc_policy_and_cpythons_and_both_
     assert daemon.gc_frozen_objects > 1000 and cpython.gc_frozen_objects == 0  # the sim's start-up, frozen once
     assert sum(cpython.gc_collections) > 0 and cpython.gc_cpu_s > 0  # CPython collects every 700 allocations
     assert sum(daemon.gc_collections) < sum(cpython.gc_collections)
+    assert 0 <= cpython.gc_measured_cpu_s <= cpython.gc_cpu_s
     # Nothing stays frozen after a run (a sweep frees each run's objects) and CPython's thresholds are back.
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == thresholds and gc.isenabled()
     assert "flexmarl-partial/daemon" in sim.cpu_table([daemon, cpython])
     assert sim.table([daemon, cpython]).count("flexmarl-partial") == 1
+
+
+def test_collections_inside_a_measured_call_are_told_apart() -> None:
+    """benchmarks.sim_gc.CollectionMeter: a collection that a timed call runs is counted in the measured CPU."""
+    import gc
+
+    from benchmarks.control_cpu import CpuMeter
+    from benchmarks.sim_gc import CollectionMeter
+
+    class Planner:
+        def plan(self) -> int:
+            return gc.collect(0)
+
+    cpu = CpuMeter()
+    planner = Planner()
+    cpu.wrap("planner", planner)
+    meter = CollectionMeter([cpu])
+    gc.callbacks.append(meter)
+    try:
+        gc.collect(0)  # outside any measured call
+        outside_s = meter.seconds
+        for _ in range(20):
+            planner.plan()
+    finally:
+        gc.callbacks.remove(meter)
+    assert meter.collections[0] == 21 and not cpu.inside
+    assert meter.measured_seconds == pytest.approx(meter.seconds - outside_s)
+    assert 0 < meter.measured_seconds <= cpu.seconds["planner"]
