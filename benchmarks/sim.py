@@ -18,7 +18,9 @@ As the product runs them: one balancer per rolloutd process over that process's 
 (``--replicas-per-rolloutd``, :mod:`benchmarks.sim_rolloutd`; each leases, plays and renews its own
 tasks, and each gets its share of the demand hints, as orchestratord sends them), and orchestratord's tick loop
 (:mod:`benchmarks.sim_orchestratord`: the planner's tick every 0.2 s, the slot gauges, the demand push
-every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`).
+every 1 s). The CPU of the real code is kept per process (:class:`benchmarks.control_cpu.CpuMeter`),
+measured under the daemons' garbage-collector policy, applied as a daemon applies it once its cluster
+is built, and under CPython's defaults (``--gc``, :mod:`benchmarks.sim_gc`).
 Each balancer decides on what its router measures (``--balancer-rates measured``, rolloutd's
 default): the process keeps rolloutd's :class:`rolloutd.replica_rates.BalancerFeed`, fed by its
 modelled generations and weight loads as ``RolloutRouter._generation`` and ``_reloaded`` feed it;
