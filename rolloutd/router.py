@@ -84,6 +84,7 @@ from rolloutd.engines.protocol import (
 )
 from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
+from rolloutd.replica_lock import ReplicaLock
 from rolloutd.replica_rates import BalancerFeed, RateSettings
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
@@ -114,44 +115,6 @@ def request_seed(job_seed: int, key: str, affinity_key: str, input_ids: Sequence
     return int.from_bytes(digest.digest()[:8], "little") >> 2
 
 
-class _ReadWriteLock:
-    """Many generations or one weight load on a replica."""
-
-    def __init__(self) -> None:
-        self._readers = 0
-        self._writing = False
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def read(self) -> Any:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a generation holds the lock now."""
-        return self._readers > 0
-
-    @contextlib.asynccontextmanager
-    async def write(self) -> Any:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
-            self._writing = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writing = False
-                self._cond.notify_all()
-
-
 @dataclasses.dataclass
 class Replica:
     """One engine replica as the router sees it."""
@@ -161,7 +124,7 @@ class Replica:
     loaded_agent: str = ""
     loaded_version: int = -1
     healthy: bool = True
-    lock: _ReadWriteLock = dataclasses.field(default_factory=_ReadWriteLock)
+    lock: ReplicaLock = dataclasses.field(default_factory=ReplicaLock)
     # One would-be reloader at a time; the others wait here (not for the replica's readers), so
     # requests that find the reload done go straight to generation instead of queueing behind
     # each other's generations for the write lock.
