@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=Path, nargs="+", help="run directories (history.json, traces/, stored-data/)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    for run in args.runs:
+        missing = [name for name in ("device.json", "history.json", "traces") if not (run / name).exists()]
+        if missing:  # benchmarks.run's --keep directories have no history.json: time_to_reward's --keep ones do
+            parser.error(f"{run}: not a kept time_to_reward run directory (no {', '.join(missing)})")
     results = [analyse(run) for run in args.runs]
     print(json.dumps(results, indent=1) if args.json else "\n\n".join(report(r) for r in results))
     return 0

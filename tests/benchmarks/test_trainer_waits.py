@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from benchmarks import trainer_waits as tw
@@ -29,3 +31,12 @@ def test_steps_are_cut_at_optimizer_steps_and_micro_batches_complete_in_write_or
     assert tw.micro_batch_ready([3.0, 1.0, 2.0, 4.0], 2) == [2.0, 4.0]
     with pytest.raises(ValueError, match="3 experiences"):
         tw.micro_batch_ready([1.0, 2.0, 3.0], 2)
+
+
+def test_a_directory_that_is_not_a_kept_run_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "device.json").write_text("{}")
+    (tmp_path / "traces").mkdir()  # benchmarks.run --keep: no history.json
+    with pytest.raises(SystemExit) as exit_info:
+        tw.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path}: not a kept time_to_reward run directory (no history.json)" in capsys.readouterr().err
