@@ -19,7 +19,9 @@ trainer takes the device model's time for the modelled model (H100 / Qwen2.5-14B
 
 Configurations (``benchmarks.run.CONFIGS`` settings): ``sync`` (its ``no-async``: barrier,
 hierarchical balancing), ``sequential``, ``static``, ``flexmarl`` (eta 1) and
-``flexmarl-partial-eta4`` / ``-eta8`` (interruptible generation, completion fill, masking).
+``flexmarl-partial-eta4`` / ``-eta8`` (interruptible generation, completion fill, masking); each
+asynchronous one also as ``<label>-decoupled``, with ``algorithm.proximal_policy: trainer``
+(decoupled PPO; the others keep the default, ``behaviour``).
 The example jobs keep their own settings except ``pipeline`` and ``rollout``, which the
 configuration replaces, and ``leases`` (widened: lease timeouts are wall seconds).
 
@@ -129,6 +131,17 @@ RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
     "flexmarl-partial-eta4": ("flexmarl-partial", 4),
     "flexmarl-partial-eta8": ("flexmarl-partial", 8),
 }
+#: ``<label>-decoupled``: the configuration with ``algorithm.proximal_policy: trainer`` (decoupled PPO,
+#: docs/training.md "Off-policy correction"); the labels above keep the job's default, ``behaviour``.
+DECOUPLED = "-decoupled"
+ALL_CONFIGS = [*RUN_CONFIGS, *(f"{label}{DECOUPLED}" for label in RUN_CONFIGS if RUN_CONFIGS[label][1])]
+
+
+def run_config(label: str) -> tuple[str, int | None, str]:
+    """(benchmarks.run.CONFIGS name, max_staleness or None, algorithm.proximal_policy) of a label."""
+    base = label.removesuffix(DECOUPLED)
+    name, eta = RUN_CONFIGS[base]
+    return name, eta, "trainer" if base != label else "behaviour"
 #: The long-tail agents' learning rate (--long-tail-lr). benchmarks.run's 1e-4 (a step-time benchmark) barely
 #: moves this reward: sync seed 0 went 0.47 -> 0.56 in 30 steps, noise-sized, so "time to target" would time the
 #: noise; at 2e-3 sync reached a 5-step mean of 0.91 by step 14 (2026-12-06).
@@ -187,7 +200,7 @@ def example_job(
 ) -> dict[str, Any]:
     """The example job of ``workload`` under ``config``, seed ``seed`` (agent i's weights: seed 2 seed + i + 1)."""
     raw: dict[str, Any] = yaml.safe_load((REPO_ROOT / workload.job_file).read_text())
-    name, eta = RUN_CONFIGS[config]
+    name, eta, proximal = run_config(config)
     pipeline, rollout, _ = bench.CONFIGS[name]
     raw["name"] = f"{raw['name']}-{config}-s{seed}"
     raw["seed"] = seed
@@ -195,6 +208,7 @@ def example_job(
     raw["pipeline"] = {"max_staleness": 0, **pipeline, **({"max_staleness": eta} if eta is not None else {})}
     raw["rollout"] = dict(rollout)
     raw["leases"] = {"rollout_timeout_s": 900, "train_timeout_s": 900}
+    raw["algorithm"] = {**raw.get("algorithm", {}), "proximal_policy": proximal}
     for index, agent in enumerate(raw["agents"]):
         agent["model"] = tiny_seeded(agent["model"], 2 * seed + index + 1)
     return materialize_models(raw, models_dir)
@@ -207,13 +221,14 @@ def long_tail_job(
 
     ``lr``: every agent's learning rate instead of benchmarks.run's (a step-time benchmark's setting).
     """
-    name, eta = RUN_CONFIGS[config]
+    name, eta, proximal = run_config(config)
     model_dir = models_dir / f"long-tail-seed{seed + 1}"
     if not (model_dir / "config.json").exists():
         build_tiny_checkpoint(model_dir, seed=seed + 1)
     spec = bench.job_spec(make_workload(3, "long-tail"), name, model_dir, steps, token_scale, eta)
     spec["name"] = f"long-tail-{config}-s{seed}"
     spec["seed"] = seed
+    spec["algorithm"] = {**spec.get("algorithm", {}), "proximal_policy": proximal}
     if lr is not None:
         for agent in spec["agents"]:
             agent["optimizer"]["lr"] = lr
@@ -478,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the matrix; returns 0 when every job succeeded."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.time_to_reward", description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    parser.add_argument("--configs", nargs="+", default=list(RUN_CONFIGS), choices=list(RUN_CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(RUN_CONFIGS), choices=ALL_CONFIGS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=0, help="total_steps (default: per workload)")
     parser.add_argument("--target", type=float, default=None, help="one reward target for every workload")

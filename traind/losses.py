@@ -31,6 +31,25 @@ class LossAggregation(enum.StrEnum):
     SEQ_MEAN = "seq-mean"
 
 
+class ProximalPolicy(enum.StrEnum):
+    """Which policy the PPO clip keeps the update close to (docs/training.md, "Off-policy correction").
+
+    ``behaviour``: the policy that sampled each token (its recorded logprob): plain PPO-clip, so a
+    token whose probability has already moved past the clip range since it was sampled (by the
+    versions trained while it waited) gets no gradient. ``trainer``: decoupled PPO (Hilton et al.,
+    "Batch size-invariance for policy optimization", 2022; AReaL's ``use_decoupled_loss``): the clip
+    is around the trainer's policy at the start of the step, and each token's loss is weighted by the
+    behaviour importance weight ``pi_prox / pi_behaviour``; tokens whose weight exceeds
+    ``behaviour_weight_cap`` are dropped. traind takes one optimizer step per version, so the
+    proximal policy is the weights of the very forward pass being trained: its logprobs are that
+    pass's, detached, and no extra forward pass is needed (AReaL recomputes them because it takes
+    several minibatch steps per version).
+    """
+
+    BEHAVIOUR = "behaviour"
+    TRAINER = "trainer"
+
+
 class AdvantageNorm(enum.StrEnum):
     """How returns become advantages (docs/training.md, "Credit assignment").
 
@@ -121,6 +140,10 @@ class PolicyLossConfig:
         kl_coef: weight of the k3 KL estimate to the frozen reference policy.
         loss_agg: token-level or sequence-level aggregation.
         entropy_coef: weight of the entropy bonus (subtracted from the loss).
+        proximal: the policy the clip is measured against (:class:`ProximalPolicy`).
+        behaviour_weight_cap: with ``proximal`` ``trainer``, a token whose behaviour importance
+            weight ``pi_prox / pi_behaviour`` exceeds it adds nothing to the loss (AReaL's
+            ``behav_imp_weight_cap``); must be > 1.
     """
 
     clip_eps_low: float = 0.2
@@ -129,6 +152,8 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     loss_agg: LossAggregation = LossAggregation.TOKEN_MEAN
     entropy_coef: float = 0.0
+    proximal: ProximalPolicy = ProximalPolicy.BEHAVIOUR
+    behaviour_weight_cap: float = 5.0
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.clip_eps_low < 1.0) or self.clip_eps_high < 0.0:
@@ -139,6 +164,8 @@ class PolicyLossConfig:
             raise InvalidArgument(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.entropy_coef < 0.0:
             raise InvalidArgument(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if not self.behaviour_weight_cap > 1.0:
+            raise InvalidArgument(f"behaviour_weight_cap must be > 1, got {self.behaviour_weight_cap}")
 
 
 def group_advantages(
@@ -297,11 +324,18 @@ def policy_loss_per_token(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> PolicyLossTerms:
-    """Decoupled PPO-clip per-token loss with the behaviour policy as proximal policy.
+    """PPO-clip per-token loss around the proximal policy ``config.proximal`` names.
 
-    ``r = exp(clamp(logp - logp_behaviour, ±20))``;
+    ``r = exp(clamp(logp - logp_prox, ±20))``;
     ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
     for ``A < 0`` additionally ``l = min(l, -c A)`` (dual clip); plus ``kl_coef * k3``.
+
+    ``behaviour``: ``logp_prox`` is the behaviour logprob. ``trainer`` (decoupled PPO): ``logp_prox``
+    is ``logp`` detached (the weights before this step's update, see :class:`ProximalPolicy`), and
+    the clipped term is multiplied by ``w = exp(clamp(logp_prox - logp_behaviour, ±20))``, detached,
+    and by 0 where ``w > behaviour_weight_cap``. The returned ratio is ``pi_theta / pi_behaviour``
+    either way (how far the policy moved since sampling); ``clipped`` marks every token the clip,
+    the dual clip or the weight cap left without gradient.
 
     Args:
         logprobs: ``[B, T]`` logprobs of the response tokens under the current policy.
@@ -324,7 +358,10 @@ def policy_loss_per_token(
     mask_f = mask.to(logprobs.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1)
     adv = adv.to(logprobs.dtype)
-    log_ratio = (logprobs - behavior_logprobs.to(logprobs.dtype)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    behaviour = behavior_logprobs.to(logprobs.dtype)
+    decoupled = config.proximal is ProximalPolicy.TRAINER
+    proximal = logprobs.detach() if decoupled else behaviour
+    log_ratio = (logprobs - proximal).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
     unclipped_loss = -adv * ratio
@@ -336,6 +373,13 @@ def policy_loss_per_token(
         capped = (adv < 0) & (loss > cap)
         loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
         clipped = torch.where(capped, torch.ones_like(clipped), clipped)
+    moved = ratio.detach()
+    if decoupled:
+        weight = torch.exp((proximal - behaviour).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+        dropped = weight > config.behaviour_weight_cap
+        loss = torch.where(dropped, torch.zeros_like(loss), loss * weight)
+        clipped = torch.where(dropped, torch.ones_like(clipped), clipped)
+        moved = moved * weight
     if ref_logprobs is not None and config.kl_coef > 0.0:
         kl = k3_kl(logprobs, ref_logprobs.to(logprobs.dtype))
         loss = loss + config.kl_coef * kl
@@ -346,7 +390,7 @@ def policy_loss_per_token(
     entropy_terms = entropy.detach().to(loss.dtype) if entropy is not None else torch.zeros_like(loss)
     return PolicyLossTerms(
         loss=loss * mask_f,
-        ratio=ratio.detach() * mask_f,
+        ratio=moved * mask_f,
         clipped=clipped.detach() * mask_f,
         kl=kl.detach() * mask_f,
         entropy=entropy_terms * mask_f,

@@ -17,6 +17,7 @@ from benchmarks.reward_versions import JobVersionPoint
 from flexmarl import devicemodel
 from flexmarl.client import StepRecord
 from flexmarl.experience import ExperienceRecord, experience_id, group_id
+from flexmarl.jobspec import parse_job_spec
 from stored.database import Database
 from stored.experiences import ExperienceStore
 
@@ -228,3 +229,15 @@ def test_the_long_tail_job_takes_its_own_learning_rate(tmp_path: Path) -> None:
     assert len(tuned["agents"]) == 3
     assert {agent["optimizer"]["lr"] for agent in tuned["agents"]} == {ttr.LONG_TAIL_LR}
     assert tuned["pipeline"]["max_staleness"] == 8
+
+
+def test_a_decoupled_label_sets_the_proximal_policy_and_nothing_else(tmp_path: Path) -> None:
+    assert "flexmarl-partial-eta4-decoupled" in ttr.ALL_CONFIGS and "sync-decoupled" not in ttr.ALL_CONFIGS
+    plain = ttr.long_tail_job("flexmarl-partial-eta4", 0, 3, 128.0, tmp_path)
+    decoupled = ttr.long_tail_job("flexmarl-partial-eta4-decoupled", 0, 3, 128.0, tmp_path)
+    assert plain["algorithm"]["proximal_policy"] == "behaviour"
+    assert decoupled["algorithm"]["proximal_policy"] == "trainer"
+    decoupled["algorithm"]["proximal_policy"] = "behaviour"
+    decoupled["name"] = plain["name"]
+    assert decoupled == plain
+    parse_job_spec(ttr.example_job(ttr.WORKLOADS["signaling"], "flexmarl-decoupled", 0, 3, tmp_path))

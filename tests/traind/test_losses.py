@@ -150,3 +150,43 @@ def test_token_entropy_matches_the_distribution() -> None:
     assert logp[0].tolist() == pytest.approx([math.log(0.75)])
     expected = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert entropy is not None and entropy[0].tolist() == pytest.approx([expected])
+
+
+def _grad(ratio: float, adv: float, cfg: PolicyLossConfig) -> tuple[float, losses.PolicyLossTerms]:
+    """d loss / d logp of one token whose policy moved to ``ratio`` x its behaviour probability."""
+    logp = torch.tensor([[math.log(ratio)]], dtype=torch.float64, requires_grad=True)
+    behavior = torch.zeros((1, 1), dtype=torch.float64)
+    terms = losses.policy_loss_per_token(logp, behavior, torch.tensor([adv]), torch.ones((1, 1)), cfg)
+    (grad,) = torch.autograd.grad(terms.loss.sum(), logp)
+    return grad.item(), terms
+
+
+@pytest.mark.parametrize(
+    ("ratio", "adv", "behaviour_grad", "trainer_grad"),
+    [
+        (1.5, 1.0, 0.0, -1.5),  # moved up past 1 + eps while it waited: clipped by PPO, weighted 1.5 decoupled
+        (0.5, -1.0, 0.0, 0.5),  # moved down past 1 - eps: same, the other side
+        (0.5, 1.0, -0.5, -0.5),  # inside the pessimistic branch: both give -A r
+        (1.0, 2.0, -2.0, -2.0),  # on-policy: identical
+        (6.0, 1.0, 0.0, 0.0),  # weight 6 > cap 5: dropped (and clipped by PPO)
+    ],
+)
+def test_decoupled_loss_weights_stale_tokens_instead_of_clipping_them(
+        ratio: float, adv: float, behaviour_grad: float, trainer_grad: float) -> None:
+    behaviour = PolicyLossConfig(dual_clip=0.0)
+    trainer = PolicyLossConfig(dual_clip=0.0, proximal=losses.ProximalPolicy.TRAINER, behaviour_weight_cap=5.0)
+    grad_b, terms_b = _grad(ratio, adv, behaviour)
+    grad_t, terms_t = _grad(ratio, adv, trainer)
+    assert grad_b == pytest.approx(behaviour_grad, abs=1e-12)
+    assert grad_t == pytest.approx(trainer_grad, abs=1e-12)
+    # the ratio reported is pi_theta / pi_behaviour under both; "clipped" marks the tokens left without gradient
+    assert terms_t.ratio.item() == pytest.approx(ratio) == terms_b.ratio.item()
+    assert terms_t.clipped.item() == (1.0 if trainer_grad == 0.0 else 0.0)
+
+
+def test_decoupled_loss_value_is_the_weighted_policy_term() -> None:
+    cfg = PolicyLossConfig(proximal=losses.ProximalPolicy.TRAINER)
+    terms = _terms(1.5, -2.0, cfg)  # weight 1.5, ratio to the trainer's policy 1: loss = -A * 1 * 1.5
+    assert terms.loss.item() == pytest.approx(3.0, abs=1e-12)
+    with pytest.raises(InvalidArgument, match="behaviour_weight_cap"):
+        PolicyLossConfig(proximal=losses.ProximalPolicy.TRAINER, behaviour_weight_cap=1.0)

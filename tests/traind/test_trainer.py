@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -183,3 +184,41 @@ def test_publish_reloads_with_identical_logits(tiny_model_dir: Path, tmp_path: P
         assert not torch.equal(base, got)  # the trained weights were published, not the initial ones
     finally:
         trainer.release()
+
+
+def test_decoupled_loss_reaches_the_trainer_and_stays_micro_batch_invariant(tiny_model_dir: Path) -> None:
+    """``algorithm.proximal_policy: trainer`` from the job spec to the gradient.
+
+    The groups' recorded behaviour logprobs are not the tiny model's, so they stand for a stale
+    policy: PPO-clip around them clips tokens that the decoupled loss weights instead, and the two
+    gradients differ. The decoupled loss is per token too, so micro-batches still sum to the batch.
+    """
+    from flexmarl.jobspec import parse_job_spec
+    from tests.orchestratord.helpers import spec_dict
+    from traind.worker import trainer_config as spec_trainer_config
+
+    data = spec_dict()
+    data["algorithm"] = {**data.get("algorithm", {}), "proximal_policy": "trainer", "behaviour_weight_cap": 3.0}
+    spec = parse_job_spec(data)
+    loss = spec_trainer_config(spec, spec.agents[0].name).loss
+    assert loss.proximal is losses.ProximalPolicy.TRAINER and loss.behaviour_weight_cap == 3.0
+
+    groups = make_groups(seed=1, tasks=2, group_size=4)
+    grads = {}
+    for proximal in losses.ProximalPolicy:
+        cfg = trainer_config(tiny_model_dir)
+        cfg = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, proximal=proximal))
+        trainer = AgentTrainer(cfg)
+        try:
+            trainer.accumulate([r for g in groups for r in g])
+            grads[proximal] = flat_grads(trainer)
+            if proximal is losses.ProximalPolicy.TRAINER:  # the behaviour loss's invariance has its own test above
+                trainer.discard_gradients()
+                for group in groups:
+                    trainer.accumulate(group)
+                micro = flat_grads(trainer)
+                assert float((micro - grads[proximal]).norm() / grads[proximal].norm()) < 1e-6
+        finally:
+            trainer.release()
+    behaviour, decoupled = grads[losses.ProximalPolicy.BEHAVIOUR], grads[losses.ProximalPolicy.TRAINER]
+    assert float((behaviour - decoupled).norm() / behaviour.norm()) > 1e-3

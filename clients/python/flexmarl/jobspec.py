@@ -342,6 +342,16 @@ class AlgorithmSpec(_SpecModel):
     then stays; unset: entropy_coef throughout."""
     entropy_decay_steps: Annotated[int, Field(ge=0)] = 0
     """Steps of the entropy schedule (0: no schedule)."""
+    proximal_policy: Literal["behaviour", "trainer"] = "behaviour"
+    """What the PPO clip keeps each update close to. `behaviour`: the policy that sampled each token (plain PPO-clip;
+    under staleness, a token whose probability already moved past the clip range while it waited gets no gradient).
+    `trainer`: decoupled PPO (AReaL's `use_decoupled_loss`): the clip is around the trainer's weights at the start of
+    the step and each token is weighted by its behaviour importance weight pi_trainer / pi_behaviour (no extra forward
+    pass: one optimizer step per version). Meant for `pipeline.max_staleness` > 0 (docs/training.md, "Off-policy
+    correction")."""
+    behaviour_weight_cap: Annotated[float, Field(gt=1.0)] = 5.0
+    """With `proximal_policy: trainer`, tokens whose behaviour importance weight exceeds this are left out of the loss
+    (AReaL's `behav_imp_weight_cap`); unused with `behaviour`."""
 
 
 class AgentAlgorithmSpec(_SpecModel):
