@@ -77,7 +77,7 @@ from flexmarl.client import Client  # noqa: E402
 from flexmarl.jobspec import parse_job_spec  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
-from rolloutd.config import RolloutConfig  # noqa: E402
+from rolloutd.task_limit import AUTO_FLOOR  # noqa: E402
 
 log = logging.getLogger("benchmarks.run")
 
@@ -357,12 +357,14 @@ def job_spec(
 
 def rolloutd_args(spec: Mapping[str, Any], max_tasks: int | None = None, kv_factor: float = 0.0) -> list[str]:
     """rolloutd's flags for a cluster that runs ``spec``: ``--max-tasks`` as many tasks as its staleness rule
-    keeps in flight (:attr:`~flexmarl.jobspec.JobSpec.rollout_tasks_ahead`), never below rolloutd's default,
-    unless ``max_tasks`` says how many; ``--balancer-dispatch-kv-factor`` when ``kv_factor`` > 0.
+    keeps in flight (:attr:`~flexmarl.jobspec.JobSpec.rollout_tasks_ahead`), never below 8, unless ``max_tasks``
+    says how many; ``--balancer-dispatch-kv-factor`` when ``kv_factor`` > 0.
 
-    With the default (8 tasks, two steps of 4 prompts) an eta 4 or 8 job ran as if eta were 1: rolloutd leased
-    no more, its replicas decoded a few sequences at a time and the trainer waited on them (docs/benchmarks.md,
-    "Where partial rollouts' step went").
+    With a fixed 8 tasks (rolloutd's default before ``--max-tasks auto``; two steps of 4 prompts) an eta 4 or 8
+    job ran as if eta were 1: rolloutd leased no more, its replicas decoded a few sequences at a time and the
+    trainer waited on them (docs/benchmarks.md, "Where partial rollouts' step went"). rolloutd's default
+    ``auto`` now sizes the same figure for one job and one rolloutd; the harness still passes it, so that a
+    run's task limit is in its command line whatever rolloutd's default becomes.
     """
     tasks = max_tasks or rollout_tasks_ahead(spec)
     flags = ["--max-tasks", str(tasks)]
@@ -372,8 +374,8 @@ def rolloutd_args(spec: Mapping[str, Any], max_tasks: int | None = None, kv_fact
 
 
 def rollout_tasks_ahead(spec: Mapping[str, Any]) -> int:
-    """The tasks ``spec``'s staleness rule keeps in flight, never below rolloutd's default (``--max-tasks``)."""
-    return max(RolloutConfig().max_tasks, parse_job_spec(dict(spec)).rollout_tasks_ahead)
+    """The tasks ``spec``'s staleness rule keeps in flight, never below ``--max-tasks auto``'s floor (8)."""
+    return max(AUTO_FLOOR, parse_job_spec(dict(spec)).rollout_tasks_ahead)
 
 
 def is_async(config: str) -> bool:

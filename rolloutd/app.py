@@ -27,7 +27,7 @@ class RolloutApp(DaemonApp):
         self.config = config
         engine_urls = config.engine_url_list()
         settings = WorkerSettings(
-            worker_id=ctx.service_id, work_dir=Path(config.work_dir).resolve(), max_tasks=config.max_tasks,
+            worker_id=ctx.service_id, work_dir=Path(config.work_dir).resolve(), max_tasks=config.explicit_max_tasks(),
             engine_backend=config.engine_backend, engine_replicas=config.engine_replicas,
             engine_urls=engine_urls, engine_threads=config.engine_threads,
             orchestrator_address=config.orchestrator_address, store_address=config.store_address,
@@ -44,6 +44,7 @@ class RolloutApp(DaemonApp):
             balancer_measured_rates=config.balancer_measured_rates, balancer_tokens_per_s=config.balancer_tokens_per_s,
             balancer_reassignment_cost_s=config.balancer_reassignment_cost_s,
             balancer_dispatch_kv_factor=config.balancer_dispatch_kv_factor,
+            max_tasks_cap=config.max_tasks_cap,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+import re
 import shlex
 from collections.abc import Callable, Mapping
 
 from flexmarl.config import ConfigError, DaemonConfig
 from flexmarl.devices import DeviceSet, device_pool, nvidia_smi_device_count, split_device_sets
 from flexmarl.errors import InvalidArgument
+from rolloutd.task_limit import AUTO, AUTO_FLOOR, DEFAULT_CAP, MAX_TASKS_LIMIT
 
 # Refused rather than turned off behind the user's back: the default (on) promises reproducible runs.
 _VLLM_NOT_DETERMINISTIC = ("engine_deterministic_inference: vLLM replicas honour per-request seeds but have no "
@@ -71,7 +73,14 @@ class RolloutConfig(DaemonConfig):
     orchestrator_address: str = dataclasses.field(
         default="", metadata=_help("orchestratord host:port (default: discovered in etcd)"))
     store_address: str = dataclasses.field(default="", metadata=_help("stored host:port (default: discovered)"))
-    max_tasks: int = dataclasses.field(default=8, metadata=_help("rollout tasks run concurrently"))
+    max_tasks: str = dataclasses.field(
+        default=AUTO, metadata=_help("rollout tasks leased at once: auto (the served jobs' (max_staleness + 1) x "
+                                     "prompts_per_step, summed and shared among the live rolloutds, rounded up; "
+                                     f"never below {AUTO_FLOOR} nor above max_tasks_cap) or a number "
+                                     f"1..{MAX_TASKS_LIMIT}"))
+    max_tasks_cap: int = dataclasses.field(
+        default=DEFAULT_CAP, metadata=_help("max_tasks auto leases at most this many tasks at once (each holds "
+                                            "group_size episodes in memory)"))
     work_dir: str = dataclasses.field(default="rolloutd-work", metadata=_help("engine logs and weight cache"))
     weights_cache_dir: str = dataclasses.field(
         default="", metadata=_help("where stored:// checkpoints are unpacked for the engines "
@@ -136,8 +145,10 @@ class RolloutConfig(DaemonConfig):
         if self.engine_max_loaded_loras and self.engine_max_loaded_loras < self.engine_max_loras_per_batch:
             raise ConfigError(f"engine_max_loaded_loras: must be 0 or >= engine_max_loras_per_batch "
                               f"({self.engine_max_loras_per_batch}), got {self.engine_max_loaded_loras}")
-        if not 1 <= self.max_tasks <= 4096:
-            raise ConfigError(f"max_tasks: must be in 1..4096, got {self.max_tasks}")
+        self.explicit_max_tasks()
+        if not AUTO_FLOOR <= self.max_tasks_cap <= MAX_TASKS_LIMIT:
+            raise ConfigError(f"max_tasks_cap: must be in {AUTO_FLOOR}..{MAX_TASKS_LIMIT} (max_tasks auto never "
+                              f"leases fewer than {AUTO_FLOOR}), got {self.max_tasks_cap}")
         if self.engine_backend not in ("embedded", "sglang", "vllm"):
             raise ConfigError(f"engine_backend: must be embedded, sglang or vllm, got {self.engine_backend!r}")
         self._validate_vllm()
@@ -178,6 +189,15 @@ class RolloutConfig(DaemonConfig):
                               "virtual environment; set it (./dev.sh test installs .venv-vllm/bin/python)")
         if not os.path.isfile(self.vllm_python) or not os.access(self.vllm_python, os.X_OK):
             raise ConfigError(f"vllm_python: {self.vllm_python} is not an executable file")
+
+    def explicit_max_tasks(self) -> int | None:
+        """``max_tasks`` as a number, or None for ``auto``; raises ConfigError when it is neither."""
+        text = self.max_tasks.strip().lower()
+        if text == AUTO:
+            return None
+        if re.fullmatch(r"[0-9]+", text) and 1 <= int(text) <= MAX_TASKS_LIMIT:
+            return int(text)
+        raise ConfigError(f"max_tasks: must be auto or a number in 1..{MAX_TASKS_LIMIT}, got {self.max_tasks!r}")
 
     def engine_url_list(self) -> tuple[str, ...]:
         """The attached engines' URLs (empty: rolloutd launches its replicas)."""

@@ -55,6 +55,9 @@ class RolloutMetrics:
         self.engines_preparing = Gauge("flexmarl_rolloutd_engines_preparing",
                                        "Jobs whose engines (launch or attach, LoRA flags, router, weight groups), "
                                        "environment and runner are being prepared.", registry=registry)
+        self.max_tasks = Gauge("flexmarl_rolloutd_max_tasks",
+                               "Rollout tasks leased at most at once (--max-tasks; auto: sized from the served jobs' "
+                               "staleness rules and the live rolloutds).", registry=registry)
         self.pending_appends = Gauge("flexmarl_rolloutd_pending_appends",
                                      "Finished tasks whose experiences are not yet durable in stored.",
                                      registry=registry)

@@ -165,4 +165,5 @@ def rollout_status(status: RolloutStatus) -> rollout_pb2.RolloutStatus:
         ],
         jobs=[rollout_pb2.JobPreparation(job_id=j.job_id, state=j.state, error=j.error, seconds=j.seconds)
               for j in status.jobs],
+        max_tasks=status.max_tasks, max_tasks_auto=status.max_tasks_auto, live_rolloutds=status.live_rolloutds,
     )

@@ -153,6 +153,10 @@ class RolloutStatus:
     replicas: tuple[ReplicaStatus, ...] = ()
     #: Every job listed or leased here, sorted by job id.
     jobs: tuple[JobPreparation, ...] = ()
+    #: Tasks leased at most at once now (``--max-tasks``), whether ``auto`` sizes it, and among how many rolloutds.
+    max_tasks: int = 0
+    max_tasks_auto: bool = False
+    live_rolloutds: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ Backpressure: when stored is full (its per-job quota or its disk: RESOURCE_EXHAU
 QUOTA_EXCEEDED or DISK_FULL), down or slow, a finished task keeps its experiences and retries the append with
 exponential backoff for as long as its lease lives (the renew loop keeps renewing it, and cancels the task
 only when the orchestrator says the lease is lost). Meanwhile the lease loop leases nothing new:
-while appends are failing, or while half of ``max_tasks`` or more tasks wait on their append.
+while appends are failing, or while half of the task limit or more tasks wait on their append.
 Rollouts slow down to what stored absorbs instead of dropping data.
 
 The worker speaks dataclasses (:mod:`rolloutd.types`): to orchestratord through an
@@ -27,6 +27,10 @@ it waits its lease renewals count as progress (:attr:`TaskProgress.setting_up`),
 progress bound does not take it for hung: the wait is bounded by ``engine_launch_timeout_s`` per
 launched replica. A preparation that fails is the error of the tasks waiting on it (a job that cannot
 run: ``JOB_UNRUNNABLE``, as before), then forgotten, so the next task of the job tries again.
+
+How many tasks it leases at once (``--max-tasks``: a number, or ``auto``, sized from the served jobs'
+staleness rules and the live rolloutds in etcd's service directory) is :mod:`rolloutd.task_limit`'s; the
+worker hands it the served jobs as they come and go and the directory's rolloutds as they change.
 
 Partial rollouts (``rollout.partial_rollout``) and distributed weight sync (``rollout.weight_sync:
 distributed``, :mod:`rolloutd.weight_sync`): for each such job the worker keeps one
@@ -70,7 +74,7 @@ from flexmarl.errors import (
 from flexmarl.experience import ExperienceSummary, FailedEpisode, group_id, min_episodes_to_train
 from flexmarl.ids import EvalTaskRef, TaskRef
 from flexmarl.jobspec import JobSpec, JobSpecCache
-from flexmarl.registry import Registry
+from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import INSECURE, TransportSecurity
 from flexmarl.store_client import StoreClient
@@ -86,6 +90,7 @@ from rolloutd.lora_launch import engine_lora_settings, launch_model, lora_bases
 from rolloutd.metrics import RolloutMetrics
 from rolloutd.router import Replica, RolloutRouter, agent_key
 from rolloutd.runner import AgentRuntime, RolloutResult, RolloutRunner, RolloutTaskInput, TaskProgress
+from rolloutd.task_limit import DEFAULT_CAP, TaskLimit
 from rolloutd.tokenizers import HFTokenizer
 from rolloutd.types import AgentDemand, JobPreparation, ReplicaStatus, RolloutStatus, RolloutTask, TaskReport
 
@@ -96,6 +101,8 @@ JOB_SWEEP_INTERVAL_S = 10.0
 #: Between listings of the pending and running jobs whose engines the worker prepares ahead of their tasks.
 JOB_DISCOVERY_INTERVAL_S = 5.0
 LEASE_WAIT_MS = 2000
+#: The most tasks one LeaseRolloutTasks call may ask for (orchestratord's bound); a larger limit takes several calls.
+LEASE_MAX_TASKS = 256
 #: Between failed lease polls: 0.2 s doubling to 5 s, back to 0.2 s after a poll that answers.
 LEASE_POLL_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
 #: Long enough to outlast an orchestratord restart (~3-10 s): 12 attempts, 0.2 s doubling to 2 s
@@ -147,7 +154,8 @@ class WorkerSettings:
 
     worker_id: str
     work_dir: Path
-    max_tasks: int
+    #: Tasks leased at once (``--max-tasks N``); None: ``auto``, sized from the served jobs within ``max_tasks_cap``.
+    max_tasks: int | None
     engine_backend: str
     engine_replicas: int
     engine_urls: tuple[str, ...]
@@ -177,6 +185,8 @@ class WorkerSettings:
     balancer_reassignment_cost_s: float = 10.0
     #: > 0: requests wait in rolloutd once a replica's reserved KV tokens reach this share of its capacity.
     balancer_dispatch_kv_factor: float = 0.0
+    #: ``--max-tasks auto`` leases at most this many tasks at once.
+    max_tasks_cap: int = DEFAULT_CAP
 
     @property
     def weights_cache(self) -> Path:
@@ -270,8 +280,11 @@ class RolloutWorker:
         self._stopping = False
         #: Tasks whose experiences wait to be durable in stored, and since when appends fail (None: they succeed).
         self._pending_appends = 0
-        self._max_pending_appends = max(1, settings.max_tasks // 2)
+        self._max_pending_appends = 1
         self._appends_failing_since: float | None = None
+        #: The lease limit (``--max-tasks``), and in ``auto`` the live rolloutds it is shared among.
+        self.task_limit = TaskLimit(settings.max_tasks, settings.max_tasks_cap, self._task_limit_changed)
+        self._rolloutds: ServiceDirectory | None = None
         metrics.watch_router(lambda: self.router)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -279,6 +292,10 @@ class RolloutWorker:
     async def start(self) -> None:
         """Starts the job, lease and renewal loops (engines start with the first job the worker learns of)."""
         loop = asyncio.get_running_loop()
+        if self.task_limit.auto:
+            self._rolloutds = self._registry.directory("rolloutd")
+            self._rolloutds.on_change(self._rolloutds_changed)
+            self._rolloutds.start()
         self._loops = [loop.create_task(self._job_loop(), name="job loop"),
                        loop.create_task(self._lease_loop(), name="lease loop"),
                        loop.create_task(self._renew_loop(), name="renew loop")]
@@ -293,6 +310,8 @@ class RolloutWorker:
         for task in running:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._rolloutds is not None:
+            await self._rolloutds.stop()
         if self._supervisor is not None:
             await self._supervisor.stop()  # before the engines stop: a stop is no crash to relaunch
         if self.router is not None:
@@ -309,6 +328,19 @@ class RolloutWorker:
         await self._peers.close()
 
     # ---- leasing -----------------------------------------------------------------------------------
+
+    def _task_limit_changed(self, limit: int) -> None:
+        """Keeps the append backpressure and the metric with the lease limit."""
+        self._max_pending_appends = max(1, limit // 2)
+        self._metrics.max_tasks.set(limit)
+
+    def _rolloutds_changed(self, services: dict[str, ServiceRecord]) -> None:
+        """The live rolloutds (this one counted before it registers and after it leaves) share the jobs' tasks."""
+        self.task_limit.set_rolloutds(len(set(services) | {self.settings.worker_id}))
+
+    def _served_jobs_changed(self) -> None:
+        """Sizes the lease limit from the jobs served now (a pinned evaluation round is its job's)."""
+        self.task_limit.set_jobs({key: job.spec for key, job in self._jobs.items() if not job.pinned_of})
 
     def store_backpressure(self) -> str:
         """Why no new task should be leased now because of stored ("" when leasing may go on)."""
@@ -340,12 +372,13 @@ class RolloutWorker:
         backoff = LEASE_POLL_RETRY.backoff()
         while not self._stopping:
             await self._wait_out_backpressure()
-            free = self.settings.max_tasks - len(self._in_flight)
+            free = self.task_limit.current - len(self._in_flight)
             if free <= 0 or self._stopping:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                tasks = await self._link.lease_tasks(self.settings.worker_id, free, LEASE_WAIT_MS)
+                tasks = await self._link.lease_tasks(self.settings.worker_id, min(free, LEASE_MAX_TASKS),
+                                                      LEASE_WAIT_MS)
             except FlexmarlError as exc:
                 log.warning("leasing tasks failed (%s); retrying", describe_error(exc))
                 await backoff.sleep()
@@ -427,6 +460,7 @@ class RolloutWorker:
             self._set_lora_agents(self.router)
             await self.router.set_agents([agent_key(j.job_id, a) for j in self._jobs.values()
                                           for a in j.spec.agent_names])
+            self._served_jobs_changed()
         log.info("stopped serving finished jobs %s", ended)
 
     # ---- one task ----------------------------------------------------------------------------------
@@ -695,9 +729,7 @@ class RolloutWorker:
             job.version_watch = asyncio.get_running_loop().create_task(
                 self._watch_versions(job), name=f"versions of {job_id}")
         log.info("serving job %s (%s)", job_id, spec.name)
-        short = fewer_tasks_than_admitted(spec, self.settings.max_tasks)
-        if short:
-            log.warning("job %s: %s", job_id, short)
+        self._served_jobs_changed()
         return job
 
     async def _pinned(self, job: _ServedJob, task: RolloutTask) -> _ServedJob:
@@ -848,7 +880,8 @@ class RolloutWorker:
         return RolloutStatus(
             worker_id=self.settings.worker_id, tasks_in_flight=len(self._in_flight), episodes_done=self.episodes_done,
             reassignments=router.reassignments if router is not None else 0, replicas=tuple(replicas),
-            jobs=self._preparations(),
+            jobs=self._preparations(), max_tasks=self.task_limit.current,
+            max_tasks_auto=self.task_limit.auto, live_rolloutds=self.task_limit.rolloutds,
         )
 
     def _preparations(self) -> tuple[JobPreparation, ...]:
@@ -916,23 +949,6 @@ def _append_retry_code(exc: BaseException) -> grpc.StatusCode | None:
         code: grpc.StatusCode = exc.code()
         return code
     return None
-
-
-def fewer_tasks_than_admitted(spec: JobSpec, max_tasks: int) -> str:
-    """Why this rolloutd alone cannot keep the job's pipeline as far ahead as its staleness bound allows ("" if it can).
-
-    The staleness rule admits up to ``(max_staleness + 1) x prompts_per_step`` tasks at once
-    (:attr:`JobSpec.rollout_tasks_ahead`); a rolloutd leases at most ``max_tasks``. With fewer, unless other
-    rolloutds take the rest, the steps run behind the tasks in flight: a long-tailed task holds a
-    task slot while its replicas decode its last few sequences, and the trainer waits (docs/benchmarks.md,
-    "Where partial rollouts' step went").
-    """
-    wanted = spec.rollout_tasks_ahead
-    if wanted <= max_tasks:
-        return ""
-    return (f"its staleness rule admits {wanted} tasks at once ((max_staleness {spec.pipeline.max_staleness} + 1)"
-            f" x prompts_per_step {spec.batch.prompts_per_step}), this rolloutd runs at most {max_tasks} "
-            f"(--max-tasks): alone it keeps {max_tasks / spec.batch.prompts_per_step:g} steps of tasks in flight")
 
 
 def _check_environment_code(spec: JobSpec) -> None:

@@ -221,15 +221,3 @@ def test_launcher_names_the_sglang_file_of_every_flag() -> None:
     for flag in (a for a in command if a.startswith("--")):
         assert f"``{flag}``" in doc, f"{flag} is not documented with its SGLang source file"
     assert sys.executable == command[0] and os.path.basename(command[2]) == "sglang.launch_server"
-
-
-def test_a_rolloutd_running_fewer_tasks_than_the_staleness_rule_admits_says_so() -> None:
-    from rolloutd.worker import fewer_tasks_than_admitted
-    from tests.orchestratord.helpers import make_spec
-
-    eta8 = make_spec(pipeline={"mode": "async", "max_staleness": 8}, batch={"prompts_per_step": 4})
-    assert fewer_tasks_than_admitted(eta8, 36) == ""
-    message = fewer_tasks_than_admitted(eta8, 8)
-    assert "admits 36 tasks" in message and "at most 8 (--max-tasks)" in message and "2 steps" in message
-    sync = make_spec(pipeline={"mode": "sync", "max_staleness": 8}, batch={"prompts_per_step": 4})
-    assert fewer_tasks_than_admitted(sync, 8) == ""  # a barrier admits one batch

@@ -2,12 +2,15 @@
 
 No traind runs, so the job stays at version 0 and the first batch's experiences are exactly
 what rolloutd produced; their logprobs are checked against a forward pass of the same model.
+rolloutd runs with its default ``--max-tasks auto``: the job's staleness rule admits 12 tasks
+((3 + 1) x 3 prompts), so it leases up to 12 at once, not 8 (one step of 3 is all there is).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -38,8 +41,14 @@ def _spec(models_dir: Path) -> dict[str, object]:
         ],
         "batch": {"prompts_per_step": 3, "group_size": 4, "micro_batch_size": 4},
         "total_steps": 1,
+        "pipeline": {"max_staleness": 3},
     }
     return materialize_models(raw, models_dir)
+
+
+def _metrics_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return str(reply.read().decode())
 
 
 def _forward_logprobs(model: torch.nn.Module, prompt: list[int], response: list[int]) -> list[float]:
@@ -101,6 +110,8 @@ def test_two_agent_episodes_reach_stored_with_true_logprobs(etcd, start_daemon, 
             assert len(status.replicas) == 2 and all(r.healthy for r in status.replicas)
             assert {a.rsplit("/", 1)[-1] for r in status.replicas for a in r.agents} == {"sender", "receiver"}
             assert status.episodes_done >= expected
+            assert (status.max_tasks, status.max_tasks_auto, status.live_rolloutds) == (12, True, 1)
+            assert "flexmarl_rolloutd_max_tasks 12.0" in await asyncio.to_thread(_metrics_text, rolloutd.metrics_port)
         finally:
             await store.close()
 

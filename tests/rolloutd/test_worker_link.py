@@ -21,13 +21,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from flexmarl.client import JobState
+from flexmarl.cluster import EtcdServer
 from flexmarl.connections import PeerConnections
 from flexmarl.entrypoints import loaded_digest, source_digest
 from flexmarl.errors import ErrorReason, FailedPrecondition, FlexmarlError, NotFound, ResourceExhausted, Unavailable
 from flexmarl.experience import ExperienceRecord, ExperienceSummary
 from flexmarl.ids import TaskRef
 from flexmarl.jobspec import JobSpec, parse_job_spec
-from flexmarl.registry import Registry
+from flexmarl.registry import Registry, ServiceRecord
 from flexmarl.store_client import StoreClient
 from flexmarl.v1 import orchestrator_pb2
 from rolloutd import serde
@@ -37,6 +38,7 @@ from rolloutd.engines.embedded.config import EmbeddedEngineConfig
 from rolloutd.engines.embedded.engine import EmbeddedEngine
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
 from rolloutd.metrics import RolloutMetrics
+from rolloutd.runner import RolloutResult, RolloutRunner, RolloutTaskInput
 from rolloutd.types import ActiveJob, AgentVersion, RenewResult, RolloutTask, TaskReport
 from rolloutd.worker import RolloutWorker, WorkerSettings, _append_retry_code
 from tests.stored_support import inprocess_stored
@@ -58,6 +60,7 @@ class FakeOrchestrator(OrchestratorLink):
         self.report_errors: list[FlexmarlError] = []  # raised by the next report calls, in turn
         self.lease_errors: list[FlexmarlError] = []
         self.lease_calls = 0
+        self.lease_max_tasks: list[int] = []  # what each lease call asked for
         self.lost: set[str] = set()
         self.renewed: set[str] = set()
         self.spec_fetches = 0
@@ -65,6 +68,7 @@ class FakeOrchestrator(OrchestratorLink):
 
     async def lease_tasks(self, worker_id: str, max_tasks: int, wait_ms: int) -> list[RolloutTask]:
         self.lease_calls += 1
+        self.lease_max_tasks.append(max_tasks)
         if self.lease_errors:
             raise self.lease_errors.pop(0)
         try:
@@ -98,14 +102,14 @@ class FakeOrchestrator(OrchestratorLink):
         return list(self.active)
 
 
-def _spec(model: Path) -> JobSpec:
+def _spec(model: Path, prompts_per_step: int = 2, **fields: Any) -> JobSpec:
     return parse_job_spec({
         "name": "link-test", "seed": 3,
         "environment": {"entrypoint": "examples.signaling.env:SignalingGame", "config": {}},
         "agents": [{"name": agent, "model": str(model), "sampling": {"max_new_tokens": 1}}
                    for agent in ("sender", "receiver")],
-        "batch": {"prompts_per_step": 2, "group_size": GROUP_SIZE, "micro_batch_size": GROUP_SIZE},
-        "total_steps": 1,
+        "batch": {"prompts_per_step": prompts_per_step, "group_size": GROUP_SIZE, "micro_batch_size": GROUP_SIZE},
+        "total_steps": 1, **fields,
     })
 
 
@@ -383,6 +387,60 @@ async def test_a_job_checked_against_the_code_the_worker_runs_is_served(served: 
     assert report.succeeded, report.error
     assert loaded_digest("examples.signaling.env") == digest
     await _until(lambda: worker.status().tasks_in_flight == 0, "the task to leave the worker")
+
+
+async def test_auto_leases_as_many_tasks_as_the_served_job_admits_shared_among_the_live_rolloutds(
+    engine_checkpoint: Path, etcd: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--max-tasks auto``: a job admitting (5 + 1) x 4 = 24 tasks gets 24 in flight, 12 while another rolloutd runs.
+
+    The tasks are held before their episodes, so no engine or stored is ever called (the addresses are dead).
+    """
+    monkeypatch.setattr(worker_module, "JOB_DISCOVERY_INTERVAL_S", 0.05)
+    monkeypatch.setattr(worker_module, "LEASE_WAIT_MS", 50)
+    held = asyncio.Event()  # never set: a task holds its slot until the worker stops (the lease loop is the subject)
+
+    async def hold(self: RolloutRunner, task: RolloutTaskInput) -> RolloutResult:
+        await held.wait()
+        raise AssertionError("held tasks never finish")
+
+    monkeypatch.setattr(RolloutRunner, "run", hold)
+    spec = _spec(engine_checkpoint, prompts_per_step=4, pipeline={"max_staleness": 5})
+    link = FakeOrchestrator(spec)
+    settings = WorkerSettings(
+        worker_id="rolloutd-auto", work_dir=tmp_path / "rolloutd", max_tasks=None, engine_backend="embedded",
+        engine_replicas=2, engine_urls=("http://127.0.0.1:9", "http://127.0.0.1:9"), engine_threads=1,
+        orchestrator_address="", store_address="127.0.0.1:9", max_message_bytes=16 << 20,
+    )
+    metrics = CollectorRegistry()
+    registry = Registry(etcd.endpoint, "/auto")
+    await registry.connect()
+    worker = RolloutWorker(settings, registry, RolloutMetrics(metrics), link=link)
+    await worker.start()
+    try:
+        assert (worker.status().max_tasks, _metric(metrics, "flexmarl_rolloutd_max_tasks")) == (8, 8)  # no job yet
+        link.active = [ActiveJob(JOB, spec.digest())]
+        await _until(lambda: worker.status().max_tasks == 24, "the served job to size the limit")
+        status = serde.rollout_status(worker.status())  # what GetRolloutStatus sends
+        assert (status.max_tasks, status.max_tasks_auto, status.live_rolloutds) == (24, True, 1)
+        assert _metric(metrics, "flexmarl_rolloutd_max_tasks") == 24 and worker._max_pending_appends == 12
+
+        peer = ServiceRecord(kind="rolloutd", service_id="rolloutd-peer", address="127.0.0.1:1", metrics_port=-1,
+                             pid=1, started_unix_ms=0)
+        await registry.register(peer, ttl_s=10)
+        await _until(lambda: worker.status().max_tasks == 12, "another live rolloutd to halve the limit")
+        assert worker.status().live_rolloutds == 2 and worker._max_pending_appends == 6
+        for position in range(14):
+            link.to_lease.put_nowait(_task(spec, position))
+        await _until(lambda: worker.status().tasks_in_flight == 12, "12 tasks in flight")
+        assert link.to_lease.qsize() == 2  # 12 in flight: more than the fixed 8 of old
+
+        await registry.deregister("rolloutd", "rolloutd-peer")
+        await _until(lambda: worker.status().tasks_in_flight == 14, "the rest leased once the peer left")
+        assert worker.status().max_tasks == 24 and link.to_lease.empty() and 12 in link.lease_max_tasks
+    finally:
+        await worker.stop()
+        await registry.close()
 
 
 def _flaky_appends(monkeypatch: pytest.MonkeyPatch, errors: list[BaseException]) -> list[int]:

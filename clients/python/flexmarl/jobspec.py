@@ -645,7 +645,8 @@ class JobSpec(_SpecModel):
 
         ``(eta + 1) x prompts_per_step`` (AReaL's rule, eta 0 under a barrier): the most tasks that can be
         in flight at once, and so the ``rolloutd --max-tasks`` the job needs for its eta to take effect (a
-        rolloutd that runs fewer keeps fewer steps of tasks in flight than eta allows).
+        rolloutd that runs fewer keeps fewer steps of tasks in flight than eta allows); ``--max-tasks auto``
+        sums it over the served jobs and shares it among the live rolloutds (``rolloutd/task_limit.py``).
         """
         eta = 0 if self.pipeline.barrier else self.pipeline.max_staleness
         return (eta + 1) * self.batch.prompts_per_step

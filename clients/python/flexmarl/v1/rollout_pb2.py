@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lexmarl/v1/rollout.proto\x12\x0b\x66lexmarl.v1\"\x19\n\x17GetRolloutStatusRequest\"\x9a\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06\x61gents\x18\x03 \x03(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12in_flight_requests\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"O\n\x0eJobPreparation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xc2\x01\n\rRolloutStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.flexmarl.v1.ReplicaStatus\x12\x17\n\x0ftasks_in_flight\x18\x03 \x01(\r\x12\x15\n\repisodes_done\x18\x04 \x01(\x04\x12\x15\n\rreassignments\x18\x05 \x01(\x04\x12)\n\x04jobs\x18\x06 \x03(\x0b\x32\x1b.flexmarl.v1.JobPreparation\"<\n\x0b\x41gentDemand\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"A\n\x15SetAgentDemandRequest\x12(\n\x06\x64\x65mand\x18\x01 \x03(\x0b\x32\x18.flexmarl.v1.AgentDemand\"\x18\n\x16SetAgentDemandResponse2\xba\x01\n\x07Rollout\x12T\n\x10GetRolloutStatus\x12$.flexmarl.v1.GetRolloutStatusRequest\x1a\x1a.flexmarl.v1.RolloutStatus\x12Y\n\x0eSetAgentDemand\x12\".flexmarl.v1.SetAgentDemandRequest\x1a#.flexmarl.v1.SetAgentDemandResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66lexmarl/v1/rollout.proto\x12\x0b\x66lexmarl.v1\"\x19\n\x17GetRolloutStatusRequest\"\x9a\x01\n\rReplicaStatus\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0e\n\x06\x61gents\x18\x03 \x03(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x1a\n\x12outstanding_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12in_flight_requests\x18\x06 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\"O\n\x0eJobPreparation\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x85\x02\n\rRolloutStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.flexmarl.v1.ReplicaStatus\x12\x17\n\x0ftasks_in_flight\x18\x03 \x01(\r\x12\x15\n\repisodes_done\x18\x04 \x01(\x04\x12\x15\n\rreassignments\x18\x05 \x01(\x04\x12)\n\x04jobs\x18\x06 \x03(\x0b\x32\x1b.flexmarl.v1.JobPreparation\x12\x11\n\tmax_tasks\x18\x07 \x01(\r\x12\x16\n\x0emax_tasks_auto\x18\x08 \x01(\x08\x12\x16\n\x0elive_rolloutds\x18\t \x01(\r\"<\n\x0b\x41gentDemand\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05\x61gent\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\"A\n\x15SetAgentDemandRequest\x12(\n\x06\x64\x65mand\x18\x01 \x03(\x0b\x32\x18.flexmarl.v1.AgentDemand\"\x18\n\x16SetAgentDemandResponse2\xba\x01\n\x07Rollout\x12T\n\x10GetRolloutStatus\x12$.flexmarl.v1.GetRolloutStatusRequest\x1a\x1a.flexmarl.v1.RolloutStatus\x12Y\n\x0eSetAgentDemand\x12\".flexmarl.v1.SetAgentDemandRequest\x1a#.flexmarl.v1.SetAgentDemandResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,13 +38,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBPREPARATION']._serialized_start=226
   _globals['_JOBPREPARATION']._serialized_end=305
   _globals['_ROLLOUTSTATUS']._serialized_start=308
-  _globals['_ROLLOUTSTATUS']._serialized_end=502
-  _globals['_AGENTDEMAND']._serialized_start=504
-  _globals['_AGENTDEMAND']._serialized_end=564
-  _globals['_SETAGENTDEMANDREQUEST']._serialized_start=566
-  _globals['_SETAGENTDEMANDREQUEST']._serialized_end=631
-  _globals['_SETAGENTDEMANDRESPONSE']._serialized_start=633
-  _globals['_SETAGENTDEMANDRESPONSE']._serialized_end=657
-  _globals['_ROLLOUT']._serialized_start=660
-  _globals['_ROLLOUT']._serialized_end=846
+  _globals['_ROLLOUTSTATUS']._serialized_end=569
+  _globals['_AGENTDEMAND']._serialized_start=571
+  _globals['_AGENTDEMAND']._serialized_end=631
+  _globals['_SETAGENTDEMANDREQUEST']._serialized_start=633
+  _globals['_SETAGENTDEMANDREQUEST']._serialized_end=698
+  _globals['_SETAGENTDEMANDRESPONSE']._serialized_start=700
+  _globals['_SETAGENTDEMANDRESPONSE']._serialized_end=724
+  _globals['_ROLLOUT']._serialized_start=727
+  _globals['_ROLLOUT']._serialized_end=913
 # @@protoc_insertion_point(module_scope)

@@ -119,10 +119,19 @@ class RolloutStatus(_message.Message):
     EPISODES_DONE_FIELD_NUMBER: _builtins.int
     REASSIGNMENTS_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    MAX_TASKS_FIELD_NUMBER: _builtins.int
+    MAX_TASKS_AUTO_FIELD_NUMBER: _builtins.int
+    LIVE_ROLLOUTDS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     tasks_in_flight: _builtins.int
     episodes_done: _builtins.int
     reassignments: _builtins.int
+    max_tasks: _builtins.int
+    """Rollout tasks leased at most at once now (--max-tasks)."""
+    max_tasks_auto: _builtins.bool
+    """Whether max_tasks is sized from the served jobs' staleness rules (--max-tasks auto)."""
+    live_rolloutds: _builtins.int
+    """The live rolloutds (this one included) that auto shares the jobs' admitted tasks among."""
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaStatus]: ...
     @_builtins.property
@@ -138,10 +147,13 @@ class RolloutStatus(_message.Message):
         episodes_done: _builtins.int = ...,
         reassignments: _builtins.int = ...,
         jobs: _abc.Iterable[Global___JobPreparation] | None = ...,
+        max_tasks: _builtins.int = ...,
+        max_tasks_auto: _builtins.bool = ...,
+        live_rolloutds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes_done", b"episodes_done", "jobs", b"jobs", "reassignments", b"reassignments", "replicas", b"replicas", "tasks_in_flight", b"tasks_in_flight", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["episodes_done", b"episodes_done", "jobs", b"jobs", "live_rolloutds", b"live_rolloutds", "max_tasks", b"max_tasks", "max_tasks_auto", b"max_tasks_auto", "reassignments", b"reassignments", "replicas", b"replicas", "tasks_in_flight", b"tasks_in_flight", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
