@@ -16,7 +16,13 @@ from benchmarks.machine import machine_set
 from benchmarks.reward_versions import JobVersionPoint, VersionPoint
 
 WINDOW = 5  # steps in the moving mean the target is read on
-FLEXMARL_CONFIGS = ("flexmarl", "flexmarl-partial-eta4", "flexmarl-partial-eta8")
+FLEXMARL_CONFIGS = ("flexmarl", "flexmarl-partial-eta4", "flexmarl-partial-eta8")  # each also as "<label>-decoupled"
+
+
+def is_flexmarl(config: str) -> bool:
+    """A FlexMARL configuration (a candidate for "best"), not a baseline: one of FLEXMARL_CONFIGS, or its
+    ``-decoupled`` variant (benchmarks.time_to_reward's ``algorithm.proximal_policy: trainer``)."""
+    return config.removesuffix("-decoupled") in FLEXMARL_CONFIGS
 SPEEDUP_TARGETS = {"sync": 3.0, "sequential": 5.0}  # the best FlexMARL configuration's, on every seed
 FINAL_TOLERANCE = 0.02  # final reward no lower than sync's minus this
 #: the two readings of a run's curve, the speedups' first
@@ -207,7 +213,7 @@ def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
             times = [r.time_to(by) for r in mine if r.config == config]
             return statistics.fmean(times) if times and not any(math.isnan(t) for t in times) else math.inf
 
-        candidates = [c for c in FLEXMARL_CONFIGS if any(r.config == c for r in mine)]
+        candidates = [c for c in dict.fromkeys(r.config for r in mine) if is_flexmarl(c)]
         if not candidates:
             continue
         unread = [f"{r.config} s{r.seed}" for r in mine if by == "version" and not r.version_curve]

@@ -76,6 +76,12 @@ def test_time_to_target_speedups_and_verdicts() -> None:
     assert ">= 3x sooner than sync on every seed: met (3.00x)" in lines[0]
     assert ">= 5x sooner than sequential on every seed: met (6.00x)" in lines[0]
     assert "final >= sync's - 0.02: met (1.000 vs 1.000)" in lines[0]
+    # a decoupled-loss variant is a FlexMARL configuration too, judged beside the others
+    decoupled = run_of("flexmarl-partial-eta8-decoupled", rising, step_wall_s=0.75)
+    rr.set_targets([*runs, decoupled], {"signaling": 0.9})
+    assert rr.verdicts([*runs, decoupled])[0].startswith(
+        "signaling (per training step): best FlexMARL configuration flexmarl-partial-eta8-decoupled")
+    assert not rr.is_flexmarl("sync") and not rr.is_flexmarl("sequential-decoupled")
     table = ttr.table(runs)
     assert "flexmarl-partial-eta8" in table and "3.00x" in table
     assert rr.verdicts(runs, "version") == [
