@@ -16,13 +16,14 @@ from benchmarks.machine import machine_set
 from benchmarks.reward_versions import JobVersionPoint, VersionPoint
 
 WINDOW = 5  # steps in the moving mean the target is read on
-FLEXMARL_CONFIGS = ("flexmarl", "flexmarl-partial-eta4", "flexmarl-partial-eta8")  # each also as "<label>-decoupled"
 
 
 def is_flexmarl(config: str) -> bool:
-    """A FlexMARL configuration (a candidate for "best"), not a baseline: one of FLEXMARL_CONFIGS, or its
-    ``-decoupled`` variant (benchmarks.time_to_reward's ``algorithm.proximal_policy: trainer``)."""
-    return config.removesuffix("-decoupled") in FLEXMARL_CONFIGS
+    """A FlexMARL configuration (a candidate for "best"), not a baseline: ``flexmarl``, any
+    ``flexmarl-partial-eta<N>``, and each one's ``-decoupled`` variant (benchmarks.time_to_reward's
+    ``algorithm.proximal_policy: trainer``)."""
+    base = config.removesuffix("-decoupled")
+    return base == "flexmarl" or (base.startswith("flexmarl-partial-eta") and base[20:].isdigit())
 SPEEDUP_TARGETS = {"sync": 3.0, "sequential": 5.0}  # the best FlexMARL configuration's, on every seed
 FINAL_TOLERANCE = 0.02  # final reward no lower than sync's minus this
 #: the two readings of a run's curve, the speedups' first

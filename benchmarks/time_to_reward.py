@@ -131,16 +131,22 @@ RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
     "flexmarl-partial-eta4": ("flexmarl-partial", 4),
     "flexmarl-partial-eta8": ("flexmarl-partial", 8),
 }
+#: More staleness settings of flexmarl-partial (choices, not in the default matrix).
+EXTRA_CONFIGS: dict[str, tuple[str, int | None]] = {
+    "flexmarl-partial-eta2": ("flexmarl-partial", 2),
+    "flexmarl-partial-eta6": ("flexmarl-partial", 6),
+}
 #: ``<label>-decoupled``: the configuration with ``algorithm.proximal_policy: trainer`` (decoupled PPO,
 #: docs/training.md "Off-policy correction"); the labels above keep the job's default, ``behaviour``.
 DECOUPLED = "-decoupled"
-ALL_CONFIGS = [*RUN_CONFIGS, *(f"{label}{DECOUPLED}" for label in RUN_CONFIGS if RUN_CONFIGS[label][1])]
+_LABELS = {**RUN_CONFIGS, **EXTRA_CONFIGS}
+ALL_CONFIGS = [*_LABELS, *(f"{label}{DECOUPLED}" for label, (_, eta) in _LABELS.items() if eta)]
 
 
 def run_config(label: str) -> tuple[str, int | None, str]:
     """(benchmarks.run.CONFIGS name, max_staleness or None, algorithm.proximal_policy) of a label."""
     base = label.removesuffix(DECOUPLED)
-    name, eta = RUN_CONFIGS[base]
+    name, eta = _LABELS[base]
     return name, eta, "trainer" if base != label else "behaviour"
 #: The long-tail agents' learning rate (--long-tail-lr). benchmarks.run's 1e-4 (a step-time benchmark) barely
 #: moves this reward: sync seed 0 went 0.47 -> 0.56 in 30 steps, noise-sized, so "time to target" would time the

@@ -82,6 +82,7 @@ def test_time_to_target_speedups_and_verdicts() -> None:
     assert rr.verdicts([*runs, decoupled])[0].startswith(
         "signaling (per training step): best FlexMARL configuration flexmarl-partial-eta8-decoupled")
     assert not rr.is_flexmarl("sync") and not rr.is_flexmarl("sequential-decoupled")
+    assert rr.is_flexmarl("flexmarl-partial-eta6-decoupled") and not rr.is_flexmarl("flexmarl-partial-etax")
     table = ttr.table(runs)
     assert "flexmarl-partial-eta8" in table and "3.00x" in table
     assert rr.verdicts(runs, "version") == [
@@ -239,6 +240,7 @@ def test_the_long_tail_job_takes_its_own_learning_rate(tmp_path: Path) -> None:
 
 def test_a_decoupled_label_sets_the_proximal_policy_and_nothing_else(tmp_path: Path) -> None:
     assert "flexmarl-partial-eta4-decoupled" in ttr.ALL_CONFIGS and "sync-decoupled" not in ttr.ALL_CONFIGS
+    assert ttr.run_config("flexmarl-partial-eta6-decoupled") == ("flexmarl-partial", 6, "trainer")
     plain = ttr.long_tail_job("flexmarl-partial-eta4", 0, 3, 128.0, tmp_path)
     decoupled = ttr.long_tail_job("flexmarl-partial-eta4-decoupled", 0, 3, 128.0, tmp_path)
     assert plain["algorithm"]["proximal_policy"] == "behaviour"
