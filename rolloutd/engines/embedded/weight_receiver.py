@@ -12,12 +12,20 @@ Mirrors SGLang 0.5.23, never kinder:
   one uint8 buffer holding them all back to back, sglang/srt/weight_sync/tensor_bucket.py);
   ``load_weights_from_distributed`` loads them into the model at once (a failure leaves the
   model partially updated, and says so); ``destroy_weights_update_group``.
-* The received tensors live in a buffer the replica keeps between calls
-  (:class:`ReceiveBuffer`), never in the served parameters: what SGLang's ``torch.empty`` gets
-  on a GPU from PyTorch's caching allocator, which hands the freed block of the previous call
-  back. On the CPU every ``torch.empty`` of a bucket maps fresh pages and faults each one in
-  while the broadcast fills it (measured: a third of the bare broadcast's time); the buffer is
-  not the weights, so a failed receive still leaves the served weights whole.
+* The received tensors live in memory the replica keeps between calls, never in the served
+  parameters: what SGLang's ``torch.empty`` gets on a GPU from PyTorch's caching allocator,
+  which hands the freed block of the previous call back. On the CPU every ``torch.empty`` of a
+  bucket maps fresh pages and faults each one in while the broadcast fills it (measured: a third
+  of the bare broadcast's time). A tensor that names a parameter of its shape is received into
+  that parameter's spare (:class:`ParameterSpares`; one of another dtype, a bf16 wire into fp32
+  weights, is cast into the spare as soon as it arrived, while the later tensors are still on the
+  wire), and the load swaps the spare in where SGLang's weight loader copies
+  (weight_utils.py ``default_weight_loader``: ``param.data.copy_``). The values served after the
+  load are the same, and so is every answer; what differs is only the cost: on a GPU that copy
+  runs at device-memory bandwidth beside a link 50x slower, on the CPU it costs as much as the
+  receive. Anything else (an unknown name, another shape, a parameter named twice in one call)
+  is received into a buffer (:class:`ReceiveBuffer`) and copied by the load, as before. Neither
+  the spares nor the buffer are the served weights, so a failed receive leaves them whole.
 * sglang/srt/managers/scheduler_components/weight_updater.py: an update runs only inside a
   ``begin_weight_update`` / ``end_weight_update`` session; its answers and messages.
 
@@ -29,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +90,73 @@ class ReceiveBuffer:
         self._bytes = None
 
 
+class ParameterSpares:
+    """A spare of each parameter of the served model, received into and swapped in by the load (module doc).
+
+    A spare has its parameter's dtype and shape and is never served. The load swaps it with the
+    parameter's data, so the memory the previous version was served from is the next spare: one
+    extra copy of the received parameters is held while the replica is in a group (the receive
+    buffer held one bucket). Dropped with the receive buffer, and when the served model is
+    another object (a disk reload loads a new one).
+    """
+
+    def __init__(self) -> None:
+        self._model: weakref.ReferenceType[torch.nn.Module] | None = None
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._spares: dict[int, torch.Tensor] = {}  # id(parameter) -> its spare
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return sum(spare.numel() * spare.element_size() for spare in self._spares.values())
+
+    def bind(self, model: torch.nn.Module) -> None:
+        """Serve ``model``'s parameters (a model other than the last one drops the spares)."""
+        if self._model is not None and self._model() is model:
+            return
+        self.drop()
+        named = dict(model.named_parameters(remove_duplicate=False))
+        owners: dict[int, set[int]] = {}
+        for param in named.values():
+            owners.setdefault(param.untyped_storage().data_ptr(), set()).add(id(param))
+        # A parameter whose memory another parameter object shares (a tie made by sharing storage
+        # rather than the object) is loaded by copy: swapping one would untie them.
+        self._params = {name: param for name, param in named.items()
+                        if len(owners[param.untyped_storage().data_ptr()]) == 1}
+        self._model = weakref.ref(model)
+
+    def claim(self, name: str, shape: torch.Size, claimed: set[int]) -> torch.Tensor | None:
+        """The spare of the parameter ``name`` when it has ``shape`` and no earlier tensor of the call claimed it."""
+        param = self._params.get(name)
+        if param is None or param.shape != shape or id(param) in claimed:
+            return None
+        claimed.add(id(param))
+        spare = self._spares.get(id(param))
+        if spare is None:
+            spare = self._spares[id(param)] = torch.empty_like(param.data, memory_format=torch.contiguous_format)
+        return spare
+
+    def swap_in(self, name: str) -> None:
+        """The parameter serves its spare's values; its previous memory becomes the spare."""
+        param = self._params[name]
+        spare = self._spares[id(param)]
+        self._spares[id(param)] = param.data
+        param.data = spare
+
+    def drop(self) -> None:
+        """Release the spares (a receive may still be writing into one)."""
+        self._model, self._params, self._spares = None, {}, {}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceivedTensor:
+    """One received tensor: into its parameter's spare (the load swaps it in), or elsewhere (the load copies it)."""
+
+    name: str
+    tensor: torch.Tensor
+    in_spare: bool = False
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateOutcome:
     """What an update did: SGLang's ``(success, message)``, and whether any weight changed."""
@@ -98,10 +174,13 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Copy each tensor into the model's parameter of that name (cast to its dtype), in order.
+def load_named_tensors(model: torch.nn.Module, named: Sequence[ReceivedTensor],
+                       spares: ParameterSpares | None = None) -> None:
+    """Load each tensor into the model's parameter of that name, in order (SGLang's ``load_weights``).
 
-    Names are the Hugging Face state-dict names; a tied ``lm_head.weight`` is the embedding.
+    One received into its spare is swapped in (``spares``); any other is copied (cast to the
+    parameter's dtype). Names are the Hugging Face state-dict names; a tied ``lm_head.weight`` is
+    the embedding. A failure leaves the tensors before it loaded, as SGLang's loader does.
 
     Raises:
         KeyError: A name the model does not have.
@@ -109,7 +188,11 @@ def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
-        for name, tensor in named:
+        for received in named:
+            name, tensor = received.name, received.tensor
+            if received.in_spare and spares is not None:
+                spares.swap_in(name)
+                continue
             if name not in params:
                 raise KeyError(f"no parameter named {name!r}")
             param = params[name]
@@ -118,23 +201,42 @@ def load_named_tensors(model: torch.nn.Module, named: Sequence[tuple[str, torch.
             param.data.copy_(tensor)
 
 
-def receive_layout(
-    update: DistributedUpdate,
-) -> tuple[list[tuple[str, torch.dtype, torch.Size, int]], int, Exception | None]:
-    """Where each tensor of a per-tensor receive lies in the receive buffer, and the bytes it needs.
+@dataclasses.dataclass(frozen=True)
+class ReceiveSlot:
+    """Where one tensor of a per-tensor receive lands."""
 
-    Returns ``(name, dtype, shape, byte offset)`` per tensor (each at a multiple of 64 bytes), the
-    total, and what ``torch.empty`` refused (an unknown dtype, a negative dimension) with the
-    tensors before it, the ones SGLang's loop had posted a broadcast for when it raised.
+    name: str
+    dtype: torch.dtype
+    size: torch.Size
+    #: Byte offset in the receive buffer (a multiple of 64); None: received straight into ``spare``.
+    offset: int | None
+    #: The parameter's spare the tensor ends in (received into it, or cast into it on arrival); None: the buffer.
+    spare: torch.Tensor | None = None
+
+
+def receive_layout(
+    update: DistributedUpdate, spare_of: Callable[[str, torch.Size], torch.Tensor | None] = lambda name, size: None,
+) -> tuple[list[ReceiveSlot], int, Exception | None]:
+    """Where each tensor of a per-tensor receive lands, and the receive buffer bytes they need.
+
+    ``spare_of(name, shape)`` (asked once per tensor, in order) names the parameter spare a tensor
+    ends in: one of the spare's dtype is received into it and needs no buffer bytes; any other
+    gets its own bytes in the buffer. Returns the slots, the buffer bytes, and what
+    ``torch.empty`` refused (an unknown dtype, a negative dimension) with the tensors before it,
+    the ones SGLang's loop had posted a broadcast for when it raised.
     """
-    layout: list[tuple[str, torch.dtype, torch.Size, int]] = []
+    layout: list[ReceiveSlot] = []
     nbytes = 0
     for name, dtype_name, shape in zip(update.names, update.dtypes, update.shapes, strict=False):
         try:  # torch.empty's checks, without its memory
             meta = torch.empty(shape, dtype=_torch_dtype(dtype_name), device="meta")
         except Exception as exc:
             return layout, nbytes, exc
-        layout.append((name, meta.dtype, meta.shape, nbytes))
+        spare = spare_of(name, meta.shape)
+        if spare is not None and spare.dtype == meta.dtype:
+            layout.append(ReceiveSlot(name, meta.dtype, meta.shape, None, spare))
+            continue
+        layout.append(ReceiveSlot(name, meta.dtype, meta.shape, nbytes, spare))
         nbytes += -(-meta.numel() * meta.element_size() // _ALIGN_BYTES) * _ALIGN_BYTES
     return layout, nbytes, None
 
@@ -148,6 +250,7 @@ class WeightUpdateGroups:
         self._session_open = False
         self._session_loaded = False
         self.receive_buffer = ReceiveBuffer()
+        self.spares = ParameterSpares()
 
     @property
     def group_names(self) -> list[str]:
@@ -203,6 +306,7 @@ class WeightUpdateGroups:
         finally:
             if not self._groups:
                 self.receive_buffer.drop()
+                self.spares.drop()
         return True, DESTROY_OK
 
     def close(self) -> None:
@@ -224,7 +328,7 @@ class WeightUpdateGroups:
         self._session_open = False
         return True, "Success"
 
-    def receive(self, update: DistributedUpdate, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    def receive(self, update: DistributedUpdate, model: torch.nn.Module) -> list[ReceivedTensor]:
         """Receive the update's tensors by broadcast from rank 0 (blocks; raises on any failure)."""
         if update.group_name not in self._groups:
             raise AssertionError(
@@ -232,36 +336,50 @@ class WeightUpdateGroups:
                 "Please call `init_weights_update_group` first."
             )
         group = self._groups[update.group_name]
+        device = next(model.parameters()).device
         try:
             if update.load_format == "flattened_bucket":
-                return self._receive_flattened(update, device, group)
-            return self._receive_tensors(update, device, group)
+                return [ReceivedTensor(name, tensor) for name, tensor in self._receive_flattened(update, device, group)]
+            return self._receive_tensors(update, model, device, group)
         except BaseException:
-            self.receive_buffer.drop()  # a receive may still be in flight into it
+            self.receive_buffer.drop()  # a receive may still be in flight into it, or into a spare
+            self.spares.drop()
             raise
 
     def _receive_tensors(
-        self, update: DistributedUpdate, device: torch.device, group: Any
-    ) -> list[tuple[str, torch.Tensor]]:
-        """SGLang's per-tensor receive: ``torch.empty`` + an asynchronous broadcast each, then wait for all.
+        self, update: DistributedUpdate, model: torch.nn.Module, device: torch.device, group: Any
+    ) -> list[ReceivedTensor]:
+        """SGLang's per-tensor receive: an asynchronous broadcast per tensor, then wait for all.
 
-        A dtype or shape ``torch.empty`` refuses raises after the broadcasts of the tensors before it
-        were posted, as in SGLang's loop.
+        Each lands in its parameter's spare or in the buffer (module doc); one cast into a spare
+        is cast as soon as its broadcast completed, while the later ones are still on the wire. A
+        dtype or shape ``torch.empty`` refuses raises after the broadcasts of the tensors before
+        it were posted, as in SGLang's loop.
         """
-        layout, nbytes, refused = receive_layout(update)
+        self.spares.bind(model)
+        claimed: set[int] = set()
+        layout, nbytes, refused = receive_layout(update, lambda name, size: self.spares.claim(name, size, claimed))
         flat = self.receive_buffer.take(nbytes, device)
-        weights: list[tuple[str, torch.Tensor]] = []
-        handles = []
-        for name, dtype, size, start in layout:
-            weight = flat[start : start + size.numel() * dtype.itemsize].view(dtype).reshape(size)
-            handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
-            weights.append((name, weight))
+        posted = []
+        for slot in layout:
+            if slot.offset is None:
+                assert slot.spare is not None  # keep: receive_layout places only spares so
+                wire = slot.spare
+            else:
+                wire = flat[slot.offset : slot.offset + slot.size.numel() * slot.dtype.itemsize]
+                wire = wire.view(slot.dtype).reshape(slot.size)
+            posted.append((slot, wire, dist.broadcast(wire, src=0, group=group, async_op=True)))
         if refused is not None:
             raise refused
-        for handle in handles:
+        received = []
+        for slot, wire, handle in posted:
             if handle is not None:
                 handle.wait()
-        return weights
+            if slot.spare is not None and wire is not slot.spare:
+                slot.spare.copy_(wire)  # the load's cast, into memory that is not served
+            received.append(ReceivedTensor(slot.name, wire if slot.spare is None else slot.spare,
+                                           in_spare=slot.spare is not None))
+        return received
 
     def _receive_flattened(
         self, update: DistributedUpdate, device: torch.device, group: Any
@@ -288,15 +406,14 @@ class WeightUpdateGroups:
         """Receive and load one update inside the session (scheduler ``update_weights_from_distributed``)."""
         if not self._session_open:
             return UpdateOutcome(False, NO_SESSION, weights_changed=False)
-        device = next(model.parameters()).device
         try:
-            weights = self.receive(update, device)
+            weights = self.receive(update, model)
         except Exception as exc:  # a broken or missing group, a bad dtype: SGLang's answer for all
             message = f"Failed to receive weights: {exc}"
             logger.error(message)
             return UpdateOutcome(False, message, weights_changed=False)
         try:
-            load_named_tensors(model, weights)
+            load_named_tensors(model, weights, self.spares)
         except Exception as exc:
             message = (
                 f"Failed to update parameter online: {exc}. The full weights of the ModelRunner are "
@@ -313,7 +430,10 @@ __all__ = [
     "DESTROY_OK",
     "INIT_OK",
     "NO_SESSION",
+    "ParameterSpares",
     "ReceiveBuffer",
+    "ReceiveSlot",
+    "ReceivedTensor",
     "SESSION_MISSING",
     "SESSION_OPEN",
     "UPDATE_OK",
