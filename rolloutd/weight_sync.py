@@ -15,7 +15,9 @@ decodes on them during the update. Per version:
    one (``/init_weights_update_group`` at the plan's rank offset for this rolloutd and on) while
    rank 0 connects; not in the plan (posted too late, or not a peer of the version): the
    replicas load the durable copy.
-2. Replay the plan: ``/begin_weight_update`` on each, per bucket one
+2. Replay the plan: ``/begin_weight_update`` on each (while rank 0 plans when the members are
+   those of the open epoch, which rank 0 then likely keeps; any other plan ends those sessions
+   before the members leave the epoch), per bucket one
    ``/update_weights_from_distributed`` on each concurrently with rank 0's broadcast (the
    version's ``weight_version`` on the last bucket only), ``/end_weight_update``.
 3. Verify: each replica's ``/model_info`` names the version.
@@ -97,8 +99,9 @@ class SyncOutcome:
     failed: Mapping[str, str] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     #: Seconds per phase, in order (:data:`SYNC_PHASES`; those reached): ``plan`` (post the members,
-    #: rank 0's plan, joining a new epoch), ``begin`` (``/begin_weight_update``), ``transfer`` (every
-    #: bucket's ``/update_weights_from_distributed``: the broadcast received and loaded on every member),
+    #: rank 0's plan, joining a new epoch; a kept epoch's ``/begin_weight_update`` is sent meanwhile),
+    #: ``begin`` (``/begin_weight_update``, what is left of it after the plan), ``transfer`` (every bucket's
+    #: ``/update_weights_from_distributed``: the broadcast received and loaded on every member),
     #: ``end`` (``/end_weight_update``), ``verify`` (``/model_info`` names the version).
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
@@ -149,6 +152,9 @@ class AgentWeightGroup:
         self.owner = owner
         self._open_store = open_store_fn
         self._epoch: _Epoch | None = None
+        #: The client of rank 0's store the last version was agreed on, kept for the next one (a
+        #: connection fewer on the way to the plan): (host, port) -> client.
+        self._store: tuple[tuple[str, int], Any] | None = None
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -184,32 +190,30 @@ class AgentWeightGroup:
         current = self._epoch if self._epoch is not None and self._epoch.endpoint == endpoint else None
         plan: GroupPlan | None = None
         problem = ""
+        sessions: asyncio.Future[dict[str, str]] | None = None
         if self.owner in record.peers:  # else it began watching after the announcement: rank 0 does not wait for it
+            exchange = asyncio.to_thread(self._exchange, record, version, MemberPost(
+                current.epoch if current is not None else 0, ids))
+            if members and current is not None and current.members == ids:
+                # Rank 0 is likely to keep the epoch: the sessions open while it plans (on the group
+                # the members are in; vLLM opens one only on a joined group, and leaves none while open).
+                sessions = asyncio.ensure_future(self._begin(members, record))
             try:
-                plan = await asyncio.to_thread(self._exchange, record, version, MemberPost(
-                    current.epoch if current is not None else 0, ids))
+                plan = await exchange
             except Exception as exc:  # rank 0 gone (connection refused, store timeout), a garbled plan
                 problem = f"no group plan from rank 0: {exc}"
         offset = plan.rank_offsets.get(self.owner) if plan is not None else None
         keeps = (plan is not None and plan.kind == "keep" and offset is not None and current is not None
                  and current.epoch == plan.epoch and current.members == ids)
         if not keeps:  # any other outcome ends this rolloutd's epoch (another rank 0's included)
+            await _end_sessions(sessions, members)  # before the members leave it
+            sessions = None
             await self.leave(clients)
-        if problem:
-            return outcome("lost", failed={"rank0": problem})
-        if self.owner not in record.peers:
-            return outcome("lost")
-        if plan is None:
-            log.info("v%d over %s: no replica serves the agent here; skipped", version, record.base_name)
-            return outcome("skip")
-        if plan.kind == "skip" or offset is None:
-            log.warning("v%d over %s: not in rank 0's group (%s); the replicas load the durable copy", version,
-                        record.base_name, plan.kind)
-            return outcome("lost")
+        unused = self._not_received(version, record, plan, problem, keeps, ids)
+        if unused is not None:
+            return outcome(*unused)
+        assert plan is not None and offset is not None  # keep: _not_received answers every other case
         group_name = record.group_name(plan.epoch)
-        if plan.kind == "keep" and not keeps:  # rank 0 keeps only what we posted: a plan we cannot follow
-            return outcome("lost", failed={rid: f"rank 0 keeps epoch {plan.epoch}, which these replicas are not in"
-                                           for rid in ids})
         if plan.kind == "open":
             failed = await self._join(record, plan, offset, group_name, members)
             if failed:
@@ -217,7 +221,8 @@ class AgentWeightGroup:
                 return outcome("open", failed=failed)
             self._epoch = _Epoch(endpoint, plan.epoch, group_name, ids)
         clock.mark("plan")
-        failed = await self._replay(version, record, group_name, members, flush_cache, clock)
+        failed = await self._replay(version, record, group_name, members, flush_cache, clock,
+                                    sessions if sessions is not None else self._begin(members, record))
         if failed:
             await self._close(group_name, members)
         served = tuple(rid for rid in ids if rid not in failed)
@@ -226,11 +231,49 @@ class AgentWeightGroup:
                  time.monotonic() - started_s, " ".join(f"{k} {v:.2f}" for k, v in clock.phases.items()))
         return outcome(plan.kind, served, failed)
 
+    def _not_received(self, version: int, record: WeightGroupRecord, plan: GroupPlan | None, problem: str,
+                      keeps: bool, ids: tuple[str, ...]) -> tuple[str, tuple[str, ...], dict[str, str]] | None:
+        """The outcome of a version this rolloutd's replicas do not receive by broadcast (None: they do)."""
+        if problem:
+            return "lost", (), {"rank0": problem}
+        if self.owner not in record.peers:
+            return "lost", (), {}
+        if plan is None:
+            log.info("v%d over %s: no replica serves the agent here; skipped", version, record.base_name)
+            return "skip", (), {}
+        if plan.kind == "skip" or self.owner not in plan.rank_offsets:
+            log.warning("v%d over %s: not in rank 0's group (%s); the replicas load the durable copy", version,
+                        record.base_name, plan.kind)
+            return "lost", (), {}
+        if plan.kind == "keep" and not keeps:  # rank 0 keeps only what we posted: a plan we cannot follow
+            return "lost", (), {rid: f"rank 0 keeps epoch {plan.epoch}, which these replicas are not in" for rid in ids}
+        return None
+
+    async def _begin(self, members: Sequence[tuple[str, GroupMember]], record: WeightGroupRecord) -> dict[str, str]:
+        """Opens every member's update session; the failed ones."""
+        return _text(await _bounded({rid: c.begin_weight_update() for rid, c in members},
+                                    record.timeout_s + ANSWER_SLACK_S, "begin_weight_update"))
+
     def _exchange(self, record: WeightGroupRecord, version: int, post: MemberPost) -> GroupPlan | None:
-        """Posts this rolloutd's members and waits for rank 0's plan (blocking); None when it has none to join."""
-        # A rank 0 that cannot be reached is gone: do not hold the drained replicas for its whole timeout.
-        store = self._open_store(record.master_address, record.master_port, min(record.timeout_s, STORE_CONNECT_S))
-        store.set(member_key(version, self.owner), post.encode())
+        """Posts this rolloutd's members and waits for rank 0's plan (blocking); None when it has none to join.
+
+        The store client of the previous version is reused when rank 0 is the same; a kept client
+        whose connection broke (rank 0 restarted on the same port) is replaced once.
+        """
+        endpoint = (record.master_address, record.master_port)
+        kept = self._store[1] if self._store is not None and self._store[0] == endpoint else None
+        self._store = None
+        store = kept
+        try:
+            if store is None:
+                raise ConnectionError("no client kept")
+            store.set(member_key(version, self.owner), post.encode())
+        except Exception:
+            # A rank 0 that cannot be reached is gone: do not hold the drained replicas for its whole timeout.
+            store = self._open_store(record.master_address, record.master_port,
+                                     min(record.timeout_s, STORE_CONNECT_S))
+            store.set(member_key(version, self.owner), post.encode())
+        self._store = (endpoint, store)
         if not post.members:
             return None
         # Rank 0 may wait its whole timeout for the other peers before it plans.
@@ -247,11 +290,13 @@ class AgentWeightGroup:
 
     async def _replay(self, version: int, record: WeightGroupRecord, group_name: str,
                       members: Sequence[tuple[str, GroupMember]], flush_cache: bool,
-                      clock: _PhaseClock) -> dict[str, str]:
-        """Begin, the plan's buckets, end and verify on every member; the failed ones (a failure stops all)."""
+                      clock: _PhaseClock, sessions: Awaitable[dict[str, str]]) -> dict[str, str]:
+        """The plan's buckets, end and verify on every member; the failed ones (a failure stops all).
+
+        ``sessions``: the members' begin, opened while rank 0 planned (its failures).
+        """
         bound_s = record.timeout_s + ANSWER_SLACK_S
-        failed = _text(await _bounded({rid: c.begin_weight_update() for rid, c in members}, bound_s,
-                                      "begin_weight_update"))
+        failed = await sessions
         clock.mark("begin")
         if failed:
             return failed
@@ -273,6 +318,7 @@ class AgentWeightGroup:
         failed = _text(await _bounded({rid: c.end_weight_update() for rid, c in members}, bound_s,
                                       "end_weight_update"))
         clock.mark("end")
+        # After the end: vLLM tags the version when its session finishes.
         infos = await answers_by_name({rid: c.model_info() for rid, c in members if rid not in failed}, bound_s,
                                       "model_info")
         clock.mark("verify")
@@ -290,6 +336,16 @@ class AgentWeightGroup:
         calls = {rid: c.destroy_weights_update_group(group_name) for rid, c in members}
         for rid, exc in (await _bounded(calls, 10.0, "destroy_weights_update_group")).items():
             log.info("replica %s leaving broken %s: %s", rid, group_name, exc)
+
+
+async def _end_sessions(sessions: asyncio.Future[dict[str, str]] | None,
+                        members: Sequence[tuple[str, GroupMember]]) -> None:
+    """Ends the sessions opened for a version the members do not receive (once their begin answered)."""
+    if sessions is None:
+        return
+    failed = await sessions
+    calls = {rid: c.end_weight_update() for rid, c in members if rid not in failed}
+    await _bounded(calls, 10.0, "end_weight_update")
 
 
 async def _bounded(calls: Mapping[str, Awaitable[Any]], timeout_s: float, what: str) -> dict[str, BaseException]:

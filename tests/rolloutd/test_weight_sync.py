@@ -102,6 +102,41 @@ async def test_rank0_goes_on_when_no_replica_serves_the_agent_or_rolloutd_is_sil
         broadcast.close()
 
 
+class _PostStore:
+    """Rank 0's store as a peer's client sees it, until it is broken (rank 0 restarted on the same port)."""
+
+    def __init__(self) -> None:
+        self.posts: dict[str, bytes] = {}
+        self.broken = False
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.broken:
+            raise RuntimeError("Broken pipe (test)")
+        self.posts[key] = value
+
+
+async def test_a_peer_keeps_its_store_client_across_versions_and_replaces_a_broken_one() -> None:
+    opened: list[tuple[int, _PostStore]] = []
+
+    def open_store(host: str, port: int, timeout_s: float) -> _PostStore:
+        opened.append((port, _PostStore()))
+        return opened[-1][1]
+
+    group = AgentWeightGroup("rolloutd-1", open_store_fn=open_store)
+    record = WeightGroupRecord("127.0.0.1", 41000, "flexmarl-weights-j-a", 0, "gloo", 5.0,
+                               ((WeightTensor("w", "float32", (1,)),),), peers=("rolloutd-1",))
+    for version in (1, 2):  # no replica here: the post is the whole exchange
+        assert (await group.receive(version, record, [], {})).answer == "skip"
+    assert len(opened) == 1 and set(opened[0][1].posts) == {"flexmarl/weights/v1/members/rolloutd-1",
+                                                            "flexmarl/weights/v2/members/rolloutd-1"}
+    opened[0][1].broken = True
+    assert (await group.receive(3, record, [], {})).answer == "skip"
+    assert len(opened) == 2 and list(opened[1][1].posts) == ["flexmarl/weights/v3/members/rolloutd-1"]
+    other = dataclasses.replace(record, master_port=41001)  # another rank 0: another client
+    assert (await group.receive(4, other, [], {})).answer == "skip"
+    assert [port for port, _ in opened] == [41000, 41000, 41001]
+
+
 class _BrokenStore:
     """A rendezvous store whose every call fails as a closed TCPStore's does."""
 
