@@ -205,8 +205,11 @@ def test_spares_follow_the_served_model_and_never_untie_a_shared_storage() -> No
     assert spares.claim("missing", torch.Size((3,)), set()) is None
     spares.bind(model)
     assert spares.nbytes == 3 * 2 * 4  # the same model keeps its spares
-    spares.bind(torch.nn.Linear(2, 3))
-    assert spares.nbytes == 0  # a new model (a disk reload): the old spares go
+    reloaded = torch.nn.Linear(2, 3)  # a disk reload: a new model of the same shapes receives into the same memory
+    spares.bind(reloaded)
+    assert spares.claim("weight", torch.Size((3, 2)), set()) is spare
+    spares.bind(torch.nn.Linear(2, 4))
+    assert spares.nbytes == 0  # another shape: the spare goes
     shared = torch.nn.Linear(2, 2)
     shared.bias = torch.nn.Parameter(shared.weight.data[1])  # a second parameter object on the same memory
     spares.bind(shared)

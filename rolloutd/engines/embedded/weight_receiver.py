@@ -96,14 +96,16 @@ class ParameterSpares:
     A spare has its parameter's dtype and shape and is never served. The load swaps it with the
     parameter's data, so the memory the previous version was served from is the next spare: one
     extra copy of the received parameters is held while the replica is in a group (the receive
-    buffer held one bucket). Dropped with the receive buffer, and when the served model is
-    another object (a disk reload loads a new one).
+    buffer held one bucket). A spare is known by its parameter's first name, so a model loaded
+    from disk in between (a new object of the same architecture) receives into the same memory,
+    as a GPU's caching allocator would hand it back; dropped with the receive buffer.
     """
 
     def __init__(self) -> None:
         self._model: weakref.ReferenceType[torch.nn.Module] | None = None
-        self._params: dict[str, torch.nn.Parameter] = {}
-        self._spares: dict[int, torch.Tensor] = {}  # id(parameter) -> its spare
+        self._keys: dict[str, str] = {}  # every name of a swappable parameter -> its first name
+        self._params: dict[str, torch.nn.Parameter] = {}  # first name -> parameter
+        self._spares: dict[str, torch.Tensor] = {}  # first name -> spare
 
     @property
     def nbytes(self) -> int:
@@ -111,41 +113,50 @@ class ParameterSpares:
         return sum(spare.numel() * spare.element_size() for spare in self._spares.values())
 
     def bind(self, model: torch.nn.Module) -> None:
-        """Serve ``model``'s parameters (a model other than the last one drops the spares)."""
+        """Serve ``model``'s parameters (another model keeps only the spares that fit its parameters)."""
         if self._model is not None and self._model() is model:
             return
-        self.drop()
         named = dict(model.named_parameters(remove_duplicate=False))
         owners: dict[int, set[int]] = {}
         for param in named.values():
             owners.setdefault(param.untyped_storage().data_ptr(), set()).add(id(param))
-        # A parameter whose memory another parameter object shares (a tie made by sharing storage
-        # rather than the object) is loaded by copy: swapping one would untie them.
-        self._params = {name: param for name, param in named.items()
-                        if len(owners[param.untyped_storage().data_ptr()]) == 1}
+        first: dict[int, str] = {}
+        self._keys, self._params = {}, {}
+        for name, param in named.items():
+            # A parameter whose memory another parameter object shares (a tie made by sharing
+            # storage rather than the object) is loaded by copy: swapping one would untie them.
+            if len(owners[param.untyped_storage().data_ptr()]) == 1:
+                key = first.setdefault(id(param), name)
+                self._keys[name], self._params[key] = key, param
+        self._spares = {key: spare for key, spare in self._spares.items() if key in self._params
+                        and _same_layout(spare, self._params[key].data)}
         self._model = weakref.ref(model)
 
-    def claim(self, name: str, shape: torch.Size, claimed: set[int]) -> torch.Tensor | None:
+    def claim(self, name: str, shape: torch.Size, claimed: set[str]) -> torch.Tensor | None:
         """The spare of the parameter ``name`` when it has ``shape`` and no earlier tensor of the call claimed it."""
-        param = self._params.get(name)
-        if param is None or param.shape != shape or id(param) in claimed:
+        key = self._keys.get(name)
+        if key is None or self._params[key].shape != shape or key in claimed:
             return None
-        claimed.add(id(param))
-        spare = self._spares.get(id(param))
+        claimed.add(key)
+        spare = self._spares.get(key)
         if spare is None:
-            spare = self._spares[id(param)] = torch.empty_like(param.data, memory_format=torch.contiguous_format)
+            spare = self._spares[key] = torch.empty_like(self._params[key].data, memory_format=torch.contiguous_format)
         return spare
 
     def swap_in(self, name: str) -> None:
         """The parameter serves its spare's values; its previous memory becomes the spare."""
-        param = self._params[name]
-        spare = self._spares[id(param)]
-        self._spares[id(param)] = param.data
-        param.data = spare
+        key = self._keys[name]
+        param = self._params[key]
+        self._spares[key], param.data = param.data, self._spares[key]
 
     def drop(self) -> None:
         """Release the spares (a receive may still be writing into one)."""
-        self._model, self._params, self._spares = None, {}, {}
+        self._model, self._keys, self._params, self._spares = None, {}, {}, {}
+
+
+def _same_layout(spare: torch.Tensor, param: torch.Tensor) -> bool:
+    return (spare.shape == param.shape and spare.dtype == param.dtype and spare.device == param.device
+            and spare.stride() == param.stride())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +368,7 @@ class WeightUpdateGroups:
         it were posted, as in SGLang's loop.
         """
         self.spares.bind(model)
-        claimed: set[int] = set()
+        claimed: set[str] = set()
         layout, nbytes, refused = receive_layout(update, lambda name, size: self.spares.claim(name, size, claimed))
         flat = self.receive_buffer.take(nbytes, device)
         posted = []
