@@ -162,14 +162,18 @@ class DistributedRound:
     #: phases (:data:`rolloutd.weight_sync.SYNC_PHASES`), seconds each: where serving_s goes.
     prepare_s: float = float("nan")
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: CPU seconds the replicas' processes spent from the announcement to serving (all of them).
+    replicas_cpu_s: float = float("nan")
 
 
 async def _distributed_round(
     model: Any, checkpoint: Path, router: RolloutRouter, broadcast: AgentBroadcast, clients: list[SGLangClient],
     out: Path, version: int, send_dtype: torch.dtype | None, durable_write: bool = True,
+    replica_pids: tuple[int, ...] = (),
 ) -> DistributedRound:
     """traind's side (announce, push beside the durable write) and rolloutd's (receive_broadcast), concurrently."""
     started_s = time.perf_counter()
+    cpu_started_s = _processes_cpu_s(replica_pids)
     params = distinct_tensors({name: t.detach() for name, t in model.state_dict().items()})
     broadcast.send_dtype = send_dtype
     record = await asyncio.to_thread(broadcast.announce, params)
@@ -182,6 +186,7 @@ async def _distributed_round(
     outcome = await router.receive_broadcast(AGENT, version, record)
     # The router answers once every replica's /model_info named the version: serving.
     serving_s = time.perf_counter() - started_s
+    replicas_cpu_s = _processes_cpu_s(replica_pids) - cpu_started_s
     if outcome is None or outcome.failed or len(outcome.served) != len(clients):
         raise RuntimeError(f"v{version} did not reach every replica: {outcome}")
     await _serving(clients, str(version))  # checked again, outside the timing
@@ -190,7 +195,16 @@ async def _distributed_round(
     commit_s = time.perf_counter() - started_s
     shutil.rmtree(target, ignore_errors=True)
     return DistributedRound(serving_s, commit_s, report.seconds if report is not None else float("nan"),
-                            prepare_s, dict(outcome.phases))
+                            prepare_s, dict(outcome.phases), replicas_cpu_s)
+
+
+def _processes_cpu_s(pids: tuple[int, ...]) -> float:
+    """CPU seconds (user + system, every thread) the processes have spent so far (Linux /proc)."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def _check_logprobs(model: Any, clients: list[SGLangClient]) -> float:
@@ -225,6 +239,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     stored: DaemonProcess | None = None
     bare: BareBroadcast | None = None
     bounds: dict[tuple[str, bool], list[float]] = {(wire, copy): [] for wire in WIRES for copy in (False, True)}
+    bounds_cpu: dict[tuple[str, bool], list[float]] = {key: [] for key in bounds}
     try:
         etcd.start()  # before the daemon is described: its endpoint names etcd's chosen port
         stored = DaemonProcess("stored", ["--data-dir", str(work / "stored"), "--gc-interval-s", "0",
@@ -247,6 +262,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(REPLICAS)
         )))
         clients = [SGLangClient(replica.url, request_timeout_s=900) for replica in replicas]
+        replica_pids = tuple(replica.process.pid for replica in replicas if replica.process is not None)
         out = work / "published"
         out.mkdir()
 
@@ -281,11 +297,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     dtype = torch.bfloat16 if kind == "bf16" else None
                     done = await _distributed_round(model, checkpoint, router, broadcast, clients, out, version,
-                                                    dtype, not args.without_durable_write)
+                                                    dtype, not args.without_durable_write, replica_pids)
                     (bf16 if kind == "bf16" else fp32).append(done)
                     for _ in range(BOUND_SAMPLES):  # the bounds, right after the round they bound
                         for copy in (False, True):
-                            bounds[(kind, copy)].append(await asyncio.to_thread(bare.time, WIRES[kind], copy))
+                            seconds, receivers_cpu_s = await asyncio.to_thread(bare.time, WIRES[kind], copy)
+                            bounds[(kind, copy)].append(seconds)
+                            bounds_cpu[(kind, copy)].append(receivers_cpu_s)
             print(f"round {round_index + 1}: disk {disk[-1]:.2f}s, via stored {via_stored[-1]:.2f}s, "
                   f"distributed fp32 {fp32[-1].serving_s:.2f}s, "
                   f"bf16 {bf16[-1].serving_s:.2f}s", flush=True)
@@ -309,6 +327,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     raw = {wire: statistics.median(bounds[(wire, False)]) for wire in WIRES}
     raw_copy = {wire: statistics.median(bounds[(wire, True)]) for wire in WIRES}
+    rounds_by_wire = {"fp32": fp32, "bf16": bf16}
+
+    def paired(wire: str, copy: bool) -> float:
+        """Median over the rounds of (the bound timed right after a round) / (that round's serving time)."""
+        samples = bounds[(wire, copy)]
+        return statistics.median(statistics.median(samples[i * BOUND_SAMPLES:(i + 1) * BOUND_SAMPLES]) / r.serving_s
+                                 for i, r in enumerate(rounds_by_wire[wire]))
     profile = devicemodel.DeviceProfile()
     return {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
@@ -343,6 +368,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # Every bound round, in the order timed (BOUND_SAMPLES right after each distributed round).
         "raw_broadcast_rounds_s": {wire: bounds[(wire, False)] for wire in WIRES},
         "raw_broadcast_copy_rounds_s": {wire: bounds[(wire, True)] for wire in WIRES},
+        # Each round against the bound rounds timed right after it (load drifts less within a pair).
+        "share_of_bound_by_round": {wire: paired(wire, False) for wire in WIRES},
+        "share_of_bound2_by_round": {wire: paired(wire, True) for wire in WIRES},
+        # CPU seconds per version, a figure load disturbs less than wall time: the replicas (every
+        # process, from the announcement to serving) against the bare receivers (bound 1, bound 2).
+        "replicas_cpu_s": {wire: [r.replicas_cpu_s for r in rounds] for wire, rounds in rounds_by_wire.items()},
+        "bare_receivers_cpu_s": {wire: statistics.median(bounds_cpu[(wire, False)]) for wire in WIRES},
+        "bare_receivers_copy_cpu_s": {wire: statistics.median(bounds_cpu[(wire, True)]) for wire in WIRES},
         # The second bound: the bare broadcast plus each receiver's one copy into its parameters.
         "raw_broadcast_copy_s": raw_copy,
         "speedup_bound": {name: statistics.median(disk) / seconds for name, seconds in raw.items()},
@@ -374,16 +407,16 @@ def _bare_rank(rank: int, world: int, port: int, shapes: list[tuple[int, ...]], 
         received = tensors.setdefault(dtype_name, [torch.zeros(shape, dtype=getattr(torch, dtype_name))
                                                    for shape in shapes])
         tdist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         works = [tdist.broadcast(t, src=0, async_op=True) for t in received]
         for work in works:
             work.wait()
         if copy:
             for param, tensor in zip(params, received, strict=False):  # params: [] on rank 0
                 param.copy_(tensor)
+        cpu_s = time.process_time() - cpu_started
         tdist.barrier()  # every receiver holds every tensor (copied into its parameters)
-        if rank == 0:
-            out.put(time.perf_counter() - started)
+        out.put((rank, time.perf_counter() - started, cpu_s))
     tdist.destroy_process_group()
 
 
@@ -417,11 +450,13 @@ class BareBroadcast:
             for copy in (False, True):
                 self.time(dtype, copy)
 
-    def time(self, dtype_name: str, copy: bool) -> float:
-        """Seconds of one bare round (blocking)."""
+    def time(self, dtype_name: str, copy: bool) -> tuple[float, float]:
+        """Seconds of one bare round, and the CPU seconds its receivers spent in it (blocking)."""
         for commands in self._commands:
             commands.put((dtype_name, copy))
-        return float(self._out.get(timeout=600))
+        answers = [self._out.get(timeout=600) for _ in self._commands]
+        wall = next(seconds for rank, seconds, _ in answers if rank == 0)
+        return float(wall), float(sum(cpu for rank, _, cpu in answers if rank > 0))
 
     def close(self) -> None:
         """End the processes."""
@@ -484,6 +519,13 @@ def render(result: dict[str, Any]) -> str:
     rows += [(f"bound 2: bare broadcast + one copy into parameters, {wire}", seconds, disk_s / seconds,
               stored_s / seconds) for wire, seconds in copy_bound.items()]
     lines += render_table(columns, rows, sep="  ")
+    by_round, by_round2 = result.get("share_of_bound_by_round", {}), result.get("share_of_bound2_by_round", {})
+    for wire in by_round:
+        cpu = statistics.median(result["replicas_cpu_s"][wire])
+        lines.append(f"distributed {wire}, each round against the bounds timed right after it (medians): "
+                     f"{by_round[wire]:.0%} of bound 1, {by_round2[wire]:.0%} of bound 2; replicas' CPU per version "
+                     f"{cpu:.3f}s against the bare receivers' {result['bare_receivers_cpu_s'][wire]:.3f}s (bound 1) / "
+                     f"{result['bare_receivers_copy_cpu_s'][wire]:.3f}s (bound 2)")
     for wire in ("fp32", "bf16"):
         share = result["raw_broadcast_s"][wire] / med[f"distributed_{wire}"]
         lines.append(f"distributed {wire}: {share:.0%} of its bound (bare broadcast s / distributed s; target >= "
