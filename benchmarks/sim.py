@@ -503,9 +503,9 @@ class Simulation:
         demand = rolloutd_share(self.planner.rollout_demand(), len(self.rolloutds))
         for process in self.rolloutds:
             # RolloutRouter.set_demand_hints: every hint of the push set, then one rebalance.
-            for (_, agent), tokens in sorted(demand.items()):
-                process.demand_hints[agent] = tokens
-                process.balancer.set_demand_hint(agent, tokens)
+            hints = {agent: tokens for (_, agent), tokens in sorted(demand.items())}
+            process.demand_hints.update(hints)
+            process.balancer.set_demand_hints(hints)
             self.rebalance(process)
 
     def rebalance(self, process: RolloutProcess) -> None:

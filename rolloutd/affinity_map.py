@@ -46,7 +46,10 @@ class AffinityMap:
     def remember(self, key: str, replica_id: str) -> None:
         """``replica_id`` served ``key`` now; the least recently remembered key goes past the bound."""
         old = self._replica_of.get(key)
-        if old is not None and old != replica_id:
+        if old == replica_id:  # the common case (an episode's next turn on the same replica): indexes hold it
+            self._replica_of.move_to_end(key)
+            return
+        if old is not None:
             self._discard(self._keys_of_replica, old, key)
         self._replica_of[key] = replica_id
         self._replica_of.move_to_end(key)

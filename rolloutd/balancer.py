@@ -80,6 +80,10 @@ __all__ = [
 
 AFFINITY_SEPARATOR = SEPARATOR
 
+#: Least-tokens routing reads a group of up to this many serving replicas in one pass, a larger one from
+#: its load heaps (two heap entries per load change of a replica: dearer than the pass below ~30 replicas).
+SCAN_GROUP_MAX = 32
+
 #: The adapter name of a LoRA agent's request served by the base alone (sent without ``lora_path``):
 #: SGLang's ``lora_id`` None, which its scheduler counts as one of a batch's adapters.
 BASE_ADAPTER = ""
@@ -239,7 +243,8 @@ class TokenEstimator:
 
     def estimate(self, agent: str, prompt_tokens: int, max_new_tokens: int, n: int = 1) -> int:
         """Estimated tokens of one request producing n samples from one prompt."""
-        response = self.expected_response_tokens(agent, max_new_tokens)
+        cap = float(max_new_tokens)  # expected_response_tokens, inlined (asked for every request)
+        response = min(self._mean_response_tokens.setdefault(agent, cap), cap)
         return max(1, math.ceil(self._prefill_token_weight * prompt_tokens + n * response))
 
     def observe(self, agent: str, response_tokens: int) -> None:
@@ -367,6 +372,8 @@ class HierarchicalBalancer:
         Reads only the queues of such groups (the other waiting groups cost one lookup each), so it
         is cheap enough to ask after every event.
         """
+        if not self._waiting_groups:  # the common case: asked after every event
+            return set()
         counts = self._groups().counts
         return {self._tickets[i].agent for key in self._waiting_groups if not counts.get(key, 0)
                 for i in self._queued[key]}
@@ -374,12 +381,31 @@ class HierarchicalBalancer:
     # --------------------------------------------------------------- demand
     def set_demand_hint(self, agent: str, tokens: int) -> None:
         """Sets the not-yet-submitted demand of an agent (e.g. from SetAgentDemand)."""
-        self._model_of(agent)
+        model_key = self._model_of(agent)
         if tokens < 0:
             raise InvalidArgument(f"demand hint for {agent!r} must be >= 0, got {tokens}")
         self._demand_hint_tokens[agent] = tokens
-        if tokens and not self._has_replica(self._agent_model[agent]):
+        if tokens and not self._has_replica(model_key):
             self._rebalance_urgent = True
+
+    def set_demand_hints(self, hints: Mapping[str, int]) -> None:
+        """:meth:`set_demand_hint` of every agent of one demand push (SetAgentDemand), in one call.
+
+        Raises:
+            NotFound: an agent is not balanced here (no hint is set then).
+            InvalidArgument: a hint is negative (no hint is set then).
+        """
+        model_of = self._model_of
+        entries = [(agent, model_of(agent), tokens) for agent, tokens in hints.items()]
+        negative = {agent: tokens for agent, _, tokens in entries if tokens < 0}
+        if negative:
+            raise InvalidArgument(f"demand hints must be >= 0, got {negative}")
+        demand = self._demand_hint_tokens
+        counts = self._groups().counts
+        for agent, model_key, tokens in entries:
+            demand[agent] = tokens
+            if tokens and not counts.get(model_key, 0) and not self._has_replica(model_key):
+                self._rebalance_urgent = True
 
     # ------------------------------------------------------------- routing
     def submit(self, agent: str, estimated_tokens: int, affinity_key: str = "", adapter: str | None = None,
@@ -404,15 +430,17 @@ class HierarchicalBalancer:
         model_key = self._model_of(agent)
         if estimated_tokens < 0 or kv_tokens < 0:
             raise InvalidArgument(f"estimated_tokens and kv_tokens must be >= 0, got {estimated_tokens}, {kv_tokens}")
-        if agent not in self._adapters and adapter is not None:
+        if agent in self._adapters:
+            if adapter is None:
+                adapter = agent
+        elif adapter is not None:
             raise InvalidArgument(f"agent {agent!r} is a full model: its requests carry no adapter")
-        if agent in self._adapters and adapter is None:
-            adapter = agent
         request_id = self._next_request_id
         self._next_request_id += 1
         ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter, kv_tokens)
-        self._ticket_tokens[agent] = self._ticket_tokens.get(agent, 0) + estimated_tokens
-        placed = self._try_place(ticket)
+        ticket_tokens = self._ticket_tokens
+        ticket_tokens[agent] = ticket_tokens.get(agent, 0) + estimated_tokens
+        placed = self._try_place(ticket, model_key)
         if placed is None:
             self._tickets[request_id] = ticket
             self._queued[model_key].append(request_id)
@@ -428,6 +456,8 @@ class HierarchicalBalancer:
         Visits only the groups with waiting tickets (in model key order): it is called after every event.
         """
         placed: list[Ticket] = []
+        if not self._waiting_groups:  # the common case: asked after every event
+            return placed
         for model_key in sorted(self._waiting_groups):
             queue = self._queued[model_key]
             self._place_group(queue, placed)
@@ -492,19 +522,21 @@ class HierarchicalBalancer:
         replica.outstanding_tokens -= ticket.estimated_tokens
         replica.kv_tokens -= ticket.kv_tokens
         replica.in_flight_requests -= 1
-        if replica.phase is ReplicaPhase.SERVING:
+        phase = replica.phase
+        if phase is ReplicaPhase.SERVING:
             self._groups().push_load(replica)
         if ticket.adapter is not None:  # its name's last request here frees the name's slot
             replica.adapter_requests[ticket.adapter] -= 1
             if replica.adapter_requests[ticket.adapter] <= 0:
                 del replica.adapter_requests[ticket.adapter]
-        if replica.phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
+        if phase is ReplicaPhase.DRAINING and replica.in_flight_requests == 0:
             replica.phase = ReplicaPhase.AWAITING_LOAD
             self._maybe_awaiting.add(replica.spec.replica_id)
         return ticket
 
-    def _try_place(self, ticket: Ticket) -> Ticket | None:
-        model_key = self._agent_model[ticket.agent]
+    def _try_place(self, ticket: Ticket, model_key: str | None = None) -> Ticket | None:
+        if model_key is None:
+            model_key = self._agent_model[ticket.agent]
         if self._config.routing is RoutingPolicy.LEAST_TOKENS and (
                 ticket.adapter is None or model_key not in self._adapter_slots):
             # Every serving replica of the group is a candidate: O(log group) from the group's load heaps.
@@ -538,29 +570,47 @@ class HierarchicalBalancer:
             chosen.adapter_requests[ticket.adapter] += 1
         self._tickets[ticket.request_id] = placed
         if ticket.affinity_key:
-            self._remember_affinity(ticket.affinity_key, chosen.spec.replica_id)
+            self._affinity.remember(ticket.affinity_key, chosen.spec.replica_id)
         return placed
 
     def _least_tokens_in_group(self, model_key: str, affinity_key: str) -> ReplicaState | None:
-        """:meth:`_least_tokens_with_affinity` over every serving replica of the group, from its load heaps."""
+        """:meth:`_least_tokens_with_affinity` over every serving replica of the group.
+
+        A group of up to :data:`SCAN_GROUP_MAX` replicas is read in one pass; a larger one from its load
+        heaps (O(log group)), which every load change of its replicas then keeps (:meth:`GroupIndex.push_load`).
+        """
         index = self._groups()
         serving = index.serving.get(model_key)
         if not serving:
             return None
-        heaps = index.loads.get(model_key)
-        if heaps is None:
-            low = [(r.outstanding_tokens, r.spec.replica_id) for r in serving]
-            high = [(-r.outstanding_tokens, r.spec.replica_id) for r in serving]
-            heapq.heapify(low)
-            heapq.heapify(high)
-            heaps = index.loads[model_key] = (low, high)
-        low, high = heaps
-        while not self._load_is_current(low[0][0], low[0][1], model_key):
-            heapq.heappop(low)
-        while not self._load_is_current(-high[0][0], high[0][1], model_key):
-            heapq.heappop(high)
-        least = self._replicas[low[0][1]]  # least tokens, first in id order on ties
-        if self._imbalanced(-high[0][0], low[0][0]):
+        if len(serving) <= SCAN_GROUP_MAX:
+            # Cheaper than two heap entries per load change: a rolloutd's 64 replicas over its agents make
+            # groups of a few replicas. The same answer: the least loaded, first in id order on ties.
+            index.loads.pop(model_key, None)  # no heaps to keep while the group is read by a scan
+            least = serving[0]
+            low = high = least.outstanding_tokens
+            for replica in serving:
+                tokens = replica.outstanding_tokens
+                if tokens < low:
+                    least, low = replica, tokens
+                elif tokens > high:
+                    high = tokens
+        else:
+            heaps = index.loads.get(model_key)
+            if heaps is None:
+                low_heap = [(r.outstanding_tokens, r.spec.replica_id) for r in serving]
+                high_heap = [(-r.outstanding_tokens, r.spec.replica_id) for r in serving]
+                heapq.heapify(low_heap)
+                heapq.heapify(high_heap)
+                heaps = index.loads[model_key] = (low_heap, high_heap)
+            low_heap, high_heap = heaps
+            while not self._load_is_current(low_heap[0][0], low_heap[0][1], model_key):
+                heapq.heappop(low_heap)
+            while not self._load_is_current(-high_heap[0][0], high_heap[0][1], model_key):
+                heapq.heappop(high_heap)
+            least = self._replicas[low_heap[0][1]]  # least tokens, first in id order on ties
+            low, high = low_heap[0][0], -high_heap[0][0]
+        if self._imbalanced(high, low):
             return least
         preferred = self._replicas.get(self._lookup_affinity(affinity_key)) if affinity_key else None
         if preferred is not None and preferred.phase is ReplicaPhase.SERVING and preferred.model_key == model_key:
@@ -637,9 +687,6 @@ class HierarchicalBalancer:
                 return replica_id
             key = affinity_parent(key)
         return ""
-
-    def _remember_affinity(self, key: str, replica_id: str) -> None:
-        self._affinity.remember(key, replica_id)
 
     def forget_affinity(self, key: str) -> None:
         """Drops a key and its descendants (call when a task is done); O(the task's keys)."""
@@ -877,6 +924,8 @@ class HierarchicalBalancer:
 
     def replicas_awaiting_load(self) -> list[ReplicaMove]:
         """Drained replicas whose new weights the caller must now load (in replica id order)."""
+        if not self._maybe_awaiting:  # the common case: asked after every event
+            return []
         awaiting = sorted(
             i for i in self._maybe_awaiting
             if i in self._replicas and self._replicas[i].phase is ReplicaPhase.AWAITING_LOAD

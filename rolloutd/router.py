@@ -936,9 +936,8 @@ class RolloutRouter:
         served = {key: tokens for key, tokens in hints.items() if key in self._agents}
         if balancer is None or not served:
             return
-        for key, tokens in served.items():
-            self._demand_hints[key] = tokens
-            balancer.set_demand_hint(key, tokens)
+        balancer.set_demand_hints(served)  # first: a bad hint is refused with nothing set
+        self._demand_hints.update(served)
         self._rebalance()
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+import rolloutd.balancer as balancer_module
 from benchmarks.balancer_sim import compare, format_table, simulate, skewed_workload
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.balancer import (
@@ -102,6 +103,27 @@ def test_demand_is_hint_plus_queued_plus_in_flight() -> None:
         b.submit("nobody", 1)
     with pytest.raises(InvalidArgument):
         b.set_demand_hint("a", -1)
+
+
+def test_a_push_of_hints_is_each_hint_set_in_turn_and_a_bad_one_sets_none() -> None:
+    """set_demand_hints (one SetAgentDemand) is set_demand_hint per agent: demand, and urgency of a starved group."""
+    one_by_one = make({"r0": "m"}, {"a": "m", "b": "n", "c": "m"}, rebalance_interval_s=1e9)
+    pushed = make({"r0": "m"}, {"a": "m", "b": "n", "c": "m"}, rebalance_interval_s=1e9)
+    for b in (one_by_one, pushed):
+        b.maybe_rebalance(0.0)  # the interval starts; only an urgent rebalance runs before it passes
+    hints = {"a": 50, "b": 7, "c": 0}
+    for agent, tokens in hints.items():
+        one_by_one.set_demand_hint(agent, tokens)
+    pushed.set_demand_hints(hints)
+    for b in (one_by_one, pushed):
+        assert {a: b.demand_tokens(a) for a in "abc"} == hints
+        assert b._rebalance_urgent  # b's group n has no replica: the next maybe_rebalance runs
+    assert one_by_one.maybe_rebalance(1.0) == pushed.maybe_rebalance(1.0)
+    with pytest.raises(InvalidArgument):
+        pushed.set_demand_hints({"a": 1, "c": -1})
+    with pytest.raises(NotFound):
+        pushed.set_demand_hints({"a": 1, "nobody": 2})
+    assert {a: pushed.demand_tokens(a) for a in "abc"} == hints  # nothing of a refused push was set
 
 
 def test_rebalance_moves_replicas_toward_demand_proportionally() -> None:
@@ -231,8 +253,13 @@ def test_add_replica_rejects_a_served_replica() -> None:
         b.add_replica(ReplicaAssignment("r0", "m"))
 
 
-def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_membership_changes() -> None:
+@pytest.mark.parametrize("scan_group_max", [0, balancer_module.SCAN_GROUP_MAX])
+def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_membership_changes(
+        scan_group_max: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Routing, counts and awaiting loads come from an index rebuilt on change (O(group) per request at scale).
+
+    Run with routing from the load heaps (``SCAN_GROUP_MAX`` 0) and from a pass over each group (the default,
+    for groups this small): both pick what a scan of the group picks.
 
     A random run of submits, finishes, rebalances, loads, rate updates and replica removals: after every operation
     the balancer's answers equal a recount over its replicas' views, and a request is only ever
@@ -240,6 +267,7 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
     """
     import random
 
+    monkeypatch.setattr(balancer_module, "SCAN_GROUP_MAX", scan_group_max)
     rng = random.Random(7)
     b = make({f"r{i}": "abc"[i % 3] for i in range(9)}, {"a": "a", "b": "b", "c": "c"}, reassignment_cost_s=0.0,
              rebalance_interval_s=0.0, min_residency_s=0.0)
@@ -289,6 +317,7 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
                        if v.phase is ReplicaPhase.SERVING and v.model_key == key]
             if serving:
                 assert b._least_tokens_in_group(key, "") is b._least_tokens_with_affinity(serving, "")
+    assert bool(b._groups().loads) is (scan_group_max == 0)  # the path under test was the one taken
 
 
 def _assert_demand_queues_and_affinity_are_a_recount(b: HierarchicalBalancer) -> None:
