@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import heapq
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from flexmarl.errors import FailedPrecondition, NotFound
 
@@ -59,9 +59,17 @@ class Lease:
 class LeaseTable:
     """Every lease of one job, with expiry by deadline."""
 
-    def __init__(self, now_s: Callable[[], float], id_prefix: str) -> None:
+    def __init__(self, now_s: Callable[[], float], id_prefix: str,
+                 group_of: Callable[[Lease], Hashable | None] | None = None) -> None:
+        """A table issuing ids ``<id_prefix><kind>-<n>``.
+
+        ``group_of``: the group a lease is filed under at issue (None: none), which
+        :meth:`forget_group` forgets at once, reading only that group's leases.
+        """
         self._now_s = now_s
         self._id_prefix = id_prefix
+        self._group_of = group_of
+        self._groups: dict[Hashable, list[str]] = {}
         self._next_number = 0
         self._leases: dict[str, Lease] = {}
         # The active leases by kind, in issue order (what active(kind) reads: O(active), not O(every lease kept)).
@@ -82,6 +90,10 @@ class LeaseTable:
         self._leases[lease_id] = lease
         self._active[kind][lease_id] = lease
         self._queue(lease)
+        if self._group_of is not None:
+            group = self._group_of(lease)
+            if group is not None:
+                self._groups.setdefault(group, []).append(lease_id)
         return lease
 
     def _queue(self, lease: Lease) -> None:
@@ -180,6 +192,14 @@ class LeaseTable:
         """Active leases of one worker."""
         return [lease for lease in self._leases.values()
                 if lease.status is LeaseStatus.ACTIVE and lease.holder == holder]
+
+    def group(self, group: Hashable) -> list[str]:
+        """The ids filed under ``group`` since it was last forgotten (some may be forgotten already)."""
+        return list(self._groups.get(group, ()))
+
+    def forget_group(self, group: Hashable) -> None:
+        """:meth:`forget` of the leases filed under ``group``; the group is dropped (its active leases stay kept)."""
+        self.forget(self._groups.pop(group, ()))
 
     def forget(self, lease_ids: Iterable[str]) -> None:
         """Drops ended leases from memory (their late reports then get NOT_FOUND)."""

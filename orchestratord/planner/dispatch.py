@@ -12,7 +12,7 @@ from orchestratord.binding import DataParallelGroup
 from orchestratord.failures import FailureFigures
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import evaluation, warm_start
-from orchestratord.planner.ids import batch_of_lease, is_durable_state
+from orchestratord.planner.ids import is_durable_state
 from orchestratord.planner.job_plan import JobPlan, MicroBatch, MicroBatchStatus, StepPlan
 from orchestratord.planner.manifests import needs_step_statistics
 from orchestratord.planner.types import MicroBatchWork, OptimizerStepWork, WarmStartWork
@@ -263,12 +263,14 @@ def _prune_batch(job: JobPlan, step: int) -> None:
     """
     if job.min_version() <= step:
         return
-    gone = {tid for tid, task in job.tasks.items() if task.step == step}
+    # From the step's indexes (what a walk of every task and lease the job keeps would find): O(the step's work).
+    tasks = job.tasks
+    gone = {tid for tid in job.task_ids_by_step.pop(step, ()) if (task := tasks.get(tid)) is not None
+            and task.step == step}
     for task_id in gone:
-        del job.tasks[task_id]
-    job.leases.forget(
-        lease.lease_id for lease in job.leases.all() if lease.kind is not LeaseKind.EVAL_TASK  # forgotten by round
-        and (lease.subject in gone if lease.kind is LeaseKind.ROLLOUT_TASK else batch_of_lease(lease) == step))
+        del tasks[task_id]
+        job.leases.forget_group(("task", task_id))  # ids.prune_group_of_lease
+    job.leases.forget_group(("batch", step))  # its micro-batches' (and batch 0: the warm starts') leases
     job.tasks_per_step.pop(step, None)
     job.forget_history()
 

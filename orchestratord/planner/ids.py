@@ -18,6 +18,19 @@ def task_index_of(batch_index: int, position: int, prompts_per_step: int) -> int
     return batch_index * prompts_per_step + position
 
 
+def prune_group_of_lease(lease: Lease) -> tuple[str, str | int] | None:
+    """What forgets a lease once its batch is done (``LeaseTable`` ``group_of``; dispatch's ``_prune_batch``).
+
+    A rollout task's lease goes with its task (``("task", task id)``), a micro-batch's or a warm
+    start's with its batch (``("batch", batch_of_lease)``); an eval task's by its round (None: not here).
+    """
+    if lease.kind is LeaseKind.EVAL_TASK:
+        return None
+    if lease.kind is LeaseKind.ROLLOUT_TASK:
+        return ("task", lease.subject)
+    return ("batch", batch_of_lease(lease))
+
+
 def batch_of_lease(lease: Lease) -> int:
     """The rollout batch a lease works on: the task's batch, the micro-batch's step, 0 for a warm start."""
     if lease.kind is LeaseKind.ROLLOUT_TASK:

@@ -18,6 +18,7 @@ from orchestratord.failures import FailureFigures
 from orchestratord.leases import LeaseKind, LeaseTable
 from orchestratord.planner import admission, demand, dispatch, evaluation, recovery, reports
 from orchestratord.planner.estimator import RolloutDemandEstimator
+from orchestratord.planner.ids import prune_group_of_lease
 from orchestratord.planner.job_plan import AgentState, JobPlan, StepPlan
 from orchestratord.planner.types import (
     AgentProgress,
@@ -69,7 +70,7 @@ class JobPlanner:
         records = {name: agents.get(name, AgentVersionRecord()) for name in spec.agent_names}
         job = JobPlan(
             job_id=job_id, spec=spec, now_s=now_s, options=options, epoch=epoch,
-            leases=LeaseTable(now_s, lease_id_prefix(job_id, epoch)),
+            leases=LeaseTable(now_s, lease_id_prefix(job_id, epoch), group_of=prune_group_of_lease),
             agents={name: AgentState(name, r.version, r.weights_uri, r.state_uri) for name, r in records.items()},
             persisted_manifests=dict(manifests or {}), commits=dict(commits or {}),
             created_s=created_s, updated_s=created_s, state=state, error=error,

@@ -314,6 +314,9 @@ class JobPlan:
     retry: set[str] = dataclasses.field(default_factory=set)
     # Done tasks placed in each step (under step_fill batch: the done tasks of each rollout batch).
     tasks_per_step: defaultdict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    # The ids of the tasks placed in each step (manifests.place_task), read when the step is pruned: a task
+    # whose step is s is in task_ids_by_step[s] (it may hold ids placed elsewhere since, or forgotten).
+    task_ids_by_step: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     # step_fill completion: done tasks not yet in a step (with their groups), and the lowest step not yet full.
     unplaced: list[tuple[Task, dict[str, Group]]] = dataclasses.field(default_factory=list)
     open_step: int = 0

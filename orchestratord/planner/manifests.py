@@ -77,6 +77,7 @@ def place_given_up(job: JobPlan, task: Task, reason: str) -> None:
 def place_task(job: JobPlan, task: Task, step: int, groups: Mapping[str, Group]) -> None:
     """Adds a done task's groups to ``step`` of their agents; fixes the manifests when the step is full."""
     task.step = step
+    job.task_ids_by_step.setdefault(step, []).append(task.task_id)
     job.tasks_per_step[step] += 1
     complete = job.tasks_per_step[step] == job.spec.batch.prompts_per_step
     for name, group in groups.items():

@@ -20,6 +20,7 @@ from orchestratord.planner import (
     SlotEventKind,
     SwapOutWork,
 )
+from orchestratord.planner.ids import batch_of_lease, prune_group_of_lease
 from orchestratord.planner.job_plan import MicroBatchStatus
 from orchestratord.state import JobState
 
@@ -280,6 +281,21 @@ class PlannerMachine(RuleBasedStateMachine):
         for key, plan in plan_job.plans.items():
             if plan.optimizer_deadline_s is not None:
                 assert (plan.optimizer_deadline_s, key) in pending
+        # What a done step's pruning reads instead of every task and lease the job keeps: each placed task is
+        # filed under its step, each kept lease (but an eval task's) under its task or batch.
+        for task in plan_job.tasks.values():
+            if task.step is not None:
+                assert task.task_id in plan_job.task_ids_by_step.get(task.step, ())
+        for lease in leases.all():
+            group = prune_group_of_lease(lease)
+            assert group is None or lease.lease_id in leases.group(group)
+        # ... and what it forgets: the tasks of the steps every agent committed, and their batches' ended leases.
+        done = plan_job.min_version()
+        assert all(task.step is None or task.step >= done for task in plan_job.tasks.values())
+        assert all(lease.status is LeaseStatus.ACTIVE or lease.kind is not LeaseKind.MICRO_BATCH
+                   or batch_of_lease(lease) >= done for lease in leases.all())
+        assert all(lease.subject in plan_job.tasks for lease in leases.all()  # none given up or dropped here
+                   if lease.kind is LeaseKind.ROLLOUT_TASK)
 
     @invariant()
     def versions_count_commits(self) -> None:
@@ -317,6 +333,7 @@ class PlannerMachine(RuleBasedStateMachine):
         all_experiences = sorted(eid for exps in self.accepted.values() for eid in exps)
         consumed = sorted(eid for ids in self.consumed.values() for eid in ids)
         assert consumed == all_experiences, "exactly-once: every accepted experience consumed exactly once"
+        self.kept_lease_and_deadline_indexes_match_a_recount()  # every step done: each was pruned
 
     def finish_work_on(self, slot: str) -> None:
         class _Fixed:
