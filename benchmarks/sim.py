@@ -511,6 +511,8 @@ class Simulation:
     def rebalance(self, process: RolloutProcess) -> None:
         """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
         balancer = process.balancer
+        if balancer.settled(self.now_s):  # as the router: nothing waits, no rebalance is due
+            return
         starved = balancer.starved_agents()
         if starved:
             for agent, hint in process.demand_hints.items():

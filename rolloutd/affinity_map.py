@@ -45,18 +45,20 @@ class AffinityMap:
 
     def remember(self, key: str, replica_id: str) -> None:
         """``replica_id`` served ``key`` now; the least recently remembered key goes past the bound."""
-        old = self._replica_of.get(key)
-        if old == replica_id:  # the common case (an episode's next turn on the same replica): indexes hold it
-            self._replica_of.move_to_end(key)
+        replica_of = self._replica_of
+        old = replica_of.get(key)
+        if old is not None:  # a kept key (an episode's next turn): its task holds it, the count stays
+            if old != replica_id:
+                self._discard(self._keys_of_replica, old, key)
+                replica_of[key] = replica_id
+                self._keys_of_replica.setdefault(replica_id, set()).add(key)
+            replica_of.move_to_end(key)
             return
-        if old is not None:
-            self._discard(self._keys_of_replica, old, key)
-        self._replica_of[key] = replica_id
-        self._replica_of.move_to_end(key)
+        replica_of[key] = replica_id
         self._keys_of_replica.setdefault(replica_id, set()).add(key)
         self._keys_of_task.setdefault(_task_of(key), set()).add(key)
-        while len(self._replica_of) > self._max_keys:
-            self._drop(next(iter(self._replica_of)))
+        while len(replica_of) > self._max_keys:
+            self._drop(next(iter(replica_of)))
 
     def forget_replica(self, replica_id: str) -> None:
         """Drops every key ``replica_id`` served (its KV cache is gone)."""

@@ -721,6 +721,20 @@ class HierarchicalBalancer:
             self._rebalance_urgent = True
 
     # ------------------------------------------------------- inter-agent
+    def settled(self, now_s: float) -> bool:
+        """Whether the asks after an event would all answer nothing now (the router then skips them).
+
+        True when no ticket waits (:meth:`starved_agents` and :meth:`place_queued` empty), no
+        rebalance is due (:meth:`maybe_rebalance` would return [] without deciding) and no
+        replica may await its load (:meth:`replicas_awaiting_load` empty): one call instead of
+        four after most events.
+        """
+        if self._waiting_groups or self._maybe_awaiting:
+            return False
+        config = self._config
+        return not config.rebalance_enabled or (
+            not self._rebalance_urgent and now_s - self._last_rebalance_s < config.rebalance_interval_s)
+
     def maybe_rebalance(self, now_s: float) -> list[ReplicaMove]:
         """Re-evaluates the assignment if the interval passed (or a group is starved)."""
         if not self._config.rebalance_enabled:
@@ -910,6 +924,18 @@ class HierarchicalBalancer:
         if index is None or index.epoch != self._groups_epoch:
             return  # the next rebuild reads it
         index.recount(replica.target_model_key)
+
+    def set_every_replica_rate(self, tokens_per_s: float) -> None:
+        """:meth:`set_replica_rate` of every replica (a measured capacity counted for all), in one call."""
+        if not tokens_per_s > 0 or math.isinf(tokens_per_s):
+            raise InvalidArgument(f"tokens_per_s must be finite and > 0, got {tokens_per_s}")
+        for replica in self._replicas.values():
+            replica.tokens_per_s = tokens_per_s
+        index = self._groups_cache
+        if index is None or index.epoch != self._groups_epoch:
+            return  # the next rebuild reads them
+        for key in {replica.target_model_key for replica in self._replicas.values()}:
+            index.recount(key)
 
     @property
     def reassignment_cost_s(self) -> float:

@@ -263,8 +263,7 @@ class BalancerFeed:
         capacity = self.rates.capacity(now_s)
         if balancer is not None and abs(capacity - self.capacity) > CAPACITY_CHANGE * self.capacity:
             self.capacity = capacity
-            for view in balancer.replicas():
-                balancer.set_replica_rate(view.replica_id, capacity)
+            balancer.set_every_replica_rate(capacity)
 
     def reloaded(self, seconds: float, balancer: HierarchicalBalancer | None) -> None:
         """A weight load took ``seconds``: ``balancer``'s move cost follows the measured average."""

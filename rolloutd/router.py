@@ -782,6 +782,9 @@ class RolloutRouter:
         balancer = self._balancer
         if balancer is None:
             return
+        now_s = time.monotonic()
+        if balancer.settled(now_s):  # nothing waits, no rebalance is due: what follows would do nothing
+            return
         starved = balancer.starved_agents()
         if starved:
             # A queued agent has no replica: decide now. The balancer's own urgency flag is
@@ -793,9 +796,9 @@ class RolloutRouter:
             for key, hint in self._demand_hints.items():
                 if hint and key not in starved and key in self._agents and balancer.demand_tokens(key) == hint:
                     balancer.set_demand_hint(key, 0)
-            moves = balancer.rebalance(time.monotonic())
+            moves = balancer.rebalance(now_s)
         else:
-            moves = balancer.maybe_rebalance(time.monotonic())
+            moves = balancer.maybe_rebalance(now_s)
         for move in moves:  # with what it was decided on
             view = balancer.replica(move.replica_id)
             log.info("moving replica %s from %s to %s (measured %.1f tokens/s, counted %.1f there; a load %.2fs)",

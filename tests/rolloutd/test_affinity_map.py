@@ -23,3 +23,21 @@ def test_forgetting_a_replica_or_a_task_drops_exactly_its_keys_and_the_bound_dro
     keys.forget_replica("r9")  # none: nothing happens
     assert len(keys) == 4 and keys.get("t3#4") is None and keys.get("t3#5") == "r2"
     keys.check()
+
+
+def test_a_kept_key_remembered_again_is_the_most_recent_on_the_replica_that_served_it_last() -> None:
+    """An episode's next turn remembers its key again: on the same replica or another, no index drifts."""
+    keys = AffinityMap(max_keys=3)
+    for key in ("t1#0", "t1#1", "t2#0"):
+        keys.remember(key, "r0")
+    keys.remember("t1#0", "r0")  # the same replica again: only its recency changes
+    keys.remember("t1#1", "r1")  # another replica: r0 no longer holds it
+    keys.check()
+    assert keys.items() == [("t2#0", "r0"), ("t1#0", "r0"), ("t1#1", "r1")]
+    keys.remember("t3#0", "r1")  # past the bound: the least recent, t2#0, goes
+    keys.check()
+    assert keys.items() == [("t1#0", "r0"), ("t1#1", "r1"), ("t3#0", "r1")]
+    keys.forget_replica("r1")
+    keys.forget_tree("t1")
+    assert len(keys) == 0
+    keys.check()

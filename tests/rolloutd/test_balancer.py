@@ -292,8 +292,10 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
                 b.complete_load(move.replica_id)
         elif op < 0.91:
             b.forget_affinity(rng.choice([group_affinity_key(f"t{rng.randrange(8)}"), episode_affinity_key("t1", 2)]))
-        elif op < 0.93:  # a measured rate (rolloutd feeds them as they change)
+        elif op < 0.92:  # a measured rate (rolloutd feeds them as they change)
             b.set_replica_rate(rng.choice([v.replica_id for v in b.replicas()]), rng.choice([20.0, 100.0, 333.3]))
+        elif op < 0.93:  # a measured capacity, counted for every replica
+            b.set_every_replica_rate(rng.choice([20.0, 100.0, 333.3]))
         elif op < 0.96 and len(removed) < 3:
             victim = rng.choice([v.replica_id for v in b.replicas()])
             b.remove_replica(victim)
@@ -318,6 +320,60 @@ def test_the_group_index_agrees_with_the_replicas_through_moves_loads_and_member
             if serving:
                 assert b._least_tokens_in_group(key, "") is b._least_tokens_with_affinity(serving, "")
     assert bool(b._groups().loads) is (scan_group_max == 0)  # the path under test was the one taken
+
+
+def test_every_replica_rate_at_once_is_each_replica_rate_in_turn() -> None:
+    """set_every_replica_rate (the router's measured capacity) leaves what set_replica_rate per replica leaves."""
+    one_by_one = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b", "c": "c"})
+    at_once = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b", "c": "c"})
+    for b in (one_by_one, at_once):
+        b.set_demand_hint("c", 1000)
+        b.rebalance(0.0)  # a replica moves to c: the index is built and a target differs from its group
+    for view in one_by_one.replicas():
+        one_by_one.set_replica_rate(view.replica_id, 333.3)
+    at_once.set_every_replica_rate(333.3)
+    assert at_once.replicas() == one_by_one.replicas()
+    assert at_once._groups().rates == one_by_one._groups().rates and at_once._groups().rates["a"] > 0
+    assert at_once._groups().incoming == one_by_one._groups().incoming
+    _assert_index_is_a_rebuild(at_once)
+    with pytest.raises(InvalidArgument):
+        at_once.set_every_replica_rate(0.0)
+
+
+def test_settled_means_the_asks_after_an_event_answer_nothing() -> None:
+    """settled(now) (the router's skip) only when starved_agents, maybe_rebalance, replicas_awaiting_load and
+    place_queued would all answer nothing; a random run where it is both true and false."""
+    import random
+
+    rng = random.Random(11)
+    b = make({f"r{i}": "abc"[i % 3] for i in range(6)}, {"a": "a", "b": "b", "c": "c"}, reassignment_cost_s=0.0,
+             rebalance_interval_s=5.0, min_residency_s=0.0)
+    running: list[int] = []
+    outcomes = set()
+    for step in range(600):
+        now_s = step * 0.5
+        op = rng.random()
+        if op < 0.45:
+            ticket = b.submit(rng.choice("abc"), rng.randint(1, 5000), episode_affinity_key("t", rng.randrange(4)))
+            if ticket.replica_id is not None:
+                running.append(ticket.request_id)
+        elif op < 0.85 and running:
+            b.finish(running.pop(rng.randrange(len(running))))
+        else:
+            b.set_demand_hint(rng.choice("abc"), rng.choice([0, 10_000, 1_000_000]))
+        settled = b.settled(now_s)
+        outcomes.add(settled)
+        if settled:
+            assert not b.starved_agents() and b.maybe_rebalance(now_s) == []
+            assert b.replicas_awaiting_load() == [] and b.place_queued() == []
+            assert b.settled(now_s)  # asking changed nothing
+        else:  # what the router does then
+            b.maybe_rebalance(now_s)
+            for move in b.replicas_awaiting_load():
+                b.begin_load(move.replica_id)
+                b.complete_load(move.replica_id)
+            running.extend(t.request_id for t in b.place_queued())
+    assert outcomes == {True, False}
 
 
 def _assert_demand_queues_and_affinity_are_a_recount(b: HierarchicalBalancer) -> None:
