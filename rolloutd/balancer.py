@@ -804,14 +804,21 @@ class HierarchicalBalancer:
         ``after_s`` collects each touched group's estimated drain time after the moves so far
         (a receiving group's includes the weight load and the donor's drain).
         """
-        rates = self._group_rates()
-        drain_s = {key: after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys}
-        bottleneck = max(
-            (key for key in self._model_keys if demand[key] > 0),
-            key=lambda key: (drain_s[key], key),
-            default=None,
-        )
-        if bottleneck is None or math.isinf(drain_s[bottleneck]):
+        rates = self._groups().rates  # read before this move changes them
+        # The group with demand that drains last (the larger key on a tie), in one pass (a rebalance asks per move).
+        bottleneck: str | None = None
+        before_s = -math.inf
+        drain_time_s = self._drain_time_s
+        for key in self._model_keys:
+            key_demand = demand[key]
+            if key_demand <= 0:
+                continue
+            key_s = after_s.get(key)
+            if key_s is None:
+                key_s = drain_time_s(key_demand, rates[key])
+            if key_s >= before_s:  # keys ascend: on a tie the later (larger) key wins, as max over (s, key)
+                bottleneck, before_s = key, key_s
+        if bottleneck is None or math.isinf(before_s):
             return None  # nothing to do, or a starved group the first pass could not serve
         donor = self._pick_donor(demand, exclude=bottleneck, now_s=now_s, require_spare=True)
         if donor is None:
@@ -819,7 +826,6 @@ class HierarchicalBalancer:
         donor_rate = donor.tokens_per_s
         donor_key = donor.target_model_key
         cost_s = self._reassignment_cost_s + donor.outstanding_tokens / donor_rate
-        before_s = drain_s[bottleneck]
         bottleneck_rate = rates[bottleneck]
         # Replicas this plan already moved in are loading, not serving, during the cost.
         serving_rate = bottleneck_rate - self._groups().incoming.get(bottleneck, 0.0)
@@ -845,13 +851,14 @@ class HierarchicalBalancer:
         """
         best: _DonorScore | None = None
         best_replica: ReplicaState | None = None
-        for key, serving in self._groups().serving.items():
+        index = self._groups()
+        for key, serving in index.serving.items():
             if key == exclude or not serving:
                 continue
             memo = self._donor_memo
             found = memo.get((key, require_spare)) if memo is not None else None
             if found is None:
-                found = self._group_donor(key, serving, demand, now_s, require_spare)
+                found = self._group_donor(index, key, serving, demand, now_s, require_spare)
                 if memo is not None:
                     memo[(key, require_spare)] = found
             score, replica = found
@@ -859,10 +866,9 @@ class HierarchicalBalancer:
                 best, best_replica = score, replica
         return best_replica
 
-    def _group_donor(self, key: str, serving: Sequence[ReplicaState], demand: Mapping[str, int], now_s: float,
-                     require_spare: bool) -> tuple[_DonorScore, ReplicaState | None]:
+    def _group_donor(self, index: GroupIndex, key: str, serving: Sequence[ReplicaState], demand: Mapping[str, int],
+                     now_s: float, require_spare: bool) -> tuple[_DonorScore, ReplicaState | None]:
         """The best donor among the replicas serving ``key`` (see :meth:`_pick_donor`), with its score."""
-        index = self._groups()
         best: _DonorScore = (math.inf, math.inf, 0, "")
         best_replica: ReplicaState | None = None
         for replica in serving:
@@ -1017,8 +1023,9 @@ class HierarchicalBalancer:
         return math.inf if rate_tokens_per_s <= 0 else demand_tokens / rate_tokens_per_s
 
     def _has_replica(self, model_key: str) -> bool:
-        if model_key in self._groups().counts:
-            return self._groups().counts[model_key] > 0
+        count = self._groups().counts.get(model_key)
+        if count is not None:
+            return count > 0
         return any(r.target_model_key == model_key for r in self._replicas.values())
 
     def _model_of(self, agent: str) -> str:
