@@ -210,8 +210,11 @@ def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
         mine = [r for r in runs if r.workload == workload]
         seeds = sorted({r.seed for r in mine})
 
-        def mean_time(config: str, mine: list[RewardRun] = mine) -> float:
+        def mean_time(config: str, mine: list[RewardRun] = mine, seeds: list[int] = seeds) -> float:
+            # A configuration not run on every seed is never "best" (its mean would be over easier or harder seeds).
             times = [r.time_to(by) for r in mine if r.config == config]
+            if {r.seed for r in mine if r.config == config} != set(seeds):
+                return math.inf
             return statistics.fmean(times) if times and not any(math.isnan(t) for t in times) else math.inf
 
         candidates = [c for c in dict.fromkeys(r.config for r in mine) if is_flexmarl(c)]

@@ -81,6 +81,11 @@ def test_time_to_target_speedups_and_verdicts() -> None:
     rr.set_targets([*runs, decoupled], {"signaling": 0.9})
     assert rr.verdicts([*runs, decoupled])[0].startswith(
         "signaling (per training step): best FlexMARL configuration flexmarl-partial-eta8-decoupled")
+    # ... but only where it ran on every seed: seed 1 of the others, not of the decoupled one, leaves it out
+    seed1 = [run_of(c, rising, step_wall_s=w, seed=1) for c, w in (("sync", 3.0), ("flexmarl-partial-eta4", 1.0))]
+    everything = [*runs, decoupled, *seed1]
+    rr.set_targets(everything, {"signaling": 0.9})
+    assert "best FlexMARL configuration flexmarl-partial-eta4 " in rr.verdicts(everything)[0]
     assert not rr.is_flexmarl("sync") and not rr.is_flexmarl("sequential-decoupled")
     assert rr.is_flexmarl("flexmarl-partial-eta6-decoupled") and not rr.is_flexmarl("flexmarl-partial-etax")
     table = ttr.table(runs)
