@@ -10,6 +10,7 @@ from typing import Any
 import grpc.aio
 
 from flexmarl.errors import ErrorReason, InvalidArgument
+from flexmarl.jobspec import MAX_TASKS_PER_LEASE
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
 from orchestratord.coordinator import (
@@ -21,7 +22,6 @@ from orchestratord.coordinator import (
 )
 
 MAX_SPEC_BYTES = 1 << 20
-MAX_TASKS_PER_LEASE = 256
 MAX_REPORTED_EXPERIENCES = 1 << 16
 MAX_DP_ADDRESS_LENGTH = 256
 MAX_RESUME_SOURCE_LENGTH = 4096

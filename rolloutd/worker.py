@@ -73,7 +73,7 @@ from flexmarl.errors import (
 )
 from flexmarl.experience import ExperienceSummary, FailedEpisode, group_id, min_episodes_to_train
 from flexmarl.ids import EvalTaskRef, TaskRef
-from flexmarl.jobspec import JobSpec, JobSpecCache
+from flexmarl.jobspec import MAX_TASKS_PER_LEASE, JobSpec, JobSpecCache
 from flexmarl.registry import Registry, ServiceDirectory, ServiceRecord
 from flexmarl.retry import RetryPolicy, retry
 from flexmarl.security import INSECURE, TransportSecurity
@@ -101,8 +101,6 @@ JOB_SWEEP_INTERVAL_S = 10.0
 #: Between listings of the pending and running jobs whose engines the worker prepares ahead of their tasks.
 JOB_DISCOVERY_INTERVAL_S = 5.0
 LEASE_WAIT_MS = 2000
-#: The most tasks one LeaseRolloutTasks call may ask for (orchestratord's bound); a larger limit takes several calls.
-LEASE_MAX_TASKS = 256
 #: Between failed lease polls: 0.2 s doubling to 5 s, back to 0.2 s after a poll that answers.
 LEASE_POLL_RETRY = RetryPolicy(initial_s=0.2, max_s=5.0)
 #: Long enough to outlast an orchestratord restart (~3-10 s): 12 attempts, 0.2 s doubling to 2 s
@@ -377,7 +375,7 @@ class RolloutWorker:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                tasks = await self._link.lease_tasks(self.settings.worker_id, min(free, LEASE_MAX_TASKS),
+                tasks = await self._link.lease_tasks(self.settings.worker_id, min(free, MAX_TASKS_PER_LEASE),
                                                       LEASE_WAIT_MS)
             except FlexmarlError as exc:
                 log.warning("leasing tasks failed (%s); retrying", describe_error(exc))

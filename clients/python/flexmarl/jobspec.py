@@ -43,6 +43,9 @@ _DOTTED_NAME = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 ENTRYPOINT_PATTERN = rf"^{_DOTTED_NAME}:{_DOTTED_NAME}$"
 MAX_AGENTS = 64
 MAX_TOTAL_STEPS = 10_000_000
+#: The most rollout tasks one LeaseRolloutTasks call may ask for: orchestratord refuses more, and a rolloutd whose
+#: limit is larger (a job's rollout_tasks_ahead can be) asks in several calls.
+MAX_TASKS_PER_LEASE = 256
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeFloat = Annotated[float, Field(ge=0.0)]
