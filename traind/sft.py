@@ -256,6 +256,9 @@ def run_warm_start(trainer: AgentTrainer, warm: WarmStart,
     examples = dataset_examples(warm, encode, tokenizer.eos_token_id)
     rows: list[SftStep] = []
     lrs = _set_lr(trainer, warm.lr)
+    # A warm start runs in real time: the modelled device (benchmarks) charges RL work only, so its
+    # steps neither wait out modelled time nor appear in the device traces the clock starts from.
+    clock, trainer.device_clock = trainer.device_clock, None
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(warm.torch_seed())
@@ -269,6 +272,7 @@ def run_warm_start(trainer: AgentTrainer, warm: WarmStart,
         trainer.discard_gradients()
         raise
     finally:
+        trainer.device_clock = clock
         for group, lr in zip(trainer.engine.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
     reset_to_version_zero(trainer)

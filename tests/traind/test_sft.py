@@ -112,6 +112,36 @@ def test_warm_start_is_the_same_with_and_without_exact_accumulation(tiny_model_d
     assert all(torch.allclose(exact_params[k], plain_params[k], atol=1e-5) for k in exact_params)
 
 
+def test_a_warm_start_charges_no_modelled_device_time_and_rl_still_does(tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """The warm start is real time; a benchmark's clock starts at RL's first device work, not at SFT's."""
+    from flexmarl import devicemodel
+    from traind.pacing import ModelledDeviceClock
+
+    profile = devicemodel.H100_SXM.with_changes(token_scale=4.0, time_scale=1e-4, trace_dir=str(tmp_path))
+    clock = ModelledDeviceClock(profile, "traind-t-solver")
+    trainer = AgentTrainer(AgentTrainerConfig(agent="solver", model_path=str(tiny_model_dir), lr=1e-4), clock)
+    try:
+        sft.run_warm_start(trainer, warm(steps=2))
+        assert trainer.device_clock is clock
+        clock.settle()
+        assert devicemodel.read_traces(tmp_path) == {}
+        trainer.accumulate_loss(("x",), 1, lambda model: (model(input_ids=torch.tensor([[1, 2]])).logits.sum(), 1))
+        trainer.optimizer_step(1, 1)
+        clock.settle()
+        assert [r["kind"] for r in devicemodel.read_traces(tmp_path)["traind-t-solver"]] == ["optimizer"]
+        # A failed warm start gives the clock back too.
+        fresh = AgentTrainer(AgentTrainerConfig(agent="solver", model_path=str(tiny_model_dir), lr=1e-4), clock)
+        try:
+            with pytest.raises(InvalidArgument):
+                sft.run_warm_start(fresh, warm(steps=2, dataset="tests.traind.test_sft:not_pairs"))
+            assert fresh.device_clock is clock
+        finally:
+            fresh.release()
+    finally:
+        trainer.release()
+
+
 def _spec(**warm_start: Any) -> dict[str, Any]:
     data = yaml.safe_load((REPO / "examples" / "arithmetic" / "job.yaml").read_text())
     data = copy.deepcopy(data)
