@@ -254,3 +254,56 @@ def test_a_decoupled_label_sets_the_proximal_policy_and_nothing_else(tmp_path: P
     decoupled["name"] = plain["name"]
     assert decoupled == plain
     parse_job_spec(ttr.example_job(ttr.WORKLOADS["signaling"], "flexmarl-decoupled", 0, 3, tmp_path))
+
+
+class _Progress:
+    def __init__(self, agent: str, version: int, weights_uri: str) -> None:
+        self.agent, self.version, self.weights_uri = agent, version, weights_uri
+
+
+class _Info:
+    def __init__(self, *agents: _Progress) -> None:
+        self.agents = agents
+
+
+class _Downloads:
+    """Client.download_uri's contract for file:// URIs: copies the directory to a new dest."""
+
+    def __init__(self) -> None:
+        self.uris: list[str] = []
+
+    def download_uri(self, uri: str, dest: Path) -> Path:
+        import shutil
+
+        self.uris.append(uri)
+        shutil.copytree(uri.removeprefix("file://"), dest)
+        return dest
+
+
+def test_a_saved_warm_start_replaces_the_agents_warm_start_for_the_same_seed_only(tmp_path: Path) -> None:
+    workload = ttr.WORKLOADS["arithmetic"]
+    job = ttr.example_job(workload, "sync", 0, 3, tmp_path / "models")
+    assert ttr.use_warm_starts(job, None) == (job, {})
+    cache = tmp_path / "cache"
+    first, to_save = ttr.use_warm_starts(job, cache)
+    assert first == job and sorted(to_save) == ["solver", "verifier"]
+    published = tmp_path / "v0-solver"
+    published.mkdir()
+    (published / "config.json").write_text("{}")
+    client = _Downloads()
+    # Before the warm start commits, version 0 has no weights: nothing is saved yet.
+    left = ttr.save_warm_starts(client, _Info(_Progress("solver", 0, ""), _Progress("verifier", 0, "")), to_save)
+    assert left == to_save and client.uris == []
+    left = ttr.save_warm_starts(client, _Info(_Progress("solver", 0, f"file://{published}"),
+                                              _Progress("verifier", 1, "file:///elsewhere")), left)
+    assert left == {} and client.uris == [f"file://{published}"]  # the verifier passed v0 unseen: not cached
+    # Another configuration of the same seed starts the solver from the saved weights, without its warm start.
+    other = ttr.example_job(workload, "flexmarl-partial-eta4-decoupled", 0, 3, tmp_path / "models")
+    second, to_save = ttr.use_warm_starts(other, cache)
+    solver, verifier = second["agents"]
+    assert solver["model"] == str((to_save["verifier"].parent / "solver").resolve()) and "warm_start" not in solver
+    assert verifier["warm_start"] == other["agents"][1]["warm_start"] and list(to_save) == ["verifier"]
+    parse_job_spec(second)
+    # Another seed (other base weights, other warm-start data) shares nothing.
+    assert ttr.use_warm_starts(ttr.example_job(workload, "sync", 1, 3, tmp_path / "models"), cache)[1].keys() == {
+        "solver", "verifier"}

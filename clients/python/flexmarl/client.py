@@ -508,13 +508,19 @@ class AsyncClient:
 
     async def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
         """Copies the HF checkpoint dir of one agent version into dest (created; must not exist)."""
+        target = Path(dest)
+        if target.exists():
+            raise InvalidArgument(f"{target}: already exists")
+        return await self.download_uri(await self.weights_uri(job_id, agent, version), target)
+
+    async def download_uri(self, uri: str, dest: str | Path) -> Path:
+        """Copies the checkpoint dir a weights URI names (``stored://``, ``file://`` or a path) into dest (new)."""
         from flexmarl.artifacts import resolve_dir
         from flexmarl.store_client import StoreClient
 
         target = Path(dest)
         if target.exists():
             raise InvalidArgument(f"{target}: already exists")
-        uri = await self.weights_uri(job_id, agent, version)
         store: StoreClient | None = None
         if uri.startswith("stored://"):
             if not self._etcd_endpoints:
@@ -749,6 +755,10 @@ class Client:
     def download_weights(self, job_id: str, agent: str, version: int, dest: str | Path) -> Path:
         """Copies the HF checkpoint dir of one agent version into dest."""
         return self._run(self._async.download_weights(job_id, agent, version, dest))
+
+    def download_uri(self, uri: str, dest: str | Path) -> Path:
+        """Copies the checkpoint dir a weights URI names into dest (see AsyncClient.download_uri)."""
+        return self._run(self._async.download_uri(uri, dest))
 
     def samples(self, job_id: str, agent: str, step: int | None = None, count: int = 4) -> list[Sample]:
         """See :meth:`AsyncClient.samples`."""
