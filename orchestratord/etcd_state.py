@@ -174,7 +174,7 @@ class EtcdStateStore(StateStore):
                     f"agent {commit.agent!r} is at version {record.version}, cannot commit step {commit.step}"
                 )
             new_record = AgentVersionRecord(commit.new_version, commit.weights_uri, commit.state_uri,
-                                            commit.committed_s)
+                                            commit.committed_s, initial_weights_uri=record.initial_weights_uri)
             puts = {vkey: _dump(dataclasses.asdict(new_record)), ckey: commit.to_json().encode(),
                     pending_mark_key(self._prefix, commit.job_id, commit.agent, commit.step): b"1"}
             if history is not None:
@@ -206,7 +206,7 @@ class EtcdStateStore(StateStore):
             check_warm_start_target(agent, record, weights_uri)
             if record.weights_uri == weights_uri:
                 return
-            new_record = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
+            new_record = AgentVersionRecord(0, weights_uri, state_uri, updated_s, initial_weights_uri=weights_uri)
             if await self._registry.transact({key: raw}, {key: _dump(dataclasses.asdict(new_record))}):
                 return
         raise Aborted(f"agent {agent!r}: concurrent warm-start writes")

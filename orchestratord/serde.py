@@ -53,7 +53,7 @@ def job_status(snap: JobSnapshot, tokens_per_s: Mapping[str, float] | None = Non
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, weights_uri=a.weights_uri,
                 slot_id=a.slot_id, step_seconds=a.step_seconds,
                 tokens_per_s=(tokens_per_s or {}).get(a.agent, 0.0), slot_ids=list(a.slot_ids),
-                return_mean=a.return_mean,
+                return_mean=a.return_mean, initial_weights_uri=a.initial_weights_uri,
             )
             for a in snap.agents
         ],

@@ -143,6 +143,8 @@ class AgentVersionRecord:
     weights_uri: str = ""
     state_uri: str = ""
     updated_s: float = 0.0
+    #: Version 0's weights where a warm start published them ("": the spec's model), kept past later commits.
+    initial_weights_uri: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -558,6 +560,7 @@ class InMemoryStateStore(StateStore):
             weights_uri=commit.weights_uri,
             state_uri=commit.state_uri,
             updated_s=commit.committed_s,
+            initial_weights_uri=record.initial_weights_uri,
         )
         job["commits"][key] = commit
         job["pending_marks"].add(key)
@@ -587,7 +590,7 @@ class InMemoryStateStore(StateStore):
         check_warm_start_target(agent, record, weights_uri)
         if record.weights_uri == weights_uri:
             return
-        job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s)
+        job["agents"][agent] = AgentVersionRecord(0, weights_uri, state_uri, updated_s, initial_weights_uri=weights_uri)
         job["updated_s"] = max(job["updated_s"], updated_s)
 
     async def open_eval(self, job_id: str, opened: OpenEvalRound) -> None:

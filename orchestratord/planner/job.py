@@ -71,7 +71,8 @@ class JobPlanner:
         job = JobPlan(
             job_id=job_id, spec=spec, now_s=now_s, options=options, epoch=epoch,
             leases=LeaseTable(now_s, lease_id_prefix(job_id, epoch), group_of=prune_group_of_lease),
-            agents={name: AgentState(name, r.version, r.weights_uri, r.state_uri) for name, r in records.items()},
+            agents={name: AgentState(name, r.version, r.weights_uri, r.state_uri,
+                                   initial_weights_uri=r.initial_weights_uri) for name, r in records.items()},
             persisted_manifests=dict(manifests or {}), commits=dict(commits or {}),
             created_s=created_s, updated_s=created_s, state=state, error=error,
             rollout_demand_estimator=RolloutDemandEstimator(),
@@ -172,7 +173,7 @@ class JobPlanner:
         agents = tuple(
             AgentProgress(
                 agent=a.name, version=a.version, total_steps=self.spec.total_steps,
-                weights_uri=a.weights_uri, state_uri=a.state_uri,
+                weights_uri=a.weights_uri, state_uri=a.state_uri, initial_weights_uri=a.initial_weights_uri,
                 slot_id=slot_of(a.name) if slot_of is not None else "",
                 reward_mean=a.reward_mean, staleness_mean=a.staleness_mean, step_seconds=a.step_seconds,
                 slot_ids=members_of(a.name) if members_of is not None else (), return_mean=a.return_mean,

@@ -235,6 +235,8 @@ class AgentState:
     state_uri: str
     # Worker whose memory alone holds the committed state (non-durable state_uri), else "".
     state_worker_id: str = ""
+    # Version 0's weights where a warm start published them ("": the spec's model).
+    initial_weights_uri: str = ""
     # The last step's mean trained reward (per experience) and mean unshaped episode return (per episode).
     reward_mean: float = 0.0
     return_mean: float = 0.0

@@ -165,6 +165,8 @@ class AgentProgress:
     slot_ids: tuple[str, ...] = ()
     # Mean unshaped episode return over the last step's episodes: the reported reward.
     return_mean: float = 0.0
+    # Version 0's weights where a warm start published them ("": the spec's model).
+    initial_weights_uri: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,6 +108,7 @@ def commit(job: JobPlan, worker_id: str, slot_id: str, agent: str, step: int, we
     job.leases.forget([lease.lease_id])
     del job.warm_starts[agent]
     state.weights_uri, state.state_uri = weights_uri, state_uri
+    state.initial_weights_uri = weights_uri
     state.state_worker_id = "" if is_durable_state(state_uri) else worker_id
     job.updated_s = job.now_s()
     job.changes.append(WarmStartPublished(job.job_id, agent, weights_uri, state_uri, job.updated_s))

@@ -192,7 +192,7 @@ class VersionedOrchestrator(RecordingOrchestrator):
         spec["checkpoint"] = {"keep_last": 2, "keep_every": 2, "keep_states": 1}
         status = _status(request.job_id)
         status.spec_json = json.dumps(spec)
-        status.agents.add(agent="sender", step=5, version=5)
+        status.agents.add(agent="sender", step=5, version=5, initial_weights_uri="file:///w/sender/warm")
         status.agents.add(agent="receiver", step=0, version=0)
         return status
 
@@ -217,6 +217,11 @@ def test_versions_list_what_the_policy_keeps_and_a_pruned_download_says_so(tmp_p
             assert kept == [("sender", 0), ("sender", 2), ("sender", 4), ("sender", 5), ("receiver", 0)]
             assert [v.version for v in versions if v.agent == "sender"] == [0, 1, 2, 3, 4, 5]
             assert client._run(client._async.weights_uri("job-1", "sender", 4)) == "file:///w/sender/v4"
+            # Version 0: the sender's published warm start; the receiver (no warm start) is the spec's model.
+            zero = {v.agent: v.weights_uri for v in versions if v.version == 0}
+            assert zero["sender"] == "file:///w/sender/warm"
+            assert zero["receiver"] == _spec()["agents"][1]["model"] != zero["sender"]
+            assert client._run(client._async.weights_uri("job-1", "sender", 0)) == "file:///w/sender/warm"
             with pytest.raises(NotFound, match="pruned by the checkpoint policy"):
                 client.download_weights("job-1", "sender", 3, tmp_path / "v3")
             with pytest.raises(NotFound, match="no committed version 9"):

@@ -17,6 +17,7 @@ from orchestratord.planner import (
     Planner,
     PlannerOptions,
     RolloutTaskLease,
+    WarmStartWork,
 )
 from orchestratord.state import EvalRecorded, InMemoryStateStore, JobState, ManifestFixed, apply_changes
 
@@ -56,6 +57,9 @@ def drive(planner: Planner, job_id: str, changes: list[Any], max_rounds: int = 2
         elif isinstance(work, OptimizerStepWork):
             planner.commit_step("trainer-0", "slot-0", work.job_id, work.agent, work.step, work.new_version,
                                 f"file:///w/{work.agent}/{work.new_version}", f"file:///s/{work.agent}/{work.new_version}")
+        elif isinstance(work, WarmStartWork):
+            planner.commit_step("trainer-0", "slot-0", work.job_id, work.agent, 0, 0, f"file:///w/{work.agent}/warm",
+                                f"file:///s/{work.agent}/warm")
     raise AssertionError(f"job did not finish: {job.snapshot()}")
 
 
@@ -382,3 +386,30 @@ async def test_flexmarl_eval_takes_kept_versions_only_with_their_weights_from_th
     assert {v.agent: (v.version, v.weights_uri) for v in leases[0].agent_versions} == {
         "sender": (2, "file:///w/sender/2"), "receiver": (0, "")}
     assert all(lease.pinned for lease in leases)
+
+
+async def test_flexmarl_eval_of_a_warm_started_version_zero_plays_its_published_weights() -> None:
+    import json
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from orchestratord.coordinator import JobCoordinator
+    from orchestratord.metrics import OrchestratorMetrics
+
+    from .helpers import spec_dict
+
+    registry: Any = types.SimpleNamespace(prefix="/test")
+    coordinator = JobCoordinator(registry, OrchestratorMetrics(CollectorRegistry()), now_s=FakeClock())
+    coordinator.state = HistoryStore()  # type: ignore[assignment]
+    spec = spec_dict(total_steps=2)
+    spec["agents"][0]["warm_start"] = {"dataset": "examples.arithmetic.data:solver_examples", "steps": 2}
+    await coordinator.submit_job(json.dumps(spec), "ws")
+    changes: list[Any] = []
+    await coordinator.mutate(lambda: drive(coordinator.planner, "ws", changes))
+    await coordinator._persist(changes)
+    assert coordinator.planner.job("ws").state is JobState.SUCCEEDED
+    assert await coordinator.evaluate_job("ws", {"sender": 0, "receiver": 0}, 2) == "d1"
+    leases = coordinator.planner.lease_rollout_tasks("roll-0", 4)
+    assert {v.agent: (v.version, v.weights_uri) for v in leases[0].agent_versions} == {
+        "sender": (0, "file:///w/sender/warm"), "receiver": (0, "")}

@@ -94,6 +94,11 @@ async def test_a_warm_start_fills_version_zero_once(store: StateStore) -> None:
         0, "file:///w0", "file:///s0")
     assert job.agents["b"].weights_uri == ""
     await store.commit_step(StepCommit("j", "a", 0, "file:///w1", "file:///s1", "slot", 4.0))
+    await store.commit_step(StepCommit("j", "b", 0, "file:///b1", "", "slot", 4.0))
+    job = await store.load_job("j")
+    assert job is not None  # version 0's warm-started weights outlive later commits; b's version 0 is the spec's
+    assert (job.agents["a"].weights_uri, job.agents["a"].initial_weights_uri) == ("file:///w1", "file:///w0")
+    assert job.agents["b"].initial_weights_uri == ""
     with pytest.raises(Aborted, match="version 1"):  # past version 0: a warm start cannot rewrite it
         await store.publish_warm_start("j", "a", "file:///w0", "file:///s0", 5.0)
     with pytest.raises(NotFound):

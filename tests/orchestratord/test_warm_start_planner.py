@@ -80,6 +80,10 @@ def test_a_job_with_two_warm_starts_waits_for_both_and_then_runs_to_the_end() ->
     assert planner.lease_rollout_tasks("roll", 1)
     run_job(planner, clock, "job1", slots=("s0", "s1"))
     assert job.state is JobState.SUCCEEDED
+    # Version 0 stays findable after later versions: what `flexmarl export --version 0` downloads.
+    assert {a.agent: a.initial_weights_uri for a in job.snapshot().agents} == {
+        name: f"file:///w/{name}/warm" for name in AGENTS}
+    assert all(a.version > 0 and a.weights_uri != a.initial_weights_uri for a in job.snapshot().agents)
 
 
 def test_bad_warm_start_commits_are_refused_and_lose_nothing() -> None:
@@ -150,6 +154,8 @@ async def test_a_restored_orchestrator_knows_which_warm_starts_are_committed() -
     # A new orchestrator: the committed warm start stays, the one in flight is issued again.
     restarted = Planner(clock, PlannerOptions(lease_epoch="e1"))
     restored = restarted.restore_job(persisted, [])
+    assert {a.agent: a.initial_weights_uri for a in restored.snapshot().agents} == {
+        first.agent: f"file:///w/{first.agent}/warm", second.agent: ""}
     assert restarted.lease_rollout_tasks("roll", 100) == []
     work = restarted.poll_trainer_work("t", "s1")
     assert isinstance(work, WarmStartWork) and work.agent == second.agent

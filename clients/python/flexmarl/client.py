@@ -72,6 +72,13 @@ class AgentProgress:
     step_seconds: float
     #: Mean unshaped episode return of the last step, over its episodes: the reported reward.
     return_mean: float = 0.0
+    #: Version 0's weights where the agent's warm start published them ("": the spec's model).
+    initial_weights_uri: str = ""
+
+
+def _version_zero(info: JobInfo, agent: str, model: str) -> str:
+    """Version 0's weights: the agent's published warm start, else the spec's model."""
+    return next((a.initial_weights_uri for a in info.agents if a.agent == agent and a.initial_weights_uri), model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +114,7 @@ class JobInfo:
                     agent=a.agent, step=a.step, version=a.version, total_steps=a.total_steps,
                     reward_mean=a.reward_mean, tokens_per_s=a.tokens_per_s, staleness_mean=a.staleness_mean,
                     weights_uri=a.weights_uri, slot_id=a.slot_id, step_seconds=a.step_seconds,
-                    return_mean=a.return_mean,
+                    return_mean=a.return_mean, initial_weights_uri=a.initial_weights_uri,
                 )
                 for a in msg.agents
             ),
@@ -470,12 +477,15 @@ class AsyncClient:
             await asyncio.sleep(interval_s)
 
     async def versions(self, job_id: str) -> list[VersionInfo]:
-        """Every version of every agent (version 0 = the spec's model), with what the policy retains."""
+        """Every version of every agent, with what the policy retains.
+
+        Version 0 is the spec's model, or the agent's warm start once published.
+        """
         info = await self.status(job_id)
         spec = parse_job_spec(json.loads(info.spec_json))  # JSON text from orchestratord, never a path
         history = await self.history(job_id)
         latest = {a.agent: a.version for a in info.agents}
-        out = [VersionInfo(a.name, 0, -1, 0.0, a.model, True) for a in spec.agents]
+        out = [VersionInfo(a.name, 0, -1, 0.0, _version_zero(info, a.name, a.model), True) for a in spec.agents]
         for r in sorted(history, key=lambda r: (spec.agent_names.index(r.agent), r.version)):
             retained = spec.checkpoint.keeps_weights(r.version, latest.get(r.agent, r.version))
             out.append(VersionInfo(r.agent, r.version, r.step, r.reward_mean, r.weights_uri, retained,
@@ -483,7 +493,7 @@ class AsyncClient:
         return sorted(out, key=lambda v: (spec.agent_names.index(v.agent), v.version))
 
     async def weights_uri(self, job_id: str, agent: str, version: int) -> str:
-        """Where the weights of one agent version are (version 0 = the spec's initial model).
+        """Where the weights of one agent version are (version 0: the spec's model, or its warm start once published).
 
         Raises:
             NotFound: no such agent or version, or the job's checkpoint policy pruned it (the
@@ -496,7 +506,7 @@ class AsyncClient:
             raise NotFound(f"job {job_id} has no agent {agent!r}")
         spec = parse_job_spec(json.loads(info.spec_json))
         if version == 0:
-            return spec.agent(agent).model
+            return _version_zero(info, agent, spec.agent(agent).model)
         latest = next(a.version for a in info.agents if a.agent == agent)
         for record in await self.history(job_id):
             if record.agent == agent and record.version == version:

@@ -241,6 +241,7 @@ class AgentProgress(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _builtins.int
     SLOT_IDS_FIELD_NUMBER: _builtins.int
     RETURN_MEAN_FIELD_NUMBER: _builtins.int
+    INITIAL_WEIGHTS_URI_FIELD_NUMBER: _builtins.int
     agent: _builtins.str
     step: _builtins.int
     """Committed optimizer steps (= current policy version)."""
@@ -257,6 +258,10 @@ class AgentProgress(_message.Message):
     step_seconds: _builtins.float
     return_mean: _builtins.float
     """Mean unshaped episode return over the last step's episodes: the reported reward."""
+    initial_weights_uri: _builtins.str
+    """Version 0's weights where the agent's warm start published them (kept after later versions);
+    "" when version 0 is the spec's model.
+    """
     @_builtins.property
     def slot_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Every slot bound now, data-parallel rank order (slot_ids[0] == slot_id); more than one
@@ -278,10 +283,11 @@ class AgentProgress(_message.Message):
         step_seconds: _builtins.float = ...,
         slot_ids: _abc.Iterable[_builtins.str] | None = ...,
         return_mean: _builtins.float = ...,
+        initial_weights_uri: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "slot_ids", b"slot_ids", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "initial_weights_uri", b"initial_weights_uri", "return_mean", b"return_mean", "reward_mean", b"reward_mean", "slot_id", b"slot_id", "slot_ids", b"slot_ids", "staleness_mean", b"staleness_mean", "step", b"step", "step_seconds", b"step_seconds", "tokens_per_s", b"tokens_per_s", "total_steps", b"total_steps", "version", b"version", "weights_uri", b"weights_uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
