@@ -143,12 +143,20 @@ class Slot:
     #: The frozen base the slot's LoRA agents share (kept across their swaps; traind.lora).
     lora_bases: LoraBaseCache = dataclasses.field(default_factory=LoraBaseCache)
     #: Device calls, experience reads and warm-start steps done (only grows): the progress its lease renewals
-    #: report, so a slot stuck in one of them loses its lease (docs/reliability.md, Hung workers).
+    #: report, so a slot stuck in one of them loses its lease (docs/reliability.md, Hung workers). It also
+    #: counts the other slots' own work done while this one waited for the process's device lock.
     progress: int = 0
+    #: This slot's own units of ``progress`` (what the other slots' waits are credited from).
+    own_progress: int = 0
+    #: Waiting for the process's device lock (another slot of this process computes).
+    waiting_for_device: bool = False
+    #: The process's own units when this slot's renewal last looked.
+    seen_process_progress: int = 0
 
     def advance(self) -> None:
-        """One unit of work done (called from the slot's device thread too: a plain int store)."""
+        """One unit of work done (called from the slot's device thread too: plain int stores)."""
         self.progress += 1
+        self.own_progress += 1
 
     @property
     def resident(self) -> tuple[str, str] | None:
@@ -315,9 +323,35 @@ class TrainerWorker:
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
 
+    @contextlib.asynccontextmanager
+    async def _device_turn(self, slot: Slot) -> AsyncIterator[None]:
+        """The process's device lock for ``slot``'s work; while it waits, the other slots' work is its progress.
+
+        The slots of one process compute one at a time (one process group), so a slot's work can wait behind
+        another slot's long one (a warm start runs under the lock for all its steps). That wait is not a
+        hang: the slot's renewals count the work the process does meanwhile (:meth:`_credit_wait`), the way
+        rolloutd counts a task waiting for its job's engines. A process whose lock holder is stuck does no
+        work, so its waiting slots lose their leases as before.
+        """
+        slot.waiting_for_device = True
+        try:
+            async with self._compute:
+                slot.waiting_for_device = False
+                yield
+        finally:
+            slot.waiting_for_device = False
+
+    def _credit_wait(self, slot: Slot) -> None:
+        """Adds to a waiting slot's progress the units the process's slots did since its last renewal."""
+        done = sum(other.own_progress for other in self.slots)
+        if slot.waiting_for_device:
+            slot.progress += max(0, done - slot.seen_process_progress)
+        slot.seen_process_progress = done
+
     async def _renew_lease(self, slot: Slot, lease_id: str, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)  # a period, not a wait for a condition
+            self._credit_wait(slot)
             try:
                 lost = await self._orchestrator.renew_leases([lease_id], [slot.progress])
             except (OrchestratorCallError, FlexmarlError) as exc:
@@ -432,7 +466,7 @@ class TrainerWorker:
             await asyncio.to_thread(trainer.device_clock.settle)
 
     async def _micro_batch(self, slot: Slot, work: MicroBatchWork) -> None:
-        async with self._compute:
+        async with self._device_turn(slot):
             trainer = await self._bind(slot, work)
             if slot.step_id != work.step_id:
                 trainer.discard_gradients()  # a new step, or a replay of one: start from zero
@@ -461,7 +495,7 @@ class TrainerWorker:
         if warm is None:
             raise InvalidArgument(f"{work.agent} of {work.job_id} has no warm_start")
         started = time.perf_counter()
-        async with self._compute:
+        async with self._device_turn(slot):
             await self._join(None)
             if slot.trainer is not None:  # another agent, or this one from an earlier attempt: start from the base
                 log.info("%s: releasing %s/%s v%d", slot.slot_id, slot.job_id, slot.agent, slot.trainer.version)
@@ -494,7 +528,7 @@ class TrainerWorker:
         if group is not None and (ProcessGroupKey.of(group) != self.group or slot.step_id != work.step_id
                                   or slot.trainer is None):
             # A member that was given no micro-batch of this step: it joins with a zero gradient.
-            async with self._compute:
+            async with self._device_turn(slot):
                 trainer = await self._bind(slot, work)
                 trainer.discard_gradients()
                 slot.step_id = work.step_id
@@ -505,7 +539,7 @@ class TrainerWorker:
         if group is not None and group.rank > 0:
             await self._member_optimizer_step(slot, trainer, work, group)
             return
-        async with self._compute:
+        async with self._device_turn(slot):
             stats = await self._on_device(slot, lambda: trainer.optimizer_step(
                 work.step_response_tokens, work.step_sequences, num_micro_batches=work.num_micro_batches))
             if trainer.version != work.new_version:
@@ -597,7 +631,7 @@ class TrainerWorker:
         started = time.perf_counter()
         scratch = self.settings.work_dir / "dp-scratch" / f"{work.agent}-v{work.new_version}"
         try:
-            async with self._compute:
+            async with self._device_turn(slot):
                 stats = await self._on_device(slot, lambda: trainer.optimizer_step(
                     work.step_response_tokens, work.step_sequences, num_micro_batches=work.num_micro_batches))
                 if trainer.version != work.new_version:
@@ -723,7 +757,7 @@ class TrainerWorker:
         uri = self._state_uri(kind, work.job_id, work.agent, slot.trainer.version)
         if kind == "stored":
             await self._store.client()
-        async with self._compute:
+        async with self._device_turn(slot):
             stats = await self._on_device(slot, swap_out, slot.trainer, self._location(uri, work.job_id))
         self._metrics.observe_swap("out", stats.bytes_moved, stats.seconds)
         slot.trainer, slot.job_id, slot.agent, slot.step_id = None, "", "", ""

@@ -236,6 +236,49 @@ async def test_a_micro_batch_keeps_its_lease_renewed_while_the_slot_works_on_it(
         await worker.stop()
 
 
+@pytest.mark.timeout(30)
+async def test_a_slot_waiting_for_the_device_lock_counts_the_other_slots_work_as_progress(tmp_path: Path) -> None:
+    """Two slots of one process compute one at a time: the one waiting behind a long warm start is not hung."""
+    settings = TrainerSettings(worker_id="traind-wait", slots=2, work_dir=tmp_path / "work", state_location="file",
+                               publish_location="file")
+    worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), FakeOrchestrator("{}", []), FakeStore([]))
+    busy, waiting = worker.slots
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def hold() -> None:
+        async with worker._device_turn(busy):
+            entered.set()
+            await release.wait()
+
+    async def wait_turn() -> None:
+        async with worker._device_turn(waiting):
+            waiting.advance()
+
+    holder = asyncio.create_task(hold())
+    await asyncio.wait_for(entered.wait(), 10)
+    waiter = asyncio.create_task(wait_turn())
+    async with asyncio.timeout(10):
+        while not waiting.waiting_for_device:
+            await asyncio.sleep(0)
+    assert not busy.waiting_for_device
+    worker._credit_wait(waiting)
+    start = waiting.progress
+    worker._credit_wait(waiting)
+    assert waiting.progress == start  # the holder did nothing (a stuck holder): the waiting slot shows nothing
+    for _ in range(3):
+        busy.advance()
+    worker._credit_wait(waiting)
+    worker._credit_wait(busy)
+    assert (waiting.progress, waiting.own_progress) == (start + 3, 0)  # credited, never as its own work
+    assert busy.progress == busy.own_progress == 3  # the holder is not credited with anything
+    release.set()
+    await asyncio.wait_for(asyncio.gather(holder, waiter), 10)
+    assert not waiting.waiting_for_device and waiting.own_progress == 1
+    busy.advance()
+    worker._credit_wait(waiting)
+    assert waiting.progress == start + 4  # its own unit only: the wait is over
+
+
 def test_serde_carries_every_field_of_the_work_messages() -> None:
     from flexmarl.v1 import orchestrator_pb2
     from traind import serde
