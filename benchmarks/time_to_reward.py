@@ -346,7 +346,25 @@ def run_one(
                                                   "state": info.state.name, "agents": len(spec["agents"]),
                                                   "submitted_s": submitted_s, "replicas": replicas, "slots": slots}))
     return measure(workload, config, seed, info.state.name, history, len(spec["agents"]), profile, trace_dir,
-                   submitted_s, replicas, slots, read_experiences(stored_db(run_dir)), args.mixed_versions)
+                   submitted_s, replicas, slots, read_experiences(stored_db(run_dir)), args.mixed_versions,
+                   warm_started_s(run_dir))
+
+
+#: orchestratord's log line when an agent's warm start is committed (coordinator._persist)
+_WARM_STARTED = "warm-started, version 0 is"
+
+
+def warm_started_s(run_dir: Path) -> float | None:
+    """When the run's last warm start was committed (wall s, from orchestratord's log), None without one.
+
+    The clock starts after it: before, the only device work is each engine's start-up probe.
+    """
+    log_path = run_dir / "orchestratord.log"
+    if not log_path.is_file():
+        return None
+    stamps = [datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+              for line in log_path.read_text(errors="replace").splitlines() if _WARM_STARTED in line]
+    return max(stamps, default=None)
 
 
 def measure(
@@ -363,11 +381,16 @@ def measure(
     slots: int,
     experiences: Sequence[VersionedExperience] = (),
     mixed_rule: str = "newest",
+    not_before_s: float | None = None,
 ) -> RewardRun:
-    """One run's figures from its step records, device traces and stored's experiences."""
+    """One run's figures from its step records, device traces and stored's experiences.
+
+    ``not_before_s``: the clock starts at the first device work from then on (after a warm start).
+    """
     traces = devicemodel.read_traces(trace_dir)
     device = [r for who, records in traces.items() if who.startswith(("engine-", "traind-")) for r in records]
-    t0 = min((float(r["start_s"]) for r in device), default=submitted_s)
+    start = not_before_s if not_before_s is not None else -math.inf
+    t0 = min((float(r["start_s"]) for r in device if float(r["start_s"]) >= start), default=submitted_s)
     curve = reward_curve(history, agents, t0, profile.time_scale)
     end = max((r.committed_unix_ms / 1000.0 for r in history), default=t0)
     step0 = t0 + curve[0].modelled_s * profile.time_scale if curve else end
@@ -415,7 +438,8 @@ def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardR
         profile = devicemodel.load_profile(run_dir / "device.json")
         runs.append(measure(WORKLOADS[meta["workload"]], meta["config"], meta["seed"], meta["state"], history,
                             meta["agents"], profile, run_dir / "traces", meta["submitted_s"], meta["replicas"],
-                            meta["slots"], read_experiences(stored_db(run_dir)), mixed_rule))
+                            meta["slots"], read_experiences(stored_db(run_dir)), mixed_rule,
+                            warm_started_s(run_dir)))
     return runs
 
 

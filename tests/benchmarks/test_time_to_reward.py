@@ -307,3 +307,41 @@ def test_a_saved_warm_start_replaces_the_agents_warm_start_for_the_same_seed_onl
     # Another seed (other base weights, other warm-start data) shares nothing.
     assert ttr.use_warm_starts(ttr.example_job(workload, "sync", 1, 3, tmp_path / "models"), cache)[1].keys() == {
         "solver", "verifier"}
+
+
+def test_the_clock_starts_after_a_warm_start_not_at_the_engines_start_up_probe(tmp_path: Path) -> None:
+    import datetime
+
+    run_dir = tmp_path / "arithmetic-sync-s0"
+    (run_dir / "traces").mkdir(parents=True)
+    profile = devicemodel.H100_SXM.with_changes(token_scale=128.0, time_scale=TIME_SCALE, train_devices_per_slot=1)
+    (run_dir / "device.json").write_text(profile.to_json())
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0]
+    (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r)
+                                                      for r in history(rising, step_wall_s=2.0)]))
+    kept_stored(run_dir, rising)
+    probe = {"kind": "generate", "start_s": 400.0, "end_s": 400.1, "modelled_s": 0.4, "overrun_s": 0.0}
+    work = {"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0}
+    (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(probe) + "\n" + json.dumps(work) + "\n")
+    (run_dir / "run.json").write_text(json.dumps({"workload": "arithmetic", "config": "sync", "seed": 0,
+                                                  "state": "SUCCEEDED", "agents": 2, "submitted_s": 390.0,
+                                                  "replicas": 2, "slots": 2}))
+    assert ttr.warm_started_s(run_dir) is None
+    [before] = ttr.reanalyse([tmp_path])
+    assert before.start_wall_s == pytest.approx(10.0)  # the start-up probe starts the clock without a warm start
+
+    def stamp(wall_s: float) -> str:
+        return datetime.datetime.fromtimestamp(wall_s).strftime("%Y-%m-%d %H:%M:%S,%f")[:23]
+
+    (run_dir / "orchestratord.log").write_text(
+        f"{stamp(700.0)} INFO orchestratord[1] orchestratord.coordinator: job j: agent solver warm-started, "
+        f"version 0 is stored://w/solver/v0\n{stamp(900.0)} INFO orchestratord[1] orchestratord.coordinator: "
+        f"job j: agent verifier warm-started, version 0 is stored://w/verifier/v0\n{stamp(950.0)} INFO other\n")
+    assert ttr.warm_started_s(run_dir) == pytest.approx(900.0, abs=1e-3)
+    [after] = ttr.reanalyse([tmp_path])
+    assert after.start_wall_s == pytest.approx(610.0)  # from the last warm start on: the first work at 1000 s
+    assert after.curve[0].modelled_s == pytest.approx(before.curve[0].modelled_s - 600.0 / TIME_SCALE)
+    rr.set_targets([before], {"arithmetic": 0.9})
+    rr.set_targets([after], {"arithmetic": 0.9})
+    assert after.after_step0("step") == pytest.approx(before.after_step0("step")) == pytest.approx(
+        12.0 / TIME_SCALE)  # the speedups' figure never depended on where the clock starts
