@@ -24,7 +24,9 @@ class OrchestratorApp(DaemonApp):
         self.coordinator = JobCoordinator(
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
-            options=PlannerOptions(swap_location=config.swap_location), security=ctx.security,
+            options=PlannerOptions(swap_location=config.swap_location,
+                                   capacity_aware_binding=config.capacity_aware_binding),
+            security=ctx.security,
             max_message_bytes=config.max_message_bytes, history_page_steps=config.history_page_steps,
         )
         self.defragmenter = EtcdDefragmenter(ctx.registry, DefragPolicy(

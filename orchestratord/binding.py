@@ -41,6 +41,20 @@ Rules (DESIGN section 5):
   slot (no starvation) or when the group is larger than the upcoming work
   warrants (e.g. the job's last step is committed: the group dissolves). Every
   membership change starts a new group *epoch*: a new process group in traind.
+* **Slot capacity.** A slot reports its training capacity (``capacity``: its
+  devices, or a relative speed; traind's ``slot_capacity``). Where the known
+  slots' capacities differ, an agent's *weight* (the tokens of its current
+  step, ``AgentDemand.step_tokens``) decides where it goes: a slot of more
+  capacity than the smallest takes the heaviest waiting agent first; a slot
+  leaves a waiting agent to a *larger slot* that would take it soon (one of more
+  capacity, unbound and recently polled, or bound to a lone agent it *outranks*:
+  more than ``capacity_margin`` times that agent's weight, and it is the
+  heaviest such agent); at its step boundary an agent moves off its slot when a
+  larger slot would take it (it waits, and the larger slot takes it), and gives
+  a larger slot up to a waiting agent that outranks it. The margin keeps
+  step-to-step noise from moving anyone; starvation still overrides.
+  Data-parallel agents are left out of these rules. With equal capacities (or
+  ``capacity_aware`` off) every decision is the same as without them.
 """
 
 from __future__ import annotations
@@ -73,6 +87,14 @@ class AgentDemand:
     portable: bool = True
     # The agent's warm start waits for a slot (agents[].warm_start; one in flight counts as mid_step).
     warm_start_pending: bool = False
+    # Response tokens of the current step's formed micro-batches, in any state: how much the step trains
+    # (its weight against slot capacities).
+    step_tokens: int = 0
+
+    @property
+    def weight(self) -> int:
+        """The agent's training weight now: the tokens of its current step."""
+        return max(self.step_tokens, self.ready_tokens)
 
     @property
     def has_work(self) -> bool:
@@ -94,6 +116,8 @@ class TrainerSlot:
     swapping_out: AgentKey | None = None
     # host:port of the slot process's data-parallel rendezvous; "" = cannot join a group.
     dp_address: str = ""
+    # Training capacity relative to one reference device (its devices, or a relative speed).
+    capacity: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +178,8 @@ class SlotBinder:
         recruit_fresh_s: float = 10.0,
         dp_timeout_s: int = 60,
         incarnation: str = "",
+        capacity_aware: bool = True,
+        capacity_margin: float = 1.25,
     ) -> None:
         self._now_s = now_s
         self._aging_per_s = aging_per_s
@@ -162,6 +188,10 @@ class SlotBinder:
         self._dp_per_member = max(1, dp_min_micro_batches_per_member)
         self._recruit_fresh_s = recruit_fresh_s
         self._dp_timeout_s = dp_timeout_s
+        self._capacity_aware = capacity_aware
+        self._capacity_margin = capacity_margin
+        # Known slots per capacity: the capacity rules apply only while there are several.
+        self._capacities: dict[float, int] = {}
         # Group ids must not repeat across orchestrator restarts (traind reuses a process group
         # whose id it already joined).
         self._incarnation = incarnation or secrets.token_hex(3)
@@ -215,16 +245,24 @@ class SlotBinder:
             slot.last_seen_s = self._now_s()
 
     def observe_poll(self, slot_id: str, worker_id: str, resident: Mapping[AgentKey, int],
-                     dp_address: str = "") -> TrainerSlot:
-        """Registers or refreshes a slot from its poll (what it holds now, its rendezvous address)."""
+                     dp_address: str = "", capacity: float = 1.0) -> TrainerSlot:
+        """Registers or refreshes a slot from its poll (what it holds now, its rendezvous address, its capacity)."""
         slot = self._slots.get(slot_id)
         if slot is None or slot.worker_id != worker_id:
             if slot is not None:
                 self.remove_slot(slot_id)
-            slot = TrainerSlot(slot_id=slot_id, worker_id=worker_id, last_seen_s=self._now_s())
+            slot = TrainerSlot(slot_id=slot_id, worker_id=worker_id, last_seen_s=self._now_s(), capacity=capacity)
             self._slots[slot_id] = slot
-            if self._static:  # static eligibility depends on the slot set; otherwise a new slot changes no other's
+            self._count_capacity(capacity, 1)
+            # Static eligibility depends on the slot set, and where capacities differ a new slot is a place
+            # waiting agents may be left for; otherwise a new slot changes no other's decision.
+            if self._static or self.capacities_differ:
                 self.slot_set_changes += 1
+        elif slot.capacity != capacity:
+            self._count_capacity(slot.capacity, -1)
+            slot.capacity = capacity
+            self._count_capacity(capacity, 1)
+            self.slot_set_changes += 1
         slot.last_seen_s = self._now_s()
         slot.resident = dict(resident)
         slot.dp_address = dp_address
@@ -249,7 +287,20 @@ class SlotBinder:
             self._leave(slot)
         if slot is not None:
             self.slot_set_changes += 1
+            self._count_capacity(slot.capacity, -1)
         return self._slots.pop(slot_id, None)
+
+    def _count_capacity(self, capacity: float, delta: int) -> None:
+        count = self._capacities.get(capacity, 0) + delta
+        if count > 0:
+            self._capacities[capacity] = count
+        else:
+            self._capacities.pop(capacity, None)
+
+    @property
+    def capacities_differ(self) -> bool:
+        """Whether the capacity rules apply: the known slots' capacities differ (and the binder weighs them)."""
+        return self._capacity_aware and len(self._capacities) > 1
 
     # ---- bindings ------------------------------------------------------------------------------------
 
@@ -445,17 +496,23 @@ class SlotBinder:
         return waited_s >= self._max_wait_s, value + self._aging_per_s * waited_s + affinity
 
     def _best_waiting(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],
-                      exclude: AgentKey | None) -> AgentKey | None:
-        best: tuple[tuple[bool, float], AgentKey] | None = None
+                      exclude: AgentKey | None, mover: AgentKey | None = None) -> AgentKey | None:
+        """The waiting agent ``slot_id`` would take (``mover``: the agent bound to it, which may move away)."""
+        best: tuple[tuple[bool, int, float], AgentKey] | None = None
         # The tracked demands' waiting agents are exactly those of the walk below (the order does not matter:
         # the best score, ties to the smallest key, is a total order).
         keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
+        sized = self.capacities_differ
+        # A slot of more than the smallest capacity takes the heaviest waiting agent first.
+        by_weight = sized and slot_id in self._slots and self._slots[slot_id].capacity > min(self._capacities)
+        left = self.left_for_larger(slot_id, demands, mover) if sized else {}
         for key in keys:
             demand = demands[key]
             if key == exclude or not demand.has_work or key in self._members \
-                    or not self.eligible(key, slot_id):
+                    or not self.eligible(key, slot_id) or key in left:  # left to a larger slot that takes it soon
                 continue
-            ranked = (self.score(key, slot_id, demand), key)
+            starving, value = self.score(key, slot_id, demand)
+            ranked = ((starving, demand.weight if by_weight else 0, value), key)
             # Highest score wins; ties go to the smallest key (deterministic).
             if best is None or ranked[0] > best[0] or (ranked[0] == best[0] and key < best[1]):
                 best = ranked
@@ -471,7 +528,8 @@ class SlotBinder:
             demand = demands.get(agent, AgentDemand(agent))
             if demand.mid_step:
                 return BindingDecision(DecisionKind.KEEP, agent)
-            successor = self._best_waiting(slot_id, demands, exclude=agent)
+            alone = len(self.members(agent)) == 1
+            successor = self._best_waiting(slot_id, demands, exclude=agent, mover=agent if alone else None)
             if self.slot_of(agent) != slot_id:
                 # A non-primary member: it leaves at this step boundary when another agent waits,
                 # when the slot set changed, or when the group is larger than the work warrants.
@@ -481,6 +539,8 @@ class SlotBinder:
                 return BindingDecision(DecisionKind.KEEP, agent)
             if not self.eligible(agent, slot_id):
                 # The slot set changed (a slot appeared or died): leave at this step boundary.
+                return BindingDecision(DecisionKind.RELEASE, agent, successor)
+            if alone and self._moves_for_capacity(slot, demand, successor, demands):
                 return BindingDecision(DecisionKind.RELEASE, agent, successor)
             if successor is None:
                 return BindingDecision(DecisionKind.KEEP, agent)
@@ -495,6 +555,66 @@ class SlotBinder:
             if self._may_recruit(agent, slot_id, demands):
                 return BindingDecision(DecisionKind.JOIN, agent)
         return BindingDecision(DecisionKind.IDLE)
+
+    # ---- slot capacity ----------------------------------------------------------------------------------
+
+    def _outranks(self, agent: AgentKey, other: AgentKey, demands: Mapping[AgentKey, AgentDemand]) -> bool:
+        """Whether ``agent``'s step trains more than ``capacity_margin`` times ``other``'s."""
+        mine, theirs = demands.get(agent), demands.get(other)
+        return mine is not None and mine.weight > self._capacity_margin * (theirs.weight if theirs else 0)
+
+    def left_for_larger(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],
+                        mover: AgentKey | None = None) -> dict[AgentKey, str]:
+        """The waiting agents (and ``mover``, bound to ``slot_id``) that slots of more capacity would take soon.
+
+        Each larger slot (largest first, ties by id) that is not saving a state takes the heaviest agent
+        not yet taken that may use it (static sets) and is neither starving nor data-parallel, if the slot
+        is unbound and polled within ``recruit_fresh_s`` (it binds the agent on its next poll) or bound to
+        one other agent (no group) that this one outranks (it gives the slot up at its step boundary).
+        Returns agent -> that slot; empty unless capacities differ.
+        """
+        if not self.capacities_differ:
+            return {}
+        here = self._slots[slot_id].capacity if slot_id in self._slots else 0.0
+        larger = sorted((slot for slot in self._slots.values() if slot.capacity > here
+                         and slot.swapping_out is None), key=lambda slot: (-slot.capacity, slot.slot_id))
+        if not larger:
+            return {}
+        keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
+        movers = [key for key in keys if key in demands and demands[key].has_work and key not in self._members]
+        if mover is not None and mover in demands:
+            movers.append(mover)
+        movers = sorted((key for key in movers if not demands[key].data_parallel
+                         and self.waited_s(key) < self._max_wait_s), key=lambda key: (-demands[key].weight, key))
+        now_s = self._now_s()
+        taken: dict[AgentKey, str] = {}
+        for slot in larger:
+            occupant = slot.agent
+            if occupant is None and now_s - slot.last_seen_s > self._recruit_fresh_s:
+                continue
+            if occupant is not None and len(self._members.get(occupant, ())) != 1:
+                continue
+            for key in movers:
+                if key in taken or key == occupant or not self.eligible(key, slot.slot_id):
+                    continue
+                if occupant is None or self._outranks(key, occupant, demands):
+                    taken[key] = slot.slot_id
+                break  # the heaviest eligible agent is the slot's choice (or nobody outranks its occupant)
+        return taken
+
+    def _moves_for_capacity(self, slot: TrainerSlot, demand: AgentDemand, successor: AgentKey | None,
+                            demands: Mapping[AgentKey, AgentDemand]) -> bool:
+        """Whether the agent bound (alone) to ``slot``, at its step boundary, leaves it for capacity's sake.
+
+        It leaves when a larger slot is there for it (it waits for that one), or when ``slot`` is of more
+        than the smallest capacity and the waiting ``successor`` outranks it.
+        """
+        if not self.capacities_differ or demand.data_parallel or not demand.has_work:
+            return False
+        if demand.key in self.left_for_larger(slot.slot_id, demands, mover=demand.key):
+            return True
+        return successor is not None and slot.capacity > min(self._capacities) \
+            and self._outranks(successor, demand.key, demands)
 
     # ---- data parallelism ------------------------------------------------------------------------------
 

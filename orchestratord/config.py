@@ -24,6 +24,10 @@ class OrchestratorConfig(DaemonConfig):
         default=500, metadata={"help": "steps per page of per-step history moved from etcd to stored once "
                                        "every agent is a page past it (a job's first archive fixes it)"}
     )
+    capacity_aware_binding: bool = dataclasses.field(
+        default=True, metadata={"help": "place agents that train more on trainer slots of more capacity (the slots' "
+                                        "reported capacity; off: every slot alike, the ablation)"}
+    )
     etcd_defrag_check_s: float = dataclasses.field(
         default=300.0, metadata={"help": "how often to check etcd's db for space to defragment (0: never)"}
     )

@@ -809,10 +809,11 @@ class JobCoordinator:
         self._metrics.episodes_failed.inc(len(failed_episodes))
 
     async def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent],
-                                wait_ms: int, dp_address: str = "") -> TrainerWork | None:
+                                wait_ms: int, dp_address: str = "", capacity: float = 1.0) -> TrainerWork | None:
         """Long-poll for trainer work (``dp_address``: the slot's data-parallel rendezvous, "" = none)."""
         return await self._wait_for_trainer_work(
-            slot_id, lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident, dp_address), wait_ms)
+            slot_id, lambda: self.planner.poll_trainer_work(worker_id, slot_id, resident, dp_address, capacity),
+            wait_ms)
 
     async def ack_micro_batch(self, lease_id: str, worker_id: str, slot_id: str, episodes: int) -> None:
         """A micro-batch was accumulated."""

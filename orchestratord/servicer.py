@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc.aio
 
+from flexmarl.devices import slot_capacity_problem
 from flexmarl.errors import ErrorReason, InvalidArgument
 from flexmarl.jobspec import MAX_TASKS_PER_LEASE
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
@@ -211,8 +212,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         slot_id = require_id("slot_id", request.slot_id)
         if len(request.dp_address) > MAX_DP_ADDRESS_LENGTH:
             raise InvalidArgument(f"dp_address: longer than {MAX_DP_ADDRESS_LENGTH} characters")
+        capacity = request.capacity or 1.0  # unset: a one-device slot
+        problem = slot_capacity_problem(capacity)
+        if problem is not None:
+            raise InvalidArgument(f"capacity: {problem}")
         work = await self._coordinator.poll_trainer_work(worker_id, slot_id, serde.resident_agents(request.resident),
-                                                     request.wait_ms, request.dp_address)
+                                                     request.wait_ms, request.dp_address, capacity)
         digest = self._coordinator.spec_digest(work.job_id) if work is not None else ""
         return serde.trainer_work(work, digest)
 

@@ -41,7 +41,8 @@ class TrainerApp(DaemonApp):
             worker_id=ctx.service_id, slots=config.slots, work_dir=Path(config.work_dir).resolve(),
             state_location=config.state_location, publish_location=config.publish_location,
             dp_address=data_parallel_address(config), slot_local_ranks=config.slot_local_ranks(),
-            device_profile=config.device_profile(),
+            device_profile=config.device_profile(), slot_capacities=config.slot_capacities(),
+            slot_profiles=config.slot_profiles(),
         )
         self._peers = PeerConnections(ctx.registry, orchestrator_address=config.orchestrator_address,
                                       store_address=config.store_address,
@@ -66,6 +67,7 @@ class TrainerApp(DaemonApp):
         """Advertises the slots."""
         return {"slots": [s.slot_id for s in self.worker.slots], "device": self.worker.device,
                 "memory_bytes_per_slot": self.worker.memory_bytes_per_slot,
+                "slot_capacities": [s.capacity for s in self.worker.slots],
                 "slot_local_ranks": [s.local_rank for s in self.worker.slots if s.local_rank is not None]}
 
 

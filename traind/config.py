@@ -8,7 +8,14 @@ from collections.abc import Callable, Mapping
 
 from flexmarl import devicemodel
 from flexmarl.config import ConfigError, DaemonConfig
-from flexmarl.devices import NO_DEVICES, device_pool, local_index, parse_device_list, split_device_sets
+from flexmarl.devices import (
+    NO_DEVICES,
+    device_pool,
+    local_index,
+    parse_device_list,
+    slot_capacity_problem,
+    split_device_sets,
+)
 from flexmarl.errors import InvalidArgument
 
 
@@ -36,6 +43,12 @@ class TrainerConfig(DaemonConfig):
         default="127.0.0.1", metadata=_help(
             "address other traind processes reach this one at for data-parallel rendezvous "
             "(\"\" = never join a group; only a process with one slot and durable states joins)"))
+    slot_capacity: str = dataclasses.field(
+        default="", metadata=_help(
+            "training capacity of each slot relative to one device of the reference kind (the devices it trains "
+            "on, or a faster device's speed-up), for orchestratord's placement: one number for every slot or one "
+            "per slot, comma-separated (default: the modelled profile's train_devices_per_slot, else 1; with a "
+            "modelled device each slot's training takes the time of its capacity in devices, whole numbers)"))
     modelled_device: str = dataclasses.field(
         default="", metadata=_help("device profile file (flexmarl.devicemodel; benchmarks): training takes the "
                                    "time its accelerator would take; \"\" = real time only"))
@@ -52,7 +65,7 @@ class TrainerConfig(DaemonConfig):
         if self.gpus.strip().lower() != NO_DEVICES:
             parse_device_list(self.gpus)
         self.slot_local_ranks()
-        self.device_profile()
+        self.slot_capacities()
 
     def device_profile(self) -> devicemodel.DeviceProfile | None:
         """The profile ``modelled_device`` names, or None (real time only).
@@ -66,6 +79,39 @@ class TrainerConfig(DaemonConfig):
             return devicemodel.load_profile(self.modelled_device)
         except InvalidArgument as error:
             raise ConfigError(f"modelled_device: {error}") from None
+
+    def slot_capacities(self) -> tuple[float, ...]:
+        """Each slot's training capacity (``slot_capacity``; default the modelled devices per slot, else 1).
+
+        Raises:
+            ConfigError: not numbers, neither one nor ``slots`` of them, one out of range, or (with a
+                modelled device) not a whole number of devices.
+        """
+        profile = self.device_profile()
+        text = self.slot_capacity.strip()
+        if not text:
+            return (float(profile.train_devices_per_slot) if profile is not None else 1.0,) * self.slots
+        try:
+            values = tuple(float(part) for part in text.split(","))
+        except ValueError:
+            raise ConfigError(f"slot_capacity: expected numbers separated by commas, got {self.slot_capacity!r}") \
+                from None
+        if len(values) not in (1, self.slots):
+            raise ConfigError(f"slot_capacity: {len(values)} values for {self.slots} slots (give one or {self.slots})")
+        for value in values:
+            problem = slot_capacity_problem(value)
+            if problem is not None:
+                raise ConfigError(f"slot_capacity: {problem}")
+            if profile is not None and not value.is_integer():
+                raise ConfigError(f"slot_capacity: a modelled slot trains on whole devices, got {value!r}")
+        return values * self.slots if len(values) == 1 else values
+
+    def slot_profiles(self) -> tuple[devicemodel.DeviceProfile, ...] | None:
+        """Each slot's modelled device (the profile at the slot's capacity in devices), or None (real time)."""
+        profile = self.device_profile()
+        if profile is None:
+            return None
+        return tuple(profile.with_changes(train_devices_per_slot=int(c)) for c in self.slot_capacities())
 
     def slot_local_ranks(
         self, env: Mapping[str, str] | None = None, cuda_device_count: Callable[[], int] | None = None,

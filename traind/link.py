@@ -58,8 +58,8 @@ class OrchestratorLink(Protocol):
     """What a traind worker asks of orchestratord (and the only way it reaches it)."""
 
     async def poll_work(self, slot_id: str, resident: Sequence[ResidentAgent], wait_ms: int,
-                        dp_address: str) -> TrainerWork | None:
-        """The slot's next work, None when there was none within ``wait_ms``.
+                        dp_address: str, *, capacity: float = 1.0) -> TrainerWork | None:
+        """The slot's next work, None when there was none within ``wait_ms`` (``capacity``: the slot's, reported).
 
         Raises:
             OrchestratorCallError: The poll failed.
@@ -131,9 +131,9 @@ class GrpcOrchestratorLink:
             raise OrchestratorCallError(name, exc) from exc
 
     async def poll_work(self, slot_id: str, resident: Sequence[ResidentAgent], wait_ms: int,
-                        dp_address: str) -> TrainerWork | None:
+                        dp_address: str, *, capacity: float = 1.0) -> TrainerWork | None:
         """PollTrainerWork, discovery included within :data:`POLL_DEADLINE_S`."""
-        request = serde.poll_request(self._worker_id, slot_id, resident, wait_ms, dp_address)
+        request = serde.poll_request(self._worker_id, slot_id, resident, wait_ms, dp_address, capacity)
 
         async def poll(stub: orchestrator_pb2_grpc.OrchestratorStub) -> orchestrator_pb2.PollTrainerWorkResponse:
             reply: orchestrator_pb2.PollTrainerWorkResponse = await stub.PollTrainerWork(request, timeout=30)

@@ -30,10 +30,10 @@ MAX_ERROR_CHARS = 4096
 
 
 def poll_request(worker_id: str, slot_id: str, resident: Sequence[ResidentAgent], wait_ms: int,
-                 dp_address: str) -> orchestrator_pb2.PollTrainerWorkRequest:
+                 dp_address: str, capacity: float = 1.0) -> orchestrator_pb2.PollTrainerWorkRequest:
     """A slot's poll for work."""
     return orchestrator_pb2.PollTrainerWorkRequest(
-        worker_id=worker_id, slot_id=slot_id, wait_ms=wait_ms, dp_address=dp_address,
+        worker_id=worker_id, slot_id=slot_id, wait_ms=wait_ms, dp_address=dp_address, capacity=capacity,
         resident=[orchestrator_pb2.ResidentAgent(job_id=r.job_id, agent=r.agent, version=r.version) for r in resident])
 
 

@@ -107,6 +107,10 @@ class TrainerSettings:
     slot_local_ranks: tuple[int, ...] | None = None
     # Modelled device time (benchmarks; traind's modelled_device); None = real time only.
     device_profile: devicemodel.DeviceProfile | None = None
+    # Each slot's training capacity (traind's slot_capacity), reported in its polls; None = 1 each.
+    slot_capacities: tuple[float, ...] | None = None
+    # Each slot's modelled device (device_profile at the slot's capacity); None = device_profile for every slot.
+    slot_profiles: tuple[devicemodel.DeviceProfile, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,10 @@ class Slot:
     slot_id: str
     #: The slot's device (its LOCAL_RANK in this process); None: nothing assigned (CPU).
     local_rank: int | None = None
+    #: Training capacity relative to one device (reported in polls; orchestratord places heavier agents on more).
+    capacity: float = 1.0
+    #: The slot's modelled device (benchmarks); None: the process's profile, if any.
+    profile: devicemodel.DeviceProfile | None = None
     trainer: AgentTrainer | None = None
     job_id: str = ""
     agent: str = ""
@@ -205,7 +213,13 @@ class TrainerWorker:
         ranks = settings.slot_local_ranks
         if ranks is not None and len(ranks) != settings.slots:
             raise InvalidArgument(f"{len(ranks)} devices for {settings.slots} slots")
-        self.slots = [Slot(f"{settings.worker_id}/slot{i}", None if ranks is None else ranks[i])
+        capacities = settings.slot_capacities or (1.0,) * settings.slots
+        profiles = settings.slot_profiles or (settings.device_profile,) * settings.slots
+        if len(capacities) != settings.slots or len(profiles) != settings.slots:
+            raise InvalidArgument(f"{len(capacities)} capacities and {len(profiles)} profiles for {settings.slots} "
+                                  f"slots")
+        self.slots = [Slot(f"{settings.worker_id}/slot{i}", None if ranks is None else ranks[i],
+                           capacity=capacities[i], profile=profiles[i])
                       for i in range(settings.slots)]
         self._memory = MemoryStateStore()
         self._specs = JobSpecCache(orchestrator.job_spec)
@@ -263,7 +277,7 @@ class TrainerWorker:
             resident = [] if slot.trainer is None else [ResidentAgent(slot.job_id, slot.agent, slot.trainer.version)]
             try:
                 work = await self._orchestrator.poll_work(slot.slot_id, resident, POLL_WAIT_MS,
-                                                          self.settings.dp_address)
+                                                          self.settings.dp_address, capacity=slot.capacity)
             except (OrchestratorCallError, FlexmarlError) as exc:
                 log.warning("polling work for %s failed (%s); retrying", slot.slot_id, exc)
                 await backoff.sleep()
@@ -431,7 +445,7 @@ class TrainerWorker:
         if slot.trainer is None:
             config = trainer_config(spec, work.agent)
             started = time.perf_counter()
-            clock = self._device_clock(work.agent)
+            clock = self._device_clock(slot, work.agent)
             if work.state_uri:
                 if work.state_uri.startswith("stored://"):
                     await self._store.client()
@@ -454,9 +468,10 @@ class TrainerWorker:
             slot.trainer, slot.job_id, slot.agent, slot.step_id = trainer, work.job_id, work.agent, ""
         return slot.trainer
 
-    def _device_clock(self, agent: str) -> ModelledDeviceClock | None:
-        """A modelled-device clock for a trainer of ``agent`` built now (None: real time only)."""
-        profile = self.settings.device_profile
+    @staticmethod
+    def _device_clock(slot: Slot, agent: str) -> ModelledDeviceClock | None:
+        """A modelled-device clock (the slot's device) for a trainer of ``agent`` built now (None: real time only)."""
+        profile = slot.profile
         return ModelledDeviceClock(profile, f"traind-{os.getpid()}-{agent}") if profile is not None else None
 
     @staticmethod
@@ -501,7 +516,7 @@ class TrainerWorker:
                 log.info("%s: releasing %s/%s v%d", slot.slot_id, slot.job_id, slot.agent, slot.trainer.version)
                 self._release(slot)
             config = trainer_config(spec, work.agent)
-            clock = self._device_clock(work.agent)
+            clock = self._device_clock(slot, work.agent)
             trainer = await self._on_device(slot, lambda: AgentTrainer(config, clock, lora_bases=slot.lora_bases))
             try:
                 report = await self._on_device(slot, functools.partial(run_warm_start, on_step=slot.advance),

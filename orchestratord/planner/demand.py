@@ -25,7 +25,8 @@ def demand(job: JobPlan, agent: str) -> AgentDemand:
     taken = len(plan.micro_batches) - plan.ready_count
     return _agent_demand(job, key, max(0, _expected_micro_batches(job, plan) - taken),
                          ready_micro_batches=plan.ready_count, ready_tokens=plan.ready_tokens,
-                         optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step)
+                         optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
+                         step_tokens=plan.formed_tokens)
 
 
 def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:
@@ -40,7 +41,7 @@ def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:
         upcoming = _expected_micro_batches(job, plan)
     # No work and not mid-step here: only the readiness figures carry over.
     return _agent_demand(job, now.key, upcoming, ready_micro_batches=now.ready_micro_batches,
-                         ready_tokens=now.ready_tokens)
+                         ready_tokens=now.ready_tokens, step_tokens=now.step_tokens)
 
 
 def _expected_micro_batches(job: JobPlan, plan: StepPlan | None) -> int:
@@ -58,13 +59,13 @@ def _data_parallel(job: JobPlan, agent: str) -> bool:
 
 def _agent_demand(job: JobPlan, key: tuple[str, str], upcoming: int, *, ready_micro_batches: int = 0,
                   ready_tokens: int = 0, optimizer_pending: bool = False, mid_step: bool = False,
-                  warm_start_pending: bool = False) -> AgentDemand:
+                  warm_start_pending: bool = False, step_tokens: int = 0) -> AgentDemand:
     """One demand record with the agent's data-parallel figures (built once, not copied field by field)."""
     return AgentDemand(
         key=key, ready_micro_batches=ready_micro_batches, ready_tokens=ready_tokens,
         optimizer_pending=optimizer_pending, mid_step=mid_step, max_slots=job.agent_specs[key[1]].max_slots,
         data_parallel=_data_parallel(job, key[1]), upcoming_micro_batches=upcoming,
-        portable=state_is_portable(job, key[1]), warm_start_pending=warm_start_pending)
+        portable=state_is_portable(job, key[1]), warm_start_pending=warm_start_pending, step_tokens=step_tokens)
 
 
 def state_is_portable(job: JobPlan, agent: str) -> bool:

@@ -143,6 +143,7 @@ class StepPlan:
     # that a trainer poll (demand, dispatch) reads them in O(1) instead of scanning the step's micro-batches.
     ready_count: int = 0
     ready_tokens: int = 0
+    formed_tokens: int = 0  # response tokens of every formed micro-batch, whatever its status
     leased_count: int = 0
     acked_count: int = 0
     formed_groups: int = 0
@@ -158,6 +159,7 @@ class StepPlan:
         self.micro_batches.append(mb)
         self.ready_count += 1
         self.ready_tokens += mb.response_tokens
+        self.formed_tokens += mb.response_tokens
         self.formed_groups += len(groups)
         if self.touched is not None:
             self.touched.add(self.agent)

@@ -41,7 +41,8 @@ class Planner:
                                  affinity_bonus=self._options.affinity_bonus, max_wait_s=self._options.max_wait_s,
                                  dp_min_micro_batches_per_member=self._options.dp_min_micro_batches_per_member,
                                  recruit_fresh_s=self._options.dp_recruit_fresh_s,
-                                 dp_timeout_s=self._options.dp_timeout_s, incarnation=self._options.lease_epoch)
+                                 dp_timeout_s=self._options.dp_timeout_s, incarnation=self._options.lease_epoch,
+                                 capacity_aware=self._options.capacity_aware_binding)
         self._next_job = 0
         # No slot can be silent before then (the earliest last_seen_s at the last sweep + slot_silence_s; a
         # slot's last_seen_s only grows, a new one starts at now): tick skips its sweep over every slot.
@@ -263,15 +264,16 @@ class Planner:
         """
         return self.poll_wakes.wakes(self._running(), waiting)
 
-    def poll_trainer_work(self, worker_id: str, slot_id: str,
-                          resident: Sequence[ResidentAgent] = (), dp_address: str = "") -> TrainerWork | None:
+    def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent] = (),
+                          dp_address: str = "", capacity: float = 1.0) -> TrainerWork | None:
         """The next work for one trainer slot, or None (the servicer long-polls and asks again).
 
-        ``dp_address``: the slot's data-parallel rendezvous (``""`` = it cannot join a group).
+        ``dp_address``: the slot's data-parallel rendezvous (``""`` = it cannot join a group); ``capacity``:
+        its training capacity (:mod:`orchestratord.binding`, "Slot capacity").
         """
         self.tick()
         slot = self.binder.observe_poll(slot_id, worker_id, {(r.job_id, r.agent): r.version for r in resident},
-                                        dp_address)
+                                        dp_address, capacity)
         if slot.swapping_out is not None:
             job_id, agent = slot.swapping_out
             if job_id in self._jobs and not self._jobs[job_id].state.terminal:

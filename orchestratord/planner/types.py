@@ -215,3 +215,5 @@ class PlannerOptions:
     dp_min_micro_batches_per_member: int = 2
     dp_recruit_fresh_s: float = 10.0
     dp_timeout_s: int = 60
+    # Whether the binder weighs the slots' reported capacities (orchestratord.binding, "Slot capacity").
+    capacity_aware_binding: bool = True

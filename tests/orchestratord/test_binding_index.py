@@ -29,14 +29,18 @@ demand_fields = st.fixed_dictionaries({
     "upcoming_micro_batches": st.integers(0, 6),
     "portable": st.booleans(),
     "warm_start_pending": st.booleans(),
+    "step_tokens": st.sampled_from([0, 100, 110, 1000]),
 })
+#: Slot capacities: mixed (the capacity rules apply) or all equal (they must change nothing).
+MIXED = {"s0": 2.0, "s1": 1.0, "s2": 1.0, "s3": 4.0}
 
 
 class BinderMachine(RuleBasedStateMachine):
     """The planner's use of the binder: tracked demands changed one key at a time, polls applied as it applies them."""
 
-    @initialize(static=st.booleans())
-    def setup(self, static: bool) -> None:
+    @initialize(static=st.booleans(), mixed=st.booleans())
+    def setup(self, static: bool, mixed: bool) -> None:
+        self.capacities = MIXED if mixed else dict.fromkeys(SLOTS, 2.0)
         self.clock = FakeClock()
         self.binder = SlotBinder(self.clock, max_wait_s=20.0, dp_min_micro_batches_per_member=1, incarnation="t")
         if static:
@@ -64,7 +68,8 @@ class BinderMachine(RuleBasedStateMachine):
 
     @rule(slot=st.sampled_from(SLOTS), resident=st.sets(st.sampled_from(AGENTS), max_size=2), dp=st.booleans())
     def poll(self, slot: str, resident: set[AgentKey], dp: bool) -> None:
-        self.binder.observe_poll(slot, f"w-{slot}", {agent: 1 for agent in resident}, f"host:{slot}" if dp else "")
+        self.binder.observe_poll(slot, f"w-{slot}", {agent: 1 for agent in resident}, f"host:{slot}" if dp else "",
+                                 self.capacities[slot])
         self.binder.note_waiting()
         decision = self.binder.decide(slot, self.demands)
         if decision.kind is DecisionKind.RELEASE and decision.agent is not None:
@@ -109,6 +114,15 @@ class BinderMachine(RuleBasedStateMachine):
             return
         for slot in SLOTS:
             assert self.binder.decide(slot, self.demands) == self.binder.decide(slot, dict(self.demands)), slot
+
+    @invariant()
+    def equal_capacities_decide_as_a_binder_blind_to_them(self) -> None:
+        if not hasattr(self, "binder") or len(set(self.capacities.values())) > 1:
+            return
+        blind = copy.deepcopy(self.binder)
+        blind._capacity_aware = False
+        for slot in SLOTS:
+            assert self.binder.decide(slot, self.demands) == blind.decide(slot, self.demands), slot
 
     @invariant()
     def waits_match_a_recount(self) -> None:

@@ -233,6 +233,7 @@ class PlannerMachine(RuleBasedStateMachine):
             ready = [mb for mb in plan.micro_batches if mb.status is MicroBatchStatus.READY]
             assert plan.ready_count == len(ready)
             assert plan.ready_tokens == sum(mb.response_tokens for mb in ready)
+            assert plan.formed_tokens == sum(mb.response_tokens for mb in plan.micro_batches)
             assert plan.leased_count == statuses.count(MicroBatchStatus.LEASED)
             assert plan.acked_count == statuses.count(MicroBatchStatus.ACKED)
             assert plan.formed_groups == sum(len(mb.groups) for mb in plan.micro_batches)

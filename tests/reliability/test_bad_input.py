@@ -17,6 +17,7 @@ import copy
 import hashlib
 import importlib
 import json
+import math
 import pkgutil
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -742,6 +743,13 @@ def test_random_spec_mutations_are_accepted_or_named(orchestrator_address: str) 
             stub.CancelJob(orchestrator_pb2.CancelJobRequest(job_id=job_id), timeout=10)
 
         check()
+        # A trainer slot's capacity out of range is named too (0 = unset = one device).
+        for capacity in (-1.0, math.nan, 1e9):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.PollTrainerWork(orchestrator_pb2.PollTrainerWorkRequest(
+                    worker_id="t", slot_id="t/1", capacity=capacity), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, capacity
+            assert "capacity" in (caught.value.details() or ""), caught.value.details()
     assert sum(sent.values()) >= 100 and sent["INVALID_ARGUMENT"] > 0, sent
 
 

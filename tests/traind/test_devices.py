@@ -7,6 +7,7 @@ picks ``cuda:N`` on a GPU host (DeepSpeedEngine._set_distributed_vars).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -159,3 +160,41 @@ def test_local_rank_is_set_again_after_the_group_exists(monkeypatch: pytest.Monk
     monkeypatch.delenv("LOCAL_RANK", raising=False)  # restored after the test
     distributed.ensure_distributed()
     assert os.environ["LOCAL_RANK"] == os.environ.get("RANK", "0")
+
+
+def test_slot_capacities_default_to_the_modelled_devices_else_one_and_bad_values_are_named(tmp_path: Path) -> None:
+    from flexmarl import devicemodel
+
+    assert TrainerConfig(slots=3).slot_capacities() == (1.0, 1.0, 1.0)
+    assert TrainerConfig(slots=3, slot_capacity="2").slot_capacities() == (2.0, 2.0, 2.0)
+    assert TrainerConfig(slots=3, slot_capacity="2, 1,1.5").slot_capacities() == (2.0, 1.0, 1.5)
+    profile = tmp_path / "device.json"
+    profile.write_text(devicemodel.PRESETS["h100"].with_changes(train_devices_per_slot=4).to_json())
+    modelled = TrainerConfig(slots=2, modelled_device=str(profile))
+    assert modelled.slot_capacities() == (4.0, 4.0)
+    sized = load_config(TrainerConfig, ["--slots", "2", "--slot-capacity", "2,1", "--modelled-device", str(profile)],
+                        prog="traind", env={})
+    assert sized.slot_capacities() == (2.0, 1.0)
+    # A modelled slot's training takes the time of its capacity in devices.
+    assert [p.train_devices_per_slot for p in sized.slot_profiles() or ()] == [2, 1]
+    assert TrainerConfig(slots=2).slot_profiles() is None
+    for value, message in (("2,1", "2 values for 3 slots"), ("0", "must be > 0"), ("-1,1,1", "must be > 0"),
+                           ("nan", "must be > 0"), ("2000", "<= 1024"), ("two", "expected numbers")):
+        with pytest.raises(ConfigError, match=f"slot_capacity: .*{message}"):
+            load_config(TrainerConfig, ["--slots", "3", f"--slot-capacity={value}"], prog="traind", env={})
+    with pytest.raises(ConfigError, match="slot_capacity: a modelled slot trains on whole devices"):
+        load_config(TrainerConfig, ["--slot-capacity", "1.5", "--modelled-device", str(profile)], prog="traind",
+                    env={})
+
+
+def test_worker_slots_carry_their_capacities_and_modelled_devices(tmp_path: Path) -> None:
+    from flexmarl import devicemodel
+
+    profile = devicemodel.PRESETS["h100"]
+    profiles = (profile.with_changes(train_devices_per_slot=2), profile)
+    worker = _worker(dataclasses.replace(_settings(tmp_path, 2, None), slot_capacities=(2.0, 1.0),
+                                         slot_profiles=profiles))
+    assert [(slot.capacity, slot.profile) for slot in worker.slots] == list(zip((2.0, 1.0), profiles, strict=True))
+    assert [slot.capacity for slot in _worker(_settings(tmp_path, 2, None)).slots] == [1.0, 1.0]
+    with pytest.raises(InvalidArgument, match="1 capacities and 2 profiles for 2 slots"):
+        _worker(dataclasses.replace(_settings(tmp_path, 2, None), slot_capacities=(2.0,)))

@@ -53,6 +53,7 @@ class FakeOrchestrator:
         for item in script:
             self.script.put_nowait(item)
         self.polled_resident: list[list[ResidentAgent]] = []
+        self.polled_capacity: set[float] = set()
         self.acks: list[tuple[str, str, int]] = []
         self.commits: list[StepCommit] = []
         self.events: list[SlotEvent] = []
@@ -63,8 +64,9 @@ class FakeOrchestrator:
         self._changed = asyncio.Condition()
 
     async def poll_work(self, slot_id: str, resident: Sequence[ResidentAgent], wait_ms: int,
-                        dp_address: str) -> TrainerWork | None:
+                        dp_address: str, *, capacity: float = 1.0) -> TrainerWork | None:
         self.polled_resident.append(list(resident))
+        self.polled_capacity.add(capacity)
         try:
             item = await asyncio.wait_for(self.script.get(), wait_ms / 1000)
         except TimeoutError:
@@ -149,7 +151,7 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
         SwapOutWork(job_id=JOB, agent=AGENT, location="file"),
     ])
     settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=tmp_path / "work", state_location="file",
-                               publish_location="file")
+                               publish_location="file", slot_capacities=(2.0,))
     worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(
         [r for g in groups for r in g]))
     slot_id = worker.slots[0].slot_id
@@ -168,6 +170,7 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
         assert swapped.state_uri.startswith("file://") and worker.slots[0].trainer is None
         # The polls told orchestratord what the slot held: nothing, then v0 while it trained, then v1.
         assert ResidentAgent(JOB, AGENT, 1) in [r for rs in orchestrator.polled_resident for r in rs]
+        assert orchestrator.polled_capacity == {2.0}  # every poll reports the slot's capacity
 
         # Step 1: swapped back in from where it went, one micro-batch, then a step it did not accumulate.
         orchestrator.script.put_nowait(_micro_batch(0, groups[2], step=1, step_id="s1", base_version=1,
@@ -295,6 +298,7 @@ def test_serde_carries_every_field_of_the_work_messages() -> None:
                                      state_uri="file:///s", spec_digest="d", group=serde.data_parallel_group(group))
     assert work.group is not None and work.group.member_slot_ids == ("a", "b") and work.group.timeout_s == 30
     assert serde.trainer_work(orchestrator_pb2.PollTrainerWorkResponse()) is None
+    assert serde.poll_request("w", "w/slot0", [], 100, "", 2.0).capacity == 2.0
     # A field added to a work message must reach the worker's dataclass too (the lease deadline is
     # orchestratord's to enforce: the worker never reads it).
     for message, cls in ((orchestrator_pb2.MicroBatchWork, MicroBatchWork),

@@ -25,6 +25,15 @@ from flexmarl.config import ConfigError
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 #: ``gpus`` value that disables device assignment.
 NO_DEVICES = "none"
+#: The largest training capacity a slot may report (traind's ``slot_capacity``, ``PollTrainerWork.capacity``).
+MAX_SLOT_CAPACITY = 1024.0
+
+
+def slot_capacity_problem(capacity: float) -> str | None:
+    """Why ``capacity`` is no slot capacity (finite, > 0, at most :data:`MAX_SLOT_CAPACITY`), or None."""
+    if not 0.0 < capacity <= MAX_SLOT_CAPACITY:  # NaN fails too
+        return f"must be > 0 and <= {MAX_SLOT_CAPACITY:g}, got {capacity!r}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

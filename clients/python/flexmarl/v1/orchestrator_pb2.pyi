@@ -1223,12 +1223,18 @@ class PollTrainerWorkRequest(_message.Message):
     RESIDENT_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
     DP_ADDRESS_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     slot_id: _builtins.str
     wait_ms: _builtins.int
     dp_address: _builtins.str
     """host:port this slot's process reserved for a data-parallel rendezvous (it hosts the
     group's TCP store when it is rank 0); "" = the slot cannot join a data-parallel group.
+    """
+    capacity: _builtins.float
+    """The slot's training capacity relative to one device of the reference kind: the devices it
+    trains on (data parallel inside the slot), or a faster device's speed-up. 0 (unset) = 1.
+    The binder places agents that train more on slots of more capacity.
     """
     @_builtins.property
     def resident(self) -> _containers.RepeatedCompositeFieldContainer[Global___ResidentAgent]:
@@ -1242,10 +1248,11 @@ class PollTrainerWorkRequest(_message.Message):
         resident: _abc.Iterable[Global___ResidentAgent] | None = ...,
         wait_ms: _builtins.int = ...,
         dp_address: _builtins.str = ...,
+        capacity: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dp_address", b"dp_address", "resident", b"resident", "slot_id", b"slot_id", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "dp_address", b"dp_address", "resident", b"resident", "slot_id", b"slot_id", "wait_ms", b"wait_ms", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
