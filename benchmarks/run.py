@@ -28,8 +28,10 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
   (machine-set)" and left out of the speedups.
 
 Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
-(async off: ``no-async``); the shapes built for them: ``--variant shifting``, ``--variant saturating`` (which
-also sets rolloutd's ``--max-tasks``, ``--rollout-max-tasks``) and ``--variant two-heavy``.
+(async off: ``no-async``), ``partial-size-blind`` (orchestratord's binder blind to slot capacities); the shapes
+built for them: ``--variant shifting``, ``--variant saturating`` (which also sets rolloutd's ``--max-tasks``,
+``--rollout-max-tasks``), ``--variant two-heavy`` and ``--variant sized`` (slots of 2, 1 and 1 devices: traind's
+``--slot-capacity``, ``--slot-capacity``; busy fractions and the bound then count devices, not slots).
 
 ``--eta 1 2 4`` runs every async configuration at each ``max_staleness`` (barrier ones once).
 
@@ -137,7 +139,14 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"balancing": "hierarchical"},
         "flexmarl-partial without interruptible generation (a running generation finishes on its weights)",
     ),
+    "partial-size-blind": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
+        "flexmarl-partial with the binder blind to slot capacities (orchestratord --no-capacity-aware-binding)",
+    ),
 }
+# orchestratord flags of a configuration (the ablations of a daemon setting rather than a job setting).
+ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {"partial-size-blind": ("--no-capacity-aware-binding",)}
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
 # (flexmarl-partial), with issue 15's bound, busy and overhead targets.
 TARGETS = {"flexmarl": {"sequential": 8.0, "static": 1.6}, "flexmarl-partial": {"sequential": 5.0, "static": 3.0}}
@@ -408,12 +417,15 @@ def run_one(
     profile_path = run_dir / "device.json"
     profile_path.write_text(profile.to_json())
     spec = job_spec(workload, config, model_dir, args.steps, args.token_scale, eta)
+    capacities = slot_capacities(workload, args)
     cluster_config = LocalClusterConfig(
         run_dir=run_dir,
         engine_replicas=args.replicas,
-        trainer_slots=args.slots,
+        trainer_slots=len(capacities),
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
         rolloutd_args=rolloutd_args(spec, rollout_max_tasks(workload, args), dispatch_kv_factor(workload, args)),
+        traind_args=("--slot-capacity", ",".join(map(str, capacities))),
+        orchestratord_args=ORCHESTRATORD_ARGS.get(config, ()),
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:
@@ -498,11 +510,14 @@ def measure(
     rollout_busy = sum(devicemodel.busy_seconds(r, done_at[first], done_at[last]) for r in engines) / (
         args.replicas * window_s
     )
-    train_busy = sum(devicemodel.busy_seconds(r, done_at[first], done_at[last]) for r in trainers) / (
-        args.slots * window_s
-    )
+    capacities = slot_capacities(workload, args)
+    if len(set(capacities)) == 1:  # equal slots: slot-seconds busy over slot-seconds
+        train_busy = sum(devicemodel.busy_seconds(r, done_at[first], done_at[last]) for r in trainers) / (
+            len(capacities) * window_s)
+    else:
+        train_busy = device_busy_seconds(trainers, done_at[first], done_at[last]) / (sum(capacities) * window_s)
     overrun = sum(float(rec.get("overrun_s", 0.0)) for r in [*engines, *trainers] for rec in r)
-    bound = step_bound(history, complete[1:], profile, workload.prompt_tokens, args.replicas, args.slots)
+    bound = step_bound(history, complete[1:], profile, workload.prompt_tokens, args.replicas, capacities)
     start, end = done_at[first], done_at[last]
     window = account([rec for r in [*engines, *trainers] for rec in r], start, end,
                      sampler.window(start, end) if sampler is not None else None)
@@ -537,20 +552,70 @@ def step_bound(
     profile: devicemodel.DeviceProfile,
     prompt_tokens: int,
     replicas: int,
-    slots: int,
+    capacities: tuple[int, ...],
 ) -> DeviceWorkBound:
-    """The mean device-work bound of ``steps``, from what their step records say was generated and trained."""
+    """The mean device-work bound of ``steps``, from what their step records say was generated and trained.
+
+    ``capacities``: each slot's devices (:func:`bound_shape`).
+    """
     work: dict[int, list[AgentStepWork]] = {step: [] for step in steps}
     for record in history:
         if record.step in work:
             tokens = record.response_tokens * profile.token_scale
             work[record.step].append(AgentStepWork(record.agent, record.episodes, tokens))
-    return mean_bound(
+    trainer, slots = bound_shape(profile, capacities)
+    return sized_bound(mean_bound(
         [
-            device_work_bound(profile, work[step], prompt_tokens=prompt_tokens, replicas=replicas, slots=slots)
+            device_work_bound(trainer, work[step], prompt_tokens=prompt_tokens, replicas=replicas, slots=slots)
             for step in steps
         ]
-    )
+    ), capacities)
+
+
+def bound_shape(profile: devicemodel.DeviceProfile, capacities: tuple[int, ...]) -> tuple[devicemodel.DeviceProfile,
+                                                                                           int]:
+    """The profile and slot count the device-work bound of slots of ``capacities`` devices is computed with.
+
+    Equal slots: as they are. Slots of different sizes: as many one-device slots as they have devices (the
+    training bound is device-seconds over every device; publishing weights, which does not shrink with
+    devices, is then counted per device: a looser bound), with :func:`sized_bound`.
+    """
+    if len(set(capacities)) == 1:
+        return profile.with_changes(train_devices_per_slot=capacities[0]), len(capacities)
+    return profile.with_changes(train_devices_per_slot=1), sum(capacities)
+
+
+def sized_bound(bound: DeviceWorkBound, capacities: tuple[int, ...]) -> DeviceWorkBound:
+    """``bound`` with the busiest agent's own training on the largest slot (unchanged for equal slots)."""
+    if len(set(capacities)) == 1:
+        return bound
+    return dataclasses.replace(bound, busiest_agent_train_s=bound.busiest_agent_train_s / max(capacities))
+
+
+def slot_capacities(workload: Workload, args: argparse.Namespace) -> tuple[int, ...]:
+    """Each trainer slot's devices: ``--slot-capacity``, else the workload's, else ``--slots`` x
+    ``--train-devices-per-slot``."""
+    # Callers that measure without this parser (benchmarks.scaleout) pass only replicas and slots.
+    text = getattr(args, "slot_capacity", None)
+    text = workload.slot_capacity if text is None else text
+    if not text:
+        return (int(getattr(args, "train_devices_per_slot", 1)),) * int(args.slots)
+    return tuple(int(part) for part in text.split(","))
+
+
+def device_busy_seconds(trainers: list[list[dict[str, Any]]], start_s: float, end_s: float) -> float:
+    """Device-seconds the trainers were busy in [start, end]: each interval times its slot's devices.
+
+    A trainer trace is one agent's (it trains on one slot at a time, so its intervals never overlap); each
+    record names the devices of the slot it ran on (``devices``, from the slot's modelled profile).
+    """
+    total = 0.0
+    for records in trainers:
+        by_devices: dict[int, list[dict[str, Any]]] = {}
+        for record in records:
+            by_devices.setdefault(int(record.get("devices", 1)), []).append(record)
+        total += sum(devices * devicemodel.busy_seconds(rs, start_s, end_s) for devices, rs in by_devices.items())
+    return total
 
 
 def reference(results: list[RunResult]) -> RunResult | None:
@@ -666,18 +731,16 @@ def estimate_line(estimate: TimeSharedEstimate, results: list[RunResult]) -> str
 def analytic_lines(workload: Workload, args: argparse.Namespace, results: list[RunResult]) -> str:
     """The device-model-only figures of the run's shape: the expected bound and the time-shared baseline."""
     profile = devicemodel.PRESETS[args.device].with_changes(token_scale=args.token_scale)
-    bound = workload_bound(
-        workload,
-        profile.with_changes(train_devices_per_slot=args.train_devices_per_slot),
-        args.replicas,
-        args.slots,
-        episodes=64,
-    )
-    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
+    capacities = slot_capacities(workload, args)
+    trainer, slots = bound_shape(profile, capacities)
+    bound = sized_bound(workload_bound(workload, trainer, args.replicas, slots, episodes=64), capacities)
+    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + len(capacities), episodes=64)
     lines = [
         f"device-work bound of a step from the workload's draws (device model only, not run): {bound.step_s:.1f} s "
         f"(rollout {bound.rollout_s:.1f} s on {bound.replicas} replicas, training {bound.train_s:.1f} s on "
-        f"{bound.slots} slots; {BOUND_TARGET}x of it: {BOUND_TARGET * bound.step_s:.1f} s)",
+        f"{len(capacities)} slots of {'/'.join(map(str, capacities))} devices; {BOUND_TARGET}x of it: "
+        f"{BOUND_TARGET * bound.step_s:.1f} s; the busiest agent's own training on the largest slot: "
+        f"{bound.busiest_agent_train_s:.1f} s)",
         estimate_line(estimate, results),
     ]
     if args.replicas >= len(workload.agents):
@@ -719,6 +782,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--device", choices=sorted(devicemodel.PRESETS), default="h100")
     parser.add_argument("--train-devices-per-slot", type=int, default=1)
+    parser.add_argument("--slot-capacity", default=None,
+                        help="devices of each trainer slot, comma-separated (traind's --slot-capacity; replaces "
+                             "--slots and --train-devices-per-slot; default: the variant's, sized 2,1,1)")
     parser.add_argument("--token-scale", type=float, default=128.0)
     # 0.1: a modelled second lasts 0.1 wall s, so the real per-step overheads (polls, gRPC,
     # DeepSpeed on CPU, checkpoint writes and reloads: ~1-3 wall s) stay small next to device time.
@@ -760,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("%s", result)
                 results.append(result)
     profile = devicemodel.PRESETS[args.device].with_changes(token_scale=args.token_scale)
-    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + args.slots, episodes=64)
+    estimate = timeshared_sequential_estimate(workload, profile, args.replicas + len(slot_capacities(workload, args)),
+                                              episodes=64)
     report = table(results) + "\n" + analytic_lines(workload, args, results)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,10 @@ for hierarchical balancing), ``saturating`` (the same agents, with enough tasks 
 (``Workload.rollout_tasks``) that the heavy agent's replicas stay full and queue, and the heavy role
 moving rarely: demand that more replicas serve faster, for hierarchical balancing) and ``two-heavy``
 (two agents with long answers and one with short ones between them: static slot sets ``i % S`` put
-both heavy ones on one slot, for agent-centric binding).
+both heavy ones on one slot, for agent-centric binding). A fourth, ``sized``, is built for binding on
+slots of different capacities (``Workload.slot_capacity``, 2/1/1 devices): one agent trains ~4x the
+tokens of each of three others and the heavy role moves every ``rotate_every_tasks`` tasks, so the
+heavy agent's step is twice as long on a one-device slot as on the two-device one.
 """
 
 from __future__ import annotations
@@ -73,9 +76,13 @@ LIGHT = LengthDistribution("lognormal", median=128, sigma=0.3, low=32, high=512)
 # Train-bound: two agents that train ~2.6x the tokens of the third (prompt 512 + response).
 TRAIN_HEAVY = LengthDistribution("lognormal", median=1024, sigma=0.3, low=256, high=2048)
 TRAIN_LIGHT = LengthDistribution("lognormal", median=96, sigma=0.3, low=32, high=512)
-VARIANTS = ("long-tail", "uniform", "shifting", "saturating", "two-heavy")
+# Train-bound on slots of different capacities: prompt 512 + response ~2,560 tokens against ~608 (4.2x).
+SIZED_HEAVY = LengthDistribution("lognormal", median=2048, sigma=0.3, low=512, high=4096)
+VARIANTS = ("long-tail", "uniform", "shifting", "saturating", "two-heavy", "sized")
 #: Steps between moves of the heavy role, by variant (``make_workload``'s default).
-ROTATE_EVERY_STEPS = {"shifting": 3, "saturating": 8}
+ROTATE_EVERY_STEPS = {"shifting": 3, "saturating": 8, "sized": 6}
+#: sized: traind's --slot-capacity (devices of each slot; the modelled slots train at that many devices).
+SIZED_SLOT_CAPACITY = "2,1,1"
 #: saturating: tasks rolloutd runs at once (x 16 episodes = 320 in flight): the heavy agent's sequences
 #: fill four replicas' KV caches (55 sequences of ~3,700 reserved tokens each, 208,537 tokens on an H100)
 #: with a queue behind them, so its step is its replica-seconds over its replicas, not one sequence's latency.
@@ -97,6 +104,8 @@ class Workload:
     rollout_tasks: int = 0
     #: rolloutd's ``--balancer-dispatch-kv-factor`` (0: every request goes to an engine at once)
     dispatch_kv_factor: float = 0.0
+    #: traind's ``--slot-capacity`` the shape is built for ("": every slot ``--train-devices-per-slot``)
+    slot_capacity: str = ""
 
     def environment_config(self, token_scale: float) -> dict[str, Any]:
         """The ``environment.config`` of a job running this workload."""
@@ -120,14 +129,18 @@ def make_workload(
     "long-tail": LONG_TAIL_SHAPES; "uniform": all uniform; "shifting": agent 0 heavy, the rest light, the heavy
     role moving one agent back (0, K - 1, K - 2, ...) every ``rotate_every_steps`` steps (of ``prompts_per_step``
     tasks; default ``ROTATE_EVERY_STEPS``); "saturating": "shifting" with ``SATURATING_ROLLOUT_TASKS`` tasks in
-    flight; "two-heavy": heavy, light, heavy, light, ... for training.
+    flight; "two-heavy": heavy, light, heavy, light, ... for training; "sized": one agent training ~4x the
+    tokens of the others, the role moving as in "shifting" (default every 6 steps), on slots of 2, 1 and 1
+    devices.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown workload variant {variant!r} (one of {', '.join(VARIANTS)})")
     rotate = tasks = 0
     factor = 0.0
+    capacity = SIZED_SLOT_CAPACITY if variant == "sized" else ""
     if variant in ROTATE_EVERY_STEPS:
-        shapes: tuple[LengthDistribution, ...] = (HEAVY, *([LIGHT] * (agent_count - 1)))
+        heavy, light = (SIZED_HEAVY, TRAIN_LIGHT) if variant == "sized" else (HEAVY, LIGHT)
+        shapes: tuple[LengthDistribution, ...] = (heavy, *([light] * (agent_count - 1)))
         every = ROTATE_EVERY_STEPS[variant] if rotate_every_steps is None else rotate_every_steps
         rotate = every * prompts_per_step
         if variant == "saturating":
@@ -142,7 +155,7 @@ def make_workload(
         name = role if agent_count <= len(ROLES) else f"{role}{index // len(ROLES)}"
         agents.append((name, shapes[index % len(shapes)]))
     return Workload(f"{agent_count}-agent {variant}", tuple(agents), rotate_every_tasks=rotate, rollout_tasks=tasks,
-                    dispatch_kv_factor=factor)
+                    dispatch_kv_factor=factor, slot_capacity=capacity)
 
 
 class SkewedAgentsEnv(Environment):

@@ -48,4 +48,5 @@ class ModelledDeviceClock:
         while self._charged:
             kind, wall_started_s, pacer = self._charged.pop(0)
             pacer.wait()
-            self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s)
+            self._trace.record(kind, wall_started_s, time.time(), pacer.modelled_s, overrun_s=pacer.overrun_s,
+                               devices=self.profile.train_devices_per_slot)

@@ -9,7 +9,15 @@ import pytest
 
 from benchmarks import run as bench
 from benchmarks.shares import assignment_estimate
-from benchmarks.workloads import HEAVY, LIGHT, TRAIN_HEAVY, TRAIN_LIGHT, SkewedAgentsEnv, make_workload
+from benchmarks.workloads import (
+    HEAVY,
+    LIGHT,
+    SIZED_HEAVY,
+    TRAIN_HEAVY,
+    TRAIN_LIGHT,
+    SkewedAgentsEnv,
+    make_workload,
+)
 from flexmarl import devicemodel
 from flexmarl.jobspec import parse_job_spec
 
@@ -88,6 +96,32 @@ def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> No
     }[config]
     assert differs == expected
     assert spec["environment"]["config"]["rotate_every_tasks"] == 12
+
+
+def test_sized_runs_a_moving_heavy_agent_on_slots_of_2_1_1_devices_and_the_blind_ablation_differs_in_one_flag() -> None:
+    workload = make_workload(4, "sized")
+    assert [dist for _, dist in workload.agents] == [SIZED_HEAVY, TRAIN_LIGHT, TRAIN_LIGHT, TRAIN_LIGHT]
+    assert workload.rotate_every_tasks == 6 * 4
+    args = bench_args("--variant", "sized", "--agents", "4")
+    assert bench.slot_capacities(workload, args) == (2, 1, 1)
+    assert bench.slot_capacities(workload, bench_args("--slot-capacity", "4,2")) == (4, 2)
+    assert bench.slot_capacities(make_workload(3, "shifting"), bench_args("--slots", "3",
+                                                                          "--train-devices-per-slot", "4")) == (4,) * 3
+    # The job is flexmarl-partial's; only orchestratord's flag differs.
+    assert bench.job_spec(workload, "partial-size-blind", Path("/m"), 4, 128.0)["pipeline"] == \
+        bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0)["pipeline"]
+    assert bench.ORCHESTRATORD_ARGS == {"partial-size-blind": ("--no-capacity-aware-binding",)}
+    # The bound counts devices: the heavy agent's own training on the 2-device slot, the rest over 4 devices.
+    profile = devicemodel.PRESETS["h100"].with_changes(token_scale=128.0)
+    trainer, slots = bench.bound_shape(profile, (2, 1, 1))
+    assert (trainer.train_devices_per_slot, slots) == (1, 4)
+    assert bench.bound_shape(profile, (4, 4, 4))[0].train_devices_per_slot == 4
+    bound = bench.sized_bound(bench.workload_bound(workload, trainer, 6, slots, episodes=64), (2, 1, 1))
+    assert bound.bound_by == "train" and bound.rollout_s < 0.6 * bound.train_s
+    assert bound.train_s < bound.busiest_agent_train_s < 1.3 * bound.train_s
+    # Device-busy seconds weigh each trace record by its slot's devices.
+    records = [{"start_s": 0.0, "end_s": 2.0, "devices": 2}, {"start_s": 2.0, "end_s": 3.0, "devices": 1}]
+    assert bench.device_busy_seconds([records, [{"start_s": 0.0, "end_s": 1.0}]], 0.0, 10.0) == 6.0
 
 
 @pytest.mark.parametrize(("config", "eta", "max_tasks"), [
