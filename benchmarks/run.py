@@ -30,8 +30,8 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
 Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
 (async off: ``no-async``), ``partial-size-blind`` (orchestratord's binder blind to slot capacities); the shapes
 built for them: ``--variant shifting``, ``--variant saturating`` (which also sets rolloutd's ``--max-tasks``,
-``--rollout-max-tasks``), ``--variant two-heavy`` and ``--variant sized`` (slots of 2, 1 and 1 devices: traind's
-``--slot-capacity``, ``--slot-capacity``; busy fractions and the bound then count devices, not slots).
+``--rollout-max-tasks``), ``--variant two-heavy`` and ``--variant sized`` (slots of 2, 1 and 1 devices, traind's
+``--slot-capacity``; ``--slot-capacity`` sets others; busy fractions and the bound then count devices, not slots).
 
 ``--eta 1 2 4`` runs every async configuration at each ``max_staleness`` (barrier ones once).
 

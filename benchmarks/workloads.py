@@ -18,9 +18,11 @@ for hierarchical balancing), ``saturating`` (the same agents, with enough tasks 
 moving rarely: demand that more replicas serve faster, for hierarchical balancing) and ``two-heavy``
 (two agents with long answers and one with short ones between them: static slot sets ``i % S`` put
 both heavy ones on one slot, for agent-centric binding). A fourth, ``sized``, is built for binding on
-slots of different capacities (``Workload.slot_capacity``, 2/1/1 devices): one agent trains ~4x the
-tokens of each of three others and the heavy role moves every ``rotate_every_tasks`` tasks, so the
-heavy agent's step is twice as long on a one-device slot as on the two-device one.
+slots of different capacities (``Workload.slot_capacity``, 2/1/1 devices): the second agent trains ~4x
+the tokens of each of the others, so its step is twice as long on a one-device slot as on the
+two-device one, and static sets ``i % S`` put it alone on a one-device slot. Its role stays put unless
+``rotate_every_steps`` is given: with eta 8 a role that moves every few steps averages every agent's
+training to less than one small slot's worth (docs/benchmarks.md, "Binding on slots of different sizes").
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ TRAIN_LIGHT = LengthDistribution("lognormal", median=96, sigma=0.3, low=32, high
 SIZED_HEAVY = LengthDistribution("lognormal", median=2048, sigma=0.3, low=512, high=4096)
 VARIANTS = ("long-tail", "uniform", "shifting", "saturating", "two-heavy", "sized")
 #: Steps between moves of the heavy role, by variant (``make_workload``'s default).
-ROTATE_EVERY_STEPS = {"shifting": 3, "saturating": 8, "sized": 6}
+ROTATE_EVERY_STEPS = {"shifting": 3, "saturating": 8}
 #: sized: traind's --slot-capacity (devices of each slot; the modelled slots train at that many devices).
 SIZED_SLOT_CAPACITY = "2,1,1"
 #: saturating: tasks rolloutd runs at once (x 16 episodes = 320 in flight): the heavy agent's sequences
@@ -129,9 +131,9 @@ def make_workload(
     "long-tail": LONG_TAIL_SHAPES; "uniform": all uniform; "shifting": agent 0 heavy, the rest light, the heavy
     role moving one agent back (0, K - 1, K - 2, ...) every ``rotate_every_steps`` steps (of ``prompts_per_step``
     tasks; default ``ROTATE_EVERY_STEPS``); "saturating": "shifting" with ``SATURATING_ROLLOUT_TASKS`` tasks in
-    flight; "two-heavy": heavy, light, heavy, light, ... for training; "sized": one agent training ~4x the
-    tokens of the others, the role moving as in "shifting" (default every 6 steps), on slots of 2, 1 and 1
-    devices.
+    flight; "two-heavy": heavy, light, heavy, light, ... for training; "sized": light, heavy, light, ...
+    (the heavy agent training ~4x the tokens of a light one), on slots of 2, 1 and 1 devices, the heavy role
+    moving as in "shifting" only when ``rotate_every_steps`` is given.
     """
     if variant not in VARIANTS:
         raise ValueError(f"unknown workload variant {variant!r} (one of {', '.join(VARIANTS)})")
@@ -139,14 +141,16 @@ def make_workload(
     factor = 0.0
     capacity = SIZED_SLOT_CAPACITY if variant == "sized" else ""
     if variant in ROTATE_EVERY_STEPS:
-        heavy, light = (SIZED_HEAVY, TRAIN_LIGHT) if variant == "sized" else (HEAVY, LIGHT)
-        shapes: tuple[LengthDistribution, ...] = (heavy, *([light] * (agent_count - 1)))
+        shapes: tuple[LengthDistribution, ...] = (HEAVY, *([LIGHT] * (agent_count - 1)))
         every = ROTATE_EVERY_STEPS[variant] if rotate_every_steps is None else rotate_every_steps
         rotate = every * prompts_per_step
         if variant == "saturating":
             tasks, factor = SATURATING_ROLLOUT_TASKS, 1.0
     elif variant == "two-heavy":
         shapes = (TRAIN_HEAVY, TRAIN_LIGHT)
+    elif variant == "sized":
+        shapes = (TRAIN_LIGHT, SIZED_HEAVY, *([TRAIN_LIGHT] * max(0, agent_count - 2)))
+        rotate = (rotate_every_steps or 0) * prompts_per_step
     else:
         shapes = LONG_TAIL_SHAPES if variant == "long-tail" else UNIFORM_SHAPES
     agents = []

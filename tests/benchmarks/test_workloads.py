@@ -100,8 +100,10 @@ def test_each_ablation_is_flexmarl_partial_less_one_mechanism(config: str) -> No
 
 def test_sized_runs_a_moving_heavy_agent_on_slots_of_2_1_1_devices_and_the_blind_ablation_differs_in_one_flag() -> None:
     workload = make_workload(4, "sized")
-    assert [dist for _, dist in workload.agents] == [SIZED_HEAVY, TRAIN_LIGHT, TRAIN_LIGHT, TRAIN_LIGHT]
-    assert workload.rotate_every_tasks == 6 * 4
+    assert [dist for _, dist in workload.agents] == [TRAIN_LIGHT, SIZED_HEAVY, TRAIN_LIGHT, TRAIN_LIGHT]
+    # static sets (S = 3 < K = 4: agent i on slot i % 3) put the heavy agent alone on slot 1, of one device
+    assert [i % 3 for i, (_, dist) in enumerate(workload.agents) if dist == SIZED_HEAVY] == [1]
+    assert workload.rotate_every_tasks == 0 and make_workload(4, "sized", 6).rotate_every_tasks == 6 * 4
     args = bench_args("--variant", "sized", "--agents", "4")
     assert bench.slot_capacities(workload, args) == (2, 1, 1)
     assert bench.slot_capacities(workload, bench_args("--slot-capacity", "4,2")) == (4, 2)
