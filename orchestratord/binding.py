@@ -45,7 +45,8 @@ Rules (DESIGN section 5):
   devices, or a relative speed; traind's ``slot_capacity``). Where the known
   slots' capacities differ, an agent's *weight* (the tokens of its current
   step, ``AgentDemand.step_tokens``) decides where it goes: a slot of more
-  capacity than the smallest takes the heaviest waiting agent first; a slot
+  capacity than the smallest takes the heaviest waiting agents first (those
+  no other outranks, then by the usual score); a slot
   leaves a waiting agent to a *larger slot* that would take it soon (one of more
   capacity, unbound and recently polled, or bound to a lone agent it *outranks*:
   more than ``capacity_margin`` times that agent's weight, and it is the
@@ -498,21 +499,23 @@ class SlotBinder:
     def _best_waiting(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],
                       exclude: AgentKey | None, mover: AgentKey | None = None) -> AgentKey | None:
         """The waiting agent ``slot_id`` would take (``mover``: the agent bound to it, which may move away)."""
-        best: tuple[tuple[bool, int, float], AgentKey] | None = None
         # The tracked demands' waiting agents are exactly those of the walk below (the order does not matter:
         # the best score, ties to the smallest key, is a total order).
         keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
         sized = self.capacities_differ
-        # A slot of more than the smallest capacity takes the heaviest waiting agent first.
-        by_weight = sized and slot_id in self._slots and self._slots[slot_id].capacity > min(self._capacities)
         left = self.left_for_larger(slot_id, demands, mover) if sized else {}
-        for key in keys:
-            demand = demands[key]
-            if key == exclude or not demand.has_work or key in self._members \
-                    or not self.eligible(key, slot_id) or key in left:  # left to a larger slot that takes it soon
-                continue
+        eligible = [(key, demands[key]) for key in keys
+                    if key != exclude and demands[key].has_work and key not in self._members
+                    and self.eligible(key, slot_id) and key not in left]  # left to a larger slot that takes it soon
+        # A slot of more than the smallest capacity takes the heaviest waiting agents first: those no other
+        # outranks; among them (and on the smallest slots, among all) the usual score decides.
+        top = 0
+        if sized and slot_id in self._slots and self._slots[slot_id].capacity > min(self._capacities):
+            top = max((demand.weight for _, demand in eligible), default=0)
+        best: tuple[tuple[bool, bool, float], AgentKey] | None = None
+        for key, demand in eligible:
             starving, value = self.score(key, slot_id, demand)
-            ranked = ((starving, demand.weight if by_weight else 0, value), key)
+            ranked = ((starving, self._capacity_margin * demand.weight >= top, value), key)
             # Highest score wins; ties go to the smallest key (deterministic).
             if best is None or ranked[0] > best[0] or (ranked[0] == best[0] and key < best[1]):
                 best = ranked

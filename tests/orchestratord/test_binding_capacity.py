@@ -51,6 +51,14 @@ def test_a_small_slot_leaves_the_heavy_agent_to_a_free_large_one_which_takes_it_
     assert decide(sized(FakeClock(), aware=False), "s1", h, l4) == BindingDecision(DecisionKind.BIND, H)
 
 
+def test_a_large_slot_weighs_agents_within_the_margin_by_the_usual_score() -> None:
+    binder = sized(FakeClock())
+    binder.observe_poll("big", "w-big", {L: 1}, capacity=2.0)  # L's state is resident there: affinity
+    # M's step is 1.1x L's: no reason to load M's state instead of keeping L's.
+    assert decide(binder, "big", light(), light(M, 110)) == BindingDecision(DecisionKind.BIND, L)
+    assert decide(binder, "big", light(), light(M, 110), heavy()) == BindingDecision(DecisionKind.BIND, H)
+
+
 def test_equal_capacities_change_no_decision() -> None:
     """Every slot of capacity 2: the capacity-aware binder decides as the blind one, poll after poll."""
     for capacities in ((2.0, 2.0, 2.0), (2.0, 1.0, 1.0)):
