@@ -123,7 +123,7 @@ def slot_status(status: SlotStatus) -> train_pb2.SlotStatus:
         resident=f"{resident.job_id}/{resident.agent}" if resident is not None else "",
         resident_version=resident.version if resident is not None else 0, busy=status.busy,
         busy_fraction=status.busy_fraction, dp_group_id=status.dp_group_id, dp_rank=status.dp_rank,
-        dp_world_size=status.dp_world_size)
+        dp_world_size=status.dp_world_size, capacity=status.capacity)
 
 
 def trainer_status(worker_id: str, slots: Sequence[SlotStatus]) -> train_pb2.TrainerStatus:

@@ -192,6 +192,7 @@ class SlotStatus:
         dp_group_id: The data-parallel group the process is in ("" when it trains alone).
         dp_rank: Its rank there (0 alone).
         dp_world_size: The group's size (1 alone).
+        capacity: Training capacity relative to one device (traind's slot_capacity).
     """
 
     slot_id: str
@@ -203,3 +204,4 @@ class SlotStatus:
     dp_group_id: str
     dp_rank: int
     dp_world_size: int
+    capacity: float = 1.0

@@ -805,6 +805,7 @@ class TrainerWorker:
             SlotStatus(slot_id=s.slot_id, device=device, memory_bytes=memory_bytes,
                        resident=ResidentAgent(s.job_id, s.agent, s.trainer.version) if s.trainer is not None else None,
                        busy=s.busy, busy_fraction=s.busy_s / max(1e-9, now - s.started_s),
-                       dp_group_id=self.group.group_id, dp_rank=self.group.rank, dp_world_size=self.group.world_size)
+                       dp_group_id=self.group.group_id, dp_rank=self.group.rank, dp_world_size=self.group.world_size,
+                       capacity=s.capacity)
             for s in self.slots
         ]

@@ -177,8 +177,11 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
                                                     state_uri=swapped.state_uri, digest=digest, step_episodes=4))
         await orchestrator.until(lambda: len(orchestrator.acks) == 3)
         (status,) = worker.status()
-        assert (status.slot_id, status.resident, status.dp_group_id, status.dp_world_size) == (
-            slot_id, ResidentAgent(JOB, AGENT, 1), "", 1)
+        assert (status.slot_id, status.resident, status.dp_group_id, status.dp_world_size, status.capacity) == (
+            slot_id, ResidentAgent(JOB, AGENT, 1), "", 1, 2.0)
+        from traind import serde
+
+        assert serde.slot_status(status).capacity == 2.0  # GetTrainerStatus shows it
         orchestrator.script.put_nowait(OptimizerStepWork(
             job_id=JOB, agent=AGENT, step=1, step_id="s1-replay", new_version=2, step_response_tokens=1,
             step_episodes=4, num_micro_batches=1, base_version=1, state_uri=swapped.state_uri, spec_digest=digest))

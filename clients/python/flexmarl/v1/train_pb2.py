@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lexmarl/v1/train.proto\x12\x0b\x66lexmarl.v1\"\x19\n\x17GetTrainerStatusRequest\"\xd1\x01\n\nSlotStatus\x12\x0f\n\x07slot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x10\n\x08resident\x18\x04 \x01(\t\x12\x18\n\x10resident_version\x18\x05 \x01(\x03\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x08\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x13\n\x0b\x64p_group_id\x18\x08 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\t \x01(\r\x12\x15\n\rdp_world_size\x18\n \x01(\r\"J\n\rTrainerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.flexmarl.v1.SlotStatus2_\n\x07Trainer\x12T\n\x10GetTrainerStatus\x12$.flexmarl.v1.GetTrainerStatusRequest\x1a\x1a.flexmarl.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x66lexmarl/v1/train.proto\x12\x0b\x66lexmarl.v1\"\x19\n\x17GetTrainerStatusRequest\"\xe3\x01\n\nSlotStatus\x12\x0f\n\x07slot_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x10\n\x08resident\x18\x04 \x01(\t\x12\x18\n\x10resident_version\x18\x05 \x01(\x03\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x08\x12\x15\n\rbusy_fraction\x18\x07 \x01(\x01\x12\x13\n\x0b\x64p_group_id\x18\x08 \x01(\t\x12\x0f\n\x07\x64p_rank\x18\t \x01(\r\x12\x15\n\rdp_world_size\x18\n \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x0b \x01(\x01\"J\n\rTrainerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05slots\x18\x02 \x03(\x0b\x32\x17.flexmarl.v1.SlotStatus2_\n\x07Trainer\x12T\n\x10GetTrainerStatus\x12$.flexmarl.v1.GetTrainerStatusRequest\x1a\x1a.flexmarl.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,9 +34,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=40
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=65
   _globals['_SLOTSTATUS']._serialized_start=68
-  _globals['_SLOTSTATUS']._serialized_end=277
-  _globals['_TRAINERSTATUS']._serialized_start=279
-  _globals['_TRAINERSTATUS']._serialized_end=353
-  _globals['_TRAINER']._serialized_start=355
-  _globals['_TRAINER']._serialized_end=450
+  _globals['_SLOTSTATUS']._serialized_end=295
+  _globals['_TRAINERSTATUS']._serialized_start=297
+  _globals['_TRAINERSTATUS']._serialized_end=371
+  _globals['_TRAINER']._serialized_start=373
+  _globals['_TRAINER']._serialized_end=468
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,7 @@ class SlotStatus(_message.Message):
     DP_GROUP_ID_FIELD_NUMBER: _builtins.int
     DP_RANK_FIELD_NUMBER: _builtins.int
     DP_WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     slot_id: _builtins.str
     device: _builtins.str
     """"cpu" or "cuda:N"."""
@@ -62,6 +63,8 @@ class SlotStatus(_message.Message):
     """Data-parallel group of the resident engine ("" and 1 when it trains alone)."""
     dp_rank: _builtins.int
     dp_world_size: _builtins.int
+    capacity: _builtins.float
+    """Training capacity relative to one device (traind's slot_capacity; what its polls report)."""
     def __init__(
         self,
         *,
@@ -75,10 +78,11 @@ class SlotStatus(_message.Message):
         dp_group_id: _builtins.str = ...,
         dp_rank: _builtins.int = ...,
         dp_world_size: _builtins.int = ...,
+        capacity: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "busy_fraction", b"busy_fraction", "device", b"device", "dp_group_id", b"dp_group_id", "dp_rank", b"dp_rank", "dp_world_size", b"dp_world_size", "memory_bytes", b"memory_bytes", "resident", b"resident", "resident_version", b"resident_version", "slot_id", b"slot_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "busy_fraction", b"busy_fraction", "capacity", b"capacity", "device", b"device", "dp_group_id", b"dp_group_id", "dp_rank", b"dp_rank", "dp_world_size", b"dp_world_size", "memory_bytes", b"memory_bytes", "resident", b"resident", "resident_version", b"resident_version", "slot_id", b"slot_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
