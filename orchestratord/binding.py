@@ -88,8 +88,8 @@ class AgentDemand:
     portable: bool = True
     # The agent's warm start waits for a slot (agents[].warm_start; one in flight counts as mid_step).
     warm_start_pending: bool = False
-    # Response tokens of the current step's formed micro-batches, in any state: how much the step trains
-    # (its weight against slot capacities).
+    # Response tokens of the current step as its formed micro-batches (in any state) project them onto
+    # the micro-batches it will have: how much the step trains (its weight against slot capacities).
     step_tokens: int = 0
 
     @property

@@ -22,11 +22,14 @@ def demand(job: JobPlan, agent: str) -> AgentDemand:
     plan = job.current_plan(agent)
     if job.state.terminal or plan is None or not agent_may_train(job, agent, plan.step):
         return AgentDemand(key)
-    taken = len(plan.micro_batches) - plan.ready_count
-    return _agent_demand(job, key, max(0, _expected_micro_batches(job, plan) - taken),
+    formed = len(plan.micro_batches)
+    expected = _expected_micro_batches(job, plan)
+    # The step's tokens as its formed micro-batches project them (a step half formed weighs as a whole one).
+    step_tokens = plan.formed_tokens * max(expected, formed) // formed if formed else 0
+    return _agent_demand(job, key, max(0, expected - (formed - plan.ready_count)),
                          ready_micro_batches=plan.ready_count, ready_tokens=plan.ready_tokens,
                          optimizer_pending=plan.ready_for_optimizer, mid_step=plan.mid_step,
-                         step_tokens=plan.formed_tokens)
+                         step_tokens=step_tokens)
 
 
 def data_parallel_demand(job: JobPlan, agent: str) -> AgentDemand:

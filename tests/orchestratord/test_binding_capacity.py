@@ -9,7 +9,7 @@ from __future__ import annotations
 from orchestratord.binding import AgentDemand, AgentKey, BindingDecision, DecisionKind, SlotBinder
 from orchestratord.planner import Planner, PlannerOptions
 
-from .helpers import FakeClock
+from .helpers import FakeClock, experiences_for, make_spec
 
 H = ("job", "h")
 L = ("job", "l")
@@ -172,3 +172,21 @@ def test_the_planner_gives_the_binder_each_polling_slots_capacity_unless_told_to
         capacities = [(slot.slot_id, slot.capacity) for slot in planner.binder.slots()]
         assert sorted(capacities) == [("w/slot0", 2.0), ("w/slot1", 1.0)]
         assert planner.binder.capacities_differ is aware
+
+
+def test_an_agents_weight_projects_its_formed_micro_batches_onto_the_whole_step() -> None:
+    planner = Planner(FakeClock(), PlannerOptions(lease_epoch="e0"))
+    planner.submit_job("job1", make_spec())  # 4 groups of 2 per step, 2 groups per micro-batch: 2 micro-batches
+    leases = planner.lease_rollout_tasks("roll-0", 4)
+    job = planner.job("job1")
+    assert job.demand("sender").step_tokens == 0
+    for lease in leases[:2]:
+        planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "",
+                                    experiences_for(lease, ("sender", "receiver")))
+    plan = job.current_plan("sender")
+    assert plan is not None and len(plan.micro_batches) == 1
+    assert job.demand("sender").step_tokens == 2 * plan.formed_tokens  # one of two formed: weighs as two
+    for lease in leases[2:]:
+        planner.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "",
+                                    experiences_for(lease, ("sender", "receiver")))
+    assert len(plan.micro_batches) == 2 and job.demand("sender").step_tokens == plan.formed_tokens
