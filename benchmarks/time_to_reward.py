@@ -203,10 +203,22 @@ def tiny_seeded(uri: str, weight_seed: int) -> str:
     return urllib.parse.urlunparse(parsed._replace(query=urllib.parse.urlencode(params)))
 
 
+def model_digest(model: str) -> str:
+    """A local checkpoint directory's content digest (where it lies does not matter); any other model as named."""
+    path = Path(model)
+    if not path.is_dir():
+        return model
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 def warm_start_key(raw: dict[str, Any]) -> str:
-    """What a job's warm starts depend on (seed, environment, each agent's model and warm_start): a cache key."""
+    """What a job's warm starts depend on (seed, environment, each agent's base weights and warm_start): a key."""
     basis = {"seed": raw.get("seed"), "environment": raw.get("environment"),
-             "agents": [(a.get("name"), a.get("model"), a.get("warm_start")) for a in raw.get("agents", [])]}
+             "agents": [(a.get("name"), model_digest(str(a.get("model"))), a.get("warm_start"))
+                        for a in raw.get("agents", [])]}
     return hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -304,6 +304,9 @@ def test_a_saved_warm_start_replaces_the_agents_warm_start_for_the_same_seed_onl
     assert solver["model"] == str((to_save["verifier"].parent / "solver").resolve()) and "warm_start" not in solver
     assert verifier["warm_start"] == other["agents"][1]["warm_start"] and list(to_save) == ["verifier"]
     parse_job_spec(second)
+    # The same seed's job with its models built elsewhere (each --keep directory builds its own) finds it too.
+    moved, to_save = ttr.use_warm_starts(ttr.example_job(workload, "sync", 0, 3, tmp_path / "elsewhere"), cache)
+    assert moved["agents"][0]["model"] == solver["model"] and list(to_save) == ["verifier"]
     # Another seed (other base weights, other warm-start data) shares nothing.
     assert ttr.use_warm_starts(ttr.example_job(workload, "sync", 1, 3, tmp_path / "models"), cache)[1].keys() == {
         "solver", "verifier"}
