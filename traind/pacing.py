@@ -36,6 +36,23 @@ class ModelledDeviceClock:
         """Charges one optimizer step (weights published included) started at ``started_perf_s``."""
         self._charge("optimizer", started_perf_s, devicemodel.optimizer_step_s(self.profile))
 
+    def swap_in(self, started_perf_s: float, lora_rank: int = 0, lora_modules: tuple[str, ...] = ()) -> None:
+        """Charges moving an agent's training state onto the device (a swap-in) started at ``started_perf_s``.
+
+        A full-model agent moves weights and optimizer state (``devicemodel.swap_s``), a LoRA agent
+        (``lora_rank`` > 0) its adapter and the adapter's optimizer state (``lora_swap_s`` of that rank
+        on ``lora_modules`` of the modelled model; the base stays on the slot). Modules the modelled
+        model lacks (a tiny model's names) count as its four attention projections.
+        """
+        profile = self.profile
+        if lora_rank <= 0:
+            seconds = devicemodel.swap_s(profile)
+        else:
+            known = tuple(m for m in lora_modules if m in devicemodel.QWEN25_14B_LINEAR_SHAPES)
+            shape = devicemodel.qwen25_14b_lora(lora_rank, known) if known else devicemodel.qwen25_14b_lora(lora_rank)
+            seconds = devicemodel.lora_swap_s(profile, shape)
+        self._charge("swap", started_perf_s, seconds)
+
     def _charge(self, kind: str, started_perf_s: float, modelled_s: float) -> None:
         wall_started_s = time.time() - (time.perf_counter() - started_perf_s)
         pacer = devicemodel.Pacer(self.profile, clock=time.perf_counter)

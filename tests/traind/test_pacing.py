@@ -63,3 +63,20 @@ def test_trainer_charges_micro_batches_and_steps_to_its_clock(tiny_model_dir: Pa
         trainer.release()
     kinds = [r["kind"] for r in devicemodel.read_traces(tmp_path)["traind-t-a"]]
     assert kinds == ["train", "train", "optimizer"]
+
+
+def test_a_swap_in_charges_the_state_over_the_link_full_model_or_adapter(tmp_path: Path) -> None:
+    profile = _profile(tmp_path)
+    clock = ModelledDeviceClock(profile, "traind-t-swap")
+    started = time.perf_counter()
+    clock.swap_in(started)
+    clock.swap_in(started, lora_rank=8, lora_modules=("q_proj", "v_proj"))
+    clock.swap_in(started, lora_rank=8, lora_modules=("c_attn",))  # a name the modelled model lacks
+    clock.settle()
+    records = devicemodel.read_traces(tmp_path)["traind-t-swap"]
+    assert [r["kind"] for r in records] == ["swap"] * 3
+    assert records[0]["modelled_s"] == pytest.approx(devicemodel.swap_s(profile))
+    assert records[1]["modelled_s"] == pytest.approx(
+        devicemodel.lora_swap_s(profile, devicemodel.qwen25_14b_lora(8, ("q_proj", "v_proj"))))
+    assert records[2]["modelled_s"] == pytest.approx(devicemodel.lora_swap_s(profile, devicemodel.qwen25_14b_lora(8)))
+    assert records[1]["modelled_s"] < records[2]["modelled_s"] < records[0]["modelled_s"]

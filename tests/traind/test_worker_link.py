@@ -150,8 +150,11 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
                           step_episodes=8, num_micro_batches=2, base_version=0, state_uri="", spec_digest=digest),
         SwapOutWork(job_id=JOB, agent=AGENT, location="file"),
     ])
+    from flexmarl import devicemodel
+
+    profile = devicemodel.H100_SXM.with_changes(token_scale=4.0, time_scale=1e-5, trace_dir=str(tmp_path / "traces"))
     settings = TrainerSettings(worker_id="traind-fake", slots=1, work_dir=tmp_path / "work", state_location="file",
-                               publish_location="file", slot_capacities=(2.0,))
+                               publish_location="file", slot_capacities=(2.0,), device_profile=profile)
     worker = TrainerWorker(settings, TrainerMetrics(CollectorRegistry()), orchestrator, FakeStore(
         [r for g in groups for r in g]))
     slot_id = worker.slots[0].slot_id
@@ -176,6 +179,10 @@ async def test_one_slot_steps_swaps_and_fails_over_fake_links(tmp_path: Path) ->
         orchestrator.script.put_nowait(_micro_batch(0, groups[2], step=1, step_id="s1", base_version=1,
                                                     state_uri=swapped.state_uri, digest=digest, step_episodes=4))
         await orchestrator.until(lambda: len(orchestrator.acks) == 3)
+        # Modelled device time: the swap-in moved the agent's state over the link (the first build, from the
+        # base model at version 0, did not).
+        kinds = [r["kind"] for records in devicemodel.read_traces(tmp_path / "traces").values() for r in records]
+        assert kinds.count("swap") == 1 and kinds.count("optimizer") == 1 and kinds.count("train") == 3
         (status,) = worker.status()
         assert (status.slot_id, status.resident, status.dp_group_id, status.dp_world_size, status.capacity) == (
             slot_id, ResidentAgent(JOB, AGENT, 1), "", 1, 2.0)
