@@ -650,6 +650,8 @@ class SlotBinder:
         the step's first micro-batch is leased. Returns the slots that joined.
         """
         joined: list[str] = []
+        if demands is self._tracked and agent not in self._recruiting:
+            return joined  # _may_recruit would refuse every slot: no walk over them
         for slot_id in sorted(self._slots):
             if self._may_recruit(agent, slot_id, demands):
                 self.join(slot_id, agent)
