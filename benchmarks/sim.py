@@ -120,7 +120,7 @@ from orchestratord.planner import (
     SwapOutWork,
 )
 from orchestratord.planner.demand import rolloutd_share
-from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket, TokenEstimator
+from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, RoutingPolicy, Ticket
 from rolloutd.balancer import ReplicaAssignment as BalancerReplica
 from rolloutd.replica_rates import BalancerFeed
 
@@ -211,15 +211,13 @@ class Simulation:
                 index,
                 f"rollout-{index}",
                 replica_ids,
-                self.make_balancer(balancer_config, replica_ids),
-                TokenEstimator(),
+                self.make_balancer(balancer_config, replica_ids),  # with its estimator (route, release)
                 max_tasks(len(replica_ids), settings.replicas, window, len(groups), settings.max_tasks_per_rolloutd),
                 meter,
             )
             if settings.measured_rates:  # rolloutd's default: its router measures what the balancer decides on
                 process.measured = BalancerFeed(balancer_config.prior_tokens_per_s, balancer_config.reassignment_cost_s)
             meter.wrap("balancer", process.balancer)
-            meter.wrap("balancer", process.estimator)
             for replica_id in replica_ids:
                 self.replicas[replica_id].rolloutd = index
             self.rolloutds.append(process)
@@ -377,10 +375,10 @@ class Simulation:
         """Hand the episode's next turn to its rolloutd's balancer."""
         process = self.rolloutds[episode.rolloutd]
         agent = self.agents[episode.turn]
-        estimate = process.estimator.estimate(agent, self.workload.prompt_tokens, self.lengths[agent].high)
         version = self.wanted[agent]  # RolloutRouter._generate fixes it when it routes (``served``)
-        ticket = process.balancer.submit(
-            agent, estimate, f"{episode.task.task_id}#{episode.sample_index}", self.adapter_name(agent, version)
+        ticket = process.balancer.route(  # RolloutRouter._acquire: estimated and submitted in one call
+            agent, self.workload.prompt_tokens, self.lengths[agent].high, 1,
+            f"{episode.task.task_id}#{episode.sample_index}", self.adapter_name(agent, version)
         )
         key = request_key(process.index, ticket.request_id)
         self.tickets[key] = (episode, agent)
@@ -410,7 +408,7 @@ class Simulation:
         episode.behaviour[agent] = version
         length = episode.lengths[episode.turn]
         replica.running.append(_Seq(key, episode, float(length), float(self.workload.prompt_tokens)))
-        process.generation_started(key, replica.replica_id, process.balancer.model_key_of(ticket.agent), self.now_s)
+        process.generation_started(key, replica.replica_id, ticket.agent, self.now_s)  # its group: the agent's own
         self.reschedule(replica)
 
     def prefill_s(self) -> float:
@@ -435,9 +433,9 @@ class Simulation:
         episode, agent = self.tickets.pop(seq.request_id)
         process = self.rolloutds[episode.rolloutd]
         process.generation_finished(seq.request_id, episode.lengths[episode.turn], self.now_s)
-        process.balancer.finish(split_request_key(seq.request_id)[1])
-        self.rebalance(process)  # RolloutRouter._release
-        process.estimator.observe(agent, episode.lengths[episode.turn])
+        # RolloutRouter._release: the ticket freed, the length observed, and whether anything is left to do.
+        request = split_request_key(seq.request_id)[1]
+        self.rebalance(process, process.balancer.release(request, self.now_s, (episode.lengths[episode.turn],)))
         process.task_progress[episode.task.task_id] += 1
         episode.turn += 1
         if episode.turn < len(self.agents):
@@ -508,10 +506,10 @@ class Simulation:
             process.balancer.set_demand_hints(hints)
             self.rebalance(process)
 
-    def rebalance(self, process: RolloutProcess) -> None:
-        """What ``RolloutRouter._rebalance`` does, on the same occasions (a queued request, a release, a hint)."""
+    def rebalance(self, process: RolloutProcess, settled: bool | None = None) -> None:
+        """``RolloutRouter._rebalance`` on its occasions (a queued request, a release, a hint); ``settled``: known."""
         balancer = process.balancer
-        if balancer.settled(self.now_s):  # as the router: nothing waits, no rebalance is due
+        if balancer.settled(self.now_s) if settled is None else settled:  # as the router: nothing waits or is due
             return
         starved = balancer.starved_agents()
         if starved:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 
 from benchmarks.control_cpu import CpuMeter
-from rolloutd.balancer import HierarchicalBalancer, TokenEstimator
+from rolloutd.balancer import HierarchicalBalancer
 from rolloutd.replica_rates import BalancerFeed, GenerationMark
 
 #: One rolloutd's max_tasks when the simulation runs a single one over every replica (no bound, as before).
@@ -37,13 +37,12 @@ _KEY_BITS = 32
 
 @dataclasses.dataclass
 class RolloutProcess:
-    """One rolloutd process: its replicas, its balancer and estimator (timed apart), its leases and hints."""
+    """One rolloutd process: its replicas, its balancer (with its estimator, timed), its leases and hints."""
 
     index: int
     worker_id: str
     replica_ids: tuple[str, ...]
     balancer: HierarchicalBalancer
-    estimator: TokenEstimator
     max_tasks: int
     cpu: CpuMeter
     demand_hints: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -64,7 +64,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.affinity_map import SEPARATOR, AffinityMap
@@ -126,6 +126,7 @@ class HierarchicalBalancer:
         agents: Sequence[AgentSpec],
         config: BalancerConfig | None = None,
         adapter_slots: Mapping[str, int] | None = None,
+        estimator: TokenEstimator | None = None,
     ) -> None:
         """Balances ``agents`` over ``replicas``.
 
@@ -136,7 +137,11 @@ class HierarchicalBalancer:
             adapter_slots: Per model group of LoRA agents, the most distinct adapters one replica
                 runs at once (the engines' ``--max-loras-per-batch``); a group of adapters without
                 an entry has no bound.
+            estimator: What :meth:`route` estimates a request's tokens with and :meth:`release` feeds the
+                response lengths to (the router's, kept across rebuilds); a fresh one when None.
         """
+        #: Request costs from observed response lengths (:meth:`route`, :meth:`release`).
+        self.estimator = estimator if estimator is not None else TokenEstimator()
         self._config = config or BalancerConfig()
         self._reassignment_cost_s = self._config.reassignment_cost_s
         self._agent_model: dict[str, str] = {}
@@ -291,6 +296,10 @@ class HierarchicalBalancer:
             NotFound: The agent is not balanced here.
             InvalidArgument: Negative ``estimated_tokens`` or ``kv_tokens``, or ``adapter`` for a full-model agent.
         """
+        return self._submit(agent, estimated_tokens, affinity_key, adapter, kv_tokens)
+
+    def _submit(self, agent: str, estimated_tokens: int, affinity_key: str, adapter: str | None,
+                kv_tokens: int) -> Ticket:
         model_key = self._model_of(agent)
         if estimated_tokens < 0 or kv_tokens < 0:
             raise InvalidArgument(f"estimated_tokens and kv_tokens must be >= 0, got {estimated_tokens}, {kv_tokens}")
@@ -301,10 +310,23 @@ class HierarchicalBalancer:
             raise InvalidArgument(f"agent {agent!r} is a full model: its requests carry no adapter")
         request_id = self._next_request_id
         self._next_request_id += 1
-        ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter, kv_tokens)
         ticket_tokens = self._ticket_tokens
         ticket_tokens[agent] = ticket_tokens.get(agent, 0) + estimated_tokens
-        placed = self._try_place(ticket, model_key)
+        if self._config.routing is RoutingPolicy.LEAST_TOKENS and (
+                adapter is None or model_key not in self._adapter_slots):
+            # _try_place's first case, with one ticket built (the placed one) instead of two: a frozen
+            # dataclass costs a fair part of a request's routing to build.
+            chosen = self._least_tokens_in_group(model_key, affinity_key)
+            if chosen is not None and not self._has_kv_room(chosen, kv_tokens):
+                chosen = self._most_kv_room(model_key, kv_tokens)
+            if chosen is not None:
+                return self._take(Ticket(request_id, agent, estimated_tokens, affinity_key, chosen.spec.replica_id,
+                                         adapter, kv_tokens), chosen)
+            placed = None
+            ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter, kv_tokens)
+        else:
+            ticket = Ticket(request_id, agent, estimated_tokens, affinity_key, None, adapter, kv_tokens)
+            placed = self._try_place(ticket, model_key)
         if placed is None:
             self._tickets[request_id] = ticket
             self._queued[model_key].append(request_id)
@@ -313,6 +335,33 @@ class HierarchicalBalancer:
                 self._rebalance_urgent = True
             return ticket
         return placed
+
+    def route(self, agent: str, prompt_tokens: int, max_new_tokens: int, n: int = 1, affinity_key: str = "",
+              adapter: str | None = None, kv_tokens: int = 0) -> Ticket:
+        """:meth:`submit` of a request estimated by :attr:`estimator`: one call per request, not two.
+
+        Raises:
+            As :meth:`submit`.
+        """
+        return self._submit(agent, self.estimator.estimate(agent, prompt_tokens, max_new_tokens, n), affinity_key,
+                            adapter, kv_tokens)
+
+    def release(self, request_id: int, now_s: float, response_tokens: Iterable[int] = ()) -> bool:
+        """:meth:`finish`, with the request's response lengths fed to :attr:`estimator`; returns :meth:`settled`.
+
+        One call where a request's end made three (the finish, the estimator's observations, the
+        router's question whether anything is left to do after the event).
+
+        Raises:
+            NotFound: the request is not in flight (its lengths are observed all the same).
+        """
+        ticket = self._tickets.get(request_id)
+        if ticket is not None:
+            observe = self.estimator.observe
+            for tokens in response_tokens:
+                observe(ticket.agent, tokens)
+        self._finish(request_id)
+        return self._settled(now_s)
 
     def place_queued(self) -> list[Ticket]:
         """Places waiting tickets on replicas that can now serve them (FIFO per group; per adapter name in a pool).
@@ -363,6 +412,9 @@ class HierarchicalBalancer:
 
     def finish(self, request_id: int) -> Ticket:
         """Ends an in-flight request (success or failure); returns its ticket."""
+        return self._finish(request_id)
+
+    def _finish(self, request_id: int) -> Ticket:
         ticket = self._tickets.pop(request_id, None)
         if ticket is None:
             raise NotFound(f"request {request_id} is not in flight")
@@ -405,12 +457,12 @@ class HierarchicalBalancer:
                 ticket.adapter is None or model_key not in self._adapter_slots):
             # Every serving replica of the group is a candidate: O(log group) from the group's load heaps.
             chosen = self._least_tokens_in_group(model_key, ticket.affinity_key)
-            if chosen is not None and not self._has_kv_room(chosen, ticket):
-                chosen = self._most_kv_room(model_key, ticket)
+            if chosen is not None and not self._has_kv_room(chosen, ticket.kv_tokens):
+                chosen = self._most_kv_room(model_key, ticket.kv_tokens)
             return None if chosen is None else self._assign(ticket, chosen)
         candidates = [
             replica for replica in self._groups().serving.get(model_key, ())
-            if self._has_adapter_slot(replica, ticket.adapter) and self._has_kv_room(replica, ticket)
+            if self._has_adapter_slot(replica, ticket.adapter) and self._has_kv_room(replica, ticket.kv_tokens)
         ]
         if not candidates:
             return None
@@ -424,18 +476,21 @@ class HierarchicalBalancer:
 
     def _assign(self, ticket: Ticket, chosen: ReplicaState) -> Ticket:
         # Built directly: dataclasses.replace (which re-reads every field by name) was a fifth of a request's routing.
-        placed = Ticket(ticket.request_id, ticket.agent, ticket.estimated_tokens, ticket.affinity_key,
-                        chosen.spec.replica_id, ticket.adapter, ticket.kv_tokens)
+        return self._take(Ticket(ticket.request_id, ticket.agent, ticket.estimated_tokens, ticket.affinity_key,
+                                 chosen.spec.replica_id, ticket.adapter, ticket.kv_tokens), chosen)
+
+    def _take(self, ticket: Ticket, chosen: ReplicaState) -> Ticket:
+        """``chosen`` takes the placed ``ticket``: its load, its adapter name's slot, the ticket, the affinity."""
         chosen.outstanding_tokens += ticket.estimated_tokens
         chosen.kv_tokens += ticket.kv_tokens
         chosen.in_flight_requests += 1
         self._groups().push_load(chosen)
         if ticket.adapter is not None:
             chosen.adapter_requests[ticket.adapter] += 1
-        self._tickets[ticket.request_id] = placed
+        self._tickets[ticket.request_id] = ticket
         if ticket.affinity_key:
             self._affinity.remember(ticket.affinity_key, chosen.spec.replica_id)
-        return placed
+        return ticket
 
     def _least_tokens_in_group(self, model_key: str, affinity_key: str) -> ReplicaState | None:
         """:meth:`_least_tokens_with_affinity` over every serving replica of the group.
@@ -481,21 +536,24 @@ class HierarchicalBalancer:
             return preferred
         return least
 
-    def _has_kv_room(self, replica: ReplicaState, ticket: Ticket) -> bool:
-        """Whether ``replica`` may take ``ticket`` within ``dispatch_kv_factor`` of its KV capacity (always idle)."""
+    def _has_kv_room(self, replica: ReplicaState, kv_tokens: int) -> bool:
+        """Whether ``replica`` may take a request of ``kv_tokens`` within ``dispatch_kv_factor`` of its KV capacity.
+
+        Always when it is idle.
+        """
         factor = self._config.dispatch_kv_factor
         if factor <= 0 or math.isinf(replica.kv_capacity_tokens) or not replica.in_flight_requests:
             return True
-        return replica.kv_tokens + ticket.kv_tokens <= factor * replica.kv_capacity_tokens
+        return replica.kv_tokens + kv_tokens <= factor * replica.kv_capacity_tokens
 
-    def _most_kv_room(self, model_key: str, ticket: Ticket) -> ReplicaState | None:
-        """The serving replica of the group with the fewest reserved KV tokens, if it may take ``ticket``.
+    def _most_kv_room(self, model_key: str, kv_tokens: int) -> ReplicaState | None:
+        """The serving replica of the group with the fewest reserved KV tokens, if it may take ``kv_tokens`` more.
 
         Asked only when the least loaded one (by estimated tokens) is full: O(group).
         """
         serving = self._groups().serving.get(model_key, ())
         emptiest = min(serving, key=lambda r: (r.kv_tokens, r.spec.replica_id), default=None)
-        return emptiest if emptiest is not None and self._has_kv_room(emptiest, ticket) else None
+        return emptiest if emptiest is not None and self._has_kv_room(emptiest, kv_tokens) else None
 
     def set_replica_kv_capacity(self, replica_id: str, tokens: float) -> None:
         """The KV-cache tokens the replica holds (its engine's ``max_total_num_tokens``; inf: unbounded).
@@ -593,6 +651,9 @@ class HierarchicalBalancer:
         replica may await its load (:meth:`replicas_awaiting_load` empty): one call instead of
         four after most events.
         """
+        return self._settled(now_s)
+
+    def _settled(self, now_s: float) -> bool:
         if self._waiting_groups or self._maybe_awaiting:
             return False
         config = self._config

@@ -477,7 +477,7 @@ class RolloutRouter:
                 slots = {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots)
                 self._balancer = HierarchicalBalancer(
                     specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
-                    self._config, adapter_slots=slots)
+                    self._config, adapter_slots=slots, estimator=self._estimator)
                 if self._config.dispatch_kv_factor > 0:
                     for replica in healthy:
                         await self._set_kv_capacity(replica)
@@ -583,6 +583,7 @@ class RolloutRouter:
         last_error: FlexmarlError | None = None
         busy = Backoff(self._busy_backoff_s, self._busy_backoff_s * 2 ** (MAX_ATTEMPTS - 1))
         for attempt in range(MAX_ATTEMPTS):
+            observed: list[int] = []  # response lengths, fed to the estimator as the request ends
             todo = [index for index in range(len(parts)) if index not in done]
             samples = sum(parts[index].n for index in todo)
             served = self._wanted.get(key) if key in self._lora_bases else None  # this attempt's adapter version
@@ -611,8 +612,7 @@ class RolloutRouter:
                     if isinstance(outcome, Unavailable):
                         failures.append(outcome)
                         continue
-                    for result in outcome:
-                        self._estimator.observe(key, result.completion_tokens)
+                    observed.extend(result.completion_tokens for result in outcome)
                     done[index] = [self._output(key, r, version) for r in outcome]
                 if not failures:
                     break
@@ -626,7 +626,7 @@ class RolloutRouter:
                 last_error = exc
                 self._drop_replica(replica, str(exc))
             finally:
-                self._release(ticket)
+                self._release(ticket, observed)
             if isinstance(last_error, EngineBusy) and attempt + 1 < MAX_ATTEMPTS:
                 await busy.sleep()
         else:
@@ -743,9 +743,8 @@ class RolloutRouter:
             await self._quiet.wait_for(lambda: not self._rebuilding)
             if self._balancer is None or key not in self._agents:
                 raise Unavailable(f"agent {key} is not served by this rolloutd")
-            estimate = self._estimator.estimate(key, prompt_tokens, max_new_tokens, n)
-            ticket = self._balancer.submit(key, estimate, affinity_key, adapter,
-                                           kv_tokens=n * (prompt_tokens + max_new_tokens))
+            ticket = self._balancer.route(key, prompt_tokens, max_new_tokens, n, affinity_key, adapter,
+                                          kv_tokens=n * (prompt_tokens + max_new_tokens))
             self._in_flight += 1
         if ticket.replica_id is not None:
             return ticket
@@ -759,12 +758,18 @@ class RolloutRouter:
             self._release(ticket)
             raise
 
-    def _release(self, ticket: Ticket) -> None:
+    def _release(self, ticket: Ticket, observed: Sequence[int] = ()) -> None:
+        """A request ended: the balancer frees its ticket and learns its response lengths (``observed``)."""
+        settled = False
         if self._balancer is not None:
             with contextlib.suppress(FlexmarlError):
-                self._balancer.finish(ticket.request_id)
+                settled = self._balancer.release(ticket.request_id, time.monotonic(), observed)
+                observed = ()  # the balancer fed them to the estimator
+        for tokens in observed:  # no balancer, or it no longer knew the request: the estimator learns them here
+            self._estimator.observe(ticket.agent, tokens)
         self._in_flight -= 1
-        self._rebalance()
+        if not settled:
+            self._rebalance()
         if self._in_flight == 0:
             self._spawn(self._notify_quiet())
 

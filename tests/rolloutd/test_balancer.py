@@ -503,3 +503,53 @@ def test_the_interleaving_benchmark_gives_every_balancer_the_same_requests() -> 
     alone, three = run(1, 200), run(3, 200)
     assert three.loads == alone.loads * 3 and sum(alone.loads[0]) > 0
     assert alone.cpu_per_request_us > 0 and three.cpu_per_request_us > 0
+
+
+def test_route_and_release_are_the_calls_they_replace() -> None:
+    """route = the estimator's estimate then submit; release = finish, the estimator's observations, then settled.
+
+    Two twins through one random run (queued requests, KV-bounded replicas, moves): the same tickets, loads,
+    estimates and answers. An unknown request's release raises NotFound and observes nothing.
+    """
+    import random
+
+    rng = random.Random(5)
+    config = dict(reassignment_cost_s=0.0, rebalance_interval_s=5.0, min_residency_s=0.0, dispatch_kv_factor=1.0)
+    fused = make({f"r{i}": "ab"[i % 2] for i in range(4)}, {"a": "a", "b": "b", "c": "c"}, **config)
+    apart = make({f"r{i}": "ab"[i % 2] for i in range(4)}, {"a": "a", "b": "b", "c": "c"}, **config)
+    estimator = TokenEstimator()
+    for b in (fused, apart):
+        for replica in ("r0", "r1", "r2", "r3"):
+            b.set_replica_kv_capacity(replica, 20_000.0)
+    running: list[tuple[int, str]] = []
+    for step in range(500):
+        now_s = step * 0.5
+        if rng.random() < 0.55:
+            agent, prompt, new, n = rng.choice("abc"), rng.randint(1, 400), rng.randint(1, 3000), rng.randint(1, 2)
+            key = episode_affinity_key(f"t{rng.randrange(3)}", rng.randrange(4))
+            ticket = fused.route(agent, prompt, new, n, key, kv_tokens=n * (prompt + new))
+            assert ticket == apart.submit(agent, estimator.estimate(agent, prompt, new, n), key,
+                                          kv_tokens=n * (prompt + new))
+            running.append((ticket.request_id, agent))
+        elif running:
+            request_id, agent = running.pop(rng.randrange(len(running)))
+            lengths = [rng.randint(1, 3000) for _ in range(rng.randint(0, 2))]
+            settled = fused.release(request_id, now_s, lengths)
+            apart.finish(request_id)
+            for tokens in lengths:
+                estimator.observe(agent, tokens)
+            assert settled == apart.settled(now_s)
+        if not fused.settled(now_s):
+            for b in (fused, apart):
+                b.maybe_rebalance(now_s)
+                for move in b.replicas_awaiting_load():
+                    b.begin_load(move.replica_id)
+                    b.complete_load(move.replica_id)
+            assert fused.place_queued() == apart.place_queued()
+        assert fused.replicas() == apart.replicas()
+        assert [fused.estimator.estimate(a, 10, 3000) for a in "abc"] == [
+            estimator.estimate(a, 10, 3000) for a in "abc"]
+    means = dict(fused.estimator._mean_response_tokens)
+    with pytest.raises(NotFound):
+        fused.release(10**9, 0.0, [5])
+    assert fused.estimator._mean_response_tokens == means
