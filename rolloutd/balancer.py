@@ -353,14 +353,12 @@ class HierarchicalBalancer:
         router's question whether anything is left to do after the event).
 
         Raises:
-            NotFound: the request is not in flight (its lengths are observed all the same).
+            NotFound: the request is not in flight (nothing is observed then).
         """
-        ticket = self._tickets.get(request_id)
-        if ticket is not None:
-            observe = self.estimator.observe
-            for tokens in response_tokens:
-                observe(ticket.agent, tokens)
-        self._finish(request_id)
+        agent = self._finish(request_id).agent
+        observe = self.estimator.observe
+        for tokens in response_tokens:
+            observe(agent, tokens)
         return self._settled(now_s)
 
     def place_queued(self) -> list[Ticket]:
