@@ -127,15 +127,3 @@ def test_a_cancel_a_lost_slot_and_a_commit_drop_the_kept_answers(change: str) ->
     assert "s0" not in planner.quiet_polls
     assert _poll(planner, "s0") is None
     assert planner.quiet_polls.answered == answered
-
-
-def test_no_answer_is_kept_while_the_capacity_rules_apply() -> None:
-    """Slots of different capacities: a decision weighs other slots' recent polls (time), so every poll is in full."""
-    planner = _planner(FakeClock())
-    for _ in range(3):
-        for slot, capacity in (("s0", 1.0), ("s1", 2.0)):
-            assert planner.poll_trainer_work(f"w-{slot}", slot, (), "", capacity) is None
-        planner.trainer_wakes(set(SLOTS))
-    assert planner.binder.capacities_differ
-    assert not any(slot in planner.quiet_polls for slot in SLOTS)
-    assert planner.quiet_polls.answered == 0
