@@ -311,10 +311,6 @@ class JobPlanner:
         """Marks every agent's demand as possibly changed (see :meth:`take_touched`)."""
         self._job.touch_all()
 
-    def has_touched(self) -> bool:
-        """Whether :meth:`take_touched` would name some agent (it forgets nothing)."""
-        return self._job.touched_all or bool(self._job.touched)
-
     def take_touched(self) -> list[str]:
         """The agents whose demand or trainer work may have changed since the last call (then forgets them)."""
         job = self._job

@@ -12,9 +12,9 @@ from flexmarl.evaluation import EvalEpisode
 from flexmarl.experience import ExperienceSummary, FailedEpisode
 from flexmarl.ids import job_id_of_lease, validate_job_id
 from flexmarl.jobspec import JobSpec
-from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, SlotBinder, TrainerSlot
+from orchestratord.binding import AgentDemand, AgentKey, DecisionKind, SlotBinder
 from orchestratord.planner.job import JobPlanner
-from orchestratord.planner.poll_wakes import PollInputs, QuietPolls, TrainerPollWakes
+from orchestratord.planner.poll_wakes import TrainerPollWakes
 from orchestratord.planner.types import (
     JobSnapshot,
     PlannerOptions,
@@ -49,11 +49,8 @@ class Planner:
         self._silence_sweep_after_s = -math.inf
         #: The demands kept between trainer polls, and which waiting polls a change can have answered.
         self.poll_wakes = TrainerPollWakes(self.binder)
-        #: The slots whose next poll is answered from their last, empty one (see :mod:`.poll_wakes`).
-        self.quiet_polls = QuietPolls()
         #: Jobs whose bindings the binder may still hold (forgotten once, by _sweep, when the job ends).
         self._bound_jobs: set[str] = set()
-        self._poll_was_quiet = False  # the last full poll's answer: the binder's IDLE or KEEP
 
     # ---- jobs ----------------------------------------------------------------------------------------------
 
@@ -264,50 +261,19 @@ class Planner:
         """Of the slots whose long poll waits (found no work), those a change since the last call may have given work.
 
         Call after every change (see :mod:`.poll_wakes`); a slot not returned would get the same answer.
-        The quiet slots (:class:`.QuietPolls`) the changes name are forgotten, waiting or not.
         """
-        targets = self.poll_wakes.targets(self._running())
-        self.quiet_polls.woken(targets)
-        if targets is None:
-            return set(waiting)
-        return {slot_id for slot_id in targets if slot_id in waiting}
+        return self.poll_wakes.wakes(self._running(), waiting)
 
     def poll_trainer_work(self, worker_id: str, slot_id: str, resident: Sequence[ResidentAgent] = (),
                           dp_address: str = "", capacity: float = 1.0) -> TrainerWork | None:
         """The next work for one trainer slot, or None (the servicer long-polls and asks again).
 
         ``dp_address``: the slot's data-parallel rendezvous (``""`` = it cannot join a group); ``capacity``:
-        its training capacity (:mod:`orchestratord.binding`, "Slot capacity"). A quiet slot (its last poll
-        found no work, no change since names it or is pending, it polls with what it held then) gets None
-        again without the binder's decision (:class:`.QuietPolls`), unless the capacity rules apply (they
-        weigh other slots' recent polls).
+        its training capacity (:mod:`orchestratord.binding`, "Slot capacity").
         """
         self.tick()
-        known = self.binder.slot(slot_id)
-        if known is not None and known.worker_id == worker_id and known.dp_address != dp_address:
-            self.quiet_polls.woken(None)  # a member's rendezvous moved: whom a group may recruit can change
-        inputs: PollInputs = (worker_id, tuple((r.job_id, r.agent, r.version) for r in resident), dp_address,
-                              capacity)
         slot = self.binder.observe_poll(slot_id, worker_id, {(r.job_id, r.agent): r.version for r in resident},
                                         dp_address, capacity)
-        now_s = self._now_s()
-        if slot_id in self.quiet_polls:
-            running = self._running()
-            if (slot.swapping_out is None and not self.binder.capacities_differ
-                    and (slot.agent is None or slot.agent not in self.binder.recruiting())
-                    and not self.poll_wakes.pending(running) and self.quiet_polls.still_quiet(slot_id, inputs, now_s)):
-                self.binder.note_waiting()  # as the full answer would (a wait starts when first noted)
-                return None
-            self.quiet_polls.forget(slot_id)
-        work = self._poll_trainer_work(slot, worker_id, slot_id)
-        if work is None and slot.swapping_out is None and self._poll_was_quiet and not self.binder.capacities_differ \
-                and (slot.agent is None or slot.agent not in self.binder.recruiting()):
-            self.quiet_polls.quiet(slot_id, inputs, now_s)
-        return work
-
-    def _poll_trainer_work(self, slot: TrainerSlot, worker_id: str, slot_id: str) -> TrainerWork | None:
-        """:meth:`poll_trainer_work` in full: the binder's decision, then the bound agent's next work."""
-        self._poll_was_quiet = False  # set when the answer is the binder's IDLE or KEEP (nothing changed)
         if slot.swapping_out is not None:
             job_id, agent = slot.swapping_out
             if job_id in self._jobs and not self._jobs[job_id].state.terminal:
@@ -336,10 +302,7 @@ class Planner:
         if decision.kind is DecisionKind.JOIN and decision.agent is not None:
             self.binder.join(slot_id, decision.agent)
         if decision.kind in (DecisionKind.BIND, DecisionKind.KEEP, DecisionKind.JOIN) and decision.agent is not None:
-            work = self._trainer_work(decision.agent, slot_id, worker_id, demands)
-            self._poll_was_quiet = decision.kind is DecisionKind.KEEP
-            return work
-        self._poll_was_quiet = decision.kind is DecisionKind.IDLE
+            return self._trainer_work(decision.agent, slot_id, worker_id, demands)
         return None
 
     def _trainer_work(self, agent: AgentKey, slot_id: str, worker_id: str,

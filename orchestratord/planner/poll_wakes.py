@@ -15,14 +15,6 @@ Time alone changes a decision only through starvation, which :meth:`wakes` check
 re-checks every poll within its long-poll bound (``lease_poll_max_ms``), so a wake this misses
 costs a delay, not a hang. The demands are recomputed only for the agents their job marked touched
 (``JobPlan.touched``: the writers of ``StepPlan``'s tallies and the job's rarer changes).
-
-The same rule answers a slot's poll again without asking the binder (:class:`QuietPolls`): a poll that
-found no work leaves its slot *quiet*; until a change's wake names the slot (or every slot), while no
-change is pending and the slot polls with what it held then, its next poll would get the same answer,
-so the planner returns it without recomputing (most trainer polls are a traind's re-poll after its
-long poll ended, or a poll woken for another slot's sake). A quiet answer is at most
-:data:`QUIET_POLL_MAX_AGE_S` old: past that the poll is answered in full again, so a change the wake rule
-missed costs a delay, as it does the long polls, never a hang.
 """
 
 from __future__ import annotations
@@ -31,9 +23,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from orchestratord.binding import AgentDemand, AgentKey, SlotBinder
 from orchestratord.planner.job import JobPlanner
-
-#: The oldest empty answer a quiet slot's poll is given again without recomputing it (seconds).
-QUIET_POLL_MAX_AGE_S = 30.0
 
 #: What free slots decide on, per agent: (waiting for a slot, could take another member).
 _Signature = tuple[bool, bool]
@@ -82,32 +71,8 @@ class TrainerPollWakes:
                 self.recomputed += 1
         return self._demands
 
-    def pending(self, running: Sequence[JobPlanner]) -> bool:
-        """Whether a change not yet consumed by :meth:`wakes` may have changed some waiting poll's answer."""
-        if self._wake_all or self._changed or self._binder.slot_set_changes != self._slot_set_changes:
-            return True
-        seen = self._jobs_seen
-        if len(running) != len(seen):
-            return True
-        for job, job_id in zip(running, seen, strict=True):
-            if job.job_id != job_id or job.has_touched():
-                return True
-        return self._binder.starving() != self._starving
-
     def wakes(self, running: Sequence[JobPlanner], waiting: Collection[str]) -> set[str]:
         """The waiting slots whose poll may now be answered differently (consumes the changes seen so far)."""
-        targets = self.targets(running)
-        if targets is None:
-            return set(waiting)
-        return {slot_id for slot_id in targets if slot_id in waiting}
-
-    def targets(self, running: Sequence[JobPlanner]) -> set[str] | None:
-        """Every slot (waiting or not) whose poll the changes since the last call may answer differently.
-
-        None: every slot's. Consumes the changes; an empty set at once when none is pending.
-        """
-        if not self.pending(running):
-            return set()
         jobs = {job.job_id: job for job in running}
         self.demands(running)
         if self._binder.slot_set_changes != self._slot_set_changes:
@@ -135,8 +100,8 @@ class TrainerPollWakes:
         self._changed.clear()
         if self._wake_all:
             self._wake_all = False
-            return None
-        return targets
+            return set(waiting)
+        return {slot_id for slot_id in targets if slot_id in waiting}
 
     def _signature(self, key: AgentKey, members: tuple[str, ...]) -> _Signature:
         demand = self._demands.get(key)
@@ -149,50 +114,3 @@ class TrainerPollWakes:
     def cached(self) -> Mapping[AgentKey, AgentDemand]:
         """The demands as kept (tests compare them with a recount)."""
         return self._demands
-
-
-#: What a slot polled with: (worker id, its resident agents' (job, agent, version), its rendezvous address, its
-#: capacity).
-PollInputs = tuple[str, tuple[tuple[str, str, int], ...], str, float]
-
-
-class QuietPolls:
-    """The slots whose last poll found no work and whose answer no change since can have altered (see above).
-
-    The planner files a slot after an empty answer (:meth:`quiet`), drops the slots each change's
-    wake names (:meth:`woken`; all of them when the change concerns every slot) and answers a quiet
-    slot's next poll at once when :meth:`still_quiet` says it would be the same.
-    """
-
-    def __init__(self) -> None:
-        self._since_s: dict[str, tuple[PollInputs, float]] = {}
-        #: Polls answered from here (for tests and profiles).
-        self.answered = 0
-
-    def __contains__(self, slot_id: object) -> bool:
-        return slot_id in self._since_s
-
-    def quiet(self, slot_id: str, inputs: PollInputs, now_s: float) -> None:
-        """``slot_id``'s poll with ``inputs`` found no work now."""
-        self._since_s[slot_id] = (inputs, now_s)
-
-    def forget(self, slot_id: str) -> None:
-        """``slot_id``'s next poll is answered in full."""
-        self._since_s.pop(slot_id, None)
-
-    def woken(self, targets: Iterable[str] | None) -> None:
-        """A change may have given these slots (None: every slot) work."""
-        if targets is None:
-            self._since_s.clear()
-            return
-        since_s = self._since_s
-        for slot_id in targets:
-            since_s.pop(slot_id, None)
-
-    def still_quiet(self, slot_id: str, inputs: PollInputs, now_s: float) -> bool:
-        """Whether ``slot_id`` polling with ``inputs`` now may be given its last (empty) answer again."""
-        entry = self._since_s.get(slot_id)
-        if entry is None or entry[0] != inputs or now_s - entry[1] > QUIET_POLL_MAX_AGE_S:
-            return False
-        self.answered += 1
-        return True

@@ -384,25 +384,9 @@ class WakingPlannerMachine(PlannerMachine):
         self.wake()
         for slot in sorted(self.waiting):
             planner = copy.deepcopy(self.planner)
-            planner.quiet_polls.woken(None)  # the poll in full, not a kept answer
             resident = [ResidentAgent(JOB, agent, version) for agent, version in self.resident[slot].items()]
             work = planner.poll_trainer_work(self.worker_of(slot), slot, resident, dp_address=f"host:{slot}")
             assert work is None, f"slot {slot} waits, unwoken, while a poll would get {work}"
-
-    @invariant()
-    def a_quiet_answer_is_the_full_answer(self) -> None:
-        """A slot's poll answered from its last empty answer (QuietPolls) gets what the poll in full would."""
-        if not hasattr(self, "job"):
-            return
-        for slot in SLOTS:
-            if slot not in self.planner.quiet_polls:
-                continue
-            resident = [ResidentAgent(JOB, agent, version) for agent, version in self.resident[slot].items()]
-            kept, full = copy.deepcopy(self.planner), copy.deepcopy(self.planner)
-            full.quiet_polls.woken(None)
-            kept_work = kept.poll_trainer_work(self.worker_of(slot), slot, resident, dp_address=f"host:{slot}")
-            full_work = full.poll_trainer_work(self.worker_of(slot), slot, resident, dp_address=f"host:{slot}")
-            assert kept_work == full_work, f"slot {slot}: kept answer {kept_work}, in full {full_work}"
 
 
 WakingPlannerMachine.TestCase.settings = settings(
