@@ -49,7 +49,8 @@ def swap_in(
     """Builds the agent's engine (with ``device_clock``, see :class:`AgentTrainer`) and restores its state.
 
     A LoRA agent borrows the slot's base from ``lora_bases`` (read from disk only when the cache
-    holds another one), so what moves is its adapter and optimizer state.
+    holds another one), so what moves is its adapter and optimizer state. Under modelled device
+    time the move is charged to ``device_clock`` (:meth:`ModelledDeviceClock.swap_in`).
     """
     started = time.perf_counter()
     trainer = AgentTrainer(config, device_clock, lora_bases=lora_bases)
@@ -58,6 +59,10 @@ def swap_in(
     except BaseException:
         trainer.release()  # a LoRA agent's base goes back to the slot's cache
         raise
+    if device_clock is not None:  # the state crossed the slot's link
+        lora = config.lora
+        device_clock.swap_in(started, lora.rank if lora is not None else 0,
+                             tuple(lora.target_modules) if lora is not None else ())
     stats = SwapStats(location.uri, moved, time.perf_counter() - started)
     logger.info("agent %s swapped in from %s: %d bytes in %.3f s", config.agent, location.uri, moved, stats.seconds)
     return trainer, stats

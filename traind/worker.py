@@ -453,10 +453,6 @@ class TrainerWorker:
                 trainer, stats = await self._on_device(slot, lambda: swap_in(config, location, clock,
                                                                              lora_bases=slot.lora_bases))
                 self._metrics.observe_swap("in", stats.bytes_moved, stats.seconds)
-                if clock is not None:  # modelled device time: the state crossed the slot's link
-                    lora = config.lora
-                    clock.swap_in(started, lora.rank if lora is not None else 0,
-                                  tuple(lora.target_modules) if lora is not None else ())
             elif work.base_version == 0:
                 if spec.agent(work.agent).warm_start is not None:
                     raise InvalidArgument(f"{work.agent} v0 is its published warm start: the work names no "
