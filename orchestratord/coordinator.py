@@ -719,7 +719,6 @@ class JobCoordinator:
         if unknown:
             raise InvalidArgument(f"agent_versions: job {job_id!r} has no agents {unknown} (it has {sorted(current)})")
         pinned: list[AgentVersion] = []
-        initial = {a.agent: a.initial_weights_uri for a in job.snapshot().agents}
         for agent, now in current.items():
             version = versions.get(agent, now.version)
             uri = now.weights_uri
@@ -727,12 +726,13 @@ class JobCoordinator:
                 if not 0 <= version < now.version:
                     raise InvalidArgument(f"agent_versions: {agent} has versions 0..{now.version}, not {version}")
                 if not job.spec.checkpoint.keeps_weights(version, now.version) or (
-                        version == 0 and job.spec.agent(agent).warm_start is not None and not initial[agent]):
+                        version == 0 and job.spec.agent(agent).warm_start is not None
+                        and not job.initial_weights_uri(agent)):
                     # (a warm start committed before its URI was kept past later versions is not findable)
                     raise FailedPrecondition(f"agent_versions: version {version} of {agent} is not kept "
                                              f"({job.spec.checkpoint.describe()})")
                 if version == 0:
-                    uri = initial[agent]  # its published warm start; "" is the spec's own model
+                    uri = job.initial_weights_uri(agent)  # its published warm start; "" is the spec's own model
                 else:
                     # Version v is the commit of step v - 1: one record, not the job's whole history.
                     rows, _ = await self.history_archive.page(job_id, [agent], version - 1, 1)

@@ -158,6 +158,10 @@ class JobPlanner:
         """Committed version of one agent."""
         return self._job.agent(agent).version
 
+    def initial_weights_uri(self, agent: str) -> str:
+        """Version 0's weights where the agent's warm start published them ("": the spec's model)."""
+        return self._job.agent(agent).initial_weights_uri
+
     def manifest(self, agent: str, step: int) -> StepManifest | None:
         """The fixed manifest of a step, or None when not fixed yet (or forgotten: see ``KEPT_COMMITTED_STEPS``)."""
         plan = self._job.plans.get((agent, step))
