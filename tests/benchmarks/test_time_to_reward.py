@@ -172,15 +172,20 @@ def kept_stored(run_dir: Path, rewards: list[float]) -> None:
         db.close()
 
 
-def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
-    run_dir = tmp_path / "signaling-sync-s0"
+def kept_run_dir(run_dir: Path, rising: list[float]) -> None:
+    """A --keep run directory's profile, step records (2 wall s a step from 1000 s) and stored experiences."""
     (run_dir / "traces").mkdir(parents=True)
     profile = devicemodel.H100_SXM.with_changes(token_scale=128.0, time_scale=TIME_SCALE, train_devices_per_slot=1)
     (run_dir / "device.json").write_text(profile.to_json())
-    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0]
     records = history(rising, step_wall_s=2.0)
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
     kept_stored(run_dir, rising)
+
+
+def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "signaling-sync-s0"
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0]
+    kept_run_dir(run_dir, rising)
     traces = [{"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0},
               {"kind": "train", "start_s": 1001.0, "end_s": 1002.5, "modelled_s": 2.0, "overrun_s": 0.5}]
     (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(traces[0]) + "\n")
@@ -316,13 +321,7 @@ def test_the_clock_starts_after_a_warm_start_not_at_the_engines_start_up_probe(t
     import datetime
 
     run_dir = tmp_path / "arithmetic-sync-s0"
-    (run_dir / "traces").mkdir(parents=True)
-    profile = devicemodel.H100_SXM.with_changes(token_scale=128.0, time_scale=TIME_SCALE, train_devices_per_slot=1)
-    (run_dir / "device.json").write_text(profile.to_json())
-    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0]
-    (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r)
-                                                      for r in history(rising, step_wall_s=2.0)]))
-    kept_stored(run_dir, rising)
+    kept_run_dir(run_dir, [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0])
     probe = {"kind": "generate", "start_s": 400.0, "end_s": 400.1, "modelled_s": 0.4, "overrun_s": 0.0}
     work = {"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0}
     (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(probe) + "\n" + json.dumps(work) + "\n")
