@@ -25,7 +25,8 @@ class OrchestratorApp(DaemonApp):
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
             options=PlannerOptions(swap_location=config.swap_location,
-                                   capacity_aware_binding=config.capacity_aware_binding),
+                                   capacity_aware_binding=config.capacity_aware_binding,
+                                   binding_version_lead=config.binding_version_lead),
             security=ctx.security,
             max_message_bytes=config.max_message_bytes, history_page_steps=config.history_page_steps,
         )

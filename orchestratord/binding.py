@@ -14,6 +14,15 @@ Rules (DESIGN section 5):
 * **Affinity.** A slot already holding an agent's training state (its
   ``resident`` list) scores a bonus for that agent, and an idle bound agent
   keeps its slot while nobody else waits: no needless swaps.
+* **No agent of a job runs ahead of one waiting for its slot.** At its step
+  boundary a bound agent gives its slot up to a waiting agent of the same job
+  whose committed version is ``version_lead`` or more behind its own (the most
+  behind of them; 0 turns the rule off). The job's slowest agent gates its
+  rollout (admission counts the minimum version, AReaL's rule), so an agent
+  kept off a shared slot for several steps stalls every agent's rollout, the
+  others' too; the wall-clock starvation bound below does not see versions. With
+  the default of 1 two agents sharing a slot alternate in runs of about two
+  steps each, so one swap-in serves about two steps.
 * **No starvation.** A waiting agent's score grows with its wait (aging); once
   it has waited ``max_wait_s`` it is *starving*: it outranks every non-starving
   agent and makes a bound agent give its slot up at its next step boundary even
@@ -91,6 +100,8 @@ class AgentDemand:
     # Response tokens of the current step as its formed micro-batches (in any state) project them onto
     # the micro-batches it will have: how much the step trains (its weight against slot capacities).
     step_tokens: int = 0
+    # The agent's committed version (steps trained): the version-lead rule compares agents of one job by it.
+    version: int = 0
 
     @property
     def weight(self) -> int:
@@ -181,6 +192,7 @@ class SlotBinder:
         incarnation: str = "",
         capacity_aware: bool = True,
         capacity_margin: float = 1.25,
+        version_lead: int = 1,
     ) -> None:
         self._now_s = now_s
         self._aging_per_s = aging_per_s
@@ -191,6 +203,7 @@ class SlotBinder:
         self._dp_timeout_s = dp_timeout_s
         self._capacity_aware = capacity_aware
         self._capacity_margin = capacity_margin
+        self._version_lead = max(0, version_lead)
         # Known slots per capacity: the capacity rules apply only while there are several.
         self._capacities: dict[float, int] = {}
         # Group ids must not repeat across orchestrator restarts (traind reuses a process group
@@ -497,11 +510,17 @@ class SlotBinder:
         return waited_s >= self._max_wait_s, value + self._aging_per_s * waited_s + affinity
 
     def _best_waiting(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand],
-                      exclude: AgentKey | None, mover: AgentKey | None = None) -> AgentKey | None:
-        """The waiting agent ``slot_id`` would take (``mover``: the agent bound to it, which may move away)."""
+                      exclude: AgentKey | None, mover: AgentKey | None = None,
+                      among: Iterable[AgentKey] | None = None) -> AgentKey | None:
+        """The waiting agent ``slot_id`` would take (``mover``: the agent bound to it, which may move away).
+
+        ``among``: only these agents (default: every waiting one).
+        """
         # The tracked demands' waiting agents are exactly those of the walk below (the order does not matter:
         # the best score, ties to the smallest key, is a total order).
         keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
+        if among is not None:
+            keys = among
         sized = self.capacities_differ
         left = self.left_for_larger(slot_id, demands, mover) if sized else {}
         eligible = [(key, demands[key]) for key in keys
@@ -520,6 +539,25 @@ class SlotBinder:
             if best is None or ranked[0] > best[0] or (ranked[0] == best[0] and key < best[1]):
                 best = ranked
         return None if best is None else best[1]
+
+    def _behind(self, slot_id: str, agent: AgentKey, demand: AgentDemand, demands: Mapping[AgentKey, AgentDemand],
+                mover: AgentKey | None) -> AgentKey | None:
+        """The waiting agent of ``agent``'s job ``version_lead`` or more versions behind it that the slot would take.
+
+        The most behind first; among equals the usual choice (:meth:`_best_waiting`). None when the rule is
+        off or nobody of the job lags that far.
+        """
+        if self._version_lead <= 0:
+            return None
+        keys: Iterable[AgentKey] = self._candidates if demands is self._tracked else demands
+        floor = demand.version - self._version_lead
+        lagging = [key for key in keys if key[0] == agent[0] and key != agent and key in demands
+                   and key not in self._members and demands[key].has_work and demands[key].version <= floor]
+        if not lagging:
+            return None
+        oldest = min(demands[key].version for key in lagging)
+        return self._best_waiting(slot_id, demands, exclude=agent, mover=mover,
+                                  among=[key for key in lagging if demands[key].version == oldest])
 
     def decide(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand]) -> BindingDecision:
         """What a polling slot should do, given every agent's demand."""
@@ -547,6 +585,9 @@ class SlotBinder:
                 return BindingDecision(DecisionKind.RELEASE, agent, successor)
             if successor is None:
                 return BindingDecision(DecisionKind.KEEP, agent)
+            behind = self._behind(slot_id, agent, demand, demands, mover=agent if alone else None)
+            if behind is not None:
+                return BindingDecision(DecisionKind.RELEASE, agent, behind)
             if not demand.has_work or self.waited_s(successor) >= self._max_wait_s:
                 return BindingDecision(DecisionKind.RELEASE, agent, successor)
             return BindingDecision(DecisionKind.KEEP, agent)

@@ -28,6 +28,11 @@ class OrchestratorConfig(DaemonConfig):
         default=True, metadata={"help": "place agents that train more on trainer slots of more capacity (the slots' "
                                         "reported capacity; off: every slot alike, the ablation)"}
     )
+    binding_version_lead: int = dataclasses.field(
+        default=1, metadata={"help": "at its step boundary a trainer slot's agent gives the slot up to a waiting agent "
+                                     "of its job this many versions behind it (0: only when it runs out of work or "
+                                     "the other starves)"}
+    )
     etcd_defrag_check_s: float = dataclasses.field(
         default=300.0, metadata={"help": "how often to check etcd's db for space to defragment (0: never)"}
     )
@@ -46,6 +51,8 @@ class OrchestratorConfig(DaemonConfig):
             raise ConfigError(f"lease_poll_max_ms: must be in 1..60000, got {self.lease_poll_max_ms}")
         if not 1 <= self.history_page_steps <= 100_000:
             raise ConfigError(f"history_page_steps: must be in 1..100000, got {self.history_page_steps}")
+        if not 0 <= self.binding_version_lead <= 1_000_000:
+            raise ConfigError(f"binding_version_lead: must be in 0..1000000, got {self.binding_version_lead}")
         for name in ("etcd_defrag_check_s", "etcd_defrag_min_free_mib", "etcd_defrag_min_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

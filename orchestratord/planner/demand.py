@@ -63,12 +63,13 @@ def _data_parallel(job: JobPlan, agent: str) -> bool:
 def _agent_demand(job: JobPlan, key: tuple[str, str], upcoming: int, *, ready_micro_batches: int = 0,
                   ready_tokens: int = 0, optimizer_pending: bool = False, mid_step: bool = False,
                   warm_start_pending: bool = False, step_tokens: int = 0) -> AgentDemand:
-    """One demand record with the agent's data-parallel figures (built once, not copied field by field)."""
+    """One demand record with the agent's data-parallel figures and version (built once, not field by field)."""
     return AgentDemand(
         key=key, ready_micro_batches=ready_micro_batches, ready_tokens=ready_tokens,
         optimizer_pending=optimizer_pending, mid_step=mid_step, max_slots=job.agent_specs[key[1]].max_slots,
         data_parallel=_data_parallel(job, key[1]), upcoming_micro_batches=upcoming,
-        portable=state_is_portable(job, key[1]), warm_start_pending=warm_start_pending, step_tokens=step_tokens)
+        portable=state_is_portable(job, key[1]), warm_start_pending=warm_start_pending, step_tokens=step_tokens,
+        version=job.agent(key[1]).version)
 
 
 def state_is_portable(job: JobPlan, agent: str) -> bool:

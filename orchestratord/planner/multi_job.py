@@ -42,7 +42,8 @@ class Planner:
                                  dp_min_micro_batches_per_member=self._options.dp_min_micro_batches_per_member,
                                  recruit_fresh_s=self._options.dp_recruit_fresh_s,
                                  dp_timeout_s=self._options.dp_timeout_s, incarnation=self._options.lease_epoch,
-                                 capacity_aware=self._options.capacity_aware_binding)
+                                 capacity_aware=self._options.capacity_aware_binding,
+                                 version_lead=self._options.binding_version_lead)
         self._next_job = 0
         # No slot can be silent before then (the earliest last_seen_s at the last sweep + slot_silence_s; a
         # slot's last_seen_s only grows, a new one starts at now): tick skips its sweep over every slot.

@@ -217,3 +217,6 @@ class PlannerOptions:
     dp_timeout_s: int = 60
     # Whether the binder weighs the slots' reported capacities (orchestratord.binding, "Slot capacity").
     capacity_aware_binding: bool = True
+    # At its step boundary a bound agent gives way to a waiting agent of its job this many versions behind it
+    # (orchestratord.binding; 0: off).
+    binding_version_lead: int = 1

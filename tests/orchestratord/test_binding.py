@@ -1,9 +1,9 @@
 from __future__ import annotations
 
 from orchestratord.binding import AgentDemand, DecisionKind, SlotBinder
-from orchestratord.planner import RolloutDemandEstimator
+from orchestratord.planner import OptimizerStepWork, Planner, PlannerOptions, RolloutDemandEstimator
 
-from .helpers import FakeClock
+from .helpers import FakeClock, make_spec, run_job
 
 A = ("job", "a")
 B = ("job", "b")
@@ -251,3 +251,97 @@ def test_static_binding_limits_group_members() -> None:
     binder.set_static("job", ["a", "b"])  # a: s0, s2; b: s1, s3
     binder.bind("s0", A)
     assert binder.grow(A, demands(dp_demand(A, max_slots=4, upcoming_micro_batches=100))) == ["s2"]
+
+
+# ---- version lead: no agent of a job runs ahead of one waiting for its slot ---------------------------------
+
+
+def _bound(binder: SlotBinder, agent: tuple[str, str]) -> SlotBinder:
+    binder.observe_poll("s0", "w0", {agent: 1})
+    binder.bind("s0", agent)
+    return binder
+
+
+def test_a_bound_agent_gives_way_at_its_step_boundary_to_an_agent_of_its_job_a_version_behind() -> None:
+    binder = _bound(SlotBinder(FakeClock()), A)
+    even = demands(AgentDemand(A, ready_micro_batches=9, version=3), AgentDemand(B, ready_micro_batches=1, version=3))
+    binder.note_demand(even.values())
+    assert binder.decide("s0", even).kind is DecisionKind.KEEP  # level: A keeps its slot while it has work
+    ahead = demands(AgentDemand(A, ready_micro_batches=9, version=4), AgentDemand(B, ready_micro_batches=1, version=3))
+    binder.note_demand(ahead.values())
+    decision = binder.decide("s0", ahead)
+    assert (decision.kind, decision.agent, decision.successor) == (DecisionKind.RELEASE, A, B)
+    # never mid-step, however far ahead
+    mid = demands(AgentDemand(A, mid_step=True, version=9), AgentDemand(B, ready_micro_batches=1, version=3))
+    assert binder.decide("s0", mid).kind is DecisionKind.KEEP
+
+
+def test_the_version_lead_is_a_setting_and_zero_turns_the_rule_off() -> None:
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=5), AgentDemand(B, ready_micro_batches=1, version=4))
+    for lead, expected in ((0, DecisionKind.KEEP), (2, DecisionKind.KEEP), (1, DecisionKind.RELEASE)):
+        binder = _bound(SlotBinder(FakeClock(), version_lead=lead), A)
+        binder.note_demand(ds.values())
+        assert binder.decide("s0", ds).kind is expected, lead
+    binder = _bound(SlotBinder(FakeClock(), version_lead=2), A)
+    further = demands(AgentDemand(A, ready_micro_batches=9, version=6),
+                      AgentDemand(B, ready_micro_batches=1, version=4))
+    binder.note_demand(further.values())
+    assert binder.decide("s0", further).successor == B
+
+
+def test_the_lead_compares_agents_of_one_job_only_and_gives_way_to_the_most_behind() -> None:
+    other = ("other-job", "a")
+    c = ("job", "c")
+    binder = _bound(SlotBinder(FakeClock()), A)
+    # another job's versions say nothing about this one's: A keeps its slot (it has work, nobody starves)
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=7), AgentDemand(other, ready_micro_batches=9, version=0))
+    binder.note_demand(ds.values())
+    assert binder.decide("s0", ds).kind is DecisionKind.KEEP
+    # of two agents behind, the one furthest behind takes the slot, whatever its work
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=7), AgentDemand(B, ready_micro_batches=1, version=3),
+                 AgentDemand(c, ready_micro_batches=8, version=6))
+    binder.note_demand(ds.values())
+    assert binder.decide("s0", ds).successor == B
+    # an agent behind but without work, or bound to another slot, is not waiting for this one
+    binder.observe_poll("s1", "w1", {})
+    binder.bind("s1", B)
+    assert binder.decide("s0", ds).successor == c
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=7), AgentDemand(c, version=2))
+    binder.note_demand(ds.values())
+    assert binder.decide("s0", ds).kind is DecisionKind.KEEP
+
+
+def test_the_lead_respects_static_slot_sets() -> None:
+    binder = SlotBinder(FakeClock())
+    binder.set_static("job", ["a", "b"])
+    binder.observe_poll("s0", "w0", {})
+    binder.observe_poll("s1", "w1", {})
+    binder.bind("s0", A)  # A's set is s0, B's is s1
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=5), AgentDemand(B, ready_micro_batches=1, version=1))
+    binder.note_demand(ds.values())
+    assert binder.decide("s0", ds).kind is DecisionKind.KEEP
+
+
+def _commit_runs(lead: int) -> tuple[list[int], int]:
+    """Two agents of an eta-4 job on one slot: lengths of each agent's runs of commits, and the largest version gap."""
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e0", binding_version_lead=lead, swap_location="file"))
+    planner.submit_job("job1", make_spec(total_steps=12, pipeline={"mode": "async", "max_staleness": 4}))
+    runs: list[int] = []
+    last = ""
+    versions = {"sender": 0, "receiver": 0}
+    gap = 0
+    for _, work in run_job(planner, clock, "job1", slots=("slot-0",)):
+        if isinstance(work, OptimizerStepWork):
+            runs = runs + [1] if work.agent != last else runs[:-1] + [runs[-1] + 1]
+            last = work.agent
+            versions[work.agent] = work.new_version
+            gap = max(gap, abs(versions["sender"] - versions["receiver"]))
+    return runs, gap
+
+
+def test_two_agents_sharing_a_slot_alternate_in_short_runs_and_never_drift_apart() -> None:
+    runs, gap = _commit_runs(lead=1)
+    assert sum(runs) == 24 and max(runs) <= 2 and gap <= 1, runs  # one swap-in serves about two steps
+    blind_runs, blind_gap = _commit_runs(lead=0)
+    assert sum(blind_runs) == 24 and max(blind_runs) > 2 and blind_gap > 1, blind_runs  # the ablation drifts

@@ -30,6 +30,7 @@ demand_fields = st.fixed_dictionaries({
     "portable": st.booleans(),
     "warm_start_pending": st.booleans(),
     "step_tokens": st.sampled_from([0, 100, 110, 1000]),
+    "version": st.integers(0, 3),
 })
 #: Slot capacities: mixed (the capacity rules apply) or all equal (they must change nothing).
 MIXED = {"s0": 2.0, "s1": 1.0, "s2": 1.0, "s3": 4.0}
