@@ -144,9 +144,18 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
         "flexmarl-partial with the binder blind to slot capacities (orchestratord --no-capacity-aware-binding)",
     ),
+    "partial-no-lead": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
+        "flexmarl-partial with a bound agent keeping its slot while it has work, however far a waiting agent of "
+        "its job falls behind (orchestratord --binding-version-lead 0)",
+    ),
 }
 # orchestratord flags of a configuration (the ablations of a daemon setting rather than a job setting).
-ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {"partial-size-blind": ("--no-capacity-aware-binding",)}
+ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {
+    "partial-size-blind": ("--no-capacity-aware-binding",),
+    "partial-no-lead": ("--binding-version-lead", "0"),
+}
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
 # (flexmarl-partial), with issue 15's bound, busy and overhead targets.
 TARGETS = {"flexmarl": {"sequential": 8.0, "static": 1.6}, "flexmarl-partial": {"sequential": 5.0, "static": 3.0}}

@@ -137,6 +137,8 @@ RUN_CONFIGS: dict[str, tuple[str, int | None]] = {
 EXTRA_CONFIGS: dict[str, tuple[str, int | None]] = {
     "flexmarl-partial-eta2": ("flexmarl-partial", 2),
     "flexmarl-partial-eta6": ("flexmarl-partial", 6),
+    # the binder's version lead off (the ablation: benchmarks.run's partial-no-lead)
+    "flexmarl-partial-eta4-no-lead": ("partial-no-lead", 4),
 }
 #: ``<label>-decoupled``: the configuration with ``algorithm.proximal_policy: trainer`` (decoupled PPO,
 #: docs/training.md "Off-policy correction"); the labels above keep the job's default, ``behaviour``.
@@ -338,6 +340,7 @@ def run_one(
         trainer_slots=slots,
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": bench._daemon_pythonpath()},
         rolloutd_args=bench.rolloutd_args(spec),
+        orchestratord_args=bench.ORCHESTRATORD_ARGS.get(run_config(config)[0], ()),
     )
     with LocalCluster(cluster_config) as cluster:
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:

@@ -112,7 +112,8 @@ def test_sized_runs_a_moving_heavy_agent_on_slots_of_2_1_1_devices_and_the_blind
     # The job is flexmarl-partial's; only orchestratord's flag differs.
     assert bench.job_spec(workload, "partial-size-blind", Path("/m"), 4, 128.0)["pipeline"] == \
         bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0)["pipeline"]
-    assert bench.ORCHESTRATORD_ARGS == {"partial-size-blind": ("--no-capacity-aware-binding",)}
+    assert bench.ORCHESTRATORD_ARGS == {"partial-size-blind": ("--no-capacity-aware-binding",),
+                                        "partial-no-lead": ("--binding-version-lead", "0")}
     # The bound counts devices: the heavy agent's own training on the 2-device slot, the rest over 4 devices.
     profile = devicemodel.PRESETS["h100"].with_changes(token_scale=128.0)
     trainer, slots = bench.bound_shape(profile, (2, 1, 1))
