@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import pytest
+
+from flexmarl.config import ConfigError, load_config
 from orchestratord.binding import AgentDemand, DecisionKind, SlotBinder
+from orchestratord.config import OrchestratorConfig
 from orchestratord.planner import OptimizerStepWork, Planner, PlannerOptions, RolloutDemandEstimator
 
 from .helpers import FakeClock, make_spec, run_job
@@ -345,3 +349,11 @@ def test_two_agents_sharing_a_slot_alternate_in_short_runs_and_never_drift_apart
     assert sum(runs) == 24 and max(runs) <= 2 and gap <= 1, runs  # one swap-in serves about two steps
     blind_runs, blind_gap = _commit_runs(lead=0)
     assert sum(blind_runs) == 24 and max(blind_runs) > 2 and blind_gap > 1, blind_runs  # the ablation drifts
+
+
+def test_orchestratord_takes_the_version_lead_as_a_flag_and_refuses_a_negative_one() -> None:
+    assert load_config(OrchestratorConfig, [], "orchestratord", env={}).binding_version_lead == 1
+    assert load_config(OrchestratorConfig, ["--binding-version-lead", "0"], "orchestratord",
+                       env={}).binding_version_lead == 0
+    with pytest.raises(ConfigError, match="binding_version_lead"):
+        load_config(OrchestratorConfig, ["--binding-version-lead", "-1"], "orchestratord", env={})
