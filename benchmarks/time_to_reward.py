@@ -41,7 +41,9 @@ Per run, from the job's step records and the device traces:
   these replicas and slots takes), and the same sum up to the target step;
 * overrun: wall seconds the engines' and trainers' real compute ran past their modelled time
   (the traces' ``overrun_s``), also as a share of the run's wall seconds; a run above
-  ``--overrun-limit`` (5 %) is marked "machine-set": its time is not the model's.
+  ``--overrun-limit`` (5 %) is marked "machine-set": its time is not the model's;
+* swap-ins: the trainers' swap-ins after step 0's commit (an agent's training state loaded onto a
+  slot another agent held; each charged the device model's ``swap_s``).
 
 Two readings of the curve, side by side in the table, the JSON and the chart:
 
@@ -438,6 +440,8 @@ def measure(
         mixed_experiences=sum(e.mixed for e in experiences),
         returns_recorded=sum(e.return_recorded for e in experiences),
         mixed_rule=mixed_rule,
+        swap_ins=sum(1 for who, records in traces.items() if who.startswith("traind-") for r in records
+                     if r.get("kind") == "swap" and float(r["start_s"]) >= step0),
     )
 
 
@@ -475,6 +479,7 @@ def table(runs: Sequence[RewardRun]) -> str:
         Column("bound to tgt", 12, fmt=".0f"),
         Column("run s", 7, fmt=".0f"),
         Column("stale", 5, fmt=".2f"),
+        Column("swaps", 5),
         Column("overrun s", 9, fmt=".1f"),
         Column("overrun", 7, fmt=".1%"),
         Column("steady", 6, fmt=".1%"),
@@ -500,7 +505,7 @@ def table(runs: Sequence[RewardRun]) -> str:
         rows.append([
             r.workload, r.config, r.seed, r.state, r.steps, r.target, "-" if point is None else point.step,
             r.time_to_target_s, r.after_step0_s, r.final_reward, r.bound_s, r.bound_to_target_s, run_s,
-            r.staleness_mean, r.overrun_s, r.overrun_share, r.steady_overrun_share, r.all_idle_share,
+            r.staleness_mean, r.swap_ins, r.overrun_s, r.overrun_share, r.steady_overrun_share, r.all_idle_share,
             speedup(runs, r, "sync"), speedup(runs, r, "sequential"),
             r.version_target, "-" if version_point is None else version_point.version, r.after_step0("version"),
             r.final("version"), speedup(runs, r, "sync", "version"), speedup(runs, r, "sequential", "version"),
@@ -511,7 +516,8 @@ def table(runs: Sequence[RewardRun]) -> str:
         "modelled seconds from the first device work (after step 0: from step 0's commit, start-up left out; the "
         "speedups use it); target on the 5-step mean reward; steps to = first step "
         "(0-based) it is reached; final = 5-step mean at the last step; bound = sum of the steps' device-work "
-        "bounds (benchmarks/bound.py); run s = modelled s at the last step; overrun = engines' and trainers' real "
+        "bounds (benchmarks/bound.py); run s = modelled s at the last step; swaps = trainer swap-ins after step 0's "
+        "commit; overrun = engines' and trainers' real "
         f"compute past modelled time (wall s; share of the run's wall s; steady: the same after step 0's commit, > "
         f"{OVERRUN_LIMIT:.0%}: machine-set); all idle = share of the wall time after step 0 with no engine or "
         "trainer busy (the daemons' own real work, not counted as overrun); "
