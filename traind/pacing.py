@@ -10,6 +10,7 @@ devices. Without a profile there is no clock and training runs in real time.
 
 from __future__ import annotations
 
+import math
 import time
 
 from flexmarl import devicemodel
@@ -17,6 +18,13 @@ from flexmarl import devicemodel
 
 class ModelledDeviceClock:
     """Charges of one trainer, waited out in order by :meth:`settle` and traced to the profile's trace dir.
+
+    The modelled device does one thing at a time: a charge starts when its real work started or
+    when the device finishes the charges before it, whichever is later. So a swap-in followed by
+    the micro-batch it was loaded for, charged before one settle, lasts the swap's time *plus* the
+    micro-batch's; the micro-batch's real compute (a rebuilt engine's first pass included) may
+    run while the modelled swap is still in progress and only counts as overrun past its own
+    modelled end.
 
     Not thread-safe: the trainer charges and its owner settles from one thread at a time.
     """
@@ -26,6 +34,8 @@ class ModelledDeviceClock:
         self.profile = profile
         self._trace = devicemodel.TraceWriter(profile, who)
         self._charged: list[tuple[str, float, devicemodel.Pacer]] = []
+        # perf_counter seconds at which the modelled device finishes what was charged so far
+        self._free_at_perf_s = -math.inf
 
     def train(self, started_perf_s: float, real_tokens: float) -> None:
         """Charges forward + backward over ``real_tokens`` (prompt + response) started at ``started_perf_s``."""
@@ -54,10 +64,12 @@ class ModelledDeviceClock:
         self._charge("swap", started_perf_s, seconds)
 
     def _charge(self, kind: str, started_perf_s: float, modelled_s: float) -> None:
-        wall_started_s = time.time() - (time.perf_counter() - started_perf_s)
+        start_perf_s = max(started_perf_s, self._free_at_perf_s)  # after the device's earlier charges
+        wall_started_s = time.time() - (time.perf_counter() - start_perf_s)
         pacer = devicemodel.Pacer(self.profile, clock=time.perf_counter)
-        pacer.start_s = started_perf_s
+        pacer.start_s = start_perf_s
         pacer.add(float(modelled_s))
+        self._free_at_perf_s = start_perf_s + pacer.modelled_s * self.profile.time_scale
         self._charged.append((kind, wall_started_s, pacer))
 
     def settle(self) -> None:

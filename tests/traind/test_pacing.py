@@ -30,11 +30,13 @@ def test_clock_waits_out_its_charges_in_order_and_traces_them(tmp_path: Path) ->
     assert devicemodel.read_traces(tmp_path) == {}  # charged, not yet waited
     clock.settle()
     train_s = devicemodel.train_tokens_s(profile, 1000.0 * profile.token_scale)
-    assert time.perf_counter() - started >= devicemodel.optimizer_step_s(profile) * profile.time_scale
+    # one device: the step starts when the micro-batch ends, though both were charged from the same instant
+    assert time.perf_counter() - started >= (train_s + devicemodel.optimizer_step_s(profile)) * profile.time_scale
     records = devicemodel.read_traces(tmp_path)["traind-test-a"]
     assert [r["kind"] for r in records] == ["train", "optimizer"]
     assert records[0]["modelled_s"] == pytest.approx(train_s)
     assert records[1]["modelled_s"] == pytest.approx(devicemodel.optimizer_step_s(profile))
+    assert records[1]["start_s"] == pytest.approx(records[0]["start_s"] + train_s * profile.time_scale, abs=1e-3)
     clock.settle()  # nothing left
     assert len(devicemodel.read_traces(tmp_path)["traind-test-a"]) == 2
 
@@ -80,3 +82,27 @@ def test_a_swap_in_charges_the_state_over_the_link_full_model_or_adapter(tmp_pat
         devicemodel.lora_swap_s(profile, devicemodel.qwen25_14b_lora(8, ("q_proj", "v_proj"))))
     assert records[2]["modelled_s"] == pytest.approx(devicemodel.lora_swap_s(profile, devicemodel.qwen25_14b_lora(8)))
     assert records[1]["modelled_s"] < records[2]["modelled_s"] < records[0]["modelled_s"]
+
+
+def test_a_swap_in_and_the_micro_batch_after_it_take_the_sum_of_their_modelled_times(tmp_path: Path) -> None:
+    # The micro-batch's real work ran while the modelled swap was still in progress (a real swap takes less
+    # than the modelled one): it starts on the device when the swap ends, and its real compute counts as
+    # overrun only past its own modelled end. Before, both windows started at their real starts and the swap hid
+    # the micro-batch (or the micro-batch the swap).
+    profile = devicemodel.H100_SXM.with_changes(token_scale=4.0, time_scale=0.01, trace_dir=str(tmp_path))
+    clock = ModelledDeviceClock(profile, "traind-t-serial")
+    started = time.perf_counter()
+    clock.swap_in(started)
+    clock.train(started + 0.001, real_tokens=1000.0)  # real work right after the real (fast) swap
+    clock.settle()
+    elapsed = time.perf_counter() - started
+    swap_s, train_s = devicemodel.swap_s(profile), devicemodel.train_tokens_s(profile, 4000.0)
+    assert elapsed >= (swap_s + train_s) * profile.time_scale
+    swap, train = devicemodel.read_traces(tmp_path)["traind-t-serial"]
+    assert (swap["kind"], train["kind"]) == ("swap", "train")
+    assert train["start_s"] == pytest.approx(swap["end_s"], abs=0.01) and train["overrun_s"] == 0.0
+    # once the device is idle again, a charge starts at its real start
+    later = time.perf_counter()
+    clock.train(later, real_tokens=1000.0)
+    clock.settle()
+    assert time.perf_counter() - later < (swap_s + train_s) * profile.time_scale
