@@ -24,11 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
 from cli_support import small_job  # noqa: E402
 
 
-def _connect(endpoint: str, security: EtcdSecurity) -> None:
-    """Connects a registry to etcd and lists the services (raises what the connection raised)."""
+def _connect(endpoint: str, security: EtcdSecurity, connect_timeout_s: float = 10.0) -> None:
+    """Connects a registry to etcd and lists the services (raises what the connection raised).
+
+    ``connect_timeout_s``: a client etcd cannot talk to (no TLS, no certificate) is refused by the timeout, so
+    those cases take a short one; a mutual-TLS handshake with an auth check must not be cut short by it on a
+    loaded machine (under the full suite 1 s turned "rejected the credentials" into "unreachable").
+    """
 
     async def connect() -> None:
-        registry = Registry(endpoint, connect_timeout_s=1, security=security)
+        registry = Registry(endpoint, connect_timeout_s=connect_timeout_s, security=security)
         try:
             await asyncio.wait_for(registry.connect(), timeout=10)
             await asyncio.wait_for(registry.list_services(), timeout=10)
@@ -49,17 +54,18 @@ def test_secure_local_cluster_trains_and_keeps_the_token_out_of_logs(tmp_path: P
                     etcd_security=etcd_security, timeout_s=10) as client:
             job_id = client.submit(spec)
             # While the job runs: etcd serves mutual TLS with auth, so every other client is refused.
-            refused = {  # who -> (their settings, how etcd refuses them)
-                "plaintext": (EtcdSecurity(), "etcd unreachable"),
-                "TLS without a client certificate": (EtcdSecurity(ca_pem=etcd_security.ca_pem), "etcd unreachable"),
+            refused = {  # who -> (their settings, how etcd refuses them, the connect timeout)
+                "plaintext": (EtcdSecurity(), "etcd unreachable", 1.0),
+                "TLS without a client certificate": (EtcdSecurity(ca_pem=etcd_security.ca_pem), "etcd unreachable",
+                                                     1.0),
                 "mutual TLS without a user": (dataclasses.replace(etcd_security, username="", password=""),
-                                              "etcd rejected the credentials (no user)"),
+                                              "etcd rejected the credentials (no user)", 10.0),
                 "a wrong password": (dataclasses.replace(etcd_security, password="not-" + etcd_security.password),
-                                     "etcd rejected the credentials (user 'root')"),
+                                     "etcd rejected the credentials (user 'root')", 10.0),
             }
-            for who, (security, refusal) in refused.items():
+            for who, (security, refusal, timeout_s) in refused.items():
                 with pytest.raises(Unavailable) as exc:
-                    _connect(cluster.etcd_endpoint, security)
+                    _connect(cluster.etcd_endpoint, security, timeout_s)
                 assert str(exc.value).startswith(refusal), (who, str(exc.value))
                 assert etcd_security.password not in str(exc.value), who
             _connect(cluster.etcd_endpoint, etcd_security)  # the cluster's own settings are let in
