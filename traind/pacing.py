@@ -69,7 +69,7 @@ class ModelledDeviceClock:
         pacer = devicemodel.Pacer(self.profile, clock=time.perf_counter)
         pacer.start_s = start_perf_s
         pacer.add(float(modelled_s))
-        self._free_at_perf_s = start_perf_s + pacer.modelled_s * self.profile.time_scale
+        self._free_at_perf_s = pacer.end_s
         self._charged.append((kind, wall_started_s, pacer))
 
     def settle(self) -> None:

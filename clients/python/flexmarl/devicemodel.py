@@ -440,10 +440,14 @@ class Pacer:
         """Accounts modelled seconds of work done since the start."""
         self.modelled_s += max(0.0, modelled_s)
 
+    @property
+    def end_s(self) -> float:
+        """When the modelled time has passed (on the pacer's clock): ``start + modelled × time_scale``."""
+        return self.start_s + self.modelled_s * self.profile.time_scale
+
     def wait(self) -> float:
         """Sleeps until the modelled time has passed; returns the seconds slept."""
-        target_s = self.start_s + self.modelled_s * self.profile.time_scale
-        remaining_s = target_s - self._clock()
+        remaining_s = self.end_s - self._clock()
         if remaining_s > 0:
             self._sleep(remaining_s)
             return remaining_s
