@@ -544,8 +544,9 @@ class SlotBinder:
                 mover: AgentKey | None) -> AgentKey | None:
         """The waiting agent of ``agent``'s job ``version_lead`` or more versions behind it that the slot would take.
 
-        The most behind first; among equals the usual choice (:meth:`_best_waiting`). None when the rule is
-        off or nobody of the job lags that far.
+        The most behind first; among equals the usual choice (:meth:`_best_waiting`). When none of the most
+        behind may bind here (static slot sets, or left for a larger slot), the next version up is tried, and
+        so on to the floor. None when the rule is off or no agent of the job that lags that far may take it.
         """
         if self._version_lead <= 0:
             return None
@@ -553,11 +554,12 @@ class SlotBinder:
         floor = demand.version - self._version_lead
         lagging = [key for key in keys if key[0] == agent[0] and key != agent and key in demands
                    and key not in self._members and demands[key].has_work and demands[key].version <= floor]
-        if not lagging:
-            return None
-        oldest = min(demands[key].version for key in lagging)
-        return self._best_waiting(slot_id, demands, exclude=agent, mover=mover,
-                                  among=[key for key in lagging if demands[key].version == oldest])
+        for version in sorted({demands[key].version for key in lagging}):
+            chosen = self._best_waiting(slot_id, demands, exclude=agent, mover=mover,
+                                        among=[key for key in lagging if demands[key].version == version])
+            if chosen is not None:
+                return chosen
+        return None
 
     def decide(self, slot_id: str, demands: Mapping[AgentKey, AgentDemand]) -> BindingDecision:
         """What a polling slot should do, given every agent's demand."""

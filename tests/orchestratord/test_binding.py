@@ -326,6 +326,25 @@ def test_the_lead_respects_static_slot_sets() -> None:
     assert binder.decide("s0", ds).kind is DecisionKind.KEEP
 
 
+def test_when_the_most_behind_may_not_take_the_slot_the_next_most_behind_does() -> None:
+    c = ("job", "c")
+    binder = SlotBinder(FakeClock())
+    binder.set_static("job", ["a", "b", "c"])  # two slots: a and c may use s0, b only s1
+    binder.observe_poll("s0", "w0", {})
+    binder.observe_poll("s1", "w1", {})
+    binder.bind("s0", A)
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=5), AgentDemand(B, ready_micro_batches=1, version=1),
+                 AgentDemand(c, ready_micro_batches=1, version=3))
+    binder.note_demand(ds.values())
+    decision = binder.decide("s0", ds)
+    assert (decision.kind, decision.agent, decision.successor) == (DecisionKind.RELEASE, A, c)
+    # c within the lead: nobody that lags may take s0, and A keeps it while it has work
+    ds = demands(AgentDemand(A, ready_micro_batches=9, version=5), AgentDemand(B, ready_micro_batches=1, version=1),
+                 AgentDemand(c, ready_micro_batches=1, version=5))
+    binder.note_demand(ds.values())
+    assert binder.decide("s0", ds).kind is DecisionKind.KEEP
+
+
 def _commit_runs(lead: int) -> tuple[list[int], int]:
     """Two agents of an eta-4 job on one slot: lengths of each agent's runs of commits, and the largest version gap."""
     clock = FakeClock()
