@@ -282,7 +282,8 @@ def timeshared_sequential_estimate(
     runs as one phase on all devices (one replica per device; a phase starts when the previous
     agent's phase ended, because turn k needs turn k - 1's answer, and its replicas first load
     that agent's weights), then each agent trains in turn on all devices (data parallel), its
-    full training state swapped in and the previous one's out (sharded over the devices' links).
+    full training state swapped in and the previous one's out (sharded over the devices' links, as
+    under ZeRO 3).
     Response lengths are drawn from the workload as the environment draws them (rounded up to
     whole real tokens); the result is the mean over ``samples`` draws of a step's lengths.
     """
@@ -298,7 +299,7 @@ def timeshared_sequential_estimate(
             train += (
                 devicemodel.train_tokens_s(trainer, tokens)
                 + devicemodel.optimizer_step_s(trainer)
-                + 2.0 * devicemodel.swap_s(profile) / devices
+                + 2.0 * devicemodel.swap_s(trainer, zero_stage=3)  # one trainer over every device: sharded
             )
     reload = len(workload.agents) * devicemodel.weight_transfer_s(profile)
     return TimeSharedEstimate(devices, rollout / samples, reload, train / samples)

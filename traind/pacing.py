@@ -46,17 +46,19 @@ class ModelledDeviceClock:
         """Charges one optimizer step (weights published included) started at ``started_perf_s``."""
         self._charge("optimizer", started_perf_s, devicemodel.optimizer_step_s(self.profile))
 
-    def swap_in(self, started_perf_s: float, lora_rank: int = 0, lora_modules: tuple[str, ...] = ()) -> None:
+    def swap_in(self, started_perf_s: float, lora_rank: int = 0, lora_modules: tuple[str, ...] = (),
+                zero_stage: int = 0) -> None:
         """Charges moving an agent's training state onto the device (a swap-in) started at ``started_perf_s``.
 
-        A full-model agent moves weights and optimizer state (``devicemodel.swap_s``), a LoRA agent
+        A full-model agent moves weights and optimizer state (``devicemodel.swap_s``: each of the slot's
+        devices its share under the agent's ``zero_stage``, in parallel), a LoRA agent
         (``lora_rank`` > 0) its adapter and the adapter's optimizer state (``lora_swap_s`` of that rank
         on ``lora_modules`` of the modelled model; the base stays on the slot). Modules the modelled
         model lacks (a tiny model's names) count as its four attention projections.
         """
         profile = self.profile
         if lora_rank <= 0:
-            seconds = devicemodel.swap_s(profile)
+            seconds = devicemodel.swap_s(profile, zero_stage)
         else:
             known = tuple(m for m in lora_modules if m in devicemodel.QWEN25_14B_LINEAR_SHAPES)
             shape = devicemodel.qwen25_14b_lora(lora_rank, known) if known else devicemodel.qwen25_14b_lora(lora_rank)

@@ -62,7 +62,7 @@ def swap_in(
     if device_clock is not None:  # the state crossed the slot's link
         lora = config.lora
         device_clock.swap_in(started, lora.rank if lora is not None else 0,
-                             tuple(lora.target_modules) if lora is not None else ())
+                             tuple(lora.target_modules) if lora is not None else (), config.zero_stage)
     stats = SwapStats(location.uri, moved, time.perf_counter() - started)
     logger.info("agent %s swapped in from %s: %d bytes in %.3f s", config.agent, location.uri, moved, stats.seconds)
     return trainer, stats

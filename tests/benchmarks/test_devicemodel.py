@@ -50,6 +50,20 @@ def test_prefill_training_optimizer_and_transfers() -> None:
     assert dm.swap_s(dm.H100_SXM) == pytest.approx(14.7e9 * 18 / 50e9)  # 5.292 s
 
 
+def test_a_swap_moves_one_devices_share_of_the_state_by_zero_stage() -> None:
+    # H100_SXM's slot has 8 devices, each with its own link: ZeRO 0 replicates the whole state on each,
+    # ZeRO 1 and 2 shard the optimizer state (16 B per parameter), ZeRO 3 the weights (2 B) too.
+    assert dm.H100_SXM.train_devices_per_slot == 8
+    assert dm.swap_s(dm.H100_SXM, 0) == pytest.approx(14.7e9 * 18 / 50e9)
+    assert dm.swap_s(dm.H100_SXM, 1) == pytest.approx(14.7e9 * (2 + 16 / 8) / 50e9)
+    assert dm.swap_s(dm.H100_SXM, 2) == dm.swap_s(dm.H100_SXM, 1)
+    assert dm.swap_s(dm.H100_SXM, 3) == pytest.approx(14.7e9 * 18 / 8 / 50e9)
+    one = dm.H100_SXM.with_changes(train_devices_per_slot=1)
+    assert [dm.swap_s(one, stage) for stage in range(4)] == [pytest.approx(dm.swap_s(dm.H100_SXM))] * 4
+    with pytest.raises(ValueError, match="zero_stage"):
+        dm.swap_s(dm.H100_SXM, 4)
+
+
 def test_token_scale_turns_one_real_iteration_into_many_modelled_ones() -> None:
     scaled = dm.H100_SXM.with_changes(token_scale=128.0)
     # One real iteration of 4 sequences with 10 real context tokens = 128 iterations at 1280 context tokens.

@@ -84,6 +84,41 @@ def test_a_swap_in_charges_the_state_over_the_link_full_model_or_adapter(tmp_pat
     assert records[1]["modelled_s"] < records[2]["modelled_s"] < records[0]["modelled_s"]
 
 
+def test_a_swap_in_charges_the_share_one_device_of_the_slot_holds_under_the_agents_zero_stage(tmp_path: Path) -> None:
+    profile = _profile(tmp_path).with_changes(train_devices_per_slot=2)
+    clock = ModelledDeviceClock(profile, "traind-t-zero")
+    started = time.perf_counter()
+    for stage in (0, 1, 3):
+        clock.swap_in(started, zero_stage=stage)
+    clock.settle()
+    charged = [r["modelled_s"] for r in devicemodel.read_traces(tmp_path)["traind-t-zero"]]
+    assert charged == [pytest.approx(devicemodel.swap_s(profile, stage)) for stage in (0, 1, 3)]
+    assert charged[0] > charged[1] > charged[2] == pytest.approx(charged[0] / 2)
+
+
+def test_traind_swap_in_charges_the_agents_own_zero_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from traind import swap
+    from traind.locations import FileLocation
+    from traind.model import AgentTrainerConfig
+
+    class Loaded:  # the engine build and the state read are not what this test is about
+        def __init__(self, config: AgentTrainerConfig, device_clock: object, lora_bases: object = None) -> None:
+            self.config = config
+
+        def load_state(self, location: object) -> int:
+            return 0
+
+    monkeypatch.setattr(swap, "AgentTrainer", Loaded)
+    profile = _profile(tmp_path).with_changes(train_devices_per_slot=4)
+    clock = ModelledDeviceClock(profile, "traind-t-stage")
+    location = FileLocation("file://" + str(tmp_path / "state"), tmp_path / "state")  # the stub never reads it
+    for stage in (0, 3):
+        swap.swap_in(AgentTrainerConfig(agent="a", model_path="/nowhere", zero_stage=stage), location, clock)
+    clock.settle()
+    charged = [r["modelled_s"] for r in devicemodel.read_traces(tmp_path)["traind-t-stage"]]
+    assert charged == [pytest.approx(devicemodel.swap_s(profile, 0)), pytest.approx(devicemodel.swap_s(profile, 3))]
+
+
 def test_a_swap_in_and_the_micro_batch_after_it_take_the_sum_of_their_modelled_times(tmp_path: Path) -> None:
     # The micro-batch's real work ran while the modelled swap was still in progress (a real swap takes less
     # than the modelled one): it starts on the device when the swap ends, and its real compute counts as

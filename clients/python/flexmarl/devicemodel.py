@@ -19,7 +19,8 @@ trainer slot (``train_devices_per_slot`` devices, data parallel):
 * optimizer step: ``P * optimizer_bytes_per_param / (hbm_bytes_per_s * hbm_efficiency * d)``
   (mixed-precision Adam reads and writes master weights, two moments and the gradient) plus
   publishing the new weights, ``W / link_bytes_per_s``;
-* weight reload on a replica, agent-state swap: bytes ``/ link_bytes_per_s``;
+* weight reload on a replica, agent-state swap: bytes ``/ link_bytes_per_s`` (a swap: what one of
+  the slot's devices holds, each over its own link; :func:`swap_s`);
 * KV-cache capacity of a replica (what bounds its running batch, as in SGLang):
   ``(hbm_capacity_bytes * kv_memory_fraction * d - W) / kv_bytes_per_token`` tokens.
 
@@ -288,10 +289,20 @@ def weight_transfer_s(profile: DeviceProfile) -> float:
     return profile.weight_bytes / profile.link_bytes_per_s
 
 
-def swap_s(profile: DeviceProfile) -> float:
-    """Modelled seconds to move an agent's full training state (weights + optimizer) over the link."""
-    state_bytes = profile.model_params * (profile.bytes_per_param + profile.optimizer_bytes_per_param)
-    return state_bytes / profile.link_bytes_per_s
+def swap_s(profile: DeviceProfile, zero_stage: int = 0) -> float:
+    """Modelled seconds to move an agent's full training state (weights + optimizer) onto its slot.
+
+    Each of the slot's ``train_devices_per_slot`` devices moves what it holds over its own link,
+    all in parallel, so the time is one device's share: under ZeRO 0 every device holds the whole
+    state (data-parallel replicas) and the slot's size changes nothing; from ZeRO 1 the optimizer
+    state is sharded over the devices, at ZeRO 3 the weights too (DeepSpeed's partitioning).
+    """
+    if not 0 <= zero_stage <= 3:
+        raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+    devices = profile.train_devices_per_slot
+    weight_bytes = profile.model_params * profile.bytes_per_param / (devices if zero_stage >= 3 else 1)
+    optimizer_bytes = profile.model_params * profile.optimizer_bytes_per_param / (devices if zero_stage >= 1 else 1)
+    return (weight_bytes + optimizer_bytes) / profile.link_bytes_per_s
 
 
 def kv_capacity_tokens(profile: DeviceProfile) -> float:
