@@ -79,6 +79,7 @@ from flexmarl.client import Client  # noqa: E402
 from flexmarl.jobspec import parse_job_spec  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
+from orchestratord.planner import PlannerOptions  # noqa: E402
 from rolloutd.task_limit import AUTO_FLOOR  # noqa: E402
 
 log = logging.getLogger("benchmarks.run")
@@ -156,6 +157,20 @@ ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {
     "partial-size-blind": ("--no-capacity-aware-binding",),
     "partial-no-lead": ("--binding-version-lead", "0"),
 }
+
+
+def orchestratord_args(config: str, time_scale: float) -> tuple[str, ...]:
+    """orchestratord's flags for a configuration at ``time_scale`` wall s per modelled s.
+
+    The binder's clocks are wall seconds (an agent starves after ``max_wait_s``, its priority ages
+    ``aging_per_s``); they are set so that they run in modelled seconds, as on the modelled device, not
+    ``1 / time_scale`` times looser. Then the configuration's own flags (its ablation).
+    """
+    options = PlannerOptions()
+    return ("--binding-max-wait-s", repr(options.max_wait_s * time_scale),
+            "--binding-aging-per-s", repr(options.aging_per_s / time_scale), *ORCHESTRATORD_ARGS.get(config, ()))
+
+
 # Speedup targets of the reference configuration over a baseline: the paper's (flexmarl) and issue 15's
 # (flexmarl-partial), with issue 15's bound, busy and overhead targets.
 TARGETS = {"flexmarl": {"sequential": 8.0, "static": 1.6}, "flexmarl-partial": {"sequential": 5.0, "static": 3.0}}
@@ -435,7 +450,7 @@ def run_one(
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
         rolloutd_args=rolloutd_args(spec, rollout_max_tasks(workload, args), dispatch_kv_factor(workload, args)),
         traind_args=("--slot-capacity", ",".join(map(str, capacities))),
-        orchestratord_args=ORCHESTRATORD_ARGS.get(config, ()),
+        orchestratord_args=orchestratord_args(config, profile.time_scale),
     )
     started = time.monotonic()
     with LocalCluster(cluster_config) as cluster:

@@ -342,7 +342,7 @@ def run_one(
         trainer_slots=slots,
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": bench._daemon_pythonpath()},
         rolloutd_args=bench.rolloutd_args(spec),
-        orchestratord_args=bench.ORCHESTRATORD_ARGS.get(run_config(config)[0], ()),
+        orchestratord_args=bench.orchestratord_args(run_config(config)[0], profile.time_scale),
     )
     with LocalCluster(cluster_config) as cluster:
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:

@@ -14,6 +14,13 @@ from orchestratord.planner import PlannerOptions
 from orchestratord.servicer import OrchestratorServicer
 
 
+def planner_options(config: OrchestratorConfig) -> PlannerOptions:
+    """The planner's options that orchestratord's settings set (the rest keep PlannerOptions' defaults)."""
+    return PlannerOptions(swap_location=config.swap_location, capacity_aware_binding=config.capacity_aware_binding,
+                          binding_version_lead=config.binding_version_lead, max_wait_s=config.binding_max_wait_s,
+                          aging_per_s=config.binding_aging_per_s)
+
+
 class OrchestratorApp(DaemonApp):
     """orchestratord: the planner behind the Orchestrator service."""
 
@@ -24,9 +31,7 @@ class OrchestratorApp(DaemonApp):
         self.coordinator = JobCoordinator(
             ctx.registry, OrchestratorMetrics(ctx.metrics), store_address=config.store_address,
             lease_poll_max_ms=config.lease_poll_max_ms,
-            options=PlannerOptions(swap_location=config.swap_location,
-                                   capacity_aware_binding=config.capacity_aware_binding,
-                                   binding_version_lead=config.binding_version_lead),
+            options=planner_options(config),
             security=ctx.security,
             max_message_bytes=config.max_message_bytes, history_page_steps=config.history_page_steps,
         )

@@ -33,6 +33,14 @@ class OrchestratorConfig(DaemonConfig):
                                      "of its job this many versions behind it (0: only when it runs out of work or "
                                      "the other starves)"}
     )
+    binding_max_wait_s: float = dataclasses.field(
+        default=60.0, metadata={"help": "an agent that has waited this many seconds for a trainer slot is starving: it "
+                                        "takes a bound agent's slot at that agent's step boundary"}
+    )
+    binding_aging_per_s: float = dataclasses.field(
+        default=0.05, metadata={"help": "a waiting agent's binding priority grows by this much (in ready micro-batches)"
+                                        " per second it waits"}
+    )
     etcd_defrag_check_s: float = dataclasses.field(
         default=300.0, metadata={"help": "how often to check etcd's db for space to defragment (0: never)"}
     )
@@ -53,6 +61,10 @@ class OrchestratorConfig(DaemonConfig):
             raise ConfigError(f"history_page_steps: must be in 1..100000, got {self.history_page_steps}")
         if not 0 <= self.binding_version_lead <= 1_000_000:
             raise ConfigError(f"binding_version_lead: must be in 0..1000000, got {self.binding_version_lead}")
+        if not 0 < self.binding_max_wait_s <= 86_400:
+            raise ConfigError(f"binding_max_wait_s: must be in (0, 86400], got {self.binding_max_wait_s}")
+        if not 0 <= self.binding_aging_per_s <= 1e6:
+            raise ConfigError(f"binding_aging_per_s: must be in 0..1e6, got {self.binding_aging_per_s}")
         for name in ("etcd_defrag_check_s", "etcd_defrag_min_free_mib", "etcd_defrag_min_interval_s"):
             if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")

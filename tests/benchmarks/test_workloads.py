@@ -114,6 +114,20 @@ def test_sized_runs_a_moving_heavy_agent_on_slots_of_2_1_1_devices_and_the_blind
         bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0)["pipeline"]
     assert bench.ORCHESTRATORD_ARGS == {"partial-size-blind": ("--no-capacity-aware-binding",),
                                         "partial-no-lead": ("--binding-version-lead", "0")}
+    # The binder's wall clocks run in modelled seconds at the run's time scale, before the ablation's flag.
+    from flexmarl.config import load_config
+    from orchestratord.config import OrchestratorConfig
+    from orchestratord.planner import PlannerOptions
+    flags = bench.orchestratord_args("partial-size-blind", 0.25)
+    assert flags[-1] == "--no-capacity-aware-binding"
+    config = load_config(OrchestratorConfig, list(flags), "orchestratord", env={})
+    assert config.binding_max_wait_s == pytest.approx(PlannerOptions().max_wait_s * 0.25)
+    assert config.binding_aging_per_s == pytest.approx(PlannerOptions().aging_per_s * 4)
+    assert not config.capacity_aware_binding
+    plain = load_config(OrchestratorConfig, list(bench.orchestratord_args("flexmarl-partial", 1.0)), "orchestratord",
+                        env={})
+    assert (plain.binding_max_wait_s, plain.binding_aging_per_s) == (PlannerOptions().max_wait_s,
+                                                                     PlannerOptions().aging_per_s)
     # The bound counts devices: the heavy agent's own training on the 2-device slot, the rest over 4 devices.
     profile = devicemodel.PRESETS["h100"].with_changes(token_scale=128.0)
     trainer, slots = bench.bound_shape(profile, (2, 1, 1))

@@ -376,3 +376,28 @@ def test_orchestratord_takes_the_version_lead_as_a_flag_and_refuses_a_negative_o
                        env={}).binding_version_lead == 0
     with pytest.raises(ConfigError, match="binding_version_lead"):
         load_config(OrchestratorConfig, ["--binding-version-lead", "-1"], "orchestratord", env={})
+
+
+def test_orchestratord_sets_the_binders_wait_clocks_from_its_flags() -> None:
+    from orchestratord.app import planner_options
+
+    default = planner_options(load_config(OrchestratorConfig, [], "orchestratord", env={}))
+    assert (default.max_wait_s, default.aging_per_s) == (PlannerOptions().max_wait_s, PlannerOptions().aging_per_s)
+    config = load_config(OrchestratorConfig, ["--binding-max-wait-s", "15", "--binding-aging-per-s", "0.2",
+                                              "--binding-version-lead", "2"], "orchestratord", env={})
+    options = planner_options(config)
+    assert (options.max_wait_s, options.aging_per_s, options.binding_version_lead) == (15.0, 0.2, 2)
+    # and the binder runs on them: an agent waiting 15 s starves, and its score aged 0.2 a second
+    clock = FakeClock()
+    binder = Planner(clock, options).binder
+    binder.observe_poll("s0", "w0", {})
+    binder.bind("s0", A)
+    ds = demands(AgentDemand(A, ready_micro_batches=9), AgentDemand(B, ready_micro_batches=1))
+    binder.note_demand(ds.values())
+    clock.advance(14.0)
+    assert binder.starving() == frozenset() and binder.score(B, "s0", ds[B])[1] == pytest.approx(1 + 0.2 * 14)
+    clock.advance(1.0)
+    assert binder.starving() == {B}
+    for bad in (["--binding-max-wait-s", "0"], ["--binding-aging-per-s", "-1"]):
+        with pytest.raises(ConfigError, match=bad[0][2:].replace("-", "_")):
+            load_config(OrchestratorConfig, bad, "orchestratord", env={})
