@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import FailedPrecondition, InvalidArgument
 from flexmarl.experience import ExperienceSummary
-from flexmarl.ids import TaskRef
+from flexmarl.ids import ExperienceKey, TaskRef
 from orchestratord.failures import FailureFigures
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import evaluation, warm_start
@@ -250,7 +250,9 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     they would be on arrival (:func:`fill_steps`), so a step that was not full may take other
     tasks than before; nothing trained depends on that. Admission goes on after the highest task
     stored holds (tasks that were running are abandoned, not re-run: any task may fill a step), and
-    the tasks admitted before that fill no step are replaced (:func:`_count_replaced`).
+    the tasks admitted before that fill no step are replaced (:func:`_count_replaced`). It goes on above the tasks
+    that filled any step on record too, whose experiences stored may have garbage-collected: a task id is
+    never used twice.
     Where a step's manifests were archived away, ``consumed_by`` (stored's record of the step that
     consumed each experience) tells the same.
     """
@@ -260,6 +262,12 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     for (_, step), manifest in job.persisted_manifests.items():
         for eid in manifest.experience_ids:
             step_of[eid] = step
+    # Task numbers go on above every task that filled a step still on record (its manifest, or stored's mark
+    # of the step that consumed it), though stored may have collected its experiences: a task admitted again
+    # under a used id would give its experiences the ids of consumed ones, which a later restart would take
+    # for consumed and drop.
+    for experience_id in step_of:
+        job.admitted = max(job.admitted, _task_number(job, experience_id) + 1)
     full_steps = {step for (_, step) in job.persisted_manifests}
     job.open_step = min_version
     while job.open_step in full_steps:
@@ -295,6 +303,15 @@ def _recover_completion_fill(job: JobPlan, by_task: dict[str, list[ExperienceSum
     fill_steps(job)
     _count_replaced(job)
     return recovered
+
+
+def _task_number(job: JobPlan, experience_id: str) -> int:
+    """The admission number of the task of one of ``job``'s experiences (-1 for an id of no task of the job)."""
+    try:
+        ref = TaskRef.of_job(job.job_id, ExperienceKey.parse(experience_id).task_id)
+    except InvalidArgument:
+        return -1
+    return -1 if ref is None else task_index_of(ref.batch, ref.position, job.spec.batch.prompts_per_step)
 
 
 def _count_replaced(job: JobPlan) -> None:

@@ -164,6 +164,37 @@ async def test_a_restarted_orchestrator_keeps_the_fixed_steps_and_places_the_res
     assert "job1/b0/t2" in tasks_of(final.manifests[("sender", 1)])
 
 
+async def test_after_a_restart_no_task_id_of_a_fixed_step_is_used_again_though_stored_collected_it() -> None:
+    # Batch 1 (task numbers 4-7) forms step 0, which every agent commits; stored then garbage-collects what
+    # step 0 consumed, and batch 0 is still running (nothing of it in stored) when orchestratord restarts.
+    # The persisted manifests still name b1's experiences: task numbers must go on above them, or b1/t0
+    # would be admitted again and its experiences take the ids of step 0's.
+    clock = FakeClock()
+    store = InMemoryStateStore()
+    planner = completion_planner(clock)
+    leases = by_id(planner.lease_rollout_tasks("roll", 100))
+    for position in range(PROMPTS):
+        report(planner, leases[f"job1/b1/t{position}"])
+    train_step(planner, 0)
+    await apply_changes(store, planner.take_changes())
+    persisted = await store.load_job("job1")
+    assert persisted is not None and ("sender", 0) in persisted.manifests
+    used = tasks_of(persisted.manifests[("sender", 0)])
+    restarted = Planner(clock, PlannerOptions(lease_epoch="e1"))
+    job = restarted.restore_job(persisted, [])  # stored holds nothing of the job any more
+    assert job.state is JobState.RUNNING and [v.version for v in job.versions()] == [1, 1]
+    assert job.admitted_tasks == 2 * PROMPTS
+    fresh = {lease.task_id for lease in restarted.lease_rollout_tasks("roll", 100)}
+    assert fresh and not fresh & used
+    run_job(restarted, clock, "job1")
+    assert job.state is JobState.SUCCEEDED
+    await apply_changes(store, job.take_changes())
+    final = await store.load_job("job1")
+    assert final is not None
+    placed = [tasks_of(final.manifests[("sender", step)]) for step in range(3)]
+    assert all(not placed[0] & later for later in placed[1:])  # no task in two steps
+
+
 @pytest.mark.parametrize("pipeline", [{"max_staleness": 0}, {"mode": "sync", "max_staleness": 1}])
 def test_completion_fill_needs_async_mode_and_some_staleness(pipeline: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument, match="step_fill"):
