@@ -8,8 +8,9 @@ trainer waits (docs/benchmarks.md, "Where partial rollouts' step went").
 
 orchestratord hands any running job's tasks to any rolloutd that asks (round-robin over the jobs), so
 the live rolloutds share the served jobs' admitted tasks: in ``auto`` each leases
-``ceil(sum of rollout_tasks_ahead / live rolloutds)``, never below :data:`AUTO_FLOOR` (the fixed
-default it replaces: a job's evaluation tasks and a re-issued task still find a slot) and never above
+``ceil(sum of rollout_tasks_ahead / live rolloutds)`` (one more per job with ``evaluation``: the eval task
+orchestratord keeps in flight beside the training tasks), never below :data:`AUTO_FLOOR` (the fixed
+default it replaces: a re-issued task still finds a slot) and never above
 ``--max-tasks-cap`` (every task holds ``group_size`` episodes in memory). The live rolloutds are the
 etcd service directory's (list + watch, no round-trip per lease), this one always counted.
 
@@ -36,6 +37,15 @@ AUTO_FLOOR = 8
 DEFAULT_CAP = 256
 #: Explicit ``--max-tasks`` and ``--max-tasks-cap`` stay within this.
 MAX_TASKS_LIMIT = 4096
+
+
+def tasks_in_flight(spec: JobSpec) -> int:
+    """The most tasks of a job orchestratord keeps in flight.
+
+    The staleness rule's, plus the one eval task it hands out beside them while an evaluation round is
+    open (``orchestratord/planner/evaluation.py``).
+    """
+    return spec.rollout_tasks_ahead + (1 if spec.evaluation is not None else 0)
 
 
 def auto_task_limit(tasks_ahead: Mapping[str, int], rolloutds: int, cap: int) -> int:
@@ -123,7 +133,7 @@ class TaskLimit:
                 self._recompute()
 
     def _recompute(self) -> None:
-        ahead = {job_id: spec.rollout_tasks_ahead for job_id, spec in self._jobs.items()}
+        ahead = {job_id: tasks_in_flight(spec) for job_id, spec in self._jobs.items()}
         limit = auto_task_limit(ahead, self._rolloutds, self.cap)
         self._warned &= set(ahead)
         for job_id, spec in self._jobs.items():

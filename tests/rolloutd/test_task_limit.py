@@ -14,11 +14,18 @@ from prometheus_client import CollectorRegistry
 
 from flexmarl.config import ConfigError, load_config
 from flexmarl.daemon import DaemonContext
-from flexmarl.jobspec import JobSpec, parse_job_spec
+from flexmarl.jobspec import EvaluationSpec, JobSpec, parse_job_spec
 from flexmarl.registry import Registry
 from rolloutd.app import RolloutApp
 from rolloutd.config import RolloutConfig
-from rolloutd.task_limit import AUTO_FLOOR, DEFAULT_CAP, TaskLimit, auto_task_limit, fewer_tasks_than_admitted
+from rolloutd.task_limit import (
+    AUTO_FLOOR,
+    DEFAULT_CAP,
+    TaskLimit,
+    auto_task_limit,
+    fewer_tasks_than_admitted,
+    tasks_in_flight,
+)
 
 
 def _spec(prompts_per_step: int, max_staleness: int, mode: str = "async") -> JobSpec:
@@ -68,6 +75,17 @@ def test_task_limit_follows_jobs_and_rolloutds_and_warns_once_about_a_job_the_ca
     assert limit.current == 36
     limit.set_rolloutds(0)  # counted as 1: this rolloutd
     assert limit.rolloutds == 1 and seen == [8, 36, 18, 50, 64, 36]
+
+
+def test_auto_leaves_room_for_the_eval_task_a_job_with_evaluation_keeps_in_flight() -> None:
+    plain = _spec(4, 8)  # 36 training tasks in flight at most
+    evaluated = plain.model_copy(update={"evaluation": EvaluationSpec(tasks=16)})
+    assert (tasks_in_flight(plain), tasks_in_flight(evaluated)) == (36, 37)
+    limit = TaskLimit(None, DEFAULT_CAP, lambda _: None)
+    limit.set_jobs({"j1": evaluated})
+    assert limit.current == 37  # all 36 training tasks and the round's one eval task at once
+    limit.set_jobs({"j1": evaluated, "j2": plain})
+    assert limit.current == 73
 
 
 def test_an_explicit_limit_stays_whatever_the_jobs_and_warns_about_a_job_it_keeps_behind(
