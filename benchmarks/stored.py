@@ -289,8 +289,11 @@ def main() -> None:
     parser.add_argument("--blob-mb", type=int, default=128)
     parser.add_argument("--blob-rounds", type=int, default=3, help="alternating raw / stored blob rounds")
     parser.add_argument("--synchronous", default="FULL")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help=f"the JSON file to write (a directory: {RESULTS.name} in it)")
     args = parser.parse_args()
+    if args.out.is_dir():  # decided before the run, so a finished run is never lost to its output path
+        args.out = args.out / RESULTS.name
     load_at_start = os.getloadavg()
 
     with tempfile.TemporaryDirectory(prefix="stored-bench-") as tmp_name:
