@@ -33,6 +33,14 @@ def report(planner: Planner, lease: RolloutTaskLease,
     return exps
 
 
+def report_batch(planner: Planner, leases: dict[str, RolloutTaskLease], batch: int) -> list[ExperienceSummary]:
+    """Reports every task of rollout batch ``batch`` done; returns their experiences."""
+    reported: list[ExperienceSummary] = []
+    for position in range(PROMPTS):
+        reported += report(planner, leases[f"job1/b{batch}/t{position}"])
+    return reported
+
+
 def manifests(planner: Planner) -> dict[tuple[str, int], StepManifest]:
     return {(c.manifest.agent, c.manifest.step): c.manifest for c in planner.job("job1").take_changes()
             if isinstance(c, ManifestFixed)}
@@ -57,8 +65,7 @@ def test_the_first_tasks_to_finish_form_a_step_and_a_step_waits_for_a_task_no_la
     leases = by_id(planner.lease_rollout_tasks("roll", 100))
     assert len(leases) == 2 * PROMPTS  # (eta + v + 1) batches, as in batch fill
     # Batch 1 finishes first: it forms step 0, and batch 0's tasks are still running.
-    for position in range(PROMPTS):
-        report(planner, leases[f"job1/b1/t{position}"])
+    report_batch(planner, leases, 1)
     fixed = manifests(planner)
     assert set(fixed) == {("sender", 0), ("receiver", 0)}
     assert tasks_of(fixed[("sender", 0)]) == {f"job1/b1/t{p}" for p in range(PROMPTS)}
@@ -108,11 +115,9 @@ def test_a_task_already_too_stale_for_the_open_step_is_dropped_and_replaced_and_
     clock = FakeClock()
     planner = completion_planner(clock)
     leases = by_id(planner.lease_rollout_tasks("roll", 100))
-    for position in range(PROMPTS):
-        report(planner, leases[f"job1/b0/t{position}"])
+    report_batch(planner, leases, 0)
     train_step(planner, 0)
-    for position in range(PROMPTS):
-        report(planner, leases[f"job1/b1/t{position}"])
+    report_batch(planner, leases, 1)
     train_step(planner, 1)
     job = planner.job("job1")
     admitted = job.admitted_tasks
@@ -145,9 +150,7 @@ async def test_a_restarted_orchestrator_keeps_the_fixed_steps_and_places_the_res
     store = InMemoryStateStore()
     planner = completion_planner(clock)
     leases = by_id(planner.lease_rollout_tasks("roll", 100))
-    reported: list[ExperienceSummary] = []
-    for position in range(PROMPTS):  # batch 1 forms step 0
-        reported += report(planner, leases[f"job1/b1/t{position}"])
+    reported = report_batch(planner, leases, 1)  # batch 1 forms step 0
     reported += report(planner, leases["job1/b0/t2"])  # one task of step 1, not full yet
     await apply_changes(store, planner.take_changes())
     persisted = await store.load_job("job1")
@@ -173,8 +176,7 @@ async def test_after_a_restart_no_task_id_of_a_fixed_step_is_used_again_though_s
     store = InMemoryStateStore()
     planner = completion_planner(clock)
     leases = by_id(planner.lease_rollout_tasks("roll", 100))
-    for position in range(PROMPTS):
-        report(planner, leases[f"job1/b1/t{position}"])
+    report_batch(planner, leases, 1)
     train_step(planner, 0)
     await apply_changes(store, planner.take_changes())
     persisted = await store.load_job("job1")
