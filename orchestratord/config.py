@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from flexmarl.config import ConfigError, DaemonConfig
+from orchestratord.planner import PlannerOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,17 +30,20 @@ class OrchestratorConfig(DaemonConfig):
                                         "reported capacity; off: every slot alike, the ablation)"}
     )
     binding_version_lead: int = dataclasses.field(
-        default=1, metadata={"help": "at its step boundary a trainer slot's agent gives the slot up to a waiting agent "
-                                     "of its job this many versions behind it (0: only when it runs out of work or "
-                                     "the other starves)"}
+        default=PlannerOptions.binding_version_lead,
+        metadata={"help": "at its step boundary a trainer slot's agent gives the slot up to a waiting agent "
+                          "of its job this many versions behind it (0: only when it runs out of work or "
+                          "the other starves)"}
     )
     binding_max_wait_s: float = dataclasses.field(
-        default=60.0, metadata={"help": "an agent that has waited this many seconds for a trainer slot is starving: it "
-                                        "takes a bound agent's slot at that agent's step boundary"}
+        default=PlannerOptions.max_wait_s,
+        metadata={"help": "an agent that has waited this many seconds for a trainer slot is starving: it "
+                          "takes a bound agent's slot at that agent's step boundary"}
     )
     binding_aging_per_s: float = dataclasses.field(
-        default=0.05, metadata={"help": "a waiting agent's binding priority grows by this much (in ready micro-batches)"
-                                        " per second it waits"}
+        default=PlannerOptions.aging_per_s,
+        metadata={"help": "a waiting agent's binding priority grows by this much (in ready micro-batches)"
+                          " per second it waits"}
     )
     etcd_defrag_check_s: float = dataclasses.field(
         default=300.0, metadata={"help": "how often to check etcd's db for space to defragment (0: never)"}
