@@ -16,7 +16,8 @@ class OrchestratorConfig(DaemonConfig):
         default="", metadata={"help": "stored host:port (default: discovered in etcd)"}
     )
     swap_location: str = dataclasses.field(
-        default="stored", metadata={"help": "where slots save states that must move: mem, file or stored"}
+        default=PlannerOptions.swap_location,
+        metadata={"help": "where slots save states that must move: mem, file or stored"},
     )
     lease_poll_max_ms: int = dataclasses.field(
         default=5000, metadata={"help": "longest long-poll a worker may ask for"}
@@ -26,8 +27,9 @@ class OrchestratorConfig(DaemonConfig):
                                        "every agent is a page past it (a job's first archive fixes it)"}
     )
     capacity_aware_binding: bool = dataclasses.field(
-        default=True, metadata={"help": "place agents that train more on trainer slots of more capacity (the slots' "
-                                        "reported capacity; off: every slot alike, the ablation)"}
+        default=PlannerOptions.capacity_aware_binding,
+        metadata={"help": "place agents that train more on trainer slots of more capacity (the slots' "
+                          "reported capacity; off: every slot alike, the ablation)"},
     )
     binding_version_lead: int = dataclasses.field(
         default=PlannerOptions.binding_version_lead,
