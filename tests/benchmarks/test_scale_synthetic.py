@@ -90,7 +90,13 @@ async def test_eos_lengths_follow_the_configured_distribution(tmp_path: Path) ->
 
 
 async def test_continuous_batching_takes_modelled_time(tmp_path: Path) -> None:
-    """A short request that arrives behind a long one finishes long before it (it joins the batch)."""
+    """A short request that arrives behind a long one joins its batch and finishes first; the long one takes
+    at least its modelled decode time.
+
+    Only bounds that a loaded machine cannot break: both in one batch (the engine's own count), the short
+    one back while the long one runs, and the long one's latency at or above its modelled floor (load only
+    lengthens it). A ratio of the two wall latencies (once ``short < long / 3``) failed under a loaded CI run.
+    """
     profile_path = _profile(tmp_path, time_scale=0.05)
     synthetic = SyntheticEngine(SyntheticEngineConfig(replicas=1, modelled_device=str(profile_path)))
     await synthetic.start()
@@ -109,7 +115,7 @@ async def test_continuous_batching_takes_modelled_time(tmp_path: Path) -> None:
     finally:
         await synthetic.stop()
     assert len(short[0].output_ids) == 4 and len(long_result[0].output_ids) == 120
-    assert short[0].e2e_latency_s < long_result[0].e2e_latency_s / 3
+    assert short[0].e2e_latency_s < long_result[0].e2e_latency_s
     profile = devicemodel.load_profile(profile_path)
     floor_s = 120 * devicemodel.real_decode_iteration_s(profile, 1, 2.0) * profile.time_scale
     assert long_result[0].e2e_latency_s >= 0.9 * floor_s
