@@ -131,26 +131,23 @@ async def await_client_stream(call: grpc.aio.StreamUnaryCall[object, _T]) -> _T:
     our 2-core machines). A done callback runs on every status the call is given, with the status already set:
     it keeps each one, and the server's own is reported in place of Core's write failure.
     """
-    seen: list[tuple[grpc.StatusCode, str, grpc.aio.Metadata]] = []
+    # the statuses other than Core's write failure, in the order the call was given them
+    sent: list[tuple[grpc.StatusCode, str, grpc.aio.Metadata]] = []
 
     def keep(done: grpc.aio.Call) -> None:
-        code, details = _completed(done.code()), _completed(done.details())
-        if code is not None:
-            seen.append((code, details or "", _completed(done.trailing_metadata()) or grpc.aio.Metadata()))
+        code, details = _completed(done.code()), _completed(done.details()) or ""
+        if code is not None and (code, details) != (grpc.StatusCode.INTERNAL, _WRITE_FAILED_IN_CORE):
+            sent.append((code, details, _completed(done.trailing_metadata()) or grpc.aio.Metadata()))
 
     call.add_done_callback(keep)
     try:
         reply: _T = await call
         return reply
     except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _WRITE_FAILED_IN_CORE:
-            sent = [s for s in seen if (s[0], s[1]) != (grpc.StatusCode.INTERNAL, _WRITE_FAILED_IN_CORE)]
-            if sent:
-                code, details, trailing = sent[-1]
-                server_status = grpc.aio.AioRpcError(
-                    code, grpc.aio.Metadata(), trailing, details, exc.debug_error_string()
-                )
-                raise _mapped(server_status) from exc
+        if sent and exc.code() == grpc.StatusCode.INTERNAL and exc.details() == _WRITE_FAILED_IN_CORE:
+            code, details, trailing = sent[-1]
+            server_status = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details, exc.debug_error_string())
+            raise _mapped(server_status) from exc
         raise _mapped(exc) from exc
 
 
