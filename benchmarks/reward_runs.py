@@ -1,7 +1,7 @@
 """A time-to-reward run's figures: its two readings of the reward curve, its targets, speedups and the verdicts.
 
 ``benchmarks.time_to_reward`` runs or reanalyses the jobs and fills these in; the per-version curve itself comes
-from ``benchmarks.reward_versions``.
+from ``benchmarks.reward_versions``, the held-out one (a run with evaluation rounds) from ``benchmarks.reward_heldout``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from benchmarks.machine import machine_set
+from benchmarks.reward_heldout import EvalPoint
 from benchmarks.reward_versions import JobVersionPoint, VersionPoint
 
 WINDOW = 5  # steps in the moving mean the target is read on
@@ -26,8 +27,8 @@ def is_flexmarl(config: str) -> bool:
     return base == "flexmarl" or (base.startswith("flexmarl-partial-eta") and base[20:].isdigit())
 SPEEDUP_TARGETS = {"sync": 3.0, "sequential": 5.0}  # the best FlexMARL configuration's, on every seed
 FINAL_TOLERANCE = 0.02  # final reward no lower than sync's minus this
-#: the two readings of a run's curve, the speedups' first
-READINGS = {"version": "per behaviour version", "step": "per training step"}
+#: the readings of a run's curve, the speedups' first; "heldout" only where the runs had evaluation rounds
+READINGS = {"version": "per behaviour version", "step": "per training step", "heldout": "held-out evaluation"}
 
 
 @dataclasses.dataclass
@@ -87,6 +88,10 @@ class RewardRun:
     mixed_rule: str = "newest"
     # trainer swap-ins after step 0's commit (an agent's training state loaded onto a slot another agent held)
     swap_ins: int = 0
+    # the held-out reading (benchmarks.reward_heldout): the run's evaluation rounds, what they measured, its target
+    eval_curve: list[EvalPoint] = dataclasses.field(default_factory=list)
+    eval_metric: str = ""
+    eval_target: float = float("nan")
 
     @property
     def overrun_share(self) -> float:
@@ -104,7 +109,9 @@ class RewardRun:
         return machine_set(self.steady_overrun_share)
 
     def reading(self, by: str) -> tuple[Sequence[_Windowed], float]:
-        """The curve and target of one reading ("step" or "version")."""
+        """The curve and target of one reading ("step", "version" or "heldout")."""
+        if by == "heldout":
+            return self.eval_curve, self.eval_target
         return (self.curve, self.target) if by == "step" else (self.version_curve, self.version_target)
 
     def final(self, by: str) -> float:
@@ -191,8 +198,10 @@ def set_targets(runs: Sequence[RewardRun], fixed: Mapping[str, float | None]) ->
                 target = sync_final.get((run.workload, run.seed), float("nan")) - FINAL_TOLERANCE
             if by == "step":
                 run.target = target
-            else:
+            elif by == "version":
                 run.version_target = target
+            else:
+                run.eval_target = target
 
 
 def speedup(runs: Sequence[RewardRun], run: RewardRun, baseline: str, by: str = "step") -> float:
@@ -220,11 +229,12 @@ def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
             return statistics.fmean(times) if times and not any(math.isnan(t) for t in times) else math.inf
 
         candidates = [c for c in dict.fromkeys(r.config for r in mine) if is_flexmarl(c)]
-        if not candidates:
-            continue
-        unread = [f"{r.config} s{r.seed}" for r in mine if by == "version" and not r.version_curve]
+        if not candidates or (by == "heldout" and not any(r.eval_curve for r in mine)):
+            continue  # no held-out reading at all: no line (a run without --eval-every)
+        unread = [f"{r.config} s{r.seed}" for r in mine if not r.reading(by)[0]] if by != "step" else []
         if unread:
-            lines.append(f"{workload} ({READINGS[by]}): not measured (no stored experiences: {', '.join(unread)})")
+            missing = "no stored experiences" if by == "version" else "no evaluation rounds"
+            lines.append(f"{workload} ({READINGS[by]}): not measured ({missing}: {', '.join(unread)})")
             continue
         best = min(candidates, key=mean_time)
         if math.isinf(mean_time(best)):

@@ -60,8 +60,15 @@ Two readings of the curve, side by side in the table, the JSON and the chart:
   reading: it compares the policies each schedule produced by a given time, not the batches it trained
   on; the per-step verdicts follow.
 
-The runs' figures, both readings, targets, speedups and verdicts are ``benchmarks.reward_runs``'s; this
-module runs or reanalyses the jobs and reports them. No held-out evaluation. Writes
+A third reading with ``--eval-every K`` (``benchmarks.reward_heldout``): every job gets an ``evaluation:``
+section (a round of ``--eval-tasks`` held-out tasks, greedy, at version 0 and every K team versions; the rounds
+run beside training and their generation is charged modelled device time like any other), and each round's
+team success (signaling, arithmetic) or mean reward (long-tail, whose reward is graded) is placed at the publish
+of the newest version that played in it; target 0.9 on signaling, else the same seed's sync final - 0.02, on the
+mean of the last two rounds. Its table and verdicts follow the other two.
+
+The runs' figures, the readings, targets, speedups and verdicts are ``benchmarks.reward_runs``'s; this
+module runs or reanalyses the jobs and reports them. Writes
 ``<out>/time_to_reward.json`` and ``<out>/time_to_reward-<workload>.png`` (5-step and 5-version mean
 reward against modelled seconds, one panel per reading, one colour per configuration, one line per run)
 and prints the table with the issue's verdicts (the best FlexMARL configuration >= 3x sooner than sync
@@ -97,10 +104,13 @@ from benchmarks import run as bench  # noqa: E402
 from benchmarks.bound import AgentStepWork, device_work_bound  # noqa: E402
 from benchmarks.machine import OVERRUN_LIMIT  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
+from benchmarks.reward_heldout import WINDOW as EVAL_WINDOW  # noqa: E402
+from benchmarks.reward_heldout import eval_curve, records_from_json  # noqa: E402
 from benchmarks.reward_runs import (  # noqa: E402
     READINGS,
     WINDOW,
     RewardRun,
+    first_reaching,
     reward_curve,
     reward_source,
     set_targets,
@@ -120,6 +130,7 @@ from benchmarks.workloads import make_workload  # noqa: E402
 from flexmarl import devicemodel  # noqa: E402
 from flexmarl.cli import materialize_models  # noqa: E402
 from flexmarl.client import Client, StepRecord  # noqa: E402
+from flexmarl.evaluation import EvalRecord  # noqa: E402
 from flexmarl.localcluster import LocalCluster, LocalClusterConfig  # noqa: E402
 from flexmarl.tiny import build_tiny_checkpoint  # noqa: E402
 
@@ -172,11 +183,13 @@ class LearningWorkload:
     prompt_real_tokens: float
     fixed_target: float | None  # None: the same seed's sync run's final reward - FINAL_TOLERANCE
     job_file: str = ""  # an example job (repository-relative); "" for the long-tail workload
+    #: what the held-out reading measures of a round (benchmarks.reward_heldout.METRICS)
+    eval_metric: str = "success"
 
 
 WORKLOADS: dict[str, LearningWorkload] = {
     # 3 agents x 64 episodes, 6 replicas and 2 slots as benchmarks.run; prompt 512 modelled tokens
-    "long-tail": LearningWorkload("long-tail", 24, 6, 2, 512 / 128, None),
+    "long-tail": LearningWorkload("long-tail", 24, 6, 2, 512 / 128, None, eval_metric="reward_mean"),
     # sender prompt "c" (1 token), receiver prompt ">" + the message (2): 1.5 real tokens a turn
     "signaling": LearningWorkload("signaling", 60, 2, 2, 1.5, 0.9, "examples/signaling/job_k4.yaml"),
     # solver "12+34=" (6 tokens), verifier "12+34=" + answer + "?" (~10): ~8 real tokens a turn
@@ -315,6 +328,15 @@ def long_tail_job(
     return spec
 
 
+def with_evaluation(spec: dict[str, Any], every_versions: int, tasks: int) -> dict[str, Any]:
+    """The job with held-out evaluation rounds (docs/evaluation.md): ``tasks`` greedy held-out tasks at version 0 and
+    every ``every_versions`` team versions (and the final one); unchanged when ``every_versions`` is 0."""
+    if every_versions <= 0:
+        return spec
+    return {**spec, "evaluation": {"every_versions": every_versions, "tasks": tasks, "samples_per_task": 1,
+                                   "sampling": "greedy", "before_training": True}}
+
+
 def run_one(
     workload: LearningWorkload, config: str, seed: int, args: argparse.Namespace, root: Path
 ) -> RewardRun:
@@ -336,6 +358,7 @@ def run_one(
         spec, to_save = use_warm_starts(example_job(workload, config, seed, steps, models_dir), args.warm_start_cache)
     else:
         spec = long_tail_job(config, seed, steps, args.token_scale, models_dir, args.long_tail_lr)
+    spec = with_evaluation(spec, args.eval_every, args.eval_tasks)
     cluster_config = LocalClusterConfig(
         run_dir=run_dir,
         engine_replicas=replicas,
@@ -358,13 +381,15 @@ def run_one(
             if not info.state.finished:
                 client.cancel(job_id)
             history = client.history(job_id)
+            evaluations = client.evaluations(job_id)
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in history]))
+    (run_dir / "evaluations.json").write_text(json.dumps([r.as_dict() for r in evaluations]))
     (run_dir / "run.json").write_text(json.dumps({"workload": workload.name, "config": config, "seed": seed,
                                                   "state": info.state.name, "agents": len(spec["agents"]),
                                                   "submitted_s": submitted_s, "replicas": replicas, "slots": slots}))
     return measure(workload, config, seed, info.state.name, history, len(spec["agents"]), profile, trace_dir,
                    submitted_s, replicas, slots, read_experiences(stored_db(run_dir)), args.mixed_versions,
-                   warm_started_s(run_dir))
+                   warm_started_s(run_dir), evaluations)
 
 
 #: orchestratord's log line when an agent's warm start is committed (coordinator._persist)
@@ -399,8 +424,9 @@ def measure(
     experiences: Sequence[VersionedExperience] = (),
     mixed_rule: str = "newest",
     not_before_s: float | None = None,
+    evaluations: Sequence[EvalRecord] = (),
 ) -> RewardRun:
-    """One run's figures from its step records, device traces and stored's experiences.
+    """One run's figures from its step records, device traces, stored's experiences and evaluation rounds.
 
     ``not_before_s``: the clock starts at the first device work from then on (after a warm start).
     """
@@ -412,8 +438,8 @@ def measure(
     end = max((r.committed_unix_ms / 1000.0 for r in history), default=t0)
     step0 = t0 + curve[0].modelled_s * profile.time_scale if curve else end
     agent_names = sorted({r.agent for r in history})
-    versions = agent_version_curves(experiences, published_times(history, t0, profile.time_scale), t0,
-                                    profile.time_scale, mixed_rule)
+    published = published_times(history, t0, profile.time_scale)
+    versions = agent_version_curves(experiences, published, t0, profile.time_scale, mixed_rule)
     step_bounds, bound_by = run_bounds(
         history, profile, workload.prompt_real_tokens * profile.token_scale, replicas, slots
     )
@@ -442,6 +468,8 @@ def measure(
         mixed_rule=mixed_rule,
         swap_ins=sum(1 for who, records in traces.items() if who.startswith("traind-") for r in records
                      if r.get("kind") == "swap" and float(r["start_s"]) >= step0),
+        eval_curve=eval_curve(evaluations, published, workload.eval_metric),
+        eval_metric=workload.eval_metric if evaluations else "",
     )
 
 
@@ -455,10 +483,12 @@ def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardR
         run_dir = meta_path.parent
         history = [StepRecord(**r) for r in json.loads((run_dir / "history.json").read_text())]
         profile = devicemodel.load_profile(run_dir / "device.json")
+        kept_evals = run_dir / "evaluations.json"  # absent in a run kept before the held-out reading
+        evaluations = records_from_json(json.loads(kept_evals.read_text())) if kept_evals.is_file() else []
         runs.append(measure(WORKLOADS[meta["workload"]], meta["config"], meta["seed"], meta["state"], history,
                             meta["agents"], profile, run_dir / "traces", meta["submitted_s"], meta["replicas"],
                             meta["slots"], read_experiences(stored_db(run_dir)), mixed_rule,
-                            warm_started_s(run_dir)))
+                            warm_started_s(run_dir), evaluations))
     return runs
 
 
@@ -528,7 +558,41 @@ def table(runs: Sequence[RewardRun]) -> str:
         "modelled s from step 0's commit; mixed = share of experiences generated by several versions (--mixed-versions "
         f"{', '.join(sorted({r.mixed_rule for r in runs}))})"
     )
+    if any(r.eval_curve for r in runs):
+        lines.extend(["", *heldout_table(runs)])
     return "\n".join(lines)
+
+
+def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
+    """The held-out reading's table (runs with evaluation rounds)."""
+    columns = [
+        Column("workload", 10, "<"),
+        Column("config", 21, "<"),
+        Column("seed", 4),
+        Column("metric", 11, "<"),
+        Column("rounds", 6),
+        Column("first", 6, fmt=".3f"),
+        Column("h target", 8, fmt=".3f"),
+        Column("version to", 10),
+        Column("h after s0", 10, fmt=".0f"),
+        Column("h final", 7, fmt=".3f"),
+        Column("h vs sync", 9, fmt=".2f", suffix="x"),
+        Column("h vs seq", 8, fmt=".2f", suffix="x"),
+    ]
+    rows = []
+    for r in runs:
+        point = first_reaching(r.eval_curve, r.eval_target)
+        rows.append([r.workload, r.config, r.seed, r.eval_metric or "-", len(r.eval_curve),
+                     r.eval_curve[0].value if r.eval_curve else float("nan"), r.eval_target,
+                     "-" if point is None else point.version, r.after_step0("heldout"), r.final("heldout"),
+                     speedup(runs, r, "sync", "heldout"), speedup(runs, r, "sequential", "heldout")])
+    lines = render_table(columns, rows)
+    lines.append(
+        "held-out evaluation (--eval-every): each round's team success or mean reward over the same held-out tasks, "
+        "played greedily, placed at the publish of the newest version that played in it; first = the round at "
+        f"version 0; target and final on the mean of {EVAL_WINDOW} rounds; version to = the team version of the "
+        "round that first reaches it; h after s0 = modelled s from step 0's commit")
+    return lines
 
 
 def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
@@ -539,13 +603,16 @@ def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8), sharex=True, sharey=True)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     mine = [r for r in runs if r.workload == workload]
+    readings = ("step", "version", "heldout") if any(r.eval_curve for r in mine) else ("step", "version")
+    fig, axes = plt.subplots(1, len(readings), figsize=(7 * len(readings), 4.8), sharex=True, sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     titles = {"step": f"per training step: {WINDOW}-step mean of the batches trained on, at each commit",
               "version": f"per behaviour version: {WINDOW}-version mean of what each version generated, "
-                         "at its publish"}
-    for ax, by in zip(axes, ("step", "version"), strict=True):
+                         "at its publish",
+              "heldout": f"held-out evaluation: {EVAL_WINDOW}-round mean, greedy, at the publish of the "
+                         "newest version played"}
+    for ax, by in zip(axes, readings, strict=True):
         for index, config in enumerate(dict.fromkeys(r.config for r in mine)):
             for n, r in enumerate(x for x in mine if x.config == config):
                 curve, _ = r.reading(by)
@@ -574,7 +641,8 @@ def payload(runs: Sequence[RewardRun], args: argparse.Namespace, report: str, lo
         "load_avg_end": list(os.getloadavg()),
         "runs": [
             {
-                **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("curve", "version_curve")},
+                **{k: v for k, v in dataclasses.asdict(r).items()
+                   if k not in ("curve", "version_curve", "eval_curve")},
                 "final_reward": r.final_reward,
                 "time_to_target_s": r.time_to_target_s,
                 "after_step0_s": r.after_step0_s,
@@ -594,6 +662,11 @@ def payload(runs: Sequence[RewardRun], args: argparse.Namespace, report: str, lo
                 "machine_set": r.machine_set,
                 "curve": [dataclasses.asdict(p) for p in r.curve],
                 "version_curve": [dataclasses.asdict(p) for p in r.version_curve],
+                "eval_curve": [dataclasses.asdict(p) for p in r.eval_curve],
+                "eval_final": r.final("heldout"),
+                "eval_after_step0_s": r.after_step0("heldout"),
+                "eval_speedup_vs_sync": speedup(runs, r, "sync", "heldout"),
+                "eval_speedup_vs_sequential": speedup(runs, r, "sequential", "heldout"),
             }
             for r in runs
         ],
@@ -626,9 +699,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm-start-cache", type=Path, default=None, metavar="DIR",
                         help="save each seed's warm starts (arithmetic) here and start later runs of that seed from "
                              "them instead of warm-starting again (same weights; default: every run warm-starts)")
+    parser.add_argument("--eval-every", type=int, default=0, metavar="K",
+                        help="held-out evaluation rounds at version 0 and every K team versions, and the third "
+                             "reading on them (default 0: none; the jobs as before)")
+    parser.add_argument("--eval-tasks", type=int, default=128, help="held-out tasks per round (with --eval-every)")
     parser.add_argument("--reanalyse", type=Path, nargs="+", default=None,
                         help="run nothing: measure the runs --keep directories hold again and report them together")
     args = parser.parse_args(argv)
+    if args.eval_every < 0 or args.eval_tasks < 1:
+        parser.error("--eval-every must be >= 0 and --eval-tasks >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("aetcd", "grpc", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

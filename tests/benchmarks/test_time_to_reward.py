@@ -237,10 +237,15 @@ def test_a_kept_run_is_measured_again_from_its_files(tmp_path: Path) -> None:
 def test_the_benchmark_runs_signaling_through_the_daemons(tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = ttr.main(["--workloads", "signaling", "--configs", "sync", "flexmarl", "--seeds", "0", "--steps", "6",
-                     "--time-scale", "0.5", "--out", str(out)])
+                     "--time-scale", "0.5", "--eval-every", "2", "--eval-tasks", "8", "--out", str(out)])
     assert code == 0
     data = json.loads((out / "time_to_reward.json").read_text())
     assert [(r["config"], r["steps"]) for r in data["runs"]] == [("sync", 6), ("flexmarl", 6)]
+    # held-out rounds at versions 0, 2, 4 and 6, each of 8 greedy episodes, in publish order
+    for run in data["runs"]:
+        assert [(p["version"], p["episodes"]) for p in run["eval_curve"]] == [(v, 8) for v in (0, 2, 4, 6)]
+        times = [p["modelled_s"] for p in run["eval_curve"]]
+        assert times == sorted(times) and times[-1] <= run["curve"][-1]["modelled_s"] + 1e-6
     assert all(r["bound_s"] > 0 and r["curve"][-1]["modelled_s"] > r["bound_s"] * 0.5 for r in data["runs"])
     assert (out / "time_to_reward-signaling.png").stat().st_size > 0
 

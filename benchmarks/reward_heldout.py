@@ -1,0 +1,79 @@
+"""Reward on held-out tasks: a run's evaluation rounds as a curve against modelled time.
+
+``benchmarks.time_to_reward --eval-every K`` gives every job an ``evaluation:`` section (docs/evaluation.md):
+every K team versions, and at version 0, orchestratord opens a round of the same held-out tasks played greedily
+on the agents' current weights. Issue 35 asks for time to "held-out success, once evaluation exists"; this is
+that reading, beside the per-step and per-version readings of the training reward:
+
+* a round's value is the team's ``success`` (the environment's ``ctx.notes["success"]``, else every agent's
+  return at or above the job's ``success_threshold``) or its ``reward_mean`` (the mean over agents of their mean
+  episode return), as the workload chooses: a 0/1 game succeeds or not, a graded reward (the long-tail share of
+  even tokens) has no success worth the name;
+* a round is placed at the modelled time the **newest** version that generated any of its turns was published
+  (engines may move on while a round plays: ``versions_seen``), never earlier: no schedule is credited with a
+  policy before it existed, and a round that saw newer weights than its opening named is placed at theirs;
+* the moving mean is over ``WINDOW`` rounds (this and the one before): the tasks are the same every round and
+  greedy, so a round has no sampling noise, but one version can still spike on its weights' fluctuation, as the
+  training reward's per-version reading showed on arithmetic;
+* on-demand rounds (``flexmarl eval``: the asker's versions, not the run's) are left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flexmarl.evaluation import EvalRecord
+
+WINDOW = 2  # rounds in the moving mean the held-out target is read on
+#: what a round's point measures (the team's scores of ``flexmarl.evaluation.EvalScores``)
+METRICS = ("success", "reward_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation round of a run."""
+
+    modelled_s: float  # when the newest version that played in it was published
+    version: int  # the team's version the round was opened at
+    value: float  # the team's metric over the round's episodes
+    window_reward: float  # mean of ``value`` over this round and the WINDOW - 1 before it (nan before)
+    episodes: int
+
+
+def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, int], float],
+               metric: str) -> list[EvalPoint]:
+    """The run's periodic rounds in version order, each at its newest version's publish.
+
+    Args:
+        records: the job's evaluation records (``Client.evaluations``); on-demand rounds are skipped.
+        published_s: (agent, version) -> modelled s the version was published (``reward_versions.published_times``).
+        metric: one of ``METRICS``.
+
+    Raises:
+        ValueError: an unknown metric, or a round that names a version with no publish time.
+    """
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+    points: list[EvalPoint] = []
+    for record in sorted((r for r in records if not r.on_demand), key=lambda r: r.version):
+        times = []
+        for agent in record.agents:
+            newest = max((agent.version, *agent.versions_seen))
+            if (agent.agent, newest) not in published_s:
+                raise ValueError(f"round {record.round_id or record.version}: agent {agent.agent!r} played "
+                                 f"version {newest}, never published")
+            times.append(published_s[(agent.agent, newest)])
+        value = float(getattr(record.team, metric))
+        recent = [p.value for p in points[-(WINDOW - 1):]] + [value] if WINDOW > 1 else [value]
+        window = statistics.fmean(recent) if len(recent) == WINDOW else math.nan
+        points.append(EvalPoint(max(times, default=0.0), record.version, value, window, record.team.episodes))
+    return points
+
+
+def records_from_json(data: Sequence[Mapping[str, Any]]) -> list[EvalRecord]:
+    """Evaluation records as a kept run wrote them (``EvalRecord.as_dict`` each)."""
+    return [EvalRecord.from_dict(item) for item in data]
