@@ -8,8 +8,10 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from flexmarl.errors import FlexmarlError
 from flexmarl.security import TransportSecurity, open_channel
 from flexmarl.server import GrpcServer
+from flexmarl.store_client import await_client_stream
 from flexmarl.v1 import store_pb2, store_pb2_grpc
 
 TOKEN = "s3cret-token"
@@ -30,16 +32,18 @@ async def _codes(client: TransportSecurity) -> dict[str, grpc.StatusCode]:
             async def puts() -> AsyncIterator[store_pb2.PutBlobRequest]:
                 yield store_pb2.PutBlobRequest(chunk=b"x")
 
+            # The client stream through the SDK's await_client_stream, as every StoreClient put: grpcio's asyncio
+            # client can lose the server's status of a client-streaming call it ends early (grpc/grpc#36066).
             calls = {
                 "unary": lambda: stub.GetStats(store_pb2.GetStatsRequest(), timeout=5),
-                "stream_unary": lambda: stub.PutBlob(puts(), timeout=5),
+                "stream_unary": lambda: await_client_stream(stub.PutBlob(puts(), timeout=5)),
             }
             for name, call in calls.items():
                 try:
                     await call()
                     codes[name] = grpc.StatusCode.OK
-                except grpc.aio.AioRpcError as exc:
-                    codes[name] = exc.code()
+                except (grpc.aio.AioRpcError, FlexmarlError) as exc:
+                    codes[name] = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc.code
             try:
                 async for _ in stub.ReadExperiences(store_pb2.ReadExperiencesRequest(), timeout=5):
                     pass
