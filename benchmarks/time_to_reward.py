@@ -492,12 +492,14 @@ def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardR
     return runs
 
 
+#: the columns that name a run, first in both tables
+_RUN_COLUMNS = (Column("workload", 10, "<"), Column("config", 21, "<"), Column("seed", 4))
+
+
 def table(runs: Sequence[RewardRun]) -> str:
     """The per-run table."""
     columns = [
-        Column("workload", 10, "<"),
-        Column("config", 21, "<"),
-        Column("seed", 4),
+        *_RUN_COLUMNS,
         Column("state", 9, "<"),
         Column("steps", 5),
         Column("target", 6, fmt=".3f"),
@@ -566,9 +568,7 @@ def table(runs: Sequence[RewardRun]) -> str:
 def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     """The held-out reading's table (runs with evaluation rounds)."""
     columns = [
-        Column("workload", 10, "<"),
-        Column("config", 21, "<"),
-        Column("seed", 4),
+        *_RUN_COLUMNS,
         Column("metric", 11, "<"),
         Column("rounds", 6),
         Column("first", 6, fmt=".3f"),
