@@ -589,9 +589,10 @@ def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     lines = render_table(columns, rows)
     lines.append(
         "held-out evaluation (--eval-every): each round's team success or mean reward over the same held-out tasks, "
-        "played greedily, placed at the publish of the newest version that played in it; first = the round at "
-        f"version 0; target and final on the mean of {EVAL_WINDOW} rounds; version to = the team version of the "
-        "round that first reaches it; h after s0 = modelled s from step 0's commit")
+        "played greedily, placed at the publish of the newest version that played in it; first = the round opened at "
+        "version 0 (under async its tasks may play newer versions: a kept run's evaluations.json, versions_seen); "
+        f"target and final on the mean of {EVAL_WINDOW} rounds; version to = the team version of the round that "
+        "first reaches it; h after s0 = modelled s from step 0's commit")
     return lines
 
 
