@@ -371,9 +371,22 @@ def run_one(
         with Client(etcd_endpoints=cluster.etcd_endpoint, timeout_s=60) as client:
             submitted_s = time.time()
             job_id = client.submit(spec)
-            deadline = time.monotonic() + args.run_timeout_s
+            # the run's own time limit starts once its warm starts are published (real SFT time, which load and
+            # a second warm start beside it can stretch ~10x); the warm starts have a limit of their own
+            warm_deadline = time.monotonic() + args.warm_start_timeout_s
+            deadline = math.inf
             info = client.status(job_id)
-            while not info.state.finished and time.monotonic() < deadline:
+            while not info.state.finished:
+                now = time.monotonic()
+                if warming(spec, info):
+                    if now >= warm_deadline:
+                        log.warning("%s: warm starts not published in %.0f s; cancelled", job_id,
+                                    args.warm_start_timeout_s)
+                        break
+                elif math.isinf(deadline):
+                    deadline = now + args.run_timeout_s
+                if now >= deadline:
+                    break
                 time.sleep(1.0)
                 info = client.status(job_id)
                 if to_save:
@@ -390,6 +403,13 @@ def run_one(
     return measure(workload, config, seed, info.state.name, history, len(spec["agents"]), profile, trace_dir,
                    submitted_s, replicas, slots, read_experiences(stored_db(run_dir)), args.mixed_versions,
                    warm_started_s(run_dir), evaluations)
+
+
+def warming(spec: dict[str, Any], info: Any) -> bool:
+    """Whether an agent of the job that warm-starts has not published its warm start yet (``info``: the job's
+    ``Client.status``; a published warm start is the agent's ``initial_weights_uri``)."""
+    warm = {agent["name"] for agent in spec["agents"] if agent.get("warm_start")}
+    return any(progress.agent in warm and not progress.initial_weights_uri for progress in info.agents)
 
 
 #: orchestratord's log line when an agent's warm start is committed (coordinator._persist)
@@ -690,7 +710,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tail-lr", type=float, default=LONG_TAIL_LR,
                         help="the long-tail agents' learning rate (benchmarks.run's 1e-4 barely moves it)")
     parser.add_argument("--time-scale", type=float, default=0.5, help="wall s per modelled s")
-    parser.add_argument("--run-timeout-s", type=float, default=3600.0)
+    parser.add_argument("--run-timeout-s", type=float, default=3600.0,
+                        help="a run's limit, from the publish of its warm starts (from the submit without any)")
+    parser.add_argument("--warm-start-timeout-s", type=float, default=3600.0,
+                        help="the limit on a run's warm starts (real SFT time)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--stem", default="time_to_reward")
     parser.add_argument("--mixed-versions", choices=MIXED_RULES, default="newest",

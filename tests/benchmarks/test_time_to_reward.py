@@ -361,3 +361,23 @@ def test_the_clock_starts_after_a_warm_start_not_at_the_engines_start_up_probe(t
     rr.set_targets([after], {"arithmetic": 0.9})
     assert after.after_step0("step") == pytest.approx(before.after_step0("step")) == pytest.approx(
         12.0 / TIME_SCALE)  # the speedups' figure never depended on where the clock starts
+
+
+class _Agent:
+    def __init__(self, agent: str, initial_weights_uri: str = "") -> None:
+        self.agent, self.initial_weights_uri = agent, initial_weights_uri
+
+
+def test_a_runs_time_limit_waits_for_its_warm_starts(tmp_path: Path) -> None:
+    # The limit of a run (--run-timeout-s) starts once every warm start is published: an arithmetic run whose
+    # SFT ran slow beside another was cancelled with 0 steps when it counted them (2026-12-07).
+    job = ttr.example_job(ttr.WORKLOADS["arithmetic"], "sync", 0, 3, tmp_path)
+    status = _Info(_Agent("solver", "file:///v0-solver"), _Agent("verifier"))
+    assert ttr.warming(job, status)
+    assert not ttr.warming(job, _Info(_Agent("solver", "file:///a"), _Agent("verifier", "file:///b")))
+    # an agent started from a cached warm start (no warm_start left) or a job without any never waits
+    cached, _ = ttr.use_warm_starts(job, None)
+    for agent in cached["agents"]:
+        agent.pop("warm_start")
+    assert not ttr.warming(cached, status)
+    assert not ttr.warming(ttr.long_tail_job("sync", 0, 3, 128.0, tmp_path), _Info(_Agent("planner")))
