@@ -68,7 +68,7 @@ def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, in
                                  f"version {newest}, never published")
             times.append(published_s[(agent.agent, newest)])
         value = float(getattr(record.team, metric))
-        recent = [p.value for p in points[-(WINDOW - 1):]] + [value] if WINDOW > 1 else [value]
+        recent = [p.value for p in points[-(WINDOW - 1):]] + [value]
         window = statistics.fmean(recent) if len(recent) == WINDOW else math.nan
         points.append(EvalPoint(max(times, default=0.0), record.version, value, window, record.team.episodes))
     return points
