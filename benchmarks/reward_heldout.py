@@ -16,6 +16,14 @@ that reading, beside the per-step and per-version readings of the training rewar
   greedy, so a round has no sampling noise, but one version can still spike on its weights' fluctuation, as the
   training reward's per-version reading showed on arithmetic;
 * on-demand rounds (``flexmarl eval``: the asker's versions, not the run's) are left out.
+
+Under async a periodic round can take several versions to play (the share rule hands out one eval task at a time
+while training tasks wait), so its point mixes versions and sits at the newest one's publish. ``--eval-after K``
+reads the run on **pinned** rounds instead: the job keeps every K-th version (``checkpoint.keep_every``), and once
+it has succeeded :func:`evaluate_kept_versions` opens one on-demand round per kept team version v with every agent
+pinned to its version v (``RolloutTask.pinned``: exactly those weights), at full width (no training task left to
+share with). Each point then measures one team version, placed at the publish of the last agent's version v, and
+the rounds cost the run's training nothing. ``eval_curve(..., pinned=True)`` reads those rounds (and only those).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from flexmarl.evaluation import EvalRecord
 
@@ -45,23 +53,29 @@ class EvalPoint:
 
 
 def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, int], float],
-               metric: str) -> list[EvalPoint]:
-    """The run's periodic rounds in version order, each at its newest version's publish.
+               metric: str, pinned: bool = False) -> list[EvalPoint]:
+    """The run's rounds in version order, each at its newest version's publish.
 
     Args:
-        records: the job's evaluation records (``Client.evaluations``); on-demand rounds are skipped.
+        records: the job's evaluation records (``Client.evaluations``).
         published_s: (agent, version) -> modelled s the version was published (``reward_versions.published_times``).
         metric: one of ``METRICS``.
+        pinned: read the on-demand rounds :func:`evaluate_kept_versions` opened (every agent at the same version)
+            instead of the periodic ones; the other kind is skipped.
 
     Raises:
-        ValueError: an unknown metric, or a round that names a version with no publish time.
+        ValueError: an unknown metric, a round that names a version with no publish time, or a pinned round whose
+            agents were asked different versions or played any other version than the one asked.
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     points: list[EvalPoint] = []
-    for record in sorted((r for r in records if not r.on_demand), key=lambda r: r.version):
+    for record in sorted((r for r in records if r.on_demand == pinned), key=lambda r: r.version):
         times = []
         for agent in record.agents:
+            if pinned and (agent.version != record.version or set(agent.versions_seen) - {agent.version}):
+                raise ValueError(f"round {record.round_id}: agent {agent.agent!r} asked version {agent.version}, "
+                                 f"played {list(agent.versions_seen)}: not the team version {record.version} pinned")
             newest = max((agent.version, *agent.versions_seen))
             if (agent.agent, newest) not in published_s:
                 raise ValueError(f"round {record.round_id or record.version}: agent {agent.agent!r} played "
@@ -77,3 +91,40 @@ def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, in
 def records_from_json(data: Sequence[Mapping[str, Any]]) -> list[EvalRecord]:
     """Evaluation records as a kept run wrote them (``EvalRecord.as_dict`` each)."""
     return [EvalRecord.from_dict(item) for item in data]
+
+
+class _EvalClient(Protocol):
+    """What :func:`evaluate_kept_versions` needs of ``flexmarl.client.Client``."""
+
+    def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str: ...
+
+    def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord: ...
+
+
+def kept_team_versions(history: Sequence[Any], every: int) -> list[int]:
+    """The team versions a run keeps for pinned rounds: 0, every multiple of ``every`` up to the team's final
+    version (the lowest over the agents' last commits), and that final version.
+
+    ``history``: the job's step records (``Client.history``: ``agent``, ``version``).
+    """
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    last: dict[str, int] = {}
+    for record in history:
+        last[record.agent] = max(last.get(record.agent, 0), int(record.version))
+    final = min(last.values(), default=0)
+    return sorted({*range(0, final + 1, every), final})
+
+
+def evaluate_kept_versions(client: _EvalClient, job_id: str, agents: Sequence[str], versions: Sequence[int],
+                           tasks: int, timeout_s: float) -> list[EvalRecord]:
+    """One pinned on-demand round per team version, one after the other (orchestratord runs one at a time).
+
+    Every agent is asked its own version v (``flexmarl eval --agent-versions a=v,b=v``): the checkpoint policy must
+    keep it (``checkpoint.keep_every``), or orchestratord refuses the round.
+    """
+    records = []
+    for version in versions:
+        round_id = client.evaluate(job_id, {agent: version for agent in agents}, tasks)
+        records.append(client.wait_evaluation(job_id, round_id, timeout_s))
+    return records

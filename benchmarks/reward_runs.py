@@ -92,6 +92,7 @@ class RewardRun:
     eval_curve: list[EvalPoint] = dataclasses.field(default_factory=list)
     eval_metric: str = ""
     eval_target: float = float("nan")
+    eval_pinned: bool = False  # the rounds are --eval-after's, each at one team version, not periodic ones
 
     @property
     def overrun_share(self) -> float:

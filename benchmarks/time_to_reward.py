@@ -65,7 +65,10 @@ section (a round of ``--eval-tasks`` held-out tasks, greedy, at version 0 and ev
 run beside training and their generation is charged modelled device time like any other), and each round's
 team success (signaling, arithmetic) or mean reward (long-tail, whose reward is graded) is placed at the publish
 of the newest version that played in it; target 0.9 on signaling, else the same seed's sync final - 0.02, on the
-mean of the last two rounds. Its table and verdicts follow the other two.
+mean of the last two rounds. Its table and verdicts follow the other two. ``--eval-after K`` reads the same
+reading on **pinned** rounds instead: the job keeps every K-th version, and once it has succeeded one on-demand round
+per kept team version plays every agent at exactly that version, at full width after training (so, unlike a periodic
+round under async, each point is one version, and the rounds cost the run's modelled time nothing).
 
 The runs' figures, the readings, targets, speedups and verdicts are ``benchmarks.reward_runs``'s; this
 module runs or reanalyses the jobs and reports them. Writes
@@ -105,7 +108,12 @@ from benchmarks.bound import AgentStepWork, device_work_bound  # noqa: E402
 from benchmarks.machine import OVERRUN_LIMIT  # noqa: E402
 from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.reward_heldout import WINDOW as EVAL_WINDOW  # noqa: E402
-from benchmarks.reward_heldout import eval_curve, records_from_json  # noqa: E402
+from benchmarks.reward_heldout import (  # noqa: E402
+    eval_curve,
+    evaluate_kept_versions,
+    kept_team_versions,
+    records_from_json,
+)
 from benchmarks.reward_runs import (  # noqa: E402
     READINGS,
     WINDOW,
@@ -337,6 +345,14 @@ def with_evaluation(spec: dict[str, Any], every_versions: int, tasks: int) -> di
                                    "sampling": "greedy", "before_training": True}}
 
 
+def with_kept_versions(spec: dict[str, Any], every_versions: int) -> dict[str, Any]:
+    """The job keeping every ``every_versions``-th version's weights (``checkpoint.keep_every``), which the pinned
+    rounds of ``--eval-after`` evaluate once it has succeeded; unchanged when ``every_versions`` is 0."""
+    if every_versions <= 0:
+        return spec
+    return {**spec, "checkpoint": {**spec.get("checkpoint", {}), "keep_every": every_versions}}
+
+
 def run_one(
     workload: LearningWorkload, config: str, seed: int, args: argparse.Namespace, root: Path
 ) -> RewardRun:
@@ -358,7 +374,7 @@ def run_one(
         spec, to_save = use_warm_starts(example_job(workload, config, seed, steps, models_dir), args.warm_start_cache)
     else:
         spec = long_tail_job(config, seed, steps, args.token_scale, models_dir, args.long_tail_lr)
-    spec = with_evaluation(spec, args.eval_every, args.eval_tasks)
+    spec = with_kept_versions(with_evaluation(spec, args.eval_every, args.eval_tasks), args.eval_after)
     cluster_config = LocalClusterConfig(
         run_dir=run_dir,
         engine_replicas=replicas,
@@ -394,15 +410,24 @@ def run_one(
             if not info.state.finished:
                 client.cancel(job_id)
             history = client.history(job_id)
+            if args.eval_after and info.state.name == "SUCCEEDED":
+                versions = kept_team_versions(history, args.eval_after)
+                log.info("%s: pinned held-out rounds at team versions %s", job_id, versions)
+                evaluate_kept_versions(client, job_id, [a["name"] for a in spec["agents"]], versions,
+                                       args.eval_tasks, args.eval_round_timeout_s)
+            elif args.eval_after:
+                log.warning("%s: %s, so no pinned rounds (orchestratord evaluates a running or succeeded job only)",
+                            job_id, info.state.name)
             evaluations = client.evaluations(job_id)
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in history]))
     (run_dir / "evaluations.json").write_text(json.dumps([r.as_dict() for r in evaluations]))
     (run_dir / "run.json").write_text(json.dumps({"workload": workload.name, "config": config, "seed": seed,
                                                   "state": info.state.name, "agents": len(spec["agents"]),
-                                                  "submitted_s": submitted_s, "replicas": replicas, "slots": slots}))
+                                                  "submitted_s": submitted_s, "replicas": replicas, "slots": slots,
+                                                  "eval_pinned": bool(args.eval_after)}))
     return measure(workload, config, seed, info.state.name, history, len(spec["agents"]), profile, trace_dir,
                    submitted_s, replicas, slots, read_experiences(stored_db(run_dir)), args.mixed_versions,
-                   warm_started_s(run_dir), evaluations)
+                   warm_started_s(run_dir), evaluations, bool(args.eval_after))
 
 
 def warming(spec: dict[str, Any], info: Any) -> bool:
@@ -445,10 +470,13 @@ def measure(
     mixed_rule: str = "newest",
     not_before_s: float | None = None,
     evaluations: Sequence[EvalRecord] = (),
+    eval_pinned: bool = False,
 ) -> RewardRun:
     """One run's figures from its step records, device traces, stored's experiences and evaluation rounds.
 
-    ``not_before_s``: the clock starts at the first device work from then on (after a warm start).
+    ``not_before_s``: the clock starts at the first device work from then on (after a warm start); device work that
+    starts after the last commit (a final or pinned evaluation round) is not the run's. ``eval_pinned``: the held-out
+    reading is on the pinned rounds of ``--eval-after``, not on periodic ones.
     """
     traces = devicemodel.read_traces(trace_dir)
     device = [r for who, records in traces.items() if who.startswith(("engine-", "traind-")) for r in records]
@@ -456,6 +484,7 @@ def measure(
     t0 = min((float(r["start_s"]) for r in device if float(r["start_s"]) >= start), default=submitted_s)
     curve = reward_curve(history, agents, t0, profile.time_scale)
     end = max((r.committed_unix_ms / 1000.0 for r in history), default=t0)
+    device = [r for r in device if float(r["start_s"]) <= end]
     step0 = t0 + curve[0].modelled_s * profile.time_scale if curve else end
     agent_names = sorted({r.agent for r in history})
     published = published_times(history, t0, profile.time_scale)
@@ -488,8 +517,9 @@ def measure(
         mixed_rule=mixed_rule,
         swap_ins=sum(1 for who, records in traces.items() if who.startswith("traind-") for r in records
                      if r.get("kind") == "swap" and float(r["start_s"]) >= step0),
-        eval_curve=eval_curve(evaluations, published, workload.eval_metric),
+        eval_curve=eval_curve(evaluations, published, workload.eval_metric, eval_pinned),
         eval_metric=workload.eval_metric if evaluations else "",
+        eval_pinned=eval_pinned,
     )
 
 
@@ -508,7 +538,7 @@ def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardR
         runs.append(measure(WORKLOADS[meta["workload"]], meta["config"], meta["seed"], meta["state"], history,
                             meta["agents"], profile, run_dir / "traces", meta["submitted_s"], meta["replicas"],
                             meta["slots"], read_experiences(stored_db(run_dir)), mixed_rule,
-                            warm_started_s(run_dir), evaluations))
+                            warm_started_s(run_dir), evaluations, bool(meta.get("eval_pinned", False))))
     return runs
 
 
@@ -590,7 +620,7 @@ def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     columns = [
         *_RUN_COLUMNS,
         Column("metric", 11, "<"),
-        Column("rounds", 6),
+        Column("rounds", 8, "<"),
         Column("first", 6, fmt=".3f"),
         Column("h target", 8, fmt=".3f"),
         Column("version to", 10),
@@ -602,15 +632,18 @@ def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     rows = []
     for r in runs:
         point = first_reaching(r.eval_curve, r.eval_target)
-        rows.append([r.workload, r.config, r.seed, r.eval_metric or "-", len(r.eval_curve),
+        kind = "pinned" if r.eval_pinned else "periodic"
+        rows.append([r.workload, r.config, r.seed, r.eval_metric or "-", f"{len(r.eval_curve)} {kind}",
                      r.eval_curve[0].value if r.eval_curve else float("nan"), r.eval_target,
                      "-" if point is None else point.version, r.after_step0("heldout"), r.final("heldout"),
                      speedup(runs, r, "sync", "heldout"), speedup(runs, r, "sequential", "heldout")])
     lines = render_table(columns, rows)
     lines.append(
-        "held-out evaluation (--eval-every): each round's team success or mean reward over the same held-out tasks, "
-        "played greedily, placed at the publish of the newest version that played in it; first = the round opened at "
-        "version 0 (under async its tasks may play newer versions: a kept run's evaluations.json, versions_seen); "
+        "held-out evaluation: each round's team success or mean reward over the same held-out tasks, played greedily, "
+        "placed at the publish of the newest version that played in it; periodic rounds (--eval-every) ran beside "
+        "training, and under async a round's tasks may play newer versions than it opened at (a kept run's "
+        "evaluations.json, versions_seen); pinned rounds (--eval-after) ran after it, every agent at exactly the "
+        "round's team version; first = the round of version 0; "
         f"target and final on the mean of {EVAL_WINDOW} rounds; version to = the team version of the round that "
         "first reaches it; h after s0 = modelled s from step 0's commit")
     return lines
@@ -632,7 +665,7 @@ def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
               "version": f"per behaviour version: {WINDOW}-version mean of what each version generated, "
                          "at its publish",
               "heldout": f"held-out evaluation: {EVAL_WINDOW}-round mean, greedy, at the publish of the "
-                         "newest version played"}
+                         "newest version played" + (" (pinned rounds)" if all(r.eval_pinned for r in mine) else "")}
     for ax, by in zip(axes, readings, strict=True):
         for index, config in enumerate(dict.fromkeys(r.config for r in mine)):
             for n, r in enumerate(x for x in mine if x.config == config):
@@ -726,12 +759,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=0, metavar="K",
                         help="held-out evaluation rounds at version 0 and every K team versions, and the third "
                              "reading on them (default 0: none; the jobs as before)")
-    parser.add_argument("--eval-tasks", type=int, default=128, help="held-out tasks per round (with --eval-every)")
+    parser.add_argument("--eval-after", type=int, default=0, metavar="K",
+                        help="keep every K-th version and, once the job succeeded, evaluate version 0, each kept team "
+                             "version and the final one on pinned rounds: the third reading, one version a point "
+                             "(default 0: none)")
+    parser.add_argument("--eval-tasks", type=int, default=128,
+                        help="held-out tasks per round (with --eval-every or --eval-after)")
+    parser.add_argument("--eval-round-timeout-s", type=float, default=1800.0,
+                        help="the limit on each pinned round (--eval-after)")
     parser.add_argument("--reanalyse", type=Path, nargs="+", default=None,
                         help="run nothing: measure the runs --keep directories hold again and report them together")
     args = parser.parse_args(argv)
-    if args.eval_every < 0 or args.eval_tasks < 1:
-        parser.error("--eval-every must be >= 0 and --eval-tasks >= 1")
+    if args.eval_every < 0 or args.eval_after < 0 or args.eval_tasks < 1:
+        parser.error("--eval-every and --eval-after must be >= 0 and --eval-tasks >= 1")
+    if args.eval_every and args.eval_after:
+        parser.error("--eval-every (periodic rounds) and --eval-after (pinned rounds) are two readings: choose one")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for noisy in ("aetcd", "grpc", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -103,7 +103,7 @@ def test_the_held_out_reading_has_its_own_targets_speedups_and_verdicts() -> Non
     assert ">= 5x sooner than sequential on every seed: met (6.00x)" in line
     assert "final >= sync's - 0.02: met (0.800 vs 0.800)" in line
     table = ttr.table(runs)
-    assert "held-out evaluation (--eval-every)" in table and "4.00x" in table
+    assert "held-out evaluation: each round's" in table and "4.00x" in table and "6 periodic" in table
     # a run without rounds among runs with them: not measured; no run with rounds: no held-out line at all
     bare = run_with_rounds("flexmarl", values, 20.0)
     bare.eval_curve = []
@@ -112,7 +112,7 @@ def test_the_held_out_reading_has_its_own_targets_speedups_and_verdicts() -> Non
     for run in runs:
         run.eval_curve = []
     assert rr.verdicts(runs, "heldout") == []
-    assert "held-out evaluation (--eval-every)" not in ttr.table(runs)
+    assert "held-out evaluation:" not in ttr.table(runs)
 
 
 def test_the_benchmark_gives_a_job_its_evaluation_rounds_and_none_without_eval_every(tmp_path: Path) -> None:
@@ -127,6 +127,59 @@ def test_the_benchmark_gives_a_job_its_evaluation_rounds_and_none_without_eval_e
     assert ttr.WORKLOADS["signaling"].eval_metric == ttr.WORKLOADS["arithmetic"].eval_metric == "success"
     with pytest.raises(SystemExit):
         ttr.main(["--eval-every", "-1", "--reanalyse", str(tmp_path)])
+    # --eval-after: the job keeps every K-th version for the pinned rounds, and has no periodic ones
+    assert ttr.with_kept_versions(job, 0) is job
+    kept = parse_job_spec(ttr.with_kept_versions({**job, "checkpoint": {"keep_last": 5}}, 4))
+    assert (kept.checkpoint.keep_every, kept.checkpoint.keep_last, kept.evaluation) == (4, 5, None)
+    for bad in (["--eval-after", "-2"], ["--eval-after", "2", "--eval-every", "2"]):
+        with pytest.raises(SystemExit):
+            ttr.main([*bad, "--reanalyse", str(tmp_path)])
+
+
+def test_pinned_rounds_one_per_kept_team_version_each_read_at_that_version() -> None:
+    history = [StepRecord(agent=agent, step=v - 1, version=v, reward_mean=0.5, loss=0.0, grad_norm=0.0,
+                          step_seconds=0.0, tokens_per_s=0.0, staleness_mean=0.0, episodes=8, response_tokens=8,
+                          committed_unix_ms=0, weights_uri="")
+               for agent, last in (("a", 7), ("b", 6)) for v in range(1, last + 1)]
+    # the team's final version is the lowest agent's last (b's 6); 0 and the final always
+    assert rh.kept_team_versions(history, 2) == [0, 2, 4, 6]
+    assert rh.kept_team_versions(history, 4) == [0, 4, 6]
+    assert rh.kept_team_versions([], 3) == [0]
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        rh.kept_team_versions(history, 0)
+
+    class Asker:
+        """A client that records the rounds asked and answers each with a pinned record."""
+
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, dict[str, int], int]] = []
+
+        def evaluate(self, job_id: str, agent_versions: dict[str, int] | None = None, tasks: int = 0) -> str:
+            self.asked.append((job_id, dict(agent_versions or {}), tasks))
+            return f"d{len(self.asked) - 1}"
+
+        def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
+            _, versions, _ = self.asked[int(round_id[1:])]
+            version = min(versions.values())
+            return round_at(version, version / 10, {a: (v,) for a, v in versions.items()}, round_id=round_id)
+
+    asker = Asker()
+    records = rh.evaluate_kept_versions(asker, "job", ["a", "b"], [0, 2, 4, 6], 64, 30.0)
+    assert asker.asked == [("job", {"a": v, "b": v}, 64) for v in (0, 2, 4, 6)]
+    # a periodic round among them (the run's own) is not the pinned reading; the pinned one skips it and vice versa
+    records.append(round_at(2, 0.99, {"a": (2, 3), "b": (2,)}))
+    curve = rh.eval_curve(records, published(10.0, 7), "success", pinned=True)
+    # each point at its version's publish by the later agent (b, v * 10 s), never a newer version's
+    assert [(p.version, p.modelled_s, p.value) for p in curve] == [(0, 0.0, 0.0), (2, 20.0, 0.2), (4, 40.0, 0.4),
+                                                                    (6, 60.0, 0.6)]
+    assert [p.version for p in rh.eval_curve(records, published(10.0, 7), "success")] == [2]
+    # a pinned round that played another version, or asked agents different versions, is not one team version
+    played_newer = round_at(4, 0.5, {"a": (4, 5), "b": (4,)}, round_id="d9")
+    asked_apart = dataclasses.replace(played_newer, agents=(
+        EvalAgentScores("a", 5, (5,), scores(0.5)), EvalAgentScores("b", 4, (4,), scores(0.5))))
+    for record, asked in ((played_newer, 4), (asked_apart, 5)):
+        with pytest.raises(ValueError, match=f"round d9: agent 'a' asked version {asked}, played"):
+            rh.eval_curve([record], published(10.0, 7), "success", pinned=True)
 
 
 def test_a_kept_runs_rounds_are_read_again(tmp_path: Path) -> None:
@@ -140,13 +193,15 @@ def test_a_kept_runs_rounds_are_read_again(tmp_path: Path) -> None:
                           committed_unix_ms=int((1000.0 + 2.0 * (step + 1) - lag) * 1000), weights_uri="")
                for step in range(7) for agent, lag in (("a", 0.5), ("b", 0.0))]
     (run_dir / "history.json").write_text(json.dumps([dataclasses.asdict(r) for r in records]))
-    (run_dir / "traces" / "engine-1.jsonl").write_text(json.dumps(
-        {"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0}) + "\n")
+    # the second record is a pinned round's generation after the last commit (1014 s): not the run's time
+    (run_dir / "traces" / "engine-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "generate", "start_s": 1000.0, "end_s": 1001.0, "modelled_s": 2.0, "overrun_s": 0.0},
+        {"kind": "generate", "start_s": 1020.0, "end_s": 1030.0, "modelled_s": 2.0, "overrun_s": 9.0})))
     (run_dir / "run.json").write_text(json.dumps({"workload": "signaling", "config": "sync", "seed": 0,
                                                   "state": "SUCCEEDED", "agents": 2, "submitted_s": 990.0,
                                                   "replicas": 2, "slots": 2}))
     [before] = ttr.reanalyse([tmp_path])  # a run kept before the held-out reading: none
-    assert before.eval_curve == [] and before.eval_metric == ""
+    assert before.eval_curve == [] and before.eval_metric == "" and before.overrun_s == 0.0
     rounds = [round_at(0, 0.25), round_at(2, 0.85), round_at(4, 1.0), round_at(6, 1.0)]
     (run_dir / "evaluations.json").write_text(json.dumps([r.as_dict() for r in rounds]))
     [run] = ttr.reanalyse([tmp_path])
@@ -159,3 +214,12 @@ def test_a_kept_runs_rounds_are_read_again(tmp_path: Path) -> None:
     [row] = json.loads((out / "kept.json").read_text())["runs"]
     assert [p["version"] for p in row["eval_curve"]] == [0, 2, 4, 6] and row["eval_final"] == 1.0
     assert (out / "kept-signaling.png").stat().st_size > 0
+    # kept by --eval-after: the pinned rounds are the reading, the periodic ones are not
+    pinned = [round_at(v, s, round_id=f"d{i}") for i, (v, s) in enumerate(((0, 0.5), (2, 0.95), (4, 0.95)))]
+    (run_dir / "evaluations.json").write_text(json.dumps([r.as_dict() for r in rounds + pinned]))
+    meta = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**meta, "eval_pinned": True}))
+    [run] = ttr.reanalyse([tmp_path])
+    rr.set_targets([run], {"signaling": 0.9})
+    assert run.eval_pinned and [(p.version, p.value) for p in run.eval_curve] == [(0, 0.5), (2, 0.95), (4, 0.95)]
+    assert run.time_to("heldout") == pytest.approx(16.0) and "3 pinned" in ttr.table([run])
