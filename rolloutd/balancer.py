@@ -659,19 +659,22 @@ class HierarchicalBalancer:
             not self._rebalance_urgent and now_s - self._last_rebalance_s < config.rebalance_interval_s)
 
     def maybe_rebalance(self, now_s: float) -> list[ReplicaMove]:
-        """Re-evaluates the assignment if the interval passed (or a group is starved)."""
+        """Re-evaluates the assignment if the interval passed or a group is starved (static: only the latter)."""
         if not self._config.rebalance_enabled:
-            return []
+            return self.rebalance(now_s) if self._rebalance_urgent and self._waiting_groups else []
         if not self._rebalance_urgent and now_s - self._last_rebalance_s < self._config.rebalance_interval_s:
             return []
         return self.rebalance(now_s)
 
     def rebalance(self, now_s: float) -> list[ReplicaMove]:
-        """Decides replica moves now; moved replicas start draining (see ReplicaPhase)."""
+        """Decides replica moves now; moved replicas start draining (see ReplicaPhase).
+
+        First every group with demand and no replica takes one from the group that loses least (never a group's
+        last replica while that group has demand); then, unless ``rebalance_enabled`` is False (static), the moves
+        that cut the largest drain time.
+        """
         self._last_rebalance_s = now_s
         self._rebalance_urgent = False
-        if not self._config.rebalance_enabled:
-            return []
         demand = self.model_demand_tokens()
         moves: list[ReplicaMove] = []
         self._donor_memo = {}
@@ -681,6 +684,8 @@ class HierarchicalBalancer:
                     donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
                     if donor is not None:
                         moves.append(self._move(donor, model_key, now_s))
+            if not self._config.rebalance_enabled:
+                return moves
             return moves + self._improving_plan(demand, now_s)
         finally:
             self._donor_memo = None

@@ -33,7 +33,10 @@ class BalancerConfig:
         balance_abs_threshold_tokens: intra-agent imbalance needs max - min load above this.
         balance_rel_threshold: intra-agent imbalance also needs max > this × min load.
         routing: intra-agent policy.
-        rebalance_enabled: False keeps the initial replica assignment forever (static).
+        rebalance_enabled: False keeps the initial replica assignment (static), except that a group with
+            queued requests and no replica takes one from a group without demand: a static share that gave
+            a group nothing (more groups than replicas, e.g. a pinned evaluation round's keys beside the
+            jobs') would otherwise leave its requests waiting forever.
         rebalance_interval_s: minimum time between inter-agent re-evaluations.
         reassignment_cost_s: estimated time of one weight load on a replica (while ``measured_rates``,
             the prior: the caller's measured loads replace it, :meth:`HierarchicalBalancer.set_reassignment_cost_s`).

@@ -192,6 +192,34 @@ def test_starved_group_gets_a_replica_regardless_of_hysteresis() -> None:
     assert placed[0].replica_id == pending.replica_id
 
 
+def test_static_keeps_its_shares_but_never_leaves_a_group_with_queued_requests_and_no_replica() -> None:
+    """rollout.balancing static (rebalance off): more groups than replicas, as when a pinned evaluation round's keys
+    join the job's, left the groups dealt nothing waiting forever (rolloutd's next rebuild, which would free a
+    replica, waits for those very requests to drain). The starved group takes a replica from a group without demand;
+    nothing else moves, and a group with demand keeps its last replica."""
+    b = make({"r0": "a", "r1": "b"}, {"a": "a", "b": "b", "c": "c"}, rebalance_enabled=False,
+             reassignment_cost_s=0.0)
+    b.set_demand_hint("a", 1_000_000)  # demand alone moves nothing under static shares
+    b.set_demand_hint("b", 0)
+    assert b.maybe_rebalance(0.0) == [] and b.rebalance(0.0) == []
+    busy = b.submit("a", 50)
+    waiting = b.submit("c", 5)
+    assert waiting.replica_id is None and b.starved_agents() == {"c"} and not b.settled(1.0)
+    (move,) = b.maybe_rebalance(1.0)
+    assert (move.replica_id, move.from_model_key, move.to_model_key) == ("r1", "b", "c")  # a has demand: it keeps r0
+    (pending,) = b.replicas_awaiting_load()
+    b.begin_load(pending.replica_id)
+    b.complete_load(pending.replica_id)
+    assert [(t.request_id, t.replica_id) for t in b.place_queued()] == [(waiting.request_id, "r1")]
+    # b now has queued requests and no replica, and every group has demand: no donor, nothing moves
+    stuck = b.submit("b", 5)
+    assert stuck.replica_id is None and b.maybe_rebalance(2.0) == [] and b.replica_counts() == {"a": 1, "b": 0, "c": 1}
+    b.finish(waiting.request_id)
+    b.set_demand_hint("c", 0)
+    (back,) = b.rebalance(3.0)  # c's demand is gone: b takes its replica
+    assert (back.replica_id, back.to_model_key) == ("r1", "b") and busy.replica_id == "r0"
+
+
 def test_shared_base_model_agents_share_replicas() -> None:
     b = make({"r0": "base", "r1": "other"}, {"a": "base", "b": "base", "c": "other"})
     assert b.submit("a", 5).replica_id == "r0"

@@ -461,7 +461,10 @@ class RolloutSpec(_SpecModel):
     ``hierarchical``: replicas follow each agent's demand and requests go to the
     least-loaded replica of their agent (FlexMARL); ``static``: each agent keeps
     its initial equal share of replicas, least-loaded routing within it;
-    ``round-robin``: equal shares and load-oblivious round-robin routing.
+    ``round-robin``: equal shares and load-oblivious round-robin routing. With
+    more agents than replicas (a second job, or an on-demand evaluation round's
+    agents beside the job's) an agent dealt no replica takes one from an agent
+    without demand once its requests wait, under every policy.
     Defaults to ``static`` in ``pipeline.mode: static``, else ``hierarchical``.
     """
 
