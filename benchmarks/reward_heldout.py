@@ -20,7 +20,7 @@ that reading, beside the per-step and per-version readings of the training rewar
 Under async a periodic round can take several versions to play (the share rule hands out one eval task at a time
 while training tasks wait), so its point mixes versions and sits at the newest one's publish. ``--eval-after K``
 reads the run on **pinned** rounds instead: the job keeps every K-th version (``checkpoint.keep_every``), and once
-it has succeeded :func:`evaluate_kept_versions` opens one on-demand round per kept team version v with every agent
+it has succeeded ``Client.evaluate_versions`` opens one on-demand round per kept team version v with every agent
 pinned to its version v (``RolloutTask.pinned``: exactly those weights), at full width (no training task left to
 share with). Each point then measures one team version, placed at the publish of the last agent's version v, and
 the rounds cost the run's training nothing. ``eval_curve(..., pinned=True)`` reads those rounds (and only those).
@@ -32,7 +32,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from flexmarl.evaluation import EvalRecord
 
@@ -60,7 +60,7 @@ def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, in
         records: the job's evaluation records (``Client.evaluations``).
         published_s: (agent, version) -> modelled s the version was published (``reward_versions.published_times``).
         metric: one of ``METRICS``.
-        pinned: read the on-demand rounds :func:`evaluate_kept_versions` opened (every agent at the same version)
+        pinned: read the on-demand rounds ``Client.evaluate_versions`` opened (every agent at the same version)
             instead of the periodic ones; the other kind is skipped.
 
     Raises:
@@ -93,17 +93,9 @@ def records_from_json(data: Sequence[Mapping[str, Any]]) -> list[EvalRecord]:
     return [EvalRecord.from_dict(item) for item in data]
 
 
-class _EvalClient(Protocol):
-    """What :func:`evaluate_kept_versions` needs of ``flexmarl.client.Client``."""
-
-    def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0) -> str: ...
-
-    def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord: ...
-
-
-def kept_team_versions(history: Sequence[Any], every: int) -> list[int]:
-    """The team versions a run keeps for pinned rounds: 0, every multiple of ``every`` up to the team's final
-    version (the lowest over the agents' last commits), and that final version.
+def team_versions_every(history: Sequence[Any], every: int) -> list[int]:
+    """The team versions ``--eval-after`` pins a round to: 0, every multiple of ``every`` up to the team's final
+    version (the lowest over the agents' last commits), and that final version (all kept: ``keep_every``).
 
     ``history``: the job's step records (``Client.history``: ``agent``, ``version``).
     """
@@ -114,17 +106,3 @@ def kept_team_versions(history: Sequence[Any], every: int) -> list[int]:
         last[record.agent] = max(last.get(record.agent, 0), int(record.version))
     final = min(last.values(), default=0)
     return sorted({*range(0, final + 1, every), final})
-
-
-def evaluate_kept_versions(client: _EvalClient, job_id: str, agents: Sequence[str], versions: Sequence[int],
-                           tasks: int, timeout_s: float) -> list[EvalRecord]:
-    """One pinned on-demand round per team version, one after the other (orchestratord runs one at a time).
-
-    Every agent is asked its own version v (``flexmarl eval --agent-versions a=v,b=v``): the checkpoint policy must
-    keep it (``checkpoint.keep_every``), or orchestratord refuses the round.
-    """
-    records = []
-    for version in versions:
-        round_id = client.evaluate(job_id, {agent: version for agent in agents}, tasks)
-        records.append(client.wait_evaluation(job_id, round_id, timeout_s))
-    return records

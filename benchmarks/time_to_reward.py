@@ -110,9 +110,8 @@ from benchmarks.report import Column, render_table  # noqa: E402
 from benchmarks.reward_heldout import WINDOW as EVAL_WINDOW  # noqa: E402
 from benchmarks.reward_heldout import (  # noqa: E402
     eval_curve,
-    evaluate_kept_versions,
-    kept_team_versions,
     records_from_json,
+    team_versions_every,
 )
 from benchmarks.reward_runs import (  # noqa: E402
     READINGS,
@@ -411,10 +410,9 @@ def run_one(
                 client.cancel(job_id)
             history = client.history(job_id)
             if args.eval_after and info.state.name == "SUCCEEDED":
-                versions = kept_team_versions(history, args.eval_after)
+                versions = team_versions_every(history, args.eval_after)
                 log.info("%s: pinned held-out rounds at team versions %s", job_id, versions)
-                evaluate_kept_versions(client, job_id, [a["name"] for a in spec["agents"]], versions,
-                                       args.eval_tasks, args.eval_round_timeout_s)
+                client.evaluate_versions(job_id, versions, args.eval_tasks, timeout_s=args.eval_round_timeout_s)
             elif args.eval_after:
                 log.warning("%s: %s, so no pinned rounds (orchestratord evaluates a running or succeeded job only)",
                             job_id, info.state.name)

@@ -142,30 +142,14 @@ def test_pinned_rounds_one_per_kept_team_version_each_read_at_that_version() -> 
                           committed_unix_ms=0, weights_uri="")
                for agent, last in (("a", 7), ("b", 6)) for v in range(1, last + 1)]
     # the team's final version is the lowest agent's last (b's 6); 0 and the final always
-    assert rh.kept_team_versions(history, 2) == [0, 2, 4, 6]
-    assert rh.kept_team_versions(history, 4) == [0, 4, 6]
-    assert rh.kept_team_versions([], 3) == [0]
+    assert rh.team_versions_every(history, 2) == [0, 2, 4, 6]
+    assert rh.team_versions_every(history, 4) == [0, 4, 6]
+    assert rh.team_versions_every([], 3) == [0]
     with pytest.raises(ValueError, match="every must be >= 1"):
-        rh.kept_team_versions(history, 0)
+        rh.team_versions_every(history, 0)
 
-    class Asker:
-        """A client that records the rounds asked and answers each with a pinned record."""
-
-        def __init__(self) -> None:
-            self.asked: list[tuple[str, dict[str, int], int]] = []
-
-        def evaluate(self, job_id: str, agent_versions: dict[str, int] | None = None, tasks: int = 0) -> str:
-            self.asked.append((job_id, dict(agent_versions or {}), tasks))
-            return f"d{len(self.asked) - 1}"
-
-        def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
-            _, versions, _ = self.asked[int(round_id[1:])]
-            version = min(versions.values())
-            return round_at(version, version / 10, {a: (v,) for a, v in versions.items()}, round_id=round_id)
-
-    asker = Asker()
-    records = rh.evaluate_kept_versions(asker, "job", ["a", "b"], [0, 2, 4, 6], 64, 30.0)
-    assert asker.asked == [("job", {"a": v, "b": v}, 64) for v in (0, 2, 4, 6)]
+    # Client.evaluate_versions' records: every agent asked and played the round's version
+    records = [round_at(v, v / 10, round_id=f"d{i}") for i, v in enumerate((0, 2, 4, 6))]
     # a periodic round among them (the run's own) is not the pinned reading; the pinned one skips it and vice versa
     records.append(round_at(2, 0.99, {"a": (2, 3), "b": (2,)}))
     curve = rh.eval_curve(records, published(10.0, 7), "success", pinned=True)

@@ -20,6 +20,15 @@ def test_eval_refuses_both_version_flags_before_reaching_a_cluster() -> None:
     assert code == cli.EXIT_USAGE and "--version or --agent-versions" in err.getvalue()
     with contextlib.redirect_stderr(io.StringIO()):
         assert cli.main(["eval", "job-1", "--tasks", "-1", "--etcd", "127.0.0.1:1"]) == cli.EXIT_USAGE
+    # --versions (a curve of pinned rounds) excludes the one-round flags and takes 'kept' or version numbers
+    for bad, said in ((["--versions", "0,2", "--version", "1"], "--versions, or --version"),
+                      (["--versions", "0,2", "--agent-versions", "a=1"], "--versions, or --version"),
+                      (["--versions", "0,two"], "expected 'kept' or versions like 0,4,8, got '0,two'"),
+                      (["--versions", "kept,4"], "expected 'kept' or versions")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert cli.main(["eval", "job-1", *bad, "--etcd", "127.0.0.1:1"]) == cli.EXIT_USAGE
+        assert said in err.getvalue()
 
 
 def test_eval_rows_list_each_agent_then_the_team_periodic_rounds_first() -> None:

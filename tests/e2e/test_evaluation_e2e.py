@@ -92,6 +92,16 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
         0.0, 0.0, 0.5)
     assert [a.versions_seen for a in record.agents] == [(2,), (2,)]
     assert [r.round_id for r in e2e.client.evaluations(job_id) if r.on_demand] == ["d1", "d2"]
+    # A curve of pinned rounds over the kept versions (keep_last 3 of 2 steps: all of them), through the CLI
+    assert e2e.client.kept_team_versions(job_id) == [0, 1, 2]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(["eval", job_id, "--versions", "kept", "--tasks", "1", "--csv", "--timeout", "120",
+                         "--etcd", e2e.cluster.etcd_endpoint, "--etcd-prefix", e2e.prefix]) == 0
+    rows = [line.split(",") for line in out.getvalue().splitlines()[1:]]
+    # per round: sender, receiver, team; each agent asked and played exactly the round's version
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] != "team"] == [
+        (f"d{3 + v}", str(v), agent, str(v), str(v)) for v in (0, 1, 2) for agent in ("sender", "receiver")]
 
     png = tmp_path / "plot.png"
     with contextlib.redirect_stdout(io.StringIO()):

@@ -648,6 +648,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CliError(f"--tasks: must be >= 0, got {args.tasks}", EXIT_USAGE)
     if args.version is not None and args.agent_versions:
         raise CliError("give --version or --agent-versions, not both", EXIT_USAGE)
+    if args.versions:
+        return _eval_curve(args)
     with _client(args) as client:
         info = client.status(args.job_id)
         versions = _agent_versions(args, [a.agent for a in info.agents])
@@ -663,6 +665,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     # Which tasks were played: on stderr beside a CSV (which stays one table), above the table otherwise.
     print(held_out_source(record, info.spec_json), file=sys.stderr if args.csv else sys.stdout)
     return _print_evals([record], "", args.csv)
+
+
+def _eval_curve(args: argparse.Namespace) -> int:
+    """--versions: one pinned round per team version (every agent at it), one after the other, in one table."""
+    if args.version is not None or args.agent_versions:
+        raise CliError("give --versions, or --version / --agent-versions, not both", EXIT_USAGE)
+    items = [item.strip() for item in args.versions.split(",")]
+    if items != ["kept"] and not all(item.isdigit() for item in items):
+        raise CliError(f"--versions: expected 'kept' or versions like 0,4,8, got {args.versions!r}", EXIT_USAGE)
+    with _client(args) as client:
+        info = client.status(args.job_id)
+        versions = client.kept_team_versions(args.job_id) if items == ["kept"] else sorted({int(v) for v in items})
+        print(f"evaluating {args.job_id} at team versions {versions}: one pinned round each, one after the other",
+              file=sys.stderr)
+        try:  # a version not kept: FailedPrecondition, reported by main() with the policy named
+            records = client.evaluate_versions(args.job_id, versions, args.tasks, args.dataset, args.timeout)
+        except TimeoutError as exc:
+            raise CliError(str(exc)) from None
+    if records:
+        print(held_out_source(records[0], info.spec_json), file=sys.stderr if args.csv else sys.stdout)
+    return _print_evals(records, "", args.csv)
 
 
 def held_out_source(record: Any, spec_json: str) -> str:
@@ -904,10 +927,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("job_id")
     evaluate.add_argument("--version", type=int, default=None, help="every agent at this version")
     evaluate.add_argument("--agent-versions", default="", help="agent=version,... (others: their committed version)")
+    evaluate.add_argument("--versions", default="", help="a held-out curve: one round per team version, e.g. 0,4,8, "
+                          "or 'kept' (every version all agents keep)")
     evaluate.add_argument("--tasks", type=int, default=0, help="held-out tasks (0: the job's evaluation.tasks)")
     evaluate.add_argument("--dataset", default="",
                           help="held-out rows from this task file (JSONL, Parquet, save_to_disk dir) instead")
-    evaluate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the record")
+    evaluate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the record (each)")
     evaluate.add_argument("--csv", action="store_true")
     evaluate.set_defaults(func=cmd_eval)
     plot = sub.add_parser("plot", parents=[common], help="reward/throughput (and held-out) curves to PNG")

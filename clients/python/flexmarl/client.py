@@ -13,7 +13,7 @@ import json
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -476,6 +476,39 @@ class AsyncClient:
                 raise TimeoutError(f"evaluation {round_id} of job {job_id} not recorded within {timeout_s:g} s")
             await asyncio.sleep(interval_s)
 
+    async def evaluate_versions(self, job_id: str, versions: Sequence[int], tasks: int = 0, dataset: str | Path = "",
+                                timeout_s: float = 600.0) -> list[EvalRecord]:
+        """A held-out curve over kept versions: one on-demand round per team version, every agent pinned to it.
+
+        Each round asks every agent its own version ``v`` (``flexmarl eval --version v``) and is waited for before the
+        next opens (orchestratord runs one on-demand round per job at a time); ``tasks``, ``dataset`` as
+        :meth:`evaluate`, ``timeout_s`` per round. Unlike the periodic rounds of a job's ``evaluation:``, which under
+        async may play newer versions than they opened at, each record measures exactly one team version
+        (``versions_seen``). :meth:`kept_team_versions` lists the versions this can ask for.
+
+        Raises:
+            InvalidArgument / FailedPrecondition: a version not kept (orchestratord's refusal names the policy).
+            TimeoutError: a round not recorded within ``timeout_s``.
+        """
+        agents = [a.agent for a in (await self.status(job_id)).agents]
+        records = []
+        for version in versions:
+            round_id = await self.evaluate(job_id, dict.fromkeys(agents, version), tasks, dataset)
+            records.append(await self.wait_evaluation(job_id, round_id, timeout_s))
+        return records
+
+    async def kept_team_versions(self, job_id: str) -> list[int]:
+        """The versions whose weights every agent of the job still keeps, ascending.
+
+        Version 0, the latest, and what ``checkpoint.keep_last`` / ``keep_every`` retain: what
+        :meth:`evaluate_versions` can pin.
+        """
+        kept: dict[str, set[int]] = {}
+        for info in await self.versions(job_id):
+            if info.retained:
+                kept.setdefault(info.agent, set()).add(info.version)
+        return sorted(set.intersection(*kept.values())) if kept else []
+
     async def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent, with what the policy retains.
 
@@ -757,6 +790,15 @@ class Client:
     def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
         """Waits for an evaluation round's record (see AsyncClient.wait_evaluation)."""
         return self._run(self._async.wait_evaluation(job_id, round_id, timeout_s))
+
+    def evaluate_versions(self, job_id: str, versions: Sequence[int], tasks: int = 0, dataset: str | Path = "",
+                          timeout_s: float = 600.0) -> list[EvalRecord]:
+        """One pinned on-demand round per team version, one after the other (see AsyncClient.evaluate_versions)."""
+        return self._run(self._async.evaluate_versions(job_id, versions, tasks, dataset, timeout_s))
+
+    def kept_team_versions(self, job_id: str) -> list[int]:
+        """The versions every agent still keeps (see AsyncClient.kept_team_versions)."""
+        return self._run(self._async.kept_team_versions(job_id))
 
     def versions(self, job_id: str) -> list[VersionInfo]:
         """Every version of every agent, with what the checkpoint policy retains (see AsyncClient.versions)."""
