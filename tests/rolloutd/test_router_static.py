@@ -31,6 +31,12 @@ async def generate(router: RolloutRouter, key: str) -> None:
     await asyncio.wait_for(router.generate(key, [1, 2, 3], {"max_new_tokens": 4}, 1, f"{key}#0"), 20)
 
 
+async def in_flight(router: RolloutRouter, key: str) -> None:
+    """Returns once a request of key is in the router's balancer (queued or placed)."""
+    while (balancer := router.balancer()) is None or balancer.demand_tokens(key) == 0:
+        await asyncio.sleep(0.005)
+
+
 async def resolve(uri: str) -> str:
     return uri
 
@@ -38,6 +44,7 @@ async def resolve(uri: str) -> str:
 async def test_static_shares_serve_a_pinned_rounds_keys_beside_the_jobs_and_the_next_round() -> None:
     servers = [FakeSGLang() for _ in range(2)]
     for server in servers:
+        server.decode_s = 0.3  # a request stays in flight long enough for the sweep's rebuild to start beside it
         await server.start()
     replicas = [Replica(f"replica-{i}", SGLangClient(s.url, retries=1)) for i, s in enumerate(servers)]
     router = RolloutRouter(replicas, resolve, BalancerConfig(rebalance_enabled=False, reassignment_cost_s=0.0))
@@ -54,7 +61,8 @@ async def test_static_shares_serve_a_pinned_rounds_keys_beside_the_jobs_and_the_
         # round d2 opens before d1's keys are swept; the sweep's rebuild then runs while d2's requests are queued
         await router.set_agents(JOB + round_keys("d1") + round_keys("d2"))
         first = asyncio.ensure_future(generate(router, round_keys("d2")[0]))
-        await asyncio.sleep(0)
+        await asyncio.wait_for(in_flight(router, round_keys("d2")[0]), 20)
+        assert not first.done()  # the sweep's rebuild below starts with the request in the balancer
         await asyncio.wait_for(router.set_agents(JOB + round_keys("d2")), 20)
         await first
         await generate(router, round_keys("d2")[1])
