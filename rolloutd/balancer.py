@@ -62,7 +62,6 @@ the weight loads the balancer asks for and reports them with
 from __future__ import annotations
 
 import collections
-import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -146,21 +145,10 @@ class HierarchicalBalancer:
         self._reassignment_cost_s = self._config.reassignment_cost_s
         self._agent_model: dict[str, str] = {}
         self._adapters: set[str] = set()
-        for agent in agents:
-            if agent.agent in self._agent_model:
-                raise InvalidArgument(f"agent {agent.agent!r} listed twice")
-            self._agent_model[agent.agent] = agent.model_key
-            if agent.adapter:
-                self._adapters.add(agent.agent)
-        self._model_keys: tuple[str, ...] = tuple(sorted(set(self._agent_model.values())))
-        full = {self._agent_model[a] for a in self._agent_model if a not in self._adapters}
-        mixed = sorted(full & {self._agent_model[a] for a in self._adapters})
-        if mixed:
-            raise InvalidArgument(f"model groups {mixed} hold both LoRA agents and full-model agents")
-        self._adapter_slots = dict(adapter_slots or {})
-        for key, slots in self._adapter_slots.items():
-            if slots < 1:
-                raise InvalidArgument(f"adapter_slots[{key!r}] must be >= 1, got {slots}")
+        self._adapter_slots: dict[str, int] = {}
+        self._model_keys: tuple[str, ...] = ()
+        self._queued: dict[str, collections.deque[int]] = {}
+        self._register(agents, adapter_slots or {})
         self._replicas: dict[str, ReplicaState] = {}
         for spec in replicas:
             if spec.replica_id in self._replicas:
@@ -179,7 +167,6 @@ class HierarchicalBalancer:
         self._maybe_awaiting: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
         self._detached: set[int] = set()  # in flight on a replica that was removed since
-        self._queued: dict[str, collections.deque[int]] = {key: collections.deque() for key in self._model_keys}
         self._waiting_groups: set[str] = set()  # the model groups whose queue is not empty
         self._demand_hint_tokens: dict[str, int] = {}
         self._ticket_tokens: dict[str, int] = {}  # per agent: estimated tokens of its queued and in-flight tickets
@@ -496,37 +483,10 @@ class HierarchicalBalancer:
         A group of up to :data:`SCAN_GROUP_MAX` replicas is read in one pass; a larger one from its load
         heaps (O(log group)), which every load change of its replicas then keeps (:meth:`GroupIndex.push_load`).
         """
-        index = self._groups()
-        serving = index.serving.get(model_key)
-        if not serving:
+        extremes = self._groups().extremes(model_key, self._replicas, SCAN_GROUP_MAX)
+        if extremes is None:
             return None
-        if len(serving) <= SCAN_GROUP_MAX:
-            # Cheaper than two heap entries per load change: a rolloutd's 64 replicas over its agents make
-            # groups of a few replicas. The same answer: the least loaded, first in id order on ties.
-            index.loads.pop(model_key, None)  # no heaps to keep while the group is read by a scan
-            least = serving[0]
-            low = high = least.outstanding_tokens
-            for replica in serving:
-                tokens = replica.outstanding_tokens
-                if tokens < low:
-                    least, low = replica, tokens
-                elif tokens > high:
-                    high = tokens
-        else:
-            heaps = index.loads.get(model_key)
-            if heaps is None:
-                low_heap = [(r.outstanding_tokens, r.spec.replica_id) for r in serving]
-                high_heap = [(-r.outstanding_tokens, r.spec.replica_id) for r in serving]
-                heapq.heapify(low_heap)
-                heapq.heapify(high_heap)
-                heaps = index.loads[model_key] = (low_heap, high_heap)
-            low_heap, high_heap = heaps
-            while not self._load_is_current(low_heap[0][0], low_heap[0][1], model_key):
-                heapq.heappop(low_heap)
-            while not self._load_is_current(-high_heap[0][0], high_heap[0][1], model_key):
-                heapq.heappop(high_heap)
-            least = self._replicas[low_heap[0][1]]  # least tokens, first in id order on ties
-            low, high = low_heap[0][0], -high_heap[0][0]
+        least, low, high = extremes
         if self._imbalanced(high, low):
             return least
         preferred = self._replicas.get(self._lookup_affinity(affinity_key)) if affinity_key else None
@@ -561,11 +521,6 @@ class HierarchicalBalancer:
         if not tokens > 0:
             raise InvalidArgument(f"replica {replica_id!r}: KV capacity must be > 0, got {tokens}")
         self._replica(replica_id).kv_capacity_tokens = tokens
-
-    def _load_is_current(self, tokens: int, replica_id: str, model_key: str) -> bool:
-        replica = self._replicas.get(replica_id)
-        return (replica is not None and replica.phase is ReplicaPhase.SERVING and replica.model_key == model_key
-                and replica.outstanding_tokens == tokens)
 
     def _has_adapter_slot(self, replica: ReplicaState, adapter: str | None) -> bool:
         """Whether a request with ``adapter`` may run on ``replica`` now (scheduler.py ``can_schedule_lora_req``).
@@ -639,6 +594,93 @@ class HierarchicalBalancer:
         self._affinity.forget_replica(replica_id)
         if not self._has_replica(replica.target_model_key):
             self._rebalance_urgent = True
+
+    def add_agents(self, agents: Sequence[AgentSpec], adapter_slots: Mapping[str, int] | None = None) -> None:
+        """Balances ``agents`` too, beside the others (a job or an evaluation round joined); nothing stops.
+
+        A new model group starts with no replica: its first request makes it starved, and the next
+        :meth:`rebalance` gives it one from the group that loses least, as for a group a dead
+        replica emptied. ``adapter_slots`` bounds new LoRA pools, as in the constructor.
+
+        Raises:
+            AlreadyExists: an agent is balanced here already (nothing is added then).
+            InvalidArgument: a group would hold LoRA and full-model agents, or a bound is < 1 (nothing added).
+        """
+        known = sorted(a.agent for a in agents if a.agent in self._agent_model)
+        if known:
+            raise AlreadyExists(f"agents {known} are balanced here already")
+        before = self._model_keys
+        self._register(agents, adapter_slots or {})
+        if self._model_keys != before:
+            self._groups_epoch += 1
+
+    def remove_agents(self, agents: Iterable[str], now_s: float) -> list[ReplicaMove]:
+        """Stops balancing ``agents`` (their job or round ended); the others' requests go on meanwhile.
+
+        A model group left without agents hands its replicas to the groups that stay, each to the one
+        with the fewest replicas (most demand on ties), as moves: the caller loads them
+        (:meth:`replicas_awaiting_load`). A replica already loading for such a group is handed on
+        when its load completes (:meth:`complete_load`).
+
+        Raises:
+            NotFound: an agent is not balanced here. FailedPrecondition: an agent has requests queued
+            or in flight, or none would be left while some group has replicas (nothing changes then).
+        """
+        gone = set(agents)
+        unknown = sorted(gone - self._agent_model.keys())
+        if unknown:
+            raise NotFound(f"unknown agents {unknown}")
+        busy = sorted({t.agent for t in self._tickets.values() if t.agent in gone})
+        if busy:
+            raise FailedPrecondition(f"agents {busy} have requests queued or in flight")
+        kept = {a: m for a, m in self._agent_model.items() if a not in gone}
+        if not kept and self._replicas:
+            raise FailedPrecondition("no agent would be left to serve; build a new balancer instead")
+        for agent in gone:
+            del self._agent_model[agent]
+            self._adapters.discard(agent)
+            self._demand_hint_tokens.pop(agent, None)
+        left = set(kept.values())
+        moves = []
+        for replica_id in self._replica_order:
+            replica = self._replicas[replica_id]
+            if replica.target_model_key not in left and replica.phase is not ReplicaPhase.LOADING:
+                moves.append(self._move(replica, self._home(left), now_s))
+        for key in set(self._model_keys) - left:
+            del self._queued[key]
+            self._adapter_slots.pop(key, None)
+        self._model_keys = tuple(sorted(left))
+        self._groups_epoch += 1
+        return moves
+
+    def _register(self, agents: Sequence[AgentSpec], adapter_slots: Mapping[str, int]) -> None:
+        """Adds agents and their groups after checking them all (nothing is added on an error)."""
+        model = dict(self._agent_model)
+        adapters = set(self._adapters)
+        for agent in agents:
+            if agent.agent in model:
+                raise InvalidArgument(f"agent {agent.agent!r} listed twice")
+            model[agent.agent] = agent.model_key
+            if agent.adapter:
+                adapters.add(agent.agent)
+        full = {model[a] for a in model if a not in adapters}
+        mixed = sorted(full & {model[a] for a in adapters})
+        if mixed:
+            raise InvalidArgument(f"model groups {mixed} hold both LoRA agents and full-model agents")
+        for key, slots in adapter_slots.items():
+            if slots < 1:
+                raise InvalidArgument(f"adapter_slots[{key!r}] must be >= 1, got {slots}")
+        self._agent_model, self._adapters = model, adapters
+        self._adapter_slots.update(adapter_slots)
+        self._model_keys = tuple(sorted(set(model.values())))
+        for key in self._model_keys:
+            self._queued.setdefault(key, collections.deque())
+
+    def _home(self, groups: Iterable[str]) -> str:
+        """The group among ``groups`` a replica without one joins: the fewest replicas, then the most demand."""
+        counts = self._groups().counts
+        demand = self.model_demand_tokens()
+        return min(groups, key=lambda k: (counts.get(k, 0), -demand.get(k, 0), k))
 
     # ------------------------------------------------------- inter-agent
     def settled(self, now_s: float) -> bool:
@@ -915,31 +957,17 @@ class HierarchicalBalancer:
         index.serve(replica)
         index.epoch = self._groups_epoch
         self._affinity.forget_replica(replica_id)  # its KV cache is gone with the old weights
+        if replica.model_key not in self._queued and self._model_keys:  # its group left while it loaded
+            self._move(replica, self._home(self._model_keys), replica.last_move_s)
 
     # ------------------------------------------------------------ helpers
     def _groups(self) -> GroupIndex:
         """Per model group: serving replicas (id order), replica counts and rates (of targets), up to date."""
         cache = self._groups_cache
-        if cache is not None and cache.epoch == self._groups_epoch:
-            return cache
-        counts = dict.fromkeys(self._model_keys, 0)
-        rates = dict.fromkeys(self._model_keys, 0.0)
-        serving: dict[str, list[ReplicaState]] = {}
-        targets: dict[str, list[ReplicaState]] = {}
-        incoming: dict[str, float] = {}
-        for replica_id in self._replica_order:
-            replica = self._replicas[replica_id]
-            target = replica.target_model_key
-            targets.setdefault(target, []).append(replica)
-            if target in counts:
-                counts[target] += 1
-                rates[target] += replica.tokens_per_s
-            if target != replica.model_key:
-                incoming[target] = incoming.get(target, 0) + replica.tokens_per_s
-            if replica.phase is ReplicaPhase.SERVING:
-                serving.setdefault(replica.model_key, []).append(replica)
-        self._groups_cache = GroupIndex(self._groups_epoch, counts, rates, serving, targets, incoming)
-        return self._groups_cache
+        if cache is None or cache.epoch != self._groups_epoch:
+            cache = self._groups_cache = GroupIndex.build(
+                self._groups_epoch, self._model_keys, [self._replicas[r] for r in self._replica_order])
+        return cache
 
     def _group_rates(self) -> dict[str, float]:
         return dict(self._groups().rates)

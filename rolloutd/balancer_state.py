@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import heapq
 import math
+from collections.abc import Iterable, Mapping
 
 
 class ReplicaPhase(enum.Enum):
@@ -102,6 +103,70 @@ class GroupIndex:
     # Per group, built on first use: (min-heap of (outstanding tokens, replica id), max-heap of (-tokens, id)) of
     # its SERVING replicas; an entry whose replica no longer serves the group with those tokens is stale (skipped).
     loads: dict[str, tuple[list[tuple[int, str]], list[tuple[int, str]]]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def build(cls, epoch: int, model_keys: Iterable[str], replicas: Iterable[ReplicaState]) -> GroupIndex:
+        """The index of ``replicas`` (in replica id order) over the groups ``model_keys``."""
+        counts = dict.fromkeys(model_keys, 0)
+        rates = dict.fromkeys(counts, 0.0)
+        serving: dict[str, list[ReplicaState]] = {}
+        targets: dict[str, list[ReplicaState]] = {}
+        incoming: dict[str, float] = {}
+        for replica in replicas:
+            target = replica.target_model_key
+            targets.setdefault(target, []).append(replica)
+            if target in counts:
+                counts[target] += 1
+                rates[target] += replica.tokens_per_s
+            if target != replica.model_key:
+                incoming[target] = incoming.get(target, 0) + replica.tokens_per_s
+            if replica.phase is ReplicaPhase.SERVING:
+                serving.setdefault(replica.model_key, []).append(replica)
+        return cls(epoch, counts, rates, serving, targets, incoming)
+
+    def extremes(self, model_key: str, replicas: Mapping[str, ReplicaState],
+                 scan_max: int) -> tuple[ReplicaState, int, int] | None:
+        """The group's least loaded serving replica (first in id order on ties), its load and the most loaded's.
+
+        A group of up to ``scan_max`` replicas is read in one pass; a larger one from its load heaps
+        (O(log group)), which every load change of its replicas then keeps (:meth:`push_load`). None:
+        no replica serves the group.
+        """
+        serving = self.serving.get(model_key)
+        if not serving:
+            return None
+        if len(serving) <= scan_max:
+            # Cheaper than two heap entries per load change: a rolloutd's 64 replicas over its agents make
+            # groups of a few replicas. The same answer as the heaps'.
+            self.loads.pop(model_key, None)  # no heaps to keep while the group is read by a scan
+            least = serving[0]
+            low = high = least.outstanding_tokens
+            for replica in serving:
+                tokens = replica.outstanding_tokens
+                if tokens < low:
+                    least, low = replica, tokens
+                elif tokens > high:
+                    high = tokens
+            return least, low, high
+        heaps = self.loads.get(model_key)
+        if heaps is None:
+            low_heap = [(r.outstanding_tokens, r.spec.replica_id) for r in serving]
+            high_heap = [(-r.outstanding_tokens, r.spec.replica_id) for r in serving]
+            heapq.heapify(low_heap)
+            heapq.heapify(high_heap)
+            heaps = self.loads[model_key] = (low_heap, high_heap)
+        low_heap, high_heap = heaps
+
+        def current(tokens: int, replica_id: str) -> bool:
+            replica = replicas.get(replica_id)
+            return (replica is not None and replica.phase is ReplicaPhase.SERVING and replica.model_key == model_key
+                    and replica.outstanding_tokens == tokens)
+
+        while not current(*low_heap[0]):
+            heapq.heappop(low_heap)
+        while not current(-high_heap[0][0], high_heap[0][1]):
+            heapq.heappop(high_heap)
+        return replicas[low_heap[0][1]], low_heap[0][0], -high_heap[0][0]
 
     def push_load(self, replica: ReplicaState) -> None:
         """A SERVING replica's outstanding tokens changed (or it began serving): a fresh entry in its group's heaps."""

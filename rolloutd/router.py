@@ -51,6 +51,7 @@ by its replicas over the trainer's weight-update group (:meth:`RolloutRouter.rec
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -76,7 +77,6 @@ from rolloutd.balancer import (
 )
 from rolloutd.engines.http_client import EngineBusy
 from rolloutd.engines.protocol import (
-    EngineClient,
     FinishReason,
     GenerationResult,
     PauseMode,
@@ -84,7 +84,7 @@ from rolloutd.engines.protocol import (
 )
 from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
-from rolloutd.replica_lock import ReplicaLock
+from rolloutd.replica import Replica as Replica  # re-exported: rolloutd.router.Replica is the public name
 from rolloutd.replica_rates import BalancerFeed, RateSettings
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
 
@@ -113,53 +113,6 @@ def request_seed(job_seed: int, key: str, affinity_key: str, input_ids: Sequence
     digest = hashlib.sha256(f"{job_seed}|{key}|{affinity_key}|".encode())
     digest.update(",".join(map(str, input_ids)).encode())
     return int.from_bytes(digest.digest()[:8], "little") >> 2
-
-
-@dataclasses.dataclass
-class Replica:
-    """One engine replica as the router sees it."""
-
-    replica_id: str
-    client: EngineClient
-    loaded_agent: str = ""
-    loaded_version: int = -1
-    healthy: bool = True
-    lock: ReplicaLock = dataclasses.field(default_factory=ReplicaLock)
-    # One would-be reloader at a time; the others wait here (not for the replica's readers), so
-    # requests that find the reload done go straight to generation instead of queueing behind
-    # each other's generations for the write lock.
-    reload_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
-    reloads: int = 0
-    #: Reloads that paused running generations (partial rollouts).
-    interruptions: int = 0
-    #: The LoRA adapters it holds while it serves a base's pool (made on its first adapter request).
-    lora: LoraResidency | None = None
-    #: Requests routed to it and not yet answered (a weight load they wait for included), and when it
-    #: last answered one (or, idle, when its first request came): what tells a hung engine (:meth:`hung_s`).
-    requests_in_flight: int = 0
-    last_answer_s: float = 0.0
-    #: The KV-cache tokens its engine holds (``/server_info`` ``max_total_num_tokens``): None until read,
-    #: inf where the engine does not say.
-    kv_capacity_tokens: float | None = None
-
-    @contextlib.contextmanager
-    def request(self) -> Iterator[None]:
-        """Counts one request in flight; its answer shows the replica alive (an error or a cancellation does not)."""
-        if self.requests_in_flight == 0:
-            self.last_answer_s = time.monotonic()
-        self.requests_in_flight += 1
-        answered = False
-        try:
-            yield
-            answered = True
-        finally:
-            self.requests_in_flight -= 1
-            if answered:
-                self.last_answer_s = time.monotonic()
-
-    def hung_s(self, now_s: float) -> float:
-        """Seconds it has held requests without answering any (0 when it holds none)."""
-        return now_s - self.last_answer_s if self.requests_in_flight else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +177,9 @@ class RolloutRouter:
         self._agents: tuple[str, ...] = ()
         self._placed: dict[int, asyncio.Future[Ticket]] = {}
         self._in_flight = 0
+        self._in_flight_by_key: collections.Counter[str] = collections.Counter()
+        self._membership = asyncio.Lock()  # one set_agents at a time
+        self._leaving: set[str] = set()  # agent keys set_agents is removing: no new request
         self._demand_hints: dict[str, int] = {}  # last hint per agent key (the balancer may drop one)
         self._quiet = asyncio.Condition()
         self._rebuilding = False
@@ -384,7 +340,7 @@ class RolloutRouter:
         """Which agent keys are LoRA adapters, each of its base model; call before :meth:`set_agents`.
 
         ``adapter_slots`` is the engines' ``--max-loras-per-batch`` (None: no bound here). Keys
-        not in ``bases`` are full-model agents. Takes effect at the next balancer rebuild.
+        not in ``bases`` are full-model agents. Takes effect for the agents :meth:`set_agents` adds next.
         """
         self._lora_bases = dict(bases)
         self._adapter_slots = adapter_slots
@@ -455,14 +411,52 @@ class RolloutRouter:
             self._reloaded(key, seconds)
 
     async def set_agents(self, keys: Sequence[str]) -> None:
-        """Serves exactly these agents; rebuilds the balancer after in-flight requests drain."""
+        """Serves exactly these agents (a job or an evaluation round joined or left).
+
+        Under dynamic balancing the agents that join are added to the balancer and those that leave
+        are removed once their own requests ended; every other agent's requests go on meanwhile (an
+        engine serves many models side by side in neither SGLang nor vLLM, so a replica changes
+        model only when the balancer moves it, as for any move). The first agents, the last ones
+        leaving, and static balancing (whose equal shares are of the whole set) rebuild the
+        balancer after every request in flight drained.
+        """
         wanted = tuple(sorted(set(keys)))
-        if wanted == self._agents:
-            return
+        async with self._membership:
+            if wanted == self._agents:
+                return
+            if self._balancer is None or not wanted or not self._config.rebalance_enabled:
+                await self._rebuild(wanted)
+                return
+            leaving = set(self._agents) - set(wanted)
+            joining = [k for k in wanted if k not in self._agents]
+            self._leaving |= leaving
+            try:
+                async with self._quiet:
+                    await self._quiet.wait_for(lambda: not any(self._in_flight_by_key[k] for k in leaving))
+                await self._release_adapters([r for r in self._replicas.values() if r.healthy], wanted)
+                balancer = self._balancer
+                assert balancer is not None  # only _rebuild replaces it, under the same lock
+                pools = {lora_pool_key(self._lora_bases[k]) for k in joining if k in self._lora_bases}
+                balancer.add_agents([self._agent_spec(k) for k in joining],
+                                    {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots))
+                balancer.remove_agents(leaving, time.monotonic())
+                self._agents = wanted
+                for key in leaving:
+                    self._demand_hints.pop(key, None)
+                    self._in_flight_by_key.pop(key, None)
+            finally:
+                self._leaving -= leaving
+            log.info("serving agents %s (joined %s, left %s) on %s", list(wanted), joining, sorted(leaving),
+                     balancer.replica_counts())
+            self._rebalance()
+
+    async def _rebuild(self, wanted: tuple[str, ...]) -> None:
+        """A new balancer for ``wanted``, after every request in flight drained."""
         async with self._quiet:
             self._rebuilding = True
             try:
                 await self._quiet.wait_for(lambda: self._in_flight == 0)
+                self._in_flight_by_key.clear()
                 healthy = [r for r in self._replicas.values() if r.healthy]
                 if not healthy:
                     raise Unavailable("no healthy engine replica")
@@ -475,9 +469,8 @@ class RolloutRouter:
                 specs = self._initial_assignment(healthy, groups)
                 pools = {lora_pool_key(b) for k, b in self._lora_bases.items() if k in wanted}
                 slots = {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots)
-                self._balancer = HierarchicalBalancer(
-                    specs, [AgentSpec(k, self.model_key(k), adapter=k in self._lora_bases) for k in wanted],
-                    self._config, adapter_slots=slots, estimator=self._estimator)
+                self._balancer = HierarchicalBalancer(specs, [self._agent_spec(k) for k in wanted], self._config,
+                                                      adapter_slots=slots, estimator=self._estimator)
                 if self._config.dispatch_kv_factor > 0:
                     for replica in healthy:
                         await self._set_kv_capacity(replica)
@@ -488,6 +481,9 @@ class RolloutRouter:
             finally:
                 self._rebuilding = False
                 self._quiet.notify_all()
+
+    def _agent_spec(self, key: str) -> AgentSpec:
+        return AgentSpec(key, self.model_key(key), adapter=key in self._lora_bases)
 
     async def _set_kv_capacity(self, replica: Replica) -> None:
         """Tells the balancer the replica's KV capacity (read from its engine once; unbounded if it does not say)."""
@@ -741,11 +737,12 @@ class RolloutRouter:
     ) -> Ticket:
         async with self._quiet:
             await self._quiet.wait_for(lambda: not self._rebuilding)
-            if self._balancer is None or key not in self._agents:
+            if self._balancer is None or key not in self._agents or key in self._leaving:
                 raise Unavailable(f"agent {key} is not served by this rolloutd")
             ticket = self._balancer.route(key, prompt_tokens, max_new_tokens, n, affinity_key, adapter,
                                           kv_tokens=n * (prompt_tokens + max_new_tokens))
             self._in_flight += 1
+            self._in_flight_by_key[key] += 1
         if ticket.replica_id is not None:
             return ticket
         future: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
@@ -768,9 +765,11 @@ class RolloutRouter:
         for tokens in observed:  # no balancer, or it no longer knew the request: the estimator learns them here
             self._estimator.observe(ticket.agent, tokens)
         self._in_flight -= 1
+        left = self._in_flight_by_key[ticket.agent] - 1
+        self._in_flight_by_key[ticket.agent] = left
         if not settled:
             self._rebalance()
-        if self._in_flight == 0:
+        if self._in_flight == 0 or (not left and ticket.agent in self._leaving):
             self._spawn(self._notify_quiet())
 
     async def _notify_quiet(self) -> None:
@@ -833,7 +832,7 @@ class RolloutRouter:
         balancer = self._balancer
         if balancer is not None and replica_id in {v.replica_id for v in balancer.replicas()}:
             balancer.complete_load(replica_id)
-            self._wake_placed(balancer.place_queued())
+            self._rebalance()  # places what waits, and loads it again if its group left meanwhile
 
     async def _ensure_weights(self, replica: Replica, key: str) -> None:
         wanted = self._wanted.get(key)
