@@ -701,12 +701,13 @@ class JobCoordinator:
         return rows, evals, more
 
     async def evaluate_job(self, job_id: str, versions: Mapping[str, int], tasks: int, eval_file: str = "",
-                           eval_sha256: str = "") -> str:
+                           eval_sha256: str = "", sampling: str = "", samples_per_task: int = 0) -> str:
         """Opens an on-demand evaluation round (``flexmarl eval``) on kept versions; returns its round id.
 
         ``versions``: agent -> version (an agent not named: its committed version); ``tasks`` 0: the
         job's ``evaluation.tasks``; ``eval_file``: the held-out rows come from that task file (checked by
-        rolloutd against ``eval_sha256``). An older version's weights come from its step's history record.
+        rolloutd against ``eval_sha256``); ``sampling`` / ``samples_per_task``: the round's own ("" / 0: the
+        job's ``evaluation``). An older version's weights come from its step's history record.
 
         Raises:
             NotFound: no such job.
@@ -742,7 +743,8 @@ class JobCoordinator:
                                                  f"of {agent}")
             pinned.append(AgentVersion(job_id, agent, version, uri))
         count = tasks or (job.spec.evaluation or EvaluationSpec()).tasks
-        round_id = await self.mutate(lambda: job.open_evaluation(pinned, count, eval_file, eval_sha256))
+        round_id = await self.mutate(lambda: job.open_evaluation(pinned, count, eval_file, eval_sha256, sampling,
+                                                                 samples_per_task))
         log.info("job %s: on-demand evaluation %s of %s", job_id, round_id, {v.agent: v.version for v in pinned})
         return round_id
 

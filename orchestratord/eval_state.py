@@ -60,6 +60,8 @@ class OpenEvalRound:
     on_demand: bool = False
     eval_file: str = ""
     eval_sha256: str = ""
+    #: ``greedy`` or ``policy``; "" (a round persisted before rounds carried it): the job's ``evaluation.sampling``.
+    sampling: str = ""
     #: Loaded only: the tasks that reported or were given up, by index.
     finished: tuple[EvalTaskResult, ...] = ()
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, get_args
 
 import grpc.aio
 
 from flexmarl.devices import slot_capacity_problem
 from flexmarl.errors import ErrorReason, InvalidArgument
-from flexmarl.jobspec import MAX_TASKS_PER_LEASE
+from flexmarl.jobspec import MAX_EVAL_SAMPLES_PER_TASK, MAX_TASKS_PER_LEASE, EvalSampling
 from flexmarl.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 from orchestratord import serde
 from orchestratord.coordinator import (
@@ -119,8 +119,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise InvalidArgument("eval_sha256: the file's content sha256 (64 hex digits) goes with eval_file")
         if request.eval_sha256 and not request.eval_file:
             raise InvalidArgument("eval_sha256: given without eval_file")
+        if request.sampling not in ("", *get_args(EvalSampling)):
+            raise InvalidArgument(f"sampling: one of {list(get_args(EvalSampling))} (or empty: the job's), got "
+                                  f"{request.sampling[:64]!r}")
+        if request.samples_per_task > MAX_EVAL_SAMPLES_PER_TASK:
+            raise InvalidArgument(f"samples_per_task: at most {MAX_EVAL_SAMPLES_PER_TASK} (0: the job's), "
+                                  f"got {request.samples_per_task}")
         round_id = await self._coordinator.evaluate_job(job_id, dict(request.agent_versions), request.tasks,
-                                                        request.eval_file, request.eval_sha256)
+                                                        request.eval_file, request.eval_sha256, request.sampling,
+                                                        request.samples_per_task)
         return orchestrator_pb2.EvaluateJobResponse(round_id=round_id)
 
     async def WatchAgentVersions(  # noqa: N802

@@ -37,11 +37,12 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from typing import get_args
 
 from flexmarl.errors import ErrorReason, FailedPrecondition, InvalidArgument
 from flexmarl.evaluation import EvalEpisode, aggregate
 from flexmarl.ids import EvalTaskRef, on_demand_round, periodic_round
-from flexmarl.jobspec import EvaluationSpec
+from flexmarl.jobspec import MAX_EVAL_SAMPLES_PER_TASK, EvalSampling, EvaluationSpec
 from orchestratord.eval_state import EvalRoundOpened, EvalTaskFinished, EvalTaskResult, OpenEvalRound
 from orchestratord.leases import Lease, LeaseKind, LeaseStatus
 from orchestratord.planner import warm_start
@@ -86,16 +87,19 @@ def on_version(job: JobPlan) -> None:
 
 
 def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int, eval_file: str = "",
-                   eval_sha256: str = "") -> str:
+                   eval_sha256: str = "", sampling: str = "", samples_per_task: int = 0) -> str:
     """Opens an on-demand round on exactly the ``pinned`` versions (every agent's); returns its round id.
 
     ``eval_file`` (with its content's ``eval_sha256``): the held-out tasks are that file's rows.
+    ``sampling`` (``greedy`` or ``policy``) and ``samples_per_task`` (episodes per task): the round's own,
+    whatever the job's ``evaluation`` says ("" and 0: the job's, or their defaults without the section).
 
     One at a time per job (a bound on what askers can make the planner hold).
 
     Raises:
         FailedPrecondition: the job failed or was cancelled, or an on-demand round of it is still open.
-        InvalidArgument: not one version per agent, a version the agent has not reached, or ``tasks`` < 1.
+        InvalidArgument: not one version per agent, a version the agent has not reached, ``tasks`` < 1, or
+            ``sampling`` or ``samples_per_task`` outside what ``evaluation`` accepts.
     """
     if not evaluable(job):
         raise FailedPrecondition(f"job {job.job_id!r} is {job.state.name.lower()}: nothing to evaluate")
@@ -111,26 +115,33 @@ def open_on_demand(job: JobPlan, pinned: tuple[AgentVersion, ...], tasks: int, e
             raise InvalidArgument(f"agent_versions: {version.agent} has versions 0..{latest}, not {version.version}")
     if tasks < 1:
         raise InvalidArgument(f"tasks: must be >= 1, got {tasks}")
+    if sampling not in ("", *get_args(EvalSampling)):
+        raise InvalidArgument(f"sampling: one of {list(get_args(EvalSampling))} (or empty: the job's), "
+                              f"got {sampling!r}")
+    if not 0 <= samples_per_task <= MAX_EVAL_SAMPLES_PER_TASK:
+        raise InvalidArgument(f"samples_per_task: 1..{MAX_EVAL_SAMPLES_PER_TASK} (or 0: the job's), "
+                              f"got {samples_per_task}")
     number = 1 + sum(1 for r in [*job.eval_done, *job.eval_rounds] if r.startswith("d"))
     round_id = on_demand_round(number)
     ordered = tuple(sorted(pinned, key=lambda v: job.spec.agent_names.index(v.agent)))
     _open_round(job, round_id, min(v.version for v in pinned), ordered, tasks, on_demand=True,
-                eval_file=eval_file, eval_sha256=eval_sha256)
+                eval_file=eval_file, eval_sha256=eval_sha256, sampling=sampling, samples_per_task=samples_per_task)
     return round_id
 
 
 def _open_round(job: JobPlan, round_id: str, version: int, agent_versions: tuple[AgentVersion, ...], tasks: int,
-                on_demand: bool, eval_file: str = "", eval_sha256: str = "") -> None:
+                on_demand: bool, eval_file: str = "", eval_sha256: str = "", sampling: str = "",
+                samples_per_task: int = 0) -> None:
     spec = settings(job)
     opened = OpenEvalRound(
         round_id=round_id, version=version, agent_versions=tuple((v.agent, v.version, v.weights_uri)
                                                                  for v in agent_versions),
-        tasks=tasks, samples_per_task=spec.samples_per_task, on_demand=on_demand, eval_file=eval_file,
-        eval_sha256=eval_sha256)
+        tasks=tasks, samples_per_task=samples_per_task or spec.samples_per_task, on_demand=on_demand,
+        eval_file=eval_file, eval_sha256=eval_sha256, sampling=sampling or spec.sampling)
     _new_round(job, opened)
     job.changes.append(EvalRoundOpened(job.job_id, opened))
     logger.info("job %s: evaluation round %s opened on %s (%d tasks x %d samples, %s)", job.job_id, round_id,
-                {v.agent: v.version for v in agent_versions}, tasks, spec.samples_per_task, spec.sampling)
+                {v.agent: v.version for v in agent_versions}, tasks, opened.samples_per_task, opened.sampling)
 
 
 def _new_round(job: JobPlan, opened: OpenEvalRound) -> EvalRound:
@@ -139,7 +150,8 @@ def _new_round(job: JobPlan, opened: OpenEvalRound) -> EvalRound:
         round_id=opened.round_id, version=opened.version,
         agent_versions=tuple(AgentVersion(job.job_id, a, v, w) for a, v, w in opened.agent_versions),
         tasks={str(ref): EvalTask(str(ref), ref.index) for ref in refs}, on_demand=opened.on_demand,
-        samples_per_task=opened.samples_per_task, eval_file=opened.eval_file, eval_sha256=opened.eval_sha256)
+        samples_per_task=opened.samples_per_task, eval_file=opened.eval_file, eval_sha256=opened.eval_sha256,
+        sampling=opened.sampling or settings(job).sampling)
     job.eval_rounds[opened.round_id] = round_
     return round_
 
@@ -207,7 +219,6 @@ def lease(job: JobPlan, worker_id: str, max_tasks: int, training_waiting: bool) 
 
 
 def _lease_task(job: JobPlan, round_: EvalRound, task: EvalTask, worker_id: str) -> RolloutTaskLease:
-    spec = settings(job)
     task.attempts += 1
     granted = job.leases.issue(LeaseKind.EVAL_TASK, worker_id, task.task_id, job.spec.leases.rollout_timeout_s)
     task.status = TaskStatus.LEASED
@@ -215,7 +226,7 @@ def _lease_task(job: JobPlan, round_: EvalRound, task: EvalTask, worker_id: str)
     return RolloutTaskLease(
         lease_id=granted.lease_id, job_id=job.job_id, task_id=task.task_id, task_index=task.index,
         batch_index=round_.version, group_size=round_.samples_per_task, agent_versions=round_.agent_versions,
-        deadline_s=granted.deadline_s, attempt=task.attempts, evaluation=True, greedy=spec.sampling == "greedy",
+        deadline_s=granted.deadline_s, attempt=task.attempts, evaluation=True, greedy=round_.sampling == "greedy",
         pinned=round_.on_demand, eval_file=round_.eval_file, eval_sha256=round_.eval_sha256,
     )
 
@@ -331,7 +342,7 @@ def _finish_if_done(job: JobPlan, round_: EvalRound) -> None:
         round_.episodes, agents=job.spec.agent_names,
         agent_versions={v.agent: v.version for v in round_.agent_versions}, version=round_.version,
         tasks=len(round_.tasks), samples_per_task=round_.samples_per_task,
-        failed_tasks=sum(1 for t in round_.tasks.values() if t.failed), sampling=spec.sampling,
+        failed_tasks=sum(1 for t in round_.tasks.values() if t.failed), sampling=round_.sampling,
         success_threshold=spec.success_threshold, finished_unix_ms=int(job.now_s() * 1000), round_id=round_.round_id)
     if round_.eval_file:
         record = dataclasses.replace(record, eval_file=round_.eval_file)

@@ -248,10 +248,11 @@ class JobPlanner:
         return bool(self._job.eval_rounds) and evaluation.evaluable(self._job)
 
     def open_evaluation(self, pinned: Sequence[AgentVersion], tasks: int, eval_file: str = "",
-                        eval_sha256: str = "") -> str:
+                        eval_sha256: str = "", sampling: str = "", samples_per_task: int = 0) -> str:
         """Opens an on-demand evaluation round on exactly ``pinned``; see :func:`.evaluation.open_on_demand`."""
         self._job.touch_all()
-        return evaluation.open_on_demand(self._job, tuple(pinned), tasks, eval_file, eval_sha256)
+        return evaluation.open_on_demand(self._job, tuple(pinned), tasks, eval_file, eval_sha256, sampling,
+                                         samples_per_task)
 
     @property
     def tracked_task_ids(self) -> frozenset[str]:

@@ -286,6 +286,8 @@ class EvalRound:
     #: An on-demand round's task file (its rows are the held-out tasks) and its content's sha256.
     eval_file: str = ""
     eval_sha256: str = ""
+    #: ``greedy`` or ``policy`` (an on-demand round may ask for either); "": the job's ``evaluation.sampling``.
+    sampling: str = ""
 
     @property
     def done(self) -> bool:

@@ -29,6 +29,17 @@ def test_eval_refuses_both_version_flags_before_reaching_a_cluster() -> None:
         with contextlib.redirect_stderr(err):
             assert cli.main(["eval", "job-1", *bad, "--etcd", "127.0.0.1:1"]) == cli.EXIT_USAGE
         assert said in err.getvalue()
+    # a round's own sampling: greedy or policy, 0..1024 episodes per task
+    for bad, said in ((["--samples", "1025"], "--samples 0..1024, got 0 and 1025"),
+                      (["--samples", "-2"], "--samples 0..1024"),
+                      (["--sampling", "hot"], "invalid choice: 'hot'")):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(["eval", "job-1", *bad, "--etcd", "127.0.0.1:1"])
+            except SystemExit as exc:  # argparse's own refusal of a choice
+                code = exc.code  # type: ignore[assignment]
+        assert code == cli.EXIT_USAGE and said in err.getvalue()
 
 
 def test_eval_rows_list_each_agent_then_the_team_periodic_rounds_first() -> None:

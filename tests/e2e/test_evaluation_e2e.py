@@ -12,6 +12,7 @@ from e2e_support import E2ECluster, assert_succeeded
 
 from flexmarl import cli
 from flexmarl.cluster import wait_until
+from flexmarl.errors import InvalidArgument
 from flexmarl.ids import ExperienceKey, TaskRef
 
 EVAL_TASKS = 3
@@ -102,6 +103,13 @@ def test_held_out_rounds_record_the_start_and_each_version_and_are_never_trained
     # per round: sender, receiver, team; each agent asked and played exactly the round's version
     assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows if r[2] != "team"] == [
         (f"d{3 + v}", str(v), agent, str(v), str(v)) for v in (0, 1, 2) for agent in ("sender", "receiver")]
+    # A round's own sampling, whatever the job's evaluation says (greedy, 1), and what is refused at the boundary
+    for bad in ({"sampling": "hot"}, {"samples_per_task": 2000}):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            e2e.client.evaluate(job_id, tasks=1, **bad)  # type: ignore[arg-type]
+    record = e2e.client.wait_evaluation(job_id, e2e.client.evaluate(job_id, tasks=1, sampling="policy",
+                                                                    samples_per_task=2), timeout_s=120)
+    assert (record.round_id, record.sampling, record.samples_per_task, record.team.episodes) == ("d6", "policy", 2, 2)
 
     png = tmp_path / "plot.png"
     with contextlib.redirect_stdout(io.StringIO()):

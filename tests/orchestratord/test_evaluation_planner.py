@@ -413,3 +413,43 @@ async def test_flexmarl_eval_of_a_warm_started_version_zero_plays_its_published_
     leases = coordinator.planner.lease_rollout_tasks("roll-0", 4)
     assert {v.agent: (v.version, v.weights_uri) for v in leases[0].agent_versions} == {
         "sender": (0, "file:///w/sender/warm"), "receiver": (0, "")}
+
+
+async def test_an_on_demand_round_samples_as_it_asks_whatever_the_jobs_evaluation_says() -> None:
+    """flexmarl eval --sampling policy --samples 3 on a job without evaluation (greedy, 1): the round's own."""
+    clock = FakeClock()
+    planner = Planner(clock, PlannerOptions(lease_epoch="e"))
+    planner.submit_job("ev", make_spec())
+    changes: list[Any] = []
+    drive(planner, "ev", changes)
+    job = planner.job("ev")
+    pinned = [AgentVersion("ev", "sender", 1, "file:///w/sender/1"), AgentVersion("ev", "receiver", 3, "file:///r")]
+    for bad in ({"sampling": "hot"}, {"samples_per_task": 1025}, {"samples_per_task": -1}):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            job.open_evaluation(pinned, 2, **bad)  # type: ignore[arg-type]
+    assert job.open_evaluation(pinned, 2, sampling="policy", samples_per_task=3) == "d1"
+    store = InMemoryStateStore()
+    await apply_changes(store, [*changes, *planner.take_changes()])
+    persisted = await store.load_job("ev")
+    assert persisted is not None and [(r.sampling, r.samples_per_task) for r in persisted.open_evals] == [("policy", 3)]
+    restarted = Planner(clock, PlannerOptions(lease_epoch="f"))  # the round's settings outlive a restart
+    restarted.restore_job(persisted, [])
+    leases = restarted.lease_rollout_tasks("roll-0", 8)
+    assert [(t.greedy, t.group_size) for t in leases] == [(False, 3), (False, 3)]
+    for lease in leases:
+        restarted.report_rollout_task(lease.lease_id, "roll-0", lease.task_id, True, "", (),
+                                      eval_episodes=episodes_for(lease))
+    (record,) = [EvalRecord.from_dict(c.record) for c in restarted.take_changes() if isinstance(c, EvalRecorded)]
+    assert (record.round_id, record.sampling, record.samples_per_task, record.team.episodes) == ("d1", "policy", 3, 6)
+    # The next round asks nothing of its own: the job's settings (no evaluation section: greedy, one sample).
+    assert restarted.job("ev").open_evaluation(pinned, 2) == "d2"
+    assert [(t.greedy, t.group_size) for t in restarted.lease_rollout_tasks("roll-0", 8)] == [(True, 1), (True, 1)]
+
+
+def test_a_round_persisted_before_rounds_carried_their_sampling_reads_as_the_jobs() -> None:
+    from orchestratord.eval_state import OpenEvalRound
+
+    old = '{"agent_versions":[["a",1,"file:///w"]],"eval_file":"","eval_sha256":"","on_demand":true,' \
+          '"round_id":"d1","samples_per_task":2,"tasks":4,"version":1}'
+    opened = OpenEvalRound.from_json(old)
+    assert opened.sampling == "" and OpenEvalRound.from_json(opened.to_json()) == opened

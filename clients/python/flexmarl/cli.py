@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from flexmarl.cluster import LaunchError
 from flexmarl.errors import FlexmarlError, InvalidArgument, Unavailable
+from flexmarl.jobspec import MAX_EVAL_SAMPLES_PER_TASK
 from flexmarl.plots import plot_history
 
 if TYPE_CHECKING:
@@ -644,8 +645,9 @@ def _agent_versions(args: argparse.Namespace, agents: Sequence[str]) -> dict[str
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluates kept versions of a job on its held-out tasks now (an on-demand round) and prints the record."""
-    if args.tasks < 0:
-        raise CliError(f"--tasks: must be >= 0, got {args.tasks}", EXIT_USAGE)
+    if args.tasks < 0 or not 0 <= args.samples <= MAX_EVAL_SAMPLES_PER_TASK:
+        raise CliError(f"--tasks: must be >= 0 and --samples 0..{MAX_EVAL_SAMPLES_PER_TASK}, got {args.tasks} and "
+                       f"{args.samples}", EXIT_USAGE)
     if args.version is not None and args.agent_versions:
         raise CliError("give --version or --agent-versions, not both", EXIT_USAGE)
     if args.versions:
@@ -654,7 +656,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         info = client.status(args.job_id)
         versions = _agent_versions(args, [a.agent for a in info.agents])
         try:
-            round_id = client.evaluate(args.job_id, versions, args.tasks, args.dataset)
+            round_id = client.evaluate(args.job_id, versions, args.tasks, args.dataset, args.sampling, args.samples)
         except InvalidArgument as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
         print(f"evaluation {round_id} of {args.job_id} opened; waiting for its record", file=sys.stderr)
@@ -680,7 +682,8 @@ def _eval_curve(args: argparse.Namespace) -> int:
         print(f"evaluating {args.job_id} at team versions {versions}: one pinned round each, one after the other",
               file=sys.stderr)
         try:  # a version not kept: FailedPrecondition, reported by main() with the policy named
-            records = client.evaluate_versions(args.job_id, versions, args.tasks, args.dataset, args.timeout)
+            records = client.evaluate_versions(args.job_id, versions, args.tasks, args.dataset, args.timeout,
+                                               args.sampling, args.samples)
         except TimeoutError as exc:
             raise CliError(str(exc)) from None
     if records:
@@ -932,6 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tasks", type=int, default=0, help="held-out tasks (0: the job's evaluation.tasks)")
     evaluate.add_argument("--dataset", default="",
                           help="held-out rows from this task file (JSONL, Parquet, save_to_disk dir) instead")
+    evaluate.add_argument("--sampling", choices=["greedy", "policy"], default="",
+                          help="greedy, or the agents' own sampling (default: the job's evaluation.sampling)")
+    evaluate.add_argument("--samples", type=int, default=0, help="episodes per task, pass@k over them (0: the job's)")
     evaluate.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the record (each)")
     evaluate.add_argument("--csv", action="store_true")
     evaluate.set_defaults(func=cmd_eval)

@@ -424,18 +424,20 @@ class AsyncClient:
         return [eval_record_of(r) for r in reply.evals]
 
     async def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0,
-                       dataset: str | Path = "") -> str:
+                       dataset: str | Path = "", sampling: str = "", samples_per_task: int = 0) -> str:
         """Opens an on-demand held-out evaluation round on kept versions; returns its round id (``d<n>``).
 
         ``agent_versions``: agent -> version (an agent not named: its committed version); ``tasks`` 0:
         the job's ``evaluation.tasks``. ``dataset``: a task file (JSONL, Parquet, a ``save_to_disk``
         directory) on a filesystem every rolloutd host sees, whose rows are the held-out tasks (in file
         order; ``tasks`` 0: every row); it is read here first and refused, naming the row and field, when
-        a row lacks a field of the job's ``environment.dataset.fields``. The job must be running or
-        succeeded; its record joins :meth:`evaluations` when done (:meth:`wait_evaluation`).
+        a row lacks a field of the job's ``environment.dataset.fields``. ``sampling`` (``greedy`` or
+        ``policy``) and ``samples_per_task`` (episodes per task, pass@k over them): this round's, whatever the
+        job's ``evaluation`` says ("" and 0: the job's, or greedy and 1 without the section). The job must be
+        running or succeeded; its record joins :meth:`evaluations` when done (:meth:`wait_evaluation`).
 
         Raises:
-            InvalidArgument: a bad task file, or more ``tasks`` than it has rows.
+            InvalidArgument: a bad task file, more ``tasks`` than it has rows, or a bad sampling setting.
         """
         eval_file, eval_sha256 = "", ""
         if dataset:
@@ -446,7 +448,7 @@ class AsyncClient:
         stub = await self._connect()
         reply = await _call(stub.EvaluateJob(orchestrator_pb2.EvaluateJobRequest(
             job_id=job_id, agent_versions=dict(agent_versions or {}), tasks=tasks, eval_file=eval_file,
-            eval_sha256=eval_sha256), timeout=self._timeout_s))
+            eval_sha256=eval_sha256, sampling=sampling, samples_per_task=samples_per_task), timeout=self._timeout_s))
         return str(reply.round_id)
 
     async def _eval_file(self, job_id: str, path: Path) -> tuple[str, str, int]:
@@ -477,14 +479,15 @@ class AsyncClient:
             await asyncio.sleep(interval_s)
 
     async def evaluate_versions(self, job_id: str, versions: Sequence[int], tasks: int = 0, dataset: str | Path = "",
-                                timeout_s: float = 600.0) -> list[EvalRecord]:
+                                timeout_s: float = 600.0, sampling: str = "",
+                                samples_per_task: int = 0) -> list[EvalRecord]:
         """A held-out curve over kept versions: one on-demand round per team version, every agent pinned to it.
 
         Each round asks every agent its own version ``v`` (``flexmarl eval --version v``) and is waited for before the
-        next opens (orchestratord runs one on-demand round per job at a time); ``tasks``, ``dataset`` as
-        :meth:`evaluate`, ``timeout_s`` per round. Unlike the periodic rounds of a job's ``evaluation:``, which under
-        async may play newer versions than they opened at, each record measures exactly one team version
-        (``versions_seen``). :meth:`kept_team_versions` lists the versions this can ask for.
+        next opens (orchestratord runs one on-demand round per job at a time); ``tasks``, ``dataset``, ``sampling``
+        and ``samples_per_task`` as :meth:`evaluate`, ``timeout_s`` per round. Unlike the periodic rounds of a
+        job's ``evaluation:``, which under async may play newer versions than they opened at, each record measures
+        exactly one team version (``versions_seen``). :meth:`kept_team_versions` lists the versions this can ask for.
 
         Raises:
             InvalidArgument / FailedPrecondition: a version not kept (orchestratord's refusal names the policy).
@@ -493,7 +496,8 @@ class AsyncClient:
         agents = [a.agent for a in (await self.status(job_id)).agents]
         records = []
         for version in versions:
-            round_id = await self.evaluate(job_id, dict.fromkeys(agents, version), tasks, dataset)
+            round_id = await self.evaluate(job_id, dict.fromkeys(agents, version), tasks, dataset, sampling,
+                                           samples_per_task)
             records.append(await self.wait_evaluation(job_id, round_id, timeout_s))
         return records
 
@@ -783,18 +787,19 @@ class Client:
         return self._run(self._async.evaluations(job_id))
 
     def evaluate(self, job_id: str, agent_versions: Mapping[str, int] | None = None, tasks: int = 0,
-                 dataset: str | Path = "") -> str:
+                 dataset: str | Path = "", sampling: str = "", samples_per_task: int = 0) -> str:
         """Opens an on-demand evaluation round on kept versions; returns its round id (see AsyncClient.evaluate)."""
-        return self._run(self._async.evaluate(job_id, agent_versions, tasks, dataset))
+        return self._run(self._async.evaluate(job_id, agent_versions, tasks, dataset, sampling, samples_per_task))
 
     def wait_evaluation(self, job_id: str, round_id: str, timeout_s: float = 600.0) -> EvalRecord:
         """Waits for an evaluation round's record (see AsyncClient.wait_evaluation)."""
         return self._run(self._async.wait_evaluation(job_id, round_id, timeout_s))
 
     def evaluate_versions(self, job_id: str, versions: Sequence[int], tasks: int = 0, dataset: str | Path = "",
-                          timeout_s: float = 600.0) -> list[EvalRecord]:
+                          timeout_s: float = 600.0, sampling: str = "", samples_per_task: int = 0) -> list[EvalRecord]:
         """One pinned on-demand round per team version, one after the other (see AsyncClient.evaluate_versions)."""
-        return self._run(self._async.evaluate_versions(job_id, versions, tasks, dataset, timeout_s))
+        return self._run(self._async.evaluate_versions(job_id, versions, tasks, dataset, timeout_s, sampling,
+                                                       samples_per_task))
 
     def kept_team_versions(self, job_id: str) -> list[int]:
         """The versions every agent still keeps (see AsyncClient.kept_team_versions)."""

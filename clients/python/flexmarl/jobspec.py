@@ -574,6 +574,8 @@ class TrackingSpec(_SpecModel):
 
 
 EvalSampling = Literal["greedy", "policy"]
+#: The most episodes per held-out task (``evaluation.samples_per_task``, an on-demand round's ``samples_per_task``).
+MAX_EVAL_SAMPLES_PER_TASK = 1024
 #: The namespace of the team's evaluation figures beside each agent's (trackers, plots): no agent may take it.
 TEAM = "team"
 
@@ -592,7 +594,7 @@ class EvaluationSpec(_SpecModel):
     """A round each time the team's version reaches a multiple of this (and at the final version)."""
     tasks: Annotated[int, Field(ge=1, le=100_000)] = 16
     """Held-out tasks per round: `eval_task(0..tasks-1)`, the same tasks every round."""
-    samples_per_task: Annotated[int, Field(ge=1, le=1024)] = 1
+    samples_per_task: Annotated[int, Field(ge=1, le=MAX_EVAL_SAMPLES_PER_TASK)] = 1
     """Episodes per held-out task; pass@k is over these k samples."""
     sampling: EvalSampling = "greedy"
     """`greedy` (temperature 0 for every turn, whatever the episode asks) or `policy` (the agents' own sampling)."""

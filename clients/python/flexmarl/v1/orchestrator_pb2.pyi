@@ -508,6 +508,8 @@ class EvaluateJobRequest(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     EVAL_FILE_FIELD_NUMBER: _builtins.int
     EVAL_SHA256_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
+    SAMPLES_PER_TASK_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     tasks: _builtins.int
     """Held-out tasks (eval_task(0..tasks-1)); 0 = the job's evaluation.tasks (its default without one)."""
@@ -516,6 +518,12 @@ class EvaluateJobRequest(_message.Message):
     JSONL, Parquet or a save_to_disk directory), with the sha256 of its content (flexmarl.datasets).
     """
     eval_sha256: _builtins.str
+    sampling: _builtins.str
+    """"greedy" (temperature 0 for every turn) or "policy" (the agents' own sampling); "" = the job's
+    evaluation.sampling (greedy without an evaluation section).
+    """
+    samples_per_task: _builtins.int
+    """Episodes per held-out task (pass@k is over them), at most 1024; 0 = the job's evaluation.samples_per_task."""
     @_builtins.property
     def agent_versions(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """agent -> version to evaluate; an agent not named is evaluated at its committed version. Each
@@ -530,10 +538,12 @@ class EvaluateJobRequest(_message.Message):
         tasks: _builtins.int = ...,
         eval_file: _builtins.str = ...,
         eval_sha256: _builtins.str = ...,
+        sampling: _builtins.str = ...,
+        samples_per_task: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "eval_file", b"eval_file", "eval_sha256", b"eval_sha256", "job_id", b"job_id", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_versions", b"agent_versions", "eval_file", b"eval_file", "eval_sha256", b"eval_sha256", "job_id", b"job_id", "samples_per_task", b"samples_per_task", "sampling", b"sampling", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
