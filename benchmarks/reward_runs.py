@@ -93,6 +93,7 @@ class RewardRun:
     eval_metric: str = ""
     eval_target: float = float("nan")
     eval_pinned: bool = False  # the rounds are --eval-after's, each at one team version, not periodic ones
+    eval_sampling: str = ""  # how its rounds played: "greedy", or "policy x4" (the agents' own sampling, 4 per task)
 
     @property
     def overrun_share(self) -> float:

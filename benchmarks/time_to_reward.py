@@ -335,13 +335,15 @@ def long_tail_job(
     return spec
 
 
-def with_evaluation(spec: dict[str, Any], every_versions: int, tasks: int) -> dict[str, Any]:
-    """The job with held-out evaluation rounds (docs/evaluation.md): ``tasks`` greedy held-out tasks at version 0 and
-    every ``every_versions`` team versions (and the final one); unchanged when ``every_versions`` is 0."""
+def with_evaluation(spec: dict[str, Any], every_versions: int, tasks: int, sampling: str = "greedy",
+                    samples: int = 1) -> dict[str, Any]:
+    """The job with held-out evaluation rounds (docs/evaluation.md): ``tasks`` held-out tasks, ``samples`` episodes each
+    played by ``sampling``, at version 0 and every ``every_versions`` team versions (and the final one); unchanged when
+    ``every_versions`` is 0."""
     if every_versions <= 0:
         return spec
-    return {**spec, "evaluation": {"every_versions": every_versions, "tasks": tasks, "samples_per_task": 1,
-                                   "sampling": "greedy", "before_training": True}}
+    return {**spec, "evaluation": {"every_versions": every_versions, "tasks": tasks, "samples_per_task": samples,
+                                   "sampling": sampling, "before_training": True}}
 
 
 def with_kept_versions(spec: dict[str, Any], every_versions: int) -> dict[str, Any]:
@@ -373,7 +375,8 @@ def run_one(
         spec, to_save = use_warm_starts(example_job(workload, config, seed, steps, models_dir), args.warm_start_cache)
     else:
         spec = long_tail_job(config, seed, steps, args.token_scale, models_dir, args.long_tail_lr)
-    spec = with_kept_versions(with_evaluation(spec, args.eval_every, args.eval_tasks), args.eval_after)
+    spec = with_kept_versions(with_evaluation(spec, args.eval_every, args.eval_tasks, args.eval_sampling,
+                                              args.eval_samples), args.eval_after)
     cluster_config = LocalClusterConfig(
         run_dir=run_dir,
         engine_replicas=replicas,
@@ -412,7 +415,8 @@ def run_one(
             if args.eval_after and info.state.name == "SUCCEEDED":
                 versions = team_versions_every(history, args.eval_after)
                 log.info("%s: pinned held-out rounds at team versions %s", job_id, versions)
-                client.evaluate_versions(job_id, versions, args.eval_tasks, timeout_s=args.eval_round_timeout_s)
+                client.evaluate_versions(job_id, versions, args.eval_tasks, timeout_s=args.eval_round_timeout_s,
+                                         sampling=args.eval_sampling, samples_per_task=args.eval_samples)
             elif args.eval_after:
                 log.warning("%s: %s, so no pinned rounds (orchestratord evaluates a running or succeeded job only)",
                             job_id, info.state.name)
@@ -518,7 +522,14 @@ def measure(
         eval_curve=eval_curve(evaluations, published, workload.eval_metric, eval_pinned),
         eval_metric=workload.eval_metric if evaluations else "",
         eval_pinned=eval_pinned,
+        eval_sampling=sampling_of(evaluations, eval_pinned),
     )
+
+
+def sampling_of(records: Sequence[EvalRecord], pinned: bool) -> str:
+    """How the rounds of the reading played: ``greedy``, or ``policy x4`` (the agents' own sampling, 4 per task)."""
+    kinds = sorted({(r.sampling, r.samples_per_task) for r in records if r.on_demand == pinned})
+    return ", ".join(sampling if samples == 1 else f"{sampling} x{samples}" for sampling, samples in kinds)
 
 
 def reanalyse(roots: Sequence[Path], mixed_rule: str = "newest") -> list[RewardRun]:
@@ -618,7 +629,7 @@ def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     columns = [
         *_RUN_COLUMNS,
         Column("metric", 11, "<"),
-        Column("rounds", 8, "<"),
+        Column("rounds", 18, "<"),
         Column("first", 6, fmt=".3f"),
         Column("h target", 8, fmt=".3f"),
         Column("version to", 10),
@@ -631,13 +642,15 @@ def heldout_table(runs: Sequence[RewardRun]) -> list[str]:
     for r in runs:
         point = first_reaching(r.eval_curve, r.eval_target)
         kind = "pinned" if r.eval_pinned else "periodic"
-        rows.append([r.workload, r.config, r.seed, r.eval_metric or "-", f"{len(r.eval_curve)} {kind}",
+        rounds = f"{len(r.eval_curve)} {kind} {r.eval_sampling}"
+        rows.append([r.workload, r.config, r.seed, r.eval_metric or "-", rounds,
                      r.eval_curve[0].value if r.eval_curve else float("nan"), r.eval_target,
                      "-" if point is None else point.version, r.after_step0("heldout"), r.final("heldout"),
                      speedup(runs, r, "sync", "heldout"), speedup(runs, r, "sequential", "heldout")])
     lines = render_table(columns, rows)
     lines.append(
-        "held-out evaluation: each round's team success or mean reward over the same held-out tasks, played greedily, "
+        "held-out evaluation: each round's team success or mean reward over the same held-out tasks, played as rounds "
+        "says (greedy, or the agents' own sampling with k episodes per task), "
         "placed at the publish of the newest version that played in it; periodic rounds (--eval-every) ran beside "
         "training, and under async a round's tasks may play newer versions than it opened at (a kept run's "
         "evaluations.json, versions_seen); pinned rounds (--eval-after) ran after it, every agent at exactly the "
@@ -659,10 +672,11 @@ def chart(runs: Sequence[RewardRun], workload: str, path: Path) -> None:
     readings = ("step", "version", "heldout") if any(r.eval_curve for r in mine) else ("step", "version")
     fig, axes = plt.subplots(1, len(readings), figsize=(7 * len(readings), 4.8), sharex=True, sharey=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    played = ", ".join(sorted({r.eval_sampling for r in mine if r.eval_sampling})) or "greedy"
     titles = {"step": f"per training step: {WINDOW}-step mean of the batches trained on, at each commit",
               "version": f"per behaviour version: {WINDOW}-version mean of what each version generated, "
                          "at its publish",
-              "heldout": f"held-out evaluation: {EVAL_WINDOW}-round mean, greedy, at the publish of the "
+              "heldout": f"held-out evaluation: {EVAL_WINDOW}-round mean, {played}, at the publish of the "
                          "newest version played" + (" (pinned rounds)" if all(r.eval_pinned for r in mine) else "")}
     for ax, by in zip(axes, readings, strict=True):
         for index, config in enumerate(dict.fromkeys(r.config for r in mine)):
@@ -763,13 +777,18 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 0: none)")
     parser.add_argument("--eval-tasks", type=int, default=128,
                         help="held-out tasks per round (with --eval-every or --eval-after)")
+    parser.add_argument("--eval-sampling", choices=("greedy", "policy"), default="greedy",
+                        help="how the held-out rounds play: greedy, or the agents' own sampling (a reward greedy "
+                             "decoding saturates early, e.g. the long-tail workload's, stays a curve)")
+    parser.add_argument("--eval-samples", type=int, default=1, metavar="K",
+                        help="episodes per held-out task (the reading is their mean)")
     parser.add_argument("--eval-round-timeout-s", type=float, default=1800.0,
                         help="the limit on each pinned round (--eval-after)")
     parser.add_argument("--reanalyse", type=Path, nargs="+", default=None,
                         help="run nothing: measure the runs --keep directories hold again and report them together")
     args = parser.parse_args(argv)
-    if args.eval_every < 0 or args.eval_after < 0 or args.eval_tasks < 1:
-        parser.error("--eval-every and --eval-after must be >= 0 and --eval-tasks >= 1")
+    if args.eval_every < 0 or args.eval_after < 0 or args.eval_tasks < 1 or not 1 <= args.eval_samples <= 1024:
+        parser.error("--eval-every and --eval-after must be >= 0, --eval-tasks >= 1 and --eval-samples 1..1024")
     if args.eval_every and args.eval_after:
         parser.error("--eval-every (periodic rounds) and --eval-after (pinned rounds) are two readings: choose one")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

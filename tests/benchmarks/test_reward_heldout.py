@@ -131,7 +131,14 @@ def test_the_benchmark_gives_a_job_its_evaluation_rounds_and_none_without_eval_e
     assert ttr.with_kept_versions(job, 0) is job
     kept = parse_job_spec(ttr.with_kept_versions({**job, "checkpoint": {"keep_last": 5}}, 4))
     assert (kept.checkpoint.keep_every, kept.checkpoint.keep_last, kept.evaluation) == (4, 5, None)
-    for bad in (["--eval-after", "-2"], ["--eval-after", "2", "--eval-every", "2"]):
+    # sampled rounds (a reward greedy decoding saturates early): the agents' own sampling, k episodes per task
+    sampled = parse_job_spec(ttr.with_evaluation(job, 2, 16, "policy", 4)).evaluation
+    assert sampled is not None and (sampled.sampling, sampled.samples_per_task) == ("policy", 4)
+    records = [round_at(0, 0.5), dataclasses.replace(round_at(2, 0.5, round_id="d1"), sampling="policy",
+                                                     samples_per_task=4)]
+    assert (ttr.sampling_of(records, pinned=True), ttr.sampling_of(records, pinned=False)) == ("policy x4", "greedy")
+    for bad in (["--eval-after", "-2"], ["--eval-after", "2", "--eval-every", "2"], ["--eval-samples", "0"],
+                ["--eval-sampling", "hot"]):
         with pytest.raises(SystemExit):
             ttr.main([*bad, "--reanalyse", str(tmp_path)])
 
