@@ -57,6 +57,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -94,6 +95,8 @@ log = logging.getLogger(__name__)
 WeightsResolver = Callable[[str], Awaitable[str]]
 
 MAX_ATTEMPTS = 3
+#: The round part of an evaluation task's episode key after its job (``e<round>/``, :class:`flexmarl.ids.EvalTaskRef`).
+_EVAL_ROUND_PART = re.compile(r"e[vd][0-9]+/")
 #: Most resubmissions of one interrupted sample (each follows an interruption that aborted it).
 MAX_RESUMES = 64
 
@@ -414,11 +417,11 @@ class RolloutRouter:
         """Serves exactly these agents (a job or an evaluation round joined or left).
 
         Under dynamic balancing the agents that join are added to the balancer and those that leave
-        are removed once their own requests ended; every other agent's requests go on meanwhile (an
-        engine serves many models side by side in neither SGLang nor vLLM, so a replica changes
-        model only when the balancer moves it, as for any move). The first agents, the last ones
-        leaving, and static balancing (whose equal shares are of the whole set) rebuild the
-        balancer after every request in flight drained.
+        are removed once their own requests ended; every other agent's requests go on meanwhile. A
+        replica serves one model at a time, as an SGLang or vLLM server does, so a joining agent is
+        served by replicas the balancer moves to it, and a group left without agents hands its
+        replicas on as moves. The first agents, the last ones leaving, and static balancing (whose
+        equal shares are of the whole set) rebuild the balancer after every request in flight drained.
         """
         wanted = tuple(sorted(set(keys)))
         async with self._membership:
@@ -530,9 +533,13 @@ class RolloutRouter:
 
     # ---- generation ------------------------------------------------------------------------------
 
-    def backend(self, job_id: str, seed: int | None = None) -> JobBackend:
-        """The GenerationBackend of one job's runner (seeded sampling when seed is given)."""
-        return JobBackend(self, job_id, seed)
+    def backend(self, job_id: str, seed: int | None = None, seed_scope: str = "") -> JobBackend:
+        """The GenerationBackend of one job's runner (seeded sampling when seed is given).
+
+        ``seed_scope``: the job whose task ids the episodes carry, when it is not ``job_id`` (a pinned
+        evaluation round served as ``<job>@<round>``).
+        """
+        return JobBackend(self, job_id, seed, seed_scope)
 
     async def generate(
         self, key: str, input_ids: list[int], sampling: Mapping[str, Any], n: int, affinity_key: str,
@@ -964,10 +971,11 @@ class _Reroute(Exception):
 class JobBackend:
     """GenerationBackend of one job (agent names without the job prefix)."""
 
-    def __init__(self, router: RolloutRouter, job_id: str, seed: int | None) -> None:
+    def __init__(self, router: RolloutRouter, job_id: str, seed: int | None, seed_scope: str = "") -> None:
         self._router = router
         self._job_id = job_id
         self._seed = seed
+        self._seed_scope = seed_scope or job_id
 
     async def generate(
         self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
@@ -976,6 +984,10 @@ class JobBackend:
         if self._seed is not None and sampling.get("sampling_seed") is None:
             # The seed must not depend on the job id (the agent key and the task ids carry it):
             # the same spec and seed then sample the same tokens in any job (sync vs async runs).
-            episode = affinity_key.removeprefix(f"{self._job_id}/")
+            episode = affinity_key.removeprefix(f"{self._seed_scope}/")
+            # A held-out task draws the same numbers in every round, periodic or pinned: between rounds, and
+            # between jobs of one seed, only the weights differ (common random numbers for a curve's points).
+            if (round_part := _EVAL_ROUND_PART.match(episode)) is not None:
+                episode = "e/" + episode[round_part.end():]
             sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
         return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)

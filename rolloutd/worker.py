@@ -750,7 +750,7 @@ class RolloutWorker:
             if served is not None:
                 return served
             env = job.env if not task.eval_file else await self._eval_file_environment(job.spec, task)
-            runner = RolloutRunner(env, job.runtimes, job.router.backend(key, job.spec.seed))
+            runner = RolloutRunner(env, job.runtimes, job.router.backend(key, job.spec.seed, seed_scope=job.job_id))
             served = _ServedJob(key, job.spec, env, runner, job.router, runtimes=job.runtimes, pinned_of=job.job_id,
                                 shares_env=env is job.env)
             self._jobs[key] = served
