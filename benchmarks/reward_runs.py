@@ -220,7 +220,7 @@ def verdicts(runs: Sequence[RewardRun], by: str = "step") -> list[str]:
     missed, not run)."""
     lines = []
     for workload in dict.fromkeys(r.workload for r in runs):
-        mine = [r for r in runs if r.workload == workload]
+        mine = sorted((r for r in runs if r.workload == workload), key=lambda r: r.seed)  # lists in seed order
         seeds = sorted({r.seed for r in mine})
 
         def mean_time(config: str, mine: list[RewardRun] = mine, seeds: list[int] = seeds) -> float:

@@ -61,7 +61,7 @@ Two readings of the curve, side by side in the table, the JSON and the chart:
   on; the per-step verdicts follow.
 
 A third reading with ``--eval-every K`` (``benchmarks.reward_heldout``): every job gets an ``evaluation:``
-section (a round of ``--eval-tasks`` held-out tasks, greedy, at version 0 and every K team versions; the rounds
+section (a round of ``--eval-tasks`` held-out tasks, greedy by default, at version 0 and every K team versions; rounds
 run beside training and their generation is charged modelled device time like any other), and each round's
 team success (signaling, arithmetic) or mean reward (long-tail, whose reward is graded) is placed at the publish
 of the newest version that played in it; target 0.9 on signaling, else the same seed's sync final - 0.02, on the
@@ -69,6 +69,8 @@ mean of the last two rounds. Its table and verdicts follow the other two. ``--ev
 reading on **pinned** rounds instead: the job keeps every K-th version, and once it has succeeded one on-demand round
 per kept team version plays every agent at exactly that version, at full width after training (so, unlike a periodic
 round under async, each point is one version, and the rounds cost the run's modelled time nothing).
+``--eval-sampling policy --eval-samples K`` plays either kind by the agents' own sampling, K episodes per task,
+instead of greedily (a reward greedy decoding saturates early, as the long-tail workload's, stays a curve).
 
 The runs' figures, the readings, targets, speedups and verdicts are ``benchmarks.reward_runs``'s; this
 module runs or reanalyses the jobs and reports them. Writes

@@ -381,3 +381,15 @@ def test_a_runs_time_limit_waits_for_its_warm_starts(tmp_path: Path) -> None:
         agent.pop("warm_start")
     assert not ttr.warming(cached, status)
     assert not ttr.warming(ttr.long_tail_job("sync", 0, 3, 128.0, tmp_path), _Info(_Agent("planner")))
+
+
+def test_the_verdicts_list_each_seed_in_seed_order_whatever_order_the_runs_came_in() -> None:
+    rising = [0.2, 0.4, 0.9, 0.95, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # a reanalysis reads runs in the order they were kept: seed 1's before seed 0's here
+    runs = [run_of("flexmarl-partial-eta4", rising, step_wall_s=1.5, seed=1),
+            run_of("sync", rising, step_wall_s=3.0, seed=1), run_of("sync", rising, step_wall_s=3.0, seed=0),
+            run_of("flexmarl-partial-eta4", rising, step_wall_s=1.0, seed=0)]
+    rr.set_targets(runs, {"signaling": 0.9})
+    (line,) = rr.verdicts(runs)
+    assert "seeds [0, 1]" in line and ">= 3x sooner than sync on every seed: MISSED (3.00x, 2.00x)" in line
+
