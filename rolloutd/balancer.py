@@ -645,7 +645,7 @@ class HierarchicalBalancer:
         for replica_id in self._replica_order:
             replica = self._replicas[replica_id]
             if replica.target_model_key not in left and replica.phase is not ReplicaPhase.LOADING:
-                moves.append(self._move(replica, self._home(left), now_s))
+                moves.append(self._move(replica, self.home_group(left), now_s))
         for key in set(self._model_keys) - left:
             del self._queued[key]
             self._adapter_slots.pop(key, None)
@@ -676,11 +676,11 @@ class HierarchicalBalancer:
         for key in self._model_keys:
             self._queued.setdefault(key, collections.deque())
 
-    def _home(self, groups: Iterable[str]) -> str:
-        """The group among ``groups`` a replica without one joins: the fewest replicas, then the most demand."""
-        counts = self._groups().counts
-        demand = self.model_demand_tokens()
-        return min(groups, key=lambda k: (counts.get(k, 0), -demand.get(k, 0), k))
+    def home_group(self, groups: Iterable[str] | None = None) -> str:
+        """The group (of ``groups``, or any) a replica without one joins: fewest replicas, then most demand."""
+        counts, demand = self._groups().counts, self.model_demand_tokens()  # a LoRA pool's group is its base
+        pick = self._model_keys if groups is None else groups
+        return min(pick, key=lambda k: (counts.get(k, 0), -demand.get(k, 0), k))
 
     # ------------------------------------------------------- inter-agent
     def settled(self, now_s: float) -> bool:
@@ -958,7 +958,7 @@ class HierarchicalBalancer:
         index.epoch = self._groups_epoch
         self._affinity.forget_replica(replica_id)  # its KV cache is gone with the old weights
         if replica.model_key not in self._queued and self._model_keys:  # its group left while it loaded
-            self._move(replica, self._home(self._model_keys), replica.last_move_s)
+            self._move(replica, self.home_group(), replica.last_move_s)
 
     # ------------------------------------------------------------ helpers
     def _groups(self) -> GroupIndex:

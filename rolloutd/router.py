@@ -934,11 +934,8 @@ class RolloutRouter:
         balancer = self._balancer
         if balancer is None:
             return  # the next set_agents deals it out with the others
-        counts = balancer.replica_counts()
-        demand = balancer.model_demand_tokens()  # per group: a LoRA pool's group is its base, not an agent
         # The group with the fewest replicas (most demand on ties) gets it; a rebalance may move it.
-        model_key = min(counts, key=lambda k: (counts[k], -demand.get(k, 0), k))
-        balancer.add_replica(self._assignment(replica.replica_id, model_key))
+        balancer.add_replica(self._assignment(replica.replica_id, balancer.home_group()))
         if self._config.dispatch_kv_factor > 0:
             self._spawn(self._set_kv_capacity(replica))
         self._rebalance()
