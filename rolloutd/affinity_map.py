@@ -16,6 +16,22 @@ from flexmarl.errors import InvalidArgument
 SEPARATOR = "#"
 
 
+def group_affinity_key(task_id: str) -> str:
+    """Affinity key of a rollout task's group (used by its coalesced first-turn request)."""
+    return task_id
+
+
+def episode_affinity_key(task_id: str, sample_index: int) -> str:
+    """Affinity key of one episode; falls back to its group's key when not seen yet."""
+    return f"{task_id}{SEPARATOR}{sample_index}"
+
+
+def affinity_parent(key: str) -> str:
+    """The key an affinity lookup falls back to ("" when there is none)."""
+    head, sep, _ = key.rpartition(SEPARATOR)
+    return head if sep else ""
+
+
 def _task_of(key: str) -> str:
     """The task a key belongs to: its part before the first separator (episode keys are ``task#sample``)."""
     return key.partition(SEPARATOR)[0]

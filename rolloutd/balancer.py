@@ -66,7 +66,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from rolloutd.affinity_map import SEPARATOR, AffinityMap
+from rolloutd.affinity_map import SEPARATOR, AffinityMap, affinity_parent, episode_affinity_key, group_affinity_key
 from rolloutd.balancer_state import GroupIndex, ReplicaAssignment, ReplicaPhase, ReplicaState, ReplicaView
 from rolloutd.balancer_types import (
     AgentSpec,
@@ -93,22 +93,6 @@ SCAN_GROUP_MAX = 32
 #: The adapter name of a LoRA agent's request served by the base alone (sent without ``lora_path``):
 #: SGLang's ``lora_id`` None, which its scheduler counts as one of a batch's adapters.
 BASE_ADAPTER = ""
-
-
-def group_affinity_key(task_id: str) -> str:
-    """Affinity key of a rollout task's group (used by its coalesced first-turn request)."""
-    return task_id
-
-
-def episode_affinity_key(task_id: str, sample_index: int) -> str:
-    """Affinity key of one episode; falls back to its group's key when not seen yet."""
-    return f"{task_id}{AFFINITY_SEPARATOR}{sample_index}"
-
-
-def affinity_parent(key: str) -> str:
-    """The key an affinity lookup falls back to ("" when there is none)."""
-    head, sep, _ = key.rpartition(AFFINITY_SEPARATOR)
-    return head if sep else ""
 
 
 #: A donor's rank (lower is better): its group's drain time without it, minus the group's now, its
@@ -681,6 +665,22 @@ class HierarchicalBalancer:
         counts, demand = self._groups().counts, self.model_demand_tokens()  # a LoRA pool's group is its base
         pick = self._model_keys if groups is None else groups
         return min(pick, key=lambda k: (counts.get(k, 0), -demand.get(k, 0), k))
+
+    def even_out(self, now_s: float) -> list[ReplicaMove]:
+        """Moves replicas until no group holds two more than another: static shares after agents joined or left.
+
+        The shares a new balancer's equal split would deal, reached by moves (each replica drains only its
+        own requests) instead of a rebuild after every request drained. Each move takes the least loaded
+        replica not loading of the group with the most replicas to :meth:`home_group`; the fewest moves.
+        """
+        moves: list[ReplicaMove] = []
+        for _ in range(len(self._replicas)):
+            low = self.home_group()
+            donor = self._groups().spare_of_fullest(low)
+            if donor is None:
+                break
+            moves.append(self._move(donor, low, now_s))
+        return moves
 
     # ------------------------------------------------------- inter-agent
     def settled(self, now_s: float) -> bool:

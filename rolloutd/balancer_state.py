@@ -197,6 +197,19 @@ class GroupIndex:
         for key in (old_target, replica.target_model_key):
             self.recount(key)
 
+    def spare_of_fullest(self, low: str) -> ReplicaState | None:
+        """The least loaded replica not loading of the fullest group holding two more than ``low`` (None: none).
+
+        Groups by most replicas, then key; a group whose every replica is loading is passed over.
+        """
+        for key in sorted(self.counts, key=lambda k: (-self.counts[k], k)):
+            if self.counts[key] - self.counts[low] <= 1:
+                return None
+            movable = [r for r in self.targets.get(key, ()) if r.phase is not ReplicaPhase.LOADING]
+            if movable:
+                return min(movable, key=lambda r: (r.outstanding_tokens, r.spec.replica_id))
+        return None
+
     def recount(self, key: str) -> None:
         """Group ``key``'s count and rate sums from its members (one joined or left, or a member's rate changed)."""
         members = self.targets.get(key, [])

@@ -416,18 +416,19 @@ class RolloutRouter:
     async def set_agents(self, keys: Sequence[str]) -> None:
         """Serves exactly these agents (a job or an evaluation round joined or left).
 
-        Under dynamic balancing the agents that join are added to the balancer and those that leave
-        are removed once their own requests ended; every other agent's requests go on meanwhile. A
-        replica serves one model at a time, as an SGLang or vLLM server does, so a joining agent is
-        served by replicas the balancer moves to it, and a group left without agents hands its
-        replicas on as moves. The first agents, the last ones leaving, and static balancing (whose
-        equal shares are of the whole set) rebuild the balancer after every request in flight drained.
+        The agents that join are added to the balancer and those that leave are removed once their own
+        requests ended; every other agent's requests go on meanwhile. A replica serves one model at a
+        time, as an SGLang or vLLM server does, so a joining agent is served by replicas the balancer
+        moves to it, and a group left without agents hands its replicas on as moves. Static and
+        round-robin balancing then move replicas until the shares are equal again
+        (:meth:`HierarchicalBalancer.even_out`), each draining only its own requests. The first agents
+        and the last ones leaving rebuild the balancer after every request in flight drained.
         """
         wanted = tuple(sorted(set(keys)))
         async with self._membership:
             if wanted == self._agents:
                 return
-            if self._balancer is None or not wanted or not self._config.rebalance_enabled:
+            if self._balancer is None or not wanted:
                 await self._rebuild(wanted)
                 return
             leaving = set(self._agents) - set(wanted)
@@ -443,6 +444,8 @@ class RolloutRouter:
                 balancer.add_agents([self._agent_spec(k) for k in joining],
                                     {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots))
                 balancer.remove_agents(leaving, time.monotonic())
+                if not self._config.rebalance_enabled:
+                    balancer.even_out(time.monotonic())
                 self._agents = wanted
                 for key in leaving:
                     self._demand_hints.pop(key, None)

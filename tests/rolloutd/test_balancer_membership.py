@@ -125,3 +125,37 @@ def test_a_hint_of_an_agent_that_left_is_forgotten() -> None:
     assert b.model_demand_tokens() == {"a": 100}
     b.add_agents([AgentSpec("b", "b")])
     assert b.demand_tokens("b") == 0
+
+
+def test_static_shares_are_evened_out_by_the_fewest_moves_least_loaded_first() -> None:
+    b = make({f"r{i}": "a" if i < 4 else "b" for i in range(6)}, {"a": "a", "b": "b"}, rebalance_enabled=False)
+    running = [b.submit("a", 100) for _ in range(3)]  # r0-r2 busy, r3 idle
+    b.add_agents([AgentSpec("e", "e"), AgentSpec("f", "f")])
+    moves = b.even_out(1.0)
+    # 4/2/0/0 -> 2/2/1/1: two moves, both from a (the most replicas), each to the group with the fewest
+    assert [(m.replica_id, m.from_model_key, m.to_model_key) for m in moves] == [("r3", "a", "e"), ("r0", "a", "f")]
+    assert sorted(b.replica_counts().values()) == [1, 1, 2, 2]
+    assert b.replica("r0").phase is ReplicaPhase.DRAINING  # its request runs on, then it loads
+    assert b.even_out(2.0) == []  # already even: nothing moves
+    assert serve_moves(b) == ["r3"]
+    assert b.finish(running[0].request_id).replica_id == "r0"
+    assert serve_moves(b) == ["r0"]
+
+    b.remove_agents(["e", "f"], 3.0)  # their replicas go home, one to each of a and b
+    serve_moves(b)
+    assert b.replica_counts() == {"a": 3, "b": 3} and b.even_out(4.0) == []
+
+
+def test_even_out_moves_no_loading_replica_and_leaves_shares_one_apart() -> None:
+    b = make({"r0": "a", "r1": "a", "r2": "a", "r3": "b"}, {"a": "a", "b": "b"}, rebalance_enabled=False)
+    assert [(m.replica_id, m.to_model_key) for m in b.even_out(0.0)] == [("r0", "b")]  # 3/1 -> 2/2
+    b = make({"r0": "a", "r1": "a", "r2": "b"}, {"a": "a", "b": "b"}, rebalance_enabled=False)
+    assert b.even_out(0.0) == []  # 2/1: as an equal split of 3 over 2 deals it
+    b = make({"r0": "a", "r1": "a", "r2": "a"}, {"a": "a"}, rebalance_enabled=False)
+    b.add_agents([AgentSpec("e", "e")])
+    assert [m.replica_id for m in b.even_out(1.0)] == ["r0"]
+    b.begin_load("r0")  # loading for e: counted there, not movable
+    b.remove_agents(["a"], 2.0)  # r1 and r2 go to e as well: e holds three, one of them loading
+    b.add_agents([AgentSpec("f", "f")])
+    assert [(m.replica_id, m.to_model_key) for m in b.even_out(3.0)] == [("r1", "f")]
+    assert b.replica_counts() == {"e": 2, "f": 1}

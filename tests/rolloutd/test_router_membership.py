@@ -1,4 +1,4 @@
-"""RolloutRouter.set_agents under dynamic balancing: agents join and leave without draining the others.
+"""RolloutRouter.set_agents: agents join and leave without draining the others, under every balancing policy.
 
 A job starting or ending on a shared rolloutd, and every on-demand evaluation round (``flexmarl eval
 --version``: keys ``<job>@<round>/<agent>``), changes the agent keys its router serves. The router used to
@@ -15,7 +15,7 @@ import pytest
 from sglang_fake import FakeSGLang
 
 from flexmarl.errors import Unavailable
-from rolloutd.balancer import BalancerConfig
+from rolloutd.balancer import BalancerConfig, RoutingPolicy
 from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.router import Replica, RolloutRouter, agent_key
 
@@ -101,22 +101,39 @@ async def test_a_round_joins_and_leaves_while_the_jobs_long_request_runs(servers
             await replica.client.close()
 
 
-async def test_static_balancing_still_rebuilds_after_the_drain(servers: list[FakeSGLang]) -> None:
-    """Static shares are equal shares of the whole set of agents: a change deals them again, after the drain."""
+@pytest.mark.parametrize("routing", [RoutingPolicy.LEAST_TOKENS, RoutingPolicy.ROUND_ROBIN])
+async def test_static_shares_are_dealt_again_by_moves_without_the_drain(
+    servers: list[FakeSGLang], routing: RoutingPolicy
+) -> None:
+    """Static and round-robin shares are equal shares of the whole set of agents: a change deals them again by
+    moving replicas (the idle ones), while the job's long request runs on."""
     replicas = [Replica(f"replica-{i}", SGLangClient(s.url, retries=1)) for i, s in enumerate(servers)]
-    router = RolloutRouter(replicas, resolve, BalancerConfig(rebalance_enabled=False, reassignment_cost_s=0.0))
+    config = BalancerConfig(rebalance_enabled=False, routing=routing, reassignment_cost_s=0.0)
+    router = RolloutRouter(replicas, resolve, config)
     for key in (TRAIN, ROUND):
         router.require(key, 1, f"/weights/{key}/v1")
     try:
         await router.set_agents([TRAIN])
         for server in servers:
-            server.decode_s = 1.0
+            server.decode_s = 3.0
         long = asyncio.ensure_future(generate(router, TRAIN, "long#0"))
         await asyncio.wait_for(in_flight(router, TRAIN), 20)
-        await asyncio.wait_for(router.set_agents([TRAIN, ROUND]), 20)
-        assert long.done()  # the rebuild waited for it
         balancer = router.balancer()
-        assert balancer is not None and sorted(balancer.replica_counts().values()) == [1, 2]
+        assert balancer is not None
+        busy = {v.replica_id for v in balancer.replicas() if v.in_flight_requests}
+        await asyncio.wait_for(router.set_agents([TRAIN, ROUND]), 20)
+        assert not long.done()  # no rebuild waited for it
+        assert sorted(balancer.replica_counts().values()) == [1, 2]
+        assert {v.replica_id for v in balancer.replicas() if v.target_model_key == TRAIN} >= busy
+        for server in servers:
+            server.decode_s = 0.0
+        await generate(router, ROUND)  # on the replica dealt to the round
+        assert not long.done()
+
+        await asyncio.wait_for(router.set_agents([TRAIN]), 20)  # the round leaves: its replica goes back
+        assert router.balancer() is balancer and balancer.replica_counts() == {TRAIN: 3}
+        await asyncio.wait_for(long, 20)
+        await generate(router, TRAIN, "after#0")
     finally:
         await router.close()
         for replica in router.replicas():
