@@ -32,6 +32,12 @@ set's first device. ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (unless set) makes indices 
 embedded engine takes the same ``--enable-deterministic-inference`` flag.
 
 SGLang and vLLM cannot bind port 0 and report it, so a free port is chosen here.
+
+A vLLM replica binds its ZeroMQ IPC sockets under ``VLLM_RPC_BASE_PATH`` (the temp directory by
+default, ``vllm/utils/network_utils.py`` ``get_open_zmq_ipc_path``: a fresh uuid per socket) and never
+removes them, not even on a clean exit: each launch left its sockets in ``/tmp``. The launcher gives
+each one a scratch directory of its own there (unless the environment names one), removed when the
+replica stops or is relaunched (:meth:`EngineReplica.clear_scratch`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -211,11 +218,19 @@ class EngineReplica:
     """A running (or attached) replica: its URL, its API (``backend``), and its process when this launcher owns it."""
 
     def __init__(self, url: str, process: subprocess.Popen[bytes] | None = None, log_path: Path | None = None,
-                 backend: Backend = "sglang"):
+                 backend: Backend = "sglang", scratch_dir: Path | None = None):
         self.url = url
         self.process = process
         self.log_path = log_path
         self.backend = backend
+        #: The child's own temp directory (a vLLM replica's IPC sockets), removed once it exited.
+        self.scratch_dir = scratch_dir
+
+    def clear_scratch(self) -> None:
+        """Removes the scratch directory of an exited child (nothing while it runs)."""
+        if self.scratch_dir is not None and (self.process is None or self.process.poll() is not None):
+            shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            self.scratch_dir = None
 
     @property
     def pid(self) -> int | None:
@@ -257,6 +272,7 @@ class EngineReplica:
             return None
         code = stop_process(self.process, grace_s)
         kill_leftovers(self.process)
+        self.clear_scratch()
         return code
 
     def kill(self) -> None:
@@ -317,13 +333,23 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
     else:
         raise InvalidArgument(f"unknown engine backend {spec.backend!r}")
     env = replica_env(spec, os.environ)
+    scratch = None
+    if spec.backend == "vllm" and "VLLM_RPC_BASE_PATH" not in env:
+        scratch = Path(tempfile.mkdtemp(prefix=f"flexmarl-{name}-"))  # short: a socket path has 107 bytes
+        env["VLLM_RPC_BASE_PATH"] = str(scratch)
     deadline = time.monotonic() + timeout_s
-    with open(log_path, "ab" if append_log else "wb") as log_file:
-        process = subprocess.Popen(_die_with_parent(command), stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
+    try:
+        with open(log_path, "ab" if append_log else "wb") as log_file:
+            process = subprocess.Popen(_die_with_parent(command), stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+    except OSError:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
     logger.info("started %s engine pid %d on devices %s: %s", spec.backend, process.pid,
                 spec.devices or "(inherited)", " ".join(command))
-    replica = EngineReplica("", process, log_path, backend="vllm" if spec.backend == "vllm" else "sglang")
+    replica = EngineReplica("", process, log_path, backend="vllm" if spec.backend == "vllm" else "sglang",
+                            scratch_dir=scratch)
     try:
         if spec.backend == "embedded":
             port = await _wait_ready_file(ready_file, process, deadline, log_path)
@@ -335,6 +361,7 @@ async def launch(spec: ReplicaSpec, run_dir: Path, *, timeout_s: float = 120.0, 
         replica.kill()
         if replica.process is not None:
             kill_leftovers(replica.process)
+        replica.clear_scratch()
         raise
     return replica
 

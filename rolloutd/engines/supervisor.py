@@ -119,6 +119,7 @@ class EngineSupervisor:
                      item.name, item.replica.url, code, item.replica.log_tail(2000))
         if item.replica.process is not None:
             kill_leftovers(item.replica.process)  # e.g. vLLM's engine core, which outlives its server
+        item.replica.clear_scratch()
         while True:
             now = time.monotonic()
             while item.restarts and now - item.restarts[0] > self._window_s:
@@ -140,6 +141,7 @@ class EngineSupervisor:
                 continue
             item.replica.process = fresh.process
             item.replica.url = fresh.url
+            item.replica.scratch_dir = fresh.scratch_dir
             item.backoff.reset()
             logger.warning("engine %s relaunched at %s (pid %s); the router re-admits it on its next health probe",
                            item.name, fresh.url, fresh.pid)

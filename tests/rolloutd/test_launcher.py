@@ -221,3 +221,35 @@ def test_launcher_names_the_sglang_file_of_every_flag() -> None:
     for flag in (a for a in command if a.startswith("--")):
         assert f"``{flag}``" in doc, f"{flag} is not documented with its SGLang source file"
     assert sys.executable == command[0] and os.path.basename(command[2]) == "sglang.launch_server"
+
+
+async def test_a_vllm_replica_gets_a_scratch_directory_for_its_sockets_removed_when_it_exits(tmp_path: Path) -> None:
+    """vLLM binds its ZeroMQ IPC sockets under VLLM_RPC_BASE_PATH (the temp directory) and never removes them."""
+    seen = tmp_path / "seen"
+    python = tmp_path / "python"  # a "vLLM" that notes its socket directory and dies before it is healthy
+    python.write_text(f'#!/bin/sh\n[ -d "$VLLM_RPC_BASE_PATH" ] && echo "$VLLM_RPC_BASE_PATH" > {seen}\nexit 3\n')
+    python.chmod(0o755)
+    spec = ReplicaSpec("vllm", "/ckpt", vllm_python=str(python), deterministic_inference=False)
+    with pytest.raises(Unavailable, match="exited with 3"):
+        await launcher.launch(spec, tmp_path / "run", timeout_s=30, name="engine-0")
+    scratch = Path(seen.read_text().strip())
+    assert scratch.name.startswith("flexmarl-engine-0-") and scratch.parent == Path(launcher.tempfile.gettempdir())
+    assert not scratch.exists()  # removed with the failed launch
+    # a base path the operator set is theirs: no scratch directory then
+    named = dataclasses.replace(spec, env={"VLLM_RPC_BASE_PATH": str(tmp_path)})
+    with pytest.raises(Unavailable, match="exited with 3"):
+        await launcher.launch(named, tmp_path / "run", timeout_s=30, name="engine-0")
+    assert seen.read_text().strip() == str(tmp_path)
+
+
+def test_a_replicas_scratch_directory_outlives_no_stop_and_no_running_child(tmp_path: Path) -> None:
+    import subprocess
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    replica = EngineReplica("http://127.0.0.1:1", subprocess.Popen(["sleep", "60"]), backend="vllm",
+                            scratch_dir=scratch)
+    replica.clear_scratch()
+    assert scratch.is_dir()  # the child still runs (a relaunch clears it once the child exited)
+    replica.stop(grace_s=5)
+    assert not scratch.exists() and replica.scratch_dir is None

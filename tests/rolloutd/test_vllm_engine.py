@@ -419,7 +419,9 @@ async def test_lora_adapter_load_serve_unload(client: VLLMClient, engine_checkpo
 # ----- faults ---------------------------------------------------------------------------------
 async def test_a_sigkilled_replica_is_relaunched_on_its_port(vllm_server: VLLMServer) -> None:
     replica = vllm_server.replica
-    url, killed_pid = replica.url, replica.pid
+    url, killed_pid, killed_scratch = replica.url, replica.pid, replica.scratch_dir
+    # vLLM binds its ZeroMQ IPC sockets in the replica's own scratch directory, not in /tmp, where nothing removes them
+    assert killed_scratch is not None and any(entry.is_socket() for entry in killed_scratch.iterdir())
     restarts: list[str] = []
     supervisor = EngineSupervisor([(replica, vllm_server.spec, "vllm")], vllm_server.run_dir, launch_timeout_s=150,
                                   poll_s=0.05, initial_backoff_s=0.05, on_restart=restarts.append)
@@ -439,6 +441,8 @@ async def test_a_sigkilled_replica_is_relaunched_on_its_port(vllm_server: VLLMSe
     assert killed_pid is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(killed_pid, 0)
+    assert not killed_scratch.exists()  # its sockets went with it; the relaunch has a directory of its own
+    assert replica.scratch_dir is not None and replica.scratch_dir != killed_scratch and replica.scratch_dir.is_dir()
     async with replica.client() as client:
         assert await client.health()
         [result] = await client.generate(_request(4, ignore_eos=True))
