@@ -29,16 +29,15 @@ the rounds cost the run's training nothing. ``eval_curve(..., pinned=True)`` rea
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flexmarl.evaluation import EvalRecord
+from flexmarl.reward_time import HELDOUT_METRICS, heldout_curve
 
 WINDOW = 2  # rounds in the moving mean the held-out target is read on
 #: what a round's point measures (the team's scores of ``flexmarl.evaluation.EvalScores``)
-METRICS = ("success", "reward_mean")
+METRICS = HELDOUT_METRICS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,25 +66,8 @@ def eval_curve(records: Sequence[EvalRecord], published_s: Mapping[tuple[str, in
         ValueError: an unknown metric, a round that names a version with no publish time, or a pinned round whose
             agents were asked different versions or played any other version than the one asked.
     """
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    points: list[EvalPoint] = []
-    for record in sorted((r for r in records if r.on_demand == pinned), key=lambda r: r.version):
-        times = []
-        for agent in record.agents:
-            if pinned and (agent.version != record.version or set(agent.versions_seen) - {agent.version}):
-                raise ValueError(f"round {record.round_id}: agent {agent.agent!r} asked version {agent.version}, "
-                                 f"played {list(agent.versions_seen)}: not the team version {record.version} pinned")
-            newest = max((agent.version, *agent.versions_seen))
-            if (agent.agent, newest) not in published_s:
-                raise ValueError(f"round {record.round_id or record.version}: agent {agent.agent!r} played "
-                                 f"version {newest}, never published")
-            times.append(published_s[(agent.agent, newest)])
-        value = float(getattr(record.team, metric))
-        recent = [p.value for p in points[-(WINDOW - 1):]] + [value]
-        window = statistics.fmean(recent) if len(recent) == WINDOW else math.nan
-        points.append(EvalPoint(max(times, default=0.0), record.version, value, window, record.team.episodes))
-    return points
+    return [EvalPoint(p.seconds, p.version, p.value, p.window_reward, p.episodes)
+            for p in heldout_curve(records, published_s, metric, WINDOW, pinned)]
 
 
 def records_from_json(data: Sequence[Mapping[str, Any]]) -> list[EvalRecord]:

@@ -10,11 +10,12 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from benchmarks.machine import machine_set
 from benchmarks.reward_heldout import EvalPoint
 from benchmarks.reward_versions import JobVersionPoint, VersionPoint
+from flexmarl.reward_time import first_reaching, training_curve
 
 WINDOW = 5  # steps in the moving mean the target is read on
 
@@ -48,8 +49,6 @@ class _Windowed(Protocol):
     @property
     def window_reward(self) -> float: ...
 
-
-_P = TypeVar("_P", bound=_Windowed)
 
 
 @dataclasses.dataclass
@@ -167,26 +166,13 @@ class RewardRun:
 
 
 def reward_curve(history: Sequence[Any], agents: int, t0_wall_s: float, time_scale: float) -> list[CurvePoint]:
-    """Per step all ``agents`` committed: mean reward over agents, modelled s since ``t0_wall_s``, moving mean."""
-    rewards: dict[int, list[float]] = {}
-    done_at: dict[int, float] = {}
-    for record in history:
-        rewards.setdefault(record.step, []).append(record.reward_mean)
-        done_at[record.step] = max(done_at.get(record.step, 0.0), record.committed_unix_ms / 1000.0)
-    points: list[CurvePoint] = []
-    for step in sorted(step for step, values in rewards.items() if len(values) == agents):
-        reward = statistics.fmean(rewards[step])
-        recent = [p.reward for p in points[-(WINDOW - 1):]] + [reward]
-        window = statistics.fmean(recent) if len(recent) == WINDOW else float("nan")
-        points.append(CurvePoint(step, (done_at[step] - t0_wall_s) / time_scale, reward, window))
-    return points
+    """Per step all ``agents`` committed: mean trained reward over agents, modelled s since ``t0_wall_s``, moving
+    mean (``flexmarl.reward_time.training_curve`` on the modelled clock)."""
+    def clock(unix_s: float) -> float:
+        return (unix_s - t0_wall_s) / time_scale
 
-
-def first_reaching(curve: Sequence[_P], target: float) -> _P | None:
-    """The first point whose moving-mean reward is >= target (None: never, or no target)."""
-    if math.isnan(target):
-        return None
-    return next((p for p in curve if p.window_reward >= target), None)
+    return [CurvePoint(p.step, p.seconds, p.reward, p.window_reward)
+            for p in training_curve(history, agents, clock, WINDOW, value=lambda r: r.reward_mean)]
 
 
 def set_targets(runs: Sequence[RewardRun], fixed: Mapping[str, float | None]) -> None:

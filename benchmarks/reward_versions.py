@@ -41,6 +41,7 @@ import numpy as np
 
 from flexmarl.experience import SPAN_DTYPE, reported_return
 from flexmarl.localcluster import STORED_DATA_DIR
+from flexmarl.reward_time import published_seconds
 from stored.database import DB_FILE
 
 WINDOW = 5  # versions in the moving mean, as the per-step reading's 5 steps
@@ -192,6 +193,4 @@ def job_version_curve(curves: Mapping[str, Sequence[VersionPoint]], agents: Sequ
 
 def published_times(history: Sequence[Any], t0_wall_s: float, time_scale: float) -> dict[tuple[str, int], float]:
     """(agent, version) -> modelled s since ``t0_wall_s`` its commit published it; version 0 at 0."""
-    out = {(r.agent, 0): 0.0 for r in history}
-    out.update({(r.agent, r.version): (r.committed_unix_ms / 1000.0 - t0_wall_s) / time_scale for r in history})
-    return out
+    return published_seconds(history, lambda unix_s: (unix_s - t0_wall_s) / time_scale)

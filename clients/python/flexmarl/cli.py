@@ -953,8 +953,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--trainer-slots", type=int, default=1)
     demo.add_argument("--verbose", action="store_true", help="show progress while building tiny:// models")
     demo.set_defaults(func=cmd_demo)
-    from flexmarl import slurm
+    from flexmarl import reward_time, slurm
 
+    reward_time.add_parser(sub, common)
     slurm.add_parser(sub, common)
     return parser
 
