@@ -111,6 +111,25 @@ def test_status_json_and_table(run_dir: Path, finished_job: tuple[str, CliResult
     assert f"job {job_id} (signaling): succeeded  tasks 8/8" in table.stdout, table.explain()
 
 
+def test_time_to_reward_reads_the_jobs_own_steps(run_dir: Path, finished_job: tuple[str, CliResult]) -> None:
+    job_id, _ = finished_job
+    history = run_cli("history", job_id, "--csv", "--run-dir", str(run_dir))
+    rows = list(csv.DictReader(io.StringIO(history.stdout)))
+    first = sum(float(r["return_mean"]) for r in rows if r["step"] == "0") / 2
+    result = run_cli("time-to-reward", job_id, job_id, "--window", "1", "--target", str(first), "--json",
+                     "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.explain()
+    out = json.loads(result.stdout)
+    assert out["target"] == first and len(out["jobs"]) == 2
+    job = out["jobs"][0]
+    # reached at step 0, the moment its first step committed: 0 s after step 0, a few seconds after submission
+    assert (job["job_id"], job["state"], job["points"], job["reached_at"]) == (job_id, "succeeded", 2, 0)
+    assert job["after_step0_s"] == 0.0 and job["since_submit_s"] > 0 and job["speedup"] is None
+    # a 5-step moving mean over 2 steps has no value yet: nothing reached, said as such
+    table = run_cli("time-to-reward", job_id, "--target", "0", "--run-dir", str(run_dir))
+    assert table.returncode == 0 and "target 0.000" in table.stdout and "-" in table.stdout, table.explain()
+
+
 def test_history_status_and_watch_show_the_reported_return_beside_the_trained_reward(
         run_dir: Path, finished_job: tuple[str, CliResult]) -> None:
     """The example's sender trains on the receiver's probability of the target (shape_reward); both report 0/1."""

@@ -21,7 +21,8 @@ def no_cluster_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLEXMARL_ETCD_ENDPOINTS", raising=False)
 
 
-@pytest.mark.parametrize("command", [["jobs"], ["status", "j"], ["watch", "j"], ["cancel", "j"], ["plot", "j"]])
+@pytest.mark.parametrize("command", [["jobs"], ["status", "j"], ["watch", "j"], ["cancel", "j"], ["plot", "j"],
+                                     ["time-to-reward", "j"]])
 def test_no_cluster_file_is_exit_3(command: list[str], tmp_path: Path) -> None:
     result = run_cli(*command, "--run-dir", str(tmp_path))
     assert result.returncode == 3, result.explain()
