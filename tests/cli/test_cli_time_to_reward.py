@@ -7,6 +7,7 @@ the time after its first step) and prints each job's time to the target and its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from concurrent import futures
@@ -23,6 +24,7 @@ from flexmarl.reward_time import (
     first_reaching,
     heldout_curve,
     published_seconds,
+    team_pinned_rounds,
     training_curve,
 )
 from flexmarl.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -86,6 +88,18 @@ def test_a_held_out_round_is_placed_at_its_newest_versions_publish() -> None:
         heldout_curve(rounds, published, "accuracy")
 
 
+def test_pinned_rounds_are_one_team_version_each_the_latest_per_version_and_played_alike() -> None:
+    pinned = [round_at(4, 0.5, {"a": (4,), "b": (4,)}, "d1"), round_at(4, 0.6, {"a": (4,), "b": (4,)}, "d10"),
+              round_at(2, 0.1, {"a": (2,), "b": (2,)}, "d2"), round_at(0, 0.0, {"a": (0,), "b": (0,)}, "v0")]
+    mixed = [round_at(2, 0.3, {"a": (2,), "b": (4,)}, "d3"), round_at(6, 0.3, {"a": (6, 7), "b": (6,)}, "d4")]
+    kept, skipped = team_pinned_rounds(pinned + mixed)
+    # the periodic v0 is no on-demand round; d10 was asked after d2 and d1 (by number, not by name)
+    assert [(r.round_id, r.team.success) for r in kept] == [("d2", 0.1), ("d10", 0.6)] and skipped == 2
+    other = dataclasses.replace(round_at(8, 1.0, {"a": (8,), "b": (8,)}, "d11"), sampling="policy")
+    with pytest.raises(ValueError, match="played differently"):
+        team_pinned_rounds([*pinned, other])
+
+
 def _job(job_id: str, step_s: float) -> tuple[orchestrator_pb2.JobStatus, list[orchestrator_pb2.StepRecord]]:
     """Two agents whose reward climbs 0.1 a step from 0.1, a step every ``step_s`` after a 30 s start."""
     status = orchestrator_pb2.JobStatus(job_id=job_id, name=f"name-{job_id}", created_unix_ms=SUBMITTED_MS,
@@ -106,6 +120,12 @@ class TwoJobs(orchestrator_pb2_grpc.OrchestratorServicer):
             version=v, round_id=f"v{v}", team=orchestrator_pb2.EvalScores(success=v / 10, episodes=8),
             agents=[orchestrator_pb2.EvalAgentScores(agent=a, version=v, versions_seen=[v]) for a in "ab"])
             for v in (0, 4, 8, 12)]
+        # on-demand rounds: d1, d2, d3 pin both agents (d3 repeats version 8: the latest counts); d4 mixes versions
+        for n, (versions, value) in enumerate([((4, 4), 0.2), ((8, 8), 0.9), ((8, 8), 1.0), ((8, 4), 1.0)], 1):
+            self.evals.append(orchestrator_pb2.EvalRecord(
+                version=min(versions), round_id=f"d{n}", team=orchestrator_pb2.EvalScores(success=value, episodes=8),
+                agents=[orchestrator_pb2.EvalAgentScores(agent=a, version=v, versions_seen=[v])
+                        for a, v in zip("ab", versions, strict=True)]))
 
     def GetJob(self, request: Any, context: Any) -> Any:  # noqa: N802
         if request.job_id not in self.jobs:
@@ -148,6 +168,16 @@ def test_the_command_gives_each_jobs_time_to_the_target_and_its_speedup(
     sync, fast = json.loads(capsys.readouterr().out)["jobs"]
     assert sync["reached_at"] == 8 and sync["since_submit_s"] == 30 + 20 * 7 and fast["since_submit_s"] == 30 + 10 * 7
     assert sync["after_step0_s"] == 140 and fast["speedup"] == 2.0
+
+    # pinned: the on-demand rounds with every agent at one version; 0.95 first at version 8 (d3, not d2)
+    assert cli.main(["time-to-reward", "sync", "--pinned", "--window", "1", "--target", "0.95", "--json",
+                     "--address", address]) == 0
+    [sync] = json.loads(capsys.readouterr().out)["jobs"]
+    assert (sync["points"], sync["reached_at"], sync["since_submit_s"], sync["rounds_left_out"]) == (2, 8, 170.0, 1)
+    assert cli.main(["time-to-reward", "sync", "--pinned", "--address", address]) == 0  # the table says it on stderr
+    assert "job sync: 1 on-demand rounds left out" in capsys.readouterr().err
+    assert cli.main(["time-to-reward", "sync", "--pinned", "--eval", "--address", address]) == cli.EXIT_USAGE
+    assert "two readings" in capsys.readouterr().err
 
 
 def test_bad_arguments_and_unknown_jobs_are_one_line_each(address: str, capsys: pytest.CaptureFixture[str]) -> None:

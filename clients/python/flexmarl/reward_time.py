@@ -9,7 +9,12 @@ own records, two ways:
   ``window`` steps (5), placed when the step's last agent committed it;
 * **held-out** (``--eval``): the job's periodic evaluation rounds (``evaluation:``, docs/evaluation.md), the team's
   success (or its mean return, ``--metric reward_mean``), moving mean over 2 rounds, each round placed when the
-  newest version that played in it was published (a round is never credited before its weights existed).
+  newest version that played in it was published (a round is never credited before its weights existed);
+* **pinned** (``--pinned``): the on-demand rounds ``flexmarl eval --versions kept`` opened after the job, each with
+  every agent at one team version, placed at that version's publish: each point measures one version, where a
+  periodic round under async may mix several. Rounds not pinned to one team version are left out (and counted);
+  of several rounds at one version the latest counts; rounds that played differently (sampling, samples, tasks,
+  task file) are refused, as they are not one curve.
 
 Times are seconds since the job was submitted and since its first step was committed ("after step 0": start-up,
 warm starts and the first rollout left out, which is what the pipeline schedule changes). The target is the
@@ -138,6 +143,29 @@ def heldout_curve(records: Sequence[EvalRecord], published: Mapping[tuple[str, i
     return points
 
 
+def team_pinned_rounds(records: Sequence[EvalRecord]) -> tuple[list[EvalRecord], int]:
+    """The on-demand rounds that pinned every agent to the round's team version (the latest per version), and the rest.
+
+    The rest: how many on-demand rounds were left out as not pinned so (``flexmarl eval --agent-versions`` mixes, a
+    round that played other versions).
+
+    Raises:
+        ValueError: the kept rounds played differently (sampling, samples per task, tasks or task file).
+    """
+    kept: dict[int, EvalRecord] = {}
+    skipped = 0
+    for record in sorted((r for r in records if r.on_demand), key=lambda r: int(r.round_id[1:] or 0)):
+        if all(a.version == record.version and set(a.versions_seen) <= {record.version} for a in record.agents):
+            kept[record.version] = record  # rounds in the order they were asked: the latest wins
+        else:
+            skipped += 1
+    settings = {(r.sampling, r.samples_per_task, r.tasks, r.eval_file) for r in kept.values()}
+    if len(settings) > 1:
+        raise ValueError(f"the pinned rounds played differently (sampling, samples per task, tasks, task file: "
+                         f"{sorted(settings)}); evaluate the versions again with one setting")
+    return [kept[v] for v in sorted(kept)], skipped
+
+
 def first_reaching(curve: Sequence[_P], target: float) -> _P | None:
     """The first point whose moving mean is >= target (None: never, or a nan target)."""
     if math.isnan(target):
@@ -162,6 +190,8 @@ def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
     p.add_argument("--target", type=float, default=None,
                    help=f"the reward to reach (default: the first job's final moving mean - {FINAL_TOLERANCE})")
     p.add_argument("--eval", action="store_true", help="read the periodic held-out rounds, not the training reward")
+    p.add_argument("--pinned", action="store_true",
+                   help="read the on-demand rounds of `flexmarl eval --versions kept` (one team version each)")
     p.add_argument("--metric", choices=HELDOUT_METRICS, default="success", help="with --eval: the team's figure")
     p.add_argument("--window", type=int, default=0,
                    help=f"steps (rounds) in the moving mean (0: {TRAINING_WINDOW}; with --eval {HELDOUT_WINDOW})")
@@ -170,16 +200,23 @@ def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
 
 
 def job_reading(history: Sequence[Any], evals: Sequence[EvalRecord], agents: int, submitted_s: float, *,
-                heldout: bool, metric: str, window: int) -> tuple[list[RewardPoint] | list[HeldOutPoint], float]:
-    """One job's curve on seconds since it was submitted, and the time its first step was committed (nan: none)."""
+                heldout: bool, metric: str, window: int,
+                pinned: bool = False) -> tuple[list[RewardPoint] | list[HeldOutPoint], float, int]:
+    """One job's curve on seconds since it was submitted, when its first step was committed, and rounds left out.
+
+    The first commit: nan when there is none; rounds left out: the on-demand rounds a pinned reading skipped.
+    """
     def clock(unix_s: float) -> float:
         return unix_s - submitted_s
 
     steps = training_curve(history, agents, clock, window if not heldout else TRAINING_WINDOW)
     step0_s = steps[0].seconds if steps else math.nan
     if not heldout:
-        return steps, step0_s
-    return heldout_curve(evals, published_seconds(history, clock), metric, window), step0_s
+        return steps, step0_s, 0
+    skipped = 0
+    if pinned:
+        evals, skipped = team_pinned_rounds(evals)
+    return heldout_curve(evals, published_seconds(history, clock), metric, window, pinned), step0_s, skipped
 
 
 def cmd_time_to_reward(args: argparse.Namespace) -> int:
@@ -188,34 +225,47 @@ def cmd_time_to_reward(args: argparse.Namespace) -> int:
 
     if args.window < 0 or (args.target is not None and not math.isfinite(args.target)):
         raise cli.CliError("--window must be >= 0 and --target a number", cli.EXIT_USAGE)
-    window = args.window or (HELDOUT_WINDOW if args.eval else TRAINING_WINDOW)
+    if args.eval and args.pinned:
+        raise cli.CliError("--eval (periodic rounds) and --pinned (on-demand rounds) are two readings: choose one",
+                           cli.EXIT_USAGE)
+    heldout = args.eval or args.pinned
+    window = args.window or (HELDOUT_WINDOW if heldout else TRAINING_WINDOW)
     readings = []
     with cli._client(args) as client:
         for job_id in args.job_ids:
             info = client.status(job_id)
             history = client.history(job_id)
-            evals = client.evaluations(job_id) if args.eval else []
+            evals = client.evaluations(job_id) if heldout else []
             try:
-                curve, step0_s = job_reading(history, evals, max(len(info.agents), 1), info.created_unix_ms / 1000.0,
-                                             heldout=args.eval, metric=args.metric, window=window)
+                curve, step0_s, skipped = job_reading(
+                    history, evals, max(len(info.agents), 1), info.created_unix_ms / 1000.0, heldout=heldout,
+                    metric=args.metric, window=window, pinned=args.pinned)
             except ValueError as exc:
                 raise cli.CliError(f"job {job_id}: {exc}") from None
-            readings.append((info, curve, step0_s))
+            readings.append((info, curve, step0_s, skipped))
     target = args.target
     if target is None:
         target = final_reward(readings[0][1]) - FINAL_TOLERANCE
-    rows = [_row(info, curve, step0_s, target, heldout=args.eval) for info, curve, step0_s in readings]
+    rows = [_row(info, curve, step0_s, target, heldout=heldout) for info, curve, step0_s, _ in readings]
+    if args.pinned:
+        for row, (*_, skipped) in zip(rows, readings, strict=True):
+            row["rounds_left_out"] = skipped
     base = rows[0]["after_step0_s"]
     for row in rows:
         mine = row["after_step0_s"]
         row["speedup"] = base / mine if base is not None and mine else None
-    reading = (f"held-out team {args.metric}, moving mean of {window} rounds" if args.eval else
+    kind = "pinned (one team version a round)" if args.pinned else "periodic"
+    reading = (f"held-out team {args.metric} on {kind} rounds, moving mean of {window}" if heldout else
                f"mean episode return over the agents, moving mean of {window} steps")
     if args.json:
         json.dump({"reading": reading, "target": target, "jobs": rows}, sys.stdout, indent=2)
         print()
         return cli.EXIT_OK
-    _print(rows, reading, target, args.eval)
+    _print(rows, reading, target, heldout)
+    for row in rows:
+        if row.get("rounds_left_out"):
+            print(f"job {row['job_id']}: {row['rounds_left_out']} on-demand rounds left out (not every agent at one "
+                  "team version)", file=sys.stderr)
     return cli.EXIT_OK
 
 
