@@ -50,7 +50,6 @@ class _Windowed(Protocol):
     def window_reward(self) -> float: ...
 
 
-
 @dataclasses.dataclass
 class RewardRun:
     """One configuration, workload and seed."""

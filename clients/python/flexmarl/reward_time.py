@@ -71,12 +71,29 @@ class HeldOutPoint:
     episodes: int
 
 
-class _Windowed(Protocol):
+class Windowed(Protocol):
+    """A point of a curve with a moving mean (``RewardPoint``, ``HeldOutPoint``, the benchmark's points)."""
+
     @property
-    def window_reward(self) -> float: ...
+    def window_reward(self) -> float:
+        """The point's moving mean (nan before the window is full)."""
+        ...
 
 
-_P = TypeVar("_P", bound=_Windowed)
+_P = TypeVar("_P", bound=Windowed)
+_Q = TypeVar("_Q")
+
+
+def _moving_mean(before: Sequence[_Q], value_of: Callable[[_Q], float], value: float, window: int) -> float:
+    """The mean of ``value`` and the values of the ``window - 1`` points before it (nan while there are fewer)."""
+    if window < 1 or len(before) < window - 1:
+        return math.nan
+    return statistics.fmean([*(value_of(p) for p in before[len(before) - (window - 1):]), value])
+
+
+def _played_only(agent: Any, version: int) -> bool:
+    """Whether an agent of a round was asked ``version`` and every turn of it was played by that version."""
+    return bool(agent.version == version and set(agent.versions_seen) <= {version})
 
 
 def episode_return(record: Any) -> float:
@@ -96,9 +113,7 @@ def training_curve(history: Sequence[Any], agents: int, clock: Clock, window: in
     points: list[RewardPoint] = []
     for step in sorted(step for step, found in values.items() if len(found) == agents):
         reward = statistics.fmean(values[step])
-        recent = [p.reward for p in points[-(window - 1):]] if window > 1 else []
-        recent.append(reward)
-        smoothed = statistics.fmean(recent) if len(recent) == window else math.nan
+        smoothed = _moving_mean(points, lambda p: p.reward, reward, window)
         points.append(RewardPoint(step, clock(done_at[step]), reward, smoothed))
     return points
 
@@ -127,7 +142,7 @@ def heldout_curve(records: Sequence[EvalRecord], published: Mapping[tuple[str, i
     for record in sorted((r for r in records if r.on_demand == pinned), key=lambda r: r.version):
         times = []
         for agent in record.agents:
-            if pinned and (agent.version != record.version or set(agent.versions_seen) - {agent.version}):
+            if pinned and not _played_only(agent, record.version):
                 raise ValueError(f"round {record.round_id}: agent {agent.agent!r} asked version {agent.version}, "
                                  f"played {list(agent.versions_seen)}: not the team version {record.version} pinned")
             newest = max((agent.version, *agent.versions_seen))
@@ -136,9 +151,7 @@ def heldout_curve(records: Sequence[EvalRecord], published: Mapping[tuple[str, i
                                  f"version {newest}, never published")
             times.append(published[(agent.agent, newest)])
         value = float(getattr(record.team, metric))
-        recent = [p.value for p in points[-(window - 1):]] if window > 1 else []
-        recent.append(value)
-        smoothed = statistics.fmean(recent) if len(recent) == window else math.nan
+        smoothed = _moving_mean(points, lambda p: p.value, value, window)
         points.append(HeldOutPoint(max(times, default=0.0), record.version, value, smoothed, record.team.episodes))
     return points
 
@@ -155,7 +168,7 @@ def team_pinned_rounds(records: Sequence[EvalRecord]) -> tuple[list[EvalRecord],
     kept: dict[int, EvalRecord] = {}
     skipped = 0
     for record in sorted((r for r in records if r.on_demand), key=lambda r: int(r.round_id[1:] or 0)):
-        if all(a.version == record.version and set(a.versions_seen) <= {record.version} for a in record.agents):
+        if all(_played_only(agent, record.version) for agent in record.agents):
             kept[record.version] = record  # rounds in the order they were asked: the latest wins
         else:
             skipped += 1
@@ -173,7 +186,7 @@ def first_reaching(curve: Sequence[_P], target: float) -> _P | None:
     return next((p for p in curve if p.window_reward >= target), None)
 
 
-def final_reward(curve: Sequence[_Windowed]) -> float:
+def final_reward(curve: Sequence[Windowed]) -> float:
     """The last defined moving mean (nan: none)."""
     return next((p.window_reward for p in reversed(curve) if not math.isnan(p.window_reward)), math.nan)
 
