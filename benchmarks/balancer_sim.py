@@ -217,7 +217,7 @@ class _Simulation:
 
     def start_loads(self) -> None:
         for move in self.balancer.replicas_awaiting_load():
-            self.balancer.begin_load(move.replica_id)
+            self.balancer.begin_load(move.replica_id, self.now_s)  # its drain, measured as the router does
             self.cached[move.replica_id].clear()
             heapq.heappush(self.loads_done, (self.now_s + self.config.reload_s, move.replica_id))
 

@@ -530,7 +530,7 @@ class Simulation:
     def start_loads(self, process: RolloutProcess) -> None:
         """Drained replicas load their new agent's weights."""
         for move in process.balancer.replicas_awaiting_load():
-            process.balancer.begin_load(move.replica_id)
+            process.balancer.begin_load(move.replica_id, self.now_s)  # its drain, measured as the router does
             replica = self.replicas[move.replica_id]
             replica.loaded = (move.to_model_key, self.wanted[move.to_model_key])
             load_s = devicemodel.weight_transfer_s(self.profile)

@@ -44,6 +44,7 @@ class RolloutApp(DaemonApp):
             balancer_measured_rates=config.balancer_measured_rates, balancer_tokens_per_s=config.balancer_tokens_per_s,
             balancer_reassignment_cost_s=config.balancer_reassignment_cost_s,
             balancer_dispatch_kv_factor=config.balancer_dispatch_kv_factor,
+            balancer_move_patience=config.balancer_move_patience,
             max_tasks_cap=config.max_tasks_cap,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))

@@ -9,7 +9,9 @@ Two levels (DESIGN.md §4):
   time to drain the donor replica. A rebalance plans greedy moves, each shortening the current
   bottleneck, and makes them only if together they cut the largest estimated drain time by more
   than the hysteresis margin (a per-move margin would never grow a group of nine or more: one
-  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``.
+  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``,
+  and only once every rebalance has wanted them for as long as they cost, drain and load
+  (``BalancerConfig.move_patience``, ski rental: :mod:`rolloutd.move_patience`).
   A group with demand never loses its last replica, and a group that has demand but no
   replica gets one at the next rebalance regardless of hysteresis. The rates and the load cost
   are the caller's measurements where it has them (rolloutd: :mod:`rolloutd.replica_rates`, fed
@@ -36,21 +38,11 @@ Two levels (DESIGN.md §4):
   its replicas' own queues, where a replica moved to the group cannot take any of it and a replica
   moved away works through all of it before its load (its drain is the backlog, not one batch).
 
-LoRA agents (``AgentSpec.adapter``) over one base form one model group, the base's replica pool:
-any replica of the pool serves each of them without a weight load, so no replica moves between
-them; what they share is adapter residency. A replica runs at most ``adapter_slots[group]``
-distinct adapter *names* at once (SGLang's ``--max-loras-per-batch``: the scheduler admits no
-request whose ``lora_id`` would take the running batch's set of them past it,
-sglang/srt/managers/scheduler.py ``can_schedule_lora_req`` and sglang/srt/lora/lora_manager.py
-``validate_lora_batch``; the base alone, ``lora_id`` None, is one of them). A request carries the
-name it will be served with (:meth:`HierarchicalBalancer.submit` ``adapter``: rolloutd serves each
-version as its own name, ``<agent>@v<k>``, and version 0 as the base alone, :data:`BASE_ADAPTER`),
-so an agent switching versions holds two slots while requests of both run, and the v0 requests of
-all a pool's agents share one. A request goes to a pool replica already running its name or with a
-slot free, and otherwise waits; a waiting request of one name does not hold up the others of its
-pool (FIFO per name).
-Full-model agents keep their groups and replica moves; the pools take part in those moves as one
-group each.
+LoRA agents (``AgentSpec.adapter``) over one base form one model group, the base's replica pool (no
+replica moves between its adapters). A replica runs at most ``adapter_slots[group]`` distinct adapter
+names at once, counted as SGLang's scheduler counts ``lora_id`` (sglang/srt/managers/scheduler.py
+``can_schedule_lora_req``; the base alone, :data:`BASE_ADAPTER`, is one); a request waits, FIFO per
+name, for a replica running its name or with a slot free (docs/rollout.md, "LoRA agents").
 
 The caller (the async rollout router, or the simulator in ``benchmarks.balancer_sim``) owns time and
 I/O: it calls :meth:`HierarchicalBalancer.submit` per request, :meth:`~HierarchicalBalancer.finish`
@@ -77,6 +69,7 @@ from rolloutd.balancer_types import (
     TokenEstimator,
     equal_split,
 )
+from rolloutd.move_patience import DrainTimes, MovePatience
 
 __all__ = [
     "AFFINITY_SEPARATOR", "BASE_ADAPTER", "AgentSpec", "BalancerConfig", "HierarchicalBalancer", "ReplicaAssignment",
@@ -98,6 +91,8 @@ BASE_ADAPTER = ""
 #: A donor's rank (lower is better): its group's drain time without it, minus the group's now, its
 #: outstanding tokens, its id.
 _DonorScore = tuple[float, float, int, str]
+#: A planned move, what undoing it restores (replica, target, last move, phase, rate, draining since), its cost.
+_PlannedMove = tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float, "float | None", float]
 
 
 class HierarchicalBalancer:
@@ -127,6 +122,7 @@ class HierarchicalBalancer:
         self.estimator = estimator if estimator is not None else TokenEstimator()
         self._config = config or BalancerConfig()
         self._reassignment_cost_s = self._config.reassignment_cost_s
+        self._drains, self._patience = DrainTimes(), MovePatience(self._config.move_patience)
         self._agent_model: dict[str, str] = {}
         self._adapters: set[str] = set()
         self._adapter_slots: dict[str, int] = {}
@@ -181,11 +177,7 @@ class HierarchicalBalancer:
         return dict(self._groups().counts)
 
     def model_key_of(self, agent: str) -> str:
-        """The model group of an agent (a LoRA agent's: its base's pool).
-
-        Raises:
-            NotFound: the agent is not balanced here.
-        """
+        """The model group of an agent (a LoRA agent's: its base's pool); NotFound if not balanced here."""
         return self._model_of(agent)
 
     def demand_tokens(self, agent: str) -> int:
@@ -229,12 +221,7 @@ class HierarchicalBalancer:
             self._rebalance_urgent = True
 
     def set_demand_hints(self, hints: Mapping[str, int]) -> None:
-        """:meth:`set_demand_hint` of every agent of one demand push (SetAgentDemand), in one call.
-
-        Raises:
-            NotFound: an agent is not balanced here (no hint is set then).
-            InvalidArgument: a hint is negative (no hint is set then).
-        """
+        """:meth:`set_demand_hint` of every agent of a push (SetAgentDemand); NotFound or InvalidArgument sets none."""
         model_of = self._model_of
         entries = [(agent, model_of(agent), tokens) for agent, tokens in hints.items()]
         negative = {agent: tokens for agent, _, tokens in entries if tokens < 0}
@@ -743,33 +730,40 @@ class HierarchicalBalancer:
         drain_s = {key: self._drain_time_s(demand[key], rates[key]) for key in self._model_keys}
         before_s = max((drain_s[key] for key in self._model_keys if demand[key] > 0), default=0.0)
         if before_s <= 0 or math.isinf(before_s):
+            self._patience.forget()
             return []
+        self._drains.note_ongoing(now_s, ((r.model_key, r.draining_since_s) for r in self._replicas.values()
+                                          if r.draining_since_s is not None))
         after_s: dict[str, float] = {}
-        planned: list[tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float]] = []
+        planned: list[_PlannedMove] = []
         for _ in range(len(self._replicas)):
             found = self._best_improving_move(demand, now_s, after_s)
             if found is None:
                 break
             planned.append(found)
-        if not planned:
-            return []
         rates = self._group_rates()
         final_s = max(after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys)
-        if final_s <= before_s * (1.0 - self._config.hysteresis):
-            return [move for move, *_ in planned]
-        for _move, replica, target, last_move_s, phase, rate in reversed(planned):  # not worth it: undo
+        if not planned or final_s > before_s * (1.0 - self._config.hysteresis):
+            self._patience.forget()  # not worth it
+        else:
+            wanted_cost_s: dict[str, float] = {}
+            for move, *_, cost_s in planned:
+                wanted_cost_s[move.to_model_key] = max(cost_s, wanted_cost_s.get(move.to_model_key, 0.0))
+            if self._patience.ripe(wanted_cost_s, now_s, {key for move, *_ in planned
+                                                         for key in (move.from_model_key, move.to_model_key)}):
+                return [move for move, *_ in planned]
+        for _move, replica, target, last_move_s, phase, rate, draining_since_s, _cost in reversed(planned):  # undo
             replica.target_model_key, replica.last_move_s, replica.phase = target, last_move_s, phase
-            replica.tokens_per_s = rate
+            replica.tokens_per_s, replica.draining_since_s = rate, draining_since_s
             self._groups_epoch += 1
             if phase is ReplicaPhase.AWAITING_LOAD:
                 self._maybe_awaiting.add(replica.spec.replica_id)
             self.reassignments -= 1
         return []
 
-    def _best_improving_move(
-        self, demand: Mapping[str, int], now_s: float, after_s: dict[str, float]
-    ) -> tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float] | None:
-        """The next move that shortens the current bottleneck, with what undoing it needs.
+    def _best_improving_move(self, demand: Mapping[str, int], now_s: float,
+                             after_s: dict[str, float]) -> _PlannedMove | None:
+        """The next move that shortens the current bottleneck, with what undoing it needs and its cost (s).
 
         ``after_s`` collects each touched group's estimated drain time after the moves so far
         (a receiving group's includes the weight load and the donor's drain).
@@ -795,7 +789,10 @@ class HierarchicalBalancer:
             return None
         donor_rate = donor.tokens_per_s
         donor_key = donor.target_model_key
-        cost_s = self._reassignment_cost_s + donor.outstanding_tokens / donor_rate
+        drain_s = donor.outstanding_tokens / donor_rate
+        if donor.in_flight_requests:  # its last request takes its whole latency, however few tokens are left
+            drain_s = max(drain_s, self._drains.estimate_s(donor.model_key))
+        cost_s = self._reassignment_cost_s + drain_s
         bottleneck_rate = rates[bottleneck]
         # Replicas this plan already moved in are loading, not serving, during the cost.
         serving_rate = bottleneck_rate - self._groups().incoming.get(bottleneck, 0.0)
@@ -804,12 +801,13 @@ class HierarchicalBalancer:
         donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
         if not (bottleneck_after_s < before_s and donor_after_s < before_s):
             return None
-        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase, donor.tokens_per_s)
+        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase, donor.tokens_per_s,
+                donor.draining_since_s)
         move = self._move(donor, bottleneck, now_s)
         after_s[bottleneck] = bottleneck_after_s
         if donor_key in self._model_keys:
             after_s[donor_key] = max(after_s.get(donor_key, 0.0), donor_after_s)
-        return (move, *undo)
+        return (move, *undo, cost_s)
 
     def _pick_donor(
         self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool
@@ -865,6 +863,8 @@ class HierarchicalBalancer:
         replica.target_model_key = to_model_key
         replica.last_move_s = now_s
         replica.phase = ReplicaPhase.DRAINING if replica.in_flight_requests else ReplicaPhase.AWAITING_LOAD
+        if replica.phase is ReplicaPhase.DRAINING and replica.draining_since_s is None:
+            replica.draining_since_s = now_s
         if replica.phase is ReplicaPhase.AWAITING_LOAD:
             self._maybe_awaiting.add(replica.spec.replica_id)
         self._groups_epoch += 1
@@ -935,11 +935,14 @@ class HierarchicalBalancer:
         self._maybe_awaiting = set(awaiting)
         return [ReplicaMove(i, self._replicas[i].model_key, self._replicas[i].target_model_key) for i in awaiting]
 
-    def begin_load(self, replica_id: str) -> None:
-        """Marks that the caller started loading the replica's new weights."""
+    def begin_load(self, replica_id: str, now_s: float | None = None) -> None:
+        """Marks that the caller started loading the replica's new weights (at ``now_s``: its drain is measured)."""
         replica = self._replica(replica_id)
         if replica.phase is not ReplicaPhase.AWAITING_LOAD:
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not awaiting a load")
+        if now_s is not None and replica.draining_since_s is not None:
+            self._drains.observe(replica.model_key, max(0.0, now_s - replica.draining_since_s))
+        replica.draining_since_s = None
         index = self._groups()
         replica.phase = ReplicaPhase.LOADING
         self._groups_epoch += 1

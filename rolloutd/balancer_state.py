@@ -65,6 +65,8 @@ class ReplicaState:
     kv_tokens: int = 0
     kv_capacity_tokens: float = math.inf
     last_move_s: float = -math.inf
+    #: When a move left it draining requests (its drain is measured at its load), else None.
+    draining_since_s: float | None = None
     #: Adapter name (Ticket.adapter) -> its requests in flight here.
     adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 

@@ -43,6 +43,9 @@ class BalancerConfig:
         hysteresis: a rebalance's moves, together, must cut the largest group's estimated
             drain time by at least this fraction (after counting the moves' cost).
         min_residency_s: a replica that was moved stays put at least this long.
+        move_patience: a planned move into a group is made once every rebalance has wanted it for this
+            multiple of the move's estimated cost, drain and load (ski rental, :mod:`rolloutd.move_patience`);
+            0: at once.
         max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
         measured_rates: replica rates are measured deliveries (rolloutd's :mod:`rolloutd.replica_rates`,
             through :meth:`HierarchicalBalancer.set_replica_rate`), which depend on the load a group
@@ -66,6 +69,7 @@ class BalancerConfig:
     reassignment_cost_s: float = 10.0
     hysteresis: float = 0.1
     min_residency_s: float = 0.0
+    move_patience: float = 1.0
     max_affinity_keys: int = 100_000
     measured_rates: bool = True
     prior_tokens_per_s: float = 1000.0
@@ -76,7 +80,8 @@ class BalancerConfig:
             raise InvalidArgument("balance_abs_threshold_tokens must be >= 0")
         if self.balance_rel_threshold < 1.0:
             raise InvalidArgument("balance_rel_threshold must be >= 1")
-        if self.rebalance_interval_s < 0 or self.reassignment_cost_s < 0 or self.min_residency_s < 0:
+        if (self.rebalance_interval_s < 0 or self.reassignment_cost_s < 0 or self.min_residency_s < 0
+                or not 0 <= self.move_patience < math.inf):
             raise InvalidArgument("intervals and costs must be >= 0")
         if not 0.0 <= self.hysteresis < 1.0:
             raise InvalidArgument("hysteresis must be in [0, 1)")

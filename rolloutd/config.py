@@ -125,6 +125,11 @@ class RolloutConfig(DaemonConfig):
         default=1000.0, metadata=_help("the balancer's rate of a replica until it is measured (tokens/s)"))
     balancer_reassignment_cost_s: float = dataclasses.field(
         default=10.0, metadata=_help("the balancer's cost of a replica move (one weight load) until one is measured"))
+    balancer_move_patience: float = dataclasses.field(
+        default=1.0, metadata=_help("a planned replica move is made once every rebalance has wanted it for this "
+                                    "multiple of its estimated cost, its drain and weight load (ski rental: demand "
+                                    "that turns faster than a move completes is not chased); the first moves of "
+                                    "a group at once; 0: every move at once"))
     balancer_dispatch_kv_factor: float = dataclasses.field(
         default=0.0, metadata=_help("> 0: a replica takes a request only while its requests' reserved KV tokens "
                                     "(prompt + max_new_tokens each) stay within this factor of its engine's "
@@ -138,6 +143,8 @@ class RolloutConfig(DaemonConfig):
             raise ConfigError(f"balancer_tokens_per_s: must be > 0, got {self.balancer_tokens_per_s}")
         if not 0 <= self.balancer_reassignment_cost_s < float("inf"):
             raise ConfigError(f"balancer_reassignment_cost_s: must be >= 0, got {self.balancer_reassignment_cost_s}")
+        if not 0 <= self.balancer_move_patience < float("inf"):
+            raise ConfigError(f"balancer_move_patience: must be >= 0, got {self.balancer_move_patience}")
         if not 0 <= self.balancer_dispatch_kv_factor < float("inf"):
             raise ConfigError(f"balancer_dispatch_kv_factor: must be >= 0, got {self.balancer_dispatch_kv_factor}")
         if not 1 <= self.engine_max_loras_per_batch <= 1024:

@@ -820,7 +820,7 @@ class RolloutRouter:
                      self.delivered_tokens_per_s(move.replica_id), view.tokens_per_s if view is not None else 0.0,
                      balancer.reassignment_cost_s)
         for move in balancer.replicas_awaiting_load():
-            balancer.begin_load(move.replica_id)
+            balancer.begin_load(move.replica_id, now_s)  # its drain, measured
             self._spawn(self._move(move.replica_id, move.to_model_key))
         self._wake_placed(balancer.place_queued())
 

@@ -1,0 +1,105 @@
+"""When the hierarchical balancer makes a move it planned, and what a move's drain costs.
+
+A replica move pays before it gains: the donor drains (takes no new request until the ones it runs
+have ended) and loads the new weights; only then does it serve the group it was moved to. If the
+demand that made the move worth it has gone by then (the heavy role moved on, the hint was an
+average of work already done), the move lost its cost, and the move back loses it again. On the
+``shifting`` benchmark shape (docs/benchmarks.md), where each agent is heavy in turn for a few steps
+and what rolloutd holds in flight spans several turns, the balancer moved replicas back and forth 8
+times in a minute, drains of up to 60 s each, and ran 0.90x fixed shares.
+
+Two rules, both on what was measured:
+
+* :class:`DrainTimes`: a move's drain is counted at least as long as the drains measured from the
+  donor's group (from the move to the replica's load; an exponentially weighted average), not only
+  its outstanding tokens over its rate: a draining replica's batch shrinks, and its last request
+  takes its whole latency however few tokens are left.
+* :class:`MovePatience`, ski rental (Karlin, Manasse, Rudolph, Sleator 1988): a planned move into a
+  group is made once the balancer has wanted it, in every rebalance without a break, for
+  ``patience`` times the move's estimated cost. Not moving while the imbalance lasts loses at most
+  what the move would have cost, so with ``patience`` 1 the balancer loses at most twice what the
+  best choice in hindsight does, whether the demand stays or turns; moving at once (``patience`` 0,
+  the behaviour before) is unbounded against demand that turns faster than a move completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+from flexmarl.errors import InvalidArgument
+
+#: The weight of each new drain measurement in its group's average.
+DRAIN_WEIGHT = 0.3
+
+
+class DrainTimes:
+    """Measured seconds from a move to its replica's drain ending, per group the replica left."""
+
+    def __init__(self, weight: float = DRAIN_WEIGHT) -> None:
+        if not 0 < weight <= 1:
+            raise InvalidArgument(f"weight must be in (0, 1], got {weight}")
+        self._weight = weight
+        self._seconds: dict[str, float] = {}
+        self._ongoing_s: dict[str, float] = {}
+
+    def observe(self, group: str, seconds: float) -> None:
+        """One replica moved away from ``group`` drained in ``seconds``."""
+        if not 0 <= seconds < float("inf"):
+            raise InvalidArgument(f"drain seconds must be finite and >= 0, got {seconds}")
+        before = self._seconds.get(group)
+        self._seconds[group] = seconds if before is None else before + self._weight * (seconds - before)
+
+    def note_ongoing(self, now_s: float, draining: Iterable[tuple[str, float]]) -> None:
+        """The drains under way now, (group left, since when): each lasts at least as long as it has so far.
+
+        A drain is measured only when it ends, and on a shape whose generations are long, the first
+        ones end long after the balancer made its next moves; one still running already says this much.
+        """
+        self._ongoing_s = {}
+        for group, since_s in draining:
+            self._ongoing_s[group] = max(self._ongoing_s.get(group, 0.0), now_s - since_s)
+
+    def estimate_s(self, group: str) -> float:
+        """The drain of a replica leaving ``group``: the measured average, or the longest under way if longer."""
+        return max(self._seconds.get(group, 0.0), self._ongoing_s.get(group, 0.0))
+
+
+class MovePatience:
+    """Since when each group has been wanted by the balancer's plans, without a break."""
+
+    def __init__(self, patience: float) -> None:
+        if not 0 <= patience < float("inf"):
+            raise InvalidArgument(f"move patience must be finite and >= 0, got {patience}")
+        self._patience = patience
+        self._wanted_since_s: dict[str, float] = {}
+        self._moved: set[str] = set()  # the groups a move made has touched
+
+    def ripe(self, wanted_cost_s: Mapping[str, float], now_s: float, touched: Collection[str] = ()) -> bool:
+        """Whether every move of this plan may be made now.
+
+        Args:
+            wanted_cost_s: each group the plan moves replicas into, with the largest estimated cost
+                (drain and load, seconds) of a move into it.
+            now_s: the balancer's clock.
+            touched: the groups the plan moves replicas into or out of. A plan that touches only
+                groups no move has touched before is made at once (the first deal after the
+                replicas' start, or after a group joined); its groups are remembered as touched.
+
+        A group the plan does not want starts again from zero the next time it is wanted.
+        """
+        self._wanted_since_s = {key: self._wanted_since_s.get(key, now_s) for key in wanted_cost_s}
+        patience = self._patience
+        if touched and self._moved.isdisjoint(touched):
+            ripe = True
+        else:
+            ripe = all(now_s - self._wanted_since_s[key] >= patience * cost_s for key, cost_s in wanted_cost_s.items())
+        if ripe:
+            self._moved.update(touched)
+        return ripe
+
+    def forget(self) -> None:
+        """No move is wanted now (the plan is empty, or not worth its cost)."""
+        self._wanted_since_s.clear()
+
+
+__all__ = ["DRAIN_WEIGHT", "DrainTimes", "MovePatience"]
