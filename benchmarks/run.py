@@ -28,7 +28,8 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
   (machine-set)" and left out of the speedups.
 
 Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
-(async off: ``no-async``), ``partial-size-blind`` (orchestratord's binder blind to slot capacities); the shapes
+(async off: ``no-async``), ``partial-size-blind`` (orchestratord's binder blind to slot capacities),
+``partial-impatient`` (the balancer's moves made at once, no patience); the shapes
 built for them: ``--variant shifting``, ``--variant saturating`` (which also sets rolloutd's ``--max-tasks``,
 ``--rollout-max-tasks``), ``--variant two-heavy`` and ``--variant sized`` (slots of 2, 1 and 1 devices, traind's
 ``--slot-capacity``; ``--slot-capacity`` sets others; busy fractions and the bound then count devices, not slots).
@@ -145,6 +146,12 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
         "flexmarl-partial with the binder blind to slot capacities (orchestratord --no-capacity-aware-binding)",
     ),
+    "partial-impatient": (
+        {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
+        {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
+        "flexmarl-partial with every planned replica move made at once (rolloutd --balancer-move-patience 0, "
+        "the balancer before its patience)",
+    ),
     "partial-no-lead": (
         {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
         {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
@@ -157,6 +164,8 @@ ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {
     "partial-size-blind": ("--no-capacity-aware-binding",),
     "partial-no-lead": ("--binding-version-lead", "0"),
 }
+# rolloutd flags of a configuration, after the workload's.
+ROLLOUTD_ARGS: dict[str, tuple[str, ...]] = {"partial-impatient": ("--balancer-move-patience", "0")}
 
 
 def orchestratord_args(config: str, time_scale: float) -> tuple[str, ...]:
@@ -448,7 +457,8 @@ def run_one(
         engine_replicas=args.replicas,
         trainer_slots=len(capacities),
         env={devicemodel.PROFILE_ENV: str(profile_path), "PYTHONPATH": _daemon_pythonpath()},
-        rolloutd_args=rolloutd_args(spec, rollout_max_tasks(workload, args), dispatch_kv_factor(workload, args)),
+        rolloutd_args=(*rolloutd_args(spec, rollout_max_tasks(workload, args), dispatch_kv_factor(workload, args)),
+                       *ROLLOUTD_ARGS.get(config, ())),
         traind_args=("--slot-capacity", ",".join(map(str, capacities))),
         orchestratord_args=orchestratord_args(config, profile.time_scale),
     )

@@ -161,3 +161,16 @@ def test_the_balancer_moves_replicas_on_the_rates_rolloutd_measures_and_not_on_t
     assert measured.replicas == {"planner": 4, "coder": 1, "reviewer": 1}
     assert own_rates.rates[2] < 2.0  # a light agent's replica, one short request at a time
     assert own_rates.replicas == {"planner": 2, "coder": 2, "reviewer": 2}
+
+
+def test_the_impatient_ablation_is_flexmarl_partial_with_rolloutd_moving_at_once() -> None:
+    from flexmarl.config import load_config
+    from rolloutd.config import RolloutConfig
+    workload = make_workload(3, "shifting")
+    assert bench.job_spec(workload, "partial-impatient", Path("/m"), 4, 128.0) == \
+        bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0) | {
+            "name": bench.job_spec(workload, "partial-impatient", Path("/m"), 4, 128.0)["name"]}
+    plain = bench.rolloutd_args(bench.job_spec(workload, "flexmarl-partial", Path("/m"), 4, 128.0))
+    flags = [*plain, *bench.ROLLOUTD_ARGS["partial-impatient"]]
+    assert load_config(RolloutConfig, flags, "rolloutd", env={}).balancer_move_patience == 0.0
+    assert load_config(RolloutConfig, plain, "rolloutd", env={}).balancer_move_patience == 1.0
