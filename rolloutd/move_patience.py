@@ -27,27 +27,29 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 
 from flexmarl.errors import InvalidArgument
+from rolloutd.replica_rates import RateSettings, ReloadCost
 
-#: The weight of each new drain measurement in its group's average.
-DRAIN_WEIGHT = 0.3
+#: The weight of each new drain measurement in its group's average (the reload cost's).
+DRAIN_WEIGHT = RateSettings().reload_weight
 
 
 class DrainTimes:
-    """Measured seconds from a move to its replica's drain ending, per group the replica left."""
+    """Measured seconds from a move to its replica's drain ending, per group the replica left.
+
+    Each group's is averaged as a weight load's seconds are (:class:`~rolloutd.replica_rates.ReloadCost`,
+    with no prior: 0 until measured).
+    """
 
     def __init__(self, weight: float = DRAIN_WEIGHT) -> None:
-        if not 0 < weight <= 1:
-            raise InvalidArgument(f"weight must be in (0, 1], got {weight}")
-        self._weight = weight
-        self._seconds: dict[str, float] = {}
+        self._settings = RateSettings(reload_weight=weight)  # refuses a weight outside (0, 1]
+        self._seconds: dict[str, ReloadCost] = {}
         self._ongoing_s: dict[str, float] = {}
 
     def observe(self, group: str, seconds: float) -> None:
-        """One replica moved away from ``group`` drained in ``seconds``."""
-        if not 0 <= seconds < float("inf"):
-            raise InvalidArgument(f"drain seconds must be finite and >= 0, got {seconds}")
-        before = self._seconds.get(group)
-        self._seconds[group] = seconds if before is None else before + self._weight * (seconds - before)
+        """One replica moved away from ``group`` drained in ``seconds`` (finite, >= 0: else InvalidArgument)."""
+        average = self._seconds.get(group) or ReloadCost(0.0, self._settings)
+        average.observe(seconds)
+        self._seconds[group] = average
 
     def note_ongoing(self, now_s: float, draining: Iterable[tuple[str, float]]) -> None:
         """The drains under way now, (group left, since when): each lasts at least as long as it has so far.
@@ -61,7 +63,8 @@ class DrainTimes:
 
     def estimate_s(self, group: str) -> float:
         """The drain of a replica leaving ``group``: the measured average, or the longest under way if longer."""
-        return max(self._seconds.get(group, 0.0), self._ongoing_s.get(group, 0.0))
+        average = self._seconds.get(group)
+        return max(average.seconds if average is not None else 0.0, self._ongoing_s.get(group, 0.0))
 
 
 class MovePatience:
@@ -74,7 +77,7 @@ class MovePatience:
         self._wanted_since_s: dict[str, float] = {}
         self._moved: set[str] = set()  # the groups a move made has touched
 
-    def ripe(self, wanted_cost_s: Mapping[str, float], now_s: float, touched: Collection[str] = ()) -> bool:
+    def ripe(self, wanted_cost_s: Mapping[str, float], now_s: float, touched: Collection[str]) -> bool:
         """Whether every move of this plan may be made now.
 
         Args:
@@ -89,7 +92,7 @@ class MovePatience:
         """
         self._wanted_since_s = {key: self._wanted_since_s.get(key, now_s) for key in wanted_cost_s}
         patience = self._patience
-        if touched and self._moved.isdisjoint(touched):
+        if self._moved.isdisjoint(touched):
             ripe = True
         else:
             ripe = all(now_s - self._wanted_since_s[key] >= patience * cost_s for key, cost_s in wanted_cost_s.items())
