@@ -2,18 +2,11 @@
 
 Two levels (DESIGN.md §4):
 
-* **Inter-agent**: replicas are assigned to *model groups* (the agents that share one
-  ``model_key`` can be served by the same replica without a weight load) so that the
-  estimated time to drain each group's outstanding token demand is balanced, i.e. replicas
-  follow demand in proportion. A move costs a weight load (``reassignment_cost_s``) plus the
-  time to drain the donor replica. A rebalance plans greedy moves, each shortening the current
-  bottleneck, and makes them only if together they cut the largest estimated drain time by more
-  than the hysteresis margin (a per-move margin would never grow a group of nine or more: one
-  replica more shortens a group of n by at most 1/(n+1)); at most every ``rebalance_interval_s``,
-  and only once every rebalance has wanted them for as long as they cost, drain and load
-  (``BalancerConfig.move_patience``, ski rental: :mod:`rolloutd.move_patience`).
-  A group with demand never loses its last replica, and a group that has demand but no
-  replica gets one at the next rebalance regardless of hysteresis. The rates and the load cost
+* **Inter-agent** (:mod:`rolloutd.replica_planner`): replicas are assigned to *model groups* (the
+  agents that share one ``model_key`` can be served by the same replica without a weight load) so
+  that the estimated time to drain each group's outstanding token demand is balanced; a move costs
+  a weight load plus the donor's drain, and is made only when a whole plan beats the hysteresis
+  and has been wanted as long as it costs (``BalancerConfig.move_patience``). The rates and the load cost
   are the caller's measurements where it has them (rolloutd: :mod:`rolloutd.replica_rates`, fed
   through :meth:`HierarchicalBalancer.set_replica_rate` and
   :meth:`~HierarchicalBalancer.set_reassignment_cost_s`; the configured ones are the priors). A
@@ -55,11 +48,18 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from flexmarl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from rolloutd.affinity_map import SEPARATOR, AffinityMap, affinity_parent, episode_affinity_key, group_affinity_key
-from rolloutd.balancer_state import GroupIndex, ReplicaAssignment, ReplicaPhase, ReplicaState, ReplicaView
+from rolloutd.balancer_state import (
+    GroupIndex,
+    ReplicaAssignment,
+    ReplicaPhase,
+    ReplicaState,
+    ReplicaView,
+    SavedAssignment,
+)
 from rolloutd.balancer_types import (
     AgentSpec,
     BalancerConfig,
@@ -69,7 +69,7 @@ from rolloutd.balancer_types import (
     TokenEstimator,
     equal_split,
 )
-from rolloutd.move_patience import DrainTimes, MovePatience
+from rolloutd.replica_planner import ReplicaPlanner
 
 __all__ = [
     "AFFINITY_SEPARATOR", "BASE_ADAPTER", "AgentSpec", "BalancerConfig", "HierarchicalBalancer", "ReplicaAssignment",
@@ -87,12 +87,6 @@ SCAN_GROUP_MAX = 32
 #: SGLang's ``lora_id`` None, which its scheduler counts as one of a batch's adapters.
 BASE_ADAPTER = ""
 
-
-#: A donor's rank (lower is better): its group's drain time without it, minus the group's now, its
-#: outstanding tokens, its id.
-_DonorScore = tuple[float, float, int, str]
-#: A planned move, what undoing it restores (replica, target, last move, phase, rate, draining since), its cost.
-_PlannedMove = tuple[ReplicaMove, ReplicaState, str, float, ReplicaPhase, float, "float | None", float]
 
 
 class HierarchicalBalancer:
@@ -122,7 +116,6 @@ class HierarchicalBalancer:
         self.estimator = estimator if estimator is not None else TokenEstimator()
         self._config = config or BalancerConfig()
         self._reassignment_cost_s = self._config.reassignment_cost_s
-        self._drains, self._patience = DrainTimes(), MovePatience(self._config.move_patience)
         self._agent_model: dict[str, str] = {}
         self._adapters: set[str] = set()
         self._adapter_slots: dict[str, int] = {}
@@ -141,8 +134,7 @@ class HierarchicalBalancer:
         # (rare) instead of scanning every replica on each request: O(group) routing at thousands of replicas.
         self._groups_epoch = 0
         self._groups_cache: GroupIndex | None = None
-        #: Within one rebalance: the best donor of each (group, require_spare) not touched by a move since.
-        self._donor_memo: dict[tuple[str, bool], tuple[_DonorScore, ReplicaState | None]] | None = None
+        self._planner = ReplicaPlanner(self._config, _Assignments(self))
         # Replicas that may have reached AWAITING_LOAD since the last replicas_awaiting_load (a superset).
         self._maybe_awaiting: set[str] = set()
         self._tickets: dict[int, Ticket] = {}
@@ -696,164 +688,10 @@ class HierarchicalBalancer:
         return self.rebalance(now_s)
 
     def rebalance(self, now_s: float) -> list[ReplicaMove]:
-        """Decides replica moves now; moved replicas start draining (see ReplicaPhase).
-
-        First every group with demand and no replica takes one from the group that loses least (never a group's
-        last replica while that group has demand); then, unless ``rebalance_enabled`` is False (static), the moves
-        that cut the largest drain time.
-        """
+        """Decides replica moves now (:meth:`rolloutd.replica_planner.ReplicaPlanner.plan`); moved replicas drain."""
         self._last_rebalance_s = now_s
         self._rebalance_urgent = False
-        demand = self.model_demand_tokens()
-        moves: list[ReplicaMove] = []
-        self._donor_memo = {}
-        try:
-            for model_key in self._model_keys:
-                if demand[model_key] > 0 and not self._has_replica(model_key):
-                    donor = self._pick_donor(demand, exclude=model_key, now_s=now_s, require_spare=True)
-                    if donor is not None:
-                        moves.append(self._move(donor, model_key, now_s))
-            if not self._config.rebalance_enabled:
-                return moves
-            return moves + self._improving_plan(demand, now_s)
-        finally:
-            self._donor_memo = None
-
-    def _improving_plan(self, demand: Mapping[str, int], now_s: float) -> list[ReplicaMove]:
-        """Greedy moves, each shortening the bottleneck; kept only if together they beat the hysteresis.
-
-        The margin applies to the whole plan, not to each move: one more replica shortens a
-        group of n by at most 1/(n+1), so a per-move margin of 10 % would never let a group of
-        nine or more grow, however skewed the demand.
-        """
-        rates = self._group_rates()
-        drain_s = {key: self._drain_time_s(demand[key], rates[key]) for key in self._model_keys}
-        before_s = max((drain_s[key] for key in self._model_keys if demand[key] > 0), default=0.0)
-        if before_s <= 0 or math.isinf(before_s):
-            self._patience.forget()
-            return []
-        self._drains.note_ongoing(now_s, ((r.model_key, r.draining_since_s) for r in self._replicas.values()
-                                          if r.draining_since_s is not None))
-        after_s: dict[str, float] = {}
-        planned: list[_PlannedMove] = []
-        for _ in range(len(self._replicas)):
-            found = self._best_improving_move(demand, now_s, after_s)
-            if found is None:
-                break
-            planned.append(found)
-        rates = self._group_rates()
-        final_s = max(after_s.get(key, self._drain_time_s(demand[key], rates[key])) for key in self._model_keys)
-        if not planned or final_s > before_s * (1.0 - self._config.hysteresis):
-            self._patience.forget()  # not worth it
-        else:
-            wanted_cost_s: dict[str, float] = {}
-            for move, *_, cost_s in planned:
-                wanted_cost_s[move.to_model_key] = max(cost_s, wanted_cost_s.get(move.to_model_key, 0.0))
-            if self._patience.ripe(wanted_cost_s, now_s, {key for move, *_ in planned
-                                                         for key in (move.from_model_key, move.to_model_key)}):
-                return [move for move, *_ in planned]
-        for _move, replica, target, last_move_s, phase, rate, draining_since_s, _cost in reversed(planned):  # undo
-            replica.target_model_key, replica.last_move_s, replica.phase = target, last_move_s, phase
-            replica.tokens_per_s, replica.draining_since_s = rate, draining_since_s
-            self._groups_epoch += 1
-            if phase is ReplicaPhase.AWAITING_LOAD:
-                self._maybe_awaiting.add(replica.spec.replica_id)
-            self.reassignments -= 1
-        return []
-
-    def _best_improving_move(self, demand: Mapping[str, int], now_s: float,
-                             after_s: dict[str, float]) -> _PlannedMove | None:
-        """The next move that shortens the current bottleneck, with what undoing it needs and its cost (s).
-
-        ``after_s`` collects each touched group's estimated drain time after the moves so far
-        (a receiving group's includes the weight load and the donor's drain).
-        """
-        rates = self._groups().rates  # read before this move changes them
-        # The group with demand that drains last (the larger key on a tie), in one pass (a rebalance asks per move).
-        bottleneck: str | None = None
-        before_s = -math.inf
-        drain_time_s = self._drain_time_s
-        for key in self._model_keys:
-            key_demand = demand[key]
-            if key_demand <= 0:
-                continue
-            key_s = after_s.get(key)
-            if key_s is None:
-                key_s = drain_time_s(key_demand, rates[key])
-            if key_s >= before_s:  # keys ascend: on a tie the later (larger) key wins, as max over (s, key)
-                bottleneck, before_s = key, key_s
-        if bottleneck is None or math.isinf(before_s):
-            return None  # nothing to do, or a starved group the first pass could not serve
-        donor = self._pick_donor(demand, exclude=bottleneck, now_s=now_s, require_spare=True)
-        if donor is None:
-            return None
-        donor_rate = donor.tokens_per_s
-        donor_key = donor.target_model_key
-        drain_s = donor.outstanding_tokens / donor_rate
-        if donor.in_flight_requests:  # its last request takes its whole latency, however few tokens are left
-            drain_s = max(drain_s, self._drains.estimate_s(donor.model_key))
-        cost_s = self._reassignment_cost_s + drain_s
-        bottleneck_rate = rates[bottleneck]
-        # Replicas this plan already moved in are loading, not serving, during the cost.
-        serving_rate = bottleneck_rate - self._groups().incoming.get(bottleneck, 0.0)
-        remaining_after_cost = max(0.0, demand[bottleneck] - max(0.0, serving_rate) * cost_s)
-        bottleneck_after_s = cost_s + remaining_after_cost / (bottleneck_rate + self._rate_in(donor, bottleneck))
-        donor_after_s = self._drain_time_s(demand.get(donor_key, 0), rates.get(donor_key, 0.0) - donor_rate)
-        if not (bottleneck_after_s < before_s and donor_after_s < before_s):
-            return None
-        undo = (donor, donor.target_model_key, donor.last_move_s, donor.phase, donor.tokens_per_s,
-                donor.draining_since_s)
-        move = self._move(donor, bottleneck, now_s)
-        after_s[bottleneck] = bottleneck_after_s
-        if donor_key in self._model_keys:
-            after_s[donor_key] = max(after_s.get(donor_key, 0.0), donor_after_s)
-        return (move, *undo, cost_s)
-
-    def _pick_donor(
-        self, demand: Mapping[str, int], exclude: str, now_s: float, require_spare: bool
-    ) -> ReplicaState | None:
-        """The movable replica whose group suffers least from losing it.
-
-        The best of each group (by the group it serves now) is kept for the rest of a rebalance
-        (``_donor_memo``) until a move touches that group: a plan of many moves is not O(replicas) each.
-        """
-        best: _DonorScore | None = None
-        best_replica: ReplicaState | None = None
-        index = self._groups()
-        for key, serving in index.serving.items():
-            if key == exclude or not serving:
-                continue
-            memo = self._donor_memo
-            found = memo.get((key, require_spare)) if memo is not None else None
-            if found is None:
-                found = self._group_donor(index, key, serving, demand, now_s, require_spare)
-                if memo is not None:
-                    memo[(key, require_spare)] = found
-            score, replica = found
-            if replica is not None and (best is None or score < best):
-                best, best_replica = score, replica
-        return best_replica
-
-    def _group_donor(self, index: GroupIndex, key: str, serving: Sequence[ReplicaState], demand: Mapping[str, int],
-                     now_s: float, require_spare: bool) -> tuple[_DonorScore, ReplicaState | None]:
-        """The best donor among the replicas serving ``key`` (see :meth:`_pick_donor`), with its score."""
-        best: _DonorScore = (math.inf, math.inf, 0, "")
-        best_replica: ReplicaState | None = None
-        for replica in serving:
-            replica_id = replica.spec.replica_id
-            if key not in index.counts:  # serving a model no agent uses: always free to take
-                score: _DonorScore = (-1.0, 0.0, replica.outstanding_tokens, replica_id)
-            else:
-                if now_s - replica.last_move_s < self._config.min_residency_s:
-                    continue
-                if require_spare and demand[key] > 0 and index.counts[key] <= 1:
-                    continue  # a group with demand keeps its last replica
-                rate = index.rates[key]
-                after_s = self._drain_time_s(demand[key], rate - replica.tokens_per_s)
-                score = (after_s, -self._drain_time_s(demand[key], rate), replica.outstanding_tokens, replica_id)
-            if best_replica is None or score < best:
-                best, best_replica = score, replica
-        return best, best_replica
+        return self._planner.plan(self.model_demand_tokens(), now_s)
 
     def _move(self, replica: ReplicaState, to_model_key: str, now_s: float) -> ReplicaMove:
         move = ReplicaMove(replica.spec.replica_id, replica.model_key, to_model_key)
@@ -870,12 +708,15 @@ class HierarchicalBalancer:
         self._groups_epoch += 1
         index.retarget(replica, old_target, was_serving)
         index.epoch = self._groups_epoch
-        if self._donor_memo is not None:
-            for key in (replica.model_key, old_target, to_model_key):
-                self._donor_memo.pop((key, True), None)
-                self._donor_memo.pop((key, False), None)
         self.reassignments += 1
         return move
+
+    def _undo_move(self, replica: ReplicaState, saved: SavedAssignment) -> None:
+        replica.restore(saved)
+        self._groups_epoch += 1
+        if replica.phase is ReplicaPhase.AWAITING_LOAD:
+            self._maybe_awaiting.add(replica.spec.replica_id)
+        self.reassignments -= 1
 
     def _rate_in(self, replica: ReplicaState, model_key: str) -> float:
         """The rate ``replica`` is expected to deliver serving ``model_key`` (see ``BalancerConfig.measured_rates``).
@@ -941,7 +782,7 @@ class HierarchicalBalancer:
         if replica.phase is not ReplicaPhase.AWAITING_LOAD:
             raise FailedPrecondition(f"replica {replica_id!r} is {replica.phase.value}, not awaiting a load")
         if now_s is not None and replica.draining_since_s is not None:
-            self._drains.observe(replica.model_key, max(0.0, now_s - replica.draining_since_s))
+            self._planner.drains.observe(replica.model_key, max(0.0, now_s - replica.draining_since_s))
         replica.draining_since_s = None
         index = self._groups()
         replica.phase = ReplicaPhase.LOADING
@@ -972,15 +813,6 @@ class HierarchicalBalancer:
                 self._groups_epoch, self._model_keys, [self._replicas[r] for r in self._replica_order])
         return cache
 
-    def _group_rates(self) -> dict[str, float]:
-        return dict(self._groups().rates)
-
-    @staticmethod
-    def _drain_time_s(demand_tokens: float, rate_tokens_per_s: float) -> float:
-        if demand_tokens <= 0:
-            return 0.0
-        return math.inf if rate_tokens_per_s <= 0 else demand_tokens / rate_tokens_per_s
-
     def _has_replica(self, model_key: str) -> bool:
         count = self._groups().counts.get(model_key)
         if count is not None:
@@ -998,3 +830,36 @@ class HierarchicalBalancer:
         if replica is None:
             raise NotFound(f"unknown replica {replica_id!r}")
         return replica
+
+
+class _Assignments:
+    """The balancer's replicas as its planner sees them (:class:`rolloutd.replica_planner.Assignments`)."""
+
+    def __init__(self, balancer: HierarchicalBalancer) -> None:
+        self._balancer = balancer
+
+    @property
+    def model_keys(self) -> tuple[str, ...]:
+        return self._balancer._model_keys
+
+    @property
+    def reassignment_cost_s(self) -> float:
+        return self._balancer._reassignment_cost_s
+
+    def groups(self) -> GroupIndex:
+        return self._balancer._groups()
+
+    def replica_states(self) -> Collection[ReplicaState]:
+        return self._balancer._replicas.values()
+
+    def has_replica(self, model_key: str) -> bool:
+        return self._balancer._has_replica(model_key)
+
+    def rate_in(self, replica: ReplicaState, model_key: str) -> float:
+        return self._balancer._rate_in(replica, model_key)
+
+    def move(self, replica: ReplicaState, to_model_key: str, now_s: float) -> ReplicaMove:
+        return self._balancer._move(replica, to_model_key, now_s)
+
+    def undo_move(self, replica: ReplicaState, saved: SavedAssignment) -> None:
+        self._balancer._undo_move(replica, saved)

@@ -50,6 +50,17 @@ class ReplicaView:
     tokens_per_s: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedAssignment:
+    """What a planned move changes of a replica (:meth:`ReplicaState.saved`), kept to undo it."""
+
+    target_model_key: str
+    last_move_s: float
+    phase: ReplicaPhase
+    tokens_per_s: float
+    draining_since_s: float | None
+
+
 @dataclasses.dataclass
 class ReplicaState:
     """One replica as the balancer keeps it."""
@@ -69,6 +80,16 @@ class ReplicaState:
     draining_since_s: float | None = None
     #: Adapter name (Ticket.adapter) -> its requests in flight here.
     adapter_requests: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    def saved(self) -> SavedAssignment:
+        """What a move changes of it, to put back if the move is not made (:meth:`restore`)."""
+        return SavedAssignment(self.target_model_key, self.last_move_s, self.phase, self.tokens_per_s,
+                               self.draining_since_s)
+
+    def restore(self, saved: SavedAssignment) -> None:
+        """Puts back what :meth:`saved` kept (the caller re-derives its group index)."""
+        self.target_model_key, self.last_move_s, self.phase = saved.target_model_key, saved.last_move_s, saved.phase
+        self.tokens_per_s, self.draining_since_s = saved.tokens_per_s, saved.draining_since_s
 
     def view(self) -> ReplicaView:
         """Its read-only state."""

@@ -117,7 +117,7 @@ def test_a_drain_costs_what_the_drains_of_its_group_took() -> None:
         if ticket.replica_id in donors:
             b.finish(ticket.request_id)
     run_loads(b, 30.0)  # their drains ended: 30 s measured for a replica leaving b
-    assert b._drains.estimate_s("b") == 30.0
+    assert b._planner.drains.estimate_s("b") == 30.0
     for ticket in running:
         if ticket.replica_id not in donors:
             b.finish(ticket.request_id)
@@ -125,7 +125,7 @@ def test_a_drain_costs_what_the_drains_of_its_group_took() -> None:
     assert b.maybe_rebalance(35.0) == []  # a donor of a runs nothing: a 10 s load is its cost
     back = b.maybe_rebalance(45.0)
     assert back and {m.from_model_key for m in back} == {"a"}
-    assert b._drains.estimate_s("a") == 0.0  # the donors of a had nothing in flight: no drain under way
+    assert b._planner.drains.estimate_s("a") == 0.0  # the donors of a had nothing in flight: no drain under way
     run_loads(b, 45.0)
     for _ in range(12):
         b.submit("b", 10)  # every replica of b runs a request again
