@@ -815,10 +815,10 @@ class RolloutRouter:
             moves = balancer.maybe_rebalance(now_s)
         for move in moves:  # with what it was decided on
             view = balancer.replica(move.replica_id)
-            log.info("moving replica %s from %s to %s (measured %.1f tokens/s, counted %.1f there; a load %.2fs)",
-                     move.replica_id, move.from_model_key, move.to_model_key,
+            log.info("moving replica %s from %s to %s (measured %.1f tokens/s, counted %.1f there; a load %.2fs, "
+                     "a drain from there %.1fs)", move.replica_id, move.from_model_key, move.to_model_key,
                      self.delivered_tokens_per_s(move.replica_id), view.tokens_per_s if view is not None else 0.0,
-                     balancer.reassignment_cost_s)
+                     balancer.reassignment_cost_s, balancer.drain_estimate_s(move.from_model_key))
         for move in balancer.replicas_awaiting_load():
             balancer.begin_load(move.replica_id, now_s)  # its drain, measured
             self._spawn(self._move(move.replica_id, move.to_model_key))
