@@ -93,7 +93,7 @@ class RolloutMetrics:
 
 
 class _RouterCollector(Collector):
-    """Per-replica queue depth, in-flight requests and rate, replica counts per agent, reassignments, load cost."""
+    """Per replica: queue depth, in-flight requests, rate; per agent: replicas, drain cost; moves, load cost."""
 
     def __init__(self, router: Callable[[], Any]) -> None:
         self._router = router
@@ -118,6 +118,10 @@ class _RouterCollector(Collector):
         reload_cost = GaugeMetricFamily("flexmarl_rolloutd_balancer_reload_seconds",
                                         "Seconds of one weight load a replica move pays in the balancer's estimate: "
                                         "the measured loads' average (the configured prior until one).")
+        drain = GaugeMetricFamily("flexmarl_rolloutd_balancer_drain_seconds",
+                                  "Seconds a replica with requests in flight is counted to drain when it leaves an "
+                                  "agent's group: the measured drains' average (before one, the group's generation "
+                                  "latency), or the longest under way if longer.", labels=["agent"])
         router = self._router()
         balancer = router.balancer() if router is not None else None
         if balancer is not None:
@@ -132,6 +136,7 @@ class _RouterCollector(Collector):
             for agent, count in balancer.replica_counts().items():
                 replicas.add_metric([agent], count)
                 queued.add_metric([agent], waiting.get(agent, 0))
+                drain.add_metric([agent], balancer.drain_estimate_s(agent))
             moves.add_metric([], balancer.reassignments)
             reload_cost.add_metric([], balancer.reassignment_cost_s)
-        yield from (outstanding, in_flight, queued, replicas, moves, rates, delivered, reload_cost)
+        yield from (outstanding, in_flight, queued, replicas, moves, rates, delivered, reload_cost, drain)

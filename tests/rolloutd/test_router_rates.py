@@ -71,6 +71,9 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
         registry = CollectorRegistry()
         RolloutMetrics(registry).watch_router(lambda: router)  # what Prometheus scrapes
         assert registry.get_sample_value("flexmarl_rolloutd_balancer_reload_seconds") == balancer.reassignment_cost_s
+        group = router.model_key(KEY)
+        assert registry.get_sample_value("flexmarl_rolloutd_balancer_drain_seconds", {"agent": group}) == (
+            balancer.drain_estimate_s(group)) > 0
         assert registry.get_sample_value("flexmarl_rolloutd_replica_tokens_per_s", {"replica": "replica-1"}) == (
             balancer.replicas()[1].tokens_per_s)
         delivered = [registry.get_sample_value("flexmarl_rolloutd_replica_delivered_tokens_per_s", {"replica": r})
