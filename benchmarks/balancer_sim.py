@@ -137,7 +137,6 @@ class _Running:
     request_id: int
     episode: int
     remaining_work: float
-    started_s: float = 0.0
 
 
 class _Simulation:
@@ -191,7 +190,7 @@ class _Simulation:
         uncached = turn.prompt_tokens if (turn.agent, episode) not in cache else 0
         cache.add((turn.agent, episode))
         work = turn.response_tokens + self.config.prefill_token_weight * uncached
-        self.running[ticket.replica_id].append(_Running(ticket.request_id, episode, work, self.now_s))
+        self.running[ticket.replica_id].append(_Running(ticket.request_id, episode, work))
 
     def complete(self, replica_id: str, running: _Running) -> None:
         self.running[replica_id].remove(running)
@@ -199,8 +198,6 @@ class _Simulation:
         episode = running.episode
         turn = self.workload.episodes[episode].turns[self.next_turn[episode]]
         self.estimator.observe(turn.agent, turn.response_tokens)
-        # its latency: the prior of a drain from its group, as rolloutd's router feeds it (BalancerFeed.end)
-        self.balancer.observe_generation_s(turn.agent, self.now_s - running.started_s)
         self.next_turn[episode] += 1
         if self.next_turn[episode] < len(self.workload.episodes[episode].turns):
             self.submit_next_turn(episode)

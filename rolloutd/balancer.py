@@ -754,19 +754,11 @@ class HierarchicalBalancer:
         for key in {replica.target_model_key for replica in self._replicas.values()}:
             index.recount(key)
 
-    def observe_generation_s(self, model_key: str, seconds: float) -> None:
-        """A generation of ``model_key``'s group took ``seconds``: the drain prior of a replica leaving it.
-
-        Raises:
-            InvalidArgument: ``seconds`` is negative or not finite.
-        """
-        self._planner.drains.observe_latency(model_key, seconds)
-
     def drain_estimate_s(self, model_key: str) -> float:
         """The seconds a replica with requests in flight is expected to take to drain from ``model_key``.
 
-        The drains measured from the group (before one, its generations' latency), or the longest one
-        under way at the last rebalance if longer; 0 while nothing is known.
+        The drains measured from the group, or the longest one under way at the last rebalance if longer;
+        0 while none was measured or under way (the donor then counts its outstanding tokens over its rate).
         """
         return self._planner.drains.estimate_s(model_key)
 

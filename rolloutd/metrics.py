@@ -120,8 +120,8 @@ class _RouterCollector(Collector):
                                         "the measured loads' average (the configured prior until one).")
         drain = GaugeMetricFamily("flexmarl_rolloutd_balancer_drain_seconds",
                                   "Seconds a replica with requests in flight is counted to drain when it leaves an "
-                                  "agent's group: the measured drains' average (before one, the group's generation "
-                                  "latency), or the longest under way if longer.", labels=["agent"])
+                                  "agent's group: the measured drains' average, or the longest under way if longer "
+                                  "(0: none yet).", labels=["agent"])
         router = self._router()
         balancer = router.balancer() if router is not None else None
         if balancer is not None:

@@ -13,9 +13,10 @@ Two rules, both on what was measured:
 * :class:`DrainTimes`: a move's drain is counted at least as long as the drains measured from the
   donor's group (from the move to the replica's load; an exponentially weighted average), not only
   its outstanding tokens over its rate: a draining replica's batch shrinks, and its last request
-  takes its whole latency however few tokens are left. Until a drain from the group is measured,
-  the group's generation latency is the prior (its youngest request needs about that): the first
-  moves of a run, on ``shifting`` drains of 39-69 s, were otherwise counted at about a second.
+  takes its whole latency however few tokens are left. (A prior from the group's generation latency,
+  for the drains before the first is measured, was tried and taken out: on ``saturating`` it counted
+  32.5 s for donors whose old requests drained in 0-1 s and held the moves back 8-69 s, and on
+  ``shifting`` it did not stop the first, 50-s drain; docs/benchmarks.md, "The drain prior".)
 * :class:`MovePatience`, ski rental (Karlin, Manasse, Rudolph, Sleator 1988): a planned move into a
   group is made once the balancer has wanted it, in every rebalance without a break, for
   ``patience`` times the move's estimated cost. Not moving while the imbalance lasts loses at most
@@ -33,22 +34,18 @@ from rolloutd.replica_rates import RateSettings, ReloadCost
 
 #: The weight of each new drain measurement in its group's average (the reload cost's).
 DRAIN_WEIGHT = RateSettings().reload_weight
-#: The weight of each generation's latency in its group's average (one per request: about the last 20).
-LATENCY_WEIGHT = 0.05
 
 
 class DrainTimes:
     """Measured seconds from a move to its replica's drain ending, per group the replica left.
 
-    Each group's is averaged as a weight load's seconds are (:class:`~rolloutd.replica_rates.ReloadCost`);
-    its prior is the group's generation latency, averaged the same way (0 until one is measured).
+    Each group's is averaged as a weight load's seconds are (:class:`~rolloutd.replica_rates.ReloadCost`,
+    with no prior: 0 until measured).
     """
 
-    def __init__(self, weight: float = DRAIN_WEIGHT, latency_weight: float = LATENCY_WEIGHT) -> None:
+    def __init__(self, weight: float = DRAIN_WEIGHT) -> None:
         self._settings = RateSettings(reload_weight=weight)  # refuses a weight outside (0, 1]
-        self._latency_settings = RateSettings(reload_weight=latency_weight)
         self._seconds: dict[str, ReloadCost] = {}
-        self._latency_s: dict[str, ReloadCost] = {}
         self._ongoing_s: dict[str, float] = {}
 
     def observe(self, group: str, seconds: float) -> None:
@@ -56,13 +53,6 @@ class DrainTimes:
         average = self._seconds.get(group) or ReloadCost(0.0, self._settings)
         average.observe(seconds)
         self._seconds[group] = average
-
-    def observe_latency(self, group: str, seconds: float) -> None:
-        """A generation of ``group`` took ``seconds`` (finite, >= 0: else InvalidArgument): the drain prior."""
-        latency = self._latency_s.get(group)
-        if latency is None:
-            latency = self._latency_s[group] = ReloadCost(0.0, self._latency_settings)
-        latency.observe(seconds)
 
     def note_ongoing(self, now_s: float, draining: Iterable[tuple[str, float]]) -> None:
         """The drains under way now, (group left, since when): each lasts at least as long as it has so far.
@@ -75,11 +65,8 @@ class DrainTimes:
             self._ongoing_s[group] = max(self._ongoing_s.get(group, 0.0), now_s - since_s)
 
     def estimate_s(self, group: str) -> float:
-        """The drain of a replica leaving ``group``: the measured average, or the longest under way if longer.
-
-        Before a drain from ``group`` is measured, the average is the group's generation latency.
-        """
-        average = self._seconds.get(group) or self._latency_s.get(group)
+        """The drain of a replica leaving ``group``: the measured average, or the longest under way if longer."""
+        average = self._seconds.get(group)
         return max(average.seconds if average is not None else 0.0, self._ongoing_s.get(group, 0.0))
 
 
@@ -121,4 +108,4 @@ class MovePatience:
         self._wanted_since_s.clear()
 
 
-__all__ = ["DRAIN_WEIGHT", "LATENCY_WEIGHT", "DrainTimes", "MovePatience"]
+__all__ = ["DRAIN_WEIGHT", "DrainTimes", "MovePatience"]

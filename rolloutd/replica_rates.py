@@ -77,8 +77,6 @@ class GenerationMark:
 
     model_key: str
     share_start_s: float
-    #: When it started (the caller's clock): its latency is measured from here.
-    started_s: float = 0.0
 
 
 class ReplicaRate:
@@ -114,7 +112,7 @@ class ReplicaRate:
         """A generation starts on the replica now."""
         self._advance(now_s)
         self._active += 1
-        return GenerationMark(self.model_key, self._share_s, now_s)
+        return GenerationMark(self.model_key, self._share_s)
 
     def end(self, mark: GenerationMark, now_s: float, tokens: int | None) -> bool:
         """The generation ``mark`` ended now with ``tokens`` delivered (None: it failed: nothing is charged).
@@ -259,13 +257,7 @@ class BalancerFeed:
 
     def end(self, replica_id: str, mark: GenerationMark, now_s: float, tokens: int | None,
             balancer: HierarchicalBalancer | None) -> None:
-        """The generation ``mark`` ended with ``tokens`` (None: it failed); a changed capacity reaches ``balancer``.
-
-        A generation that delivered also gives ``balancer`` its latency, the prior of a drain from its
-        group (:meth:`rolloutd.balancer.HierarchicalBalancer.observe_generation_s`).
-        """
-        if tokens is not None and balancer is not None:
-            balancer.observe_generation_s(mark.model_key, max(0.0, now_s - mark.started_s))
+        """The generation ``mark`` ended with ``tokens`` (None: it failed); a changed capacity reaches ``balancer``."""
         if not self.rates.of(replica_id).end(mark, now_s, tokens):
             return
         capacity = self.rates.capacity(now_s)

@@ -10,7 +10,7 @@ import pytest
 
 from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import InvalidArgument
-from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, ReplicaAssignment, ReplicaMove
+from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, ReplicaAssignment
 from rolloutd.config import RolloutConfig
 from rolloutd.move_patience import DrainTimes, MovePatience
 
@@ -151,57 +151,6 @@ def test_drain_times_average_and_the_ones_under_way() -> None:
             drains.observe("g", bad)
     with pytest.raises(InvalidArgument):
         DrainTimes(weight=0.0)
-
-
-def test_before_a_drain_is_measured_the_groups_generation_latency_is_its_prior() -> None:
-    drains = DrainTimes(weight=0.5, latency_weight=0.5)
-    drains.observe_latency("g", 40.0)
-    drains.observe_latency("g", 60.0)
-    assert drains.estimate_s("g") == 50.0  # no drain from g measured yet: its generations' latency
-    assert drains.estimate_s("h") == 0.0
-    drains.note_ongoing(100.0, [("g", 30.0)])
-    assert drains.estimate_s("g") == 70.0  # one under way for longer
-    drains.note_ongoing(100.0, [])
-    drains.observe("g", 5.0)
-    assert drains.estimate_s("g") == 5.0  # measured: the latency was only the prior
-    drains.observe_latency("g", 100.0)
-    assert drains.estimate_s("g") == 5.0
-    for bad in (-1.0, float("inf"), float("nan")):
-        with pytest.raises(InvalidArgument):
-            drains.observe_latency("g", bad)
-    with pytest.raises(InvalidArgument):
-        DrainTimes(latency_weight=1.5)
-
-
-def first_deal_against_long_generations(latency_s: float | None) -> tuple[HierarchicalBalancer, list[ReplicaMove]]:
-    """Three replicas each for a and b, every one running a request; a heavy (20,000 tokens: 67 s at 300 tokens/s).
-
-    A replica of b costs its 10 s load and its drain: 10.1 s counted at its outstanding tokens, which pays (a in
-    53 s); a replica leaving b after generations of ``latency_s`` (70 s counted) cannot beat 67 s.
-    """
-    b = HierarchicalBalancer(
-        [ReplicaAssignment(f"r{i}", "a" if i < 3 else "b", 100.0) for i in range(6)],
-        [AgentSpec("a", "a"), AgentSpec("b", "b")],
-        BalancerConfig(reassignment_cost_s=10.0, move_patience=1.0, rebalance_interval_s=5.0, measured_rates=False))
-    for group in "ab":
-        for _ in range(3):
-            b.submit(group, 10)
-    if latency_s is not None:
-        b.observe_generation_s("b", latency_s)
-    b.set_demand_hints({"a": 20_000 - 30, "b": 100})
-    return b, b.maybe_rebalance(0.0)
-
-
-def test_the_first_moves_count_the_donors_drain_at_its_groups_generation_latency() -> None:
-    _, unknown = first_deal_against_long_generations(None)
-    assert unknown and {m.from_model_key for m in unknown} == {"b"}  # the drain counted at 0.1 s: it pays
-    b, known = first_deal_against_long_generations(60.0)
-    assert known == []  # 10 s + 60 s before the replica serves a: a is done sooner without it
-    assert b.drain_estimate_s("b") == 60.0
-    short, moved = first_deal_against_long_generations(5.0)
-    assert moved and short.drain_estimate_s("b") == 5.0  # short generations: the move pays again
-    with pytest.raises(InvalidArgument):
-        short.observe_generation_s("b", -1.0)
 
 
 def test_move_patience_waits_per_group_without_a_break() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flexmarl.errors import InvalidArgument
-from rolloutd.balancer import AgentSpec, HierarchicalBalancer, ReplicaAssignment
-from rolloutd.replica_rates import BalancerFeed, RateSettings, ReloadCost, ReplicaRate, ReplicaRates
+from rolloutd.replica_rates import RateSettings, ReloadCost, ReplicaRate, ReplicaRates
 
 SETTINGS = RateSettings(window_s=1.0, half_life_s=10.0)
 
@@ -70,18 +69,6 @@ def test_a_failed_generation_is_charged_nothing_and_a_restart_measures_afresh_fr
         rate.restart("b", 0.0)
     with pytest.raises(InvalidArgument):
         rate.end(rate.begin(9.0), 10.0, -1)
-
-
-def test_the_feed_gives_the_balancer_each_delivered_generations_latency_as_its_groups_drain_prior() -> None:
-    balancer = HierarchicalBalancer([ReplicaAssignment("r0", "a"), ReplicaAssignment("r1", "b")],
-                                    [AgentSpec("a", "a"), AgentSpec("b", "b")])
-    feed = BalancerFeed(1000.0, 10.0, SETTINGS)
-    failed = feed.begin("r0", "a", 0.0)
-    feed.end("r0", failed, 50.0, None, balancer)
-    assert balancer.drain_estimate_s("a") == 0.0  # a failed generation says nothing of the latency
-    feed.end("r0", feed.begin("r0", "a", 50.0), 90.0, 40, balancer)
-    assert balancer.drain_estimate_s("a") == pytest.approx(40.0)
-    assert balancer.drain_estimate_s("b") == 0.0
 
 
 def test_the_reload_cost_is_the_prior_until_a_load_is_measured_then_their_moving_average() -> None:

@@ -62,8 +62,6 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
         # Each replica loaded v1 once (LOAD_S of it measurable): the move cost is measured, not 10 s.
         assert LOAD_S <= balancer.reassignment_cost_s < 2.0
         assert len({v.tokens_per_s for v in balancer.replicas()}) == 1  # alike: all at the best measured
-        # Each generation's latency (one request decoded in DECODE_S) is the prior of a drain from its group.
-        assert DECODE_S * 0.9 <= balancer.drain_estimate_s(router.model_key(KEY)) < DECODE_S * 10
         for view in balancer.replicas():
             # A batch of BATCH requests delivers BATCH x TOKENS in ~DECODE_S: ~160 tokens/s, not each
             # request's TOKENS / DECODE_S (20) and not the 1,000 prior.
@@ -73,7 +71,7 @@ async def test_measured_rates_and_loads_reach_the_balancer_and_the_knob_pins_the
         assert registry.get_sample_value("flexmarl_rolloutd_balancer_reload_seconds") == balancer.reassignment_cost_s
         group = router.model_key(KEY)
         assert registry.get_sample_value("flexmarl_rolloutd_balancer_drain_seconds", {"agent": group}) == (
-            balancer.drain_estimate_s(group)) > 0
+            balancer.drain_estimate_s(group)) == 0.0  # no replica moved: no drain measured
         assert registry.get_sample_value("flexmarl_rolloutd_replica_tokens_per_s", {"replica": "replica-1"}) == (
             balancer.replicas()[1].tokens_per_s)
         delivered = [registry.get_sample_value("flexmarl_rolloutd_replica_delivered_tokens_per_s", {"replica": r})
