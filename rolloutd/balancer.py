@@ -88,7 +88,6 @@ SCAN_GROUP_MAX = 32
 BASE_ADAPTER = ""
 
 
-
 class HierarchicalBalancer:
     """Inter-agent replica assignment plus intra-agent request routing (see module doc)."""
 

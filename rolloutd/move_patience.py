@@ -15,8 +15,8 @@ Two rules, both on what was measured:
   its outstanding tokens over its rate: a draining replica's batch shrinks, and its last request
   takes its whole latency however few tokens are left. (A prior from the group's generation latency,
   for the drains before the first is measured, was tried and taken out: on ``saturating`` it counted
-  32.5 s for donors whose old requests drained in 0-1 s and held the moves back 8-69 s, and on
-  ``shifting`` it did not stop the first, 50-s drain; docs/benchmarks.md, "The drain prior".)
+  10-32 s for donors whose old requests drained in 0-2 s, on ``shifting`` it did not stop the first,
+  50-s drain, and no step reading moved; docs/benchmarks.md, "The drain prior".)
 * :class:`MovePatience`, ski rental (Karlin, Manasse, Rudolph, Sleator 1988): a planned move into a
   group is made once the balancer has wanted it, in every rebalance without a break, for
   ``patience`` times the move's estimated cost. Not moving while the imbalance lasts loses at most
