@@ -6,12 +6,16 @@ Unit tests of :mod:`rolloutd.move_patience` and of the balancer's moves under de
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from prometheus_client import CollectorRegistry
 
 from flexmarl.config import ConfigError, load_config
 from flexmarl.errors import InvalidArgument
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, ReplicaAssignment
 from rolloutd.config import RolloutConfig
+from rolloutd.metrics import RolloutMetrics
 from rolloutd.move_patience import DrainTimes, MovePatience
 
 GROUPS = ("p", "c", "r")
@@ -118,6 +122,11 @@ def test_a_drain_costs_what_the_drains_of_its_group_took() -> None:
             b.finish(ticket.request_id)
     run_loads(b, 30.0)  # their drains ended: 30 s measured for a replica leaving b
     assert b.drain_estimate_s("b") == 30.0
+    registry = CollectorRegistry()  # what Prometheus scrapes from rolloutd's router
+    RolloutMetrics(registry).watch_router(lambda: SimpleNamespace(balancer=lambda: b,
+                                                                  delivered_tokens_per_s=lambda _replica: 0.0))
+    assert registry.get_sample_value("flexmarl_rolloutd_balancer_drain_seconds", {"agent": "b"}) == 30.0
+    assert registry.get_sample_value("flexmarl_rolloutd_balancer_drain_seconds", {"agent": "a"}) == 0.0
     for ticket in running:
         if ticket.replica_id not in donors:
             b.finish(ticket.request_id)
