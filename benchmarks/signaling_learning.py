@@ -170,7 +170,7 @@ class BatchedBackend:
     ``top_logprobs_num`` k returns the k most likely tokens of that distribution at every position.
 
     ``engine_seed`` (the job seed) samples as a local cluster does instead: each request gets the
-    seed rolloutd's ``JobBackend`` gives it (:func:`rolloutd.router.request_seed` of the job seed,
+    seed rolloutd's ``JobBackend`` gives it (:func:`rolloutd.job_backend.request_seed` of the job seed,
     the agent, the episode and the prompt; sample ``i`` of an ``n``-request ``seed + i``, as the
     router splits it) and the embedded engine's deterministic sampler draws the token
     (:func:`rolloutd.engines.embedded.gumbel_max_token`). A run then replays the cluster job of
@@ -196,7 +196,7 @@ class BatchedBackend:
         future: asyncio.Future[list[GenerationOutput]] = asyncio.get_running_loop().create_future()
         seed = None
         if self._engine_seed is not None:
-            from rolloutd.router import request_seed
+            from rolloutd.job_backend import request_seed
 
             seed = request_seed(self._engine_seed, agent, affinity_key.removeprefix(f"{SIM_JOB}/"), input_ids)
         self._pending.append(_Pending(agent, list(input_ids), dict(sampling), n, future, seed))

@@ -4,7 +4,7 @@ Reads only the self-describing manifests (:mod:`flexmarl.checkpoints`) from stor
 never etcd: the earlier job's cluster may be gone. The resumed job gets a new id and starts
 with each agent at the chosen checkpoint (weights and full state of the earlier job), so its
 first step is the earlier job's next one. Sampling seeds do not depend on the job id
-(``rolloutd.router.request_seed``), and task ids only prefix it, so in strict mode
+(``rolloutd.job_backend.request_seed``), and task ids only prefix it, so in strict mode
 (``max_staleness: 0``) that step trains exactly what the earlier job would have.
 """
 

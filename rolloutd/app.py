@@ -45,6 +45,7 @@ class RolloutApp(DaemonApp):
             balancer_reassignment_cost_s=config.balancer_reassignment_cost_s,
             balancer_dispatch_kv_factor=config.balancer_dispatch_kv_factor,
             balancer_move_patience=config.balancer_move_patience,
+            balancer_move_evicts=config.balancer_move_evicts,
             max_tasks_cap=config.max_tasks_cap,
         )
         self.worker = RolloutWorker(settings, ctx.registry, RolloutMetrics(ctx.metrics))

@@ -115,6 +115,8 @@ class HierarchicalBalancer:
         self.estimator = estimator if estimator is not None else TokenEstimator()
         self._config = config or BalancerConfig()
         self._reassignment_cost_s = self._config.reassignment_cost_s
+        #: Groups whose moved replicas hand their generations on instead of draining them (set_evicting_groups).
+        self._evicting: frozenset[str] = frozenset()
         self._agent_model: dict[str, str] = {}
         self._adapters: set[str] = set()
         self._adapter_slots: dict[str, int] = {}
@@ -761,6 +763,20 @@ class HierarchicalBalancer:
         """
         return self._planner.drains.estimate_s(model_key)
 
+    def set_evicting_groups(self, model_keys: Collection[str]) -> None:
+        """The groups whose replicas, moved away, hand their generations on instead of draining them.
+
+        The caller aborts a moved replica's generations of such a group and resumes each on another
+        replica of the group with its tokens so far (rolloutd: the partial-rollout agents'
+        groups, :meth:`rolloutd.router.RolloutRouter.set_partial_rollout`): a donor from there costs
+        the planner its weight load, not its drain. Replaces the groups set before.
+        """
+        self._evicting = frozenset(model_keys)
+
+    def evicts(self, model_key: str) -> bool:
+        """Whether a replica moved away from ``model_key`` hands its generations on (:meth:`set_evicting_groups`)."""
+        return model_key in self._evicting
+
     @property
     def reassignment_cost_s(self) -> float:
         """The estimated seconds of one weight load a move pays (configured, or measured by the caller)."""
@@ -861,6 +877,9 @@ class _Assignments:
 
     def has_replica(self, model_key: str) -> bool:
         return self._balancer._has_replica(model_key)
+
+    def evicts(self, model_key: str) -> bool:
+        return self._balancer.evicts(model_key)
 
     def rate_in(self, replica: ReplicaState, model_key: str) -> float:
         return self._balancer._rate_in(replica, model_key)

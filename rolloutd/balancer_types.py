@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from flexmarl.errors import InvalidArgument
 from rolloutd.balancer_state import ReplicaAssignment
@@ -46,6 +46,10 @@ class BalancerConfig:
         move_patience: a planned move into a group is made once every rebalance has wanted it for this
             multiple of the move's estimated cost, drain and load (ski rental, :mod:`rolloutd.move_patience`);
             0: at once.
+        move_evicts: a replica moved away from a group whose generations can go on elsewhere (rolloutd:
+            a partial-rollout agent's, :meth:`HierarchicalBalancer.set_evicting_groups`) has them aborted
+            and resumed on the group's other replicas with their tokens, and loads at once: the planner
+            counts such a donor's move at its weight load, not its drain. False: every donor drains.
         max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
         measured_rates: replica rates are measured deliveries (rolloutd's :mod:`rolloutd.replica_rates`,
             through :meth:`HierarchicalBalancer.set_replica_rate`), which depend on the load a group
@@ -70,6 +74,7 @@ class BalancerConfig:
     hysteresis: float = 0.1
     min_residency_s: float = 0.0
     move_patience: float = 1.0
+    move_evicts: bool = True
     max_affinity_keys: int = 100_000
     measured_rates: bool = True
     prior_tokens_per_s: float = 1000.0
@@ -175,3 +180,23 @@ def equal_split(
     if not keys:
         raise InvalidArgument("no model groups to assign replicas to")
     return [ReplicaAssignment(r, keys[i % len(keys)], tokens_per_s) for i, r in enumerate(replica_ids)]
+
+
+def split_keeping_loaded(loaded: Mapping[str, str], model_keys: Sequence[str]) -> dict[str, str]:
+    """:func:`equal_split`'s shares, each replica kept on the group it holds (``loaded``) where the shares allow.
+
+    ``loaded`` maps every replica to the model it holds now ("" or a group not in ``model_keys``:
+    none of them); a replica kept needs no weight load. Returns each replica's group.
+    """
+    split = equal_split(list(loaded), model_keys)
+    counts = {key: sum(1 for s in split if s.model_key == key) for key in model_keys}
+    assigned: dict[str, str] = {}
+    for replica_id, key in loaded.items():
+        if counts.get(key, 0) > 0:
+            assigned[replica_id] = key
+            counts[key] -= 1
+    free = [key for key in model_keys for _ in range(counts[key])]
+    for replica_id in loaded:
+        if replica_id not in assigned:
+            assigned[replica_id] = free.pop(0) if free else model_keys[0]
+    return assigned

@@ -30,6 +30,8 @@ class Replica:
     reloads: int = 0
     #: Reloads that paused running generations (partial rollouts).
     interruptions: int = 0
+    #: Moves away from a partial-rollout agent that handed its running generations on (aborted, resumed elsewhere).
+    evictions: int = 0
     #: The LoRA adapters it holds while it serves a base's pool (made on its first adapter request).
     lora: LoraResidency | None = None
     #: Requests routed to it and not yet answered (a weight load they wait for included), and when it

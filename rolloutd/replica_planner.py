@@ -3,7 +3,9 @@
 Replicas are assigned to *model groups* (the agents that share one ``model_key`` can be served by
 the same replica without a weight load) so that the estimated time to drain each group's
 outstanding token demand is balanced, i.e. replicas follow demand in proportion. A move costs a
-weight load (the balancer's ``reassignment_cost_s``) plus the time to drain the donor replica. A
+weight load (the balancer's ``reassignment_cost_s``) plus the time to drain the donor replica; a
+donor whose group hands its generations on (:meth:`Assignments.evicts`: partial-rollout agents in
+rolloutd, whose generations are aborted and resumed elsewhere with their tokens) costs the load alone. A
 rebalance plans greedy moves, each shortening the current bottleneck, and makes them only if
 together they cut the largest estimated drain time by more than the hysteresis margin (a per-move
 margin would never grow a group of nine or more: one replica more shortens a group of n by at most
@@ -53,6 +55,9 @@ class Assignments(Protocol):
 
     def has_replica(self, model_key: str) -> bool:
         """Whether a replica serves or moves to ``model_key``."""
+
+    def evicts(self, model_key: str) -> bool:
+        """Whether a replica moved away from ``model_key`` hands its generations on instead of draining them."""
 
     def rate_in(self, replica: ReplicaState, model_key: str) -> float:
         """The rate ``replica`` is expected to deliver serving ``model_key``."""
@@ -181,9 +186,12 @@ class ReplicaPlanner:
             return None
         donor_rate = donor.tokens_per_s
         donor_key = donor.target_model_key
-        drain_s = donor.outstanding_tokens / donor_rate
-        if donor.in_flight_requests:  # its last request takes its whole latency, however few tokens are left
-            drain_s = max(drain_s, self.drains.estimate_s(donor.model_key))
+        if self._replicas.evicts(donor.model_key):
+            drain_s = 0.0  # its generations go on elsewhere in its group, with their tokens so far
+        else:
+            drain_s = donor.outstanding_tokens / donor_rate
+            if donor.in_flight_requests:  # its last request takes its whole latency, however few tokens are left
+                drain_s = max(drain_s, self.drains.estimate_s(donor.model_key))
         cost_s = self._replicas.reassignment_cost_s + drain_s
         bottleneck_rate = rates[bottleneck]
         # Replicas this plan already moved in are loading, not serving, during the cost.

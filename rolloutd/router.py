@@ -54,10 +54,8 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -72,10 +70,11 @@ from rolloutd.balancer import (
     BalancerConfig,
     HierarchicalBalancer,
     ReplicaAssignment,
+    ReplicaPhase,
     Ticket,
     TokenEstimator,
-    equal_split,
 )
+from rolloutd.balancer_types import split_keeping_loaded
 from rolloutd.engines.http_client import EngineBusy
 from rolloutd.engines.protocol import (
     FinishReason,
@@ -84,6 +83,8 @@ from rolloutd.engines.protocol import (
     SamplingParams,
 )
 from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sample_parts
+from rolloutd.job_backend import JobBackend, request_seed
+from rolloutd.job_backend import agent_key as agent_key  # re-exported: the public name of before
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
 from rolloutd.replica import Replica as Replica  # re-exported: rolloutd.router.Replica is the public name
 from rolloutd.replica_rates import BalancerFeed, RateSettings
@@ -95,27 +96,15 @@ log = logging.getLogger(__name__)
 WeightsResolver = Callable[[str], Awaitable[str]]
 
 MAX_ATTEMPTS = 3
-#: The round part of an evaluation task's episode key after its job (``e<round>/``, :class:`flexmarl.ids.EvalTaskRef`).
-_EVAL_ROUND_PART = re.compile(r"e[vd][0-9]+/")
+#: How often a replica moved away from a partial-rollout agent aborts what reached it since (RolloutRouter._evict).
+EVICT_POLL_S = 0.05
 #: Most resubmissions of one interrupted sample (each follows an interruption that aborted it).
 MAX_RESUMES = 64
-
-
-def agent_key(job_id: str, agent: str) -> str:
-    """The router's name of an agent of a job."""
-    return f"{job_id}/{agent}"
 
 
 def lora_pool_key(base: str) -> str:
     """The balancer group (and ``loaded_agent``) of the replicas that serve base model ``base`` to LoRA agents."""
     return f"lora-base:{base}"
-
-
-def request_seed(job_seed: int, key: str, affinity_key: str, input_ids: Sequence[int]) -> int:
-    """A sampling seed fixed by the job seed, the agent, the episode and the prompt."""
-    digest = hashlib.sha256(f"{job_seed}|{key}|{affinity_key}|".encode())
-    digest.update(",".join(map(str, input_ids)).encode())
-    return int.from_bytes(digest.digest()[:8], "little") >> 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,11 +345,23 @@ class RolloutRouter:
         return key if base is None else lora_pool_key(base)
 
     def set_partial_rollout(self, key: str, enabled: bool) -> None:
-        """Whether a version published for agent key interrupts its running generations."""
+        """Whether a version published for agent key interrupts its running generations.
+
+        And, with ``BalancerConfig.move_evicts``, whether a replica the balancer moves away from the
+        agent hands its generations on instead of draining them (:meth:`_evict`).
+        """
         if enabled:
             self._interruptible.add(key)
         else:
             self._interruptible.discard(key)
+        self._tell_evicting_groups()
+
+    def _tell_evicting_groups(self) -> None:
+        """Tells the balancer the groups whose moved replicas hand their generations on (see :meth:`_evict`)."""
+        if self._balancer is not None:
+            self._balancer.set_evicting_groups(
+                {key for key in self._interruptible if key in self._agents and key not in self._lora_bases}
+                if self._config.move_evicts else ())
 
     def publish(self, key: str, version: int, uri: str) -> None:
         """A new version of agent key was published (weights at uri).
@@ -447,6 +448,7 @@ class RolloutRouter:
                 if not self._config.rebalance_enabled:
                     balancer.even_out(time.monotonic())
                 self._agents = wanted
+                self._tell_evicting_groups()
                 for key in leaving:
                     self._demand_hints.pop(key, None)
                     self._in_flight_by_key.pop(key, None)
@@ -477,6 +479,7 @@ class RolloutRouter:
                 slots = {} if self._adapter_slots is None else dict.fromkeys(pools, self._adapter_slots)
                 self._balancer = HierarchicalBalancer(specs, [self._agent_spec(k) for k in wanted], self._config,
                                                       adapter_slots=slots, estimator=self._estimator)
+                self._tell_evicting_groups()
                 if self._config.dispatch_kv_factor > 0:
                     for replica in healthy:
                         await self._set_kv_capacity(replica)
@@ -520,18 +523,7 @@ class RolloutRouter:
 
     def _initial_assignment(self, healthy: Sequence[Replica], agents: Sequence[str]) -> list[ReplicaAssignment]:
         """Keeps replicas on the agent they already hold where possible (no reload), else deals them out."""
-        split = equal_split([r.replica_id for r in healthy], agents)
-        keep = {r.replica_id: r.loaded_agent for r in healthy if r.loaded_agent in agents}
-        counts = {a: sum(1 for s in split if s.model_key == a) for a in agents}
-        assigned: dict[str, str] = {}
-        for replica_id, agent in keep.items():
-            if counts.get(agent, 0) > 0:
-                assigned[replica_id] = agent
-                counts[agent] -= 1
-        free = [a for a in agents for _ in range(counts[a])]
-        for r in healthy:
-            if r.replica_id not in assigned:
-                assigned[r.replica_id] = free.pop(0) if free else agents[0]
+        assigned = split_keeping_loaded({r.replica_id: r.loaded_agent for r in healthy}, agents)
         return [self._assignment(rid, assigned[rid]) for rid in sorted(assigned)]
 
     # ---- generation ------------------------------------------------------------------------------
@@ -582,8 +574,9 @@ class RolloutRouter:
 
     async def _generate(
         self, key: str, input_ids: list[int], params: SamplingParams, affinity_key: str, resumes_left: int,
-        top_logprobs_num: int = 0,
+        top_logprobs_num: int = 0, prior_tokens: int = 0,
     ) -> list[GenerationOutput]:
+        """:meth:`generate`; ``prior_tokens``: a resumed sample's tokens so far (the tail of ``input_ids``)."""
         parts = sample_parts(params)
         done: dict[int, list[GenerationOutput]] = {}
         last_error: FlexmarlError | None = None
@@ -618,7 +611,9 @@ class RolloutRouter:
                     if isinstance(outcome, Unavailable):
                         failures.append(outcome)
                         continue
-                    observed.extend(result.completion_tokens for result in outcome)
+                    # A sample's whole length, once: an aborted piece is observed with the piece that ends it.
+                    observed.extend(prior_tokens + result.completion_tokens for result in outcome
+                                    if result.finish_reason != FinishReason.ABORT)
                     done[index] = [self._output(key, r, version) for r in outcome]
                 if not failures:
                     break
@@ -645,7 +640,7 @@ class RolloutRouter:
         try:
             async with asyncio.TaskGroup() as group:  # a failed resumption cancels the others
                 resumed = [group.create_task(self._resume(key, input_ids, part, output, affinity_key, resumes_left,
-                                                          top_logprobs_num))
+                                                          top_logprobs_num, prior_tokens))
                            for part, output in outputs]
         except ExceptionGroup as failed:  # callers handle the domain error, not the group
             raise failed.exceptions[0] from None
@@ -725,7 +720,7 @@ class RolloutRouter:
 
     async def _resume(
         self, key: str, input_ids: list[int], params: SamplingParams, output: GenerationOutput, affinity_key: str,
-        resumes_left: int, top_logprobs_num: int = 0,
+        resumes_left: int, top_logprobs_num: int = 0, prior_tokens: int = 0,
     ) -> GenerationOutput:
         """An aborted sample completed on the weights now served (see :meth:`generate`)."""
         if output.finish_reason != FinishReason.ABORT:
@@ -739,7 +734,7 @@ class RolloutRouter:
             raise Unavailable(f"{key}: a sample was interrupted more than {MAX_RESUMES} times")
         rest_params = dataclasses.replace(params, n=1, max_new_tokens=remaining)
         (rest,) = await self._generate(key, [*input_ids, *output.token_ids], rest_params, affinity_key,
-                                       resumes_left - 1, top_logprobs_num)
+                                       resumes_left - 1, top_logprobs_num, prior_tokens + len(output.token_ids))
         return joined_output(output, rest)
 
     async def _acquire(
@@ -819,10 +814,41 @@ class RolloutRouter:
                      "a drain from there %.1fs)", move.replica_id, move.from_model_key, move.to_model_key,
                      self.delivered_tokens_per_s(move.replica_id), view.tokens_per_s if view is not None else 0.0,
                      balancer.reassignment_cost_s, balancer.drain_estimate_s(move.from_model_key))
+            if balancer.evicts(move.from_model_key):
+                self._spawn(self._evict(move.replica_id, move.from_model_key))
         for move in balancer.replicas_awaiting_load():
             balancer.begin_load(move.replica_id, now_s)  # its drain, measured
             self._spawn(self._move(move.replica_id, move.to_model_key))
         self._wake_placed(balancer.place_queued())
+
+    async def _evict(self, replica_id: str, key: str) -> None:
+        """Hands on the generations of partial-rollout agent ``key`` of a replica the balancer moved away.
+
+        They come back aborted with their tokens so far (``/abort_request`` of all, again every
+        :data:`EVICT_POLL_S` while the replica drains, for a request that reached the engine after an
+        abort; an abort-mode pause would hold SGLang for its 1 s poll) and :meth:`generate` resumes
+        each on another replica of ``key`` (none is placed on a draining replica), as after a version
+        published in abort mode: the replica drains at once and no token is lost. An engine that
+        refuses the abort drains its generations.
+        """
+        replica, balancer, aborts = self._replicas[replica_id], self._balancer, 0
+        while replica.healthy and replica.loaded_agent == key and balancer is self._balancer:
+            view = None if balancer is None else balancer.replica(replica_id)
+            if view is None or view.phase is not ReplicaPhase.DRAINING or view.target_model_key == key:
+                return
+            if replica.lock.busy:
+                try:
+                    await replica.client.abort(abort_all=True)
+                except Unavailable as exc:
+                    self._drop_replica(replica, str(exc))
+                    return
+                except FlexmarlError as exc:
+                    log.error("handing on %s's generations on %s failed (it drains them): %s", key, replica_id, exc)
+                    return
+                replica.evictions += aborts == 0
+                aborts += 1
+                log.info("replica %s handed its %s generations on to move (abort %d)", replica_id, key, aborts)
+            await asyncio.sleep(EVICT_POLL_S)
 
     def _wake_placed(self, tickets: Sequence[Ticket]) -> None:
         for ticket in tickets:
@@ -966,28 +992,3 @@ class RolloutRouter:
 
 class _Reroute(Exception):
     """The replica changed agents between placement and the request; place again."""
-
-
-class JobBackend:
-    """GenerationBackend of one job (agent names without the job prefix)."""
-
-    def __init__(self, router: RolloutRouter, job_id: str, seed: int | None, seed_scope: str = "") -> None:
-        self._router = router
-        self._job_id = job_id
-        self._seed = seed
-        self._seed_scope = seed_scope or job_id
-
-    async def generate(
-        self, agent: str, input_ids: list[int], sampling: dict[str, Any], n: int, affinity_key: str
-    ) -> list[GenerationOutput]:
-        """See rolloutd.runner.GenerationBackend."""
-        if self._seed is not None and sampling.get("sampling_seed") is None:
-            # The seed must not depend on the job id (the agent key and the task ids carry it):
-            # the same spec and seed then sample the same tokens in any job (sync vs async runs).
-            episode = affinity_key.removeprefix(f"{self._seed_scope}/")
-            # A held-out task draws the same numbers in every round, periodic or pinned: between rounds, and
-            # between jobs of one seed, only the weights differ (common random numbers for a curve's points).
-            if (round_part := _EVAL_ROUND_PART.match(episode)) is not None:
-                episode = "e/" + episode[round_part.end():]
-            sampling = {**sampling, "sampling_seed": request_seed(self._seed, agent, episode, input_ids)}
-        return await self._router.generate(agent_key(self._job_id, agent), input_ids, sampling, n, affinity_key)

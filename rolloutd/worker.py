@@ -184,6 +184,7 @@ class WorkerSettings:
     #: > 0: requests wait in rolloutd once a replica's reserved KV tokens reach this share of its capacity.
     balancer_dispatch_kv_factor: float = 0.0
     balancer_move_patience: float = 1.0  #: BalancerConfig.move_patience
+    balancer_move_evicts: bool = True  #: BalancerConfig.move_evicts
     #: ``--max-tasks auto`` leases at most this many tasks at once.
     max_tasks_cap: int = DEFAULT_CAP
 
@@ -846,7 +847,7 @@ class RolloutWorker:
                                     prior_tokens_per_s=s.balancer_tokens_per_s,
                                     reassignment_cost_s=s.balancer_reassignment_cost_s,
                                     dispatch_kv_factor=s.balancer_dispatch_kv_factor,
-                                    move_patience=s.balancer_move_patience)
+                                    move_patience=s.balancer_move_patience, move_evicts=s.balancer_move_evicts)
             self.router = RolloutRouter(replicas, resolve, config=config, on_reload=self._metrics.observe_reload,
                                         owner=s.worker_id, on_broadcast=self._metrics.observe_broadcast)
             return self.router

@@ -14,7 +14,7 @@ import pytest
 
 from flexmarl.ids import EvalTaskRef, TaskRef
 from rolloutd.balancer import episode_affinity_key
-from rolloutd.router import JobBackend, request_seed
+from rolloutd.job_backend import JobBackend, request_seed
 
 pytestmark = pytest.mark.timeout(30)
 

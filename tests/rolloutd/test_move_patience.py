@@ -144,6 +144,37 @@ def test_a_drain_costs_what_the_drains_of_its_group_took() -> None:
     assert b.maybe_rebalance(90.0)
 
 
+def test_a_donor_that_hands_its_generations_on_costs_its_load_alone() -> None:
+    """A group whose moved replicas hand their generations on (partial rollouts) is counted at no drain."""
+    b = HierarchicalBalancer(
+        [ReplicaAssignment(f"r{i}", "a" if i < 3 else "b", 100.0) for i in range(6)],
+        [AgentSpec("a", "a"), AgentSpec("b", "b")],
+        BalancerConfig(reassignment_cost_s=10.0, move_patience=1.0, rebalance_interval_s=5.0, measured_rates=False))
+    assert not b.evicts("b")
+    running = [b.submit(g, 10) for g in "ab" for _ in range(3)]  # every replica runs one short request
+    b.set_demand_hints({"a": 20_000, "b": 100})
+    first = b.maybe_rebalance(0.0)  # the first deal, at once
+    assert first and {m.from_model_key for m in first} == {"b"}
+    for ticket in running:
+        b.finish(ticket.request_id)
+    run_loads(b, 30.0)  # a drain of 30 s measured from b
+    assert b.drain_estimate_s("b") == 30.0
+    b.set_demand_hints({"a": 100, "b": 20_000})
+    assert b.maybe_rebalance(35.0) == []
+    assert b.maybe_rebalance(45.0)  # back to b
+    run_loads(b, 45.0)
+    for _ in range(12):
+        b.submit("b", 10)  # every replica of b runs a request again
+    b.set_demand_hints({"a": 20_000, "b": 100})
+    b.set_evicting_groups({"b"})
+    assert b.evicts("b") and not b.evicts("a")
+    assert b.maybe_rebalance(50.0) == []  # wanted since 50 s: without a drain, the 10 s load is the cost
+    moved = b.maybe_rebalance(60.0)
+    assert moved and {m.from_model_key for m in moved} == {"b"}  # not 90 s, as a drained donor of b would be
+    b.set_evicting_groups(())
+    assert not b.evicts("b")
+
+
 def test_drain_times_average_and_the_ones_under_way() -> None:
     drains = DrainTimes(weight=0.5)
     assert drains.estimate_s("g") == 0.0
@@ -176,6 +207,12 @@ def test_move_patience_waits_per_group_without_a_break() -> None:
             MovePatience(bad)
     with pytest.raises(InvalidArgument):
         BalancerConfig(move_patience=-1.0)
+
+
+def test_handing_generations_on_is_a_rolloutd_flag() -> None:
+    assert load_config(RolloutConfig, [], prog="rolloutd", env={}).balancer_move_evicts is True
+    config = load_config(RolloutConfig, ["--no-balancer-move-evicts"], prog="rolloutd", env={})
+    assert config.balancer_move_evicts is False
 
 
 def test_the_patience_is_a_rolloutd_flag() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,9 +31,11 @@ from flexmarl.registry import Registry
 from flexmarl.retry import RetryPolicy
 from flexmarl.v1 import common_pb2, orchestrator_pb2
 from rolloutd import worker as worker_module
+from rolloutd.balancer import BalancerConfig
 from rolloutd.engines.embedded.backend import EmbeddedServer
 from rolloutd.engines.embedded.config import EmbeddedEngineConfig
 from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.launcher import EngineReplica, ReplicaSpec, launch_many
 from rolloutd.engines.protocol import PauseMode
 from rolloutd.engines.sglang.client import SGLangClient
 from rolloutd.link import GrpcOrchestratorLink, OrchestratorLink
@@ -100,7 +102,12 @@ async def test_interrupted_twice_keeps_budget_and_has_three_spans(
     engine_checkpoint: Path, engine_checkpoint_other: Path, mode: PauseMode
 ) -> None:
     async with _router(engine_checkpoint, engine_checkpoint_other, mode) as (server, router, replica):
+        balancer = router.balancer()
+        assert balancer is not None
+        balancer.estimator.observe(KEY, 10)  # a mean of 10 tokens so far
         output = await _interrupted_twice(server, router, replica)
+        # The sample's whole length was observed once: an aborted piece is no response.
+        assert balancer.estimator.expected_response_tokens(KEY, 1000) == pytest.approx(0.95 * 10 + 0.05 * TOKENS)
     assert replica.interruptions == 2
     # The remaining budget was respected across both interruptions (never reset to max_new_tokens).
     assert len(output.token_ids) == TOKENS, output.finish_reason
@@ -126,6 +133,78 @@ async def test_agent_without_partial_rollout_is_never_interrupted(
         # The next request still runs the version its task requires, not the published one.
         (again,) = await router.generate(KEY, PROMPT, {"max_new_tokens": 4}, 1, "episode-1", seed=3)
         assert again.version == 0 and replica.reloads == 1
+
+
+#: Two agents of one job on three replicas: one agent starts with two, the other with one.
+MOVE_KEYS = ("job-1/a", "job-1/b")
+#: Long enough that a weight load of the tiny model ends well before one such generation.
+LONG = 600
+
+
+@pytest.fixture(scope="module")
+def three_engines(engine_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EngineReplica]]:
+    """Three embedded engine subprocesses (one process each, as rolloutd launches them), shared by the module."""
+    specs = [ReplicaSpec("embedded", str(engine_checkpoint), seed=0) for _ in range(3)]
+    engines = asyncio.run(launch_many(specs, tmp_path_factory.mktemp("three-engines"), timeout_s=120))
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop(grace_s=10)
+
+
+@contextlib.asynccontextmanager
+async def _two_agents(
+    engines: Sequence[EngineReplica], checkpoint: Path, evicts: bool
+) -> AsyncIterator[tuple[RolloutRouter, list[Replica]]]:
+    replicas = [Replica(f"replica-{i}", SGLangClient(engine.url)) for i, engine in enumerate(engines)]
+
+    async def resolve(uri: str) -> str:
+        return str(checkpoint)
+
+    config = BalancerConfig(rebalance_interval_s=0.0, move_patience=0.0, measured_rates=False, move_evicts=evicts)
+    router = RolloutRouter(replicas, resolve, config)
+    try:
+        await router.set_agents(MOVE_KEYS)
+        for key in MOVE_KEYS:
+            router.require(key, 0, "v0")
+            router.set_partial_rollout(key, True)
+        yield router, replicas
+    finally:
+        await router.close()
+        for replica in replicas:
+            await replica.client.abort(abort_all=True)  # nothing left running for the next test
+            await replica.client.close()
+
+
+@pytest.mark.parametrize("evicts", [True, False])
+async def test_a_replica_moved_away_hands_its_generations_on_or_drains_them(
+    three_engines: list[EngineReplica], engine_checkpoint: Path, evicts: bool
+) -> None:
+    """A partial-rollout agent's replica moved to another agent loads at once; its generations end elsewhere.
+
+    With ``move_evicts`` off it drains them first: the move's load waits for the generation to end.
+    """
+    async with _two_agents(three_engines, engine_checkpoint, evicts) as (router, replicas):
+        balancer = router.balancer()
+        assert balancer is not None and balancer.evicts(MOVE_KEYS[0]) is evicts
+        counts = balancer.replica_counts()
+        donor = max(MOVE_KEYS, key=lambda k: counts[k])
+        taker = next(k for k in MOVE_KEYS if k != donor)
+        sampling = {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 1.0}
+        generations = [asyncio.ensure_future(router.generate(donor, PROMPT, sampling, 1, f"episode-{i}", seed=i))
+                       for i in range(2)]
+        await _until(lambda: sum(r.lock.busy for r in replicas) == 2, "both replicas of the donor generate")
+        # The taker wants every replica the donor can spare; the donor keeps its last (its hint outlives its requests).
+        router.set_demand_hints({taker: 10_000_000, donor: 1})
+        await _until(lambda: any(r.loaded_agent == taker for r in replicas), "no replica moved to the taker")
+        ended = sum(g.done() for g in generations)
+        assert ended == 0 if evicts else ended >= 1  # a draining donor loads once its own generation ended
+        outputs = [output for (output,) in await asyncio.wait_for(asyncio.gather(*generations), 120)]
+    assert [r.evictions for r in replicas if r.loaded_agent == taker] == [1 if evicts else 0]
+    for output in outputs:  # nothing of the handed-on generation was lost, nor its budget reset
+        assert len(output.token_ids) == LONG and output.finish_reason == "length"
+        assert len(output.logprobs) == LONG and all(lp <= 0.0 for lp in output.logprobs)
 
 
 def _spec(pipeline: dict[str, object], rollout: dict[str, object]) -> dict[str, object]:
