@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 #: A fast, small vLLM replica on CPU (docs/engines.md): no torch.compile, a short context, 64 MiB of KV cache.
-VLLM_TEST_ARGS = ("--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "67108864",
+VLLM_TEST_ARGS = ("--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", "67108864",
                   "--max-num-seqs", "8")
 
 
