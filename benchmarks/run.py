@@ -29,8 +29,8 @@ one job of the workload (``benchmarks/workloads.py``) and measures from the comm
 
 Ablations on top of ``flexmarl-partial``: ``partial-no-lb``, ``partial-no-binding``, ``partial-no-interrupt``
 (async off: ``no-async``), ``partial-size-blind`` (orchestratord's binder blind to slot capacities),
-``partial-impatient`` (the balancer's moves made at once, no patience), ``partial-drain-moves`` (a moved
-replica drains its generations instead of handing them on); the shapes
+``partial-impatient`` (the balancer's moves made at once, no patience), ``partial-evict-moves`` (a moved
+replica hands its generations on instead of draining them); the shapes
 built for them: ``--variant shifting``, ``--variant saturating`` (which also sets rolloutd's ``--max-tasks``,
 ``--rollout-max-tasks``), ``--variant two-heavy`` and ``--variant sized`` (slots of 2, 1 and 1 devices, traind's
 ``--slot-capacity``; ``--slot-capacity`` sets others; busy fractions and the bound then count devices, not slots).
@@ -153,11 +153,11 @@ CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
         "flexmarl-partial with every planned replica move made at once (rolloutd --balancer-move-patience 0, "
         "the balancer before its patience)",
     ),
-    "partial-drain-moves": (
+    "partial-evict-moves": (
         {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
         {"balancing": "hierarchical", "partial_rollout": True, "mask_stale_tokens": True},
-        "flexmarl-partial with a moved replica draining its generations before its load (rolloutd "
-        "--no-balancer-move-evicts, the balancer before it handed them on)",
+        "flexmarl-partial with a moved replica handing its generations on (aborted, resumed on their agent's "
+        "other replicas) instead of draining them (rolloutd --balancer-move-evicts)",
     ),
     "partial-no-lead": (
         {"mode": "async", "max_staleness": 8, "step_fill": "completion"},
@@ -173,7 +173,7 @@ ORCHESTRATORD_ARGS: dict[str, tuple[str, ...]] = {
 }
 # rolloutd flags of a configuration, after the workload's.
 ROLLOUTD_ARGS: dict[str, tuple[str, ...]] = {"partial-impatient": ("--balancer-move-patience", "0"),
-                                             "partial-drain-moves": ("--no-balancer-move-evicts",)}
+                                             "partial-evict-moves": ("--balancer-move-evicts",)}
 
 
 def orchestratord_args(config: str, time_scale: float) -> tuple[str, ...]:

@@ -49,7 +49,8 @@ class BalancerConfig:
         move_evicts: a replica moved away from a group whose generations can go on elsewhere (rolloutd:
             a partial-rollout agent's, :meth:`HierarchicalBalancer.set_evicting_groups`) has them aborted
             and resumed on the group's other replicas with their tokens, and loads at once: the planner
-            counts such a donor's move at its weight load, not its drain. False: every donor drains.
+            counts such a donor's move at its weight load, not its drain. False (the default: measured no
+            faster on `shifting` and `saturating`, docs/benchmarks.md): every donor drains.
         max_affinity_keys: bound on remembered affinity keys (least recently used dropped).
         measured_rates: replica rates are measured deliveries (rolloutd's :mod:`rolloutd.replica_rates`,
             through :meth:`HierarchicalBalancer.set_replica_rate`), which depend on the load a group
@@ -74,7 +75,7 @@ class BalancerConfig:
     hysteresis: float = 0.1
     min_residency_s: float = 0.0
     move_patience: float = 1.0
-    move_evicts: bool = True
+    move_evicts: bool = False
     max_affinity_keys: int = 100_000
     measured_rates: bool = True
     prior_tokens_per_s: float = 1000.0

@@ -131,9 +131,10 @@ class RolloutConfig(DaemonConfig):
                                     "that turns faster than a move completes is not chased); the first moves of "
                                     "a group at once; 0: every move at once"))
     balancer_move_evicts: bool = dataclasses.field(
-        default=True, metadata=_help("a replica moved away from a partial-rollout agent aborts its generations, "
-                                     "which go on on the agent's other replicas with their tokens so far, and "
-                                     "loads at once (false: it drains them first, as for other agents)"))
+        default=False, metadata=_help("a replica moved away from a partial-rollout agent aborts its generations, "
+                                      "which go on on the agent's other replicas with their tokens so far, and "
+                                      "loads at once (default: it drains them first, as for other agents; "
+                                      "measured no faster, docs/benchmarks.md)"))
     balancer_dispatch_kv_factor: float = dataclasses.field(
         default=0.0, metadata=_help("> 0: a replica takes a request only while its requests' reserved KV tokens "
                                     "(prompt + max_new_tokens each) stay within this factor of its engine's "

@@ -184,7 +184,7 @@ class WorkerSettings:
     #: > 0: requests wait in rolloutd once a replica's reserved KV tokens reach this share of its capacity.
     balancer_dispatch_kv_factor: float = 0.0
     balancer_move_patience: float = 1.0  #: BalancerConfig.move_patience
-    balancer_move_evicts: bool = True  #: BalancerConfig.move_evicts
+    balancer_move_evicts: bool = False  #: BalancerConfig.move_evicts
     #: ``--max-tasks auto`` leases at most this many tasks at once.
     max_tasks_cap: int = DEFAULT_CAP
 

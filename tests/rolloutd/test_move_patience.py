@@ -210,9 +210,9 @@ def test_move_patience_waits_per_group_without_a_break() -> None:
 
 
 def test_handing_generations_on_is_a_rolloutd_flag() -> None:
-    assert load_config(RolloutConfig, [], prog="rolloutd", env={}).balancer_move_evicts is True
-    config = load_config(RolloutConfig, ["--no-balancer-move-evicts"], prog="rolloutd", env={})
-    assert config.balancer_move_evicts is False
+    assert load_config(RolloutConfig, [], prog="rolloutd", env={}).balancer_move_evicts is False
+    config = load_config(RolloutConfig, ["--balancer-move-evicts"], prog="rolloutd", env={})
+    assert config.balancer_move_evicts is True
 
 
 def test_the_patience_is_a_rolloutd_flag() -> None:
