@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -15,11 +16,13 @@ import pytest
 import torch
 
 from flexmarl import devicemodel
-from flexmarl.errors import Unavailable
+from flexmarl.errors import FlexmarlError, Unavailable
+from rolloutd.engines.embedded import backend as embedded_backend
 from rolloutd.engines.embedded.admission import BatchLimits, Demand, plan_admission
 from rolloutd.engines.embedded.backend import EmbeddedServer
 from rolloutd.engines.embedded.config import EmbeddedEngineConfig
 from rolloutd.engines.embedded.engine import EmbeddedEngine
+from rolloutd.engines.embedded.model import load_model
 from rolloutd.engines.embedded.sampling import gumbel_max_token
 from rolloutd.engines.launcher import ReplicaSpec, attach, launch, sglang_command
 from rolloutd.engines.protocol import FinishReason, GenerationRequest, SamplingParams
@@ -112,6 +115,41 @@ async def test_weight_swap_waits_for_the_running_batch(
     # Every token of the running request came from the old weights; the next from the new ones.
     assert old.weight_version == "default" and old.completion_tokens == 300
     assert new.weight_version == "v7" and new.model_path == str(engine_checkpoint_other)
+
+
+async def test_stopping_during_a_weight_load_answers_the_update_and_stops_at_once(
+    engine_checkpoint: Path, engine_checkpoint_other: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The load runs off the event loop; the engine stops before it is done. The swap it then
+    # submits must be refused (nothing would ever apply it): before, the update's handler waited
+    # for ever and the server's stop for aiohttp's 60 s shutdown timeout.
+    loading, release = threading.Event(), threading.Event()
+
+    def slow_load(model_path: str, weight_version: str) -> Any:
+        loading.set()
+        release.wait(30)
+        return load_model(model_path, weight_version)
+
+    monkeypatch.setattr(embedded_backend, "load_model", slow_load)
+    config = EmbeddedEngineConfig(model_path=str(engine_checkpoint), seed=0)
+    server = EmbeddedServer(EmbeddedEngine(config))
+    client = SGLangClient(f"http://127.0.0.1:{await server.start('127.0.0.1', 0)}")
+    update = asyncio.create_task(client.update_weights_from_disk(str(engine_checkpoint_other), weight_version="v2"))
+    try:
+        assert await asyncio.to_thread(loading.wait, 20)
+        stopping = asyncio.create_task(server.stop())
+        deadline = time.monotonic() + 20
+        while server.engine._thread is not None:  # the worker has joined: the engine is stopped
+            assert time.monotonic() < deadline, "the engine did not stop"
+            await asyncio.sleep(0.01)
+        release.set()
+        with pytest.raises(FlexmarlError):
+            await asyncio.wait_for(update, 20)
+        await asyncio.wait_for(stopping, 20)
+    finally:
+        release.set()
+        await client.close()
+        await server.stop()
 
 
 @contextlib.asynccontextmanager

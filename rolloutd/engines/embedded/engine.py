@@ -218,6 +218,8 @@ class EmbeddedEngine:
             self.submit_control(swap)
             return
         with self._cond:
+            if self._stopping:  # as submit: nothing would ever answer it
+                raise FlexmarlError("engine stopped")
             self._queue.append(swap)
             self._cond.notify_all()
 
