@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import sys
 import threading
@@ -150,6 +151,46 @@ async def test_stopping_during_a_weight_load_answers_the_update_and_stops_at_onc
         release.set()
         await client.close()
         await server.stop()
+
+
+def _lm_head_tied(model: Any) -> bool:
+    return bool(model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr())
+
+
+def test_loads_in_several_threads_at_once_load_every_weight(engine_checkpoint: Path) -> None:
+    # transformers' from_pretrained swaps module globals for a load; two loads that overlapped
+    # once left them swapped, and every later load in the process left lm_head untied and
+    # unloaded (the engine then sampled from NaN logits and died).
+    assert _lm_head_tied(load_model(str(engine_checkpoint), "v0").model)
+    loaded: list[Any] = []
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        for result in pool.map(lambda i: load_model(str(engine_checkpoint), f"v{i}"), range(12)):
+            loaded.append(result)
+    loaded.append(load_model(str(engine_checkpoint), "after"))
+    for result in loaded:
+        assert _lm_head_tied(result.model), result.weight_version
+        assert not any(param.is_meta for param in result.model.parameters())
+
+
+async def test_overlapping_weight_updates_load_one_at_a_time_in_order(
+    engine_server: tuple[EmbeddedServer, SGLangClient], engine_checkpoint: Path, engine_checkpoint_other: Path
+) -> None:
+    # SGLang's scheduler takes update requests one at a time, in order: the last one sent wins.
+    server, client = engine_server
+    paths = [engine_checkpoint_other, engine_checkpoint] * 3
+    updates = [
+        asyncio.create_task(client.update_weights_from_disk(str(path), weight_version=f"w{index}"))
+        for index, path in enumerate(paths)
+    ]
+    await asyncio.gather(*updates)
+    assert server.engine.loaded.weight_version == "w5" and server.engine.loaded.model_path == str(engine_checkpoint)
+    assert _lm_head_tied(server.engine.loaded.model)
+    samples = await asyncio.gather(*(
+        client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed)))
+        for seed in range(4)
+    ))
+    assert all(sample.weight_version == "w5" and sample.completion_tokens > 0 for [sample] in samples)
+    assert server.engine.fatal is None
 
 
 @contextlib.asynccontextmanager

@@ -37,6 +37,7 @@ class EmbeddedBackend(EngineBackend):
 
     def __init__(self, engine: EmbeddedEngine) -> None:
         self.engine = engine
+        self._updates = asyncio.Lock()  # /update_weights_from_disk, one at a time
 
     async def start(self, port: int) -> None:
         """Start the worker thread."""
@@ -97,16 +98,21 @@ class EmbeddedBackend(EngineBackend):
         """Load off to the side, then swap in: once the running sequences finished, or (paused) at once."""
         if load_format not in (None, "auto", "safetensors"):
             raise InvalidArgument(f"load_format {load_format!r} is not supported (auto, safetensors)")
-        loaded = await asyncio.to_thread(load_model, model_path, weight_version or "")
-        reason = incompatibility(self.engine.loaded, loaded)
-        if reason:
-            raise InvalidArgument(f"incompatible checkpoint: {reason}")
-        loop = asyncio.get_running_loop()
-        swap = WeightSwap(loaded, weight_version, loop, loop.create_future(), paused=paused, flush_cache=flush_cache)
-        try:
-            self.engine.submit_swap(swap)
-        except FlexmarlError as exc:
-            raise Unavailable(str(exc)) from exc
+        # SGLang's scheduler handles update requests one at a time, in the order they came; the load
+        # runs off the event loop here, so overlapping updates queue for it (FIFO) and submit their
+        # swaps in that order.
+        async with self._updates:
+            loaded = await asyncio.to_thread(load_model, model_path, weight_version or "")
+            reason = incompatibility(self.engine.loaded, loaded)
+            if reason:
+                raise InvalidArgument(f"incompatible checkpoint: {reason}")
+            loop = asyncio.get_running_loop()
+            swap = WeightSwap(loaded, weight_version, loop, loop.create_future(), paused=paused,
+                              flush_cache=flush_cache)
+            try:
+                self.engine.submit_swap(swap)
+            except FlexmarlError as exc:
+                raise Unavailable(str(exc)) from exc
         return await swap.future
 
     async def _control(self, kind: str, weight_version: str = "") -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,14 @@ import torch
 from flexmarl.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
+
+#: transformers' ``from_pretrained`` is not safe in two threads at once: it swaps module globals
+#: for the load (``initialization.no_init_weights`` stubs ``torch.nn.init``, ``no_tie_weights`` the
+#: tying) and restores what it found, so two overlapping loads can leave the stubs in place for the
+#: process. Every later load then leaves ``lm_head`` untied, on the meta device or uninitialised
+#: (seen: an engine whose next decode sampled from NaN logits and died, after two
+#: ``/update_weights_from_disk`` calls that overlapped). One load at a time per process.
+_LOAD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -47,17 +56,21 @@ def load_model(model_path: str, weight_version: str) -> LoadedModel:
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{model_path} is not a checkpoint directory (no config.json)")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise InvalidArgument(f"cannot load {model_path}: {exc}") from exc
-    model.eval()  # type: ignore[no-untyped-call]
-    _own_weights(model)
-    tokenizer = None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer in %s (%s); responses carry no text", model_path, exc)
+    with _LOAD_LOCK:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise InvalidArgument(f"cannot load {model_path}: {exc}") from exc
+        unloaded = [name for name, param in model.named_parameters() if param.is_meta]
+        if unloaded:  # not served: a forward pass would fail or sample from garbage
+            raise InvalidArgument(f"cannot load {model_path}: parameters {unloaded} were left unloaded")
+        model.eval()  # type: ignore[no-untyped-call]
+        _own_weights(model)
+        tokenizer = None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            logger.warning("no tokenizer in %s (%s); responses carry no text", model_path, exc)
     eos: set[int] = set()
     for source in (model.config.eos_token_id, model.generation_config.eos_token_id):
         if isinstance(source, int):
