@@ -108,4 +108,43 @@ class MovePatience:
         self._wanted_since_s.clear()
 
 
-__all__ = ["DRAIN_WEIGHT", "DrainTimes", "MovePatience"]
+class EvictionAborts:
+    """When a replica that hands its generations on (``BalancerConfig.move_evicts``) aborts again.
+
+    The first abort (``/abort_request`` of all) reaches what the engine runs or queues then. A
+    generation the router had sent that the engine had not received yet is missed by it, so the
+    abort is repeated; but most of what is still in flight afterwards is generations already
+    aborted whose answers have not come back (an engine under a device model answers at the
+    modelled end of the iteration). Repeating every poll while anything is in flight made 536
+    aborts for 11 moves (docs/benchmarks.md, run J). So: again at once when a generation started
+    on the replica since the last abort; otherwise after ``first_s``, then twice as long each time,
+    up to ``most_s`` (a missed generation drains at most that much longer).
+    """
+
+    def __init__(self, first_s: float, most_s: float) -> None:
+        if not 0 < first_s <= most_s < float("inf"):
+            raise InvalidArgument(f"abort repeats need 0 < first_s <= most_s < inf, got {first_s}, {most_s}")
+        self._first_s, self._most_s = first_s, most_s
+        self._entries: int | None = None
+        self._wait_s = first_s
+        self._next_s = 0.0
+        self.count = 0
+
+    def due(self, now_s: float, entries: int) -> bool:
+        """Whether to abort now, given how many generations have ever started on the replica (``entries``).
+
+        Call only while generations are in flight on it; a True answer counts as an abort made.
+        """
+        if entries != self._entries:
+            self._wait_s = self._first_s
+        elif now_s < self._next_s:
+            return False
+        else:
+            self._wait_s = min(2 * self._wait_s, self._most_s)
+        self._entries = entries
+        self._next_s = now_s + self._wait_s
+        self.count += 1
+        return True
+
+
+__all__ = ["DRAIN_WEIGHT", "DrainTimes", "EvictionAborts", "MovePatience"]

@@ -32,6 +32,8 @@ class Replica:
     interruptions: int = 0
     #: Moves away from a partial-rollout agent that handed its running generations on (aborted, resumed elsewhere).
     evictions: int = 0
+    #: The aborts those hand-overs made (the first of each, and its repeats: RolloutRouter._evict).
+    eviction_aborts: int = 0
     #: The LoRA adapters it holds while it serves a base's pool (made on its first adapter request).
     lora: LoraResidency | None = None
     #: Requests routed to it and not yet answered (a weight load they wait for included), and when it

@@ -13,6 +13,8 @@ class ReplicaLock:
     def __init__(self) -> None:
         self._readers = 0
         self._writing = False
+        #: Generations that have ever held the lock (a new one since some moment is a new generation).
+        self.entries = 0
         self._cond = asyncio.Condition()
 
     @contextlib.asynccontextmanager
@@ -21,6 +23,7 @@ class ReplicaLock:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writing)
             self._readers += 1
+            self.entries += 1
         try:
             yield
         finally:

@@ -86,6 +86,7 @@ from rolloutd.generation_parts import engine_spans, joined_output, run_parts, sa
 from rolloutd.job_backend import JobBackend, request_seed
 from rolloutd.job_backend import agent_key as agent_key  # re-exported: the public name of before
 from rolloutd.lora_residency import AdapterVersion, LoraResidency
+from rolloutd.move_patience import EvictionAborts
 from rolloutd.replica import Replica as Replica  # re-exported: rolloutd.router.Replica is the public name
 from rolloutd.replica_rates import BalancerFeed, RateSettings
 from rolloutd.weight_sync import AgentWeightGroup, GroupMember, SyncOutcome
@@ -96,8 +97,10 @@ log = logging.getLogger(__name__)
 WeightsResolver = Callable[[str], Awaitable[str]]
 
 MAX_ATTEMPTS = 3
-#: How often a replica moved away from a partial-rollout agent aborts what reached it since (RolloutRouter._evict).
+#: How often a replica moved away from a partial-rollout agent checks whether to abort again, and the
+#: longest wait between its repeated aborts (RolloutRouter._evict, move_patience.EvictionAborts).
 EVICT_POLL_S = 0.05
+EVICT_REPEAT_MAX_S = 1.0
 #: Most resubmissions of one interrupted sample (each follows an interruption that aborted it).
 MAX_RESUMES = 64
 
@@ -824,19 +827,20 @@ class RolloutRouter:
     async def _evict(self, replica_id: str, key: str) -> None:
         """Hands on the generations of partial-rollout agent ``key`` of a replica the balancer moved away.
 
-        They come back aborted with their tokens so far (``/abort_request`` of all, again every
-        :data:`EVICT_POLL_S` while the replica drains, for a request that reached the engine after an
-        abort; an abort-mode pause would hold SGLang for its 1 s poll) and :meth:`generate` resumes
-        each on another replica of ``key`` (none is placed on a draining replica), as after a version
-        published in abort mode: the replica drains at once and no token is lost. An engine that
-        refuses the abort drains its generations.
+        They come back aborted with their tokens so far (``/abort_request`` of all, repeated while the
+        replica drains as :class:`~rolloutd.move_patience.EvictionAborts` says, for a request that
+        reached the engine after an abort; an abort-mode pause would hold SGLang for its 1 s poll)
+        and :meth:`generate` resumes each on another replica of ``key`` (none is placed on a
+        draining replica), as after a version published in abort mode: the replica drains at once
+        and no token is lost. An engine that refuses the abort drains its generations.
         """
-        replica, balancer, aborts = self._replicas[replica_id], self._balancer, 0
+        replica, balancer = self._replicas[replica_id], self._balancer
+        aborts = EvictionAborts(EVICT_POLL_S, EVICT_REPEAT_MAX_S)
         while replica.healthy and replica.loaded_agent == key and balancer is self._balancer:
             view = None if balancer is None else balancer.replica(replica_id)
             if view is None or view.phase is not ReplicaPhase.DRAINING or view.target_model_key == key:
                 return
-            if replica.lock.busy:
+            if replica.lock.busy and aborts.due(time.monotonic(), replica.lock.entries):
                 try:
                     await replica.client.abort(abort_all=True)
                 except Unavailable as exc:
@@ -845,9 +849,9 @@ class RolloutRouter:
                 except FlexmarlError as exc:
                     log.error("handing on %s's generations on %s failed (it drains them): %s", key, replica_id, exc)
                     return
-                replica.evictions += aborts == 0
-                aborts += 1
-                log.info("replica %s handed its %s generations on to move (abort %d)", replica_id, key, aborts)
+                replica.evictions += aborts.count == 1
+                replica.eviction_aborts += 1
+                log.info("replica %s handed its %s generations on to move (abort %d)", replica_id, key, aborts.count)
             await asyncio.sleep(EVICT_POLL_S)
 
     def _wake_placed(self, tickets: Sequence[Ticket]) -> None:

@@ -16,7 +16,7 @@ from flexmarl.errors import InvalidArgument
 from rolloutd.balancer import AgentSpec, BalancerConfig, HierarchicalBalancer, ReplicaAssignment
 from rolloutd.config import RolloutConfig
 from rolloutd.metrics import RolloutMetrics
-from rolloutd.move_patience import DrainTimes, MovePatience
+from rolloutd.move_patience import DrainTimes, EvictionAborts, MovePatience
 
 GROUPS = ("p", "c", "r")
 
@@ -207,6 +207,19 @@ def test_move_patience_waits_per_group_without_a_break() -> None:
             MovePatience(bad)
     with pytest.raises(InvalidArgument):
         BalancerConfig(move_patience=-1.0)
+
+
+def test_a_handing_on_replica_aborts_again_at_once_for_a_new_generation_else_ever_later() -> None:
+    aborts = EvictionAborts(0.0625, 0.5)  # binary fractions: the sums below are exact
+    polls = [0.0625 * i for i in range(33)]  # 2 s polled every 62.5 ms, nothing new started
+    made = [t for t in polls if aborts.due(t, entries=7)]
+    assert made == [0.0, 0.0625, 0.1875, 0.4375, 0.9375, 1.4375, 1.9375]  # waits doubling to the 0.5 s cap
+    assert aborts.due(1.96875, entries=8)  # a generation started since: at once, and the waits start again
+    assert not aborts.due(2.0, entries=8) and aborts.due(2.03125, entries=8) and not aborts.due(2.125, entries=8)
+    assert aborts.count == 9
+    for first, most in ((0.0, 1.0), (0.5, 0.1), (0.1, float("inf"))):
+        with pytest.raises(InvalidArgument):
+            EvictionAborts(first, most)
 
 
 def test_handing_generations_on_is_a_rolloutd_flag() -> None:

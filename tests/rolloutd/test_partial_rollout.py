@@ -201,7 +201,8 @@ async def test_a_replica_moved_away_hands_its_generations_on_or_drains_them(
         ended = sum(g.done() for g in generations)
         assert ended == 0 if evicts else ended >= 1  # a draining donor loads once its own generation ended
         outputs = [output for (output,) in await asyncio.wait_for(asyncio.gather(*generations), 120)]
-    assert [r.evictions for r in replicas if r.loaded_agent == taker] == [1 if evicts else 0]
+    [moved] = [r for r in replicas if r.loaded_agent == taker]
+    assert moved.evictions == (1 if evicts else 0) and (moved.eviction_aborts >= 1) is evicts
     for output in outputs:  # nothing of the handed-on generation was lost, nor its budget reset
         assert len(output.token_ids) == LONG and output.finish_reason == "length"
         assert len(output.logprobs) == LONG and all(lp <= 0.0 for lp in output.logprobs)
