@@ -115,7 +115,8 @@ async def test_the_engine_survives_every_control_at_once(
         assert server.engine.fatal is None
         path, version = last_update[-1]
         assert server.engine.loaded.weight_version == version and server.engine.loaded.model_path == path
-        [after] = await clients[0].generate(GenerationRequest((104, 105), SamplingParams(max_new_tokens=4)))
+        four = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        [after] = await clients[0].generate(GenerationRequest((104, 105), four))
         assert after.weight_version == version and after.completion_tokens == 4
         assert finishes["abort"] and finishes["length"] and len(last_update) > len(refused)
     finally:
