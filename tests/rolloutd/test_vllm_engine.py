@@ -356,6 +356,36 @@ async def test_reload_changes_logprobs_and_the_original_restores_them(
     assert after.weight_version == "default"
 
 
+async def test_overlapping_reloads_apply_one_at_a_time(
+    served: Served, engine_checkpoint: Path, engine_checkpoint_other: Path
+) -> None:
+    """Weight updates sent at once apply one at a time (SGLang's scheduler and vLLM's engine core take them in
+    order; a vLLM reload is three calls, which the client keeps together): the last answered serves, under its
+    own version."""
+    client = served.client
+    request = _request(12, seed=11, ignore_eos=True)
+    [base] = await client.generate(request)
+    answered: list[tuple[Path, str]] = []
+
+    async def reload(path: Path, version: str) -> None:
+        await client.update_weights_from_disk(str(path), weight_version=version)
+        answered.append((path, version))
+
+    paths = [engine_checkpoint_other, engine_checkpoint, engine_checkpoint_other, engine_checkpoint]
+    try:
+        await asyncio.gather(*(reload(path, f"o{index}") for index, path in enumerate(paths)))
+        path, version = answered[-1]
+        info = await client.model_info()
+        assert info.weight_version == version and info.model_path == str(path)
+        [served_now] = await client.generate(request)
+        assert served_now.weight_version == version
+        # Which checkpoint serves: the base's logprobs are bit-exact, the other's differ (on vLLM with its
+        # launch output head kept, test_reload_changes_logprobs_and_the_original_restores_them).
+        assert (served_now.output_token_logprobs == base.output_token_logprobs) is (path == engine_checkpoint)
+    finally:
+        await client.update_weights_from_disk(str(engine_checkpoint), weight_version="default")
+
+
 # ----- health, info, refusals -----------------------------------------------------------------
 async def test_health_info_and_load(client: VLLMClient, engine_checkpoint: Path) -> None:
     assert await client.health() and await client.health_generate()

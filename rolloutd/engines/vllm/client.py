@@ -195,6 +195,10 @@ class VLLMClient(HttpEngineClient):
         self._all_logprobs_from: float = math.inf
         # The version the current weight-transfer session's rounds named: vLLM tags it at finish_weight_update.
         self._transfer_version: str | None = None
+        # A reload here is three calls (reload, version, cache reset): overlapping ones would interleave them
+        # and name one reload's weights by the other's version. SGLang's server and vLLM's engine core each
+        # take updates one at a time, in order; this client's reloads go one at a time, in the order called.
+        self._reloads = asyncio.Lock()
 
     #: How error messages name the replica.
     engine_label = "vLLM engine"
@@ -369,6 +373,11 @@ class VLLMClient(HttpEngineClient):
         """
         if load_format not in (None, "auto"):
             raise InvalidArgument(f"load_format {load_format!r}: a vLLM replica reloads weights in its launch format")
+        async with self._reloads:
+            return await self._reload(model_path, weight_version, abort_all_requests, flush_cache)
+
+    async def _reload(self, model_path: str, weight_version: str | None, abort_all_requests: bool,
+                      flush_cache: bool) -> WeightUpdateResult:
         if abort_all_requests:
             await self.abort(abort_all=True)
         body = {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
