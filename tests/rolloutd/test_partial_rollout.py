@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -206,6 +208,47 @@ async def test_a_replica_moved_away_hands_its_generations_on_or_drains_them(
     for output in outputs:  # nothing of the handed-on generation was lost, nor its budget reset
         assert len(output.token_ids) == LONG and output.finish_reason == "length"
         assert len(output.logprobs) == LONG and all(lp <= 0.0 for lp in output.logprobs)
+
+
+async def test_generations_survive_moves_hand_overs_and_versions_at_once(
+    three_engines: list[EngineReplica], engine_checkpoint: Path
+) -> None:
+    """Generations of two partial-rollout agents while the demand swings between them and versions are published.
+
+    Replicas move back and forth (handing their generations on), versions interrupt what runs, and
+    every sample still ends with its whole budget, a finite logprob per token and version spans in order.
+    """
+    rng = random.Random(5)
+    outputs: list[tuple[int, GenerationOutput]] = []
+    async with _two_agents(three_engines, engine_checkpoint, evicts=True) as (router, replicas):
+        versions = dict.fromkeys(MOVE_KEYS, 0)
+
+        async def generate(index: int, key: str, budget: int) -> None:
+            sampling = {"max_new_tokens": budget, "ignore_eos": True, "temperature": 1.0}
+            for output in await router.generate(key, [104, 105, index % 200], sampling, 1 + index % 2,
+                                                f"episode-{index}", seed=index):
+                outputs.append((budget, output))
+
+        generations = []
+        for turn in range(16):  # the demand turns every second; a version every other turn
+            router.set_demand_hints({MOVE_KEYS[turn % 2]: 10_000_000, MOVE_KEYS[1 - turn % 2]: 1})
+            if turn % 2:
+                published = rng.choice(MOVE_KEYS)
+                versions[published] += 1
+                router.publish(published, versions[published], f"v{versions[published]}")
+            for _ in range(5):  # long enough that a moved replica is still generating
+                generations.append(asyncio.ensure_future(
+                    generate(len(generations), rng.choice(MOVE_KEYS), rng.randrange(100, 600))))
+                await asyncio.sleep(0.2)
+        await asyncio.wait_for(asyncio.gather(*generations), 120)
+    moved = (sum(r.evictions for r in replicas), sum(r.interruptions for r in replicas))
+    assert moved[0] >= 1 and moved[1] >= 1, moved
+    for budget, output in outputs:
+        assert len(output.token_ids) == budget and output.finish_reason == "length"
+        assert len(output.logprobs) == budget and all(math.isfinite(lp) and lp <= 0.0 for lp in output.logprobs)
+        starts = [start for start, _ in output.version_spans]
+        assert starts == sorted(starts) and (not starts or starts[0] == 0)
+        assert [v for _, v in output.version_spans] == sorted(v for _, v in output.version_spans)
 
 
 def _spec(pipeline: dict[str, object], rollout: dict[str, object]) -> dict[str, object]:
